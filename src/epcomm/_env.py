@@ -1,0 +1,33 @@
+"""The few environment variables epcomm reads, all in one place (listed by ``epcomm env``)."""
+
+from __future__ import annotations
+
+import os
+
+VARIABLES = {
+    "EPCOMM_BACKEND": "force a backend: reference | nvlink (a forced backend that cannot run raises)",
+    "EPCOMM_TIMEOUT_S": "deadline in seconds for every wait on a peer (default 30 on CPU, 10 on GPU)",
+    "EPCOMM_LOG_LEVEL": "log level of the epcomm logger (e.g. INFO to see which backend runs and why)",
+}
+
+
+def backend() -> str | None:
+    v = os.environ.get("EPCOMM_BACKEND", "").strip().lower()
+    return v or None
+
+
+def timeout_s(default: float) -> float:
+    v = os.environ.get("EPCOMM_TIMEOUT_S")
+    if not v:
+        return default
+    try:
+        t = float(v)
+    except ValueError:
+        raise ValueError(f"EPCOMM_TIMEOUT_S must be a number of seconds, got {v!r}") from None
+    if t <= 0:
+        raise ValueError(f"EPCOMM_TIMEOUT_S must be positive, got {v!r}")
+    return t
+
+
+def log_level() -> str | None:
+    return os.environ.get("EPCOMM_LOG_LEVEL") or None

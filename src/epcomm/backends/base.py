@@ -1,0 +1,131 @@
+"""The interface every transport implements. ``Buffer`` validates, owns streams, and delegates here.
+
+Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``,
+``N`` received tokens, ``M`` low-latency max tokens per rank, ``G = H/128`` FP8 scale groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..layout import DispatchHandle, LowLatencyHandle
+
+
+class PeerTimeoutError(TimeoutError):
+    """A wait on a peer passed its deadline. ``rank`` is the peer (or -1 if unknown), ``phase`` the step."""
+
+    def __init__(self, me: int, phase: str, peer: int | None, timeout_s: float, detail: str = ""):
+        who = f"rank {peer}" if peer is not None and peer >= 0 else "a peer"
+        msg = (f"epcomm rank {me}: {phase} waited {timeout_s:g} s for {who} and gave up"
+               + (f" ({detail})" if detail else "")
+               + "; is every rank calling the same epcomm operation? (EPCOMM_TIMEOUT_S sets the deadline)")
+        super().__init__(msg)
+        self.rank = peer
+        self.phase = phase
+
+
+@dataclasses.dataclass
+class DispatchArgs:
+    """A validated high-throughput dispatch (non-cached)."""
+
+    x: torch.Tensor                      # bf16[T, H] or fp8[T, H]
+    x_scales: torch.Tensor | None        # f32[T, G] with FP8, else None
+    topk_idx: torch.Tensor | None        # int64[T, K]
+    topk_weights: torch.Tensor | None    # f32[T, K]
+    num_tokens_per_rank: torch.Tensor    # int32[R]
+    is_token_in_rank: torch.Tensor       # bool[T, R]
+    num_tokens_per_expert: torch.Tensor  # int32[E]
+    expert_alignment: int
+    num_worst_tokens: int
+    num_channels: int
+    num_sms: int
+
+
+class DispatchResult(NamedTuple):
+    recv_x: torch.Tensor
+    recv_x_scales: torch.Tensor | None
+    recv_topk_idx: torch.Tensor | None
+    recv_topk_weights: torch.Tensor | None
+    num_recv_tokens_per_expert_list: list
+    handle: DispatchHandle
+
+
+@dataclasses.dataclass
+class LowLatencyDispatchArgs:
+    x: torch.Tensor                      # bf16[T, H]
+    topk_idx: torch.Tensor               # int64[T, K]
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+    cumulative_local_expert_recv_stats: torch.Tensor | None
+    dispatch_wait_recv_cost_stats: torch.Tensor | None
+    active_ranks: torch.Tensor | None    # bool[R], False = masked (shrink); None = all active
+    parity: int                          # which of the two receive areas this call uses
+
+
+class LowLatencyDispatchResult(NamedTuple):
+    recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    recv_count: torch.Tensor
+    handle: LowLatencyHandle
+
+
+@dataclasses.dataclass
+class LowLatencyCombineArgs:
+    x: torch.Tensor                      # bf16[L, R*M, H]
+    topk_idx: torch.Tensor               # int64[T, K]
+    topk_weights: torch.Tensor           # f32[T, K]
+    handle: LowLatencyHandle
+    out: torch.Tensor | None             # bf16[T, H]
+    combine_wait_recv_cost_stats: torch.Tensor | None
+    active_ranks: torch.Tensor | None
+    parity: int
+
+
+class Backend:
+    """Transport interface. Every method runs on the current stream (``Buffer`` picks it).
+
+    Low-latency methods send and return ``(result, receive)``: the result's tensors are allocated
+    already, and calling ``receive()`` fills them (this split is what ``return_recv_hook`` exposes).
+    """
+
+    name = "abstract"
+
+    def __init__(self, group, rank: int, num_ranks: int, device: torch.device, timeout_s: float):
+        self.group = group
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.device = device
+        self.timeout_s = timeout_s
+
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        raise NotImplementedError
+
+    def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle):
+        """Returns ``(recv_x, recv_x_scales)`` laid out as the dispatch that made ``handle``."""
+        raise NotImplementedError
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
+                bias: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def low_latency_dispatch(
+        self, args: LowLatencyDispatchArgs
+    ) -> tuple[LowLatencyDispatchResult, Callable[[], None]]:
+        raise NotImplementedError
+
+    def low_latency_combine(self, args: LowLatencyCombineArgs) -> tuple[torch.Tensor, Callable[[], None]]:
+        raise NotImplementedError
+
+    def low_latency_zero_copy_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        raise NotImplementedError
+
+    def clean_low_latency_buffer(self) -> None:
+        """Reset the low-latency signal state (all ranks call it together)."""
+
+    def destroy(self) -> None:
+        """Release communication buffers."""

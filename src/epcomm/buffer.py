@@ -1,0 +1,470 @@
+"""``Buffer``: the DeepEP-compatible surface. It validates arguments, owns the communication stream,
+events and buffers, picks a backend and delegates; it contains no transport code.
+
+Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``,
+``N`` received tokens, ``M`` = ``num_max_dispatch_tokens_per_rank``.
+
+Low-latency buffers: two receive areas alternate call by call, so the results of at most two
+low-latency calls may be alive at once (a third call reuses the first one's area). The zero-copy
+combine buffer is a single region: write into it only after the previous combine returned.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import _env
+from . import _validate as V
+from . import layout
+from .backends import select_backend
+from .backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
+from .config import Config
+from .event import EventOverlap
+from .layout import DispatchHandle, LowLatencyHandle
+
+log = logging.getLogger(__name__)
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+class Buffer:
+    """Dispatch and combine MoE tokens across the ranks of ``group`` (see API.md)."""
+
+    num_sms: int = 20
+
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
+                 enable_shrink: bool = False, comm=None):
+        if group is None:
+            if comm is not None:
+                raise ValueError("comm (an MPI communicator) is not supported: pass a torch.distributed group")
+            raise ValueError("group must be a torch.distributed process group, got None")
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        self.num_nvl_bytes = V.int_arg("num_nvl_bytes", num_nvl_bytes, 0)
+        self.num_rdma_bytes = V.int_arg("num_rdma_bytes", num_rdma_bytes, 0)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = V.int_arg("num_qps_per_rank", num_qps_per_rank, 1)
+        self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
+        self.allow_mnnvl = bool(allow_mnnvl)
+        self.use_fabric = bool(use_fabric)
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.enable_shrink = bool(enable_shrink)
+
+        backend_name = str(dist.get_backend(group)).lower()
+        if "nccl" in backend_name and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        self.timeout_s = _env.timeout_s(10.0 if self.device.type == "cuda" else 30.0)
+        self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._backend, why = select_backend(self)
+        log.info("epcomm rank %d: backend %s (%s)", self.rank, self._backend.name, why)
+        self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
+        self._ll_calls = 0
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ static helpers
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True where the Triton kernels can target SM90 (a Hopper or newer GPU is visible)."""
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        V.int_arg("new_num_sms", new_num_sms, 2)
+        if new_num_sms % 2 != 0:
+            raise ValueError(f"new_num_sms must be even, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An ``EventOverlap`` recorded on the current stream (an empty one on CPU)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream())
+            return EventOverlap(ev)
+        return EventOverlap()
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Config.default_dispatch(num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config.default_combine(num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of ``num_rdma_bytes`` the low-latency mode needs (a multiple of 128)."""
+        V.int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        V.int_arg("hidden", hidden, 1)
+        V.int_arg("num_ranks", num_ranks, 1)
+        V.num_experts(num_experts, num_ranks)
+        return layout.low_latency_buffer_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                                num_experts).total
+
+    # ------------------------------------------------------------------ instance helpers
+
+    @property
+    def backend_name(self) -> str:
+        return self._backend.name
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this epcomm Buffer was destroyed")
+
+    def get_comm_stream(self):
+        """The communication stream (``None`` on CPU, where everything completes synchronously)."""
+        return self._comm_stream
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """A view of this rank's communication buffer as ``dtype`` (optionally shaped ``size``)."""
+        self._check_alive()
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        V.int_arg("offset", offset, 0)
+        raw = self._backend.rdma_buffer if use_rdma_buffer else self._backend.nvl_buffer
+        if offset > raw.numel():
+            raise ValueError(f"offset={offset} is past the end of the {raw.numel()}-byte buffer")
+        raw = raw[offset:]
+        esz = torch.empty((), dtype=dtype).element_size()
+        usable = raw[: raw.numel() // esz * esz].view(dtype)
+        if size is None:
+            return usable
+        numel = 1
+        for s in size:
+            numel *= int(s)
+        if numel > usable.numel():
+            raise ValueError(f"size={tuple(size)} needs {numel * esz} bytes but the buffer has {raw.numel()} "
+                             f"past offset={offset}")
+        return usable[:numel].view(size)
+
+    def destroy(self) -> None:
+        """Release the communication buffers (needed with ``explicitly_destroy=True``)."""
+        if self._destroyed:
+            return
+        if not self.explicitly_destroy:
+            raise RuntimeError("destroy() is for Buffers made with explicitly_destroy=True")
+        self._backend.destroy()
+        self._destroyed = True
+
+    # ------------------------------------------------------------------ streams and events
+
+    def _run(self, fn: Callable, inputs: list, previous_event: EventOverlap | None, async_finish: bool,
+             allocate_on_comm_stream: bool):
+        """Run ``fn`` on the communication stream after ``previous_event`` (or the current stream)."""
+        if allocate_on_comm_stream and (previous_event is None or not async_finish):
+            raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True")
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+        if self._comm_stream is None:
+            return fn(), EventOverlap()
+        compute = torch.cuda.current_stream()
+        if previous_event is not None and previous_event.event is not None:
+            self._comm_stream.wait_event(previous_event.event)
+        else:
+            self._comm_stream.wait_stream(compute)
+        with torch.cuda.stream(self._comm_stream):
+            result = fn()
+        outs = _tensors(result)
+        for t in outs:
+            if t.is_cuda:
+                t.record_stream(compute)
+        for t in _tensors(inputs):
+            if t.is_cuda:
+                t.record_stream(self._comm_stream)
+        if async_finish:
+            ev = torch.cuda.Event()
+            ev.record(self._comm_stream)
+            return result, EventOverlap(ev, tuple(outs) + tuple(_tensors(inputs)))
+        compute.wait_stream(self._comm_stream)
+        return result, EventOverlap()
+
+    # ------------------------------------------------------------------ high-throughput
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """``topk_idx int64[T, K]`` → ``(num_tokens_per_rank int32[R], None, num_tokens_per_expert
+        int32[E], is_token_in_rank bool[T, R], event)``. (No per-RDMA-rank counts on one node.)"""
+        self._check_alive()
+        V.num_experts(num_experts, self.group_size)
+        V.topk_idx(topk_idx, None, num_experts, self.device)
+
+        def fn():
+            return layout.dispatch_layout(topk_idx, num_experts, self.group_size)
+
+        (per_rank, per_expert, in_rank), ev = self._run(fn, [topk_idx], previous_event, async_finish,
+                                                         allocate_on_comm_stream)
+        return per_rank, None, per_expert, in_rank, ev
+
+    def _config(self, config, combine: bool) -> Config:
+        if config is None:
+            return (self.get_combine_config if combine else self.get_dispatch_config)(self.group_size)
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be an epcomm.Config, got {type(config).__name__}")
+        return config
+
+    def _check_nvl_bytes(self, config: Config, hidden_bytes: int) -> None:
+        need = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
+        if self.num_nvl_bytes and need > self.num_nvl_bytes:
+            raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small: this config needs {need} "
+                             f"(Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size}))")
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
+                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """High-throughput dispatch; see API.md. Returns ``(recv_x, recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, event)``."""
+        self._check_alive()
+        data, scales = V.dispatch_x(x, self.device)
+        t, h = data.shape
+        config = self._config(config, combine=False)
+        self._check_nvl_bytes(config, h * data.element_size())
+        r_ = self.group_size
+        if handle is not None:
+            handle = _as_dispatch_handle(handle)
+            if handle.is_token_in_rank.shape[0] != t:
+                raise ValueError(f"x has {t} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
+
+            def cached():
+                return self._backend.cached_dispatch(data, scales, handle)
+
+            (rx, rs), ev = self._run(cached, [data, scales], previous_event, async_finish, allocate_on_comm_stream)
+            return (rx if rs is None else (rx, rs)), None, None, None, None, ev
+
+        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+            raise ValueError("dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and "
+                             "num_tokens_per_expert (from get_dispatch_layout)")
+        if num_tokens_per_rdma_rank is not None:
+            V.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, torch.int32, 1, self.device)
+        V.tensor("num_tokens_per_rank", num_tokens_per_rank, torch.int32, 1, self.device)
+        V.shape("num_tokens_per_rank", num_tokens_per_rank, (r_,))
+        V.tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2, self.device)
+        V.shape("is_token_in_rank", is_token_in_rank, (t, r_))
+        V.tensor("num_tokens_per_expert", num_tokens_per_expert, torch.int32, 1, self.device)
+        e = num_tokens_per_expert.numel()
+        V.num_experts(e, r_)
+        if (topk_idx is None) != (topk_weights is None):
+            raise ValueError("topk_idx and topk_weights must be given together")
+        if topk_idx is not None:
+            V.topk_idx(topk_idx, t, e, self.device)
+            V.topk_weights(topk_weights, topk_idx, self.device)
+        V.int_arg("expert_alignment", expert_alignment, 1)
+        V.int_arg("num_worst_tokens", num_worst_tokens, 0)
+        args = DispatchArgs(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                            num_tokens_per_expert, expert_alignment, num_worst_tokens, config.num_channels,
+                            config.num_sms)
+        res, ev = self._run(lambda: self._backend.dispatch(args), [data, scales, topk_idx, topk_weights],
+                            previous_event, async_finish, allocate_on_comm_stream)
+        recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
+        return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list, res.handle, ev
+
+    def combine(self, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, bias=None,
+                config: Config | None = None, previous_event=None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """High-throughput combine; see API.md. Returns ``(combined_x bf16[T, H],
+        combined_topk_weights f32[T, K] or None, event)``."""
+        self._check_alive()
+        handle = _as_dispatch_handle(handle)
+        V.tensor("x", x, torch.bfloat16, 2, self.device)
+        n = handle.recv_src_idx.numel()
+        if x.shape[0] != n:
+            raise ValueError(f"x must have the {n} rows dispatch returned, got shape {tuple(x.shape)}")
+        V.hidden(x.shape[1], False)
+        t = handle.is_token_in_rank.shape[0]
+        config = self._config(config, combine=True)
+        self._check_nvl_bytes(config, x.shape[1] * x.element_size())
+        if topk_weights is not None:
+            V.tensor("topk_weights", topk_weights, torch.float32, 2, self.device)
+            if topk_weights.shape[0] != n:
+                raise ValueError(f"topk_weights must have {n} rows, got shape {tuple(topk_weights.shape)}")
+        biases = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
+        if len(biases) > 2:
+            raise ValueError(f"bias takes one or two tensors, got {len(biases)}")
+        for i, b in enumerate(biases):
+            V.tensor(f"bias[{i}]", b, torch.bfloat16, 2, self.device)
+            V.shape(f"bias[{i}]", b, (t, x.shape[1]))
+        (out, w), ev = self._run(lambda: self._backend.combine(x, handle, topk_weights, tuple(biases)),
+                                 [x, topk_weights, *biases], previous_event, async_finish, allocate_on_comm_stream)
+        return out, w, ev
+
+    # ------------------------------------------------------------------ low-latency
+
+    def _ll_check(self, m: int, h: int, e: int) -> None:
+        if not self.low_latency_mode:
+            raise ValueError("low-latency calls need a Buffer made with low_latency_mode=True")
+        need = self.get_low_latency_rdma_size_hint(m, h, self.group_size, e)
+        if self.num_rdma_bytes < need:
+            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for M={m}, H={h}, E={e}: "
+                             f"get_low_latency_rdma_size_hint gives {need}")
+
+    def _active_ranks(self) -> torch.Tensor | None:
+        return (self._mask == 0) if self.enable_shrink else None
+
+    def _ll_parity(self) -> int:
+        p = self._ll_calls % 2
+        self._ll_calls += 1
+        return p
+
+    def _ll_run(self, send: Callable, inputs: list, async_finish: bool, return_recv_hook: bool):
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook are mutually exclusive")
+        if return_recv_hook:
+            result, receive = send()
+            return result, EventOverlap(), receive
+
+        def both():
+            result, receive = send()
+            receive()
+            return result
+
+        if async_finish:
+            result, ev = self._run(both, inputs, None, True, False)
+        else:
+            result, ev = both(), EventOverlap()
+        return result, ev, None
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Low-latency dispatch; see API.md. Returns ``(recv_x, recv_count, handle, event, hook)``."""
+        self._check_alive()
+        m = V.int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        e = V.num_experts(num_experts, self.group_size)
+        V.tensor("x", x, torch.bfloat16, 2, self.device)
+        t, h = x.shape
+        if t > m:
+            raise ValueError(f"x has {t} tokens, more than num_max_dispatch_tokens_per_rank={m}")
+        V.hidden(h, bool(use_fp8))
+        V.topk_idx(topk_idx, t, e, self.device)
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True")
+        if round_scale and not use_fp8:
+            raise ValueError("round_scale=True needs use_fp8=True")
+        lx = e // self.group_size
+        if cumulative_local_expert_recv_stats is not None:
+            V.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32, 1,
+                     self.device)
+            V.shape("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, (lx,))
+        if dispatch_wait_recv_cost_stats is not None:
+            V.tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64, 1, self.device)
+            V.shape("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, (self.group_size,))
+        self._ll_check(m, h, e)
+        args = LowLatencyDispatchArgs(x, topk_idx, m, e, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
+                                      cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                      self._active_ranks(), self._ll_parity())
+        res, ev, hook = self._ll_run(lambda: self._backend.low_latency_dispatch(args), [x, topk_idx],
+                                     async_finish, return_recv_hook)
+        return res.recv_x, res.recv_count, res.handle, ev, hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+        """Low-latency combine; see API.md. Returns ``(combined_x bf16[T, H], event, hook)``.
+
+        ``use_logfmt`` is accepted for compatibility; the payload always travels as lossless BF16."""
+        self._check_alive()
+        handle = _as_low_latency_handle(handle)
+        m, h, e = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        self._ll_check(m, h, e)
+        lx = e // self.group_size
+        if zero_copy:
+            x = self._backend.low_latency_zero_copy_buffer(handle)
+        V.tensor("x", x, torch.bfloat16, 3, self.device)
+        V.shape("x", x, (lx, self.group_size * m, h))
+        V.topk_idx(topk_idx, None, e, self.device)
+        t = topk_idx.shape[0]
+        if t > m:
+            raise ValueError(f"topk_idx has {t} tokens, more than num_max_dispatch_tokens_per_rank={m}")
+        V.topk_weights(topk_weights, topk_idx, self.device)
+        if out is not None:
+            V.tensor("out", out, torch.bfloat16, 2, self.device)
+            V.shape("out", out, (t, h))
+        if combine_wait_recv_cost_stats is not None:
+            V.tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, 1, self.device)
+            V.shape("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, (self.group_size,))
+        args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
+                                     self._active_ranks(), self._ll_parity())
+        res, ev, hook = self._ll_run(lambda: self._backend.low_latency_combine(args), [x, topk_idx, topk_weights],
+                                     async_finish, return_recv_hook)
+        return res, ev, hook
+
+    def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
+        """``bf16[L, R*M, H]``: write expert outputs here, then call combine with ``zero_copy=True``."""
+        self._check_alive()
+        handle = _as_low_latency_handle(handle)
+        self._ll_check(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        return self._backend.low_latency_zero_copy_buffer(handle)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset the low-latency signal state; every rank calls it together."""
+        self._check_alive()
+        m = V.int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        h = V.int_arg("hidden", hidden, 1)
+        e = V.num_experts(num_experts, self.group_size)
+        self._ll_check(m, h, e)
+        self._backend.clean_low_latency_buffer()
+        self._ll_calls = 0
+
+    # ------------------------------------------------------------------ shrink (fault tolerance)
+
+    def _check_shrink(self) -> None:
+        if not self.enable_shrink:
+            raise ValueError("the mask API needs a Buffer made with enable_shrink=True")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or unmask ``rank_to_mask``: masked ranks are skipped by low-latency calls."""
+        self._check_shrink()
+        V.int_arg("rank_to_mask", rank_to_mask, 0)
+        if rank_to_mask >= self.group_size:
+            raise ValueError(f"rank_to_mask={rank_to_mask} is not a rank of this {self.group_size}-rank group")
+        self._mask[rank_to_mask] = 1 if mask else 0
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Copy the mask (``int32[R]``, 1 = masked) into ``mask_status``."""
+        self._check_shrink()
+        V.tensor("mask_status", mask_status, torch.int32, 1, self.device)
+        V.shape("mask_status", mask_status, (self.group_size,))
+        mask_status.copy_(self._mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        self._check_shrink()
+        self._mask.zero_()
+
+
+def _as_dispatch_handle(handle) -> DispatchHandle:
+    if isinstance(handle, DispatchHandle):
+        return handle
+    if isinstance(handle, (tuple, list)) and len(handle) == 6:
+        return DispatchHandle(*handle)
+    raise TypeError(f"handle must be the handle dispatch returned, got {type(handle).__name__}")
+
+
+def _as_low_latency_handle(handle) -> LowLatencyHandle:
+    if isinstance(handle, LowLatencyHandle):
+        return handle
+    if isinstance(handle, (tuple, list)) and len(handle) == 5:
+        return LowLatencyHandle(*handle)
+    raise TypeError(f"handle must be the handle low_latency_dispatch returned, got {type(handle).__name__}")

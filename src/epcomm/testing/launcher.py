@@ -1,0 +1,127 @@
+"""One process launcher for every distributed test, demo and benchmark.
+
+``parallel_launch(world_size, fn, *args)`` spawns ``world_size`` processes (spawn context), joins
+them through a ``file://`` rendezvous in a fresh temporary directory (no fixed port), calls
+``fn(ctx, *args)`` in each, and returns the list of per-rank return values. An exception in any rank
+is re-raised in the parent as ``RankError`` naming the rank, with the remote traceback; a rank that
+does not finish within ``timeout_s`` is killed and reported. The process group is destroyed in
+``finally``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class RankError(RuntimeError):
+    """A rank raised; ``rank`` and the remote traceback are in the message."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"rank {rank} failed:\n{message}")
+        self.rank = rank
+
+
+@dataclasses.dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    group: Any
+
+
+def _worker(rank, world_size, init_file, backend, pg_timeout_s, fn, args, results):
+    os.environ.update(SAFE_ENV)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            device = torch.device("cuda", torch.cuda.current_device())
+            kw = {"device_id": device}
+        else:
+            device = torch.device("cpu")
+            kw = {}
+        dist.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s), **kw,
+        )
+        try:
+            ctx = RankContext(rank, world_size, device, backend, dist.group.WORLD)
+            out = fn(ctx, *args)
+            results.put((rank, "ok", out))
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group must not hide the real error
+                pass
+    except BaseException:  # noqa: BLE001 - reported to the parent with the rank
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = None,
+                    timeout_s: float = 300.0, pg_timeout_s: float = 120.0) -> list:
+    """Run ``fn(ctx, *args)`` on ``world_size`` fresh processes; return their results by rank."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    os.environ.update(SAFE_ENV)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="epcomm-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, backend, pg_timeout_s, fn, args, results),
+                        daemon=False)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while len(out) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out and r not in errors]
+                # A process that died without reporting (segfault, os._exit) is an error too.
+                for r in dead:
+                    try:
+                        rank, status, value = results.get(timeout=2.0)
+                    except queue.Empty:
+                        errors[r] = f"process exited with code {procs[r].exitcode} without a result"
+                        continue
+                    (out if status == "ok" else errors)[rank] = value
+                continue
+            (out if status == "ok" else errors)[rank] = value
+            if errors:  # one rank failed: give the others a moment to report, then stop waiting
+                deadline = min(deadline, time.monotonic() + 10.0)
+        for p in procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if errors:
+            first = min(errors)
+            raise RankError(first, errors[first])
+        missing = [r for r in range(world_size) if r not in out]
+        if missing:
+            raise RankError(missing[0], f"ranks {missing} did not finish within {timeout_s:.0f} s")
+        return [out[r] for r in range(world_size)]
