@@ -273,7 +273,7 @@ class ReferenceBackend(Backend):
                 + ": it must be the same on every rank"
             )
         cnt = hdr[:, 1:].t().contiguous()  # [L, R]
-        if int(cnt.max(initial=0)) > m:
+        if cnt.numel() and int(cnt.max()) > m:
             raise ValueError(f"an expert of rank {me} got more than num_max_dispatch_tokens_per_rank={m} messages "
                              "from one rank: topk_idx must not repeat an expert within a token")
 
