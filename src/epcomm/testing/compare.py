@@ -27,7 +27,9 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str) -> N
                              f"{actual[first].item()} != {expected[first].item()}")
 
 
-_EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
+# Machine epsilon (``torch.finfo(dtype).eps``, the gap after 1.0): rounding to nearest errs by at most
+# ``eps / 2`` relative (bf16 keeps 8 significant bits, so eps = 2**-7).
+_EPS = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -23}
 
 
 def reduction_budget(terms_abs_sum: torch.Tensor, ref: torch.Tensor, out_dtype: torch.dtype,
