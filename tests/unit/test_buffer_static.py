@@ -116,6 +116,5 @@ def test_event_overlap_cpu():
 
 
 def test_event_overlap_does_not_swallow_exceptions():
-    with pytest.raises(KeyError, match="boom"):
-        with EventOverlap():
-            raise KeyError("boom")
+    with pytest.raises(KeyError, match="boom"), EventOverlap():
+        raise KeyError("boom")
