@@ -1,0 +1,140 @@
+"""Run the high-throughput kernels under TRITON_INTERPRET=1 on CPU with R simulated ranks in one
+process (peer buffers are plain CPU tensors), against the reference oracle. A development aid:
+``PYTHONPATH=<triton site> python scripts/sim_ht.py``."""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch  # noqa: E402
+from epcomm import layout  # noqa: E402
+from epcomm.backends import nvlink as nv  # noqa: E402
+from epcomm.kernels import ht  # noqa: E402
+from epcomm.testing.inputs import Case, make_topk, make_x, expected_dispatch  # noqa: E402
+from epcomm.testing.compare import assert_bitwise  # noqa: E402
+
+
+def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0):
+    case = Case(num_ranks=R, tokens=T, hidden=H, num_topk=K, num_experts=E, seed=1, hot_expert=1)
+    L = E // R
+    meta_src = nv._align((R + nv.L_MAX + nv.C_MAX) * 4, 16)
+    list_src = nv._align(nv.T_LIST_CAP * 4, 16)
+    meta_off = nv._align(nv.NUM_CTRS * R * 4)
+    list_off = nv._align(meta_off + 2 * R * meta_src)
+    ht_off = nv._align(list_off + 2 * R * list_src)
+    cap = 16
+    row_words = H // 2
+    g = 0
+    d_slot = 1 << 16
+    c_slot = 1 << 16
+    dx = ht_off
+    ds = dx + cap * row_words * 4
+    dk = ds + cap * g * 4
+    dw = dk + cap * K * 8
+    cx = ht_off + R * d_slot
+    cw = cx + cap * H * 2
+    total = cx + R * c_slot
+    symm = [torch.zeros(total, dtype=torch.uint8) for _ in range(R)]
+    table = torch.tensor([s.data_ptr() for s in symm], dtype=torch.int64)
+    st = []
+    for me in range(R):
+        topk, w = make_topk(case, me)
+        x = make_x(case, me)
+        per_rank, per_e, in_rank = layout.dispatch_layout(topk, E, R)
+        st.append(dict(topk=topk, w=w, x=x, per_rank=per_rank, per_e=per_e, in_rank=in_rank,
+                       nctr=torch.zeros(R, dtype=torch.int32), ctrs=torch.zeros(16, dtype=torch.int32),
+                       tickets=torch.zeros(8, dtype=torch.int32), err=torch.zeros(4, dtype=torch.int32),
+                       src_lists=torch.zeros(R, 64, dtype=torch.int32),
+                       shr=torch.empty(T[me], R, dtype=torch.int32), cpm=torch.empty(R, C, dtype=torch.int32),
+                       counts=torch.zeros(R, R, dtype=torch.int32), pe=torch.zeros(R, L, dtype=torch.int32),
+                       chan=torch.zeros(R, C, dtype=torch.int32)))
+    for phase in ("send", "recv"):
+        for me in range(R):
+            s = st[me]
+            ht._notify_kernel[(R,)](
+                s["in_rank"].view(torch.int8), T[me], R, me, s["per_rank"], s["per_e"], L, C,
+                max((T[me] + C - 1) // C, 1), table, 0, meta_off, R * meta_src, meta_src, list_off, R * list_src,
+                list_src, s["nctr"], s["shr"], s["cpm"], s["counts"], s["pe"], s["chan"], s["src_lists"],
+                s["src_lists"].stride(0), s["err"], 100, BLOCK=4, R_POW2=4, DO_SEND=phase == "send",
+                DO_RECV=phase == "recv", HAS_TIMER=False)
+            if phase == "recv":
+                s["nctr"] -= 0
+    # emulate the copy engine + signal
+    for me in range(R):
+        s = st[me]
+        xw = s["x"].view(torch.int32)
+        for j in range(R):
+            if j == me:
+                continue
+            def put(off, arr):
+                b = arr.numel() * arr.element_size()
+                symm[j][off + me * d_slot: off + me * d_slot + b] = arr.reshape(-1).view(torch.uint8)
+            put(dx, xw); put(dk, s["topk"]); put(dw, s["w"])
+        ht._ce_signal_kernel[(1,)](table, 0, ht.DDATA, R, me, s["ctrs"][nv.DSEND:])
+    outs = []
+    for me in range(R):
+        s = st[me]
+        assert s["err"][0] == 0, s["err"]
+        exp = expected_dispatch(case, me)
+        n = int(s["counts"][:, me].sum())
+        assert n == exp["recv_x"].shape[0]
+        rows = worst or n
+        out_src = torch.empty(rows, dtype=torch.int32)
+        out_x = torch.empty(rows, row_words, dtype=torch.int32)
+        out_k = torch.empty(rows, K, dtype=torch.int64)
+        out_w = torch.empty(rows, K, dtype=torch.float32)
+        stage_x = symm[me][dx:dx + R * d_slot].view(torch.int32)
+        stage_k = symm[me][dk:dk + R * d_slot].view(torch.int64)
+        stage_w = symm[me][dw:dw + R * d_slot].view(torch.float32)
+        ht._gather_kernel[(3,)](
+            s["x"].view(torch.int32), stage_w, s["topk"], s["w"], row_words, 0, K,
+            s["counts"], R, me, R, me * L, L, s["src_lists"], s["src_lists"].stride(0), rows,
+            stage_x, d_slot // 4, stage_w, d_slot // 4, stage_k, d_slot // 8, stage_w, d_slot // 4,
+            out_x, stage_w, 0, 1, out_k, out_w, out_src, table, 0, s["ctrs"][nv.DRECV:], s["tickets"][0:],
+            s["err"], 100, CACHED=False, IS_PREFIX=False, HAS_SCALES=False, HAS_TOPK=True, BLOCK=16, R_POW2=4,
+            K_POW2=4, G_POW2=1, HAS_TIMER=False)
+        assert s["err"][0] == 0, s["err"]
+        assert_bitwise(out_x.view(torch.bfloat16)[:n], exp["recv_x"], f"recv_x rank {me}")
+        assert_bitwise(out_k[:n], exp["recv_topk_idx"], "topk")
+        assert_bitwise(out_w[:n], exp["recv_topk_weights"], "w")
+        assert_bitwise(out_src[:n], exp["recv_src_idx"], "src")
+        if worst:
+            assert (out_k[n:] == -1).all() and (out_src[n:] == -1).all()
+        rpm = s["counts"].cumsum(0).to(torch.int32)
+        # check the handle pieces against the layout module
+        assert_bitwise(s["cpm"], layout.channel_prefix_matrix(s["in_rank"], C), "cpm")
+        sh = nv._send_head_from_rel(s["shr"], rpm, me)
+        assert_bitwise(sh, layout.send_head(s["in_rank"], rpm, me), "send_head")
+        outs.append(dict(x=out_x.view(torch.bfloat16)[:rows], w=out_w, rpm=rpm, sh=sh))
+    assert all(bool((s["counts"] == st[0]["counts"]).all()) for s in st)
+    # combine: expert outputs = received rows * 2; push then reduce
+    for me in range(R):
+        s, o = st[me], outs[me]
+        y = (o["x"].float() * 2).to(torch.bfloat16)
+        o["y"] = y
+        ht._combine_push_kernel[(2,)](y.view(torch.int32), o["w"], H // 2, K, R, me, o["rpm"], table, 0, cx, c_slot,
+                                      cw, c_slot, s["ctrs"][nv.CSEND:], s["tickets"][3:], s["err"], 100, HAS_W=True,
+                                      BLOCK=16, K_POW2=4, HAS_TIMER=False)
+    for me in range(R):
+        s, o = st[me], outs[me]
+        out = torch.empty(T[me], H, dtype=torch.bfloat16)
+        out_w = torch.empty(T[me], K, dtype=torch.float32)
+        bias = torch.randn(T[me], H).to(torch.bfloat16)
+        ht._reduce_kernel[(2,)](o["y"], H, T[me], R, me, o["sh"], o["rpm"], o["w"], K,
+                                symm[me][cx:cx + R * c_slot].view(torch.bfloat16), c_slot // 2,
+                                symm[me][cw:cw + R * c_slot].view(torch.float32), c_slot // 4,
+                                bias, bias, out, out_w, table, 0, s["ctrs"][nv.CRECV:], s["tickets"][1:], s["err"], 100,
+                                HAS_W=True, NUM_BIAS=1, BLOCK=16, R_POW2=4, K_POW2=4, HAS_TIMER=False)
+        assert s["err"][0] == 0, s["err"]
+        ref = torch.zeros(T[me], H)
+        for j in range(R):
+            ref[s["in_rank"][:, j]] += (s["x"][s["in_rank"][:, j]].float() * 2).to(torch.bfloat16).float()
+        ref = ref + bias.float()
+        # The interpreter converts float32 -> bf16 by truncation (the GPU rounds to nearest even):
+        trunc = (ref.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+        assert_bitwise(out, trunc, f"combine rank {me}")
+        assert_bitwise(out_w, s["w"], f"combine weights rank {me}")
+    print("ok", R, T)
+
+
+if __name__ == "__main__":
+    run()
+    run(R=2, T=(9, 4), worst=20)
+    run(R=1, T=(6,))

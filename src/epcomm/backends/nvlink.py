@@ -1,0 +1,470 @@
+"""The nvlink backend: one node, Triton kernels over torch symmetric memory (CUDA backend).
+
+Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``,
+``C`` channels, ``N`` received rows, ``M`` low-latency max tokens per rank.
+
+Symmetric buffer (one allocation per Buffer, made once at construction)::
+
+    [flags int32[16*R]][meta: 2 parities x R sources x (R + L_MAX + C_MAX + T_LIST_CAP) int32]
+    [high-throughput region: num_nvl_bytes = dispatch staging (R slots) | combine staging (R slots)]
+    [low-latency region: num_rdma_bytes, laid out by layout.low_latency_buffer_layout]
+
+High-throughput dispatch: the copy engine copies this rank's whole batch (rows, FP8 scales, top-k)
+into slot ``me`` of every peer's dispatch staging (zero SMs; it overlaps the notify step and the
+host synchronisation), then a one-program kernel raises the peers' data flags. ``notify`` exchanges
+counts and send lists through the peers' meta areas; the host reads the counts (the contract's one
+synchronisation; none with ``num_worst_tokens``); ``gather`` builds ``recv_x`` in (source rank,
+token) order from local x and the staging slots. Combine: each rank copies the block of rows it
+received from owner ``i`` into slot ``me`` of ``i``'s combine staging (copy engine when the block
+bounds are known on the host, else an SM push kernel), and ``reduce`` sums rank by rank in float32.
+Flow control: a sender waits until every receiver consumed the previous contents of its slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .. import layout
+from ..layout import DispatchHandle
+from .base import Backend, DispatchArgs, DispatchResult, PeerTimeoutError
+
+log = logging.getLogger(__name__)
+
+L_MAX = 1024
+C_MAX = 128
+T_LIST_CAP = 32768
+DEFAULT_NVL_BYTES = 256 << 20
+NUM_CTRS = 16
+# counter slots (local int32 device memory)
+DSEND, DRECV, CSEND, CRECV = 0, 1, 2, 3
+# ticket slots
+T_GATHER, T_REDUCE, T_DPUSH, T_CPUSH = 0, 1, 2, 3
+
+
+def _align(n: int, a: int = 256) -> int:
+    return (n + a - 1) // a * a
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < max(n, 1):
+        p *= 2
+    return p
+
+
+def availability(buf) -> tuple[bool, str]:
+    """Whether this Buffer's ranks can use the nvlink backend, and why (collective: all ranks call)."""
+    try:
+        import triton  # noqa: F401
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as e:
+        return False, f"needs triton and torch symmetric memory ({e}); pip install triton"
+    if torch.cuda.get_device_capability(buf.device)[0] < 8:
+        return False, "needs an SM80+ GPU"
+    host = torch.tensor([hash(socket.gethostname()) & 0x7FFFFFFF, buf.device.index], dtype=torch.int64,
+                        device=buf.device)
+    everyone = [torch.empty_like(host) for _ in range(buf.group_size)]
+    dist.all_gather(everyone, host, group=buf.group)
+    rows = torch.stack(everyone).cpu().tolist()
+    if len({r[0] for r in rows}) != 1:
+        return False, "ranks span several hosts"
+    devs = [r[1] for r in rows]
+    for d in devs:
+        if d != buf.device.index and not torch.cuda.can_device_access_peer(buf.device.index, d):
+            return False, f"GPU {buf.device.index} has no peer access to GPU {d}"
+    return True, f"all {buf.group_size} ranks on one host with peer access"
+
+
+class NVLinkBackend(Backend):
+    name = "nvlink"
+
+    @classmethod
+    def create(cls, buf) -> NVLinkBackend:
+        return cls(buf)
+
+    def __init__(self, buf):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        super().__init__(buf.group, buf.rank, buf.group_size, buf.device, buf.timeout_s)
+        self._buf = weakref.ref(buf)
+        r_ = self.num_ranks
+        self.nvl_bytes = _align(buf.num_nvl_bytes or DEFAULT_NVL_BYTES)
+        self.rdma_bytes = _align(buf.num_rdma_bytes)
+        self.flags_off = 0
+        self.meta_src_bytes = _align((r_ + L_MAX + C_MAX) * 4, 16)
+        self.list_src_bytes = _align(T_LIST_CAP * 4, 16)
+        self.meta_off = _align(NUM_CTRS * r_ * 4)
+        self.meta_parity_bytes = r_ * self.meta_src_bytes
+        self.list_off = _align(self.meta_off + 2 * self.meta_parity_bytes)
+        self.list_parity_bytes = r_ * self.list_src_bytes
+        self.ht_off = _align(self.list_off + 2 * self.list_parity_bytes)
+        self.ll_off = _align(self.ht_off + self.nvl_bytes)
+        total = _align(self.ll_off + self.rdma_bytes)
+        self.symm = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        self.symm.zero_()
+        self.hdl = symm_mem.rendezvous(self.symm, self.group.group_name)
+        self.ptr_table = torch.tensor(list(self.hdl.buffer_ptrs), dtype=torch.int64, device=self.device)
+        self.peers = [self.hdl.get_buffer(r, (total,), torch.uint8) if r != self.rank else self.symm
+                      for r in range(r_)]
+        self.nvl_buffer = self.symm[self.ht_off:self.ht_off + buf.num_nvl_bytes]
+        self.rdma_buffer = self.symm[self.ll_off:self.ll_off + buf.num_rdma_bytes]
+        self.ctrs = torch.zeros(NUM_CTRS, dtype=torch.int32, device=self.device)
+        self.nctr = torch.zeros(r_, dtype=torch.int32, device=self.device)
+        self.tickets = torch.zeros(8, dtype=torch.int32, device=self.device)
+        self.err = torch.zeros(4, dtype=torch.int32, device=self.device)
+        self.err_host = torch.zeros(4, dtype=torch.int32).pin_memory()
+        self.src_lists = torch.empty(r_, T_LIST_CAP, dtype=torch.int32, device=self.device)
+        self.notify_out = torch.zeros(r_ * r_ + r_ * L_MAX + r_ * C_MAX, dtype=torch.int32, device=self.device)
+        self.notify_host = torch.zeros(self.notify_out.numel() + 4, dtype=torch.int32).pin_memory()
+        self.ce_stream = torch.cuda.Stream(self.device)
+        self.transfer = os.environ.get("EPCOMM_HT_TRANSFER", "ce")  # "ce" (copy engine) or "sm"
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self._ll = None
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def num_sms(self) -> int:
+        buf = self._buf()
+        return buf.num_sms if buf is not None else 20
+
+    def _check_error(self, host: torch.Tensor | None = None) -> None:
+        """Raise if a kernel recorded an expired deadline (``host``: a fresh copy of the error word)."""
+        from ..kernels.common import PHASES
+
+        word = (host if host is not None else self.err_host).tolist()
+        if word[0] == 9:
+            raise RuntimeError(f"epcomm rank {self.rank}: num_worst_tokens={word[3]} but {word[2]} tokens arrived; "
+                               "raise num_worst_tokens (this Buffer is now unusable)")
+        if word[0]:
+            phase = PHASES.get(word[0], f"phase {word[0]}")
+            raise PeerTimeoutError(self.rank, phase, word[1], self.timeout_s,
+                                   f"flag {word[2]} < expected {word[3]}; this Buffer is now unusable")
+
+    def _post_error_copy(self) -> None:
+        self.err_host.copy_(self.err, non_blocking=True)
+
+    @property
+    def _timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
+
+    def _ht_layout(self, t_rows: int, row_bytes: int, g: int, k: int, h_comb: int) -> dict:
+        """Offsets (bytes from the start of the symmetric buffer) of the staging slots for this call."""
+        r_ = self.num_ranks
+        half = self.nvl_bytes // 2
+        d_slot = half // r_ // 256 * 256
+        c_slot = d_slot
+        d_tok = row_bytes + g * 4 + k * 12
+        c_tok = h_comb * 2 + k * 4
+        cap = min(T_LIST_CAP, d_slot // max(d_tok, 1), c_slot // max(c_tok, 1))
+        if t_rows > cap:
+            need = 2 * r_ * t_rows * max(d_tok, c_tok)
+            raise ValueError(f"num_nvl_bytes={self._buf().num_nvl_bytes} holds at most {cap} tokens per rank for "
+                             f"this shape; {t_rows} were given (about {need} bytes needed)")
+        d0 = self.ht_off
+        c0 = self.ht_off + half
+        return {
+            "cap": cap, "d_slot": d_slot, "c_slot": c_slot,
+            "dx": d0, "ds": d0 + cap * row_bytes, "dk": d0 + cap * (row_bytes + g * 4),
+            "dw": d0 + cap * (row_bytes + g * 4 + k * 8),
+            "cx": c0, "cw": c0 + cap * h_comb * 2,
+        }
+
+    def _slot_view(self, rank: int, off: int, slot_bytes: int, src: int, nbytes: int) -> torch.Tensor:
+        start = off + src * slot_bytes
+        return self.peers[rank][start:start + nbytes]
+
+    def _local(self, off: int, slot_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """All R slots of one staging array, as ``dtype`` (slot ``i`` at ``i * slot_bytes``)."""
+        return self.symm[off:off + self.num_ranks * slot_bytes].view(dtype)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _bulk_dispatch(self, x_words: torch.Tensor, scales, topk, w, lay: dict, is_in: torch.Tensor) -> None:
+        """Send this rank's batch into slot ``me`` of every peer's dispatch staging."""
+        from ..kernels import ht
+
+        r_, me = self.num_ranks, self.rank
+        if r_ == 1:
+            return
+        if self.transfer == "sm":
+            grid = (max(1, self.num_sms),)
+            ht._push_kernel[grid](x_words, x_words.shape[1], x_words.shape[0], r_, me, is_in.view(torch.int8),
+                                  self.ptr_table, self.flags_off, ht.DDATA, ht.DCONSUMED, lay["dx"],
+                                  lay["d_slot"], self.ctrs[DSEND:], self.tickets[T_DPUSH:], self.err, 2,
+                                  self._timeout_ns, BLOCK=1024, HAS_TIMER=True, ELEM=torch_to_tl(x_words.dtype),
+                                  num_warps=8)
+            for arr, key in ((scales, "ds"), (topk, "dk"), (w, "dw")):
+                if arr is not None:  # small side arrays: copy engine (ordered before the next kernel)
+                    for j in range(r_):
+                        if j != me:
+                            b = arr.numel() * arr.element_size()
+                            self._slot_view(j, lay[key], lay["d_slot"], me, b).copy_(arr.reshape(-1).view(torch.uint8))
+            return
+        cur = torch.cuda.current_stream()
+        self.ce_stream.wait_stream(cur)
+        with torch.cuda.stream(self.ce_stream):
+            ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.DCONSUMED, r_, me, self.ctrs[DSEND:],
+                                     self.err, 2, self._timeout_ns, HAS_TIMER=True)
+            arrays = [(x_words, "dx"), (scales, "ds"), (topk, "dk"), (w, "dw")]
+            for j in range(r_):
+                if j == me:
+                    continue
+                for arr, key in arrays:
+                    if arr is not None and arr.numel():
+                        b = arr.numel() * arr.element_size()
+                        self._slot_view(j, lay[key], lay["d_slot"], me, b).copy_(arr.reshape(-1).view(torch.uint8))
+            ht._ce_signal_kernel[(1,)](self.ptr_table, self.flags_off, ht.DDATA, r_, me, self.ctrs[DSEND:])
+        for arr, _ in arrays:
+            if arr is not None:
+                arr.record_stream(self.ce_stream)
+
+    def _join_ce(self) -> None:
+        if self.num_ranks > 1 and self.transfer != "sm":
+            torch.cuda.current_stream().wait_stream(self.ce_stream)
+
+    def _gather(self, x_words, scales, topk, w, lay, counts, is_prefix: bool, n_rows: int, lo_expert: int,
+                lx: int, out_src: torch.Tensor, cached: bool, g: int, k: int):
+        from ..kernels import ht
+
+        dev = self.device
+        out_x = torch.empty(n_rows, x_words.shape[1], dtype=x_words.dtype, device=dev)
+        out_s = out_k = out_w = None
+        if scales is not None:
+            out_s = torch.empty(n_rows, g, dtype=torch.float32, device=dev)
+        if topk is not None and not cached:
+            out_k = torch.empty(n_rows, k, dtype=torch.int64, device=dev)
+            out_w = torch.empty(n_rows, k, dtype=torch.float32, device=dev)
+        row = x_words.shape[1]
+        stage_x = self._local(lay["dx"], lay["d_slot"], x_words.dtype)
+        stage_s = self._local(lay["ds"], lay["d_slot"], torch.float32)
+        stage_k = self._local(lay["dk"], lay["d_slot"], torch.int64)
+        stage_w = self._local(lay["dw"], lay["d_slot"], torch.float32)
+        dummy_f = stage_s
+        grid = (max(1, min(self.num_sms, max(n_rows, 1))),)
+        ht._gather_kernel[grid](
+            x_words, scales if scales is not None else dummy_f, topk if topk is not None else stage_k,
+            w if w is not None else dummy_f, row, g, k,
+            counts, counts.stride(0), self.rank, self.num_ranks, lo_expert, lx,
+            self.src_lists, self.src_lists.stride(0), n_rows,
+            stage_x, lay["d_slot"] // x_words.element_size(), stage_s, lay["d_slot"] // 4, stage_k,
+            lay["d_slot"] // 8, stage_w, lay["d_slot"] // 4,
+            out_x, out_s if out_s is not None else dummy_f, g, 1,
+            out_k if out_k is not None else stage_k, out_w if out_w is not None else dummy_f, out_src,
+            self.ptr_table, self.flags_off, self.ctrs[DRECV:], self.tickets[T_GATHER:], self.err, self._timeout_ns,
+            CACHED=cached, IS_PREFIX=is_prefix, HAS_SCALES=scales is not None, HAS_TOPK=out_k is not None,
+            BLOCK=1024, R_POW2=_pow2(self.num_ranks), K_POW2=_pow2(k), G_POW2=_pow2(g), HAS_TIMER=True,
+            num_warps=8,
+        )
+        return out_x, out_s, out_k, out_w
+
+    def dispatch(self, a: DispatchArgs) -> DispatchResult:
+        from ..kernels import ht
+
+        self._check_error()
+        r_, me, dev = self.num_ranks, self.rank, self.device
+        t, h = a.x.shape
+        e = a.num_tokens_per_expert.numel()
+        lx = e // r_
+        c = a.num_channels
+        if lx > L_MAX or c > C_MAX:
+            raise ValueError(f"the nvlink backend supports up to {L_MAX} local experts and {C_MAX} channels, "
+                             f"got L={lx}, C={c}")
+        k = a.topk_idx.shape[1] if a.topk_idx is not None else 0
+        g = a.x_scales.shape[1] if a.x_scales is not None else 0
+        x_words = a.x.view(torch.uint8).view(torch.int32) if a.x.element_size() == 1 else a.x.view(torch.int32)
+        lay = self._ht_layout(t, x_words.shape[1] * 4, g, k, h)
+        scales = a.x_scales.contiguous() if a.x_scales is not None else None
+        topk = a.topk_idx.contiguous() if a.topk_idx is not None else None
+        w = a.topk_weights.contiguous() if a.topk_weights is not None else None
+        is_in = a.is_token_in_rank.contiguous()
+        self._bulk_dispatch(x_words, scales, topk, w, lay, is_in)
+
+        send_head_rel = torch.empty(t, r_, dtype=torch.int32, device=dev)
+        cpm = torch.empty(r_, c, dtype=torch.int32, device=dev)
+        no = self.notify_out
+        counts = no[:r_ * r_].view(r_, r_)
+        per_expert = no[r_ * r_:r_ * r_ + r_ * lx].view(r_, lx)
+        chan = no[r_ * r_ + r_ * L_MAX:r_ * r_ + r_ * L_MAX + r_ * c].view(r_, c)
+        per_chan = max((t + c - 1) // c, 1)
+        ht._notify_kernel[(r_,)](
+            is_in.view(torch.int8), t, r_, me, a.num_tokens_per_rank, a.num_tokens_per_expert, lx, c, per_chan,
+            self.ptr_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
+            self.list_off, self.list_parity_bytes, self.list_src_bytes,
+            self.nctr, send_head_rel, cpm, counts, per_expert, chan, self.src_lists, self.src_lists.stride(0),
+            self.err, self._timeout_ns,
+            BLOCK=256, R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=True, num_warps=4,
+        )
+        host_counts = None
+        if a.num_worst_tokens:
+            n_rows = a.num_worst_tokens
+            lst = []
+        else:
+            nh = self.notify_host
+            nh[:no.numel()].copy_(no, non_blocking=True)
+            nh[no.numel():].copy_(self.err, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            ev.synchronize()
+            self._check_error(nh[no.numel():])
+            host_counts = nh[:r_ * r_].view(r_, r_).to(torch.int64).clone()
+            n_rows = int(host_counts[:, me].sum())
+            pe = nh[r_ * r_:r_ * r_ + r_ * lx].view(r_, lx).to(torch.int64).sum(0)
+            lst = layout.align_up(pe, a.expert_alignment).tolist()
+        out_src = torch.empty(n_rows, dtype=torch.int32, device=dev)
+        out_x, out_s, out_k, out_w = self._gather(x_words, scales, topk, w, lay, counts, False, n_rows, me * lx, lx,
+                                                  out_src, False, g, k)
+        self._join_ce()
+        rpm = counts.cumsum(0).to(torch.int32)
+        recv_cp = layout.recv_channel_prefix_matrix(rpm, chan, me)
+        send_head = _send_head_from_rel(send_head_rel, rpm, me)
+        if a.num_worst_tokens:
+            self._flag_worst_overflow(rpm, a.num_worst_tokens)
+        self._post_error_copy()
+        recv_x = out_x.view(torch.uint8).view(a.x.dtype) if a.x.element_size() == 1 else out_x.view(a.x.dtype)
+        recv_x = recv_x.view(n_rows, h)
+        handle = DispatchHandle(rpm, cpm, recv_cp, out_src, a.is_token_in_rank, send_head)
+        if host_counts is not None:
+            # The combine's copy-engine path needs the block bounds on the host; keep them on the handle.
+            rpm._epcomm_host_prefix = host_counts.cumsum(0)
+        return DispatchResult(recv_x, out_s, out_k, out_w, lst, handle)
+
+    def _flag_worst_overflow(self, rpm: torch.Tensor, num_worst: int) -> None:
+        """Record (without a host sync) that more rows arrived than num_worst_tokens allows."""
+        n = rpm[-1, self.rank]
+        over = (n > num_worst).to(torch.int32)
+        # phase 9 in the error word; peer = -1 (this rank's own bound), observed = n, target = bound
+        word = torch.stack([over * 9, over * -1, n * over, over * num_worst]).to(torch.int32)
+        self.err.copy_(torch.where(self.err[0] != 0, self.err, word))
+
+    def cached_dispatch(self, x, x_scales, handle: DispatchHandle):
+        self._check_error()
+        t, h = x.shape
+        g = x_scales.shape[1] if x_scales is not None else 0
+        x_words = x.view(torch.uint8).view(torch.int32) if x.element_size() == 1 else x.view(torch.int32)
+        lay = self._ht_layout(t, x_words.shape[1] * 4, g, 0, h)
+        scales = x_scales.contiguous() if x_scales is not None else None
+        self._bulk_dispatch(x_words, scales, None, None, lay, handle.is_token_in_rank.contiguous())
+        n_rows = handle.recv_src_idx.numel()
+        out_x, out_s, _, _ = self._gather(x_words, scales, None, None, lay, handle.rank_prefix_matrix, True, n_rows,
+                                          0, 0, handle.recv_src_idx, True, g, 0)
+        self._join_ce()
+        self._post_error_copy()
+        recv_x = out_x.view(torch.uint8).view(x.dtype) if x.element_size() == 1 else out_x.view(x.dtype)
+        return recv_x.view(n_rows, h), out_s
+
+    # ------------------------------------------------------------------ combine
+
+    def combine(self, x, handle: DispatchHandle, topk_weights, bias):
+        from ..kernels import ht
+
+        self._check_error()
+        r_, me, dev = self.num_ranks, self.rank, self.device
+        t = handle.is_token_in_rank.shape[0]
+        h = x.shape[1]
+        k = topk_weights.shape[1] if topk_weights is not None else 0
+        lay = self._ht_layout(t, 0, 0, k, h)
+        rpm = handle.rank_prefix_matrix
+        x = x.contiguous()
+        w = topk_weights.contiguous() if topk_weights is not None else None
+        host_prefix = getattr(rpm, "_epcomm_host_prefix", None)
+        if r_ > 1:
+            if host_prefix is not None and self.transfer != "sm":
+                cur = torch.cuda.current_stream()
+                self.ce_stream.wait_stream(cur)
+                with torch.cuda.stream(self.ce_stream):
+                    ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.CCONSUMED, r_, me,
+                                             self.ctrs[CSEND:], self.err, 4, self._timeout_ns, HAS_TIMER=True)
+                    col = host_prefix[:, me].tolist()
+                    for i in range(r_):
+                        if i == me:
+                            continue
+                        start = col[i - 1] if i > 0 else 0
+                        rows = col[i] - start
+                        if rows:
+                            src = x[start:start + rows]
+                            self._slot_view(i, lay["cx"], lay["c_slot"], me, src.numel() * 2).copy_(
+                                src.reshape(-1).view(torch.uint8))
+                            if w is not None:
+                                ws = w[start:start + rows]
+                                self._slot_view(i, lay["cw"], lay["c_slot"], me, ws.numel() * 4).copy_(
+                                    ws.reshape(-1).view(torch.uint8))
+                    ht._ce_signal_kernel[(1,)](self.ptr_table, self.flags_off, ht.CDATA, r_, me, self.ctrs[CSEND:])
+                x.record_stream(self.ce_stream)
+                if w is not None:
+                    w.record_stream(self.ce_stream)
+            else:
+                xw = x.view(torch.int32)
+                ht._combine_push_kernel[(max(1, self.num_sms),)](
+                    xw, w if w is not None else xw.view(torch.float32), xw.shape[1], k, r_, me, rpm,
+                    self.ptr_table, self.flags_off, lay["cx"], lay["c_slot"], lay["cw"], lay["c_slot"],
+                    self.ctrs[CSEND:], self.tickets[T_CPUSH:], self.err, self._timeout_ns,
+                    HAS_W=w is not None, BLOCK=1024, K_POW2=_pow2(k), HAS_TIMER=True, num_warps=8,
+                )
+        out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+        out_w = torch.empty(t, k, dtype=torch.float32, device=dev) if w is not None else None
+        stage_x = self._local(lay["cx"], lay["c_slot"], torch.bfloat16)
+        stage_w = self._local(lay["cw"], lay["c_slot"], torch.float32)
+        b0 = bias[0] if len(bias) > 0 else out
+        b1 = bias[1] if len(bias) > 1 else out
+        grid = (max(1, min(self.num_sms, max(t, 1))),)
+        ht._reduce_kernel[grid](
+            x, h, t, r_, me, handle.send_head.contiguous(), rpm.contiguous(), w if w is not None else stage_w, k,
+            stage_x, lay["c_slot"] // 2, stage_w, lay["c_slot"] // 4,
+            b0.contiguous(), b1.contiguous(), out, out_w if out_w is not None else stage_w,
+            self.ptr_table, self.flags_off, self.ctrs[CRECV:], self.tickets[T_REDUCE:], self.err, self._timeout_ns,
+            HAS_W=w is not None, NUM_BIAS=len(bias), BLOCK=1024, R_POW2=_pow2(r_), K_POW2=_pow2(k),
+            HAS_TIMER=True, num_warps=8,
+        )
+        self._join_ce()
+        self._post_error_copy()
+        return out, out_w
+
+    # ------------------------------------------------------------------ low-latency
+
+    def _ll_impl(self):
+        if self._ll is None:
+            from .nvlink_ll import LowLatencyEngine
+
+            self._ll = LowLatencyEngine(self)
+        return self._ll
+
+    def low_latency_dispatch(self, args):
+        self._check_error()
+        return self._ll_impl().dispatch(args)
+
+    def low_latency_combine(self, args):
+        self._check_error()
+        return self._ll_impl().combine(args)
+
+    def low_latency_zero_copy_buffer(self, handle):
+        return self._ll_impl().zero_copy_buffer(handle)
+
+    def clean_low_latency_buffer(self) -> None:
+        self._ll_impl().clean()
+
+    def destroy(self) -> None:
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self.peers = self.nvl_buffer = self.rdma_buffer = None
+        self.symm = self.hdl = None
+
+
+def _send_head_from_rel(rel: torch.Tensor, rpm: torch.Tensor, me: int) -> torch.Tensor:
+    if me == 0:
+        return rel
+    offs = rpm[me - 1].to(torch.int32).unsqueeze(0)
+    return torch.where(rel >= 0, rel + offs, rel)
+
+
+def torch_to_tl(dtype: torch.dtype):
+    import triton.language as tl
+
+    return {torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}[dtype]

@@ -1,0 +1,1 @@
+"""Triton kernels and their launch helpers. Import only where Triton is installed (CUDA backends)."""

@@ -1,0 +1,87 @@
+"""Triton helpers shared by the kernels: clocks, deadline-bounded waits, peer pointers, error words.
+
+Ordering protocol (every flag in epcomm): the writer stores its data, runs a CTA barrier, then one
+``atomic_add(flag, 1, sem="release", scope="sys")``; the reader spins on
+``atomic_add(flag, 0, sem="acquire", scope="sys")`` until the counter reaches its target, then a CTA
+barrier, then reads the data. Release/acquire at system scope orders the data before the flag, so
+no flag is ever seen before its data. Counters only grow, so no flag needs resetting between calls.
+
+Error word (``int32[4]`` in local device memory): ``[code, peer, observed, target]``; ``code`` is
+``phase * 1`` (a phase number from :data:`PHASES`), set once by the first wait that expires. Every
+later wait sees it and returns at once, so a dead peer never hangs a kernel.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+PHASES = {
+    1: "dispatch/notify",
+    2: "dispatch/wait-for-receiver-to-free-staging",
+    3: "dispatch/receive-data",
+    4: "combine/wait-for-owner-to-free-staging",
+    5: "combine/receive-data",
+    6: "low_latency_dispatch/receive",
+    7: "low_latency_combine/receive",
+    8: "barrier",
+}
+
+
+@triton.jit
+def now_ns(HAS_TIMER: tl.constexpr):
+    """Global nanosecond timer (``%globaltimer``); 0 under the interpreter."""
+    if HAS_TIMER:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+    else:
+        t = tl.zeros((), dtype=tl.int64)
+    return t
+
+
+@triton.jit
+def peer_ptr(ptr_table, rank, offset_bytes, dtype: tl.constexpr):
+    """Typed pointer ``offset_bytes`` into rank ``rank``'s symmetric buffer (``ptr_table: int64[R]``)."""
+    base = tl.load(ptr_table + rank).to(tl.pointer_type(tl.uint8))
+    return (base + offset_bytes).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def signal(flag_ptr):
+    """Release: everything this program wrote before is visible before the counter moves."""
+    tl.debug_barrier()
+    tl.atomic_add(flag_ptr, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_ge(flag_ptr, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER: tl.constexpr):
+    """Spin until ``*flag_ptr >= target`` (acquire) or the deadline; returns True when reached.
+
+    On expiry records ``[phase, peer, observed, target]`` in the error word (first error wins).
+    Returns at once if an error was already recorded. Without a timer (interpreter), the deadline
+    counts spins instead of nanoseconds.
+    """
+    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    err = tl.load(err_ptr, volatile=True)
+    go = (v < target) & (err == 0)
+    t0 = now_ns(HAS_TIMER)
+    spins = tl.zeros((), dtype=tl.int64)
+    while go:
+        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        err = tl.load(err_ptr, volatile=True)
+        spins += 1
+        if HAS_TIMER:
+            elapsed = now_ns(HAS_TIMER) - t0
+        else:
+            elapsed = spins
+        go = (v < target) & (err == 0) & (elapsed < timeout_ns)
+    ok = v >= target
+    if not ok:
+        if err == 0:
+            old = tl.atomic_cas(err_ptr, 0, phase)
+            if old == 0:
+                tl.store(err_ptr + 1, peer)
+                tl.store(err_ptr + 2, v)
+                tl.store(err_ptr + 3, target)
+    tl.debug_barrier()
+    return ok

@@ -1,0 +1,340 @@
+"""High-throughput intranode kernels (Triton) over symmetric memory.
+
+Letters: ``T`` tokens, ``H`` hidden (elements of the row dtype), ``K`` top-k, ``E`` experts, ``R``
+ranks, ``L = E/R``, ``C`` channels, ``N`` received rows, ``P`` programs.
+
+Pieces (see backends/nvlink.py for the orchestration and the buffer layout):
+- ``notify``: program ``j`` compacts the tokens for rank ``j`` (send list, channel prefix, relative
+  send_head) and writes counts + list into rank ``j``'s buffer, raises a flag, then waits for rank
+  ``j``'s counts and copies them into local arrays.
+- ``ce_wait`` / ``ce_signal``: one-program kernels around the copy-engine bulk copies (wait for
+  the receivers to free their staging slots; raise the data flags after the copies).
+- ``push``: the SM alternative to the copy engine: rows of a source pushed into peers' slots.
+- ``gather``: receiver side of dispatch: rows from local x or the staging slots into ``recv_x``
+  in (source rank, token) order, top-k ids rewritten to local experts.
+- ``reduce``: owner side of combine: float32 sum, rank by rank, of the rows every rank returned.
+
+Example (R = 2, me = 0, T = 3, is_token_in_rank[:, 1] = [1, 0, 1]): notify program 1 writes the
+send list [0, 2] into rank 1's buffer and send_head_rel[:, 1] = [0, -1, 1].
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import peer_ptr, signal, wait_ge
+
+# Flag slots (int32 index = slot * R + peer) in every rank's flag area.
+NOTIFY, DDATA, DCONSUMED, CDATA, CCONSUMED = 0, 1, 2, 3, 4
+
+
+@triton.jit
+def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
+                   ptr_table, flags_off, meta_off, meta_parity_bytes, meta_src_bytes,
+                   list_off, list_parity_bytes, list_src_bytes,
+                   nctr_ptr, send_head_rel_ptr, cpm_ptr,
+                   counts_ptr, per_expert_ptr, chan_ptr, src_lists_ptr, src_lists_stride,
+                   err_ptr, timeout_ns,
+                   BLOCK: tl.constexpr, R_POW2: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr,
+                   HAS_TIMER: tl.constexpr):
+    j = tl.program_id(0)
+    n = tl.load(nctr_ptr + j)
+    parity = n % 2
+    if DO_SEND:
+        meta = peer_ptr(ptr_table, j, meta_off + parity * meta_parity_bytes + me * meta_src_bytes, tl.int32)
+        lst = peer_ptr(ptr_table, j, list_off + parity * list_parity_bytes + me * list_src_bytes, tl.int32)
+        rr = tl.arange(0, R_POW2)
+        tl.store(meta + rr, tl.load(ntpr_ptr + rr, mask=rr < R, other=0), mask=rr < R)
+        for l0 in range(0, L, BLOCK):
+            ll = l0 + tl.arange(0, BLOCK)
+            tl.store(meta + R + ll, tl.load(ntpe_ptr + j * L + ll, mask=ll < L, other=0), mask=ll < L)
+        running = tl.zeros((), dtype=tl.int32)
+        for c in range(0, C):
+            lo = c * per_chan
+            hi = tl.minimum(lo + per_chan, T)
+            for b in range(lo, hi, BLOCK):
+                offs = b + tl.arange(0, BLOCK)
+                m = offs < hi
+                f = tl.load(is_in_ptr + offs.to(tl.int64) * R + j, mask=m, other=0).to(tl.int32)
+                cs = tl.cumsum(f, 0)
+                pos = running + cs - f
+                tl.store(lst + pos, offs, mask=m & (f != 0))
+                tl.store(send_head_rel_ptr + offs.to(tl.int64) * R + j, tl.where(f != 0, pos, -1), mask=m)
+                running += tl.sum(f, 0)
+            tl.store(meta + R + L + c, running)
+            tl.store(cpm_ptr + j * C + c, running)
+        signal(peer_ptr(ptr_table, j, flags_off + (NOTIFY * R + me) * 4, tl.int32))
+    if DO_RECV:
+        flag = peer_ptr(ptr_table, me, flags_off + (NOTIFY * R + j) * 4, tl.int32)
+        wait_ge(flag, n + 1, err_ptr, 1, j, timeout_ns, HAS_TIMER)
+        meta_in = peer_ptr(ptr_table, me, meta_off + parity * meta_parity_bytes + j * meta_src_bytes, tl.int32)
+        lst_in = peer_ptr(ptr_table, me, list_off + parity * list_parity_bytes + j * list_src_bytes, tl.int32)
+        rr = tl.arange(0, R_POW2)
+        tl.store(counts_ptr + j * R + rr, tl.load(meta_in + rr, mask=rr < R, other=0), mask=rr < R)
+        for l0 in range(0, L, BLOCK):
+            ll = l0 + tl.arange(0, BLOCK)
+            tl.store(per_expert_ptr + j * L + ll, tl.load(meta_in + R + ll, mask=ll < L, other=0), mask=ll < L)
+        for c0 in range(0, C, BLOCK):
+            cc = c0 + tl.arange(0, BLOCK)
+            tl.store(chan_ptr + j * C + cc, tl.load(meta_in + R + L + cc, mask=cc < C, other=0), mask=cc < C)
+        cnt = tl.load(meta_in + me)
+        for b in range(0, cnt, BLOCK):
+            offs = b + tl.arange(0, BLOCK)
+            m = offs < cnt
+            tl.store(src_lists_ptr + j * src_lists_stride + offs, tl.load(lst_in + offs, mask=m, other=0), mask=m)
+        tl.store(nctr_ptr + j, n + 1)
+
+
+@triton.jit
+def _ce_wait_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr, err_ptr, phase, timeout_ns,
+                    HAS_TIMER: tl.constexpr):
+    """Before the copy engine overwrites peers' staging: wait until every peer consumed the last one."""
+    n = tl.load(ctr_ptr)
+    for j in range(0, R):
+        if j != me:
+            flag = peer_ptr(ptr_table, me, flags_off + (slot * R + j) * 4, tl.int32)
+            wait_ge(flag, n, err_ptr, phase, j, timeout_ns, HAS_TIMER)
+
+
+@triton.jit
+def _ce_signal_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr):
+    """After the copy engine finished (stream order): raise the data flag on every peer."""
+    for j in range(0, R):
+        if j != me:
+            signal(peer_ptr(ptr_table, j, flags_off + (slot * R + me) * 4, tl.int32))
+    tl.store(ctr_ptr, tl.load(ctr_ptr) + 1)
+
+
+@triton.jit
+def _i64(v):
+    """Widen a loop index (a tensor when compiled, a Python int under the interpreter) to int64."""
+    return v + tl.zeros((), dtype=tl.int64)
+
+
+@triton.jit
+def _copy_row(dst, src, n_elems, BLOCK: tl.constexpr):
+    for h0 in range(0, n_elems, BLOCK):
+        hh = h0 + tl.arange(0, BLOCK)
+        m = hh < n_elems
+        tl.store(dst + hh, tl.load(src + hh, mask=m), mask=m)
+
+
+@triton.jit
+def _push_kernel(x_ptr, row_elems, T, R, me, is_in_ptr, ptr_table, flags_off, slot, consumed_slot,
+                 stage_off, stage_src_bytes, ctr_ptr, ticket_ptr, err_ptr, phase, timeout_ns,
+                 BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr, ELEM: tl.constexpr):
+    """SM bulk mover: row ``t`` of ``x`` (``row_elems`` int8/int16/int32 words) to row ``t`` of my slot
+    in every peer ``j`` with ``is_in[t, j]``; the last program raises the peers' data flags."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n = tl.load(ctr_ptr)
+    for j in range(0, R):
+        if j != me:
+            flag = peer_ptr(ptr_table, me, flags_off + (consumed_slot * R + j) * 4, tl.int32)
+            wait_ge(flag, n, err_ptr, phase, j, timeout_ns, HAS_TIMER)
+    for j in range(0, R):
+        if j != me:
+            dst_base = peer_ptr(ptr_table, j, stage_off + me * stage_src_bytes, ELEM)
+            for t in range(pid, T, P):
+                f = tl.load(is_in_ptr + t.to(tl.int64) * R + j)
+                if f != 0:
+                    _copy_row(dst_base + _i64(t) * row_elems, x_ptr + _i64(t) * row_elems,
+                              row_elems, BLOCK)
+    tl.debug_barrier()
+    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
+    if old == P - 1:
+        tl.atomic_xchg(ticket_ptr, 0)
+        for j in range(0, R):
+            if j != me:
+                signal(peer_ptr(ptr_table, j, flags_off + (slot * R + me) * 4, tl.int32))
+        tl.store(ctr_ptr, n + 1)
+
+
+@triton.jit
+def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
+                   counts_ptr, counts_stride, me, R, lo_expert, L,
+                   src_lists_ptr, src_lists_stride, n_rows,
+                   stage_ptr, stage_src_elems, stage_s_ptr, stage_s_src, stage_k_ptr, stage_k_src,
+                   stage_w_ptr, stage_w_src,
+                   out_x, out_s, out_s_stride_row, out_s_stride_col, out_k, out_w, out_src,
+                   ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
+                   CACHED: tl.constexpr, IS_PREFIX: tl.constexpr, HAS_SCALES: tl.constexpr,
+                   HAS_TOPK: tl.constexpr, BLOCK: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr,
+                   G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Dispatch receive: row ``n`` of the outputs = token ``s`` of source rank ``i`` (rank-major order)."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n_ctr = tl.load(ctr_ptr)
+    rr = tl.arange(0, R_POW2)
+    col = tl.load(counts_ptr + rr * counts_stride + me, mask=rr < R, other=0)
+    if IS_PREFIX:
+        incl = col
+    else:
+        incl = tl.cumsum(col, 0)
+    total = tl.max(tl.where(rr < R, incl, 0), 0)
+    for i in range(0, R):
+        if i != me:
+            flag = peer_ptr(ptr_table, me, flags_off + (DDATA * R + i) * 4, tl.int32)
+            wait_ge(flag, n_ctr + 1, err_ptr, 3, i, timeout_ns, HAS_TIMER)
+    kk = tl.arange(0, K_POW2)
+    gg = tl.arange(0, G_POW2)
+    for n in range(pid, n_rows, P):
+        n64 = _i64(n)
+        if n < total:
+            i = tl.sum(tl.where((rr < R) & (incl <= n), 1, 0), 0)
+            if IS_PREFIX:
+                start = tl.sum(tl.where(rr == i - 1, incl, 0), 0)
+            else:
+                start = tl.sum(tl.where(rr < i, col, 0), 0)
+            if CACHED:
+                s = tl.load(out_src + n)
+            else:
+                s = tl.load(src_lists_ptr + i * src_lists_stride + (n - start))
+                tl.store(out_src + n, s)
+            s64 = s.to(tl.int64)
+            if i == me:
+                src_row = x_ptr + s64 * row_elems
+            else:
+                src_row = stage_ptr + i.to(tl.int64) * stage_src_elems + s64 * row_elems
+            _copy_row(out_x + n64 * row_elems, src_row, row_elems, BLOCK)
+            if HAS_SCALES:
+                if i == me:
+                    sv = tl.load(xs_ptr + s64 * G + gg, mask=gg < G)
+                else:
+                    sv = tl.load(stage_s_ptr + i.to(tl.int64) * stage_s_src + s64 * G + gg, mask=gg < G)
+                tl.store(out_s + n64 * out_s_stride_row + gg * out_s_stride_col, sv, mask=gg < G)
+            if HAS_TOPK:
+                if i == me:
+                    kv = tl.load(topk_ptr + s64 * K + kk, mask=kk < K, other=-1)
+                    wv = tl.load(w_ptr + s64 * K + kk, mask=kk < K, other=0.0)
+                else:
+                    kv = tl.load(stage_k_ptr + i.to(tl.int64) * stage_k_src + s64 * K + kk, mask=kk < K, other=-1)
+                    wv = tl.load(stage_w_ptr + i.to(tl.int64) * stage_w_src + s64 * K + kk, mask=kk < K,
+                                 other=0.0)
+                here = (kv >= lo_expert) & (kv < lo_expert + L)
+                tl.store(out_k + n64 * K + kk, tl.where(here, kv - lo_expert, -1), mask=kk < K)
+                tl.store(out_w + n64 * K + kk, tl.where(here, wv, 0.0), mask=kk < K)
+        else:
+            if not CACHED:
+                tl.store(out_src + n, -1)
+            if HAS_TOPK:
+                tl.store(out_k + n64 * K + kk, tl.full((K_POW2,), -1, tl.int64), mask=kk < K)
+                tl.store(out_w + n64 * K + kk, tl.zeros((K_POW2,), tl.float32), mask=kk < K)
+    tl.debug_barrier()
+    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
+    if old == P - 1:
+        tl.atomic_xchg(ticket_ptr, 0)
+        for i in range(0, R):
+            if i != me:
+                signal(peer_ptr(ptr_table, i, flags_off + (DCONSUMED * R + me) * 4, tl.int32))
+        tl.store(ctr_ptr, n_ctr + 1)
+
+
+@triton.jit
+def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K,
+                   stage_ptr, stage_src_elems, stage_w_ptr, stage_w_src,
+                   bias0_ptr, bias1_ptr, out_ptr, out_w_ptr,
+                   ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
+                   HAS_W: tl.constexpr, NUM_BIAS: tl.constexpr, BLOCK: tl.constexpr, R_POW2: tl.constexpr,
+                   K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Combine receive: ``out[t] = Σ_j row_j(t)`` (float32, ranks in order) ``+ bias``, as bf16.
+
+    ``row_j(t)`` is row ``send_head[t, j]`` of rank ``j``'s x: local x for ``j == me``, else row
+    ``send_head[t, j] - rpm[me-1, j]`` of staging slot ``j`` (rank ``j`` copied my block there).
+    """
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n_ctr = tl.load(ctr_ptr)
+    rr = tl.arange(0, R_POW2)
+    if me > 0:
+        base = tl.load(rpm_ptr + (me - 1) * R + rr, mask=rr < R, other=0)
+    else:
+        base = tl.zeros((R_POW2,), dtype=tl.int32)
+    for j in range(0, R):
+        if j != me:
+            flag = peer_ptr(ptr_table, me, flags_off + (CDATA * R + j) * 4, tl.int32)
+            wait_ge(flag, n_ctr + 1, err_ptr, 5, j, timeout_ns, HAS_TIMER)
+    kk = tl.arange(0, K_POW2)
+    for t in range(pid, T, P):
+        t64 = _i64(t)
+        heads = tl.load(send_head_ptr + t64 * R + rr, mask=rr < R, other=-1)
+        for h0 in range(0, H, BLOCK):
+            hh = h0 + tl.arange(0, BLOCK)
+            m = hh < H
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            for j in range(0, R):
+                row = tl.sum(tl.where(rr == j, heads, 0), 0)
+                if row >= 0:
+                    if j == me:
+                        v = tl.load(x_ptr + row.to(tl.int64) * H + hh, mask=m, other=0.0)
+                    else:
+                        rel = row - tl.sum(tl.where(rr == j, base, 0), 0)
+                        v = tl.load(stage_ptr + _i64(j) * stage_src_elems + rel.to(tl.int64) * H + hh, mask=m,
+                                    other=0.0)
+                    acc += v.to(tl.float32)
+            if NUM_BIAS >= 1:
+                acc += tl.load(bias0_ptr + t64 * H + hh, mask=m, other=0.0).to(tl.float32)
+            if NUM_BIAS >= 2:
+                acc += tl.load(bias1_ptr + t64 * H + hh, mask=m, other=0.0).to(tl.float32)
+            tl.store(out_ptr + t64 * H + hh, acc.to(tl.bfloat16), mask=m)
+        if HAS_W:
+            accw = tl.zeros((K_POW2,), dtype=tl.float32)
+            for j in range(0, R):
+                row = tl.sum(tl.where(rr == j, heads, 0), 0)
+                if row >= 0:
+                    if j == me:
+                        wv = tl.load(w_ptr + row.to(tl.int64) * K + kk, mask=kk < K, other=0.0)
+                    else:
+                        rel = row - tl.sum(tl.where(rr == j, base, 0), 0)
+                        wv = tl.load(stage_w_ptr + _i64(j) * stage_w_src + rel.to(tl.int64) * K + kk, mask=kk < K,
+                                     other=0.0)
+                    accw += wv
+            tl.store(out_w_ptr + t64 * K + kk, accw, mask=kk < K)
+    tl.debug_barrier()
+    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
+    if old == P - 1:
+        tl.atomic_xchg(ticket_ptr, 0)
+        for j in range(0, R):
+            if j != me:
+                signal(peer_ptr(ptr_table, j, flags_off + (CCONSUMED * R + me) * 4, tl.int32))
+        tl.store(ctr_ptr, n_ctr + 1)
+
+
+@triton.jit
+def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, flags_off,
+                         stage_off, stage_src_bytes, stage_w_off, stage_w_src_bytes,
+                         ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
+                         HAS_W: tl.constexpr, BLOCK: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """SM mover for combine: rows ``[rpm[i-1, me], rpm[i, me])`` of x go to row 0.. of my slot on
+    owner ``i``; the last program raises the owners' data flags."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n = tl.load(ctr_ptr)
+    for i in range(0, R):
+        if i != me:
+            flag = peer_ptr(ptr_table, me, flags_off + (CCONSUMED * R + i) * 4, tl.int32)
+            wait_ge(flag, n, err_ptr, 4, i, timeout_ns, HAS_TIMER)
+    kk = tl.arange(0, K_POW2)
+    for i in range(0, R):
+        if i != me:
+            end = tl.load(rpm_ptr + i * R + me)
+            start = tl.zeros((), dtype=tl.int32)
+            if i > 0:
+                start = tl.load(rpm_ptr + (i - 1) * R + me)
+            dst = peer_ptr(ptr_table, i, stage_off + me * stage_src_bytes, tl.int32)
+            dst_w = peer_ptr(ptr_table, i, stage_w_off + me * stage_w_src_bytes, tl.float32)
+            for r in range(pid, end - start, P):
+                r64 = _i64(r)
+                src = (start + r).to(tl.int64)
+                _copy_row(dst + r64 * row_elems, x_ptr + src * row_elems, row_elems, BLOCK)
+                if HAS_W:
+                    tl.store(dst_w + r64 * K + kk, tl.load(w_ptr + src * K + kk, mask=kk < K), mask=kk < K)
+    tl.debug_barrier()
+    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
+    if old == P - 1:
+        tl.atomic_xchg(ticket_ptr, 0)
+        for i in range(0, R):
+            if i != me:
+                signal(peer_ptr(ptr_table, i, flags_off + (CDATA * R + me) * 4, tl.int32))
+        tl.store(ctr_ptr, n + 1)
