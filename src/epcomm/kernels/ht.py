@@ -26,7 +26,11 @@ import triton.language as tl
 from .common import peer_ptr, signal, wait_ge
 
 # Flag slots (int32 index = slot * R + peer) in every rank's flag area.
-NOTIFY, DDATA, DCONSUMED, CDATA, CCONSUMED = 0, 1, 2, 3, 4
+NOTIFY = tl.constexpr(0)
+DDATA = tl.constexpr(1)
+DCONSUMED = tl.constexpr(2)
+CDATA = tl.constexpr(3)
+CCONSUMED = tl.constexpr(4)
 
 
 @triton.jit

@@ -1,0 +1,87 @@
+"""Compile every Triton kernel for sm_90 without a GPU (catches type and syntax errors before a
+device run): ``PYTHONPATH=<triton site> python scripts/compile_check.py``."""
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from epcomm.kernels import ht
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_one(fn, signature, constexprs, name):
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    try:
+        k = triton.compile(src, target=TARGET, options={"num_warps": 8})
+        print(f"ok   {name}: {k.metadata.shared} B smem, {getattr(k, 'n_regs', '?')} regs")
+        return True
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
+        return False
+
+
+def sig(fn, types, consts):
+    names = fn.arg_names
+    s = {}
+    for n in names:
+        if n in consts:
+            s[n] = "constexpr"
+        else:
+            s[n] = types.get(n, "i32")
+    c = {(names.index(k),): v for k, v in consts.items()}
+    return s, c
+
+
+def main():
+    ok = True
+    kernels = []
+    # pointer arguments by name pattern
+    def ptr_types(fn, overrides):
+        t = {}
+        for n in fn.arg_names:
+            if n.endswith("_ptr") or n in ("ptr_table", "out_x", "out_s", "out_k", "out_w", "out_src", "out_ptr"):
+                t[n] = "*i32"
+        t.update(overrides)
+        return t
+    kernels.append((ht._notify_kernel, ptr_types(ht._notify_kernel, {"is_in_ptr": "*i8", "ptr_table": "*i64",
+                     "flags_off": "i64", "meta_off": "i64", "list_off": "i64", "timeout_ns": "i64"}),
+                    dict(BLOCK=256, R_POW2=2, DO_SEND=True, DO_RECV=True, HAS_TIMER=True)))
+    kernels.append((ht._ce_wait_kernel, ptr_types(ht._ce_wait_kernel, {"ptr_table": "*i64", "flags_off": "i64",
+                     "timeout_ns": "i64"}), dict(HAS_TIMER=True)))
+    kernels.append((ht._ce_signal_kernel, ptr_types(ht._ce_signal_kernel, {"ptr_table": "*i64", "flags_off": "i64"}),
+                    {}))
+    g = ptr_types(ht._gather_kernel, {"xs_ptr": "*fp32", "topk_ptr": "*i64", "w_ptr": "*fp32", "stage_s_ptr": "*fp32",
+                  "stage_k_ptr": "*i64", "stage_w_ptr": "*fp32", "out_s": "*fp32", "out_k": "*i64",
+                  "out_w": "*fp32", "ptr_table": "*i64", "flags_off": "i64", "timeout_ns": "i64",
+                  "stage_src_elems": "i64", "stage_s_src": "i64", "stage_k_src": "i64", "stage_w_src": "i64"})
+    for cached in (False, True):
+        kernels.append((ht._gather_kernel, g, dict(CACHED=cached, IS_PREFIX=cached, HAS_SCALES=True, HAS_TOPK=not cached,
+                                                 BLOCK=1024, R_POW2=2, K_POW2=8, G_POW2=64, HAS_TIMER=True)))
+    kernels.append((ht._reduce_kernel, ptr_types(ht._reduce_kernel, {"x_ptr": "*bf16", "stage_ptr": "*bf16",
+                    "w_ptr": "*fp32", "stage_w_ptr": "*fp32", "bias0_ptr": "*bf16", "bias1_ptr": "*bf16",
+                    "out_ptr": "*bf16", "out_w_ptr": "*fp32", "ptr_table": "*i64", "flags_off": "i64",
+                    "timeout_ns": "i64", "stage_src_elems": "i64", "stage_w_src": "i64"}),
+                    dict(HAS_W=True, NUM_BIAS=2, BLOCK=1024, R_POW2=2, K_POW2=8, HAS_TIMER=True)))
+    kernels.append((ht._combine_push_kernel, ptr_types(ht._combine_push_kernel, {"w_ptr": "*fp32",
+                    "ptr_table": "*i64", "flags_off": "i64", "timeout_ns": "i64", "stage_off": "i64",
+                    "stage_w_off": "i64"}), dict(HAS_W=True, BLOCK=1024, K_POW2=8, HAS_TIMER=True)))
+    import triton.language as tl
+    kernels.append((ht._push_kernel, ptr_types(ht._push_kernel, {"ptr_table": "*i64", "is_in_ptr": "*i8",
+                    "flags_off": "i64", "timeout_ns": "i64", "stage_off": "i64"}),
+                    dict(BLOCK=1024, HAS_TIMER=True, ELEM=tl.int32)))
+    try:
+        from epcomm.kernels import ll
+        for fn, types, consts in ll.COMPILE_CHECKS:
+            kernels.append((fn, ptr_types(fn, types), consts))
+    except ImportError as e:
+        print("ll kernels not importable:", e)
+    for fn, types, consts in kernels:
+        s, c = sig(fn, types, consts)
+        ok &= compile_one(fn, s, c, fn.__name__ + str({k: v for k, v in consts.items() if k.isupper()}))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Tier-3 checks: a fast backend against the reference backend on the same NCCL group and inputs.
+
+Each ``check_*`` function runs inside a rank (launched by ``parallel_launch`` with NCCL) and raises
+``AssertionError`` with the case on the first mismatch; it returns a short summary dict.
+Dispatch is compared bitwise; combine within the budget of epcomm.testing.compare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+
+from .. import Buffer, quant
+from .compare import assert_bitwise, assert_within_budget
+from .inputs import Case, make_topk
+
+
+@contextlib.contextmanager
+def forced_backend(name: str):
+    old = os.environ.get("EPCOMM_BACKEND")
+    os.environ["EPCOMM_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("EPCOMM_BACKEND", None)
+        else:
+            os.environ["EPCOMM_BACKEND"] = old
+
+
+def make_buffers(group, fast: str = "nvlink", **kw) -> tuple[Buffer, Buffer]:
+    with forced_backend("reference"):
+        ref = Buffer(group, **kw)
+    with forced_backend(fast):
+        fast_buf = Buffer(group, **kw)
+    return ref, fast_buf
+
+
+def device_inputs(case: Case, rank: int, device, fp8: bool = False):
+    topk, w = make_topk(case, rank)
+    g = torch.Generator(device=device)
+    g.manual_seed(case.seed * 131 + rank)
+    x = torch.randn(case.tokens_of(rank), case.hidden, generator=g, device=device).to(torch.bfloat16)
+    xin = x
+    if fp8:
+        q, s = quant.per_token_cast_to_fp8(x)
+        xin = (q, s.t().contiguous().t())  # column-major scales, as DeepEP's tests pass them
+    return xin, x, topk.to(device), w.to(device)
+
+
+def _dispatch(buf: Buffer, xin, topk, w, e, **kw):
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, e)
+    return buf.dispatch(xin, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, **kw)
+
+
+def _rows(t):
+    return t[0] if isinstance(t, tuple) else t
+
+
+def _combine_check(out, ref_out, ref: Buffer, y: torch.Tensor, handle, what: str, bias=None):
+    """``out`` against the reference combine ``ref_out`` within the bf16 budget: both round a float32
+    sum of the same terms, so they may differ by one rounding of the output (``extra_rel = 2**-8``
+    of the sum of |terms|, which the reference combine of ``|y|`` gives)."""
+    abs_sum = ref.combine(y.abs(), handle)[0].double()
+    for b in bias or ():
+        abs_sum = abs_sum + b.double().abs()
+    assert_within_budget(out, ref_out.double(), abs_sum, ref.group_size + 2, what, extra_rel=2.0 ** -8)
+
+
+def check_ht_case(ref: Buffer, fast: Buffer, case: Case, rank: int, fp8: bool, worst: int = 0,
+                  with_bias: bool = False) -> dict:
+    dev = fast.device
+    xin, x, topk, w = device_inputs(case, rank, dev, fp8)
+    e = case.num_experts
+    rr = _dispatch(ref, xin, topk, w, e, num_worst_tokens=worst)
+    fr = _dispatch(fast, xin, topk, w, e, num_worst_tokens=worst)
+    n = int(rr[4].rank_prefix_matrix[-1, rank])
+    tag = f"{case} fp8={fp8} worst={worst} rank={rank}"
+    assert_bitwise(_rows(fr[0])[:n], _rows(rr[0])[:n], f"recv_x {tag}")
+    if fp8:
+        assert_bitwise(fr[0][1][:n], rr[0][1][:n], f"recv scales {tag}")
+    assert_bitwise(fr[1][:n], rr[1][:n], f"recv_topk_idx {tag}")
+    assert_bitwise(fr[2][:n], rr[2][:n], f"recv_topk_weights {tag}")
+    if worst:
+        assert bool((fr[1][n:] == -1).all()), f"padding rows of recv_topk_idx must be -1 ({tag})"
+    assert fr[3] == rr[3], f"num_recv_tokens_per_expert_list {fr[3]} != {rr[3]} ({tag})"
+    for name in ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "send_head"):
+        assert_bitwise(getattr(fr[4], name), getattr(rr[4], name), f"handle.{name} {tag}")
+    assert_bitwise(fr[4].recv_src_idx[:n], rr[4].recv_src_idx[:n], f"handle.recv_src_idx {tag}")
+    # combine: expert outputs = received rows scaled by a per-row factor that depends on the row
+    y = _rows(rr[0]) if not fp8 else quant.per_token_cast_back(rr[0][0], rr[0][1])
+    scale = (1.0 + torch.arange(y.shape[0], device=dev, dtype=torch.float32) % 7 / 8).unsqueeze(1)
+    y = (y.float() * scale).to(torch.bfloat16)
+    bias = None
+    if with_bias:
+        gb = torch.Generator(device=dev)
+        gb.manual_seed(rank + 77)
+        bias = (torch.randn(x.shape, generator=gb, device=dev).to(torch.bfloat16),
+                torch.randn(x.shape, generator=gb, device=dev).to(torch.bfloat16))
+    ro, rw, _ = ref.combine(y, rr[4], topk_weights=rr[2], bias=bias)
+    fo, fw, _ = fast.combine(y, fr[4], topk_weights=fr[2], bias=bias)
+    _combine_check(fo, ro, ref, y, rr[4], f"combine {tag}", bias)
+    assert_within_budget(fw, rw.double(), rw.double().abs(), case.num_ranks, f"combined weights {tag}")
+    bitwise = bool(torch.equal(fo.view(torch.int16), ro.view(torch.int16)))
+    # cached dispatch
+    cr = ref.dispatch(xin, handle=rr[4])
+    cf = fast.dispatch(xin, handle=fr[4])
+    assert cf[1] is None and cf[4] is None
+    assert_bitwise(_rows(cf[0])[:n], _rows(cr[0])[:n], f"cached recv_x {tag}")
+    return {"n": n, "combine_bitwise": bitwise}
+
+
+def check_ht_async(ref: Buffer, fast: Buffer, case: Case, rank: int) -> None:
+    """previous_event / async_finish / allocate_on_comm_stream give the same results."""
+    dev = fast.device
+    xin, x, topk, w = device_inputs(case, rank, dev)
+    e = case.num_experts
+    prev = Buffer.capture()
+    per_rank, _, per_expert, in_rank, ev = fast.get_dispatch_layout(topk, e, previous_event=prev, async_finish=True,
+                                                                     allocate_on_comm_stream=True)
+    ev.current_stream_wait()
+    prev = Buffer.capture()
+    out = fast.dispatch(xin, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=topk, topk_weights=w, previous_event=prev, async_finish=True,
+                        allocate_on_comm_stream=True)
+    out[5].current_stream_wait()
+    rr = _dispatch(ref, xin, topk, w, e)
+    assert_bitwise(out[0], rr[0], f"async recv_x {case}")
+    with fast.combine(out[0], out[4], async_finish=True)[2] as _:
+        pass
+    fo, _, ev = fast.combine(out[0], out[4], async_finish=True, previous_event=Buffer.capture())
+    ev.current_stream_wait()
+    ro, _, _ = ref.combine(rr[0], rr[4])
+    _combine_check(fo, ro, ref, rr[0], rr[4], f"async combine {case}")
+
+
+def check_ht_graph(ref: Buffer, fast: Buffer, case: Case, rank: int, worst: int, replays: int = 20) -> None:
+    """Capture dispatch + combine with num_worst_tokens in a CUDA graph; replay on changing inputs."""
+    dev = fast.device
+    e = case.num_experts
+    xin, x, topk, w = device_inputs(case, rank, dev)
+    sx, stopk, sw = x.clone(), topk.clone(), w.clone()
+    per_rank, _, per_expert, in_rank, _ = fast.get_dispatch_layout(stopk, e)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # warm up (compiles kernels) outside the capture
+            o = fast.dispatch(sx, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                              num_tokens_per_expert=per_expert, topk_idx=stopk, topk_weights=sw,
+                              num_worst_tokens=worst)
+            fast.combine(o[0], o[4], topk_weights=o[2])
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        p_rank, _, p_exp, p_in, _ = fast.get_dispatch_layout(stopk, e)
+        o = fast.dispatch(sx, num_tokens_per_rank=p_rank, is_token_in_rank=p_in, num_tokens_per_expert=p_exp,
+                          topk_idx=stopk, topk_weights=sw, num_worst_tokens=worst)
+        comb, _, _ = fast.combine(o[0], o[4], topk_weights=o[2])
+    for it in range(replays):
+        c2 = Case(**{**case.__dict__, "seed": case.seed + 1000 + it})
+        _, x2, t2, w2 = device_inputs(c2, rank, dev)
+        sx.copy_(x2)
+        stopk.copy_(t2)
+        sw.copy_(w2)
+        torch.distributed.barrier()
+        g.replay()
+        torch.cuda.synchronize()
+        rr = _dispatch(ref, x2, t2, w2, e)
+        n = rr[0].shape[0]
+        assert_bitwise(o[0][:n], rr[0], f"graph replay {it} recv_x {c2}")
+        assert bool((o[1][n:] == -1).all())
+        ro, _, _ = ref.combine(rr[0], rr[4])
+        _combine_check(comb, ro, ref, rr[0], rr[4], f"graph replay {it} combine {c2}")
+
+
+def check_ht_stress(fast: Buffer, ref: Buffer, rank: int, num_ranks: int, iters: int, seed: int = 5) -> float:
+    """``iters`` dispatch + combine pairs with changing routings and sizes; every 50th checked fully."""
+    dev = fast.device
+    t0 = time.perf_counter()
+    for it in range(iters):
+        tokens = tuple(int(v) for v in torch.randint(0, 300, (num_ranks,), generator=torch.Generator().manual_seed(it)))
+        case = Case(num_ranks=num_ranks, tokens=tokens, hidden=256 + 128 * (it % 3), num_topk=1 + it % 8,
+                    num_experts=8 * num_ranks, seed=seed + it, hot_expert=it % 5 if it % 2 else None)
+        xin, x, topk, w = device_inputs(case, rank, dev)
+        fr = _dispatch(fast, xin, topk, w, case.num_experts)
+        fo, _, _ = fast.combine(fr[0], fr[4])
+        if it % 50 == 0 or it == iters - 1:
+            rr = _dispatch(ref, xin, topk, w, case.num_experts)
+            assert_bitwise(fr[0], rr[0], f"stress {it} recv_x {case}")
+            ro, _, _ = ref.combine(rr[0], rr[4])
+            _combine_check(fo, ro, ref, rr[0], rr[4], f"stress {it} combine {case}")
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
