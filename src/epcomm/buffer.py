@@ -172,7 +172,8 @@ class Buffer:
              allocate_on_comm_stream: bool):
         """Run ``fn`` on the communication stream after ``previous_event`` (or the current stream)."""
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
-            raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True")
+            raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True, got "
+                             f"previous_event={previous_event!r}, async_finish={async_finish}")
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
         if self._comm_stream is None:
@@ -300,6 +301,7 @@ class Buffer:
         biases = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
         if len(biases) > 2:
             raise ValueError(f"bias takes one or two tensors, got {len(biases)}")
+        biases = tuple(b for b in biases if b is not None)  # DeepEP accepts (bias_0, None)
         for i, b in enumerate(biases):
             V.tensor(f"bias[{i}]", b, torch.bfloat16, 2, self.device)
             V.shape(f"bias[{i}]", b, (t, x.shape[1]))
@@ -327,7 +329,7 @@ class Buffer:
 
     def _ll_run(self, send: Callable, inputs: list, async_finish: bool, return_recv_hook: bool):
         if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook are mutually exclusive")
+            raise ValueError("async_finish=True and return_recv_hook=True are mutually exclusive")
         if return_recv_hook:
             result, receive = send()
             return result, EventOverlap(), receive
@@ -359,9 +361,10 @@ class Buffer:
         V.hidden(h, bool(use_fp8))
         V.topk_idx(topk_idx, t, e, self.device)
         if use_ue8m0 and not (use_fp8 and round_scale):
-            raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True")
+            raise ValueError(f"use_ue8m0=True needs use_fp8=True and round_scale=True, got use_fp8={use_fp8}, "
+                             f"round_scale={round_scale}")
         if round_scale and not use_fp8:
-            raise ValueError("round_scale=True needs use_fp8=True")
+            raise ValueError(f"round_scale=True needs use_fp8=True, got use_fp8={use_fp8}")
         lx = e // self.group_size
         if cumulative_local_expert_recv_stats is not None:
             V.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32, 1,

@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import weakref
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ def availability(buf) -> tuple[bool, str]:
         return False, f"needs triton and torch symmetric memory ({e}); pip install triton"
     if torch.cuda.get_device_capability(buf.device)[0] < 8:
         return False, "needs an SM80+ GPU"
-    host = torch.tensor([hash(socket.gethostname()) & 0x7FFFFFFF, buf.device.index], dtype=torch.int64,
+    host = torch.tensor([zlib.crc32(socket.gethostname().encode()), buf.device.index], dtype=torch.int64,
                         device=buf.device)
     everyone = [torch.empty_like(host) for _ in range(buf.group_size)]
     dist.all_gather(everyone, host, group=buf.group)

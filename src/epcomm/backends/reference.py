@@ -40,6 +40,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``[T, ...]`` → ``uint8[T, row_bytes]`` (a copy only if ``t`` is not contiguous)."""
     rows = t.shape[0]
     cols = math.prod(t.shape[1:]) if t.dim() > 1 else 1
+    if t.numel() == 0:  # an empty tensor counts as contiguous with any strides, which view() may reject
+        return torch.empty(rows, cols * t.element_size(), dtype=torch.uint8, device=t.device)
     return t.contiguous().reshape(rows, cols).view(torch.uint8)
 
 
@@ -53,7 +55,10 @@ def _unpack(buf: torch.Tensor, specs: list[tuple[torch.dtype, tuple[int, ...]]])
     rows = buf.shape[0]
     for dtype, shape in specs:
         width = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        part = buf[:, col:col + width].contiguous().view(dtype).reshape(rows, *shape)
+        if rows == 0 or width == 0:  # an empty slice keeps its strides, which view(dtype) may reject
+            part = torch.empty((0, *shape), dtype=dtype, device=buf.device)
+        else:
+            part = buf[:, col:col + width].contiguous().view(dtype).reshape(rows, *shape)
         out.append(part)
         col += width
     return out
@@ -154,8 +159,14 @@ class ReferenceBackend(Backend):
         per_expert = layout.align_up(g[:, me, 1 + c:].sum(0), a.expert_alignment)
         send_counts, recv_counts = counts[me].tolist(), counts[:, me].tolist()
         n = sum(recv_counts)
-        if a.num_worst_tokens and n > a.num_worst_tokens:
-            raise ValueError(f"num_worst_tokens={a.num_worst_tokens} is smaller than the {n} tokens rank {me} receives")
+        if a.num_worst_tokens:
+            # Every rank knows every rank's receive count here, so all raise together (no rank is left
+            # waiting in the payload exchange for one that gave up).
+            recv_per_rank = counts.sum(0).tolist()
+            over = [j for j in range(r_) if recv_per_rank[j] > a.num_worst_tokens]
+            if over:
+                raise ValueError(f"num_worst_tokens={a.num_worst_tokens} is smaller than the "
+                                 f"{recv_per_rank[over[0]]} tokens rank {over[0]} receives")
 
         parts = [a.x] + ([a.x_scales] if a.x_scales is not None else [])
         if a.topk_idx is not None:
