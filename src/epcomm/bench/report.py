@@ -1,0 +1,251 @@
+"""Benchmark reports: the environment record, merging per-rank results into rows, JSONL, the table.
+
+A row (one JSON object per line) holds::
+
+    case mode tokens hidden topk experts world_size backend op dtype phase cached
+    median_us p10_us p90_us host_us iters warmup timing
+    logical_bytes link_bytes logical_gbps link_gbps sms
+    ref_median_us speedup ce_gbps link_fraction check env{...}
+
+Across ranks: every rank times itself; a row reports the **largest** per-rank median (and the
+largest p10/p90, host time), the bytes of the busiest rank, and the **smallest** per-rank GB/s
+(each rank's bytes over its own median). ``speedup`` = reference median / this median, both from
+the same run; ``link_fraction`` = link GB/s / the copy-engine ceiling ``ce_gbps``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+from . import accounting
+
+ROW_FIELDS = (
+    "case", "mode", "tokens", "hidden", "topk", "experts", "world_size", "backend", "op", "dtype", "phase",
+    "cached", "median_us", "p10_us", "p90_us", "host_us", "iters", "warmup", "timing", "logical_bytes",
+    "link_bytes", "logical_gbps", "link_gbps", "sms", "ref_median_us", "speedup", "ce_gbps", "link_fraction",
+    "check", "env",
+)
+ENV_FIELDS = ("date", "device", "gpu_count", "driver", "cuda", "nccl", "torch", "triton", "epcomm", "git_sha",
+              "git_dirty", "python", "world_size", "transport", "backends")
+
+
+def _run(cmd: list[str], cwd: str | None = None, timeout: float = 10.0) -> str | None:
+    try:
+        p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
+def git_info() -> tuple[str, bool | None]:
+    """``(sha, dirty)`` of the checkout epcomm is imported from, or ``("unknown", None)``."""
+    here = str(Path(__file__).resolve().parent)
+    sha = _run(["git", "rev-parse", "HEAD"], cwd=here)
+    if not sha:
+        return "unknown", None
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here)
+    return sha, (bool(status) if status is not None else None)
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver version from ``nvidia-smi`` (None without the binary)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return out.splitlines()[0].strip() if out else None
+
+
+def environment(device_info: dict, world_size: int, transport: str, backends: list[str]) -> dict:
+    """What every row carries: device, versions, git sha, date, world size, transport, backends."""
+    import torch
+
+    from .. import __version__
+
+    sha, dirty = git_info()
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_info.get("device", "cpu"),
+        "gpu_count": device_info.get("gpu_count", 0),
+        "driver": driver_version() if device_info.get("gpu_count") else None,
+        "cuda": device_info.get("cuda"),
+        "nccl": device_info.get("nccl"),
+        "torch": torch.__version__,
+        "triton": package_version("triton"),
+        "epcomm": __version__,
+        "git_sha": sha,
+        "git_dirty": dirty,
+        "python": platform.python_version(),
+        "world_size": world_size,
+        "transport": transport,
+        "backends": backends,
+    }
+    return env
+
+
+def _key(r: dict) -> tuple:
+    c = r["case"]
+    return (c["name"], c["mode"], c["tokens"], c["hidden"], c["topk"], c["experts"], r["op"], r["dtype"],
+            r["phase"], r["backend"])
+
+
+def merge_ranks(per_rank: list[list[dict]], *, env: dict, iters: int, warmup: int,
+                ce_gbps: float | None = None, cached: bool = False) -> list[dict]:
+    """Per-rank results (one list per rank, same keys in the same order) → report rows."""
+    groups: dict[tuple, list[dict]] = {}
+    for results in per_rank:
+        for r in results:
+            groups.setdefault(_key(r), []).append(r)
+    rows = []
+    for rs in groups.values():
+        c = rs[0]["case"]
+        worst = max(rs, key=lambda r: r["median"])
+        lb = [r["logical_bytes"] for r in rs]
+        kb = [r["link_bytes"] for r in rs]
+        has_bytes = all(v is not None for v in lb)
+        failures = [f"rank {i}: {r['check']}" for i, r in enumerate(rs) if r["check"] not in ("pass", "skipped")]
+        row = {
+            "case": c["name"], "mode": c["mode"], "tokens": c["tokens"], "hidden": c["hidden"],
+            "topk": c["topk"], "experts": c["experts"], "world_size": len(rs), "backend": rs[0]["backend"],
+            "op": rs[0]["op"], "dtype": rs[0]["dtype"], "phase": rs[0]["phase"],
+            "cached": bool(cached and c["mode"] == "ht" and rs[0]["op"] == "dispatch"),
+            "median_us": worst["median"] * 1e6,
+            "p10_us": max(r["p10"] for r in rs) * 1e6,
+            "p90_us": max(r["p90"] for r in rs) * 1e6,
+            "host_us": max(r["host"] for r in rs) * 1e6,
+            "iters": iters, "warmup": warmup, "timing": worst["timing"],
+            "logical_bytes": max(lb) if has_bytes else None,
+            "link_bytes": max(kb) if has_bytes else None,
+            "logical_gbps": min(accounting.gbps(r["logical_bytes"], r["median"]) for r in rs) if has_bytes else None,
+            "link_gbps": min(accounting.gbps(r["link_bytes"], r["median"]) for r in rs) if has_bytes else None,
+            "sms": rs[0]["sms"],
+            "ref_median_us": None, "speedup": None,
+            "ce_gbps": ce_gbps, "link_fraction": None,
+            "check": "; ".join(failures) if failures else rs[0]["check"],
+            "env": env,
+        }
+        if ce_gbps and row["link_gbps"] is not None:
+            row["link_fraction"] = row["link_gbps"] / ce_gbps
+        rows.append(row)
+    ref = {_key_of_row(r, "reference"): r for r in rows if r["backend"] == "reference"}
+    for row in rows:
+        base = ref.get(_key_of_row(row, "reference"))
+        if base is not None:
+            row["ref_median_us"] = base["median_us"]
+            row["speedup"] = base["median_us"] / row["median_us"] if row["median_us"] else None
+    return rows
+
+
+def _key_of_row(r: dict, backend: str) -> tuple:
+    return (r["case"], r["mode"], r["tokens"], r["hidden"], r["topk"], r["experts"], r["op"], r["dtype"],
+            r["phase"], backend)
+
+
+def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> Path:
+    """Write one JSON object per row (the file is replaced)."""
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("w") as f:
+        for r in rows:
+            f.write(json.dumps(r, sort_keys=False) + "\n")
+    return p
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def op_label(row: dict) -> str:
+    """``dispatch-fp8``, ``combine-bf16``, ``dispatch-fp8:send`` (+ ``(cached)``)."""
+    s = f"{row['op']}-{row['dtype']}"
+    if row.get("phase", "total") != "total":
+        s += f":{row['phase']}"
+    if row.get("cached"):
+        s += "(cached)"
+    return s
+
+
+def _gbps(v) -> str:
+    """3 significant digits at most, never a misleading ``0.00``."""
+    if v is None:
+        return "-"
+    if v >= 100:
+        return f"{v:.0f}"
+    if v >= 10:
+        return f"{v:.1f}"
+    if v >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3g}"
+
+
+def _us(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.1f}" if v < 1000 else f"{v:.0f}"
+
+
+def _check(v: str) -> str:
+    return v if len(v) <= 60 else v[:57] + "..."
+
+
+def render_table(rows: list[dict]) -> str:
+    """A fixed-width text table, one line per row, in run order."""
+    show_ce = any(r.get("link_fraction") is not None for r in rows)
+    head = ["case", "T", "H", "K", "E", "op", "backend", "median us", "p10", "p90", "host us",
+            "logical GB/s", "link GB/s"] + (["%CE"] if show_ce else []) + ["SMs", "ref us", "speedup",
+                                                                           "timing", "check"]
+    body = []
+    for r in rows:
+        line = [r["case"], str(r["tokens"]), str(r["hidden"]), str(r["topk"]), str(r["experts"]), op_label(r),
+                r["backend"], _us(r["median_us"]), _us(r["p10_us"]), _us(r["p90_us"]), _us(r.get("host_us")),
+                _gbps(r["logical_gbps"]), _gbps(r["link_gbps"])]
+        if show_ce:
+            lf = r.get("link_fraction")
+            line.append("-" if lf is None else f"{100 * lf:.0f}%")
+        line += [str(r["sms"]), _us(r["ref_median_us"]),
+                 "-" if r["speedup"] is None else f"{r['speedup']:.2f}x", r["timing"], _check(r["check"])]
+        body.append(line)
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    left = {0, 5, 6, len(head) - 2, len(head) - 1}
+
+    def fmt(cells):
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(b) for b in body]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def render_header(env: dict, ce_gbps: float | None) -> str:
+    """Two or three lines naming the device, versions and date above the table."""
+    dev = env["device"] + (f" x{env['gpu_count']}" if env.get("gpu_count") else "")
+    lines = [
+        (f"epcomm bench | {dev} | {env['world_size']} ranks on {env['transport']} | backends: "
+         f"{', '.join(env['backends'])}"),
+        f"torch {env['torch']} | triton {env['triton'] or 'absent'} | epcomm {env['epcomm']} "
+        f"(git {env['git_sha'][:12]}{'+dirty' if env.get('git_dirty') else ''}) | "
+        + (f"driver {env['driver']} | cuda {env['cuda']} | nccl {env['nccl']} | " if env.get("gpu_count") else "")
+        + env["date"],
+    ]
+    if ce_gbps is not None:
+        lines.append(f"copy-engine peer ceiling: {ce_gbps:.1f} GB/s per direction (256 MiB, both directions at once)")
+    lines.append("times: max over ranks of each rank's median; GB/s: min over ranks; logical = all bytes "
+                 "received (own included), link = bytes from other ranks")
+    return "\n".join(lines)

@@ -1,0 +1,218 @@
+"""Run a benchmark: one process per GPU (NCCL) or per CPU rank (gloo), every case timed on the
+backend a ``Buffer`` picks and on the reference backend, side by side, in one run.
+
+``run_bench(plan, ...)`` is the parent's driver: it measures the copy-engine ceiling (two or more
+GPUs), launches the ranks through :func:`epcomm.testing.launcher.parallel_launch`, and merges their
+results into report rows. ``bench_worker`` is what each rank runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..buffer import Buffer
+from ..testing.launcher import parallel_launch
+from . import report, workloads
+from .cases import BenchCase
+from .peer import measure_copy_engine
+from .progress import Progress
+from .timing import measure
+
+log = logging.getLogger(__name__)
+
+BACKEND_CHOICES = ("auto", "reference", "nvlink")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchPlan:
+    """Everything a rank needs to run the benchmark (picklable)."""
+
+    cases: tuple[BenchCase, ...]
+    backend: str = "auto"        # "auto": what Buffer picks; else forced through EPCOMM_BACKEND
+    iters: int = 20
+    warmup: int = 3
+    sets: int = 4                # input sets rotated between iterations
+    num_sms: int | None = None   # Buffer.set_num_sms before the Buffers are made
+    graphs: bool = True          # try CUDA graphs for capturable (low-latency, fast-backend) ops
+    cached: bool = False         # time HT dispatch with a handle (DeepEP's tuning mode)
+    check: bool = True           # correctness check of every case before timing it
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKEND_CHOICES:
+            raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {self.backend!r}")
+        for f in ("iters", "sets"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if not self.cases:
+            raise ValueError("no cases to run")
+
+
+@dataclasses.dataclass
+class BenchResult:
+    rows: list[dict]
+    env: dict
+    ce_gbps: float | None
+
+
+@contextlib.contextmanager
+def _forced_backend(name: str | None):
+    """Set ``EPCOMM_BACKEND`` (this rank's process only) while a Buffer is made."""
+    old = os.environ.get("EPCOMM_BACKEND")
+    if name is not None:
+        os.environ["EPCOMM_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("EPCOMM_BACKEND", None)
+        else:
+            os.environ["EPCOMM_BACKEND"] = old
+
+
+def _buffer_kwargs(mode: str, cases: list[BenchCase], num_ranks: int) -> dict:
+    if mode == "ht":
+        dcfg, ccfg = Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)
+        nvl = max(cfg.get_nvl_buffer_size_hint(c.hidden * 2, num_ranks) for c in cases for cfg in (dcfg, ccfg))
+        return {"num_nvl_bytes": nvl}
+    rdma = max(Buffer.get_low_latency_rdma_size_hint(c.tokens, c.hidden, num_ranks, c.experts) for c in cases)
+    return {"num_rdma_bytes": rdma, "low_latency_mode": True}
+
+
+def make_buffers(group, num_ranks: int, plan: BenchPlan) -> dict[str, dict[str, Buffer]]:
+    """``{mode: {backend name: Buffer}}``: the picked (or forced) backend first, then ``reference``
+    if the first one is not already it. Made in the same order on every rank (collective)."""
+    out: dict[str, dict[str, Buffer]] = {}
+    for mode in ("ht", "ll"):
+        cases = [c for c in plan.cases if c.mode == mode]
+        if not cases:
+            continue
+        kw = _buffer_kwargs(mode, cases, num_ranks)
+        with _forced_backend(None if plan.backend == "auto" else plan.backend):
+            fast = Buffer(group, **kw)
+        bufs = {fast.backend_name: fast}
+        if fast.backend_name != "reference":
+            with _forced_backend("reference"):
+                # The reference needs no intranode staging buffer; low-latency needs its rdma bytes.
+                bufs["reference"] = Buffer(group, **{**kw, "num_nvl_bytes": 0})
+        out[mode] = bufs
+    return out
+
+
+def device_info(device: torch.device) -> dict:
+    """GPU model, count and CUDA/NCCL versions (rank 0 reports them; the parent never touches CUDA)."""
+    if device.type != "cuda":
+        return {"device": "cpu", "gpu_count": 0}
+    nccl = torch.cuda.nccl.version()
+    return {"device": torch.cuda.get_device_name(device), "gpu_count": torch.cuda.device_count(),
+            "cuda": torch.version.cuda, "nccl": ".".join(str(v) for v in nccl) if isinstance(nccl, tuple) else str(nccl)}
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _sms(name: str, device: torch.device):
+    if name == "reference":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return Buffer.num_sms
+
+
+def _run_case(ctx, plan: BenchPlan, case: BenchCase, bufs: dict[str, Buffer], progress: Progress | None):
+    me, r_, dev, group = ctx.rank, ctx.world_size, ctx.device, ctx.group
+    num_sets = plan.sets
+    if case.mode == "ht":
+        sets = workloads.make_ht_sets(case, me, r_, dev, num_sets, plan.seed)
+        checks = workloads.check_ht(bufs, sets[0]) if plan.check else dict.fromkeys(bufs, "skipped")
+        nbytes = workloads.ht_bytes(group, sets, me, case.hidden)
+    else:
+        num_sets += num_sets % 2  # even: graph replays keep the two receive areas alternating
+        sets = workloads.make_ll_sets(case, me, r_, dev, num_sets, plan.seed)
+        checks = workloads.check_ll(bufs, sets[0], case) if plan.check else dict.fromkeys(bufs, "skipped")
+        nbytes = workloads.ll_bytes(group, sets, case, me, r_)
+    out = []
+    for name, buf in bufs.items():
+        ops = workloads.ht_ops(buf, sets, plan.cached) if case.mode == "ht" else workloads.ll_ops(buf, sets, case)
+        reset = None
+        if case.mode == "ll":
+            def reset(buf=buf):
+                dist.barrier(group=group)
+                buf.clean_low_latency_buffer(case.tokens, case.hidden, case.experts)
+                dist.barrier(group=group)
+        for op in ops:
+            label = f"{case.name} {case.mode} T={case.tokens} {op.op}-{op.dtype}"
+            label += "" if op.phases == ("total",) else " send/recv"
+            if progress is not None:
+                progress.show(f"{label} ({name})")
+            if reset is not None:
+                reset()
+            m = measure(op, num_sets=num_sets, iters=plan.iters, warmup=plan.warmup, group=group, device=dev,
+                        use_graphs=plan.graphs, reset=reset)
+            for phase, st, host in zip(m.phases, m.stats, m.host):
+                lb, kb = nbytes.get((op.op, op.dtype), (None, None)) if phase == "total" else (None, None)
+                out.append({"case": dataclasses.asdict(case), "backend": name, "op": op.op, "dtype": op.dtype,
+                            "phase": phase, "median": st.median, "p10": st.p10, "p90": st.p90, "host": host,
+                            "timing": m.method, "logical_bytes": lb, "link_bytes": kb, "sms": _sms(name, dev),
+                            "check": checks[name]})
+            if progress is not None:
+                progress.update(f"{label} ({name})")
+    del sets
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_worker(ctx, plan: BenchPlan, progress: Progress | None) -> dict:
+    """One rank: make the Buffers, check and time every case. Returns this rank's results."""
+    if ctx.device.type == "cpu":
+        # The ranks share the host's cores: oversubscribed intra-op threads make every op ~20x slower.
+        torch.set_num_threads(max(1, _cpu_count() // ctx.world_size))
+    if plan.num_sms is not None:
+        Buffer.set_num_sms(plan.num_sms)
+    bufs = make_buffers(ctx.group, ctx.world_size, plan)
+    names = list(dict.fromkeys(n for per_mode in bufs.values() for n in per_mode))
+    if ctx.rank != 0:
+        progress = None
+    if progress is not None:
+        progress.set_total(sum(len(c.ops()) * len(bufs[c.mode]) for c in plan.cases))
+        progress.show(f"backends: {', '.join(names)}")
+    results = []
+    for case in plan.cases:
+        results += _run_case(ctx, plan, case, bufs[case.mode], progress)
+    if progress is not None:
+        progress.close()
+    return {"rank": ctx.rank, "results": results, "backends": names,
+            "device": device_info(ctx.device) if ctx.rank == 0 else None}
+
+
+def run_bench(plan: BenchPlan, *, world_size: int, device: str = "cpu", progress: Progress | None = None,
+              timeout_s: float = 1800.0, measure_ce: bool = True) -> BenchResult:
+    """Launch ``world_size`` ranks on ``device`` (``"cuda"``: NCCL, one GPU each; ``"cpu"``: gloo)."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda":
+        n = torch.cuda.device_count()
+        if world_size > n:
+            raise ValueError(f"world_size={world_size} needs {world_size} GPUs, {n} visible")
+    ce = None
+    if device == "cuda" and measure_ce:
+        if progress is not None:
+            progress.show("measuring the copy-engine peer bandwidth")
+        ce = measure_copy_engine()
+    transport = "nccl" if device == "cuda" else "gloo"
+    out = parallel_launch(world_size, bench_worker, plan, progress, backend=transport, timeout_s=timeout_s)
+    env = report.environment(out[0]["device"], world_size, transport, out[0]["backends"])
+    rows = report.merge_ranks([o["results"] for o in out], env=env, iters=plan.iters, warmup=plan.warmup,
+                              ce_gbps=ce, cached=plan.cached)
+    return BenchResult(rows, env, ce)

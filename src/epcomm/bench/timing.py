@@ -1,0 +1,200 @@
+"""Timing: wall clock on CPU, CUDA events or CUDA-graph replays on GPU.
+
+A :class:`TimedOp` builds, for each input set ``s``, a list of untimed ``prep`` steps and a list of
+timed ``steps`` (one per phase: ``["total"]``, or ``["send", "recv"]`` for the receive hook). Every
+iteration runs the prep steps, waits at a barrier (all ranks start together, the GPU idle), then
+marks a timestamp before the first step and after each step. Input sets rotate from one iteration
+to the next so caches do not flatter.
+
+Methods, recorded in each row as ``timing``:
+- ``wall``: ``time.perf_counter`` (CPU ranks; the ops complete synchronously).
+- ``events``: ``torch.cuda.Event`` pairs on the current stream (eager launches, host gaps included).
+- ``graph``: each step captured once per input set into a ``torch.cuda.CUDAGraph`` and replayed;
+  the events bracket the replays. Capture is attempted only where the op says it can be captured;
+  all ranks agree (one failing rank makes every rank fall back to ``events``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+Step = Callable[[], object]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """Median and 10th/90th percentiles (seconds) of ``n`` samples."""
+
+    median: float
+    p10: float
+    p90: float
+    n: int
+
+    @classmethod
+    def of(cls, samples: list[float]) -> Stats:
+        if not samples:
+            raise ValueError("no samples to summarise")
+        s = sorted(samples)
+        return cls(percentile(s, 50), percentile(s, 10), percentile(s, 90), len(s))
+
+
+def percentile(sorted_samples: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default) of already sorted samples.
+
+    Example: ``percentile([1, 2, 3, 4], 50) == 2.5``; ``percentile([1, 2, 3, 4], 10) == 1.3``.
+    """
+    n = len(sorted_samples)
+    pos = (n - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    frac = pos - lo
+    return sorted_samples[lo] * (1 - frac) + sorted_samples[hi] * frac
+
+
+@dataclasses.dataclass
+class TimedOp:
+    """``build(s) -> (prep, steps)`` for input set ``s``; ``len(steps) == len(phases)``."""
+
+    op: str                       # "dispatch" | "combine"
+    dtype: str                    # "bf16" | "fp8"
+    phases: tuple[str, ...]       # ("total",) or ("send", "recv")
+    build: Callable[[int], tuple[list[Step], list[Step]]]
+    capturable: bool = False      # worth trying a CUDA graph (fixed shapes, no host sync)
+
+
+@dataclasses.dataclass
+class Measurement:
+    phases: tuple[str, ...]
+    stats: list[Stats]            # one per phase (GPU or wall time)
+    host: list[float]             # median host seconds per phase (time to return from the call)
+    method: str                   # "wall" | "events" | "graph"
+
+
+class _WallMarks:
+    def __init__(self) -> None:
+        self.t: list[float] = []
+
+    def mark(self) -> None:
+        self.t.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        return [b - a for a, b in zip(self.t, self.t[1:])]
+
+
+class _EventMarks:
+    def __init__(self) -> None:
+        self.ev: list[torch.cuda.Event] = []
+
+    def mark(self) -> None:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        self.ev.append(e)
+
+    def intervals(self) -> list[float]:
+        self.ev[-1].synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(self.ev, self.ev[1:])]
+
+
+def make_barrier(group, device: torch.device) -> Callable[[], None]:
+    """All ranks line up with an idle device: synchronise the GPU, then a group barrier."""
+    if device.type == "cuda":
+        def barrier() -> None:
+            torch.cuda.synchronize()
+            dist.barrier(group=group)
+            torch.cuda.synchronize()
+        return barrier
+    return lambda: dist.barrier(group=group)
+
+
+def capture_graphs(plans: list[tuple[list[Step], list[Step]]]) -> list[tuple[list[Step], list[Step]]]:
+    """Capture every prep and timed step of every input set into its own CUDA graph.
+
+    Each step runs once eagerly on a side stream first (warm-up: allocations and compilation happen
+    outside capture), then all are captured in the same order, so every rank issues the same
+    sequence of collective calls. Returns the plans with each step replaced by its graph's replay.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for prep, steps in plans:
+            for step in prep + steps:
+                step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    out = []
+    for prep, steps in plans:
+        replays = []
+        for step in prep + steps:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                step()
+            replays.append(g.replay)  # the bound method keeps the graph alive
+        out.append((replays[:len(prep)], replays[len(prep):]))
+    torch.cuda.synchronize()
+    return out
+
+
+def _agree(ok: bool, group, device: torch.device) -> bool:
+    """True only if every rank says ``ok``."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def measure(op: TimedOp, *, num_sets: int, iters: int, warmup: int, group, device: torch.device,
+            use_graphs: bool = True, reset: Callable[[], None] | None = None) -> Measurement:
+    """Time ``op`` (see the module docstring). ``reset`` runs on every rank after a failed capture
+    attempt (e.g. to reset low-latency buffer state that the partial capture may have advanced)."""
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    plans = [op.build(s) for s in range(num_sets)]
+    barrier = make_barrier(group, device)
+    method = "wall" if device.type != "cuda" else "events"
+    if device.type == "cuda" and use_graphs and op.capturable:
+        err = None
+        try:
+            graphed = capture_graphs(plans)
+        except Exception as e:  # noqa: BLE001 - any capture failure falls back to events, logged
+            err, graphed = e, None
+        if _agree(graphed is not None, group, device):
+            plans, method = graphed, "graph"
+        else:
+            log.warning("CUDA-graph capture of %s-%s failed on some rank (%s); timing eager launches with events",
+                        op.op, op.dtype, err or "another rank failed")
+            torch.cuda.synchronize()
+            barrier()
+            if reset is not None:
+                reset()
+    marks_cls = _WallMarks if device.type != "cuda" else _EventMarks
+    samples: list[list[float]] = [[] for _ in op.phases]
+    host: list[list[float]] = [[] for _ in op.phases]
+    for it in range(warmup + iters):
+        prep, steps = plans[it % num_sets]
+        for p in prep:
+            p()
+        barrier()
+        marks = marks_cls()
+        marks.mark()
+        h = []
+        for step in steps:
+            h0 = time.perf_counter()
+            step()
+            h.append(time.perf_counter() - h0)
+            marks.mark()
+        dt = marks.intervals()
+        if it >= warmup:
+            for j in range(len(op.phases)):
+                samples[j].append(dt[j])
+                host[j].append(h[j])
+    barrier()
+    return Measurement(op.phases, [Stats.of(s) for s in samples],
+                       [Stats.of(h).median for h in host], method)

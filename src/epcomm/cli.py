@@ -1,0 +1,216 @@
+"""The ``epcomm`` command line: ``bench``, ``env``, ``check``.
+
+    epcomm bench                      # CPU: small + sweep-small on 4 gloo ranks; GPUs: the DSv3 cases
+    epcomm bench --cases ht-dsv3 --num-sms 24 --out bench.jsonl --plot plots/
+    epcomm bench --cases sweep --mode ht --iters 100
+    epcomm env [--probe]              # GPUs, NVLink/peer access, symmetric memory, versions, variables
+    epcomm check                      # 2 gloo ranks (or the GPUs): dispatch + combine vs the oracle
+
+The library logs; this module is the only place that prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import _env
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _nonnegative_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def _int_list(s: str) -> list[int]:
+    """``"1,4,16"`` → ``[1, 4, 16]``."""
+    parts = [p for p in s.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {s!r}")
+    return [_positive_int(p.strip()) for p in parts]
+
+
+def _name_list(s: str) -> list[str]:
+    names = [p.strip() for p in s.split(",") if p.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of case names, got {s!r}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .bench.cases import CASE_SETS, DEFAULT_CPU, DEFAULT_GPU, case_names
+
+    p = argparse.ArgumentParser(prog="epcomm", description="epcomm: MoE dispatch/combine across GPUs "
+                                "(a DeepEP-compatible Buffer). Subcommands: bench, env, check.")
+    p.add_argument("--log-level", default=None,
+                   help="log level for epcomm's loggers (default: EPCOMM_LOG_LEVEL or WARNING)")
+    sub = p.add_subparsers(dest="command", metavar="{bench,env,check}")
+
+    b = sub.add_parser("bench", help="time dispatch/combine on every path, side by side with the reference",
+                       description="Time dispatch/combine on the backend a Buffer picks and on the reference "
+                       "backend (NCCL on GPUs, gloo on CPU) in one run; prints a table (last).")
+    b.add_argument("--cases", type=_name_list, default=None,
+                   help=f"comma-separated case sets: {', '.join(case_names())} "
+                   f"(default: {','.join(DEFAULT_GPU)} on GPUs, {','.join(DEFAULT_CPU)} on CPU)")
+    b.add_argument("--list", action="store_true", help="list the case sets and exit")
+    b.add_argument("--mode", choices=("ht", "ll", "both"), default="both",
+                   help="high-throughput, low-latency or both (default both)")
+    b.add_argument("--tokens", type=_int_list, default=None,
+                   help="tokens per rank, comma-separated: each selected case runs at each value")
+    b.add_argument("--hidden", type=_positive_int, default=None, help="hidden size (a multiple of 128)")
+    b.add_argument("--topk", type=_positive_int, default=None, help="experts per token")
+    b.add_argument("--experts", type=_positive_int, default=None, help="experts in total (divisible by ranks)")
+    b.add_argument("--backend", choices=("auto", "reference", "nvlink"), default="auto",
+                   help="backend to time (default: what Buffer picks); the reference is always timed too")
+    b.add_argument("--num-sms", type=_positive_int, default=None, help="Buffer.set_num_sms (even)")
+    b.add_argument("--iters", type=_positive_int, default=None, help="timed iterations (default 50 GPU, 20 CPU)")
+    b.add_argument("--warmup", type=_nonnegative_int, default=None, help="warm-up iterations (default 10 GPU, 3 CPU)")
+    b.add_argument("--sets", type=_positive_int, default=4, help="input sets rotated between iterations (default 4)")
+    b.add_argument("--world-size", type=_positive_int, default=None,
+                   help="ranks (default: every GPU; 4 gloo processes on CPU)")
+    b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: GPUs when CUDA is available, else CPU ranks on gloo")
+    b.add_argument("--cached", action="store_true",
+                   help="time high-throughput dispatch with a handle (DeepEP's tuning loop) instead of a full one")
+    b.add_argument("--no-graph", action="store_true", help="never capture CUDA graphs (time eager launches)")
+    b.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
+    b.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
+    b.add_argument("--out", default=None, metavar="PATH", help="write the rows as JSONL to PATH")
+    b.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots to DIR (needs epcomm[plot])")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    b.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed (default 1800)")
+    b.set_defaults(case_sets=CASE_SETS)
+
+    e = sub.add_parser("env", help="what this machine offers: GPUs, peer access, symmetric memory, versions",
+                       description="Print GPUs, NVLink topology and peer access, symmetric-memory backends, "
+                       "versions, the variables that matter, and which backend a Buffer would choose.")
+    e.add_argument("--probe", action="store_true",
+                   help="try CUDA symmetric memory on a 1-rank NCCL group (GPU machines)")
+
+    c = sub.add_parser("check", help="quick self-test: dispatch + combine vs the oracle, PASS/FAIL",
+                       description="Launch 2 gloo ranks (or one per GPU), dispatch and combine a small case, "
+                       "and verify against epcomm.testing.inputs.expected_dispatch.")
+    c.add_argument("--world-size", type=_positive_int, default=None, help="ranks (default 2 on CPU, every GPU)")
+    c.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    return p
+
+
+def _pick_device(choice: str) -> str:
+    import torch
+
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA GPU is visible")
+        return "cuda"
+    if choice == "cpu":
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else "cpu"
+
+
+def _list_cases(case_sets) -> None:
+    from .bench.cases import ALIASES
+
+    for name, cases in case_sets.items():
+        print(f"{name}:")
+        for c in cases:
+            print(f"  {c.mode} T={c.tokens} H={c.hidden} K={c.topk} E={c.experts}"
+                  + (" +hook" if c.hook else "") + (f" drop={c.drop_prob}" if c.drop_prob else ""))
+    for name, names in ALIASES.items():
+        print(f"{name}: {', '.join(names)}")
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from .bench import report
+    from .bench.cases import DEFAULT_CPU, DEFAULT_GPU, resolve_cases
+    from .bench.progress import Progress
+    from .bench.runner import BenchPlan, run_bench
+
+    if args.list:
+        _list_cases(args.case_sets)
+        return 0
+    device = _pick_device(args.device)
+    gpu = device == "cuda"
+    world = args.world_size or (torch.cuda.device_count() if gpu else 4)
+    names = args.cases or list(DEFAULT_GPU if gpu else DEFAULT_CPU)
+    cases = resolve_cases(names, world_size=world, mode=args.mode, tokens=args.tokens, hidden=args.hidden,
+                          topk=args.topk, experts=args.experts)
+    if args.num_sms is not None and args.num_sms % 2:
+        raise ValueError(f"--num-sms must be even, got {args.num_sms}")
+    if args.plot:  # fail before the run, not after it
+        from .bench.plot import _matplotlib
+
+        _matplotlib()
+    plan = BenchPlan(cases=tuple(cases), backend=args.backend,
+                     iters=args.iters or (50 if gpu else 20),
+                     warmup=args.warmup if args.warmup is not None else (10 if gpu else 3),
+                     sets=args.sets, num_sms=args.num_sms, graphs=not args.no_graph, cached=args.cached,
+                     check=not args.no_check, seed=args.seed)
+    progress = Progress(enabled=not args.no_progress)
+    result = run_bench(plan, world_size=world, device=device, progress=progress, timeout_s=args.timeout)
+    if args.out:
+        path = report.write_jsonl(args.out, result.rows)
+        print(f"wrote {len(result.rows)} rows to {path}")
+    if args.plot:
+        from .bench.plot import plot_rows
+
+        for p in plot_rows(result.rows, args.plot):
+            print(f"wrote {p}")
+    failed = [r for r in result.rows if r["check"] not in ("pass", "skipped")]
+    if failed:
+        print(f"{len(failed)} rows FAILED their correctness check (see the check column)")
+    print(report.render_header(result.env, result.ce_gbps))
+    print(report.render_table(result.rows))
+    return 1 if failed else 0
+
+
+def cmd_env(args) -> int:
+    from .doctor import env_report
+
+    print(env_report(probe=args.probe), end="")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from .doctor import run_check
+
+    ok, text = run_check(args.world_size, args.device)
+    print(text)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = (args.log_level or _env.log_level() or "WARNING").upper()
+    logging.basicConfig(level=getattr(logging, level, logging.WARNING), format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handler = {"bench": cmd_bench, "env": cmd_env, "check": cmd_check}[args.command]
+    try:
+        return handler(args)
+    except (ValueError, ImportError) as e:
+        print(f"epcomm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
