@@ -1,0 +1,145 @@
+"""Shared machinery of the tier-2 tests (gloo on CPU, spawned processes): one launch per world size
+runs a whole list of named checks, and each check is reported as its own pytest test.
+
+Starting a process costs about 3 s (importing torch), so a test module launches once per world size
+(``launch_cached``) and parametrises its tests over ``(world_size, check name)``. In every rank the
+checks run in order (``run_checks``); the first failure stops that rank, because the ranks may then
+be out of step, and later checks are reported as "not run". Checks run in child processes, where
+pytest does not rewrite ``assert``: use the helpers below (they say what differs) or assert with a
+message.
+
+Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``,
+``M`` low-latency max tokens per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import traceback
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from epcomm.testing.inputs import Case
+from epcomm.testing.launcher import RankError, parallel_launch
+
+WORLD_SIZES = (1, 2, 3, 4)
+# Deadline for every wait on a peer inside the children: a check that leaves the ranks out of step
+# fails in seconds instead of hanging for the 30 s default.
+CHILD_ENV = {"EPCOMM_TIMEOUT_S": "20"}
+LAUNCH_TIMEOUT_S = 240.0
+
+
+class NotApplicable(Exception):
+    """Raised by a check that does not apply to this world size."""
+
+
+def run_checks(ctx, checks: list[tuple[str, Callable]], env: dict[str, str] | None = None) -> dict:
+    """Run ``checks`` in order on this rank: ``{name: None (passed) | "skip: why" | traceback}``."""
+    os.environ.update(CHILD_ENV if env is None else env)  # timeouts are read when a Buffer is built
+    results: dict[str, str | None] = {}
+    for name, fn in checks:
+        try:
+            fn(ctx)
+        except NotApplicable as e:
+            results[name] = f"skip: {e}"
+            continue
+        except Exception:  # noqa: BLE001 - reported to the parent per check
+            results[name] = traceback.format_exc()
+            break
+        results[name] = None
+    return results
+
+
+@functools.cache
+def _launch(fn, world_size: int):
+    try:
+        return parallel_launch(world_size, fn, timeout_s=LAUNCH_TIMEOUT_S, backend="gloo")
+    except RankError as e:
+        return e
+
+
+def launch_cached(fn: Callable, world_size: int):
+    """``fn(ctx)`` on ``world_size`` ranks, once per (fn, world size) per pytest session."""
+    return _launch(fn, world_size)
+
+
+def report(outcome, name: str) -> None:
+    """Turn one check's per-rank results into a pytest pass / fail / skip."""
+    if isinstance(outcome, BaseException):
+        raise outcome
+    failures, skips = [], []
+    for rank, res in enumerate(outcome):
+        if name not in res:
+            failed = [n for n, v in res.items() if v is not None and not v.startswith("skip:")]
+            failures.append(f"rank {rank}: not run (stopped after check {failed[-1]!r} failed)" if failed
+                            else f"rank {rank}: not run")
+        elif res[name] is None:
+            continue
+        elif res[name].startswith("skip:"):
+            skips.append(res[name][5:].strip())
+        else:
+            failures.append(f"rank {rank}:\n{res[name]}")
+    if failures:
+        pytest.fail("\n".join(failures), pytrace=False)
+    if skips:
+        pytest.skip(skips[0])
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+def num_experts_for(num_ranks: int) -> int:
+    return 4 * max(num_ranks, 2)  # 8, 8, 12, 16
+
+
+def cases(num_ranks: int, hidden: int) -> dict[str, Case]:
+    """The routing scenarios every API path runs on, for ``num_ranks`` ranks.
+
+    - ``random``: odd token counts (9, 13, 17, 21), random top-4 with -1 entries, token 0 of every
+      rank selects no expert.
+    - ``zero_tokens``: rank 0 has ``T = 0``.
+    - ``hot``: expert 1 takes about a third of the tokens.
+    - ``empty_rank``: no token selects an expert of the last rank (for R = 1: nothing is routed).
+    """
+    e = num_experts_for(num_ranks)
+    odd = tuple(9 + 4 * r for r in range(num_ranks))
+    base = Case(num_ranks, odd, hidden=hidden, num_topk=4, num_experts=e, seed=10 * num_ranks, drop_prob=0.15)
+    return {
+        "random": base,
+        "zero_tokens": dataclasses.replace(base, tokens=(0,) + odd[1:], seed=base.seed + 1),
+        "hot": dataclasses.replace(base, tokens=tuple(25 + 2 * r for r in range(num_ranks)), hot_expert=1,
+                                   seed=base.seed + 2),
+        "empty_rank": dataclasses.replace(base, empty_rank=num_ranks - 1, seed=base.seed + 3),
+    }
+
+
+# ----------------------------------------------------------------------------- assertions
+
+
+def check(cond, what: str) -> None:
+    if not cond:
+        raise AssertionError(what)
+
+
+def equal(actual, expected, what: str) -> None:
+    """Exact equality of tensors (dtype, shape, values) or plain Python values, with a message."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor):
+            raise AssertionError(f"{what}: got {type(actual).__name__}, expected a tensor")  # noqa: TRY004
+        if actual.dtype != expected.dtype or actual.shape != expected.shape:
+            raise AssertionError(f"{what}: {actual.dtype}{tuple(actual.shape)} != expected "
+                                 f"{expected.dtype}{tuple(expected.shape)}")
+        if not torch.equal(actual.cpu(), expected.cpu()):
+            raise AssertionError(f"{what}:\n{actual}\n!= expected\n{expected}")
+    elif actual != expected:
+        raise AssertionError(f"{what}: {actual!r} != expected {expected!r}")
+
+
+def raises(exc: type[BaseException], match: str, fn: Callable, *args, **kwargs) -> None:
+    """``fn(*args, **kwargs)`` must raise ``exc`` with a message matching ``match``."""
+    with pytest.raises(exc, match=match):
+        fn(*args, **kwargs)
