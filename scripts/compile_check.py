@@ -52,25 +52,26 @@ def main():
                      "timeout_ns": "i64"}), dict(HAS_TIMER=True)))
     kernels.append((ht._ce_signal_kernel, ptr_types(ht._ce_signal_kernel, {"ptr_table": "*i64", "flags_off": "i64"}),
                     {}))
-    g = ptr_types(ht._gather_kernel, {"xs_ptr": "*fp32", "topk_ptr": "*i64", "w_ptr": "*fp32", "stage_s_ptr": "*fp32",
+    g = ptr_types(ht._gather_kernel, {"tok_ptr": "*i32", "xs_ptr": "*fp32", "topk_ptr": "*i64", "w_ptr": "*fp32", "stage_s_ptr": "*fp32",
                   "stage_k_ptr": "*i64", "stage_w_ptr": "*fp32", "out_s": "*fp32", "out_k": "*i64",
                   "out_w": "*fp32", "ptr_table": "*i64", "flags_off": "i64", "timeout_ns": "i64",
                   "stage_src_elems": "i64", "stage_s_src": "i64", "stage_k_src": "i64", "stage_w_src": "i64"})
     for cached in (False, True):
         kernels.append((ht._gather_kernel, g, dict(CACHED=cached, IS_PREFIX=cached, HAS_SCALES=True, HAS_TOPK=not cached,
-                                                 BLOCK=1024, R_POW2=2, K_POW2=8, G_POW2=64, HAS_TIMER=True)))
+                                                 NC=4, RB=8, BLOCK=512, R_POW2=2, K_POW2=8, G_POW2=64,
+                                                 HAS_TIMER=True)))
     kernels.append((ht._reduce_kernel, ptr_types(ht._reduce_kernel, {"x_ptr": "*bf16", "stage_ptr": "*bf16",
                     "w_ptr": "*fp32", "stage_w_ptr": "*fp32", "bias0_ptr": "*bf16", "bias1_ptr": "*bf16",
                     "out_ptr": "*bf16", "out_w_ptr": "*fp32", "ptr_table": "*i64", "flags_off": "i64",
                     "timeout_ns": "i64", "stage_src_elems": "i64", "stage_w_src": "i64"}),
-                    dict(HAS_W=True, NUM_BIAS=2, BLOCK=1024, R_POW2=2, K_POW2=8, HAS_TIMER=True)))
+                    dict(HAS_W=True, NUM_BIAS=2, NC=4, TB=4, BLOCK=1024, R_POW2=2, K_POW2=8, HAS_TIMER=True)))
     kernels.append((ht._combine_push_kernel, ptr_types(ht._combine_push_kernel, {"w_ptr": "*fp32",
                     "ptr_table": "*i64", "flags_off": "i64", "timeout_ns": "i64", "stage_off": "i64",
-                    "stage_w_off": "i64"}), dict(HAS_W=True, BLOCK=1024, K_POW2=8, HAS_TIMER=True)))
+                    "stage_w_off": "i64"}), dict(HAS_W=True, NC=4, BLOCK=1024, K_POW2=8, HAS_TIMER=True)))
     import triton.language as tl
     kernels.append((ht._push_kernel, ptr_types(ht._push_kernel, {"ptr_table": "*i64", "is_in_ptr": "*i8",
                     "flags_off": "i64", "timeout_ns": "i64", "stage_off": "i64"}),
-                    dict(BLOCK=1024, HAS_TIMER=True, ELEM=tl.int32)))
+                    dict(NC=4, BLOCK=1024, HAS_TIMER=True, ELEM=tl.int32)))
     try:
         from epcomm.kernels import ll
         for fn, types, consts in ll.COMPILE_CHECKS:

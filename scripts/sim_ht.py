@@ -44,6 +44,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0):
                        src_lists=torch.zeros(R, 64, dtype=torch.int32),
                        shr=torch.empty(T[me], R, dtype=torch.int32), cpm=torch.empty(R, C, dtype=torch.int32),
                        counts=torch.zeros(R, R, dtype=torch.int32), pe=torch.zeros(R, L, dtype=torch.int32),
+                       toks=torch.zeros(R, dtype=torch.int32),
                        chan=torch.zeros(R, C, dtype=torch.int32)))
     for phase in ("send", "recv"):
         for me in range(R):
@@ -51,7 +52,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0):
             ht._notify_kernel[(R,)](
                 s["in_rank"].view(torch.int8), T[me], R, me, s["per_rank"], s["per_e"], L, C,
                 max((T[me] + C - 1) // C, 1), table, 0, meta_off, R * meta_src, meta_src, list_off, R * list_src,
-                list_src, s["nctr"], s["shr"], s["cpm"], s["counts"], s["pe"], s["chan"], s["src_lists"],
+                list_src, s["nctr"], s["shr"], s["cpm"], s["counts"], s["pe"], s["chan"], s["toks"], s["src_lists"],
                 s["src_lists"].stride(0), s["err"], 100, BLOCK=4, R_POW2=4, DO_SEND=phase == "send",
                 DO_RECV=phase == "recv", HAS_TIMER=False)
             if phase == "recv":
@@ -67,7 +68,8 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0):
                 b = arr.numel() * arr.element_size()
                 symm[j][off + me * d_slot: off + me * d_slot + b] = arr.reshape(-1).view(torch.uint8)
             put(dx, xw); put(dk, s["topk"]); put(dw, s["w"])
-        ht._ce_signal_kernel[(1,)](table, 0, ht.DDATA, R, me, s["ctrs"][nv.DSEND:])
+        for c in range(nv.NC):
+            ht._ce_signal_kernel[(1,)](table, 0, ht.DDATA, R, me, s["ctrs"][nv.DSEND:], int(c == nv.NC - 1))
     outs = []
     for me in range(R):
         s = st[me]
@@ -85,10 +87,11 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0):
         stage_w = symm[me][dw:dw + R * d_slot].view(torch.float32)
         ht._gather_kernel[(3,)](
             s["x"].view(torch.int32), stage_w, s["topk"], s["w"], row_words, 0, K,
-            s["counts"], R, me, R, me * L, L, s["src_lists"], s["src_lists"].stride(0), rows,
+            s["counts"], R, me, R, me * L, L, s["toks"], s["src_lists"], s["src_lists"].stride(0), rows,
             stage_x, d_slot // 4, stage_w, d_slot // 4, stage_k, d_slot // 8, stage_w, d_slot // 4,
             out_x, stage_w, 0, 1, out_k, out_w, out_src, table, 0, s["ctrs"][nv.DRECV:], s["tickets"][0:],
-            s["err"], 100, CACHED=False, IS_PREFIX=False, HAS_SCALES=False, HAS_TOPK=True, BLOCK=16, R_POW2=4,
+            s["err"], 100, CACHED=False, IS_PREFIX=False, HAS_SCALES=False, HAS_TOPK=True, NC=nv.NC, RB=4,
+            BLOCK=16, R_POW2=4,
             K_POW2=4, G_POW2=1, HAS_TIMER=False)
         assert s["err"][0] == 0, s["err"]
         assert_bitwise(out_x.view(torch.bfloat16)[:n], exp["recv_x"], f"recv_x rank {me}")
@@ -111,7 +114,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0):
         o["y"] = y
         ht._combine_push_kernel[(2,)](y.view(torch.int32), o["w"], H // 2, K, R, me, o["rpm"], table, 0, cx, c_slot,
                                       cw, c_slot, s["ctrs"][nv.CSEND:], s["tickets"][3:], s["err"], 100, HAS_W=True,
-                                      BLOCK=16, K_POW2=4, HAS_TIMER=False)
+                                      NC=nv.NC, BLOCK=16, K_POW2=4, HAS_TIMER=False)
     for me in range(R):
         s, o = st[me], outs[me]
         out = torch.empty(T[me], H, dtype=torch.bfloat16)
@@ -121,7 +124,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0):
                                 symm[me][cx:cx + R * c_slot].view(torch.bfloat16), c_slot // 2,
                                 symm[me][cw:cw + R * c_slot].view(torch.float32), c_slot // 4,
                                 bias, bias, out, out_w, table, 0, s["ctrs"][nv.CRECV:], s["tickets"][1:], s["err"], 100,
-                                HAS_W=True, NUM_BIAS=1, BLOCK=16, R_POW2=4, K_POW2=4, HAS_TIMER=False)
+                                HAS_W=True, NUM_BIAS=1, NC=nv.NC, TB=2, BLOCK=16, R_POW2=4, K_POW2=4, HAS_TIMER=False)
         assert s["err"][0] == 0, s["err"]
         ref = torch.zeros(T[me], H)
         for j in range(R):

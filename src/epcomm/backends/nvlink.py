@@ -42,6 +42,9 @@ C_MAX = 128
 T_LIST_CAP = 32768
 DEFAULT_NVL_BYTES = 256 << 20
 NUM_CTRS = 16
+RB = 8  # rows per gather tile
+TB = 4  # tokens per reduce tile
+NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
 # counter slots (local int32 device memory)
 DSEND, DRECV, CSEND, CRECV = 0, 1, 2, 3
 # ticket slots
@@ -98,7 +101,7 @@ class NVLinkBackend(Backend):
         self.nvl_bytes = _align(buf.num_nvl_bytes or DEFAULT_NVL_BYTES)
         self.rdma_bytes = _align(buf.num_rdma_bytes)
         self.flags_off = 0
-        self.meta_src_bytes = _align((r_ + L_MAX + C_MAX) * 4, 16)
+        self.meta_src_bytes = _align((r_ + L_MAX + C_MAX + 1) * 4, 16)
         self.list_src_bytes = _align(T_LIST_CAP * 4, 16)
         self.meta_off = _align(NUM_CTRS * r_ * 4)
         self.meta_parity_bytes = r_ * self.meta_src_bytes
@@ -121,7 +124,7 @@ class NVLinkBackend(Backend):
         self.err = torch.zeros(4, dtype=torch.int32, device=self.device)
         self.err_host = torch.zeros(4, dtype=torch.int32).pin_memory()
         self.src_lists = torch.empty(r_, T_LIST_CAP, dtype=torch.int32, device=self.device)
-        self.notify_out = torch.zeros(r_ * r_ + r_ * L_MAX + r_ * C_MAX, dtype=torch.int32, device=self.device)
+        self.notify_out = torch.zeros(r_ * r_ + r_ * L_MAX + r_ * C_MAX + r_, dtype=torch.int32, device=self.device)
         self.notify_host = torch.zeros(self.notify_out.numel() + 4, dtype=torch.int32).pin_memory()
         self.ce_stream = torch.cuda.Stream(self.device)
         self.transfer = os.environ.get("EPCOMM_HT_TRANSFER", "ce")  # "ce" (copy engine) or "sm"
@@ -196,34 +199,48 @@ class NVLinkBackend(Backend):
         if r_ == 1:
             return
         if self.transfer == "sm":
-            grid = (max(1, self.num_sms),)
-            ht._push_kernel[grid](x_words, x_words.shape[1], x_words.shape[0], r_, me, is_in.view(torch.int8),
-                                  self.ptr_table, self.flags_off, ht.DDATA, ht.DCONSUMED, lay["dx"],
-                                  lay["d_slot"], self.ctrs[DSEND:], self.tickets[T_DPUSH:], self.err, 2,
-                                  self._timeout_ns, BLOCK=1024, HAS_TIMER=True, ELEM=torch_to_tl(x_words.dtype),
-                                  num_warps=8)
+            # Small per-token arrays by copy engine (after the receivers freed the slot), rows by SMs.
+            ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.DCONSUMED, r_, me, self.ctrs[DSEND:],
+                                     self.err, 2, self._timeout_ns, HAS_TIMER=True)
             for arr, key in ((scales, "ds"), (topk, "dk"), (w, "dw")):
-                if arr is not None:  # small side arrays: copy engine (ordered before the next kernel)
+                if arr is not None and arr.numel():
                     for j in range(r_):
                         if j != me:
                             b = arr.numel() * arr.element_size()
                             self._slot_view(j, lay[key], lay["d_slot"], me, b).copy_(arr.reshape(-1).view(torch.uint8))
+            grid = (max(1, self.num_sms),)
+            ht._push_kernel[grid](x_words, x_words.shape[1], x_words.shape[0], r_, me, is_in.view(torch.int8),
+                                  self.ptr_table, self.flags_off, ht.DDATA, ht.DCONSUMED, lay["dx"],
+                                  lay["d_slot"], self.ctrs[DSEND:], self.tickets[T_DPUSH:], self.err, 2,
+                                  self._timeout_ns, NC=NC, BLOCK=1024, HAS_TIMER=True,
+                                  ELEM=torch_to_tl(x_words.dtype), num_warps=8)
             return
         cur = torch.cuda.current_stream()
         self.ce_stream.wait_stream(cur)
+        t = x_words.shape[0]
+        per = max((t + NC - 1) // NC, 1)
         with torch.cuda.stream(self.ce_stream):
             ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.DCONSUMED, r_, me, self.ctrs[DSEND:],
                                      self.err, 2, self._timeout_ns, HAS_TIMER=True)
-            arrays = [(x_words, "dx"), (scales, "ds"), (topk, "dk"), (w, "dw")]
-            for j in range(r_):
-                if j == me:
-                    continue
-                for arr, key in arrays:
-                    if arr is not None and arr.numel():
-                        b = arr.numel() * arr.element_size()
-                        self._slot_view(j, lay[key], lay["d_slot"], me, b).copy_(arr.reshape(-1).view(torch.uint8))
-            ht._ce_signal_kernel[(1,)](self.ptr_table, self.flags_off, ht.DDATA, r_, me, self.ctrs[DSEND:])
-        for arr, _ in arrays:
+            side = [(scales, "ds"), (topk, "dk"), (w, "dw")]
+            for c in range(NC):
+                lo, hi = min(c * per, t), min((c + 1) * per, t)
+                for j in range(r_):
+                    if j == me:
+                        continue
+                    if c == 0:  # the small per-token arrays travel with the first chunk
+                        for arr, key in side:
+                            if arr is not None and arr.numel():
+                                b = arr.numel() * arr.element_size()
+                                self._slot_view(j, lay[key], lay["d_slot"], me, b).copy_(
+                                    arr.reshape(-1).view(torch.uint8))
+                    if hi > lo:
+                        rb = x_words.shape[1] * 4
+                        self._slot_view(j, lay["dx"] + lo * rb, lay["d_slot"], me, (hi - lo) * rb).copy_(
+                            x_words[lo:hi].reshape(-1).view(torch.uint8))
+                ht._ce_signal_kernel[(1,)](self.ptr_table, self.flags_off, ht.DDATA, r_, me, self.ctrs[DSEND:],
+                                           int(c == NC - 1))
+        for arr in (x_words, scales, topk, w):
             if arr is not None:
                 arr.record_stream(self.ce_stream)
 
@@ -232,7 +249,7 @@ class NVLinkBackend(Backend):
             torch.cuda.current_stream().wait_stream(self.ce_stream)
 
     def _gather(self, x_words, scales, topk, w, lay, counts, is_prefix: bool, n_rows: int, lo_expert: int,
-                lx: int, out_src: torch.Tensor, cached: bool, g: int, k: int):
+                lx: int, out_src: torch.Tensor, cached: bool, g: int, k: int, toks: torch.Tensor | None):
         from ..kernels import ht
 
         dev = self.device
@@ -249,11 +266,12 @@ class NVLinkBackend(Backend):
         stage_k = self._local(lay["dk"], lay["d_slot"], torch.int64)
         stage_w = self._local(lay["dw"], lay["d_slot"], torch.float32)
         dummy_f = stage_s
-        grid = (max(1, min(self.num_sms, max(n_rows, 1))),)
+        grid = (max(1, min(self.num_sms, (n_rows + RB - 1) // RB)),)
         ht._gather_kernel[grid](
             x_words, scales if scales is not None else dummy_f, topk if topk is not None else stage_k,
             w if w is not None else dummy_f, row, g, k,
             counts, counts.stride(0), self.rank, self.num_ranks, lo_expert, lx,
+            toks if toks is not None else self.nctr,
             self.src_lists, self.src_lists.stride(0), n_rows,
             stage_x, lay["d_slot"] // x_words.element_size(), stage_s, lay["d_slot"] // 4, stage_k,
             lay["d_slot"] // 8, stage_w, lay["d_slot"] // 4,
@@ -261,7 +279,7 @@ class NVLinkBackend(Backend):
             out_k if out_k is not None else stage_k, out_w if out_w is not None else dummy_f, out_src,
             self.ptr_table, self.flags_off, self.ctrs[DRECV:], self.tickets[T_GATHER:], self.err, self._timeout_ns,
             CACHED=cached, IS_PREFIX=is_prefix, HAS_SCALES=scales is not None, HAS_TOPK=out_k is not None,
-            BLOCK=1024, R_POW2=_pow2(self.num_ranks), K_POW2=_pow2(k), G_POW2=_pow2(g), HAS_TIMER=True,
+            NC=NC, RB=RB, BLOCK=512, R_POW2=_pow2(self.num_ranks), K_POW2=_pow2(k), G_POW2=_pow2(g), HAS_TIMER=True,
             num_warps=8,
         )
         return out_x, out_s, out_k, out_w
@@ -294,12 +312,13 @@ class NVLinkBackend(Backend):
         counts = no[:r_ * r_].view(r_, r_)
         per_expert = no[r_ * r_:r_ * r_ + r_ * lx].view(r_, lx)
         chan = no[r_ * r_ + r_ * L_MAX:r_ * r_ + r_ * L_MAX + r_ * c].view(r_, c)
+        toks = no[r_ * r_ + r_ * L_MAX + r_ * C_MAX:]
         per_chan = max((t + c - 1) // c, 1)
         ht._notify_kernel[(r_,)](
             is_in.view(torch.int8), t, r_, me, a.num_tokens_per_rank, a.num_tokens_per_expert, lx, c, per_chan,
             self.ptr_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
             self.list_off, self.list_parity_bytes, self.list_src_bytes,
-            self.nctr, send_head_rel, cpm, counts, per_expert, chan, self.src_lists, self.src_lists.stride(0),
+            self.nctr, send_head_rel, cpm, counts, per_expert, chan, toks, self.src_lists, self.src_lists.stride(0),
             self.err, self._timeout_ns,
             BLOCK=256, R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=True, num_warps=4,
         )
@@ -321,7 +340,7 @@ class NVLinkBackend(Backend):
             lst = layout.align_up(pe, a.expert_alignment).tolist()
         out_src = torch.empty(n_rows, dtype=torch.int32, device=dev)
         out_x, out_s, out_k, out_w = self._gather(x_words, scales, topk, w, lay, counts, False, n_rows, me * lx, lx,
-                                                  out_src, False, g, k)
+                                                  out_src, False, g, k, toks)
         self._join_ce()
         rpm = counts.cumsum(0).to(torch.int32)
         recv_cp = layout.recv_channel_prefix_matrix(rpm, chan, me)
@@ -355,7 +374,7 @@ class NVLinkBackend(Backend):
         self._bulk_dispatch(x_words, scales, None, None, lay, handle.is_token_in_rank.contiguous())
         n_rows = handle.recv_src_idx.numel()
         out_x, out_s, _, _ = self._gather(x_words, scales, None, None, lay, handle.rank_prefix_matrix, True, n_rows,
-                                          0, 0, handle.recv_src_idx, True, g, 0)
+                                          0, 0, handle.recv_src_idx, True, g, 0, None)
         self._join_ce()
         self._post_error_copy()
         recv_x = out_x.view(torch.uint8).view(x.dtype) if x.element_size() == 1 else out_x.view(x.dtype)
@@ -384,20 +403,24 @@ class NVLinkBackend(Backend):
                     ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.CCONSUMED, r_, me,
                                              self.ctrs[CSEND:], self.err, 4, self._timeout_ns, HAS_TIMER=True)
                     col = host_prefix[:, me].tolist()
-                    for i in range(r_):
-                        if i == me:
-                            continue
-                        start = col[i - 1] if i > 0 else 0
-                        rows = col[i] - start
-                        if rows:
-                            src = x[start:start + rows]
-                            self._slot_view(i, lay["cx"], lay["c_slot"], me, src.numel() * 2).copy_(
-                                src.reshape(-1).view(torch.uint8))
-                            if w is not None:
-                                ws = w[start:start + rows]
-                                self._slot_view(i, lay["cw"], lay["c_slot"], me, ws.numel() * 4).copy_(
-                                    ws.reshape(-1).view(torch.uint8))
-                    ht._ce_signal_kernel[(1,)](self.ptr_table, self.flags_off, ht.CDATA, r_, me, self.ctrs[CSEND:])
+                    for c in range(NC):
+                        for i in range(r_):
+                            if i == me:
+                                continue
+                            start = col[i - 1] if i > 0 else 0
+                            rows = col[i] - start
+                            per = max((rows + NC - 1) // NC, 1)
+                            lo, hi = min(c * per, rows), min((c + 1) * per, rows)
+                            if hi > lo:
+                                src = x[start + lo:start + hi]
+                                self._slot_view(i, lay["cx"] + lo * h * 2, lay["c_slot"], me, src.numel() * 2).copy_(
+                                    src.reshape(-1).view(torch.uint8))
+                                if w is not None:
+                                    ws = w[start + lo:start + hi]
+                                    self._slot_view(i, lay["cw"] + lo * k * 4, lay["c_slot"], me, ws.numel() * 4).copy_(
+                                        ws.reshape(-1).view(torch.uint8))
+                        ht._ce_signal_kernel[(1,)](self.ptr_table, self.flags_off, ht.CDATA, r_, me, self.ctrs[CSEND:],
+                                                   int(c == NC - 1))
                 x.record_stream(self.ce_stream)
                 if w is not None:
                     w.record_stream(self.ce_stream)
@@ -407,7 +430,7 @@ class NVLinkBackend(Backend):
                     xw, w if w is not None else xw.view(torch.float32), xw.shape[1], k, r_, me, rpm,
                     self.ptr_table, self.flags_off, lay["cx"], lay["c_slot"], lay["cw"], lay["c_slot"],
                     self.ctrs[CSEND:], self.tickets[T_CPUSH:], self.err, self._timeout_ns,
-                    HAS_W=w is not None, BLOCK=1024, K_POW2=_pow2(k), HAS_TIMER=True, num_warps=8,
+                    HAS_W=w is not None, NC=NC, BLOCK=1024, K_POW2=_pow2(k), HAS_TIMER=True, num_warps=8,
                 )
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         out_w = torch.empty(t, k, dtype=torch.float32, device=dev) if w is not None else None
@@ -415,13 +438,13 @@ class NVLinkBackend(Backend):
         stage_w = self._local(lay["cw"], lay["c_slot"], torch.float32)
         b0 = bias[0] if len(bias) > 0 else out
         b1 = bias[1] if len(bias) > 1 else out
-        grid = (max(1, min(self.num_sms, max(t, 1))),)
+        grid = (max(1, min(self.num_sms, (t + TB - 1) // TB)),)
         ht._reduce_kernel[grid](
             x, h, t, r_, me, handle.send_head.contiguous(), rpm.contiguous(), w if w is not None else stage_w, k,
             stage_x, lay["c_slot"] // 2, stage_w, lay["c_slot"] // 4,
             b0.contiguous(), b1.contiguous(), out, out_w if out_w is not None else stage_w,
             self.ptr_table, self.flags_off, self.ctrs[CRECV:], self.tickets[T_REDUCE:], self.err, self._timeout_ns,
-            HAS_W=w is not None, NUM_BIAS=len(bias), BLOCK=1024, R_POW2=_pow2(r_), K_POW2=_pow2(k),
+            HAS_W=w is not None, NUM_BIAS=len(bias), NC=NC, TB=TB, BLOCK=1024, R_POW2=_pow2(r_), K_POW2=_pow2(k),
             HAS_TIMER=True, num_warps=8,
         )
         self._join_ce()

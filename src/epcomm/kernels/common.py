@@ -47,10 +47,10 @@ def peer_ptr(ptr_table, rank, offset_bytes, dtype: tl.constexpr):
 
 
 @triton.jit
-def signal(flag_ptr):
+def signal(flag_ptr, value):
     """Release: everything this program wrote before is visible before the counter moves."""
     tl.debug_barrier()
-    tl.atomic_add(flag_ptr, 1, sem="release", scope="sys")
+    tl.atomic_add(flag_ptr, value, sem="release", scope="sys")
 
 
 @triton.jit

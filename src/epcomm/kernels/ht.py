@@ -38,7 +38,7 @@ def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
                    ptr_table, flags_off, meta_off, meta_parity_bytes, meta_src_bytes,
                    list_off, list_parity_bytes, list_src_bytes,
                    nctr_ptr, send_head_rel_ptr, cpm_ptr,
-                   counts_ptr, per_expert_ptr, chan_ptr, src_lists_ptr, src_lists_stride,
+                   counts_ptr, per_expert_ptr, chan_ptr, tok_ptr, src_lists_ptr, src_lists_stride,
                    err_ptr, timeout_ns,
                    BLOCK: tl.constexpr, R_POW2: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr,
                    HAS_TIMER: tl.constexpr):
@@ -68,7 +68,8 @@ def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
                 running += tl.sum(f, 0)
             tl.store(meta + R + L + c, running)
             tl.store(cpm_ptr + j * C + c, running)
-        signal(peer_ptr(ptr_table, j, flags_off + (NOTIFY * R + me) * 4, tl.int32))
+        tl.store(meta + R + L + C, T)
+        signal(peer_ptr(ptr_table, j, flags_off + (NOTIFY * R + me) * 4, tl.int32), 1)
     if DO_RECV:
         flag = peer_ptr(ptr_table, me, flags_off + (NOTIFY * R + j) * 4, tl.int32)
         wait_ge(flag, n + 1, err_ptr, 1, j, timeout_ns, HAS_TIMER)
@@ -82,6 +83,7 @@ def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
         for c0 in range(0, C, BLOCK):
             cc = c0 + tl.arange(0, BLOCK)
             tl.store(chan_ptr + j * C + cc, tl.load(meta_in + R + L + cc, mask=cc < C, other=0), mask=cc < C)
+        tl.store(tok_ptr + j, tl.load(meta_in + R + L + C))
         cnt = tl.load(meta_in + me)
         for b in range(0, cnt, BLOCK):
             offs = b + tl.arange(0, BLOCK)
@@ -102,12 +104,14 @@ def _ce_wait_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr, err_ptr, phase, 
 
 
 @triton.jit
-def _ce_signal_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr):
-    """After the copy engine finished (stream order): raise the data flag on every peer."""
+def _ce_signal_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr, bump):
+    """After a copy-engine chunk finished (stream order): raise the data flag on every peer by one;
+    ``bump`` = 1 after the last chunk advances this rank's send counter."""
     for j in range(0, R):
         if j != me:
-            signal(peer_ptr(ptr_table, j, flags_off + (slot * R + me) * 4, tl.int32))
-    tl.store(ctr_ptr, tl.load(ctr_ptr) + 1)
+            signal(peer_ptr(ptr_table, j, flags_off + (slot * R + me) * 4, tl.int32), 1)
+    if bump != 0:
+        tl.store(ctr_ptr, tl.load(ctr_ptr) + 1)
 
 
 @triton.jit
@@ -127,7 +131,7 @@ def _copy_row(dst, src, n_elems, BLOCK: tl.constexpr):
 @triton.jit
 def _push_kernel(x_ptr, row_elems, T, R, me, is_in_ptr, ptr_table, flags_off, slot, consumed_slot,
                  stage_off, stage_src_bytes, ctr_ptr, ticket_ptr, err_ptr, phase, timeout_ns,
-                 BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr, ELEM: tl.constexpr):
+                 NC: tl.constexpr, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr, ELEM: tl.constexpr):
     """SM bulk mover: row ``t`` of ``x`` (``row_elems`` int8/int16/int32 words) to row ``t`` of my slot
     in every peer ``j`` with ``is_in[t, j]``; the last program raises the peers' data flags."""
     pid = tl.program_id(0)
@@ -151,88 +155,127 @@ def _push_kernel(x_ptr, row_elems, T, R, me, is_in_ptr, ptr_table, flags_off, sl
         tl.atomic_xchg(ticket_ptr, 0)
         for j in range(0, R):
             if j != me:
-                signal(peer_ptr(ptr_table, j, flags_off + (slot * R + me) * 4, tl.int32))
+                signal(peer_ptr(ptr_table, j, flags_off + (slot * R + me) * 4, tl.int32), NC)
         tl.store(ctr_ptr, n + 1)
 
 
 @triton.jit
+def _wait_sources(need, known, rr, ptr_table, flags_off, slot, R, me, base, err_ptr, phase, timeout_ns,
+                  NC: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Wait until source ``j``'s data counter reaches ``base * NC + need[j]`` for every ``j`` whose
+    need exceeds what this program already saw (``known``); returns the updated ``known``."""
+    for j in range(0, R):
+        if j != me:
+            nj = tl.sum(tl.where(rr == j, need, 0), 0)
+            kj = tl.sum(tl.where(rr == j, known, 0), 0)
+            if nj > kj:
+                flag = peer_ptr(ptr_table, me, flags_off + (slot * R + j) * 4, tl.int32)
+                wait_ge(flag, base * NC + nj, err_ptr, phase, j, timeout_ns, HAS_TIMER)
+                known = tl.where(rr == j, nj, known)
+    return known
+
+
+@triton.jit
 def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
-                   counts_ptr, counts_stride, me, R, lo_expert, L,
+                   counts_ptr, counts_stride, me, R, lo_expert, L, tok_ptr,
                    src_lists_ptr, src_lists_stride, n_rows,
                    stage_ptr, stage_src_elems, stage_s_ptr, stage_s_src, stage_k_ptr, stage_k_src,
                    stage_w_ptr, stage_w_src,
                    out_x, out_s, out_s_stride_row, out_s_stride_col, out_k, out_w, out_src,
                    ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
                    CACHED: tl.constexpr, IS_PREFIX: tl.constexpr, HAS_SCALES: tl.constexpr,
-                   HAS_TOPK: tl.constexpr, BLOCK: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr,
-                   G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """Dispatch receive: row ``n`` of the outputs = token ``s`` of source rank ``i`` (rank-major order)."""
+                   HAS_TOPK: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
+                   R_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Dispatch receive: row ``n`` of the outputs = token ``s`` of source rank ``i`` (rank-major order).
+
+    Tiles of ``RB`` rows; rows are visited rotated so this rank's own block (no wait) comes first,
+    then the peers' blocks in token order, waiting chunk by chunk (``NC`` copy-engine chunks per
+    source; chunk of token ``s`` = ``s // ceil(T_i / NC)``; cached mode waits for all chunks).
+    """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
-    n_ctr = tl.load(ctr_ptr)
+    base = tl.load(ctr_ptr)
     rr = tl.arange(0, R_POW2)
     col = tl.load(counts_ptr + rr * counts_stride + me, mask=rr < R, other=0)
     if IS_PREFIX:
         incl = col
+        excl = tl.load(counts_ptr + (rr - 1) * counts_stride + me, mask=(rr < R) & (rr > 0), other=0)
     else:
         incl = tl.cumsum(col, 0)
+        excl = incl - col
     total = tl.max(tl.where(rr < R, incl, 0), 0)
-    for i in range(0, R):
-        if i != me:
-            flag = peer_ptr(ptr_table, me, flags_off + (DDATA * R + i) * 4, tl.int32)
-            wait_ge(flag, n_ctr + 1, err_ptr, 3, i, timeout_ns, HAS_TIMER)
+    start_me = tl.sum(tl.where(rr == me, excl, 0), 0)
+    known = tl.zeros((R_POW2,), dtype=tl.int32)
+    if CACHED:
+        known = _wait_sources(tl.full((R_POW2,), NC, tl.int32), known, rr, ptr_table, flags_off, DDATA, R, me,
+                              base, err_ptr, 3, timeout_ns, NC, HAS_TIMER)
+        chunk_rows = tl.full((R_POW2,), 1, tl.int32)
+    else:
+        toks = tl.load(tok_ptr + rr, mask=rr < R, other=0)
+        chunk_rows = tl.maximum((toks + NC - 1) // NC, 1)
     kk = tl.arange(0, K_POW2)
     gg = tl.arange(0, G_POW2)
-    for n in range(pid, n_rows, P):
-        n64 = _i64(n)
-        if n < total:
-            i = tl.sum(tl.where((rr < R) & (incl <= n), 1, 0), 0)
-            if IS_PREFIX:
-                start = tl.sum(tl.where(rr == i - 1, incl, 0), 0)
-            else:
-                start = tl.sum(tl.where(rr < i, col, 0), 0)
-            if CACHED:
-                s = tl.load(out_src + n)
-            else:
-                s = tl.load(src_lists_ptr + i * src_lists_stride + (n - start))
-                tl.store(out_src + n, s)
-            s64 = s.to(tl.int64)
-            if i == me:
-                src_row = x_ptr + s64 * row_elems
-            else:
-                src_row = stage_ptr + i.to(tl.int64) * stage_src_elems + s64 * row_elems
-            _copy_row(out_x + n64 * row_elems, src_row, row_elems, BLOCK)
-            if HAS_SCALES:
-                if i == me:
-                    sv = tl.load(xs_ptr + s64 * G + gg, mask=gg < G)
-                else:
-                    sv = tl.load(stage_s_ptr + i.to(tl.int64) * stage_s_src + s64 * G + gg, mask=gg < G)
-                tl.store(out_s + n64 * out_s_stride_row + gg * out_s_stride_col, sv, mask=gg < G)
-            if HAS_TOPK:
-                if i == me:
-                    kv = tl.load(topk_ptr + s64 * K + kk, mask=kk < K, other=-1)
-                    wv = tl.load(w_ptr + s64 * K + kk, mask=kk < K, other=0.0)
-                else:
-                    kv = tl.load(stage_k_ptr + i.to(tl.int64) * stage_k_src + s64 * K + kk, mask=kk < K, other=-1)
-                    wv = tl.load(stage_w_ptr + i.to(tl.int64) * stage_w_src + s64 * K + kk, mask=kk < K,
-                                 other=0.0)
-                here = (kv >= lo_expert) & (kv < lo_expert + L)
-                tl.store(out_k + n64 * K + kk, tl.where(here, kv - lo_expert, -1), mask=kk < K)
-                tl.store(out_w + n64 * K + kk, tl.where(here, wv, 0.0), mask=kk < K)
+    cols = tl.arange(0, BLOCK)
+    for v0 in range(pid * RB, n_rows, P * RB):
+        vv = v0 + tl.arange(0, RB)
+        inb = vv < n_rows
+        real = vv < total
+        nn = tl.where(real, (vv + start_me) % tl.maximum(total, 1), vv)
+        nn64 = nn.to(tl.int64)
+        i = tl.sum(tl.where((rr[None, :] < R) & (incl[None, :] <= nn[:, None]), 1, 0), 1)
+        start = tl.sum(tl.where(rr[None, :] == i[:, None], excl[None, :], 0), 1)
+        if CACHED:
+            s = tl.load(out_src + nn, mask=real, other=0)
         else:
-            if not CACHED:
-                tl.store(out_src + n, -1)
-            if HAS_TOPK:
-                tl.store(out_k + n64 * K + kk, tl.full((K_POW2,), -1, tl.int64), mask=kk < K)
-                tl.store(out_w + n64 * K + kk, tl.zeros((K_POW2,), tl.float32), mask=kk < K)
+            s = tl.load(src_lists_ptr + i * src_lists_stride + (nn - start), mask=real, other=0)
+            tl.store(out_src + nn, tl.where(real, s, -1), mask=inb)
+        if not CACHED:
+            ch = tl.sum(tl.where(rr[None, :] == i[:, None], chunk_rows[None, :], 1), 1)
+            lvl = tl.where(real & (i != me), s // ch + 1, 0)
+            need = tl.max(tl.where(rr[None, :] == i[:, None], lvl[:, None], 0), 0)
+            known = _wait_sources(need, known, rr, ptr_table, flags_off, DDATA, R, me, base, err_ptr, 3,
+                                  timeout_ns, NC, HAS_TIMER)
+        s64 = s.to(tl.int64)
+        mine = real & (i == me)
+        peer = real & (i != me)
+        lrow = s64 * row_elems
+        srow = i.to(tl.int64) * stage_src_elems + s64 * row_elems
+        orow = nn64 * row_elems
+        for h0 in range(0, row_elems, BLOCK):
+            cc = h0 + cols
+            cm = cc[None, :] < row_elems
+            a = tl.load(x_ptr + lrow[:, None] + cc[None, :], mask=mine[:, None] & cm)
+            b = tl.load(stage_ptr + srow[:, None] + cc[None, :], mask=peer[:, None] & cm)
+            tl.store(out_x + orow[:, None] + cc[None, :], tl.where(mine[:, None], a, b), mask=real[:, None] & cm)
+        if HAS_SCALES:
+            gm = gg[None, :] < G
+            sa = tl.load(xs_ptr + s64[:, None] * G + gg[None, :], mask=mine[:, None] & gm)
+            sb = tl.load(stage_s_ptr + i.to(tl.int64)[:, None] * stage_s_src + s64[:, None] * G + gg[None, :],
+                         mask=peer[:, None] & gm)
+            tl.store(out_s + nn64[:, None] * out_s_stride_row + gg[None, :] * out_s_stride_col,
+                     tl.where(mine[:, None], sa, sb), mask=real[:, None] & gm)
+        if HAS_TOPK:
+            km = kk[None, :] < K
+            ka = tl.load(topk_ptr + s64[:, None] * K + kk[None, :], mask=mine[:, None] & km, other=-1)
+            kb = tl.load(stage_k_ptr + i.to(tl.int64)[:, None] * stage_k_src + s64[:, None] * K + kk[None, :],
+                         mask=peer[:, None] & km, other=-1)
+            wa = tl.load(w_ptr + s64[:, None] * K + kk[None, :], mask=mine[:, None] & km, other=0.0)
+            wb = tl.load(stage_w_ptr + i.to(tl.int64)[:, None] * stage_w_src + s64[:, None] * K + kk[None, :],
+                         mask=peer[:, None] & km, other=0.0)
+            kv = tl.where(mine[:, None], ka, kb)
+            wv = tl.where(mine[:, None], wa, wb)
+            here = real[:, None] & (kv >= lo_expert) & (kv < lo_expert + L)
+            tl.store(out_k + nn64[:, None] * K + kk[None, :], tl.where(here, kv - lo_expert, -1),
+                     mask=inb[:, None] & km)
+            tl.store(out_w + nn64[:, None] * K + kk[None, :], tl.where(here, wv, 0.0), mask=inb[:, None] & km)
     tl.debug_barrier()
     old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
     if old == P - 1:
         tl.atomic_xchg(ticket_ptr, 0)
         for i in range(0, R):
             if i != me:
-                signal(peer_ptr(ptr_table, i, flags_off + (DCONSUMED * R + me) * 4, tl.int32))
-        tl.store(ctr_ptr, n_ctr + 1)
+                signal(peer_ptr(ptr_table, i, flags_off + (DCONSUMED * R + me) * 4, tl.int32), 1)
+        tl.store(ctr_ptr, base + 1)
 
 
 @triton.jit
@@ -240,76 +283,93 @@ def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K,
                    stage_ptr, stage_src_elems, stage_w_ptr, stage_w_src,
                    bias0_ptr, bias1_ptr, out_ptr, out_w_ptr,
                    ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
-                   HAS_W: tl.constexpr, NUM_BIAS: tl.constexpr, BLOCK: tl.constexpr, R_POW2: tl.constexpr,
-                   K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+                   HAS_W: tl.constexpr, NUM_BIAS: tl.constexpr, NC: tl.constexpr, TB: tl.constexpr,
+                   BLOCK: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
     """Combine receive: ``out[t] = Σ_j row_j(t)`` (float32, ranks in order) ``+ bias``, as bf16.
 
     ``row_j(t)`` is row ``send_head[t, j]`` of rank ``j``'s x: local x for ``j == me``, else row
-    ``send_head[t, j] - rpm[me-1, j]`` of staging slot ``j`` (rank ``j`` copied my block there).
+    ``send_head[t, j] - rpm[me-1, j]`` of staging slot ``j`` (rank ``j`` copied my block there in
+    ``NC`` chunks of ``ceil(count / NC)`` rows; this program waits chunk by chunk).
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
-    n_ctr = tl.load(ctr_ptr)
+    base_ctr = tl.load(ctr_ptr)
     rr = tl.arange(0, R_POW2)
+    mine_row = tl.load(rpm_ptr + me * R + rr, mask=rr < R, other=0)
     if me > 0:
         base = tl.load(rpm_ptr + (me - 1) * R + rr, mask=rr < R, other=0)
     else:
         base = tl.zeros((R_POW2,), dtype=tl.int32)
-    for j in range(0, R):
-        if j != me:
-            flag = peer_ptr(ptr_table, me, flags_off + (CDATA * R + j) * 4, tl.int32)
-            wait_ge(flag, n_ctr + 1, err_ptr, 5, j, timeout_ns, HAS_TIMER)
+    chunk_rows = tl.maximum((mine_row - base + NC - 1) // NC, 1)
+    known = tl.zeros((R_POW2,), dtype=tl.int32)
     kk = tl.arange(0, K_POW2)
-    for t in range(pid, T, P):
-        t64 = _i64(t)
-        heads = tl.load(send_head_ptr + t64 * R + rr, mask=rr < R, other=-1)
+    cols = tl.arange(0, BLOCK)
+    for t0 in range(pid * TB, T, P * TB):
+        tt = t0 + tl.arange(0, TB)
+        tm = tt < T
+        tt64 = tt.to(tl.int64)
+        heads = tl.load(send_head_ptr + tt64[:, None] * R + rr[None, :], mask=tm[:, None] & (rr[None, :] < R),
+                        other=-1)
+        rel = heads - base[None, :]
+        lvl = tl.where((heads >= 0) & (rr[None, :] != me), rel // chunk_rows[None, :] + 1, 0)
+        need = tl.max(lvl, 0)
+        known = _wait_sources(need, known, rr, ptr_table, flags_off, CDATA, R, me, base_ctr, err_ptr, 5,
+                              timeout_ns, NC, HAS_TIMER)
         for h0 in range(0, H, BLOCK):
-            hh = h0 + tl.arange(0, BLOCK)
-            m = hh < H
-            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            cc = h0 + cols
+            cm = cc[None, :] < H
+            acc = tl.zeros((TB, BLOCK), dtype=tl.float32)
             for j in range(0, R):
-                row = tl.sum(tl.where(rr == j, heads, 0), 0)
-                if row >= 0:
-                    if j == me:
-                        v = tl.load(x_ptr + row.to(tl.int64) * H + hh, mask=m, other=0.0)
-                    else:
-                        rel = row - tl.sum(tl.where(rr == j, base, 0), 0)
-                        v = tl.load(stage_ptr + _i64(j) * stage_src_elems + rel.to(tl.int64) * H + hh, mask=m,
-                                    other=0.0)
-                    acc += v.to(tl.float32)
+                row = tl.sum(tl.where(rr[None, :] == j, heads, 0), 1)
+                ok = tm & (row >= 0)
+                if j == me:
+                    v = tl.load(x_ptr + row.to(tl.int64)[:, None] * H + cc[None, :], mask=ok[:, None] & cm,
+                                other=0.0)
+                else:
+                    relj = row - tl.sum(tl.where(rr == j, base, 0), 0)
+                    v = tl.load(stage_ptr + _i64(j) * stage_src_elems + relj.to(tl.int64)[:, None] * H + cc[None, :],
+                                mask=ok[:, None] & cm, other=0.0)
+                acc += v.to(tl.float32)
             if NUM_BIAS >= 1:
-                acc += tl.load(bias0_ptr + t64 * H + hh, mask=m, other=0.0).to(tl.float32)
+                acc += tl.load(bias0_ptr + tt64[:, None] * H + cc[None, :], mask=tm[:, None] & cm,
+                               other=0.0).to(tl.float32)
             if NUM_BIAS >= 2:
-                acc += tl.load(bias1_ptr + t64 * H + hh, mask=m, other=0.0).to(tl.float32)
-            tl.store(out_ptr + t64 * H + hh, acc.to(tl.bfloat16), mask=m)
+                acc += tl.load(bias1_ptr + tt64[:, None] * H + cc[None, :], mask=tm[:, None] & cm,
+                               other=0.0).to(tl.float32)
+            tl.store(out_ptr + tt64[:, None] * H + cc[None, :], acc.to(tl.bfloat16), mask=tm[:, None] & cm)
         if HAS_W:
-            accw = tl.zeros((K_POW2,), dtype=tl.float32)
+            km = kk[None, :] < K
+            accw = tl.zeros((TB, K_POW2), dtype=tl.float32)
             for j in range(0, R):
-                row = tl.sum(tl.where(rr == j, heads, 0), 0)
-                if row >= 0:
-                    if j == me:
-                        wv = tl.load(w_ptr + row.to(tl.int64) * K + kk, mask=kk < K, other=0.0)
-                    else:
-                        rel = row - tl.sum(tl.where(rr == j, base, 0), 0)
-                        wv = tl.load(stage_w_ptr + _i64(j) * stage_w_src + rel.to(tl.int64) * K + kk, mask=kk < K,
-                                     other=0.0)
-                    accw += wv
-            tl.store(out_w_ptr + t64 * K + kk, accw, mask=kk < K)
+                row = tl.sum(tl.where(rr[None, :] == j, heads, 0), 1)
+                ok = tm & (row >= 0)
+                if j == me:
+                    wv = tl.load(w_ptr + row.to(tl.int64)[:, None] * K + kk[None, :], mask=ok[:, None] & km, other=0.0)
+                else:
+                    relj = row - tl.sum(tl.where(rr == j, base, 0), 0)
+                    wv = tl.load(stage_w_ptr + _i64(j) * stage_w_src + relj.to(tl.int64)[:, None] * K + kk[None, :],
+                                 mask=ok[:, None] & km, other=0.0)
+                accw += wv
+            tl.store(out_w_ptr + tt64[:, None] * K + kk[None, :], accw, mask=tm[:, None] & km)
+    # every chunk of every peer must have arrived before the slot is handed back
+    known = _wait_sources(tl.full((R_POW2,), NC, tl.int32), known, rr, ptr_table, flags_off, CDATA, R, me, base_ctr,
+                          err_ptr, 5, timeout_ns, NC, HAS_TIMER)
     tl.debug_barrier()
     old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
     if old == P - 1:
         tl.atomic_xchg(ticket_ptr, 0)
         for j in range(0, R):
             if j != me:
-                signal(peer_ptr(ptr_table, j, flags_off + (CCONSUMED * R + me) * 4, tl.int32))
-        tl.store(ctr_ptr, n_ctr + 1)
+                signal(peer_ptr(ptr_table, j, flags_off + (CCONSUMED * R + me) * 4, tl.int32), 1)
+        tl.store(ctr_ptr, base_ctr + 1)
 
 
 @triton.jit
 def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, flags_off,
                          stage_off, stage_src_bytes, stage_w_off, stage_w_src_bytes,
                          ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
-                         HAS_W: tl.constexpr, BLOCK: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+                         HAS_W: tl.constexpr, NC: tl.constexpr, BLOCK: tl.constexpr, K_POW2: tl.constexpr,
+                         HAS_TIMER: tl.constexpr):
     """SM mover for combine: rows ``[rpm[i-1, me], rpm[i, me])`` of x go to row 0.. of my slot on
     owner ``i``; the last program raises the owners' data flags."""
     pid = tl.program_id(0)
@@ -340,5 +400,5 @@ def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, 
         tl.atomic_xchg(ticket_ptr, 0)
         for i in range(0, R):
             if i != me:
-                signal(peer_ptr(ptr_table, i, flags_off + (CDATA * R + me) * 4, tl.int32))
+                signal(peer_ptr(ptr_table, i, flags_off + (CDATA * R + me) * 4, tl.int32), NC)
         tl.store(ctr_ptr, n + 1)
