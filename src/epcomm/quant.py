@@ -75,12 +75,17 @@ def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     pad = (-g) % 4
     if pad:
         exp = torch.nn.functional.pad(exp.to(torch.int32), (0, pad)).to(torch.uint8)
-    return exp.contiguous().view(torch.int32)
+    # Through a flat view: a tensor with a size-1 dim counts as contiguous with any stride there,
+    # which view(dtype) rejects.
+    return exp.contiguous().reshape(-1).view(torch.int32).view(*exp.shape[:-1], exp.shape[-1] // 4)
 
 
 def unpack_ue8m0(packed: torch.Tensor, num_groups: int) -> torch.Tensor:
     """``int32[..., ceil(G/4)]`` → float32 power-of-two scales ``[..., G]``."""
     if packed.dtype != torch.int32:
         raise TypeError(f"packed must be int32, got {packed.dtype}")
-    exp = packed.contiguous().view(torch.uint8)[..., :num_groups].to(torch.int32)
+    # Low-latency dispatch returns packed scales as a transposed view ([L, R*M, 1] with a stride of
+    # R*M in the last dim): go through a flat view so view(dtype) accepts it.
+    raw = packed.contiguous().reshape(-1).view(torch.uint8).view(*packed.shape[:-1], packed.shape[-1] * 4)
+    exp = raw[..., :num_groups].to(torch.int32)
     return (exp << 23).view(torch.float32)

@@ -153,6 +153,13 @@ def test_ue8m0_round_trip():
     # leading dims and a transposed (non-contiguous) input
     s3 = s.view(2, 4, 8).transpose(0, 1)
     assert bits_equal(quant.unpack_ue8m0(quant.pack_ue8m0(s3), 8), s3.contiguous())
+    # the layout low-latency dispatch returns: [L, R*M, 1] as a transposed view of [L, 1, R*M]
+    s1 = s[:, :4].reshape(2, 4, 4)
+    packed_t = torch.zeros(2, 1, 4, dtype=torch.int32).transpose(1, 2)
+    packed_t.copy_(quant.pack_ue8m0(s1))
+    assert packed_t.stride() == (4, 1, 4)
+    assert bits_equal(quant.unpack_ue8m0(packed_t, 4), s1)
+    assert torch.equal(quant.pack_ue8m0(quant.unpack_ue8m0(packed_t, 4)), packed_t)
     # G not a multiple of 4
     s6 = s[:, :6]
     assert bits_equal(quant.unpack_ue8m0(quant.pack_ue8m0(s6), 6), s6.contiguous())
