@@ -78,11 +78,20 @@ def _forced_backend(name: str | None):
             os.environ["EPCOMM_BACKEND"] = old
 
 
+def ht_nvl_bytes(case: BenchCase, num_ranks: int) -> int:
+    """``num_nvl_bytes`` for a high-throughput case: the larger of DeepEP's config hints and room to
+    stage a whole batch from every rank for dispatch and combine (a BF16 row with its FP8 scales
+    and top-k, plus 16 bytes), which backends that stage whole batches (nvlink) need."""
+    dcfg, ccfg = Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)
+    hint = max(cfg.get_nvl_buffer_size_hint(case.hidden * 2, num_ranks) for cfg in (dcfg, ccfg))
+    row = case.hidden * 2 + 4 * (case.hidden // 128) + 12 * case.topk + 16
+    staging = 2 * num_ranks * case.tokens * row
+    return (max(hint, staging) + (1 << 20) - 1) // (1 << 20) * (1 << 20)
+
+
 def _buffer_kwargs(mode: str, cases: list[BenchCase], num_ranks: int) -> dict:
     if mode == "ht":
-        dcfg, ccfg = Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)
-        nvl = max(cfg.get_nvl_buffer_size_hint(c.hidden * 2, num_ranks) for c in cases for cfg in (dcfg, ccfg))
-        return {"num_nvl_bytes": nvl}
+        return {"num_nvl_bytes": max(ht_nvl_bytes(c, num_ranks) for c in cases)}
     rdma = max(Buffer.get_low_latency_rdma_size_hint(c.tokens, c.hidden, num_ranks, c.experts) for c in cases)
     return {"num_rdma_bytes": rdma, "low_latency_mode": True}
 

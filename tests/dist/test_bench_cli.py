@@ -1,0 +1,129 @@
+"""Tier 2 (gloo on CPU, spawned processes): ``epcomm bench`` and ``epcomm check`` end to end, and
+the benchmark's correctness check catching a broken backend.
+
+``bench`` runs the ``small`` cases on 2 ranks with few iterations through ``epcomm.cli.main`` and
+checks the JSONL rows and the table (printed last). The check test wraps a reference Buffer in a
+"fast backend" that corrupts one byte (it must FAIL) or reorders rows within a low-latency source
+block (allowed: it must pass), beside a true reference Buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from epcomm import Buffer, cli
+from epcomm.bench import workloads
+from epcomm.bench.cases import CASE_SETS
+from epcomm.testing.launcher import parallel_launch
+
+
+@pytest.fixture(autouse=True)
+def _deadline(monkeypatch):
+    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "60")
+
+
+def test_bench_small_end_to_end(tmp_path, capsys):
+    out = tmp_path / "rows.jsonl"
+    rc = cli.main(["bench", "--cases", "small", "--world-size", "2", "--device", "cpu", "--iters", "2",
+                   "--warmup", "0", "--sets", "2", "--out", str(out), "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    # HT: dispatch bf16, dispatch fp8, combine bf16; LL: dispatch, combine, and their send/recv halves
+    assert len(rows) == 3 + 2 + 4
+    for r in rows:
+        assert r["backend"] == "reference" and r["world_size"] == 2 and r["timing"] == "wall"
+        assert r["check"] == "pass" and r["sms"] == "gloo" and r["iters"] == 2
+        assert r["median_us"] > 0 and r["p10_us"] <= r["p90_us"]
+        assert r["speedup"] == pytest.approx(1.0) and r["ref_median_us"] == r["median_us"]
+        assert r["env"]["transport"] == "gloo" and r["env"]["world_size"] == 2 and r["env"]["device"] == "cpu"
+        if r["phase"] == "total":
+            assert 0 < r["link_bytes"] < r["logical_bytes"] and r["logical_gbps"] > 0
+        else:
+            assert r["logical_bytes"] is None
+    assert {(r["mode"], r["op"], r["dtype"], r["phase"]) for r in rows} >= {
+        ("ht", "dispatch", "bf16", "total"), ("ht", "dispatch", "fp8", "total"), ("ht", "combine", "bf16", "total"),
+        ("ll", "dispatch", "fp8", "send"), ("ll", "combine", "bf16", "recv")}
+    lines = text.rstrip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("case "))
+    assert len(lines) == header + 2 + len(rows)  # the table is the last thing printed
+    assert lines[0].startswith("wrote 9 rows")
+
+
+def test_check_command(capsys):
+    assert cli.main(["check", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("PASS") and "2 ranks on gloo" in out
+
+
+class _Wrapped:
+    """A Buffer stand-in for a fast backend: delegates, then damages or reorders some results."""
+
+    def __init__(self, buf: Buffer, how: str):
+        self.buf, self.how = buf, how
+        self.backend_name = f"fake-{how}"
+
+    def __getattr__(self, name):
+        return getattr(self.buf, name)
+
+    def dispatch(self, x, **kw):
+        out = self.buf.dispatch(x, **kw)
+        if self.how == "corrupt" and not isinstance(x, tuple) and out[0].numel():
+            out[0].view(torch.int16)[-1, -1] ^= 1
+        return out
+
+    @staticmethod
+    def _blocks(handle):
+        begin, count = (v.tolist() for v in (handle.layout_range >> 32, handle.layout_range & 0xFFFFFFFF))
+        for e, (bs, cs) in enumerate(zip(begin, count)):
+            for b, c in zip(bs, cs):
+                idx = torch.arange(b, b + c)
+                yield e, idx, idx.flip(0)
+
+    def low_latency_dispatch(self, *a, **kw):
+        recv_x, cnt, handle, ev, hook = self.buf.low_latency_dispatch(*a, **kw)
+        if self.how == "reorder":  # reverse every (expert, source rank) block: allowed by the contract
+            for e, idx, rev in self._blocks(handle):
+                recv_x[0].view(torch.uint8)[e, idx] = recv_x[0].view(torch.uint8)[e, rev].clone()
+                recv_x[1][e, idx] = recv_x[1][e, rev].clone()
+                handle.recv_src_info[e, idx] = handle.recv_src_info[e, rev].clone()
+        if self.how == "corrupt" and int(cnt[0]) > 0:
+            recv_x[1][0, 0, 0] *= 2
+        return recv_x, cnt, handle, ev, hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, **kw):
+        if self.how == "reorder":  # a consistent backend combines in its own dispatch order
+            x = x.clone()
+            for e, idx, rev in self._blocks(handle):
+                x[e, idx] = x[e, rev].clone()
+        return self.buf.low_latency_combine(x, topk_idx, topk_weights, handle, **kw)
+
+
+def _check_worker(ctx):
+    os.environ["EPCOMM_TIMEOUT_S"] = "60"
+    ht, ll = CASE_SETS["small"]
+    dev, me, r_ = ctx.device, ctx.rank, ctx.world_size
+    ht_set = workloads.make_ht_sets(ht, me, r_, dev, 1)[0]
+    ll_set = workloads.make_ll_sets(ll, me, r_, dev, 1)[0]
+    rdma = Buffer.get_low_latency_rdma_size_hint(ll.tokens, ll.hidden, r_, ll.experts)
+    out = {}
+    for how in ("corrupt", "reorder"):
+        fake = _Wrapped(Buffer(ctx.group), how)
+        out[("ht", how)] = workloads.check_ht({fake.backend_name: fake, "reference": Buffer(ctx.group)}, ht_set)
+        fake = _Wrapped(Buffer(ctx.group, num_rdma_bytes=rdma, low_latency_mode=True), how)
+        ref = Buffer(ctx.group, num_rdma_bytes=rdma, low_latency_mode=True)
+        out[("ll", how)] = workloads.check_ll({fake.backend_name: fake, "reference": ref}, ll_set, ll)
+    return out
+
+
+def test_correctness_check_catches_a_broken_backend():
+    res = parallel_launch(2, _check_worker, backend="gloo", timeout_s=120)
+    for rank, out in enumerate(res):
+        for mode in ("ht", "ll"):
+            assert out[(mode, "corrupt")]["reference"] == "pass", (rank, mode, out)
+            assert out[(mode, "corrupt")]["fake-corrupt"].startswith("FAIL: "), (rank, mode, out)
+            assert out[(mode, "reorder")]["fake-reorder"] == "pass", (rank, mode, out)

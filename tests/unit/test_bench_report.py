@@ -1,0 +1,117 @@
+"""Tier 1: merging per-rank results into rows, the JSONL fields, the table and the plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from epcomm.bench import report
+from epcomm.bench.cases import BenchCase
+
+CASE = dataclasses.asdict(BenchCase("small", "ht", 64, 256, 4, 16))
+ENV = {"date": "2026-11-21T00:00:00+00:00", "device": "cpu", "gpu_count": 0, "driver": None, "cuda": None,
+       "nccl": None, "torch": "2.x", "triton": None, "epcomm": "0.1.0", "git_sha": "abc", "git_dirty": False,
+       "python": "3.11", "world_size": 2, "transport": "gloo", "backends": ["nvlink", "reference"]}
+
+
+def result(backend, median, *, lb=1000, kb=500, check="pass", phase="total", p10=None, p90=None):
+    return {"case": CASE, "backend": backend, "op": "dispatch", "dtype": "bf16", "phase": phase,
+            "median": median, "p10": p10 or median * 0.9, "p90": p90 or median * 1.1, "host": median / 2,
+            "timing": "events", "logical_bytes": lb, "link_bytes": kb, "sms": 24 if backend != "reference" else "nccl",
+            "check": check}
+
+
+def test_merge_takes_max_median_min_bandwidth_and_pairs_the_reference():
+    rank0 = [result("nvlink", 10e-6, lb=2000, kb=1000), result("reference", 40e-6)]
+    rank1 = [result("nvlink", 20e-6, lb=1000, kb=500), result("reference", 30e-6)]
+    rows = report.merge_ranks([rank0, rank1], env=ENV, iters=5, warmup=1, ce_gbps=100.0)
+    fast, ref = rows
+    assert fast["backend"] == "nvlink" and ref["backend"] == "reference"
+    assert fast["median_us"] == pytest.approx(20.0)          # max over ranks of the medians
+    assert fast["p90_us"] == pytest.approx(22.0)
+    assert fast["logical_bytes"] == 2000                      # the busiest rank
+    # per rank: 2000 B / 10 us = 0.2 GB/s, 1000 B / 20 us = 0.05 GB/s -> the minimum
+    assert fast["logical_gbps"] == pytest.approx(0.05)
+    assert fast["link_gbps"] == pytest.approx(0.025)
+    assert fast["link_fraction"] == pytest.approx(0.025 / 100.0)
+    assert fast["ref_median_us"] == pytest.approx(40.0) and fast["speedup"] == pytest.approx(2.0)
+    assert ref["speedup"] == pytest.approx(1.0)
+    assert fast["world_size"] == 2 and fast["sms"] == 24 and ref["sms"] == "nccl"
+    assert fast["check"] == "pass" and fast["env"] is ENV
+
+
+def test_merge_reports_failing_ranks_and_missing_bytes():
+    rank0 = [result("nvlink", 1e-5, check="pass", lb=None, kb=None, phase="send")]
+    rank1 = [result("nvlink", 1e-5, check="FAIL: recv_x differs", lb=None, kb=None, phase="send")]
+    (row,) = report.merge_ranks([rank0, rank1], env=ENV, iters=1, warmup=0)
+    assert row["check"] == "rank 1: FAIL: recv_x differs"
+    assert row["logical_gbps"] is None and row["link_fraction"] is None and row["speedup"] is None
+
+
+def test_jsonl_rows_carry_every_field(tmp_path):
+    rows = report.merge_ranks([[result("reference", 1e-5)]], env=ENV, iters=3, warmup=1)
+    path = report.write_jsonl(tmp_path / "sub" / "rows.jsonl", rows)
+    back = report.read_jsonl(path)
+    assert back == json.loads(json.dumps(rows))
+    assert tuple(back[0]) == report.ROW_FIELDS
+    assert set(back[0]["env"]) == set(report.ENV_FIELDS)
+
+
+def test_table_rendering():
+    rows = report.merge_ranks([[result("nvlink", 12.3e-6), result("reference", 1234.5e-6)]], env=ENV, iters=3,
+                              warmup=1, ce_gbps=None)
+    text = report.render_table(rows)
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["case", "T", "H"] and "speedup" in lines[0] and "%CE" not in lines[0]
+    assert set(lines[1]) <= {"-", " "}
+    assert "12.3" in lines[2] and "100.37x" in lines[2] and "dispatch-bf16" in lines[2]
+    assert "1234" in lines[3] or "1235" in lines[3]
+    rows[0]["link_fraction"] = 0.5
+    assert "%CE" in report.render_table(rows) and "50%" in report.render_table(rows)
+
+
+def test_op_label():
+    assert report.op_label({"op": "dispatch", "dtype": "fp8", "phase": "send"}) == "dispatch-fp8:send"
+    assert report.op_label({"op": "dispatch", "dtype": "bf16", "phase": "total", "cached": True}) == \
+        "dispatch-bf16(cached)"
+
+
+def test_header_names_device_versions_and_ceiling():
+    text = report.render_header({**ENV, "device": "NVIDIA H200", "gpu_count": 2, "driver": "570.1",
+                                 "cuda": "12.8", "nccl": "2.27.3"}, 386.0)
+    assert "NVIDIA H200 x2" in text and "driver 570.1" in text and "386.0 GB/s" in text
+
+
+def test_environment_record():
+    env = report.environment({"device": "cpu", "gpu_count": 0}, 4, "gloo", ["reference"])
+    assert set(env) == set(report.ENV_FIELDS)
+    assert env["world_size"] == 4 and env["driver"] is None and env["git_sha"]
+
+
+def test_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    from epcomm.bench.plot import plot_rows
+
+    res = []
+    for t in (1, 4, 16):
+        case = {**CASE, "tokens": t}
+        for b, m in (("nvlink", 1e-5 * t), ("reference", 3e-5 * t)):
+            res.append({**result(b, m), "case": case})
+    rows = report.merge_ranks([res], env=ENV, iters=3, warmup=1, ce_gbps=1.0)
+    paths = plot_rows(rows, tmp_path / "plots")
+    assert [p.name for p in paths] == ["time_vs_tokens.png", "bandwidth.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_plot_without_matplotlib_says_what_to_install(monkeypatch):
+    import sys
+
+    from epcomm.bench import plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    with pytest.raises(ImportError, match=r"pip install 'epcomm\[plot\]'"):
+        plot.plot_rows([{"x": 1}], "unused")
