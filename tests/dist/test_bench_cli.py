@@ -4,7 +4,8 @@ the benchmark's correctness check catching a broken backend.
 ``bench`` runs the ``small`` cases on 2 ranks with few iterations through ``epcomm.cli.main`` and
 checks the JSONL rows and the table (printed last). The check test wraps a reference Buffer in a
 "fast backend" that corrupts one byte (it must FAIL) or reorders rows within a low-latency source
-block (allowed: it must pass), beside a true reference Buffer.
+block (allowed: it must pass), beside a true reference Buffer; and a faithful wrapper gets rows
+paired with the reference's (speedup, the same checks).
 """
 
 from __future__ import annotations
@@ -127,3 +128,31 @@ def test_correctness_check_catches_a_broken_backend():
             assert out[(mode, "corrupt")]["reference"] == "pass", (rank, mode, out)
             assert out[(mode, "corrupt")]["fake-corrupt"].startswith("FAIL: "), (rank, mode, out)
             assert out[(mode, "reorder")]["fake-reorder"] == "pass", (rank, mode, out)
+
+
+def _two_backend_worker(ctx):
+    os.environ["EPCOMM_TIMEOUT_S"] = "60"
+    from epcomm.bench.runner import BenchPlan, _run_case
+
+    ht, ll = CASE_SETS["small"]
+    plan = BenchPlan(cases=(ht, ll), iters=2, warmup=0, sets=2)
+    rdma = Buffer.get_low_latency_rdma_size_hint(ll.tokens, ll.hidden, ctx.world_size, ll.experts)
+    out = []
+    for case, kw in ((ht, {}), (ll, {"num_rdma_bytes": rdma, "low_latency_mode": True})):
+        fast = _Wrapped(Buffer(ctx.group, **kw), "ok")
+        out += _run_case(ctx, plan, case, {fast.backend_name: fast, "reference": Buffer(ctx.group, **kw)}, None)
+    return out
+
+
+def test_rows_pair_a_fast_backend_with_the_reference():
+    from epcomm.bench import report
+
+    res = parallel_launch(2, _two_backend_worker, backend="gloo", timeout_s=120)
+    rows = report.merge_ranks(res, env={}, iters=2, warmup=0)
+    fast = [r for r in rows if r["backend"] == "fake-ok"]
+    ref = [r for r in rows if r["backend"] == "reference"]
+    assert len(fast) == len(ref) == 3 + 2 + 4
+    for r in fast:
+        assert r["check"] == "pass" and r["timing"] == "wall"
+        assert r["ref_median_us"] is not None and r["speedup"] == pytest.approx(r["ref_median_us"] / r["median_us"])
+    assert [r["op"] for r in rows[:6]] == ["dispatch", "dispatch", "combine"] * 2  # fast, then reference

@@ -54,3 +54,100 @@ def test_progress_render():
     text = p.render("ht-dsv3 dispatch-bf16")
     assert "1/4" in text and "25%" in text and text.endswith("ht-dsv3 dispatch-bf16")
     assert text.count("#") == 6 and text.startswith("[")
+
+
+class _FakeCuda:
+    """Just enough of ``torch.cuda`` to drive the GPU control flow of ``measure`` on a CPU: graphs
+    record nothing (a replay counts itself), events return 1 ms."""
+
+    def __init__(self, fail_capture: bool):
+        self.fail_capture = fail_capture
+        self.capturing = False
+        self.replays = 0
+
+    def install(self, monkeypatch):
+        fake = self
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+        class Graph:
+            def replay(self):
+                fake.replays += 1
+
+        class GraphCtx:
+            def __init__(self, g, capture_error_mode="global"):
+                assert capture_error_mode == "thread_local"
+
+            def __enter__(self):
+                fake.capturing = True
+
+            def __exit__(self, *exc):
+                fake.capturing = False
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                pass
+
+            def record(self, stream=None):
+                pass
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                return 1.0
+
+        import contextlib
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", GraphCtx)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(timing, "make_barrier", lambda group, device: lambda: None)
+        monkeypatch.setattr(timing, "_agree", lambda ok, group, device: ok)
+
+
+@pytest.mark.parametrize("fail_capture", [False, True])
+def test_gpu_control_flow_graph_or_fallback(monkeypatch, fail_capture):
+    fake = _FakeCuda(fail_capture)
+    fake.install(monkeypatch)
+    eager, resets = [], []
+
+    def build(s):
+        def prep():
+            eager.append(("prep", s))
+
+        def step():
+            if fake.capturing and fake.fail_capture:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            eager.append(("step", s))
+        return [prep], [step]
+
+    op = timing.TimedOp("combine", "bf16", ("total",), build, capturable=True)
+    m = timing.measure(op, num_sets=2, iters=3, warmup=1, group=None, device=torch.device("cuda"),
+                       reset=lambda: resets.append(1))
+    assert m.stats[0].median == pytest.approx(1e-3) and m.stats[0].n == 3
+    if fail_capture:
+        assert m.method == "events" and fake.replays == 0 and resets == [1]
+        # warm-up before the failed capture (2 sets), then 4 eager iterations
+        assert [s for w, s in eager if w == "step"] == [0, 1, 0, 1, 0, 1]
+    else:
+        assert m.method == "graph"
+        assert fake.replays == 4 * 2  # (warm-up + timed) iterations x (prep + step)
+        # each set once eagerly (warm-up) and once under capture, then one eager check afterwards
+        assert eager == [("prep", 0), ("step", 0), ("prep", 1), ("step", 1),
+                         ("prep", 0), ("step", 0), ("prep", 1), ("step", 1), ("prep", 0), ("step", 0)]
+        assert resets == [1]
+
+
+def test_reference_ops_are_not_captured(monkeypatch):
+    fake = _FakeCuda(False)
+    fake.install(monkeypatch)
+    op = timing.TimedOp("dispatch", "fp8", ("send", "recv"), lambda s: ([], [lambda: None, lambda: None]))
+    m = timing.measure(op, num_sets=1, iters=2, warmup=0, group=None, device=torch.device("cuda"))
+    assert m.method == "events" and fake.replays == 0 and len(m.stats) == 2

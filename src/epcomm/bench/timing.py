@@ -11,7 +11,8 @@ Methods, recorded in each row as ``timing``:
 - ``events``: ``torch.cuda.Event`` pairs on the current stream (eager launches, host gaps included).
 - ``graph``: each step captured once per input set into a ``torch.cuda.CUDAGraph`` and replayed;
   the events bracket the replays. Capture is attempted only where the op says it can be captured;
-  all ranks agree (one failing rank makes every rank fall back to ``events``).
+  all ranks agree (one failing rank makes every rank fall back to ``events``). One eager iteration
+  follows the replays, so errors the backend records on the device surface as exceptions.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def capture_graphs(plans: list[tuple[list[Step], list[Step]]]) -> list[tuple[lis
         replays = []
         for step in prep + steps:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            # thread_local: calls from other threads (NCCL's watchdog) cannot invalidate the capture
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
                 step()
             replays.append(g.replay)  # the bound method keeps the graph alive
         out.append((replays[:len(prep)], replays[len(prep):]))
@@ -196,5 +198,14 @@ def measure(op: TimedOp, *, num_sets: int, iters: int, warmup: int, group, devic
                 samples[j].append(dt[j])
                 host[j].append(h[j])
     barrier()
+    if method == "graph":
+        # Replays bypass the backend's host-side checks (deadline expiries recorded by its kernels):
+        # one eager iteration afterwards lets them raise here instead of leaving wrong numbers.
+        if reset is not None:
+            reset()
+        prep, steps = op.build(0)
+        for step in prep + steps:
+            step()
+        barrier()
     return Measurement(op.phases, [Stats.of(s) for s in samples],
                        [Stats.of(h).median for h in host], method)
