@@ -1,5 +1,5 @@
-"""A tiny progress bar on stderr (no dependency): redrawn in place on a terminal, one line per
-step otherwise. Picklable, so a spawned rank can draw it."""
+"""A tiny progress bar on stderr (no dependency): redrawn in place on a terminal; elsewhere (a log
+file, CI) one line per finished step. Picklable, so a spawned rank can draw it."""
 
 from __future__ import annotations
 
@@ -31,15 +31,16 @@ class Progress:
     def update(self, note: str = "", n: int = 1) -> None:
         """Advance by ``n`` and redraw with ``note`` (what runs next)."""
         self.done += n
-        self.show(note)
+        self.show(note, always=True)
 
-    def show(self, note: str = "") -> None:
+    def show(self, note: str = "", always: bool = False) -> None:
+        """Redraw with ``note`` (what runs now); off a terminal only ``always`` lines are written."""
         if not self.enabled:
             return
         err = sys.stderr
         if err.isatty():
             err.write("\r\033[K" + self.render(note))
-        else:
+        elif always:
             err.write(self.render(note) + "\n")
         err.flush()
 

@@ -195,7 +195,7 @@ def bench_worker(ctx, plan: BenchPlan, progress: Progress | None) -> dict:
         progress = None
     if progress is not None:
         progress.set_total(sum(len(c.ops()) * len(bufs[c.mode]) for c in plan.cases))
-        progress.show(f"backends: {', '.join(names)}")
+        progress.show(f"backends: {', '.join(names)}", always=True)
     results = []
     for case in plan.cases:
         results += _run_case(ctx, plan, case, bufs[case.mode], progress)
@@ -217,7 +217,7 @@ def run_bench(plan: BenchPlan, *, world_size: int, device: str = "cpu", progress
     ce = None
     if device == "cuda" and measure_ce:
         if progress is not None:
-            progress.show("measuring the copy-engine peer bandwidth")
+            progress.show("measuring the copy-engine peer bandwidth", always=True)
         ce = measure_copy_engine()
     transport = "nccl" if device == "cuda" else "gloo"
     out = parallel_launch(world_size, bench_worker, plan, progress, backend=transport, timeout_s=timeout_s)
