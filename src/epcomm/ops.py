@@ -47,6 +47,7 @@ import torch
 
 from . import _validate as V
 from .buffer import Buffer
+from .config import MAX_TOPK
 from .layout import DispatchHandle
 
 __all__ = [
@@ -118,6 +119,8 @@ def _check_dispatch(buf: Buffer, x, topk_idx, topk_weights, num_experts, num_wor
     if topk_idx.shape[0] != x.shape[0]:
         raise ValueError(f"topk_idx must have {x.shape[0]} rows (one per token of x), got shape "
                          f"{tuple(topk_idx.shape)}")
+    if topk_idx.shape[1] > MAX_TOPK:
+        raise ValueError(f"topk_idx has top-k {topk_idx.shape[1]}; at most {MAX_TOPK} is supported")
     V.topk_weights(topk_weights, topk_idx, buf.device)
     V.num_experts(num_experts, buf.group_size)
     V.int_arg("num_worst_tokens", num_worst_tokens, 0)
