@@ -253,8 +253,11 @@ class Buffer:
             return (rx if rs is None else (rx, rs)), None, None, None, None, ev
 
         if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+            missing = [n for n, v in (("num_tokens_per_rank", num_tokens_per_rank),
+                                      ("is_token_in_rank", is_token_in_rank),
+                                      ("num_tokens_per_expert", num_tokens_per_expert)) if v is None]
             raise ValueError("dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and "
-                             "num_tokens_per_expert (from get_dispatch_layout)")
+                             f"num_tokens_per_expert (from get_dispatch_layout); got None for {', '.join(missing)}")
         if num_tokens_per_rdma_rank is not None:
             V.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, torch.int32, 1, self.device)
         V.tensor("num_tokens_per_rank", num_tokens_per_rank, torch.int32, 1, self.device)
@@ -265,7 +268,9 @@ class Buffer:
         e = num_tokens_per_expert.numel()
         V.num_experts(e, r_)
         if (topk_idx is None) != (topk_weights is None):
-            raise ValueError("topk_idx and topk_weights must be given together")
+            raise ValueError("topk_idx and topk_weights must be given together, got "
+                             f"topk_idx={'None' if topk_idx is None else 'a tensor'}, "
+                             f"topk_weights={'None' if topk_weights is None else 'a tensor'}")
         if topk_idx is not None:
             V.topk_idx(topk_idx, t, e, self.device)
             V.topk_weights(topk_weights, topk_idx, self.device)
@@ -313,7 +318,8 @@ class Buffer:
 
     def _ll_check(self, m: int, h: int, e: int) -> None:
         if not self.low_latency_mode:
-            raise ValueError("low-latency calls need a Buffer made with low_latency_mode=True")
+            raise ValueError("low-latency calls need a Buffer made with low_latency_mode=True, "
+                             f"this one has low_latency_mode={self.low_latency_mode}")
         need = self.get_low_latency_rdma_size_hint(m, h, self.group_size, e)
         if self.num_rdma_bytes < need:
             raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for M={m}, H={h}, E={e}: "
@@ -435,7 +441,8 @@ class Buffer:
 
     def _check_shrink(self) -> None:
         if not self.enable_shrink:
-            raise ValueError("the mask API needs a Buffer made with enable_shrink=True")
+            raise ValueError(f"the mask API needs a Buffer made with enable_shrink=True, this one has "
+                             f"enable_shrink={self.enable_shrink}")
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (``mask=True``) or unmask ``rank_to_mask``: masked ranks are skipped by low-latency calls."""
