@@ -152,6 +152,8 @@ def cmd_bench(args) -> int:
     names = args.cases or list(DEFAULT_GPU if gpu else DEFAULT_CPU)
     cases = resolve_cases(names, world_size=world, mode=args.mode, tokens=args.tokens, hidden=args.hidden,
                           topk=args.topk, experts=args.experts)
+    if args.backend == "nvlink" and not gpu:
+        raise ValueError("--backend nvlink needs CUDA GPUs (this run is on CPU ranks)")
     if args.num_sms is not None and args.num_sms % 2:
         raise ValueError(f"--num-sms must be even, got {args.num_sms}")
     if args.plot:  # fail before the run, not after it

@@ -77,3 +77,8 @@ def test_python_dash_m_epcomm():
     p = subprocess.run([sys.executable, "-m", "epcomm", "--help"], capture_output=True, text=True,
                        timeout=120, check=False)
     assert p.returncode == 0 and "bench" in p.stdout and "env" in p.stdout and "check" in p.stdout
+
+
+def test_nvlink_on_cpu_is_a_user_error(capsys):
+    assert cli.main(["bench", "--cases", "small", "--backend", "nvlink", "--device", "cpu"]) == 2
+    assert "--backend nvlink needs CUDA GPUs" in capsys.readouterr().err
