@@ -10,6 +10,7 @@ import torch
 
 import epcomm
 from epcomm import Buffer, Config, EventOverlap, layout
+from epcomm.backends.base import PeerTimeoutError
 
 
 @pytest.fixture
@@ -118,3 +119,12 @@ def test_event_overlap_cpu():
 def test_event_overlap_does_not_swallow_exceptions():
     with pytest.raises(KeyError, match="boom"), EventOverlap():
         raise KeyError("boom")
+
+
+def test_peer_timeout_error_names_rank_and_phase():
+    e = PeerTimeoutError(1, "combine/payload", 3, 2.5, "detail")
+    assert isinstance(e, TimeoutError)
+    assert (e.rank, e.phase) == (3, "combine/payload")
+    assert str(e).startswith("epcomm rank 1: combine/payload waited 2.5 s for rank 3 and gave up (detail)")
+    assert "EPCOMM_TIMEOUT_S" in str(e)
+    assert "waited 1 s for a peer" in str(PeerTimeoutError(0, "dispatch/notify", None, 1.0))

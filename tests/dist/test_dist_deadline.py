@@ -1,0 +1,116 @@
+"""Tier 2 (gloo on CPU, spawned processes, 3 ranks): nothing hangs. When one rank never makes a
+call, the others raise ``epcomm.backends.base.PeerTimeoutError`` naming the phase (and, for
+point-to-point waits, the missing rank) within a few seconds of ``EPCOMM_TIMEOUT_S``.
+
+Each phase runs on a fresh process group, so a phase left half-done cannot disturb the next one;
+the silent rank waits for marker files from the others before it moves on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+
+from epcomm import Buffer
+from epcomm.backends.base import PeerTimeoutError
+from epcomm.testing.inputs import Case, make_topk, make_x
+from epcomm.testing.launcher import parallel_launch
+
+TIMEOUT_S = 1.0
+WORLD_SIZE = 3
+SILENT = WORLD_SIZE - 1
+M, HIDDEN = 16, 128
+CASE = Case(WORLD_SIZE, (7, 8, 9), hidden=HIDDEN, num_topk=2, num_experts=6, seed=3, no_expert_token=False,
+            drop_prob=0.0)
+# phase name -> whether the silent rank takes part in the dispatch the phase needs first
+PHASES = {
+    "dispatch/notify": False,
+    "combine/payload": True,
+    "cached_dispatch/payload": True,
+    "low_latency_dispatch/counts": False,
+    "low_latency_combine/payload": True,
+}
+P2P_PHASES = {"low_latency_dispatch/counts", "low_latency_combine/payload"}
+
+
+def _phase(buf: Buffer, phase: str, me: int, silent: bool):
+    """Run ``phase``; the silent rank only does the set-up dispatch (if the phase needs one)."""
+    idx, w = make_topk(CASE, me)
+    x = make_x(CASE, me)
+    low_latency = phase.startswith("low_latency")
+    handle = None
+    if PHASES[phase] or not silent:
+        if low_latency and PHASES[phase]:
+            recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, CASE.num_experts, use_fp8=False)
+        elif not low_latency and PHASES[phase]:
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, CASE.num_experts)
+            recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                      num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    if silent:
+        return
+    if phase == "dispatch/notify":
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, CASE.num_experts)
+        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    elif phase == "combine/payload":
+        buf.combine(recv_x, handle)
+    elif phase == "cached_dispatch/payload":
+        buf.dispatch(x, handle=handle)
+    elif phase == "low_latency_dispatch/counts":
+        buf.low_latency_dispatch(x, idx, M, CASE.num_experts, use_fp8=False)
+    elif phase == "low_latency_combine/payload":
+        buf.low_latency_combine(recv_x, idx, w, handle)
+
+
+def rank_main(ctx, marker_dir: str):
+    os.environ["EPCOMM_TIMEOUT_S"] = str(TIMEOUT_S)  # read when the Buffer is built
+    me = ctx.rank
+    results = {}
+    for phase in PHASES:
+        group = dist.new_group(list(range(WORLD_SIZE)), backend="gloo")
+        buf = Buffer(group, num_nvl_bytes=0,
+                     num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(M, HIDDEN, WORLD_SIZE, CASE.num_experts),
+                     low_latency_mode=phase.startswith("low_latency"))
+        tag = phase.replace("/", "_")
+        if me == SILENT:
+            _phase(buf, phase, me, silent=True)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not all(
+                    os.path.exists(os.path.join(marker_dir, f"{tag}.{r}")) for r in range(WORLD_SIZE) if r != SILENT):
+                time.sleep(0.02)
+            continue
+        t0 = time.monotonic()
+        try:
+            _phase(buf, phase, me, silent=False)
+            results[phase] = ("returned", None, None, time.monotonic() - t0)
+        except PeerTimeoutError as e:
+            results[phase] = (str(e), e.phase, e.rank, time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            results[phase] = (f"{type(e).__name__}: {e}", None, None, time.monotonic() - t0)
+        open(os.path.join(marker_dir, f"{tag}.{me}"), "w").close()
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    return parallel_launch(WORLD_SIZE, rank_main, str(tmp_path_factory.mktemp("markers")), backend="gloo",
+                           timeout_s=120.0)
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_missing_rank_raises_peer_timeout(outcomes, phase):
+    assert outcomes[SILENT] == {}
+    for me in range(WORLD_SIZE):
+        if me == SILENT:
+            continue
+        message, got_phase, peer, elapsed = outcomes[me][phase]
+        assert got_phase == phase, f"rank {me}: expected PeerTimeoutError for {phase}, got: {message}"
+        assert message.startswith(f"epcomm rank {me}: {phase} waited {TIMEOUT_S:g} s"), message
+        assert "EPCOMM_TIMEOUT_S" in message
+        if phase in P2P_PHASES:
+            assert peer == SILENT and f"rank {SILENT}" in message, message
+        assert elapsed < TIMEOUT_S + 4.0, f"rank {me}: gave up after {elapsed:.1f} s"
+        assert elapsed >= 0.8 * TIMEOUT_S, f"rank {me}: raised after {elapsed:.2f} s, before the deadline"
+
