@@ -138,6 +138,11 @@ def check_dispatch_bf16(ctx):
         check(bool((src[1:] > src[:-1]).all()), f"{name}: rows sorted by (source rank, token)")
         if name == "empty_rank" and me == r_ - 1:
             equal(recv_x.shape[0], 0, "the empty rank receives nothing")
+        if name == "random":  # a non-contiguous x (a column slice of a wider tensor) travels the same
+            x = make_x(case, me)
+            wide = torch.cat([x, -x], dim=1)[:, :HIDDEN]
+            check(x.shape[0] <= 1 or not wide.is_contiguous(), "non-contiguous x")
+            assert_bitwise(dispatch_case(buf, case, me, x=wide)[0], exp["recv_x"], "non-contiguous x")
         if name == "hot":
             hot_owner = case.hot_expert // lx
             hot = sum(int((make_topk(case, i)[0] == case.hot_expert).sum()) for i in range(r_))

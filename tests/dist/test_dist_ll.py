@@ -187,6 +187,11 @@ def check_ll_bf16(ctx):
         verify_dispatch(case, me, recv_x, recv_count, handle, what=f"{name}/bf16")
         if name == "empty_rank" and me == r_ - 1:
             equal(int(recv_count.sum()), 0, "the empty rank receives nothing")
+        if name == "random":  # a non-contiguous x (a column slice of a wider tensor) travels the same
+            x = make_x(case, me)
+            wide = torch.cat([x, -x], dim=1)[:, :HIDDEN]
+            rx2, rc2, h2, _, _ = buf.low_latency_dispatch(wide, idx, M, case.num_experts, use_fp8=False)
+            verify_dispatch(case, me, rx2, rc2, h2, what="non-contiguous x")
         combine_and_verify(buf, case, me, recv_x, handle, what=f"{name}/bf16")
 
 

@@ -1,0 +1,24 @@
+"""Shared pytest set-up for the test tiers.
+
+1. ``tests/unit``: no process group — layout math against hand-worked examples, quant round trips,
+   Config, Buffer's static helpers, EventOverlap, the test helpers themselves.
+2. ``tests/dist``: gloo on CPU in spawned processes (``epcomm.testing.launcher.parallel_launch``),
+   world sizes 1-4, the whole API end to end through the reference backend, bad inputs, deadlines.
+   ``tests/dist/harness.py`` runs many checks per launch and reports each as its own test.
+3. ``tests/gpu``: skipped without CUDA.
+
+CI runs tiers 1-2: ``python -m pytest -q tests/unit tests/dist``. Spawned ranks unpickle their
+target by module name, so the test modules must be importable by name in a child process: keep
+pytest's default ``prepend`` import mode (``--import-mode=importlib`` breaks spawning).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# ``import harness`` from the tier-2 modules, whatever directory pytest was started from; spawned
+# children inherit sys.path.
+_DIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist")
+if _DIST not in sys.path:
+    sys.path.insert(0, _DIST)
