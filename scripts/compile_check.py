@@ -41,7 +41,7 @@ def main():
     def ptr_types(fn, overrides):
         t = {}
         for n in fn.arg_names:
-            if n.endswith("_ptr") or n in ("ptr_table", "out_x", "out_s", "out_k", "out_w", "out_src", "out_ptr"):
+            if n.endswith("_ptr") or (n.startswith("out_") and "stride" not in n) or n == "ptr_table":
                 t[n] = "*i32"
         t.update(overrides)
         return t

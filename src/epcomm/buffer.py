@@ -73,6 +73,9 @@ class Buffer:
         self.timeout_s = _env.timeout_s(10.0 if self.device.type == "cuda" else 30.0)
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._backend, why = select_backend(self)
+        # Range checks of expert ids need the values on the host: done here unless the backend checks
+        # them on the device (then a bad id raises at its next synchronisation, never a hang or a crash).
+        self._host_checks = not getattr(self._backend, "checks_topk_on_device", False)
         log.info("epcomm rank %d: backend %s (%s)", self.rank, self._backend.name, why)
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
         self._ll_calls = 0
@@ -207,7 +210,7 @@ class Buffer:
         int32[E], is_token_in_rank bool[T, R], event)``. (No per-RDMA-rank counts on one node.)"""
         self._check_alive()
         V.num_experts(num_experts, self.group_size)
-        V.topk_idx(topk_idx, None, num_experts, self.device)
+        V.topk_idx(topk_idx, None, num_experts, self.device, check_values=self._host_checks)
 
         def fn():
             return layout.dispatch_layout(topk_idx, num_experts, self.group_size)
@@ -272,7 +275,7 @@ class Buffer:
                              f"topk_idx={'None' if topk_idx is None else 'a tensor'}, "
                              f"topk_weights={'None' if topk_weights is None else 'a tensor'}")
         if topk_idx is not None:
-            V.topk_idx(topk_idx, t, e, self.device)
+            V.topk_idx(topk_idx, t, e, self.device, check_values=self._host_checks)
             V.topk_weights(topk_weights, topk_idx, self.device)
         V.int_arg("expert_alignment", expert_alignment, 1)
         V.int_arg("num_worst_tokens", num_worst_tokens, 0)
@@ -365,7 +368,7 @@ class Buffer:
         if t > m:
             raise ValueError(f"x has {t} tokens, more than num_max_dispatch_tokens_per_rank={m}")
         V.hidden(h, bool(use_fp8))
-        V.topk_idx(topk_idx, t, e, self.device)
+        V.topk_idx(topk_idx, t, e, self.device, check_values=self._host_checks)
         if use_ue8m0 and not (use_fp8 and round_scale):
             raise ValueError(f"use_ue8m0=True needs use_fp8=True and round_scale=True, got use_fp8={use_fp8}, "
                              f"round_scale={round_scale}")
@@ -403,7 +406,7 @@ class Buffer:
             x = self._backend.low_latency_zero_copy_buffer(handle)
         V.tensor("x", x, torch.bfloat16, 3, self.device)
         V.shape("x", x, (lx, self.group_size * m, h))
-        V.topk_idx(topk_idx, None, e, self.device)
+        V.topk_idx(topk_idx, None, e, self.device, check_values=self._host_checks)
         t = topk_idx.shape[0]
         if t > m:
             raise ValueError(f"topk_idx has {t} tokens, more than num_max_dispatch_tokens_per_rank={m}")

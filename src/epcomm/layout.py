@@ -65,7 +65,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     per rank."""
     t = topk_idx.shape[0]
     per_rank = num_experts // num_ranks
-    valid = topk_idx >= 0
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)  # out-of-range ids are the caller's to report
     experts = topk_idx.masked_fill(~valid, 0)
     num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx.device)
     num_tokens_per_expert.index_add_(0, experts.flatten(), valid.flatten().to(torch.int64))
@@ -193,15 +193,25 @@ def unpack_layout_range(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 class LowLatencyBufferLayout(NamedTuple):
     """Byte layout of the low-latency buffer (``num_rdma_bytes``), shared by every backend.
 
-    Two receive areas alternate between calls (``parity`` 0/1); each holds the dispatch area
-    (``R * M`` messages of ``dispatch_msg_bytes``: one per (source rank, token), expanded to experts
-    on the receiver), the combine area (``R * M`` float32 rows: partial sums pre-reduced per
-    (token, expert rank)) and signal words. The zero-copy combine buffer ``bf16[L, R*M, H]`` is
-    needed once, not twice: a combine reads it before it returns (or before its send phase ends).
+    Two areas alternate between calls (``parity`` 0/1). Each holds, in order:
+
+    - dispatch: per source rank a 128-byte header then ``M`` messages of ``dispatch_msg_bytes``
+      (one per (source rank, token): its top-k ids, then its row, BF16 or FP8 + float32 scales);
+    - weights: per source rank ``M x MAX_TOPK`` (expert id int32, weight float32) pairs, pushed by
+      the token's owner when combine starts;
+    - slots: per source rank ``M x MAX_TOPK`` int32, where dispatch put each (token, k) in ``recv_x``;
+    - combine: per source rank ``M`` float32 rows, the partial sum of that rank's experts;
+    - signals: int32 counters.
+
+    The zero-copy combine buffer ``bf16[L, R*M, H]`` exists once, not twice: a combine reads it
+    before its send phase ends.
     """
 
     dispatch_msg_bytes: int
+    dispatch_src_bytes: int
     dispatch_area: int
+    weights_area: int
+    slot_area: int
     combine_area: int
     signal_area: int
     parity_bytes: int
@@ -212,19 +222,45 @@ class LowLatencyBufferLayout(NamedTuple):
     def parity_offset(self, parity: int) -> int:
         return parity * self.parity_bytes
 
+    @property
+    def weights_offset(self) -> int:
+        return self.dispatch_area
+
+    @property
+    def slot_offset(self) -> int:
+        return self.dispatch_area + self.weights_area
+
+    @property
+    def combine_offset(self) -> int:
+        return self.dispatch_area + self.weights_area + self.slot_area
+
+    @property
+    def signal_offset(self) -> int:
+        return self.combine_offset + self.combine_area
+
 
 def _align(n: int, a: int = 128) -> int:
     return (n + a - 1) // a * a
 
 
+LL_MAX_TOPK = 32
+LL_HEADER_BYTES = 128
+
+
 def low_latency_buffer_layout(m: int, hidden: int, num_ranks: int, num_experts: int) -> LowLatencyBufferLayout:
+    """Example: M = 4, H = 256, R = 2, E = 4: messages of 512 + 128 = 640 bytes; dispatch area
+    2 x (128 + 4 x 640) = 5376; weights and slots 2 x 4 x 32 x 8 = 2048 and 1024; combine
+    2 x 4 x 256 x 4 = 8192; signals 256; zero-copy 2 x 2 x 4 x 256 x 2 = 8192 bytes."""
     groups = (hidden + 127) // 128
-    msg = _align(max(hidden * 2, hidden + groups * 4) + 16, 16)
-    dispatch_area = _align(num_ranks * m * msg)
+    msg = _align(max(hidden * 2, hidden + groups * 4) + LL_MAX_TOPK * 4, 16)
+    src = _align(LL_HEADER_BYTES + m * msg)
+    dispatch_area = num_ranks * src
+    weights_area = _align(num_ranks * m * LL_MAX_TOPK * 8)
+    slot_area = _align(num_ranks * m * LL_MAX_TOPK * 4)
     combine_area = _align(num_ranks * m * hidden * 4)
-    signal_area = _align(num_ranks * 64 + 256)
-    parity = dispatch_area + combine_area + signal_area
+    signal_area = _align(num_ranks * 4 * 4 + 64)
+    parity = dispatch_area + weights_area + slot_area + combine_area + signal_area
     local = num_experts // num_ranks
     zero_copy = _align(local * num_ranks * m * hidden * 2)
-    return LowLatencyBufferLayout(msg, dispatch_area, combine_area, signal_area, parity, 2 * parity,
-                                  zero_copy, 2 * parity + zero_copy)
+    return LowLatencyBufferLayout(msg, src, dispatch_area, weights_area, slot_area, combine_area, signal_area,
+                                  parity, 2 * parity, zero_copy, 2 * parity + zero_copy)

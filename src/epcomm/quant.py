@@ -32,8 +32,17 @@ def fp8_scales(x: torch.Tensor, round_scale: bool = False) -> torch.Tensor:
     amax = x.float().abs().view(t, h // GROUP, GROUP).amax(dim=-1).clamp_min(AMAX_FLOOR)
     scale = amax / FP8_MAX
     if round_scale:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = round_up_pow2(scale)
     return scale
+
+
+def round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= ``scale`` (positive normal float32), exactly: keep the exponent when
+    the mantissa is zero, else add one to it. (``exp2(ceil(log2(s)))`` can round log2 down to an
+    integer for ``s`` just above a power of two.)"""
+    bits = scale.contiguous().view(torch.int32)
+    up = (bits & 0x7F800000) + torch.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
+    return up.to(torch.int32).view(torch.float32).view(scale.shape)
 
 
 def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -241,39 +241,49 @@ def test_block_rows_three_ranks():
 
 
 def test_low_latency_buffer_layout_hand_worked():
-    # M = 4, H = 256, R = 2, E = 4: G = 2; message = align16(max(512, 256 + 8) + 16) = 528 bytes
+    # M = 4, H = 256, R = 2, E = 4: G = 2; message = align16(max(512, 256 + 8) + 32 ids * 4) = 640 bytes
     lay = layout.low_latency_buffer_layout(4, 256, 2, 4)
-    assert lay.dispatch_msg_bytes == 528
-    assert lay.dispatch_area == 4224          # 2 * 4 * 528 = 4224 = 33 * 128
+    assert lay.dispatch_msg_bytes == 640
+    assert lay.dispatch_src_bytes == 2688     # 128-byte header + 4 * 640
+    assert lay.dispatch_area == 5376          # 2 sources
+    assert lay.weights_area == 2048           # 2 * 4 * 32 * (4 + 4)
+    assert lay.slot_area == 1024              # 2 * 4 * 32 * 4
     assert lay.combine_area == 8192           # 2 * 4 * 256 * 4
-    assert lay.signal_area == 384             # 2 * 64 + 256
-    assert lay.parity_bytes == 12800
-    assert lay.parity_offset(0) == 0 and lay.parity_offset(1) == 12800
-    assert lay.zero_copy_offset == 25600
+    assert lay.signal_area == 128             # 2 * 16 + 64 = 96 -> 128
+    assert lay.parity_bytes == 16768
+    assert lay.parity_offset(0) == 0 and lay.parity_offset(1) == 16768
+    assert (lay.weights_offset, lay.slot_offset, lay.combine_offset, lay.signal_offset) == (5376, 7424, 8448, 16640)
+    assert lay.zero_copy_offset == 33536
     assert lay.zero_copy_bytes == 8192        # L=2 * R*M=8 * H=256 * 2 bytes
-    assert lay.total == 33792
+    assert lay.total == 41728
 
 
 def test_low_latency_buffer_layout_rounds_up_to_128():
-    # M = 3, H = 136, R = 3, E = 6: G = 2; message = align16(max(272, 144) + 16) = 288
+    # M = 3, H = 136, R = 3, E = 6: G = 2; message = align16(max(272, 144) + 128) = 400
     lay = layout.low_latency_buffer_layout(3, 136, 3, 6)
-    assert lay.dispatch_msg_bytes == 288
-    assert lay.dispatch_area == 2688          # 9 * 288 = 2592 -> 21 * 128
+    assert lay.dispatch_msg_bytes == 400
+    assert lay.dispatch_src_bytes == 1408     # 128 + 3 * 400 = 1328 -> 11 * 128
+    assert lay.dispatch_area == 4224
+    assert lay.weights_area == 2304           # 3 * 3 * 32 * 8
+    assert lay.slot_area == 1152              # 3 * 3 * 32 * 4
     assert lay.combine_area == 4992           # 9 * 136 * 4 = 4896 -> 39 * 128
-    assert lay.signal_area == 512             # 3 * 64 + 256 = 448 -> 4 * 128
-    assert lay.parity_bytes == 8192
-    assert lay.zero_copy_offset == 16384
+    assert lay.signal_area == 128             # 3 * 16 + 64 = 112 -> 128
+    assert lay.parity_bytes == 12800
+    assert lay.zero_copy_offset == 25600
     assert lay.zero_copy_bytes == 4992        # 2 * 9 * 136 * 2 = 4896 -> 39 * 128
-    assert lay.total == 21376
+    assert lay.total == 30592
 
 
 @pytest.mark.parametrize("m,h,r,e", [(1, 128, 1, 1), (7, 136, 3, 9), (128, 7168, 8, 256), (33, 2048, 5, 10)])
 def test_low_latency_buffer_layout_regions_do_not_overlap(m, h, r, e):
     lay = layout.low_latency_buffer_layout(m, h, r, e)
     assert lay.total % 128 == 0 and lay.parity_bytes % 128 == 0
-    assert lay.parity_bytes == lay.dispatch_area + lay.combine_area + lay.signal_area
+    areas = [f for f in lay._fields if f.endswith("_area")]
+    assert {"dispatch_area", "weights_area", "slot_area", "combine_area", "signal_area"} <= set(areas)
+    assert all(getattr(lay, f) % 128 == 0 for f in areas), "every area starts 128-byte aligned"
+    assert lay.parity_bytes == sum(getattr(lay, f) for f in areas)
     assert lay.dispatch_area >= r * m * lay.dispatch_msg_bytes
-    assert lay.dispatch_msg_bytes >= 2 * h + 16          # a BF16 row plus its header fits
+    assert lay.dispatch_msg_bytes >= 2 * h + 32 * 4      # a BF16 row plus 32 expert ids fits
     assert lay.combine_area >= r * m * h * 4
     assert lay.zero_copy_offset >= lay.parity_offset(1) + lay.parity_bytes
     assert lay.zero_copy_bytes >= (e // r) * r * m * h * 2

@@ -87,6 +87,7 @@ def availability(buf) -> tuple[bool, str]:
 
 class NVLinkBackend(Backend):
     name = "nvlink"
+    checks_topk_on_device = True
 
     @classmethod
     def create(cls, buf) -> NVLinkBackend:
@@ -144,6 +145,15 @@ class NVLinkBackend(Backend):
         from ..kernels.common import PHASES
 
         word = (host if host is not None else self.err_host).tolist()
+        if word[0] == 10:
+            raise ValueError(f"topk_idx holds expert id {word[2]}, outside [-1, {word[3]}) for num_experts={word[3]} "
+                             "(found on the device; this Buffer is now unusable)")
+        if word[0] == 6:
+            ms = self.symm[self.flags_off + 5 * self.num_ranks * 4:self.flags_off + 6 * self.num_ranks * 4]
+            ms = ms.view(torch.int32).tolist()
+            if len(set(ms)) > 1:
+                raise ValueError("num_max_dispatch_tokens_per_rank differs across ranks: "
+                                 + ", ".join(f"{m} on rank {r}" for r, m in enumerate(ms)))
         if word[0] == 9:
             raise RuntimeError(f"epcomm rank {self.rank}: num_worst_tokens={word[3]} but {word[2]} tokens arrived; "
                                "raise num_worst_tokens (this Buffer is now unusable)")
@@ -322,6 +332,14 @@ class NVLinkBackend(Backend):
             self.err, self._timeout_ns,
             BLOCK=256, R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=True, num_warps=4,
         )
+        if topk is not None and t:
+            # expert-id range on the device: folded into the error word (read at the sync below)
+            lo, hi = torch.aminmax(topk)
+            e_t = torch.tensor(e, device=dev)
+            bad = (lo < -1) | (hi >= e_t)
+            word = torch.stack([bad.to(torch.int64) * 10, bad.to(torch.int64) * -1,
+                                torch.where(lo < -1, lo, hi), e_t.to(torch.int64)]).to(torch.int32)
+            self.err.copy_(torch.where(self.err[0] != 0, self.err, word))
         host_counts = None
         if a.num_worst_tokens:
             n_rows = a.num_worst_tokens
@@ -333,7 +351,9 @@ class NVLinkBackend(Backend):
             ev = torch.cuda.Event()
             ev.record()
             ev.synchronize()
-            self._check_error(nh[no.numel():])
+            word = nh[no.numel():].clone()
+            if int(word[0]) != 10:
+                self._check_error(word)
             host_counts = nh[:r_ * r_].view(r_, r_).to(torch.int64).clone()
             n_rows = int(host_counts[:, me].sum())
             pe = nh[r_ * r_:r_ * r_ + r_ * lx].view(r_, lx).to(torch.int64).sum(0)
@@ -347,6 +367,11 @@ class NVLinkBackend(Backend):
         send_head = _send_head_from_rel(send_head_rel, rpm, me)
         if a.num_worst_tokens:
             self._flag_worst_overflow(rpm, a.num_worst_tokens)
+        if not a.num_worst_tokens and int(word[0]) == 10:
+            # A bad expert id: every rank still finished this exchange (ids out of range were ignored
+            # by the layout), so the Buffer stays in step; clear the word and report the argument.
+            self.err.zero_()
+            self._check_error(word)
         self._post_error_copy()
         recv_x = out_x.view(torch.uint8).view(a.x.dtype) if a.x.element_size() == 1 else out_x.view(a.x.dtype)
         recv_x = recv_x.view(n_rows, h)

@@ -33,7 +33,7 @@ CDATA = tl.constexpr(3)
 CCONSUMED = tl.constexpr(4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'per_chan'])
 def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
                    ptr_table, flags_off, meta_off, meta_parity_bytes, meta_src_bytes,
                    list_off, list_parity_bytes, list_src_bytes,
@@ -103,7 +103,7 @@ def _ce_wait_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr, err_ptr, phase, 
             wait_ge(flag, n, err_ptr, phase, j, timeout_ns, HAS_TIMER)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['bump'])
 def _ce_signal_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr, bump):
     """After a copy-engine chunk finished (stream order): raise the data flag on every peer by one;
     ``bump`` = 1 after the last chunk advances this rank's send counter."""
@@ -128,7 +128,7 @@ def _copy_row(dst, src, n_elems, BLOCK: tl.constexpr):
         tl.store(dst + hh, tl.load(src + hh, mask=m), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])
 def _push_kernel(x_ptr, row_elems, T, R, me, is_in_ptr, ptr_table, flags_off, slot, consumed_slot,
                  stage_off, stage_src_bytes, ctr_ptr, ticket_ptr, err_ptr, phase, timeout_ns,
                  NC: tl.constexpr, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr, ELEM: tl.constexpr):
@@ -175,7 +175,7 @@ def _wait_sources(need, known, rr, ptr_table, flags_off, slot, R, me, base, err_
     return known
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n_rows'])
 def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
                    counts_ptr, counts_stride, me, R, lo_expert, L, tok_ptr,
                    src_lists_ptr, src_lists_stride, n_rows,
@@ -278,7 +278,7 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
         tl.store(ctr_ptr, base + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])
 def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K,
                    stage_ptr, stage_src_elems, stage_w_ptr, stage_w_src,
                    bias0_ptr, bias1_ptr, out_ptr, out_w_ptr,

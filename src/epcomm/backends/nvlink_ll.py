@@ -1,0 +1,173 @@
+"""Low-latency mode of the nvlink backend: launches of kernels/ll.py over the LL region of the
+symmetric buffer (``layout.LowLatencyBufferLayout``).
+
+Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``,
+``M`` max tokens per rank.
+
+Two kernels per operation: a send kernel and a receive kernel. Without the hook both run back to
+back; with ``return_recv_hook`` the call launches the send kernel and returns, and ``hook()``
+launches the receive kernel, so no kernel stays resident in between. (The combine's send kernel
+waits briefly for the owners' top-k weights, which every rank pushes first thing in that kernel:
+the expert side pre-reduces ``Σ_k w·y`` so each token crosses the link once per rank.)
+
+Parity: ``Buffer`` alternates the parity call by call; a CUDA graph replays the parities it
+captured, and a captured dispatch + combine pair uses both areas, so replays stay safe. At most two
+low-latency calls may be in flight (a third reuses the first one's area).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import layout
+from ..layout import LowLatencyHandle
+from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult
+
+# local counters (int32 device memory): dispatch-receive level [2], combine weight level [2],
+# combine-receive level [2]
+_DLEVEL, _WLEVEL, _CLEVEL = 0, 2, 4
+# ticket slots in the backend's ticket tensor
+_T_DSEND, _T_DRECV, _T_CSEND, _T_CRECV = 4, 5, 6, 8  # _T_CSEND uses two consecutive slots
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < max(n, 1):
+        p *= 2
+    return p
+
+
+class LowLatencyEngine:
+    def __init__(self, nv):
+        self.nv = nv
+        self.levels = torch.zeros(8, dtype=torch.int32, device=nv.device)
+        self.tickets = torch.zeros(16, dtype=torch.int32, device=nv.device)
+        self.sms = torch.cuda.get_device_properties(nv.device).multi_processor_count
+
+    def _layout(self, m: int, h: int, e: int):
+        lay = layout.low_latency_buffer_layout(m, h, self.nv.num_ranks, e)
+        if lay.total > self.nv.rdma_bytes:
+            raise ValueError(f"num_rdma_bytes={self.nv.rdma_bytes} is too small: M={m}, H={h}, E={e} need "
+                             f"{lay.total} (Buffer.get_low_latency_rdma_size_hint)")
+        return lay
+
+    def _area(self, lay, parity: int) -> int:
+        return self.nv.ll_off + lay.parity_offset(parity)
+
+    def dispatch(self, a: LowLatencyDispatchArgs):
+        from ..kernels import ll
+
+        nv = self.nv
+        r_, me, dev = nv.num_ranks, nv.rank, nv.device
+        m, e = a.num_max_dispatch_tokens_per_rank, a.num_experts
+        lx = e // r_
+        x = a.x.contiguous()
+        t, h = x.shape
+        g = (h + 127) // 128
+        lay = self._layout(m, h, e)
+        area = self._area(lay, a.parity)
+        sig = area + lay.signal_offset
+        topk = a.topk_idx.contiguous()
+        k = topk.shape[1]
+        # mark M in a fixed place so a rank with another M is named, not just timed out
+        nv.symm[nv.flags_off + 5 * r_ * 4:nv.flags_off + 6 * r_ * 4].view(torch.int32)[me].fill_(m)
+        ll._ll_dispatch_send_kernel[(max(t, 1),)](
+            x, topk, t, h, g, k, me, r_, lx, e, m, nv.ptr_table, area, lay.dispatch_src_bytes,
+            lay.dispatch_msg_bytes, sig, self.tickets[_T_DSEND:], nv.err,
+            USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=16, K_POW2=_pow2(k), R_POW2=_pow2(r_), num_warps=4,
+        )
+        rm = r_ * m
+        if a.use_fp8:
+            recv_q = torch.empty(lx, rm, h, dtype=torch.float8_e4m3fn, device=dev)
+            if a.use_ue8m0:
+                sc_alloc = torch.empty(lx, (g + 3) // 4, rm, dtype=torch.int32, device=dev)
+            else:
+                sc_alloc = torch.empty(lx, g, rm, dtype=torch.float32, device=dev)
+            recv_x = (recv_q, sc_alloc.transpose(1, 2))
+            out_words = recv_q.view(torch.uint8).view(lx, rm, h // 4, 4).view(torch.int32)
+        else:
+            recv_q = torch.empty(lx, rm, h, dtype=torch.bfloat16, device=dev)
+            sc_alloc = None
+            recv_x = recv_q
+            out_words = recv_q.view(torch.int32)
+        recv_src = torch.empty(lx, rm, dtype=torch.int32, device=dev)
+        recv_range = torch.empty(lx, r_, dtype=torch.int64, device=dev)
+        recv_count = torch.empty(lx, dtype=torch.int32, device=dev)
+        handle = LowLatencyHandle(recv_src, recv_range, m, h, e)
+        recv_src._epcomm_ll_parity = a.parity
+        cum = a.cumulative_local_expert_recv_stats
+        wst = a.dispatch_wait_recv_cost_stats
+
+        def receive() -> None:
+            ll._ll_dispatch_recv_kernel[(lx,)](
+                nv.ptr_table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig,
+                area + lay.slot_offset, me, r_, lx, m, h, g,
+                out_words, sc_alloc if sc_alloc is not None else recv_count, recv_src, recv_range, recv_count,
+                cum if cum is not None else recv_count, wst if wst is not None else recv_range,
+                self.levels[_DLEVEL + a.parity:], self.tickets[_T_DRECV:], nv.err, nv._timeout_ns,
+                USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=cum is not None, HAS_WAIT=wst is not None,
+                TB=32, BLOCK=256, G_POW2=max(_pow2(g), 4), HAS_TIMER=True, num_warps=4,
+            )
+            nv._post_error_copy()
+
+        return LowLatencyDispatchResult(recv_x, recv_count, handle), receive
+
+    def combine(self, a: LowLatencyCombineArgs):
+        from ..kernels import ll
+
+        nv = self.nv
+        r_, me, dev = nv.num_ranks, nv.rank, nv.device
+        hd = a.handle
+        m, h, e = hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts
+        lx = e // r_
+        lay = self._layout(m, h, e)
+        d_parity = getattr(hd.recv_src_info, "_epcomm_ll_parity", None)
+        if d_parity is None:
+            raise ValueError("handle must come from this Buffer's low_latency_dispatch (nvlink backend)")
+        d_area = self._area(lay, d_parity)
+        area = self._area(lay, a.parity)
+        y = a.x.contiguous()
+        topk = a.topk_idx.contiguous()
+        w = a.topk_weights.contiguous()
+        t, k = topk.shape
+        out = a.out if a.out is not None else torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+        sig = area + lay.signal_offset
+        grid = (max(1, min(64, self.sms // 2, r_ * m)),)
+        ll._ll_combine_send_kernel[grid](
+            y, topk, w, t, h, k, me, r_, lx, m, nv.ptr_table, d_area, lay.dispatch_src_bytes,
+            area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset, sig,
+            self.levels[_WLEVEL + a.parity:], self.tickets[_T_CSEND:], nv.err, nv._timeout_ns,
+            K_POW2=_pow2(k), BLOCK=1024, HAS_TIMER=True, num_warps=8,
+        )
+        wst = a.combine_wait_recv_cost_stats
+
+        def receive() -> None:
+            ll._ll_combine_recv_kernel[(max(1, min(t, self.sms)),)](
+                topk, t, h, k, me, r_, lx, m, nv.ptr_table, area + lay.combine_offset, sig, out,
+                wst if wst is not None else self.levels, self.levels[_CLEVEL + a.parity:],
+                self.tickets[_T_CRECV:], nv.err, nv._timeout_ns,
+                K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=1024, HAS_WAIT=wst is not None, HAS_TIMER=True, num_warps=8,
+            )
+            nv._post_error_copy()
+
+        return out, receive
+
+    def zero_copy_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        nv = self.nv
+        m, h, e = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        lay = self._layout(m, h, e)
+        lx = e // nv.num_ranks
+        start = nv.ll_off + lay.zero_copy_offset
+        n = lx * nv.num_ranks * m * h * 2
+        return nv.symm[start:start + n].view(torch.bfloat16).view(lx, nv.num_ranks * m, h)
+
+    def clean(self) -> None:
+        """Zero the LL region and the levels; every rank calls it together (then a barrier)."""
+        nv = self.nv
+        torch.cuda.synchronize(nv.device)
+        torch.distributed.barrier(group=nv.group)
+        nv.symm[nv.ll_off:nv.ll_off + nv.rdma_bytes].zero_()
+        self.levels.zero_()
+        self.tickets.zero_()
+        torch.cuda.synchronize(nv.device)
+        torch.distributed.barrier(group=nv.group)

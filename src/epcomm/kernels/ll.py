@@ -1,0 +1,318 @@
+"""Low-latency kernels (Triton): one message per (token, destination rank), expanded to experts on
+the receiver; combine pre-reduced per (token, expert rank) in float32 on the expert side.
+
+Letters: ``T`` tokens, ``H`` hidden, ``G = H/128``, ``K`` top-k (``<= 32``), ``E`` experts, ``R``
+ranks, ``L = E/R``, ``M`` max tokens per rank, ``RM = R*M``.
+
+Buffer layout: ``layout.LowLatencyBufferLayout``. Signal words per parity (int32 index):
+``[0*R + src]`` dispatch data from ``src``, ``[1*R + src]`` combine weights from ``src``,
+``[2*R + src]`` combine partial sums from ``src``. Counters only grow; each receiving kernel keeps
+the level it expects next in local memory (per parity), so CUDA-graph replays stay in step.
+
+Example (R = 2, L = 2, me = 1, one token with topk_idx [3, 0, 2]): the sender writes the ids to
+both ranks and the row to rank 0 (expert 0) and rank 1 (experts 2, 3); rank 1's program for local
+expert 0 (= expert 2) places the row in its block for source 1 and records slot (token, k = 2).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import peer_ptr, signal, wait_ge
+
+SIG_D = tl.constexpr(0)
+SIG_W = tl.constexpr(1)
+SIG_C = tl.constexpr(2)
+MAX_TOPK = tl.constexpr(32)
+HEADER = tl.constexpr(128)
+
+
+@triton.jit
+def _ticket_last(ticket_ptr):
+    """True in the last program to finish (the ticket resets itself)."""
+    tl.debug_barrier()
+    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
+    last = old == tl.num_programs(0) - 1
+    if last:
+        tl.atomic_xchg(ticket_ptr, 0)
+    return last
+
+
+@triton.jit(do_not_specialize=['T'])
+def _ll_dispatch_send_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
+                             ptr_table, area_off, src_bytes, msg_bytes, sig_off, ticket_ptr, err_ptr,
+                             USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, GC: tl.constexpr,
+                             K_POW2: tl.constexpr, R_POW2: tl.constexpr):
+    """Program ``t``: top-k ids to every rank; the row (FP8-cast once when asked) to every rank holding
+    one of its experts. The last program writes the headers ``[T, M]`` and raises the flags."""
+    t = tl.program_id(0)
+    kk = tl.arange(0, MAX_TOPK)
+    rr = tl.arange(0, R_POW2)
+    if t < T:
+        t64 = t.to(tl.int64)
+        ids = tl.load(topk_ptr + t64 * K + kk, mask=kk < K, other=-1)
+        bad = (kk < K) & ((ids < -1) | (ids >= E))
+        nbad = tl.sum(bad.to(tl.int32), 0)
+        if nbad > 0:
+            badv = tl.max(tl.where(bad, ids, -(1 << 40)), 0)
+            old = tl.atomic_cas(err_ptr, 0, 10)
+            if old == 0:
+                tl.store(err_ptr + 1, -1)
+                tl.store(err_ptr + 2, badv.to(tl.int32))
+                tl.store(err_ptr + 3, E)
+        ids32 = tl.where(bad, -1, ids).to(tl.int32)
+        owner = tl.where(ids32 >= 0, ids32 // L, -1)
+        dest = tl.sum(tl.where(owner[:, None] == rr[None, :], 1, 0), 0)  # [R_POW2] experts per rank
+        for j in range(0, R):
+            msg = peer_ptr(ptr_table, j, area_off + me * src_bytes + HEADER + t64 * msg_bytes, tl.int32)
+            tl.store(msg + kk, ids32)
+        gg = tl.arange(0, GC)
+        cc = tl.arange(0, 128)
+        for g0 in range(0, G, GC):
+            gm = (g0 + gg) < G
+            offs = (g0 + gg)[:, None] * 128 + cc[None, :]
+            v = tl.load(x_ptr + t64 * H + offs, mask=gm[:, None], other=0.0)
+            if USE_FP8:
+                vf = v.to(tl.float32)
+                amax = tl.maximum(tl.max(tl.abs(vf), 1), 1e-4)
+                scale = tl.math.div_rn(amax, tl.full((GC,), 448.0, tl.float32))
+                if ROUND_SCALE:
+                    bits = scale.to(tl.int32, bitcast=True)
+                    up = (bits & 0x7F800000) + tl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
+                    scale = up.to(tl.float32, bitcast=True)
+                q = tl.math.div_rn(vf, scale[:, None]).to(tl.float8e4nv)
+            for j in range(0, R):
+                nj = tl.sum(tl.where(rr == j, dest, 0), 0)
+                if nj > 0:
+                    base = peer_ptr(ptr_table, j, area_off + me * src_bytes + HEADER + t64 * msg_bytes + MAX_TOPK * 4,
+                                    tl.uint8)
+                    if USE_FP8:
+                        tl.store(base.to(tl.pointer_type(tl.float8e4nv)) + offs, q, mask=gm[:, None])
+                        tl.store((base + H).to(tl.pointer_type(tl.float32)) + g0 + gg, scale, mask=gm)
+                    else:
+                        tl.store(base.to(tl.pointer_type(tl.bfloat16)) + offs, v, mask=gm[:, None])
+    if _ticket_last(ticket_ptr):
+        for j in range(0, R):
+            hdr = peer_ptr(ptr_table, j, area_off + me * src_bytes, tl.int32)
+            tl.store(hdr, T)
+            tl.store(hdr + 1, M)
+            signal(peer_ptr(ptr_table, j, sig_off + (SIG_D * R + me) * 4, tl.int32), 1)
+
+
+@triton.jit
+def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off, slot_off, me, R, L, M, H, G,
+                             out_x, out_s, out_src, out_range, out_count, cum_ptr, wait_ptr,
+                             level_ptr, ticket_ptr, err_ptr, timeout_ns,
+                             USE_FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_CUM: tl.constexpr,
+                             HAS_WAIT: tl.constexpr, TB: tl.constexpr, BLOCK: tl.constexpr,
+                             G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Program ``l`` (local expert): wait for every source, then place its messages for expert
+    ``me*L + l`` in source-rank blocks, token order, and record each (source, token, k) slot."""
+    l = tl.program_id(0)
+    RM = R * M
+    level = tl.load(level_ptr)
+    lo = me * L
+    for r in range(0, R):
+        t0 = now_ns_if(HAS_WAIT & HAS_TIMER)
+        wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_D * R + r) * 4, tl.int32), level + 1, err_ptr, 6, r,
+                timeout_ns, HAS_TIMER)
+        if HAS_WAIT:
+            tl.atomic_add(wait_ptr + r, (now_ns_if(HAS_WAIT & HAS_TIMER) - t0).to(tl.int64))
+    kk = tl.arange(0, MAX_TOPK)
+    cols = tl.arange(0, BLOCK)
+    gg = tl.arange(0, G_POW2)
+    begin = tl.zeros((), dtype=tl.int32)
+    row_words = H // 2
+    if USE_FP8:
+        row_words = H // 4
+    for r in range(0, R):
+        src = peer_ptr(ptr_table, me, area_off + r * src_bytes, tl.int32)
+        t_r = tl.load(src)
+        running = tl.zeros((), dtype=tl.int32)
+        for tb in range(0, t_r, TB):
+            tt = tb + tl.arange(0, TB)
+            tm = tt < t_r
+            tt64 = tt.to(tl.int64)
+            msg = src + (HEADER // 4) + tt64 * (msg_bytes // 4)
+            ids = tl.load(msg[:, None] + kk[None, :], mask=tm[:, None], other=-1)
+            hitk = ids == lo + l
+            hit = tl.sum(hitk.to(tl.int32), 1) > 0
+            kpos = tl.sum(tl.where(hitk, kk[None, :], 0), 1)
+            h = hit.to(tl.int32)
+            pos = running + tl.cumsum(h, 0) - h
+            row = begin + pos
+            dst = (l * RM + row).to(tl.int64)
+            tl.store(out_src + dst, tt, mask=hit)
+            slot = peer_ptr(ptr_table, me, slot_off + r * M * MAX_TOPK * 4, tl.int32)
+            tl.store(slot + tt64 * MAX_TOPK + kpos, (l * RM + row), mask=hit)
+            payload = msg + MAX_TOPK
+            for c0 in range(0, row_words, BLOCK):
+                cc = c0 + cols
+                cm = hit[:, None] & (cc[None, :] < row_words)
+                v = tl.load(payload[:, None] + cc[None, :], mask=cm)
+                tl.store(out_x + dst[:, None] * row_words + cc[None, :], v, mask=cm)
+            if USE_FP8:
+                sp = (payload + H // 4).to(tl.pointer_type(tl.float32))
+                gm = hit[:, None] & (gg[None, :] < G)
+                sc = tl.load(sp[:, None] + gg[None, :], mask=gm, other=1.0)
+                if UE8M0:
+                    G4 = (G + 3) // 4
+                    ex = (sc.to(tl.int32, bitcast=True) >> 23) & 0xFF
+                    ex = tl.where(gg[None, :] < G, ex, 0)
+                    ex3 = tl.reshape(ex, (TB, G_POW2 // 4, 4))
+                    sh = tl.arange(0, 4) * 8
+                    packed = tl.sum(ex3 << sh[None, None, :], 2)
+                    g4 = tl.arange(0, G_POW2 // 4)
+                    tl.store(out_s + (l * G4 + g4[None, :]).to(tl.int64) * RM + row[:, None], packed,
+                             mask=hit[:, None] & (g4[None, :] < G4))
+                else:
+                    tl.store(out_s + (l * G + gg[None, :]).to(tl.int64) * RM + row[:, None], sc, mask=gm)
+            running += tl.sum(h, 0)
+        tl.store(out_range + l * R + r, (begin.to(tl.int64) << 32) | running.to(tl.int64))
+        begin += running
+    tl.store(out_count + l, begin)
+    if HAS_CUM:
+        tl.store(cum_ptr + l, tl.load(cum_ptr + l) + begin)
+    if _ticket_last(ticket_ptr):
+        tl.store(level_ptr, level + 1)
+
+
+@triton.jit
+def now_ns_if(ON: tl.constexpr):
+    if ON:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+    else:
+        t = tl.zeros((), dtype=tl.int64)
+    return t
+
+
+@triton.jit(do_not_specialize=['T'])
+def _ll_combine_send_kernel(y_ptr, topk_ptr, w_ptr, T, H, K, me, R, L, M,
+                            ptr_table, d_area_off, src_bytes, w_off, slot_off, c_off, sig_off,
+                            wlevel_ptr, ticket_ptr, err_ptr, timeout_ns,
+                            K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Owner role: push this rank's (expert id, weight) pairs to every rank. Expert role: for every
+    (source, token) with experts here, ``partial = Σ_k w[k] · y[slot(k)]`` in float32, written to
+    the owner's combine area; the last program raises the owners' flags."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    kk = tl.arange(0, MAX_TOPK)
+    km = kk < K
+    for t in range(pid, T, P):
+        t64 = _i64(t)
+        ids = tl.load(topk_ptr + t64 * K + kk, mask=km, other=-1).to(tl.int32)
+        w = tl.load(w_ptr + t64 * K + kk, mask=km, other=0.0)
+        for j in range(0, R):
+            dst = peer_ptr(ptr_table, j, w_off + (me * M + t64) * MAX_TOPK * 8, tl.int32)
+            tl.store(dst + kk, ids)
+            tl.store(dst.to(tl.pointer_type(tl.float32)) + MAX_TOPK + kk, w)
+    if _ticket_last(ticket_ptr):
+        for j in range(0, R):
+            signal(peer_ptr(ptr_table, j, sig_off + (SIG_W * R + me) * 4, tl.int32), 1)
+    level = tl.load(wlevel_ptr)
+    for r in range(0, R):
+        wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_W * R + r) * 4, tl.int32), level + 1, err_ptr, 7, r,
+                timeout_ns, HAS_TIMER)
+    lo = me * L
+    cols = tl.arange(0, BLOCK)
+    for idx in range(pid, R * M, P):
+        r = idx // M
+        t = idx % M
+        t_r = tl.load(peer_ptr(ptr_table, me, d_area_off + r * src_bytes, tl.int32))
+        if t < t_r:
+            wrow = peer_ptr(ptr_table, me, w_off + (_i64(r) * M + t) * MAX_TOPK * 8, tl.int32)
+            ids = tl.load(wrow + kk)
+            w = tl.load(wrow.to(tl.pointer_type(tl.float32)) + MAX_TOPK + kk)
+            here = (kk < K) & (ids >= lo) & (ids < lo + L)
+            if tl.sum(here.to(tl.int32), 0) > 0:
+                slots = tl.load(peer_ptr(ptr_table, me, slot_off + (_i64(r) * M + t) * MAX_TOPK * 4, tl.int32) + kk,
+                                mask=here, other=0)
+                out = peer_ptr(ptr_table, r, c_off + (me * M + _i64(t)) * H * 4, tl.float32)
+                for c0 in range(0, H, BLOCK):
+                    cc = c0 + cols
+                    cm = cc < H
+                    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+                    for k in range(0, K):
+                        hk = tl.sum(tl.where((kk == k) & here, 1, 0), 0)
+                        if hk > 0:
+                            sk = tl.sum(tl.where(kk == k, slots, 0), 0).to(tl.int64)
+                            wk = tl.sum(tl.where(kk == k, w, 0.0), 0)
+                            acc += wk * tl.load(y_ptr + sk * H + cc, mask=cm, other=0.0).to(tl.float32)
+                    tl.store(out + cc, acc, mask=cm)
+    if _ticket_last(ticket_ptr + 1):
+        tl.store(wlevel_ptr, level + 1)
+        for r in range(0, R):
+            signal(peer_ptr(ptr_table, r, sig_off + (SIG_C * R + me) * 4, tl.int32), 1)
+
+
+@triton.jit(do_not_specialize=['T'])
+def _ll_combine_recv_kernel(topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, sig_off, out_ptr, wait_ptr,
+                            clevel_ptr, ticket_ptr, err_ptr, timeout_ns,
+                            K_POW2: tl.constexpr, R_POW2: tl.constexpr, BLOCK: tl.constexpr,
+                            HAS_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """``out[t] = Σ_j partial_j[t]`` over the ranks ``j`` holding one of token ``t``'s experts, in rank
+    order, float32, rounded once to bf16."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    level = tl.load(clevel_ptr)
+    for j in range(0, R):
+        t0 = now_ns_if(HAS_WAIT & HAS_TIMER)
+        wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_C * R + j) * 4, tl.int32), level + 1, err_ptr, 7, j,
+                timeout_ns, HAS_TIMER)
+        if HAS_WAIT:
+            if pid == 0:
+                tl.atomic_add(wait_ptr + j, (now_ns_if(HAS_WAIT & HAS_TIMER) - t0).to(tl.int64))
+    kk = tl.arange(0, K_POW2)
+    rr = tl.arange(0, R_POW2)
+    cols = tl.arange(0, BLOCK)
+    for t in range(pid, T, P):
+        t64 = _i64(t)
+        ids = tl.load(topk_ptr + t64 * K + kk, mask=kk < K, other=-1)
+        owner = tl.where(ids >= 0, ids // L, -1)
+        has = tl.sum(tl.where(owner[:, None] == rr[None, :], 1, 0), 0)
+        for c0 in range(0, H, BLOCK):
+            cc = c0 + cols
+            cm = cc < H
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            for j in range(0, R):
+                hj = tl.sum(tl.where(rr == j, has, 0), 0)
+                if hj > 0:
+                    part = peer_ptr(ptr_table, me, c_off + (_i64(j) * M + t64) * H * 4, tl.float32)
+                    acc += tl.load(part + cc, mask=cm, other=0.0)
+            tl.store(out_ptr + t64 * H + cc, acc.to(tl.bfloat16), mask=cm)
+    if _ticket_last(ticket_ptr):
+        tl.store(clevel_ptr, level + 1)
+
+
+@triton.jit
+def _i64(v):
+    return v + tl.zeros((), dtype=tl.int64)
+
+
+COMPILE_CHECKS = []  # filled below for scripts/compile_check.py
+
+
+def _compile_checks():
+    b = {"ptr_table": "*i64", "area_off": "i64", "sig_off": "i64", "slot_off": "i64", "timeout_ns": "i64",
+         "d_area_off": "i64", "w_off": "i64", "c_off": "i64"}
+    COMPILE_CHECKS.extend([
+        (_ll_dispatch_send_kernel, {**b, "x_ptr": "*bf16", "topk_ptr": "*i64"},
+         dict(USE_FP8=True, ROUND_SCALE=True, GC=16, K_POW2=8, R_POW2=2)),
+        (_ll_dispatch_send_kernel, {**b, "x_ptr": "*bf16", "topk_ptr": "*i64"},
+         dict(USE_FP8=False, ROUND_SCALE=False, GC=16, K_POW2=8, R_POW2=2)),
+        (_ll_dispatch_recv_kernel, {**b, "out_s": "*i32", "out_range": "*i64", "wait_ptr": "*i64"},
+         dict(USE_FP8=True, UE8M0=True, HAS_CUM=True, HAS_WAIT=True, TB=32, BLOCK=512, G_POW2=64,
+              HAS_TIMER=True)),
+        (_ll_dispatch_recv_kernel, {**b, "out_s": "*fp32", "out_range": "*i64", "wait_ptr": "*i64"},
+         dict(USE_FP8=True, UE8M0=False, HAS_CUM=False, HAS_WAIT=False, TB=32, BLOCK=512, G_POW2=64,
+              HAS_TIMER=True)),
+        (_ll_combine_send_kernel, {**b, "y_ptr": "*bf16", "topk_ptr": "*i64", "w_ptr": "*fp32"},
+         dict(K_POW2=8, BLOCK=1024, HAS_TIMER=True)),
+        (_ll_combine_recv_kernel, {**b, "topk_ptr": "*i64", "out_ptr": "*bf16", "wait_ptr": "*i64"},
+         dict(K_POW2=8, R_POW2=2, BLOCK=1024, HAS_WAIT=True, HAS_TIMER=True)),
+    ])
+
+
+_compile_checks()
