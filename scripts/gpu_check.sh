@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 rc=0
 if [[ "$what" == tests || "$what" == all ]]; then
-  timeout 560 python3 -m pytest -x -q -p no:cacheprovider tests/gpu ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40 || rc=1
+  timeout 560 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40 || rc=1
 fi
 if [[ "$what" == probe || "$what" == all ]]; then
   timeout 300 python3 scripts/ht_probe.py 2>&1 | tee "$OUT/probe.log" | tail -20 || rc=1

@@ -34,10 +34,10 @@ def _rank_main(ctx, m, hidden, experts, stress):
 
 
 def test_nvlink_low_latency_small():
-    res = parallel_launch(WORLD, _rank_main, 32, 512, 16 * WORLD, 1000, backend="nccl", timeout_s=400)
+    res = parallel_launch(WORLD, _rank_main, 32, 512, 16 * WORLD, 1000, backend="nccl", timeout_s=150)
     assert all(r["stress_s"] > 0 for r in res)
 
 
 def test_nvlink_low_latency_dsv3():
-    res = parallel_launch(WORLD, _rank_main, 128, 7168, 288, 100, backend="nccl", timeout_s=400)
+    res = parallel_launch(WORLD, _rank_main, 128, 7168, 288, 100, backend="nccl", timeout_s=150)
     assert all(r["stress_s"] > 0 for r in res)
