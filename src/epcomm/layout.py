@@ -250,7 +250,7 @@ LL_HEADER_BYTES = 128
 def low_latency_buffer_layout(m: int, hidden: int, num_ranks: int, num_experts: int) -> LowLatencyBufferLayout:
     """Example: M = 4, H = 256, R = 2, E = 4: messages of 512 + 128 = 640 bytes; dispatch area
     2 x (128 + 4 x 640) = 5376; weights and slots 2 x 4 x 32 x 8 = 2048 and 1024; combine
-    2 x 4 x 256 x 4 = 8192; signals 256; zero-copy 2 x 2 x 4 x 256 x 2 = 8192 bytes."""
+    2 x 4 x 256 x 4 = 8192; signals 2 x 16 + 64 = 96 -> 128; zero-copy 2 x 2 x 4 x 256 x 2 = 8192 bytes."""
     groups = (hidden + 127) // 128
     msg = _align(max(hidden * 2, hidden + groups * 4) + LL_MAX_TOPK * 4, 16)
     src = _align(LL_HEADER_BYTES + m * msg)
