@@ -116,6 +116,18 @@ def test_round_scale_gives_powers_of_two_not_below_amax_over_448():
     assert bool((qmax >= 224).all()) and bool((qmax <= 448).all())  # amax/scale in (224, 448], then rounded
 
 
+def test_round_scale_just_above_a_power_of_two():
+    # amax = 1.75 + 2**-22 -> amax / 448 is the float32 right after 2**-8 (log2 of it rounds to -8.0 in
+    # float32, so exp2(ceil(log2(s))) would give 2**-8 < s); the smallest power of two >= s is 2**-7.
+    x = torch.zeros(1, 128)
+    x[0, 0] = 1.75 + 2.0 ** -22
+    s = quant.fp8_scales(x)
+    assert int(s.view(torch.int32)) == int(f32(2.0 ** -8).view(torch.int32)) + 1
+    assert bits_equal(quant.fp8_scales(x, round_scale=True), f32([[2.0 ** -7]]))
+    q, _ = quant.per_token_cast_to_fp8(x, round_scale=True)
+    assert float(q.float()[0, 0]) == 224.0  # 1.75 * 128, no saturation
+
+
 def test_cast_back_accepts_leading_dims_and_transposed_scales():
     x = random_x(t=6, h=256, seed=3)
     q, s = quant.per_token_cast_to_fp8(x)
