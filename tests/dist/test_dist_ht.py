@@ -228,6 +228,22 @@ def scale_layouts(s: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"contiguous": s, "column_major": s.t().contiguous().t(), "strided": wide[:, ::2]}
 
 
+def check_odd_hidden(ctx):
+    """BF16 takes any hidden size that is a multiple of 8 (here 40: not a multiple of 128)."""
+    me, r_ = ctx.rank, ctx.world_size
+    buf = Buffer(ctx.group, num_nvl_bytes=Buffer.get_dispatch_config(r_).get_nvl_buffer_size_hint(80, r_))
+    for name in ("random", "zero_tokens", "hot"):
+        case = harness.cases(r_, 40)[name]
+        recv_x, recv_idx, _, lst, h, _ = dispatch_case(buf, case, me)
+        exp = expected_dispatch(case, me)
+        assert_bitwise(recv_x, exp["recv_x"], f"{name}/H=40: recv_x")
+        assert_bitwise(recv_idx, exp["recv_topk_idx"], f"{name}/H=40: recv_topk_idx")
+        equal(lst, exp["per_expert"].tolist(), f"{name}/H=40: list")
+        out, _, _ = buf.combine(expert_side(recv_x, me), h)
+        ref, abs_sum = expected_combine(case, me)
+        assert_within_budget(out, ref, abs_sum, r_, f"{name}/H=40: combine")
+
+
 def check_dispatch_fp8(ctx):
     buf = make_buffer(ctx)
     me, r_ = ctx.rank, ctx.world_size
@@ -484,6 +500,7 @@ CHECKS = [
     ("layout", check_layout),
     ("dispatch_bf16", check_dispatch_bf16),
     ("handle_fields", check_handle_fields),
+    ("odd_hidden", check_odd_hidden),
     ("dispatch_fp8", check_dispatch_fp8),
     ("dispatch_without_topk", check_dispatch_without_topk),
     ("expert_alignment", check_expert_alignment),

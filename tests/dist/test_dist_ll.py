@@ -30,9 +30,9 @@ M = 32        # num_max_dispatch_tokens_per_rank: >= every case's T
 FP8_MODES = {"fp8": (False, False), "fp8_round_scale": (True, False), "fp8_ue8m0": (True, True)}
 
 
-def make_buffer(ctx, **kw) -> Buffer:
+def make_buffer(ctx, hidden: int = HIDDEN, **kw) -> Buffer:
     e = harness.num_experts_for(ctx.world_size)
-    hint = Buffer.get_low_latency_rdma_size_hint(M, HIDDEN, ctx.world_size, e)
+    hint = Buffer.get_low_latency_rdma_size_hint(M, hidden, ctx.world_size, e)
     return Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True, **kw)
 
 
@@ -84,7 +84,7 @@ def verify_dispatch(case: Case, me: int, recv_x, recv_count, handle, mode: str =
     equal(LowLatencyHandle._fields, ("recv_src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden",
                                      "num_experts"), "handle field names")
     check(handle[0] is handle.recv_src_info and handle[1] is handle.layout_range, "handle positions")
-    equal((handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts), (M, HIDDEN, e),
+    equal((handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts), (M, case.hidden, e),
           f"{what}: handle M, H, E")
     # counts and layout_range: one contiguous block per source rank, ordered by source rank
     counts = [[len(blocks[l][r]) for r in range(r_)] for l in range(lx)]
@@ -109,11 +109,11 @@ def verify_dispatch(case: Case, me: int, recv_x, recv_count, handle, mode: str =
             assert_bitwise(got[l, :n], want, f"{what}: part {p} of expert {l}'s valid rows")
 
 
-def verify_layout(recv_x, r_: int, lx: int, mode: str, use_ue8m0: bool) -> None:
+def verify_layout(recv_x, r_: int, lx: int, mode: str, use_ue8m0: bool, hidden: int = HIDDEN) -> None:
     rows = r_ * M
     if mode == "bf16":
         check(isinstance(recv_x, torch.Tensor), "BF16 recv_x is a tensor")
-        equal((recv_x.dtype, tuple(recv_x.shape)), (torch.bfloat16, (lx, rows, HIDDEN)), "bf16 recv_x")
+        equal((recv_x.dtype, tuple(recv_x.shape)), (torch.bfloat16, (lx, rows, hidden)), "bf16 recv_x")
         return
     data, scales = recv_x
     equal((data.dtype, tuple(data.shape)), (torch.float8_e4m3fn, (lx, rows, HIDDEN)), "FP8 recv_x data")
@@ -166,7 +166,7 @@ def combine_and_verify(buf, case, me, recv_x, handle, mode="bf16", round_scale=F
     y = expert_outputs(recv_x, me, lx, mode, use_ue8m0)
     out, ev, hook = buf.low_latency_combine(y, idx, w, handle, **kw)
     check(isinstance(ev, EventOverlap) and hook is None, f"{what}: combine returns (out, event, None)")
-    equal((out.dtype, tuple(out.shape)), (torch.bfloat16, (idx.shape[0], HIDDEN)), f"{what}: combined_x")
+    equal((out.dtype, tuple(out.shape)), (torch.bfloat16, (idx.shape[0], case.hidden)), f"{what}: combined_x")
     ref, abs_sum = expected_combine(case, me, mode, round_scale, dead)
     assert_within_budget(out, ref, abs_sum, case.num_topk, f"{what}: low_latency_combine")
     return y, out
@@ -193,6 +193,20 @@ def check_ll_bf16(ctx):
             rx2, rc2, h2, _, _ = buf.low_latency_dispatch(wide, idx, M, case.num_experts, use_fp8=False)
             verify_dispatch(case, me, rx2, rc2, h2, what="non-contiguous x")
         combine_and_verify(buf, case, me, recv_x, handle, what=f"{name}/bf16")
+
+
+def check_ll_bf16_odd_hidden(ctx):
+    """BF16 takes any hidden size that is a multiple of 8 (here 40: not a multiple of 128)."""
+    me, r_ = ctx.rank, ctx.world_size
+    buf = make_buffer(ctx, hidden=40)
+    for name in ("random", "zero_tokens"):
+        case = harness.cases(r_, 40)[name]
+        idx = make_topk(case, me)[0]
+        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(make_x(case, me), idx, M, case.num_experts,
+                                                                    use_fp8=False)
+        verify_layout(recv_x, r_, case.num_experts // r_, "bf16", False, hidden=40)
+        verify_dispatch(case, me, recv_x, recv_count, handle, what=f"{name}/H=40")
+        combine_and_verify(buf, case, me, recv_x, handle, what=f"{name}/H=40")
 
 
 def check_ll_fp8(ctx):
@@ -350,6 +364,7 @@ def check_ll_shrink(ctx):
 
 CHECKS = [
     ("ll_bf16", check_ll_bf16),
+    ("ll_bf16_odd_hidden", check_ll_bf16_odd_hidden),
     ("ll_fp8", check_ll_fp8),
     ("ll_stats", check_ll_stats),
     ("ll_hook", check_ll_hook),
