@@ -335,10 +335,8 @@ class NVLinkBackend(Backend):
         if topk is not None and t:
             # expert-id range on the device: folded into the error word (read at the sync below)
             lo, hi = torch.aminmax(topk)
-            e_t = torch.tensor(e, device=dev)
-            bad = (lo < -1) | (hi >= e_t)
-            word = torch.stack([bad.to(torch.int64) * 10, bad.to(torch.int64) * -1,
-                                torch.where(lo < -1, lo, hi), e_t.to(torch.int64)]).to(torch.int32)
+            bad = ((lo < -1) | (hi >= e)).to(torch.int64)
+            word = torch.stack([bad * 10, -bad, torch.where(lo < -1, lo, hi), bad * 0 + e]).to(torch.int32)
             self.err.copy_(torch.where(self.err[0] != 0, self.err, word))
         host_counts = None
         if a.num_worst_tokens:

@@ -106,7 +106,7 @@ class LowLatencyEngine:
                 cum if cum is not None else recv_count, wst if wst is not None else recv_range,
                 self.levels[_DLEVEL + a.parity:], self.tickets[_T_DRECV:], nv.err, nv._timeout_ns,
                 USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=cum is not None, HAS_WAIT=wst is not None,
-                TB=32, BLOCK=256, G_POW2=max(_pow2(g), 4), HAS_TIMER=True, num_warps=4,
+                TB=128, QB=4, BLOCK=1024, G_POW2=max(_pow2(g), 4), HAS_TIMER=True, num_warps=4,
             )
             nv._post_error_copy()
 
@@ -132,12 +132,12 @@ class LowLatencyEngine:
         t, k = topk.shape
         out = a.out if a.out is not None else torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         sig = area + lay.signal_offset
-        grid = (max(1, min(64, self.sms // 2, r_ * m)),)
+        grid = (max(1, min(self.sms, r_ * m)),)
         ll._ll_combine_send_kernel[grid](
             y, topk, w, t, h, k, me, r_, lx, m, nv.ptr_table, d_area, lay.dispatch_src_bytes,
             area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset, sig,
             self.levels[_WLEVEL + a.parity:], self.tickets[_T_CSEND:], nv.err, nv._timeout_ns,
-            K_POW2=_pow2(k), BLOCK=1024, HAS_TIMER=True, num_warps=8,
+            K_POW2=_pow2(k), BLOCK=512, HAS_TIMER=True, num_warps=8,
         )
         wst = a.combine_wait_recv_cost_stats
 

@@ -29,6 +29,21 @@ HEADER = tl.constexpr(128)
 
 
 @triton.jit
+def _e4m3_rne(v):
+    """Round float32 ``v`` (|v| <= 448) to the nearest e4m3 value, ties to even, in float32: add and
+    subtract ``1.5 * 2**(q + 23)`` where ``2**q`` is the e4m3 step at |v| (the float32 adder rounds
+    at that step). The result is exactly representable, so the final cast to FP8 cannot round again
+    (a direct cast may go through FP16 and round twice)."""
+    a = tl.abs(v)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    q = tl.maximum(e, -6) - 3
+    c = (((q + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = tl.minimum((a + c) - c, 448.0)
+    sign = v.to(tl.int32, bitcast=True) & -2147483648  # copy the sign bit (Triton's -x is 0 - x: loses -0.0)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _ticket_last(ticket_ptr):
     """True in the last program to finish (the ticket resets itself)."""
     tl.debug_barrier()
@@ -81,7 +96,7 @@ def _ll_dispatch_send_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
                     bits = scale.to(tl.int32, bitcast=True)
                     up = (bits & 0x7F800000) + tl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
                     scale = up.to(tl.float32, bitcast=True)
-                q = tl.math.div_rn(vf, scale[:, None]).to(tl.float8e4nv)
+                q = _e4m3_rne(tl.math.div_rn(vf, scale[:, None])).to(tl.float8e4nv)
             for j in range(0, R):
                 nj = tl.sum(tl.where(rr == j, dest, 0), 0)
                 if nj > 0:
@@ -105,7 +120,7 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
                              out_x, out_s, out_src, out_range, out_count, cum_ptr, wait_ptr,
                              level_ptr, ticket_ptr, err_ptr, timeout_ns,
                              USE_FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_CUM: tl.constexpr,
-                             HAS_WAIT: tl.constexpr, TB: tl.constexpr, BLOCK: tl.constexpr,
+                             HAS_WAIT: tl.constexpr, TB: tl.constexpr, QB: tl.constexpr, BLOCK: tl.constexpr,
                              G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
     """Program ``l`` (local expert): wait for every source, then place its messages for expert
     ``me*L + l`` in source-rank blocks, token order, and record each (source, token, k) slot."""
@@ -136,6 +151,7 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
             tt64 = tt.to(tl.int64)
             msg = src + (HEADER // 4) + tt64 * (msg_bytes // 4)
             ids = tl.load(msg[:, None] + kk[None, :], mask=tm[:, None], other=-1)
+            ids = tl.where(tm[:, None], ids, -1)
             hitk = ids == lo + l
             hit = tl.sum(hitk.to(tl.int32), 1) > 0
             kpos = tl.sum(tl.where(hitk, kk[None, :], 0), 1)
@@ -146,28 +162,38 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
             tl.store(out_src + dst, tt, mask=hit)
             slot = peer_ptr(ptr_table, me, slot_off + r * M * MAX_TOPK * 4, tl.int32)
             tl.store(slot + tt64 * MAX_TOPK + kpos, (l * RM + row), mask=hit)
-            payload = msg + MAX_TOPK
-            for c0 in range(0, row_words, BLOCK):
-                cc = c0 + cols
-                cm = hit[:, None] & (cc[None, :] < row_words)
-                v = tl.load(payload[:, None] + cc[None, :], mask=cm)
-                tl.store(out_x + dst[:, None] * row_words + cc[None, :], v, mask=cm)
-            if USE_FP8:
-                sp = (payload + H // 4).to(tl.pointer_type(tl.float32))
-                gm = hit[:, None] & (gg[None, :] < G)
-                sc = tl.load(sp[:, None] + gg[None, :], mask=gm, other=1.0)
-                if UE8M0:
-                    G4 = (G + 3) // 4
-                    ex = (sc.to(tl.int32, bitcast=True) >> 23) & 0xFF
-                    ex = tl.where(gg[None, :] < G, ex, 0)
-                    ex3 = tl.reshape(ex, (TB, G_POW2 // 4, 4))
-                    sh = tl.arange(0, 4) * 8
-                    packed = tl.sum(ex3 << sh[None, None, :], 2)
-                    g4 = tl.arange(0, G_POW2 // 4)
-                    tl.store(out_s + (l * G4 + g4[None, :]).to(tl.int64) * RM + row[:, None], packed,
-                             mask=hit[:, None] & (g4[None, :] < G4))
-                else:
-                    tl.store(out_s + (l * G + gg[None, :]).to(tl.int64) * RM + row[:, None], sc, mask=gm)
+            nh = tl.sum(h, 0)
+            rel = pos - running
+            qq0 = tl.arange(0, QB)
+            for q0 in range(0, nh, QB):
+                qq = q0 + qq0
+                qv = qq < nh
+                sel = hit[None, :] & (rel[None, :] == qq[:, None])
+                tok = tl.sum(tl.where(sel, tt[None, :], 0), 1).to(tl.int64)
+                rowq = begin + running + qq
+                dstq = (l * RM + rowq).to(tl.int64)
+                payq = src + (HEADER // 4) + tok * (msg_bytes // 4) + MAX_TOPK
+                for c0 in range(0, row_words, BLOCK):
+                    cc = c0 + cols
+                    cm = qv[:, None] & (cc[None, :] < row_words)
+                    v = tl.load(payq[:, None] + cc[None, :], mask=cm)
+                    tl.store(out_x + dstq[:, None] * row_words + cc[None, :], v, mask=cm)
+                if USE_FP8:
+                    sp = (payq + H // 4).to(tl.pointer_type(tl.float32))
+                    gm = qv[:, None] & (gg[None, :] < G)
+                    sc = tl.load(sp[:, None] + gg[None, :], mask=gm, other=1.0)
+                    if UE8M0:
+                        G4 = (G + 3) // 4
+                        ex = (sc.to(tl.int32, bitcast=True) >> 23) & 0xFF
+                        ex = tl.where(gg[None, :] < G, ex, 0)
+                        ex3 = tl.reshape(ex, (QB, G_POW2 // 4, 4))
+                        sh = tl.arange(0, 4) * 8
+                        packed = tl.sum(ex3 << sh[None, None, :], 2)
+                        g4 = tl.arange(0, G_POW2 // 4)
+                        tl.store(out_s + (l * G4 + g4[None, :]).to(tl.int64) * RM + rowq[:, None], packed,
+                                 mask=qv[:, None] & (g4[None, :] < G4))
+                    else:
+                        tl.store(out_s + (l * G + gg[None, :]).to(tl.int64) * RM + rowq[:, None], sc, mask=gm)
             running += tl.sum(h, 0)
         tl.store(out_range + l * R + r, (begin.to(tl.int64) << 32) | running.to(tl.int64))
         begin += running
@@ -230,16 +256,15 @@ def _ll_combine_send_kernel(y_ptr, topk_ptr, w_ptr, T, H, K, me, R, L, M,
                 slots = tl.load(peer_ptr(ptr_table, me, slot_off + (_i64(r) * M + t) * MAX_TOPK * 4, tl.int32) + kk,
                                 mask=here, other=0)
                 out = peer_ptr(ptr_table, r, c_off + (me * M + _i64(t)) * H * 4, tl.float32)
+                k2 = tl.arange(0, K_POW2)
+                h2 = tl.sum(tl.where(kk[None, :] == k2[:, None], here[None, :].to(tl.int32), 0), 1) > 0
+                s2 = tl.sum(tl.where(kk[None, :] == k2[:, None], slots[None, :], 0), 1).to(tl.int64)
+                w2 = tl.sum(tl.where(kk[None, :] == k2[:, None], w[None, :], 0.0), 1)
                 for c0 in range(0, H, BLOCK):
                     cc = c0 + cols
                     cm = cc < H
-                    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-                    for k in range(0, K):
-                        hk = tl.sum(tl.where((kk == k) & here, 1, 0), 0)
-                        if hk > 0:
-                            sk = tl.sum(tl.where(kk == k, slots, 0), 0).to(tl.int64)
-                            wk = tl.sum(tl.where(kk == k, w, 0.0), 0)
-                            acc += wk * tl.load(y_ptr + sk * H + cc, mask=cm, other=0.0).to(tl.float32)
+                    tile = tl.load(y_ptr + s2[:, None] * H + cc[None, :], mask=h2[:, None] & cm[None, :], other=0.0)
+                    acc = tl.sum(tile.to(tl.float32) * w2[:, None], 0)
                     tl.store(out + cc, acc, mask=cm)
     if _ticket_last(ticket_ptr + 1):
         tl.store(wlevel_ptr, level + 1)
@@ -303,13 +328,13 @@ def _compile_checks():
         (_ll_dispatch_send_kernel, {**b, "x_ptr": "*bf16", "topk_ptr": "*i64"},
          dict(USE_FP8=False, ROUND_SCALE=False, GC=16, K_POW2=8, R_POW2=2)),
         (_ll_dispatch_recv_kernel, {**b, "out_s": "*i32", "out_range": "*i64", "wait_ptr": "*i64"},
-         dict(USE_FP8=True, UE8M0=True, HAS_CUM=True, HAS_WAIT=True, TB=32, BLOCK=512, G_POW2=64,
+         dict(USE_FP8=True, UE8M0=True, HAS_CUM=True, HAS_WAIT=True, TB=128, QB=4, BLOCK=1024, G_POW2=64,
               HAS_TIMER=True)),
         (_ll_dispatch_recv_kernel, {**b, "out_s": "*fp32", "out_range": "*i64", "wait_ptr": "*i64"},
-         dict(USE_FP8=True, UE8M0=False, HAS_CUM=False, HAS_WAIT=False, TB=32, BLOCK=512, G_POW2=64,
+         dict(USE_FP8=False, UE8M0=False, HAS_CUM=False, HAS_WAIT=False, TB=128, QB=4, BLOCK=1024, G_POW2=64,
               HAS_TIMER=True)),
         (_ll_combine_send_kernel, {**b, "y_ptr": "*bf16", "topk_ptr": "*i64", "w_ptr": "*fp32"},
-         dict(K_POW2=8, BLOCK=1024, HAS_TIMER=True)),
+         dict(K_POW2=8, BLOCK=512, HAS_TIMER=True)),
         (_ll_combine_recv_kernel, {**b, "topk_ptr": "*i64", "out_ptr": "*bf16", "wait_ptr": "*i64"},
          dict(K_POW2=8, R_POW2=2, BLOCK=1024, HAS_WAIT=True, HAS_TIMER=True)),
     ])

@@ -60,3 +60,21 @@ def assert_within_budget(actual: torch.Tensor, ref64: torch.Tensor, terms_abs_su
         raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements outside the budget; first at "
                              f"{first}: got {actual64[first].item()}, expected {ref64[first].item()}, "
                              f"budget {budget[first].item():.3g}")
+
+
+def assert_fp8_within_one_step(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """FP8 (e4m3) values equal up to one rounding step: same sign and magnitude codes at most one
+    apart (e4m3 codes are ordered by magnitude), i.e. the two casts rounded the same real number to
+    neighbouring representable values. Anything further apart fails."""
+    a = actual.detach().cpu().contiguous().view(torch.uint8).to(torch.int16)
+    b = expected.detach().cpu().contiguous().view(torch.uint8).to(torch.int16)
+    if a.shape != b.shape:
+        raise AssertionError(f"{what}: shape {tuple(a.shape)} != expected {tuple(b.shape)}")
+    same_sign = (a & 0x80) == (b & 0x80)
+    close = (a & 0x7F) - (b & 0x7F)
+    ok = (same_sign & (close.abs() <= 1)) | (((a & 0x7F) == 0) & ((b & 0x7F) == 0))
+    if not bool(ok.all()):
+        bad = (~ok).nonzero()[0]
+        first = tuple(int(i) for i in bad)
+        raise AssertionError(f"{what}: {int((~ok).sum())} of {ok.numel()} FP8 values differ by more than one step; "
+                             f"first at {first}: code {int(a[first])} != {int(b[first])}")

@@ -14,7 +14,7 @@ import time
 import torch
 
 from .. import Buffer, quant
-from .compare import assert_bitwise, assert_within_budget
+from .compare import assert_bitwise, assert_fp8_within_one_step, assert_within_budget
 from .inputs import Case, make_topk
 
 
@@ -185,8 +185,9 @@ def check_ht_stress(fast: Buffer, ref: Buffer, rank: int, num_ranks: int, iters:
     t0 = time.perf_counter()
     for it in range(iters):
         tokens = tuple(int(v) for v in torch.randint(0, 300, (num_ranks,), generator=torch.Generator().manual_seed(it)))
-        case = Case(num_ranks=num_ranks, tokens=tokens, hidden=256 + 128 * (it % 3), num_topk=1 + it % 8,
-                    num_experts=8 * num_ranks, seed=seed + it, hot_expert=it % 5 if it % 2 else None)
+        # routing, token counts and hot experts change every iteration; shapes stay (one compile)
+        case = Case(num_ranks=num_ranks, tokens=tokens, hidden=512, num_topk=8, num_experts=8 * num_ranks,
+                    seed=seed + it, hot_expert=it % 5 if it % 2 else None, drop_prob=0.05 * (it % 4))
         xin, x, topk, w = device_inputs(case, rank, dev)
         fr = _dispatch(fast, xin, topk, w, case.num_experts)
         fo, _, _ = fast.combine(fr[0], fr[4])
@@ -250,7 +251,8 @@ def check_ll_case(ref: Buffer, fast: Buffer, case: Case, rank: int, m: int, use_
     for l_, n in enumerate(rr[1].tolist()):
         assert_bitwise(fr[2].recv_src_info[l_, :n], rr[2].recv_src_info[l_, :n], f"recv_src_info[{l_}] {tag}")
         if use_fp8:
-            assert_bitwise(fr[0][0][l_, :n], rr[0][0][l_, :n], f"recv_x fp8[{l_}] {tag}")
+            # within the FP8 budget: one e4m3 rounding step (the issue allows it; we also count exact rows)
+            assert_fp8_within_one_step(fr[0][0][l_, :n], rr[0][0][l_, :n], f"recv_x fp8[{l_}] {tag}")
             assert_bitwise(fr[0][1][l_, :n], rr[0][1][l_, :n], f"recv scales[{l_}] {tag}")
         else:
             assert_bitwise(fr[0][l_, :n], rr[0][l_, :n], f"recv_x[{l_}] {tag}")
