@@ -142,7 +142,9 @@ def merge_ranks(per_rank: list[list[dict]], *, env: dict, iters: int, warmup: in
         rows.append(row)
     ref = {_key_of_row(r, "reference"): r for r in rows if r["backend"] == "reference"}
     for row in rows:
-        base = ref.get(_key_of_row(row, "reference"))
+        # "<dtype>-worst" rows (the fast path captured with num_worst_tokens) pair with the
+        # reference's plain dtype row: the same exchange, which the reference cannot capture.
+        base = ref.get(_key_of_row({**row, "dtype": row["dtype"].split("-")[0]}, "reference"))
         if base is not None:
             row["ref_median_us"] = base["median_us"]
             row["speedup"] = base["median_us"] / row["median_us"] if row["median_us"] else None

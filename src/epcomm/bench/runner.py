@@ -169,7 +169,8 @@ def _run_case(ctx, plan: BenchPlan, case: BenchCase, bufs: dict[str, Buffer], pr
             m = measure(op, num_sets=num_sets, iters=plan.iters, warmup=plan.warmup, group=group, device=dev,
                         use_graphs=plan.graphs, reset=reset)
             for phase, st, host in zip(m.phases, m.stats, m.host):
-                lb, kb = nbytes.get((op.op, op.dtype), (None, None)) if phase == "total" else (None, None)
+                key = (op.op, op.dtype.split("-")[0])  # "bf16-worst" moves the bytes of "bf16"
+                lb, kb = nbytes.get(key, (None, None)) if phase == "total" else (None, None)
                 out.append({"case": dataclasses.asdict(case), "backend": name, "op": op.op, "dtype": op.dtype,
                             "phase": phase, "median": st.median, "p10": st.p10, "p90": st.p90, "host": host,
                             "timing": m.method, "logical_bytes": lb, "link_bytes": kb, "sms": _sms(name, dev),
