@@ -41,3 +41,46 @@ def test_nvlink_low_latency_small():
 def test_nvlink_low_latency_dsv3():
     res = parallel_launch(WORLD, _rank_main, 128, 7168, 288, 100, backend="nccl", timeout_s=150)
     assert all(r["stress_s"] > 0 for r in res)
+
+
+def _rank_shrink(ctx):
+    """Rank 1 never calls: with enable_shrink rank 0 masks it at the deadline and carries on."""
+    import time
+
+    import torch
+
+    os.environ["EPCOMM_TIMEOUT_S"] = "1"
+    m, h, e = 16, 256, 8 * ctx.world_size
+    hint = Buffer.get_low_latency_rdma_size_hint(m, h, ctx.world_size, e)
+    with G.forced_backend("nvlink"):
+        buf = Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True, enable_shrink=True)
+    if ctx.rank == 1:
+        time.sleep(6)
+        return "absent"
+    case = Case(num_ranks=ctx.world_size, tokens=(m,) * ctx.world_size, hidden=h, num_topk=4, num_experts=e, seed=3)
+    x, topk, w = G.ll_inputs(case, ctx.rank, buf.device)
+    rx, cnt, handle, _, _ = buf.low_latency_dispatch(x, topk, m, e, use_fp8=False)
+    out, _, _ = buf.low_latency_combine(rx, topk, w, handle)
+    torch.cuda.synchronize()
+    status = torch.zeros(ctx.world_size, dtype=torch.int32, device=buf.device)
+    buf.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0, 1], status.tolist()
+    lx = e // ctx.world_size
+    mine = (topk >= 0) & (topk < lx)  # experts on rank 0: only its own tokens arrive
+    expected = torch.bincount(topk[mine], minlength=lx).to(torch.int32)
+    assert torch.equal(cnt.cpu(), expected.cpu()), (cnt, expected)
+    ref = (x.double() * (w.double() * mine.double()).sum(1, keepdim=True)).cpu()
+    terms = (x.double().abs() * (w.double().abs() * mine.double()).sum(1, keepdim=True)).cpu()
+    from epcomm.testing.compare import assert_within_budget
+
+    assert_within_budget(out, ref, terms, 2 * case.num_topk, "combine without the masked rank")
+    t0 = time.perf_counter()
+    buf.low_latency_dispatch(x, topk, m, e, use_fp8=False)
+    torch.cuda.synchronize()
+    assert time.perf_counter() - t0 < 0.5, "a masked rank must not be waited for again"
+    return "ok"
+
+
+def test_nvlink_low_latency_shrink_masks_a_silent_rank():
+    res = parallel_launch(2, _rank_shrink, backend="nccl", timeout_s=90)
+    assert res[0] == "ok"

@@ -66,6 +66,8 @@ class LowLatencyDispatchArgs:
     dispatch_wait_recv_cost_stats: torch.Tensor | None
     active_ranks: torch.Tensor | None    # bool[R], False = masked (shrink); None = all active
     parity: int                          # which of the two receive areas this call uses
+    mask: torch.Tensor | None = None     # the Buffer's int32[R] mask (1 = masked) when enable_shrink;
+    #                                      device backends read it and mask a peer that misses its deadline
 
 
 class LowLatencyDispatchResult(NamedTuple):
@@ -84,6 +86,7 @@ class LowLatencyCombineArgs:
     combine_wait_recv_cost_stats: torch.Tensor | None
     active_ranks: torch.Tensor | None
     parity: int
+    mask: torch.Tensor | None = None
 
 
 class Backend:

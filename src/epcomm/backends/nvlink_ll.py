@@ -69,12 +69,14 @@ class LowLatencyEngine:
         sig = area + lay.signal_offset
         topk = a.topk_idx.contiguous()
         k = topk.shape[1]
+        mask = a.mask if a.mask is not None else nv.err
         # mark M in a fixed place so a rank with another M is named, not just timed out
         nv.symm[nv.flags_off + 5 * r_ * 4:nv.flags_off + 6 * r_ * 4].view(torch.int32)[me].fill_(m)
         ll._ll_dispatch_send_kernel[(max(t, 1),)](
             x, topk, t, h, g, k, me, r_, lx, e, m, nv.ptr_table, area, lay.dispatch_src_bytes,
-            lay.dispatch_msg_bytes, sig, self.tickets[_T_DSEND:], nv.err,
-            USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=16, K_POW2=_pow2(k), R_POW2=_pow2(r_), num_warps=4,
+            lay.dispatch_msg_bytes, sig, self.tickets[_T_DSEND:], nv.err, mask,
+            USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=16, K_POW2=_pow2(k), R_POW2=_pow2(r_),
+            SHRINK=a.mask is not None, num_warps=4,
         )
         rm = r_ * m
         if a.use_fp8:
@@ -104,8 +106,8 @@ class LowLatencyEngine:
                 area + lay.slot_offset, me, r_, lx, m, h, g,
                 out_words, sc_alloc if sc_alloc is not None else recv_count, recv_src, recv_range, recv_count,
                 cum if cum is not None else recv_count, wst if wst is not None else recv_range,
-                self.levels[_DLEVEL + a.parity:], self.tickets[_T_DRECV:], nv.err, nv._timeout_ns,
-                USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=cum is not None, HAS_WAIT=wst is not None,
+                self.levels[_DLEVEL + a.parity:], self.tickets[_T_DRECV:], nv.err, nv._timeout_ns, mask,
+                SHRINK=a.mask is not None, USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=cum is not None, HAS_WAIT=wst is not None,
                 TB=128, QB=4, BLOCK=1024, G_POW2=max(_pow2(g), 4), HAS_TIMER=True, num_warps=4,
             )
             nv._post_error_copy()
@@ -132,12 +134,13 @@ class LowLatencyEngine:
         t, k = topk.shape
         out = a.out if a.out is not None else torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         sig = area + lay.signal_offset
+        mask = a.mask if a.mask is not None else nv.err
         grid = (max(1, min(self.sms, r_ * m)),)
         ll._ll_combine_send_kernel[grid](
             y, topk, w, t, h, k, me, r_, lx, m, nv.ptr_table, d_area, lay.dispatch_src_bytes,
             area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset, sig,
-            self.levels[_WLEVEL + a.parity:], self.tickets[_T_CSEND:], nv.err, nv._timeout_ns,
-            K_POW2=_pow2(k), BLOCK=512, HAS_TIMER=True, num_warps=8,
+            self.levels[_WLEVEL + a.parity:], self.tickets[_T_CSEND:], nv.err, nv._timeout_ns, mask,
+            K_POW2=_pow2(k), BLOCK=512, HAS_TIMER=True, SHRINK=a.mask is not None, num_warps=8,
         )
         wst = a.combine_wait_recv_cost_stats
 
@@ -145,8 +148,9 @@ class LowLatencyEngine:
             ll._ll_combine_recv_kernel[(max(1, min(t, self.sms)),)](
                 topk, t, h, k, me, r_, lx, m, nv.ptr_table, area + lay.combine_offset, sig, out,
                 wst if wst is not None else self.levels, self.levels[_CLEVEL + a.parity:],
-                self.tickets[_T_CRECV:], nv.err, nv._timeout_ns,
-                K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=1024, HAS_WAIT=wst is not None, HAS_TIMER=True, num_warps=8,
+                self.tickets[_T_CRECV:], nv.err, nv._timeout_ns, mask,
+                K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=1024, HAS_WAIT=wst is not None, HAS_TIMER=True,
+                SHRINK=a.mask is not None, num_warps=8,
             )
             nv._post_error_copy()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import peer_ptr, signal, wait_ge
+from .common import now_ns, peer_ptr, signal, wait_ge
 
 SIG_D = tl.constexpr(0)
 SIG_W = tl.constexpr(1)
@@ -44,6 +44,43 @@ def _e4m3_rne(v):
 
 
 @triton.jit
+def _alive(mask_ptr, r, SHRINK: tl.constexpr):
+    """1 unless shrink is on and rank ``r`` is masked."""
+    if SHRINK:
+        a = (tl.load(mask_ptr + r, volatile=True) == 0).to(tl.int32)
+    else:
+        a = tl.full((), 1, tl.int32)
+    return a
+
+
+@triton.jit
+def _wait_or_mask(flag_ptr, target, err_ptr, phase, peer, timeout_ns, mask_ptr, SHRINK: tl.constexpr,
+                  HAS_TIMER: tl.constexpr):
+    """``wait_ge``; with shrink, a peer that misses the deadline is masked instead (and a peer
+    masked meanwhile by another program is not waited for)."""
+    if SHRINK:
+        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        masked = tl.load(mask_ptr + peer, volatile=True) != 0
+        go = (v < target) & (masked == 0)
+        t0 = now_ns(HAS_TIMER)
+        spins = tl.zeros((), dtype=tl.int64)
+        while go:
+            v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            masked = tl.load(mask_ptr + peer, volatile=True) != 0
+            spins += 1
+            if HAS_TIMER:
+                elapsed = now_ns(HAS_TIMER) - t0
+            else:
+                elapsed = spins
+            go = (v < target) & (masked == 0) & (elapsed < timeout_ns)
+        if (v < target) & (masked == 0):
+            tl.atomic_xchg(mask_ptr + peer, 1)
+        tl.debug_barrier()
+    else:
+        wait_ge(flag_ptr, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER)
+
+
+@triton.jit
 def _ticket_last(ticket_ptr):
     """True in the last program to finish (the ticket resets itself)."""
     tl.debug_barrier()
@@ -56,9 +93,9 @@ def _ticket_last(ticket_ptr):
 
 @triton.jit(do_not_specialize=['T'])
 def _ll_dispatch_send_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
-                             ptr_table, area_off, src_bytes, msg_bytes, sig_off, ticket_ptr, err_ptr,
+                             ptr_table, area_off, src_bytes, msg_bytes, sig_off, ticket_ptr, err_ptr, mask_ptr,
                              USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, GC: tl.constexpr,
-                             K_POW2: tl.constexpr, R_POW2: tl.constexpr):
+                             K_POW2: tl.constexpr, R_POW2: tl.constexpr, SHRINK: tl.constexpr):
     """Program ``t``: top-k ids to every rank; the row (FP8-cast once when asked) to every rank holding
     one of its experts. The last program writes the headers ``[T, M]`` and raises the flags."""
     t = tl.program_id(0)
@@ -80,8 +117,9 @@ def _ll_dispatch_send_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
         owner = tl.where(ids32 >= 0, ids32 // L, -1)
         dest = tl.sum(tl.where(owner[:, None] == rr[None, :], 1, 0), 0)  # [R_POW2] experts per rank
         for j in range(0, R):
-            msg = peer_ptr(ptr_table, j, area_off + me * src_bytes + HEADER + t64 * msg_bytes, tl.int32)
-            tl.store(msg + kk, ids32)
+            if _alive(mask_ptr, j, SHRINK) != 0:
+                msg = peer_ptr(ptr_table, j, area_off + me * src_bytes + HEADER + t64 * msg_bytes, tl.int32)
+                tl.store(msg + kk, ids32)
         gg = tl.arange(0, GC)
         cc = tl.arange(0, 128)
         for g0 in range(0, G, GC):
@@ -98,7 +136,7 @@ def _ll_dispatch_send_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
                     scale = up.to(tl.float32, bitcast=True)
                 q = _e4m3_rne(tl.math.div_rn(vf, scale[:, None])).to(tl.float8e4nv)
             for j in range(0, R):
-                nj = tl.sum(tl.where(rr == j, dest, 0), 0)
+                nj = tl.sum(tl.where(rr == j, dest, 0), 0) * _alive(mask_ptr, j, SHRINK)
                 if nj > 0:
                     base = peer_ptr(ptr_table, j, area_off + me * src_bytes + HEADER + t64 * msg_bytes + MAX_TOPK * 4,
                                     tl.uint8)
@@ -109,17 +147,18 @@ def _ll_dispatch_send_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
                         tl.store(base.to(tl.pointer_type(tl.bfloat16)) + offs, v, mask=gm[:, None])
     if _ticket_last(ticket_ptr):
         for j in range(0, R):
-            hdr = peer_ptr(ptr_table, j, area_off + me * src_bytes, tl.int32)
-            tl.store(hdr, T)
-            tl.store(hdr + 1, M)
-            signal(peer_ptr(ptr_table, j, sig_off + (SIG_D * R + me) * 4, tl.int32), 1)
+            if _alive(mask_ptr, j, SHRINK) != 0:
+                hdr = peer_ptr(ptr_table, j, area_off + me * src_bytes, tl.int32)
+                tl.store(hdr, T)
+                tl.store(hdr + 1, M)
+                signal(peer_ptr(ptr_table, j, sig_off + (SIG_D * R + me) * 4, tl.int32), 1)
 
 
 @triton.jit
 def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off, slot_off, me, R, L, M, H, G,
                              out_x, out_s, out_src, out_range, out_count, cum_ptr, wait_ptr,
-                             level_ptr, ticket_ptr, err_ptr, timeout_ns,
-                             USE_FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_CUM: tl.constexpr,
+                             level_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
+                             SHRINK: tl.constexpr, USE_FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_CUM: tl.constexpr,
                              HAS_WAIT: tl.constexpr, TB: tl.constexpr, QB: tl.constexpr, BLOCK: tl.constexpr,
                              G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
     """Program ``l`` (local expert): wait for every source, then place its messages for expert
@@ -130,8 +169,8 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
     lo = me * L
     for r in range(0, R):
         t0 = now_ns_if(HAS_WAIT & HAS_TIMER)
-        wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_D * R + r) * 4, tl.int32), level + 1, err_ptr, 6, r,
-                timeout_ns, HAS_TIMER)
+        _wait_or_mask(peer_ptr(ptr_table, me, sig_off + (SIG_D * R + r) * 4, tl.int32), level + 1, err_ptr, 6, r,
+                      timeout_ns, mask_ptr, SHRINK, HAS_TIMER)
         if HAS_WAIT:
             tl.atomic_add(wait_ptr + r, (now_ns_if(HAS_WAIT & HAS_TIMER) - t0).to(tl.int64))
     kk = tl.arange(0, MAX_TOPK)
@@ -143,7 +182,7 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
         row_words = H // 4
     for r in range(0, R):
         src = peer_ptr(ptr_table, me, area_off + r * src_bytes, tl.int32)
-        t_r = tl.load(src)
+        t_r = tl.load(src) * _alive(mask_ptr, r, SHRINK)
         running = tl.zeros((), dtype=tl.int32)
         for tb in range(0, t_r, TB):
             tt = tb + tl.arange(0, TB)
@@ -217,8 +256,9 @@ def now_ns_if(ON: tl.constexpr):
 @triton.jit(do_not_specialize=['T'])
 def _ll_combine_send_kernel(y_ptr, topk_ptr, w_ptr, T, H, K, me, R, L, M,
                             ptr_table, d_area_off, src_bytes, w_off, slot_off, c_off, sig_off,
-                            wlevel_ptr, ticket_ptr, err_ptr, timeout_ns,
-                            K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr):
+                            wlevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
+                            K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr,
+                            SHRINK: tl.constexpr):
     """Owner role: push this rank's (expert id, weight) pairs to every rank. Expert role: for every
     (source, token) with experts here, ``partial = Σ_k w[k] · y[slot(k)]`` in float32, written to
     the owner's combine area; the last program raises the owners' flags."""
@@ -231,22 +271,24 @@ def _ll_combine_send_kernel(y_ptr, topk_ptr, w_ptr, T, H, K, me, R, L, M,
         ids = tl.load(topk_ptr + t64 * K + kk, mask=km, other=-1).to(tl.int32)
         w = tl.load(w_ptr + t64 * K + kk, mask=km, other=0.0)
         for j in range(0, R):
-            dst = peer_ptr(ptr_table, j, w_off + (me * M + t64) * MAX_TOPK * 8, tl.int32)
-            tl.store(dst + kk, ids)
-            tl.store(dst.to(tl.pointer_type(tl.float32)) + MAX_TOPK + kk, w)
+            if _alive(mask_ptr, j, SHRINK) != 0:
+                dst = peer_ptr(ptr_table, j, w_off + (me * M + t64) * MAX_TOPK * 8, tl.int32)
+                tl.store(dst + kk, ids)
+                tl.store(dst.to(tl.pointer_type(tl.float32)) + MAX_TOPK + kk, w)
     if _ticket_last(ticket_ptr):
         for j in range(0, R):
-            signal(peer_ptr(ptr_table, j, sig_off + (SIG_W * R + me) * 4, tl.int32), 1)
+            if _alive(mask_ptr, j, SHRINK) != 0:
+                signal(peer_ptr(ptr_table, j, sig_off + (SIG_W * R + me) * 4, tl.int32), 1)
     level = tl.load(wlevel_ptr)
     for r in range(0, R):
-        wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_W * R + r) * 4, tl.int32), level + 1, err_ptr, 7, r,
-                timeout_ns, HAS_TIMER)
+        _wait_or_mask(peer_ptr(ptr_table, me, sig_off + (SIG_W * R + r) * 4, tl.int32), level + 1, err_ptr, 7, r,
+                      timeout_ns, mask_ptr, SHRINK, HAS_TIMER)
     lo = me * L
     cols = tl.arange(0, BLOCK)
     for idx in range(pid, R * M, P):
         r = idx // M
         t = idx % M
-        t_r = tl.load(peer_ptr(ptr_table, me, d_area_off + r * src_bytes, tl.int32))
+        t_r = tl.load(peer_ptr(ptr_table, me, d_area_off + r * src_bytes, tl.int32)) * _alive(mask_ptr, r, SHRINK)
         if t < t_r:
             wrow = peer_ptr(ptr_table, me, w_off + (_i64(r) * M + t) * MAX_TOPK * 8, tl.int32)
             ids = tl.load(wrow + kk)
@@ -269,14 +311,15 @@ def _ll_combine_send_kernel(y_ptr, topk_ptr, w_ptr, T, H, K, me, R, L, M,
     if _ticket_last(ticket_ptr + 1):
         tl.store(wlevel_ptr, level + 1)
         for r in range(0, R):
-            signal(peer_ptr(ptr_table, r, sig_off + (SIG_C * R + me) * 4, tl.int32), 1)
+            if _alive(mask_ptr, r, SHRINK) != 0:
+                signal(peer_ptr(ptr_table, r, sig_off + (SIG_C * R + me) * 4, tl.int32), 1)
 
 
 @triton.jit(do_not_specialize=['T'])
 def _ll_combine_recv_kernel(topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, sig_off, out_ptr, wait_ptr,
-                            clevel_ptr, ticket_ptr, err_ptr, timeout_ns,
+                            clevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
                             K_POW2: tl.constexpr, R_POW2: tl.constexpr, BLOCK: tl.constexpr,
-                            HAS_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr):
+                            HAS_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr, SHRINK: tl.constexpr):
     """``out[t] = Σ_j partial_j[t]`` over the ranks ``j`` holding one of token ``t``'s experts, in rank
     order, float32, rounded once to bf16."""
     pid = tl.program_id(0)
@@ -284,8 +327,8 @@ def _ll_combine_recv_kernel(topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, si
     level = tl.load(clevel_ptr)
     for j in range(0, R):
         t0 = now_ns_if(HAS_WAIT & HAS_TIMER)
-        wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_C * R + j) * 4, tl.int32), level + 1, err_ptr, 7, j,
-                timeout_ns, HAS_TIMER)
+        _wait_or_mask(peer_ptr(ptr_table, me, sig_off + (SIG_C * R + j) * 4, tl.int32), level + 1, err_ptr, 7, j,
+                      timeout_ns, mask_ptr, SHRINK, HAS_TIMER)
         if HAS_WAIT:
             if pid == 0:
                 tl.atomic_add(wait_ptr + j, (now_ns_if(HAS_WAIT & HAS_TIMER) - t0).to(tl.int64))
@@ -302,7 +345,7 @@ def _ll_combine_recv_kernel(topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, si
             cm = cc < H
             acc = tl.zeros((BLOCK,), dtype=tl.float32)
             for j in range(0, R):
-                hj = tl.sum(tl.where(rr == j, has, 0), 0)
+                hj = tl.sum(tl.where(rr == j, has, 0), 0) * _alive(mask_ptr, j, SHRINK)
                 if hj > 0:
                     part = peer_ptr(ptr_table, me, c_off + (_i64(j) * M + t64) * H * 4, tl.float32)
                     acc += tl.load(part + cc, mask=cm, other=0.0)
@@ -320,23 +363,23 @@ COMPILE_CHECKS = []  # filled below for scripts/compile_check.py
 
 
 def _compile_checks():
-    b = {"ptr_table": "*i64", "area_off": "i64", "sig_off": "i64", "slot_off": "i64", "timeout_ns": "i64",
+    b = {"mask_ptr": "*i32", "ptr_table": "*i64", "area_off": "i64", "sig_off": "i64", "slot_off": "i64", "timeout_ns": "i64",
          "d_area_off": "i64", "w_off": "i64", "c_off": "i64"}
     COMPILE_CHECKS.extend([
         (_ll_dispatch_send_kernel, {**b, "x_ptr": "*bf16", "topk_ptr": "*i64"},
-         dict(USE_FP8=True, ROUND_SCALE=True, GC=16, K_POW2=8, R_POW2=2)),
+         dict(USE_FP8=True, ROUND_SCALE=True, GC=16, K_POW2=8, R_POW2=2, SHRINK=True)),
         (_ll_dispatch_send_kernel, {**b, "x_ptr": "*bf16", "topk_ptr": "*i64"},
-         dict(USE_FP8=False, ROUND_SCALE=False, GC=16, K_POW2=8, R_POW2=2)),
+         dict(USE_FP8=False, ROUND_SCALE=False, GC=16, K_POW2=8, R_POW2=2, SHRINK=False)),
         (_ll_dispatch_recv_kernel, {**b, "out_s": "*i32", "out_range": "*i64", "wait_ptr": "*i64"},
-         dict(USE_FP8=True, UE8M0=True, HAS_CUM=True, HAS_WAIT=True, TB=128, QB=4, BLOCK=1024, G_POW2=64,
+         dict(SHRINK=True, USE_FP8=True, UE8M0=True, HAS_CUM=True, HAS_WAIT=True, TB=128, QB=4, BLOCK=1024, G_POW2=64,
               HAS_TIMER=True)),
         (_ll_dispatch_recv_kernel, {**b, "out_s": "*fp32", "out_range": "*i64", "wait_ptr": "*i64"},
-         dict(USE_FP8=False, UE8M0=False, HAS_CUM=False, HAS_WAIT=False, TB=128, QB=4, BLOCK=1024, G_POW2=64,
+         dict(SHRINK=False, USE_FP8=False, UE8M0=False, HAS_CUM=False, HAS_WAIT=False, TB=128, QB=4, BLOCK=1024, G_POW2=64,
               HAS_TIMER=True)),
         (_ll_combine_send_kernel, {**b, "y_ptr": "*bf16", "topk_ptr": "*i64", "w_ptr": "*fp32"},
-         dict(K_POW2=8, BLOCK=512, HAS_TIMER=True)),
+         dict(K_POW2=8, BLOCK=512, HAS_TIMER=True, SHRINK=True)),
         (_ll_combine_recv_kernel, {**b, "topk_ptr": "*i64", "out_ptr": "*bf16", "wait_ptr": "*i64"},
-         dict(K_POW2=8, R_POW2=2, BLOCK=1024, HAS_WAIT=True, HAS_TIMER=True)),
+         dict(K_POW2=8, R_POW2=2, BLOCK=1024, HAS_WAIT=True, HAS_TIMER=True, SHRINK=True)),
     ])
 
 
