@@ -8,6 +8,7 @@ VARIABLES = {
     "EPCOMM_BACKEND": "force a backend: reference | nvlink (a forced backend that cannot run raises)",
     "EPCOMM_TIMEOUT_S": "deadline in seconds for every wait on a peer (default 30 on CPU, 10 on GPU)",
     "EPCOMM_LOG_LEVEL": "log level of the epcomm logger (e.g. INFO to see which backend runs and why)",
+    "EPCOMM_HT_TRANSFER": "nvlink high-throughput bulk mover: ce (copy engine, default) | sm (Triton push kernels)",
 }
 
 
@@ -31,3 +32,10 @@ def timeout_s(default: float) -> float:
 
 def log_level() -> str | None:
     return os.environ.get("EPCOMM_LOG_LEVEL") or None
+
+
+def ht_transfer() -> str:
+    v = os.environ.get("EPCOMM_HT_TRANSFER", "ce").strip().lower() or "ce"
+    if v not in ("ce", "sm"):
+        raise ValueError(f"EPCOMM_HT_TRANSFER must be 'ce' or 'sm', got {v!r}")
+    return v

@@ -65,6 +65,9 @@ class Buffer:
         self.explicitly_destroy = bool(explicitly_destroy)
         self.enable_shrink = bool(enable_shrink)
 
+        level = _env.log_level()
+        if level:
+            logging.getLogger("epcomm").setLevel(level.upper())
         backend_name = str(dist.get_backend(group)).lower()
         if "nccl" in backend_name and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())

@@ -23,7 +23,6 @@ Flow control: a sender waits until every receiver consumed the previous contents
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import weakref
 import zlib
@@ -31,7 +30,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .. import layout
+from .. import _env, layout
 from ..layout import DispatchHandle
 from .base import Backend, DispatchArgs, DispatchResult, PeerTimeoutError
 
@@ -128,7 +127,7 @@ class NVLinkBackend(Backend):
         self.notify_out = torch.zeros(r_ * r_ + r_ * L_MAX + r_ * C_MAX + r_, dtype=torch.int32, device=self.device)
         self.notify_host = torch.zeros(self.notify_out.numel() + 4, dtype=torch.int32).pin_memory()
         self.ce_stream = torch.cuda.Stream(self.device)
-        self.transfer = os.environ.get("EPCOMM_HT_TRANSFER", "ce")  # "ce" (copy engine) or "sm"
+        self.transfer = _env.ht_transfer()  # "ce" (copy engine) or "sm"
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
         self._ll = None
