@@ -58,13 +58,13 @@ def main():
                   "stage_src_elems": "i64", "stage_s_src": "i64", "stage_k_src": "i64", "stage_w_src": "i64"})
     for cached in (False, True):
         kernels.append((ht._gather_kernel, g, dict(CACHED=cached, IS_PREFIX=cached, HAS_SCALES=True, HAS_TOPK=not cached,
-                                                 NC=4, RB=8, BLOCK=512, R_POW2=2, K_POW2=8, G_POW2=64,
+                                                 NC=4, RB=8, BLOCK=512, R_POW2=2, K_POW2=8, G_POW2=64, STAGES=3,
                                                  HAS_TIMER=True)))
     kernels.append((ht._reduce_kernel, ptr_types(ht._reduce_kernel, {"x_ptr": "*bf16", "stage_ptr": "*bf16",
                     "w_ptr": "*fp32", "stage_w_ptr": "*fp32", "bias0_ptr": "*bf16", "bias1_ptr": "*bf16",
                     "out_ptr": "*bf16", "out_w_ptr": "*fp32", "ptr_table": "*i64", "flags_off": "i64",
                     "timeout_ns": "i64", "stage_src_elems": "i64", "stage_w_src": "i64"}),
-                    dict(HAS_W=True, NUM_BIAS=2, NC=4, TB=4, BLOCK=1024, R_POW2=2, K_POW2=8, HAS_TIMER=True)))
+                    dict(HAS_W=True, NUM_BIAS=2, NC=4, TB=4, BLOCK=1024, R_POW2=2, K_POW2=8, HAS_TIMER=True, STAGES=3)))
     kernels.append((ht._combine_push_kernel, ptr_types(ht._combine_push_kernel, {"w_ptr": "*fp32",
                     "ptr_table": "*i64", "flags_off": "i64", "timeout_ns": "i64", "stage_off": "i64",
                     "stage_w_off": "i64"}), dict(HAS_W=True, NC=4, BLOCK=1024, K_POW2=8, HAS_TIMER=True)))

@@ -42,7 +42,7 @@ T_LIST_CAP = 32768
 DEFAULT_NVL_BYTES = 256 << 20
 NUM_CTRS = 16
 RB = 8  # rows per gather tile
-TB = 4  # tokens per reduce tile
+TB = 8  # tokens per reduce tile
 NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
 # counter slots (local int32 device memory)
 DSEND, DRECV, CSEND, CRECV = 0, 1, 2, 3

@@ -185,7 +185,8 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
                    ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
                    CACHED: tl.constexpr, IS_PREFIX: tl.constexpr, HAS_SCALES: tl.constexpr,
                    HAS_TOPK: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
-                   R_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+                   R_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
+                   STAGES: tl.constexpr = 3):
     """Dispatch receive: row ``n`` of the outputs = token ``s`` of source rank ``i`` (rank-major order).
 
     Tiles of ``RB`` rows; rows are visited rotated so this rank's own block (no wait) comes first,
@@ -241,7 +242,7 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
         lrow = s64 * row_elems
         srow = i.to(tl.int64) * stage_src_elems + s64 * row_elems
         orow = nn64 * row_elems
-        for h0 in range(0, row_elems, BLOCK):
+        for h0 in tl.range(0, row_elems, BLOCK, num_stages=STAGES):
             cc = h0 + cols
             cm = cc[None, :] < row_elems
             a = tl.load(x_ptr + lrow[:, None] + cc[None, :], mask=mine[:, None] & cm)
@@ -284,7 +285,8 @@ def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K,
                    bias0_ptr, bias1_ptr, out_ptr, out_w_ptr,
                    ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
                    HAS_W: tl.constexpr, NUM_BIAS: tl.constexpr, NC: tl.constexpr, TB: tl.constexpr,
-                   BLOCK: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+                   BLOCK: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
+                   STAGES: tl.constexpr = 3):
     """Combine receive: ``out[t] = Σ_j row_j(t)`` (float32, ranks in order) ``+ bias``, as bf16.
 
     ``row_j(t)`` is row ``send_head[t, j]`` of rank ``j``'s x: local x for ``j == me``, else row
@@ -315,21 +317,19 @@ def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K,
         need = tl.max(lvl, 0)
         known = _wait_sources(need, known, rr, ptr_table, flags_off, CDATA, R, me, base_ctr, err_ptr, 5,
                               timeout_ns, NC, HAS_TIMER)
-        for h0 in range(0, H, BLOCK):
+        for h0 in tl.range(0, H, BLOCK, num_stages=STAGES):
             cc = h0 + cols
             cm = cc[None, :] < H
             acc = tl.zeros((TB, BLOCK), dtype=tl.float32)
-            for j in range(0, R):
+            for j in tl.static_range(R_POW2):  # unrolled: straight-line loads the pipeliner can prefetch
                 row = tl.sum(tl.where(rr[None, :] == j, heads, 0), 1)
-                ok = tm & (row >= 0)
-                if j == me:
-                    v = tl.load(x_ptr + row.to(tl.int64)[:, None] * H + cc[None, :], mask=ok[:, None] & cm,
-                                other=0.0)
-                else:
-                    relj = row - tl.sum(tl.where(rr == j, base, 0), 0)
-                    v = tl.load(stage_ptr + _i64(j) * stage_src_elems + relj.to(tl.int64)[:, None] * H + cc[None, :],
-                                mask=ok[:, None] & cm, other=0.0)
-                acc += v.to(tl.float32)
+                ok = tm & (row >= 0) & (j < R)
+                relj = row - tl.sum(tl.where(rr == j, base, 0), 0)
+                a = tl.load(x_ptr + row.to(tl.int64)[:, None] * H + cc[None, :], mask=(ok & (me == j))[:, None] & cm,
+                            other=0.0)
+                b = tl.load(stage_ptr + j * stage_src_elems + relj.to(tl.int64)[:, None] * H + cc[None, :],
+                            mask=(ok & (me != j))[:, None] & cm, other=0.0)
+                acc += a.to(tl.float32) + b.to(tl.float32)  # one of a, b is 0: the same sum, rank by rank
             if NUM_BIAS >= 1:
                 acc += tl.load(bias0_ptr + tt64[:, None] * H + cc[None, :], mask=tm[:, None] & cm,
                                other=0.0).to(tl.float32)
