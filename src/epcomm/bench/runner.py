@@ -132,9 +132,12 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _sms(name: str, device: torch.device):
+def _sms(name: str, device: torch.device, mode: str = "ht"):
     if name == "reference":
         return "nccl" if device.type == "cuda" else "gloo"
+    if mode == "ll" and device.type == "cuda":
+        # the low-latency kernels are not bounded by num_sms: their grids reach every SM
+        return f"all {torch.cuda.get_device_properties(device).multi_processor_count}"
     return Buffer.num_sms
 
 
@@ -173,7 +176,7 @@ def _run_case(ctx, plan: BenchPlan, case: BenchCase, bufs: dict[str, Buffer], pr
                 lb, kb = nbytes.get(key, (None, None)) if phase == "total" else (None, None)
                 out.append({"case": dataclasses.asdict(case), "backend": name, "op": op.op, "dtype": op.dtype,
                             "phase": phase, "median": st.median, "p10": st.p10, "p90": st.p90, "host": host,
-                            "timing": m.method, "logical_bytes": lb, "link_bytes": kb, "sms": _sms(name, dev),
+                            "timing": m.method, "logical_bytes": lb, "link_bytes": kb, "sms": _sms(name, dev, case.mode),
                             "check": checks[name]})
             if progress is not None:
                 progress.update(f"{label} ({name})")
