@@ -1,6 +1,5 @@
 """Quick GPU timing of the high-throughput path (nvlink vs reference on NCCL), DeepSeek-V3 shape.
 Superseded by `epcomm bench` for recorded figures; kept for kernel work."""
-import os
 import sys
 
 import torch

@@ -8,13 +8,10 @@ the deadline error of a rank that never arrives.
 import os
 import sys
 
-import pytest
-import torch
-
 from epcomm.backends.base import PeerTimeoutError
 from epcomm.testing import gpu_cases as G
 from epcomm.testing.inputs import Case
-from epcomm.testing.launcher import RankError, parallel_launch
+from epcomm.testing.launcher import parallel_launch
 
 WORLD = int(os.environ.get("EPCOMM_TEST_WORLD", "2"))
 

@@ -335,9 +335,9 @@ class ReferenceBackend(Backend):
         return LowLatencyDispatchResult(recv_x, recv_count, handle), receive
 
     def low_latency_combine(self, a: LowLatencyCombineArgs) -> tuple[torch.Tensor, Callable[[], None]]:
-        r_, me = self.num_ranks, self.rank
+        r_ = self.num_ranks
         hd = a.handle
-        e, m = hd.num_experts, hd.num_max_dispatch_tokens_per_rank
+        e = hd.num_experts
         lx = e // r_
         dev = a.x.device
         active = self._active(a.active_ranks)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..buffer import Buffer
+from ..testing.gpu_cases import forced_backend
 from ..testing.launcher import parallel_launch
 from . import report, workloads
 from .cases import BenchCase
@@ -63,19 +64,9 @@ class BenchResult:
     ce_gbps: float | None
 
 
-@contextlib.contextmanager
 def _forced_backend(name: str | None):
-    """Set ``EPCOMM_BACKEND`` (this rank's process only) while a Buffer is made."""
-    old = os.environ.get("EPCOMM_BACKEND")
-    if name is not None:
-        os.environ["EPCOMM_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("EPCOMM_BACKEND", None)
-        else:
-            os.environ["EPCOMM_BACKEND"] = old
+    """``EPCOMM_BACKEND`` set (this rank's process only) while a Buffer is made; no-op for None."""
+    return forced_backend(name) if name is not None else contextlib.nullcontext()
 
 
 def ht_nvl_bytes(case: BenchCase, num_ranks: int) -> int:

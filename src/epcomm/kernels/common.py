@@ -54,30 +54,51 @@ def signal(flag_ptr, value):
 
 
 @triton.jit
-def wait_ge(flag_ptr, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER: tl.constexpr):
+def ticket_last(ticket_ptr):
+    """True in the last program of the grid to get here (the ticket resets itself). Each program's
+    earlier writes are released (system scope) before its ticket, so the last one may publish."""
+    tl.debug_barrier()
+    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
+    last = old == tl.num_programs(0) - 1
+    if last:
+        tl.atomic_xchg(ticket_ptr, 0)
+    return last
+
+
+@triton.jit
+def wait_ge(flag_ptr, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER: tl.constexpr, mask_ptr=None,
+            SHRINK: tl.constexpr = False):
     """Spin until ``*flag_ptr >= target`` (acquire) or the deadline; returns True when reached.
 
-    On expiry records ``[phase, peer, observed, target]`` in the error word (first error wins).
-    Returns at once if an error was already recorded. Without a timer (interpreter), the deadline
-    counts spins instead of nanoseconds.
+    On expiry records ``[phase, peer, observed, target]`` in the error word (first error wins) —
+    or, with ``SHRINK``, masks ``peer`` in ``mask_ptr`` instead. Returns at once if an error was
+    recorded already, or (``SHRINK``) if another program masked the peer meanwhile. Without a timer
+    (interpreter), the deadline counts spins instead of nanoseconds.
     """
     v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     err = tl.load(err_ptr, volatile=True)
-    go = (v < target) & (err == 0)
+    masked = tl.zeros((), dtype=tl.int32)
+    if SHRINK:
+        masked = tl.load(mask_ptr + peer, volatile=True)
+    go = (v < target) & (err == 0) & (masked == 0)
     t0 = now_ns(HAS_TIMER)
     spins = tl.zeros((), dtype=tl.int64)
     while go:
         v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
         err = tl.load(err_ptr, volatile=True)
+        if SHRINK:
+            masked = tl.load(mask_ptr + peer, volatile=True)
         spins += 1
         if HAS_TIMER:
             elapsed = now_ns(HAS_TIMER) - t0
         else:
             elapsed = spins
-        go = (v < target) & (err == 0) & (elapsed < timeout_ns)
+        go = (v < target) & (err == 0) & (masked == 0) & (elapsed < timeout_ns)
     ok = v >= target
-    if not ok:
-        if err == 0:
+    if (not ok) & (err == 0) & (masked == 0):
+        if SHRINK:
+            tl.atomic_xchg(mask_ptr + peer, 1)
+        else:
             old = tl.atomic_cas(err_ptr, 0, phase)
             if old == 0:
                 tl.store(err_ptr + 1, peer)

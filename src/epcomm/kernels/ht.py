@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import peer_ptr, signal, wait_ge
+from .common import peer_ptr, signal, ticket_last, wait_ge
 
 # Flag slots (int32 index = slot * R + peer) in every rank's flag area.
 NOTIFY = tl.constexpr(0)
@@ -149,10 +149,7 @@ def _push_kernel(x_ptr, row_elems, T, R, me, is_in_ptr, ptr_table, flags_off, sl
                 if f != 0:
                     _copy_row(dst_base + _i64(t) * row_elems, x_ptr + _i64(t) * row_elems,
                               row_elems, BLOCK)
-    tl.debug_barrier()
-    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
-    if old == P - 1:
-        tl.atomic_xchg(ticket_ptr, 0)
+    if ticket_last(ticket_ptr):
         for j in range(0, R):
             if j != me:
                 signal(peer_ptr(ptr_table, j, flags_off + (slot * R + me) * 4, tl.int32), NC)
@@ -269,10 +266,7 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
             tl.store(out_k + nn64[:, None] * K + kk[None, :], tl.where(here, kv - lo_expert, -1),
                      mask=inb[:, None] & km)
             tl.store(out_w + nn64[:, None] * K + kk[None, :], tl.where(here, wv, 0.0), mask=inb[:, None] & km)
-    tl.debug_barrier()
-    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
-    if old == P - 1:
-        tl.atomic_xchg(ticket_ptr, 0)
+    if ticket_last(ticket_ptr):
         for i in range(0, R):
             if i != me:
                 signal(peer_ptr(ptr_table, i, flags_off + (DCONSUMED * R + me) * 4, tl.int32), 1)
@@ -354,10 +348,7 @@ def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K,
     # every chunk of every peer must have arrived before the slot is handed back
     known = _wait_sources(tl.full((R_POW2,), NC, tl.int32), known, rr, ptr_table, flags_off, CDATA, R, me, base_ctr,
                           err_ptr, 5, timeout_ns, NC, HAS_TIMER)
-    tl.debug_barrier()
-    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
-    if old == P - 1:
-        tl.atomic_xchg(ticket_ptr, 0)
+    if ticket_last(ticket_ptr):
         for j in range(0, R):
             if j != me:
                 signal(peer_ptr(ptr_table, j, flags_off + (CCONSUMED * R + me) * 4, tl.int32), 1)
@@ -394,10 +385,7 @@ def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, 
                 _copy_row(dst + r64 * row_elems, x_ptr + src * row_elems, row_elems, BLOCK)
                 if HAS_W:
                     tl.store(dst_w + r64 * K + kk, tl.load(w_ptr + src * K + kk, mask=kk < K), mask=kk < K)
-    tl.debug_barrier()
-    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
-    if old == P - 1:
-        tl.atomic_xchg(ticket_ptr, 0)
+    if ticket_last(ticket_ptr):
         for i in range(0, R):
             if i != me:
                 signal(peer_ptr(ptr_table, i, flags_off + (CDATA * R + me) * 4, tl.int32), NC)

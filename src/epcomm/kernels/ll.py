@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import now_ns, peer_ptr, signal, wait_ge
+from .common import now_ns, peer_ptr, signal, ticket_last, wait_ge
 
 SIG_D = tl.constexpr(0)
 SIG_W = tl.constexpr(1)
@@ -51,44 +51,6 @@ def _alive(mask_ptr, r, SHRINK: tl.constexpr):
     else:
         a = tl.full((), 1, tl.int32)
     return a
-
-
-@triton.jit
-def _wait_or_mask(flag_ptr, target, err_ptr, phase, peer, timeout_ns, mask_ptr, SHRINK: tl.constexpr,
-                  HAS_TIMER: tl.constexpr):
-    """``wait_ge``; with shrink, a peer that misses the deadline is masked instead (and a peer
-    masked meanwhile by another program is not waited for)."""
-    if SHRINK:
-        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        masked = tl.load(mask_ptr + peer, volatile=True) != 0
-        go = (v < target) & (masked == 0)
-        t0 = now_ns(HAS_TIMER)
-        spins = tl.zeros((), dtype=tl.int64)
-        while go:
-            v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-            masked = tl.load(mask_ptr + peer, volatile=True) != 0
-            spins += 1
-            if HAS_TIMER:
-                elapsed = now_ns(HAS_TIMER) - t0
-            else:
-                elapsed = spins
-            go = (v < target) & (masked == 0) & (elapsed < timeout_ns)
-        if (v < target) & (masked == 0):
-            tl.atomic_xchg(mask_ptr + peer, 1)
-        tl.debug_barrier()
-    else:
-        wait_ge(flag_ptr, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER)
-
-
-@triton.jit
-def _ticket_last(ticket_ptr):
-    """True in the last program to finish (the ticket resets itself)."""
-    tl.debug_barrier()
-    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
-    last = old == tl.num_programs(0) - 1
-    if last:
-        tl.atomic_xchg(ticket_ptr, 0)
-    return last
 
 
 @triton.jit(do_not_specialize=['T'])
@@ -145,7 +107,7 @@ def _ll_dispatch_send_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
                         tl.store((base + H).to(tl.pointer_type(tl.float32)) + g0 + gg, scale, mask=gm)
                     else:
                         tl.store(base.to(tl.pointer_type(tl.bfloat16)) + offs, v, mask=gm[:, None])
-    if _ticket_last(ticket_ptr):
+    if ticket_last(ticket_ptr):
         for j in range(0, R):
             if _alive(mask_ptr, j, SHRINK) != 0:
                 hdr = peer_ptr(ptr_table, j, area_off + me * src_bytes, tl.int32)
@@ -168,11 +130,11 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
     level = tl.load(level_ptr)
     lo = me * L
     for r in range(0, R):
-        t0 = now_ns_if(HAS_WAIT & HAS_TIMER)
-        _wait_or_mask(peer_ptr(ptr_table, me, sig_off + (SIG_D * R + r) * 4, tl.int32), level + 1, err_ptr, 6, r,
-                      timeout_ns, mask_ptr, SHRINK, HAS_TIMER)
+        t0 = now_ns(HAS_WAIT & HAS_TIMER)
+        wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_D * R + r) * 4, tl.int32), level + 1, err_ptr, 6, r,
+                      timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
         if HAS_WAIT:
-            tl.atomic_add(wait_ptr + r, (now_ns_if(HAS_WAIT & HAS_TIMER) - t0).to(tl.int64))
+            tl.atomic_add(wait_ptr + r, (now_ns(HAS_WAIT & HAS_TIMER) - t0).to(tl.int64))
     kk = tl.arange(0, MAX_TOPK)
     cols = tl.arange(0, BLOCK)
     gg = tl.arange(0, G_POW2)
@@ -239,18 +201,8 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
     tl.store(out_count + l, begin)
     if HAS_CUM:
         tl.store(cum_ptr + l, tl.load(cum_ptr + l) + begin)
-    if _ticket_last(ticket_ptr):
+    if ticket_last(ticket_ptr):
         tl.store(level_ptr, level + 1)
-
-
-@triton.jit
-def now_ns_if(ON: tl.constexpr):
-    if ON:
-        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                      pack=1)
-    else:
-        t = tl.zeros((), dtype=tl.int64)
-    return t
 
 
 @triton.jit(do_not_specialize=['T'])
@@ -275,14 +227,14 @@ def _ll_combine_send_kernel(y_ptr, topk_ptr, w_ptr, T, H, K, me, R, L, M,
                 dst = peer_ptr(ptr_table, j, w_off + (me * M + t64) * MAX_TOPK * 8, tl.int32)
                 tl.store(dst + kk, ids)
                 tl.store(dst.to(tl.pointer_type(tl.float32)) + MAX_TOPK + kk, w)
-    if _ticket_last(ticket_ptr):
+    if ticket_last(ticket_ptr):
         for j in range(0, R):
             if _alive(mask_ptr, j, SHRINK) != 0:
                 signal(peer_ptr(ptr_table, j, sig_off + (SIG_W * R + me) * 4, tl.int32), 1)
     level = tl.load(wlevel_ptr)
     for r in range(0, R):
-        _wait_or_mask(peer_ptr(ptr_table, me, sig_off + (SIG_W * R + r) * 4, tl.int32), level + 1, err_ptr, 7, r,
-                      timeout_ns, mask_ptr, SHRINK, HAS_TIMER)
+        wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_W * R + r) * 4, tl.int32), level + 1, err_ptr, 7, r,
+                      timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
     lo = me * L
     cols = tl.arange(0, BLOCK)
     for idx in range(pid, R * M, P):
@@ -308,7 +260,7 @@ def _ll_combine_send_kernel(y_ptr, topk_ptr, w_ptr, T, H, K, me, R, L, M,
                     tile = tl.load(y_ptr + s2[:, None] * H + cc[None, :], mask=h2[:, None] & cm[None, :], other=0.0)
                     acc = tl.sum(tile.to(tl.float32) * w2[:, None], 0)
                     tl.store(out + cc, acc, mask=cm)
-    if _ticket_last(ticket_ptr + 1):
+    if ticket_last(ticket_ptr + 1):
         tl.store(wlevel_ptr, level + 1)
         for r in range(0, R):
             if _alive(mask_ptr, r, SHRINK) != 0:
@@ -326,12 +278,12 @@ def _ll_combine_recv_kernel(topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, si
     P = tl.num_programs(0)
     level = tl.load(clevel_ptr)
     for j in range(0, R):
-        t0 = now_ns_if(HAS_WAIT & HAS_TIMER)
-        _wait_or_mask(peer_ptr(ptr_table, me, sig_off + (SIG_C * R + j) * 4, tl.int32), level + 1, err_ptr, 7, j,
-                      timeout_ns, mask_ptr, SHRINK, HAS_TIMER)
+        t0 = now_ns(HAS_WAIT & HAS_TIMER)
+        wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_C * R + j) * 4, tl.int32), level + 1, err_ptr, 7, j,
+                      timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
         if HAS_WAIT:
             if pid == 0:
-                tl.atomic_add(wait_ptr + j, (now_ns_if(HAS_WAIT & HAS_TIMER) - t0).to(tl.int64))
+                tl.atomic_add(wait_ptr + j, (now_ns(HAS_WAIT & HAS_TIMER) - t0).to(tl.int64))
     kk = tl.arange(0, K_POW2)
     rr = tl.arange(0, R_POW2)
     cols = tl.arange(0, BLOCK)
@@ -350,7 +302,7 @@ def _ll_combine_recv_kernel(topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, si
                     part = peer_ptr(ptr_table, me, c_off + (_i64(j) * M + t64) * H * 4, tl.float32)
                     acc += tl.load(part + cc, mask=cm, other=0.0)
             tl.store(out_ptr + t64 * H + cc, acc.to(tl.bfloat16), mask=cm)
-    if _ticket_last(ticket_ptr):
+    if ticket_last(ticket_ptr):
         tl.store(clevel_ptr, level + 1)
 
 
