@@ -1,5 +1,6 @@
-"""Shared machinery of the tier-2 tests (gloo on CPU, spawned processes): one launch per world size
-runs a whole list of named checks, and each check is reported as its own pytest test.
+"""Shared machinery of the tier-2 tests (spawned processes; gloo on CPU, or NCCL on GPUs as below): one
+launch per world size runs a whole list of named checks, and each check is reported as its own
+pytest test.
 
 Starting a process costs about 3 s (importing torch), so a test module launches once per world size
 (``launch_cached``) and parametrises its tests over ``(world_size, check name)``. In every rank the
@@ -10,6 +11,23 @@ message.
 
 Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``,
 ``M`` low-latency max tokens per rank.
+
+Running on GPUs: the same suite runs over NCCL with CUDA tensors::
+
+    EPCOMM_TEST_TRANSPORT=nccl python -m pytest -q tests/dist
+
+- ``EPCOMM_TEST_TRANSPORT``: ``gloo`` (the default; what CI runs, on the CPU) or ``nccl`` (one process
+  per GPU, rank ``r`` on ``cuda:r``; world sizes above ``torch.cuda.device_count()`` are skipped, so
+  a 2-GPU machine runs world sizes 1 and 2; without CUDA every test fails, none passes by skipping).
+- ``EPCOMM_TEST_BACKEND`` (nccl only): the backend the ranks force through ``EPCOMM_BACKEND``;
+  ``reference`` by default, or ``nvlink``. Checks that hold only for the reference backend (its
+  error timing, shrink, deadline phases) then skip and say why.
+- ``test_ops.py`` and ``test_bench_cli.py`` are gloo-only: they skip under nccl.
+
+One code path for both transports: a check builds its inputs on the CPU exactly as on gloo
+(``epcomm.testing.inputs``, seeded CPU generators) and moves them with ``dev(ctx, ...)`` (a no-op on
+gloo); constant tensors (``zeros``, ``full``) are made on ``ctx.device`` directly; the oracles stay on
+the CPU, and results are compared on the CPU (``equal`` and ``epcomm.testing.compare`` move them).
 """
 
 from __future__ import annotations
@@ -23,7 +41,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from epcomm.testing.inputs import Case
+from epcomm.backends import BACKENDS
+from epcomm.testing.inputs import Case, to_device
 from epcomm.testing.launcher import RankError, parallel_launch
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -31,15 +50,58 @@ WORLD_SIZES = (1, 2, 3, 4)
 # fails in seconds instead of hanging for the 30 s default.
 CHILD_ENV = {"EPCOMM_TIMEOUT_S": "20"}
 LAUNCH_TIMEOUT_S = 240.0
+TRANSPORTS = ("gloo", "nccl")
+
+
+def settings_from_env(environ) -> tuple[str, str]:
+    """``(transport, backend)`` from ``EPCOMM_TEST_TRANSPORT`` and ``EPCOMM_TEST_BACKEND``.
+
+    ``backend`` is the one the Buffers run: on gloo always ``reference`` (the selection rule for a
+    CPU group), on nccl the one the ranks force (``reference`` unless ``EPCOMM_TEST_BACKEND`` says)."""
+    transport = environ.get("EPCOMM_TEST_TRANSPORT", "").strip().lower() or "gloo"
+    if transport not in TRANSPORTS:
+        raise ValueError(f"EPCOMM_TEST_TRANSPORT must be one of {TRANSPORTS}, got {transport!r}")
+    backend = environ.get("EPCOMM_TEST_BACKEND", "").strip().lower() or "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"EPCOMM_TEST_BACKEND must be one of {BACKENDS}, got {backend!r}")
+    if backend != "reference" and transport != "nccl":
+        raise ValueError(f"EPCOMM_TEST_BACKEND={backend} needs EPCOMM_TEST_TRANSPORT=nccl "
+                         "(a gloo group runs the reference backend only)")
+    return transport, backend
+
+
+TRANSPORT, BACKEND = settings_from_env(os.environ)
 
 
 class NotApplicable(Exception):
-    """Raised by a check that does not apply to this world size."""
+    """Raised by a check that does not apply to this world size or backend."""
+
+
+def child_env() -> dict[str, str]:
+    """Environment of the ranks: the deadline, and under nccl the backend the Buffers must run (on
+    gloo nothing is forced: a CPU group must select the reference backend by itself)."""
+    env = dict(CHILD_ENV)
+    if TRANSPORT == "nccl":
+        env["EPCOMM_BACKEND"] = BACKEND
+    return env
+
+
+def reference_only(why: str) -> None:
+    """Raise ``NotApplicable`` unless the Buffers run the reference backend; ``why`` says what in the
+    check is specific to it."""
+    if BACKEND != "reference":
+        raise NotApplicable(f"reference backend only ({why}); this run uses {BACKEND}")
+
+
+def dev(ctx, obj):
+    """``obj`` (a tensor, a tuple or list of tensors and None) on the rank's device, with its dtype,
+    shape and strides (``epcomm.testing.inputs.to_device``); the identity on gloo."""
+    return to_device(obj, ctx.device)
 
 
 def run_checks(ctx, checks: list[tuple[str, Callable]], env: dict[str, str] | None = None) -> dict:
     """Run ``checks`` in order on this rank: ``{name: None (passed) | "skip: why" | traceback}``."""
-    os.environ.update(CHILD_ENV if env is None else env)  # timeouts are read when a Buffer is built
+    os.environ.update(child_env() if env is None else env)  # read when a Buffer is built
     results: dict[str, str | None] = {}
     for name, fn in checks:
         try:
@@ -54,16 +116,39 @@ def run_checks(ctx, checks: list[tuple[str, Callable]], env: dict[str, str] | No
     return results
 
 
+def launch_skip_reason(world_size: int, transport: str | None = None) -> str | None:
+    """Why ``world_size`` ranks cannot run on ``transport`` (default: this run's), or None.
+
+    NCCL runs one rank per GPU, so a world larger than ``torch.cuda.device_count()`` is skipped.
+    Without CUDA at all, nccl raises instead: a run that skipped everything would look green."""
+    if (transport or TRANSPORT) != "nccl":
+        return None
+    if not torch.cuda.is_available():
+        raise RuntimeError("EPCOMM_TEST_TRANSPORT=nccl needs CUDA GPUs; torch.cuda.is_available() is False")
+    n = torch.cuda.device_count()
+    if world_size > n:
+        return f"nccl runs one rank per GPU: world size {world_size} needs {world_size} GPUs, {n} visible"
+    return None
+
+
+def skip_unless_launchable(world_size: int) -> None:
+    reason = launch_skip_reason(world_size)
+    if reason is not None:
+        pytest.skip(reason)
+
+
 @functools.cache
 def _launch(fn, world_size: int):
     try:
-        return parallel_launch(world_size, fn, timeout_s=LAUNCH_TIMEOUT_S, backend="gloo")
+        return parallel_launch(world_size, fn, timeout_s=LAUNCH_TIMEOUT_S, backend=TRANSPORT)
     except RankError as e:
         return e
 
 
 def launch_cached(fn: Callable, world_size: int):
-    """``fn(ctx)`` on ``world_size`` ranks, once per (fn, world size) per pytest session."""
+    """``fn(ctx)`` on ``world_size`` ranks of this run's transport, once per (fn, world size) per
+    pytest session; skips the test where the transport cannot run ``world_size`` ranks."""
+    skip_unless_launchable(world_size)
     return _launch(fn, world_size)
 
 

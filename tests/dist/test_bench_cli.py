@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 
+import harness
 import pytest
 import torch
 
@@ -20,6 +21,11 @@ from epcomm import Buffer, cli
 from epcomm.bench import workloads
 from epcomm.bench.cases import CASE_SETS
 from epcomm.testing.launcher import parallel_launch
+
+pytestmark = pytest.mark.skipif(
+    harness.TRANSPORT == "nccl",
+    reason="gloo-only: drives epcomm bench/check with --device cpu and gloo launches (run it without "
+           "EPCOMM_TEST_TRANSPORT)")
 
 
 @pytest.fixture(autouse=True)

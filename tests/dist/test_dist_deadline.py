@@ -1,9 +1,18 @@
-"""Tier 2 (gloo on CPU, spawned processes, 3 ranks): nothing hangs. When one rank never makes a
-call, the others raise ``epcomm.backends.base.PeerTimeoutError`` naming the phase (and, for
-point-to-point waits, the missing rank) within a few seconds of ``EPCOMM_TIMEOUT_S``.
+"""Tier 2 (gloo on CPU, spawned processes, 3 ranks; or NCCL on 2 GPUs, see ``harness``): nothing
+hangs. When one rank never makes a call, the others raise ``epcomm.backends.base.PeerTimeoutError``
+naming the phase (and, for point-to-point waits, the missing rank) within a few seconds of
+``EPCOMM_TIMEOUT_S``.
 
 Each phase runs on a fresh process group, so a phase left half-done cannot disturb the next one;
-the silent rank waits for marker files from the others before it moves on.
+before the phase every rank (the silent one too) runs a checked all_to_all and all_gather on it, so
+the phase is never the group's first operation (NCCL connects lazily, and needs a group's first
+operation to involve every rank) and the deadline measures the wait only. The silent rank waits for
+marker files from the others before it moves on.
+
+Under nccl a timed-out collective stays stuck on the GPU (nothing aborts it), so each phase runs in
+its own launch, as the last thing its processes do; on gloo one launch runs every phase. The phases
+and the missing-rank detail are those of the reference backend: under another backend the module
+skips.
 """
 
 from __future__ import annotations
@@ -11,8 +20,11 @@ from __future__ import annotations
 import os
 import time
 
+import harness
 import pytest
+import torch
 import torch.distributed as dist
+from harness import dev
 
 from epcomm import Buffer
 from epcomm.backends.base import PeerTimeoutError
@@ -20,11 +32,12 @@ from epcomm.testing.inputs import Case, make_topk, make_x
 from epcomm.testing.launcher import parallel_launch
 
 TIMEOUT_S = 1.0
-WORLD_SIZE = 3
+# nccl runs one rank per GPU: 2 ranks (one waits, one is silent) fit the 2-GPU device machine.
+WORLD_SIZE = 3 if harness.TRANSPORT == "gloo" else 2
 SILENT = WORLD_SIZE - 1
 M, HIDDEN = 16, 128
-CASE = Case(WORLD_SIZE, (7, 8, 9), hidden=HIDDEN, num_topk=2, num_experts=6, seed=3, no_expert_token=False,
-            drop_prob=0.0)
+CASE = Case(WORLD_SIZE, (7, 8, 9)[:WORLD_SIZE], hidden=HIDDEN, num_topk=2, num_experts=6, seed=3,
+            no_expert_token=False, drop_prob=0.0)
 # phase name -> whether the silent rank takes part in the dispatch the phase needs first
 PHASES = {
     "dispatch/notify": False,
@@ -34,12 +47,26 @@ PHASES = {
     "low_latency_combine/payload": True,
 }
 P2P_PHASES = {"low_latency_dispatch/counts", "low_latency_combine/payload"}
+LAUNCHES = [tuple(PHASES)] if harness.TRANSPORT == "gloo" else [(phase,) for phase in PHASES]
 
 
-def _phase(buf: Buffer, phase: str, me: int, silent: bool):
+def _warm_up(group, device: torch.device) -> None:
+    """A checked all_to_all and all_gather on ``group``, every rank taking part."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    mine = torch.full((n,), me, dtype=torch.int64, device=device)
+    got = torch.empty_like(mine)
+    dist.all_to_all_single(got, mine, group=group)
+    everyone = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(n)]
+    dist.all_gather(everyone, mine[:1], group=group)
+    if got.tolist() != list(range(n)) or torch.cat(everyone).tolist() != list(range(n)):
+        raise AssertionError(f"rank {me}: warm-up collectives gave {got.tolist()} and {torch.cat(everyone).tolist()}")
+
+
+def _phase(ctx, buf: Buffer, phase: str, silent: bool):
     """Run ``phase``; the silent rank only does the set-up dispatch (if the phase needs one)."""
-    idx, w = make_topk(CASE, me)
-    x = make_x(CASE, me)
+    me = ctx.rank
+    idx, w = dev(ctx, make_topk(CASE, me))
+    x = dev(ctx, make_x(CASE, me))
     low_latency = phase.startswith("low_latency")
     handle = None
     if PHASES[phase] or not silent:
@@ -64,18 +91,20 @@ def _phase(buf: Buffer, phase: str, me: int, silent: bool):
         buf.low_latency_combine(recv_x, idx, w, handle)
 
 
-def rank_main(ctx, marker_dir: str):
+def rank_main(ctx, marker_dir: str, phases: tuple[str, ...]):
+    os.environ.update(harness.child_env())
     os.environ["EPCOMM_TIMEOUT_S"] = str(TIMEOUT_S)  # read when the Buffer is built
     me = ctx.rank
     results = {}
-    for phase in PHASES:
-        group = dist.new_group(list(range(WORLD_SIZE)), backend="gloo")
+    for phase in phases:
+        group = dist.new_group(list(range(WORLD_SIZE)), backend=ctx.backend)
+        _warm_up(group, ctx.device)
         buf = Buffer(group, num_nvl_bytes=0,
                      num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(M, HIDDEN, WORLD_SIZE, CASE.num_experts),
                      low_latency_mode=phase.startswith("low_latency"))
         tag = phase.replace("/", "_")
         if me == SILENT:
-            _phase(buf, phase, me, silent=True)
+            _phase(ctx, buf, phase, silent=True)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and not all(
                     os.path.exists(os.path.join(marker_dir, f"{tag}.{r}")) for r in range(WORLD_SIZE) if r != SILENT):
@@ -83,7 +112,7 @@ def rank_main(ctx, marker_dir: str):
             continue
         t0 = time.monotonic()
         try:
-            _phase(buf, phase, me, silent=False)
+            _phase(ctx, buf, phase, silent=False)
             results[phase] = ("returned", None, None, time.monotonic() - t0)
         except PeerTimeoutError as e:
             results[phase] = (str(e), e.phase, e.rank, time.monotonic() - t0)
@@ -95,22 +124,40 @@ def rank_main(ctx, marker_dir: str):
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    return parallel_launch(WORLD_SIZE, rank_main, str(tmp_path_factory.mktemp("markers")), backend="gloo",
-                           timeout_s=120.0)
+    """``outcomes[rank][phase] = (message, PeerTimeoutError.phase, .rank, seconds)``."""
+    if harness.BACKEND != "reference":
+        pytest.skip(f"the phases and deadlines checked here are the reference backend's; this run uses "
+                    f"{harness.BACKEND}")
+    harness.skip_unless_launchable(WORLD_SIZE)
+    markers = str(tmp_path_factory.mktemp("markers"))
+    merged = [{} for _ in range(WORLD_SIZE)]
+    for phases in LAUNCHES:
+        per_rank = parallel_launch(WORLD_SIZE, rank_main, markers, phases, backend=harness.TRANSPORT,
+                                   timeout_s=120.0)
+        for rank, res in enumerate(per_rank):
+            merged[rank].update(res)
+    return merged
+
+
+def _waiting_ranks():
+    return [me for me in range(WORLD_SIZE) if me != SILENT]
 
 
 @pytest.mark.parametrize("phase", list(PHASES))
 def test_missing_rank_raises_peer_timeout(outcomes, phase):
     assert outcomes[SILENT] == {}
-    for me in range(WORLD_SIZE):
-        if me == SILENT:
-            continue
-        message, got_phase, peer, elapsed = outcomes[me][phase]
+    for me in _waiting_ranks():
+        message, got_phase, _, elapsed = outcomes[me][phase]
         assert got_phase == phase, f"rank {me}: expected PeerTimeoutError for {phase}, got: {message}"
         assert message.startswith(f"epcomm rank {me}: {phase} waited {TIMEOUT_S:g} s"), message
         assert "EPCOMM_TIMEOUT_S" in message
-        if phase in P2P_PHASES:
-            assert peer == SILENT and f"rank {SILENT}" in message, message
         assert elapsed < TIMEOUT_S + 4.0, f"rank {me}: gave up after {elapsed:.1f} s"
         assert elapsed >= 0.8 * TIMEOUT_S, f"rank {me}: raised after {elapsed:.2f} s, before the deadline"
 
+
+@pytest.mark.parametrize("phase", [p for p in PHASES if p in P2P_PHASES])
+def test_point_to_point_timeout_names_the_missing_rank(outcomes, phase):
+    for me in _waiting_ranks():
+        message, got_phase, peer, _ = outcomes[me][phase]
+        assert got_phase == phase, f"rank {me}: expected PeerTimeoutError for {phase}, got: {message}"
+        assert peer == SILENT and f"rank {SILENT}" in message, message

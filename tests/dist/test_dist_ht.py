@@ -1,5 +1,5 @@
-"""Tier 2 (gloo on CPU, spawned processes, world sizes 1-4): the high-throughput API end to end
-through the reference backend.
+"""Tier 2 (gloo on CPU, spawned processes, world sizes 1-4; or NCCL on GPUs, see ``harness``): the
+high-throughput API end to end through the reference backend.
 
 One launch per world size runs every check below (see ``harness``); each check is its own pytest
 test. Scenarios (``harness.cases``): random routing with -1 entries and a token with no expert, odd
@@ -12,7 +12,8 @@ to local ids with zeroed weights; dispatch without top-k; expert_alignment; num_
 cached dispatch; the handle's positions, names and the meaning of every field; combine (sum over
 receiving ranks, float32 accumulation, within the dtype budget of a float64 reference) with
 topk_weights and one or two biases; an explicit Config; async_finish / previous_event /
-allocate_on_comm_stream on CPU; get_local_buffer_tensor; explicitly_destroy / destroy.
+allocate_on_comm_stream (on CPU, and with real streams and events on CUDA); get_local_buffer_tensor;
+explicitly_destroy / destroy.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import dataclasses
 import harness
 import pytest
 import torch
-from harness import check, equal, raises
+from harness import check, dev, equal, raises
 
 from epcomm import Buffer, Config, DispatchHandle, EventOverlap, quant
 from epcomm.testing.compare import assert_bitwise, assert_within_budget
@@ -50,9 +51,10 @@ def layout_args(buf: Buffer, topk: torch.Tensor, num_experts: int) -> dict:
             "num_tokens_per_expert": per_expert, "is_token_in_rank": in_rank}
 
 
-def dispatch_case(buf: Buffer, case: Case, me: int, x=None, topk: bool = True, **kw):
-    idx, w = make_topk(case, me)
-    x = make_x(case, me) if x is None else x
+def dispatch_case(ctx, buf: Buffer, case: Case, x=None, topk: bool = True, **kw):
+    """Dispatch this rank's inputs of ``case`` (``x``: another payload, already on ``ctx.device``)."""
+    idx, w = dev(ctx, make_topk(case, ctx.rank))
+    x = dev(ctx, make_x(case, ctx.rank)) if x is None else x
     extra = {"topk_idx": idx, "topk_weights": w} if topk else {}
     return buf.dispatch(x, **layout_args(buf, idx, case.num_experts), **extra, **kw)
 
@@ -93,15 +95,18 @@ def check_buffer_attributes(ctx):
     equal(buf.num_nvl_bytes, nvl_bytes(ctx.world_size), "num_nvl_bytes")
     equal(buf.num_rdma_bytes, 0, "num_rdma_bytes")
     equal(buf.low_latency_mode, False, "low_latency_mode")
-    check(buf.get_comm_stream() is None, "no communication stream on CPU")
-    equal(buf.backend_name, "reference", "gloo runs the reference backend")
+    if ctx.device.type == "cpu":
+        check(buf.get_comm_stream() is None, "no communication stream on CPU")
+    else:
+        check(isinstance(buf.get_comm_stream(), torch.cuda.Stream), "a CUDA communication stream")
+    equal(buf.backend_name, harness.BACKEND, "gloo runs the reference backend; nccl the one EPCOMM_BACKEND forces")
 
 
 def check_layout(ctx):
     buf = make_buffer(ctx)
     for name, case in harness.cases(ctx.world_size, HIDDEN).items():
         idx, _ = make_topk(case, ctx.rank)
-        per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(idx, case.num_experts)
+        per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(dev(ctx, idx), case.num_experts)
         want_in = brute_force_in_rank(idx, case.num_experts, ctx.world_size)
         equal(in_rank, want_in, f"{name}: is_token_in_rank")
         equal(per_rank, want_in.sum(0).to(torch.int32), f"{name}: num_tokens_per_rank (once per rank)")
@@ -111,7 +116,7 @@ def check_layout(ctx):
         check(isinstance(ev, EventOverlap), f"{name}: event")
     # a token with two experts on one rank counts once there
     lx = harness.num_experts_for(ctx.world_size) // ctx.world_size
-    idx = torch.tensor([[0, 1], [1, -1], [-1, -1]], dtype=torch.int64)
+    idx = torch.tensor([[0, 1], [1, -1], [-1, -1]], dtype=torch.int64, device=ctx.device)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, lx * ctx.world_size)
     equal(per_rank[0].item(), 2, "two experts of rank 0 in one token")
     equal(per_expert[:2].tolist(), [1, 2], "per expert")
@@ -121,7 +126,7 @@ def check_dispatch_bf16(ctx):
     buf = make_buffer(ctx)
     me, r_ = ctx.rank, ctx.world_size
     for name, case in harness.cases(r_, HIDDEN).items():
-        recv_x, recv_idx, recv_w, lst, handle, ev = dispatch_case(buf, case, me)
+        recv_x, recv_idx, recv_w, lst, handle, ev = dispatch_case(ctx, buf, case)
         exp = expected_dispatch(case, me)
         assert_bitwise(recv_x, exp["recv_x"], f"{name}: recv_x")
         assert_bitwise(recv_idx, exp["recv_topk_idx"], f"{name}: recv_topk_idx")
@@ -139,10 +144,10 @@ def check_dispatch_bf16(ctx):
         if name == "empty_rank" and me == r_ - 1:
             equal(recv_x.shape[0], 0, "the empty rank receives nothing")
         if name == "random":  # a non-contiguous x (a column slice of a wider tensor) travels the same
-            x = make_x(case, me)
+            x = dev(ctx, make_x(case, me))
             wide = torch.cat([x, -x], dim=1)[:, :HIDDEN]
             check(x.shape[0] <= 1 or not wide.is_contiguous(), "non-contiguous x")
-            assert_bitwise(dispatch_case(buf, case, me, x=wide)[0], exp["recv_x"], "non-contiguous x")
+            assert_bitwise(dispatch_case(ctx, buf, case, x=wide)[0], exp["recv_x"], "non-contiguous x")
         if name == "hot":
             hot_owner = case.hot_expert // lx
             hot = sum(int((make_topk(case, i)[0] == case.hot_expert).sum()) for i in range(r_))
@@ -156,7 +161,7 @@ def check_handle_fields(ctx):
     me, r_ = ctx.rank, ctx.world_size
     c = Buffer.get_dispatch_config(r_).num_channels
     for name, case in harness.cases(r_, HIDDEN).items():
-        recv_x, _, _, _, h, _ = dispatch_case(buf, case, me)
+        recv_x, _, _, _, h, _ = dispatch_case(ctx, buf, case)
         idx, _ = make_topk(case, me)
         x = make_x(case, me)
         t, n = idx.shape[0], recv_x.shape[0]
@@ -219,11 +224,13 @@ def check_handle_fields(ctx):
 
 
 def fp8_inputs(case: Case, rank: int):
+    """``(fp8[T, H], f32[T, H/128])`` of ``rank``, cast on the CPU (a payload: dispatch only copies it)."""
     return quant.per_token_cast_to_fp8(make_x(case, rank))
 
 
 def scale_layouts(s: torch.Tensor) -> dict[str, torch.Tensor]:
-    wide = torch.full((s.shape[0], 2 * s.shape[1]), -7.0)
+    """``s`` as contiguous, column-major and strided tensors, all on ``s.device``."""
+    wide = torch.full((s.shape[0], 2 * s.shape[1]), -7.0, device=s.device)
     wide[:, ::2] = s
     return {"contiguous": s, "column_major": s.t().contiguous().t(), "strided": wide[:, ::2]}
 
@@ -234,12 +241,12 @@ def check_odd_hidden(ctx):
     buf = Buffer(ctx.group, num_nvl_bytes=Buffer.get_dispatch_config(r_).get_nvl_buffer_size_hint(80, r_))
     for name in ("random", "zero_tokens", "hot"):
         case = harness.cases(r_, 40)[name]
-        recv_x, recv_idx, _, lst, h, _ = dispatch_case(buf, case, me)
+        recv_x, recv_idx, _, lst, h, _ = dispatch_case(ctx, buf, case)
         exp = expected_dispatch(case, me)
         assert_bitwise(recv_x, exp["recv_x"], f"{name}/H=40: recv_x")
         assert_bitwise(recv_idx, exp["recv_topk_idx"], f"{name}/H=40: recv_topk_idx")
         equal(lst, exp["per_expert"].tolist(), f"{name}/H=40: list")
-        out, _, _ = buf.combine(expert_side(recv_x, me), h)
+        out, _, _ = buf.combine(expert_side(ctx, recv_x), h)
         ref, abs_sum = expected_combine(case, me)
         assert_within_budget(out, ref, abs_sum, r_, f"{name}/H=40: combine")
 
@@ -249,13 +256,13 @@ def check_dispatch_fp8(ctx):
     me, r_ = ctx.rank, ctx.world_size
     for name in ("random", "zero_tokens", "hot"):
         case = harness.cases(r_, HIDDEN)[name]
-        q, s = fp8_inputs(case, me)
+        q, s = dev(ctx, fp8_inputs(case, me))
         qs = [fp8_inputs(case, i) for i in range(r_)]
         exp_q = expected_dispatch(case, me, xs=[a for a, _ in qs])
         exp_s = expected_dispatch(case, me, xs=[b for _, b in qs])
         for how, scales in scale_layouts(s).items():
             check(how == "contiguous" or s.shape[0] <= 1 or not scales.is_contiguous(), f"{how} layout")
-            recv_x, recv_idx, recv_w, lst, _, _ = dispatch_case(buf, case, me, x=(q, scales))
+            recv_x, recv_idx, recv_w, lst, _, _ = dispatch_case(ctx, buf, case, x=(q, scales))
             check(isinstance(recv_x, tuple) and len(recv_x) == 2, "FP8 in gives (data, scales) out")
             assert_bitwise(recv_x[0], exp_q["recv_x"], f"{name}/{how}: recv_x data")
             assert_bitwise(recv_x[1], exp_s["recv_x"], f"{name}/{how}: recv_x scales")
@@ -268,7 +275,7 @@ def check_dispatch_without_topk(ctx):
     buf = make_buffer(ctx)
     me = ctx.rank
     case = harness.cases(ctx.world_size, HIDDEN)["random"]
-    recv_x, recv_idx, recv_w, lst, h, _ = dispatch_case(buf, case, me, topk=False)
+    recv_x, recv_idx, recv_w, lst, h, _ = dispatch_case(ctx, buf, case, topk=False)
     exp = expected_dispatch(case, me)
     assert_bitwise(recv_x, exp["recv_x"], "recv_x")
     check(recv_idx is None and recv_w is None, "no top-k in, no top-k out")
@@ -283,7 +290,7 @@ def check_expert_alignment(ctx):
         case = harness.cases(ctx.world_size, HIDDEN)[name]
         raw = expected_dispatch(case, me)["per_expert"].tolist()
         for align in (1, 3, 4, 128):
-            _, _, _, lst, _, _ = dispatch_case(buf, case, me, expert_alignment=align)
+            _, _, _, lst, _, _ = dispatch_case(ctx, buf, case, expert_alignment=align)
             equal(lst, [-(-v // align) * align for v in raw], f"{name}: expert_alignment={align}")
             check(all(v % align == 0 and v >= r for v, r in zip(lst, raw)), "rounded up")
 
@@ -296,7 +303,7 @@ def check_num_worst_tokens(ctx):
         worst = sum(case.tokens) + 5
         exp = expected_dispatch(case, me)
         n = exp["recv_x"].shape[0]
-        recv_x, recv_idx, recv_w, lst, h, _ = dispatch_case(buf, case, me, num_worst_tokens=worst)
+        recv_x, recv_idx, recv_w, lst, h, _ = dispatch_case(ctx, buf, case, num_worst_tokens=worst)
         equal(lst, [], f"{name}: the list is empty with num_worst_tokens")
         equal(tuple(recv_x.shape), (worst, HIDDEN), f"{name}: fixed rows")
         equal(tuple(recv_idx.shape), (worst, case.num_topk), f"{name}: recv_topk_idx rows")
@@ -316,11 +323,11 @@ def check_num_worst_tokens(ctx):
         assert_within_budget(out, ref, abs_sum, r_, f"{name}: combine after num_worst_tokens")
         assert_bitwise(w_out, make_topk(case, me)[1], f"{name}: combined weights")
         # cached dispatch on the padded handle, and the FP8 path
-        rx2, *_ = buf.dispatch(make_x(case, me), handle=h)
+        rx2, *_ = buf.dispatch(dev(ctx, make_x(case, me)), handle=h)
         equal(rx2.shape[0], worst, f"{name}: cached dispatch keeps the fixed rows")
         assert_bitwise(rx2[:n], exp["recv_x"], f"{name}: cached rows")
-        q, s = fp8_inputs(case, me)
-        (rq, rs), *_ = dispatch_case(buf, case, me, x=(q, s.t().contiguous().t()), num_worst_tokens=worst)
+        q, s = dev(ctx, fp8_inputs(case, me))
+        (rq, rs), *_ = dispatch_case(ctx, buf, case, x=(q, s.t().contiguous().t()), num_worst_tokens=worst)
         qs = [fp8_inputs(case, i) for i in range(r_)]
         equal(rq.shape[0], worst, "FP8 fixed rows")
         assert_bitwise(rq[:n], expected_dispatch(case, me, xs=[a for a, _ in qs])["recv_x"], f"{name}: FP8 data")
@@ -331,20 +338,21 @@ def check_cached_dispatch(ctx):
     buf = make_buffer(ctx)
     me, r_ = ctx.rank, ctx.world_size
     for name, case in harness.cases(r_, HIDDEN).items():
-        _, _, _, _, h, _ = dispatch_case(buf, case, me)
+        _, _, _, _, h, _ = dispatch_case(ctx, buf, case)
         other = dataclasses.replace(case, seed=case.seed + 1000)  # same routing, new payload
         xs = [make_x(other, i) for i in range(r_)]
-        res = buf.dispatch(xs[me], handle=h)
+        res = buf.dispatch(dev(ctx, xs[me]), handle=h)
         equal(len(res), 6, "cached dispatch returns six values")
         check(all(v is None for v in res[1:5]), f"{name}: cached dispatch returns (recv_x, None x4, event)")
         check(isinstance(res[5], EventOverlap), "event")
         assert_bitwise(res[0], expected_dispatch(case, me, xs=xs)["recv_x"], f"{name}: cached recv_x")
         # a plain tuple works as a handle too
-        res2 = buf.dispatch(xs[me], handle=tuple(h))
+        res2 = buf.dispatch(dev(ctx, xs[me]), handle=tuple(h))
         assert_bitwise(res2[0], res[0], f"{name}: tuple(handle)")
         # FP8 through the cached layout, column-major scales
         qs = [quant.per_token_cast_to_fp8(x) for x in xs]
-        (rq, rs), *rest = buf.dispatch((qs[me][0], qs[me][1].t().contiguous().t()), handle=h)
+        q, s = dev(ctx, qs[me])
+        (rq, rs), *rest = buf.dispatch((q, s.t().contiguous().t()), handle=h)
         check(all(v is None for v in rest[:4]), "cached FP8: Nones")
         assert_bitwise(rq, expected_dispatch(case, me, xs=[a for a, _ in qs])["recv_x"], f"{name}: cached FP8 data")
         assert_bitwise(rs, expected_dispatch(case, me, xs=[b for _, b in qs])["recv_x"], f"{name}: cached FP8 scales")
@@ -354,9 +362,10 @@ def rank_factor(j: int) -> float:
     return 1.0 + j / 4.0
 
 
-def expert_side(recv_x: torch.Tensor, me: int) -> torch.Tensor:
-    """What rank ``me`` returns to combine: its received rows scaled by a rank-dependent factor."""
-    return (recv_x.float() * rank_factor(me)).to(torch.bfloat16)
+def expert_side(ctx, recv_x: torch.Tensor) -> torch.Tensor:
+    """What this rank returns to combine: its received rows scaled by a rank-dependent factor,
+    computed on the CPU as ``expected_combine`` does, on ``ctx.device``."""
+    return dev(ctx, (recv_x.cpu().float() * rank_factor(ctx.rank)).to(torch.bfloat16))
 
 
 def expected_combine(case: Case, me: int, factor=rank_factor, biases=()):
@@ -373,9 +382,9 @@ def check_combine(ctx):
     buf = make_buffer(ctx)
     me, r_ = ctx.rank, ctx.world_size
     for name, case in harness.cases(r_, HIDDEN).items():
-        recv_x, _, recv_w, _, h, _ = dispatch_case(buf, case, me)
+        recv_x, _, recv_w, _, h, _ = dispatch_case(ctx, buf, case)
         idx, w = make_topk(case, me)
-        y = expert_side(recv_x, me)
+        y = expert_side(ctx, recv_x)
         t = idx.shape[0]
         out, w_out, ev = buf.combine(y, h, topk_weights=recv_w)
         check(out.dtype == torch.bfloat16 and tuple(out.shape) == (t, HIDDEN), f"{name}: combined_x bf16[T, H]")
@@ -385,7 +394,7 @@ def check_combine(ctx):
         # the received weights summed over ranks give back the originals (zero where -1)
         assert_bitwise(w_out, w, f"{name}: combined topk_weights")
         nowhere = ~brute_force_in_rank(idx, case.num_experts, r_).any(dim=1)
-        check(bool((out[nowhere] == 0).all()), f"{name}: a token sent nowhere combines to zero")
+        check(bool((out.cpu()[nowhere] == 0).all()), f"{name}: a token sent nowhere combines to zero")
         out2, w2, _ = buf.combine(y, h)
         check(w2 is None, "no weights in, None out")
         assert_bitwise(out2, out, f"{name}: combine without weights")
@@ -394,7 +403,7 @@ def check_combine(ctx):
         b1 = torch.randn(t, HIDDEN, generator=g).to(torch.bfloat16)
         for label, bias, terms in [("one bias", b0, (b0,)), ("two biases", (b0, b1), (b0, b1)),
                                    ("(bias, None)", (b0, None), (b0,)), ("[bias, bias]", [b0, b1], (b0, b1))]:
-            ob, _, _ = buf.combine(y, h, bias=bias)
+            ob, _, _ = buf.combine(y, h, bias=dev(ctx, bias))
             ref, abs_sum = expected_combine(case, me, biases=terms)
             assert_within_budget(ob, ref, abs_sum, r_ + len(terms), f"{name}: combine with {label}")
         # combine through a plain tuple handle and an explicit config
@@ -406,7 +415,7 @@ def check_explicit_config(ctx):
     buf = make_buffer(ctx)
     me, r_ = ctx.rank, ctx.world_size
     case = harness.cases(r_, HIDDEN)["random"]
-    _, _, _, _, h, _ = dispatch_case(buf, case, me, config=EXPLICIT_CONFIG)
+    _, _, _, _, h, _ = dispatch_case(ctx, buf, case, config=EXPLICIT_CONFIG)
     c = EXPLICIT_CONFIG.num_channels
     equal(c, 12, "Config(24, 8, 256) has 12 channels")
     equal(tuple(h.channel_prefix_matrix.shape), (r_, c), "channel_prefix_matrix follows config.num_sms")
@@ -417,24 +426,25 @@ def check_explicit_config(ctx):
             for j in range(r_)]
     equal(h.channel_prefix_matrix, torch.tensor(want, dtype=torch.int32), "channel_prefix_matrix, C = 12")
     equal(tuple(h.recv_channel_prefix_matrix.shape), (r_, c), "recv_channel_prefix_matrix shape")
-    out, _, _ = buf.combine(torch.zeros(h.recv_src_idx.shape[0], HIDDEN, dtype=torch.bfloat16), h,
-                            config=EXPLICIT_CONFIG)
+    zeros = torch.zeros(h.recv_src_idx.shape[0], HIDDEN, dtype=torch.bfloat16, device=ctx.device)
+    out, _, _ = buf.combine(zeros, h, config=EXPLICIT_CONFIG)
     equal(out, torch.zeros(idx.shape[0], HIDDEN, dtype=torch.bfloat16), "combine of zeros with a config")
 
 
-def check_events_on_cpu(ctx):
+def check_events(ctx):
     buf = make_buffer(ctx)
     me, r_ = ctx.rank, ctx.world_size
     case = harness.cases(r_, HIDDEN)["random"]
-    idx, w = make_topk(case, me)
-    x = make_x(case, me)
+    topk = make_topk(case, me)
+    idx, w = dev(ctx, topk)
+    x = dev(ctx, make_x(case, me))
     kw = {"previous_event": Buffer.capture(), "async_finish": True, "allocate_on_comm_stream": True}
     per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(idx, case.num_experts, **kw)
     check(isinstance(ev, EventOverlap), "layout event")
     with ev:
         pass
     ev.current_stream_wait()
-    equal(in_rank, brute_force_in_rank(idx, case.num_experts, r_), "layout with events")
+    equal(in_rank, brute_force_in_rank(topk[0], case.num_experts, r_), "layout with events")
     recv_x, _, recv_w, _, h, ev = buf.dispatch(
         x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, previous_event=EventOverlap(),
@@ -445,14 +455,15 @@ def check_events_on_cpu(ctx):
     assert_bitwise(recv_x, exp["recv_x"], "dispatch with events")
     rx2, *_, ev2 = buf.dispatch(x, handle=h, async_finish=True)
     check(isinstance(ev2, EventOverlap), "cached dispatch event")
+    ev2.current_stream_wait()  # on CUDA rx2 is written on the communication stream
     assert_bitwise(rx2, exp["recv_x"], "cached dispatch with async_finish")
-    out, _, ev3 = buf.combine(expert_side(recv_x, me), h, topk_weights=recv_w, async_finish=True,
+    out, _, ev3 = buf.combine(expert_side(ctx, recv_x), h, topk_weights=recv_w, async_finish=True,
                               previous_event=ev, allocate_on_comm_stream=True)
     check(isinstance(ev3, EventOverlap), "combine event")
     with ev3:
         ref, abs_sum = expected_combine(case, me)
     assert_within_budget(out, ref, abs_sum, r_, "combine with events")
-    out4, _, _ = buf.combine(expert_side(recv_x, me), h, previous_event=Buffer.capture())
+    out4, _, _ = buf.combine(expert_side(ctx, recv_x), h, previous_event=Buffer.capture())
     assert_bitwise(out4, out, "combine after previous_event only")
 
 
@@ -485,10 +496,10 @@ def check_destroy(ctx):
     me = ctx.rank
     case = harness.cases(ctx.world_size, HIDDEN)["random"]
     buf = make_buffer(ctx, explicitly_destroy=True)
-    recv_x, *_ = dispatch_case(buf, case, me)
+    recv_x, *_ = dispatch_case(ctx, buf, case)
     assert_bitwise(recv_x, expected_dispatch(case, me)["recv_x"], "dispatch before destroy")
     buf.destroy()
-    raises(RuntimeError, "destroyed", buf.get_dispatch_layout, make_topk(case, me)[0], case.num_experts)
+    raises(RuntimeError, "destroyed", buf.get_dispatch_layout, dev(ctx, make_topk(case, me)[0]), case.num_experts)
     raises(RuntimeError, "destroyed", buf.get_local_buffer_tensor, torch.uint8)
     buf.destroy()  # a second destroy is a no-op
     plain = make_buffer(ctx)
@@ -508,7 +519,7 @@ CHECKS = [
     ("cached_dispatch", check_cached_dispatch),
     ("combine", check_combine),
     ("explicit_config", check_explicit_config),
-    ("events_on_cpu", check_events_on_cpu),
+    ("events", check_events),
     ("local_buffer_tensor", check_local_buffer_tensor),
     ("destroy", check_destroy),
 ]

@@ -1,12 +1,14 @@
-"""Tier 2 (gloo on CPU, spawned processes, world sizes 1-4): the low-latency API end to end through
-the reference backend, on the scenarios of ``harness.cases`` (random routing with -1 entries, a
-token with no expert, odd T, T = 0 on one rank, a hot expert, a rank that receives nothing).
+"""Tier 2 (gloo on CPU, spawned processes, world sizes 1-4; or NCCL on GPUs, see ``harness``): the
+low-latency API end to end through the reference backend, on the scenarios of ``harness.cases``
+(random routing with -1 entries, a token with no expert, odd T, T = 0 on one rank, a hot expert, a
+rank that receives nothing).
 
 Covers: low_latency_dispatch with use_fp8 False/True, round_scale, use_ue8m0 — the recv_x layout
 (``[L, R*M, H]``; FP8 scales a transposed view of an ``[L, G, R*M]`` allocation; UE8M0 packed
 ``int32[L, R*M, H/512]``), only the first recv_count[e] rows valid as one contiguous block per
 source rank per layout_range, recv_src_info (-1 in unused slots), BF16 rows bitwise, FP8 rows
-bitwise against ``quant.per_token_cast_to_fp8`` of the regenerated source rows;
+bitwise against ``quant.per_token_cast_to_fp8`` of the regenerated source rows (cast on the rank's
+device, as the reference backend casts);
 low_latency_combine against a float64 reference within the dtype budget, with expert outputs that
 depend on the global expert id so a wrong slot is caught; cumulative_local_expert_recv_stats;
 dispatch/combine wait-cost stats; return_recv_hook (outputs filled only by hook()); async_finish;
@@ -19,7 +21,7 @@ from __future__ import annotations
 import harness
 import pytest
 import torch
-from harness import check, equal
+from harness import check, dev, equal
 
 from epcomm import Buffer, EventOverlap, LowLatencyHandle, layout, quant
 from epcomm.testing.compare import assert_bitwise, assert_within_budget
@@ -60,7 +62,15 @@ def expected_blocks(case: Case, me: int, dead: int | None = None) -> list[list[l
     return blocks
 
 
-def source_rows(case: Case, mode: str, round_scale: bool, use_ue8m0: bool):
+def fp8_cast(ctx, x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant.per_token_cast_to_fp8`` of the CPU tensor ``x``, evaluated on the rank's device (where
+    the reference backend casts), returned on the CPU. On CUDA a division by a Python scalar is a
+    multiplication by its float32 reciprocal, so ``amax / 448`` may differ from the CPU's by one ulp."""
+    q, s = quant.per_token_cast_to_fp8(dev(ctx, x), round_scale)
+    return q.cpu(), s.cpu()
+
+
+def source_rows(ctx, case: Case, mode: str, round_scale: bool, use_ue8m0: bool):
     """Per source rank: what one of its tokens looks like on arrival, as a list of per-part tensors."""
     out = []
     for r in range(case.num_ranks):
@@ -68,13 +78,14 @@ def source_rows(case: Case, mode: str, round_scale: bool, use_ue8m0: bool):
         if mode == "bf16":
             out.append((x,))
         else:
-            q, s = quant.per_token_cast_to_fp8(x, round_scale)
+            q, s = fp8_cast(ctx, x, round_scale)
             out.append((q, quant.pack_ue8m0(s) if use_ue8m0 else s))
     return out
 
 
-def verify_dispatch(case: Case, me: int, recv_x, recv_count, handle, mode: str = "bf16", round_scale=False,
+def verify_dispatch(ctx, case: Case, recv_x, recv_count, handle, mode: str = "bf16", round_scale=False,
                     use_ue8m0=False, dead: int | None = None, what: str = "") -> None:
+    me = ctx.rank
     r_, e = case.num_ranks, case.num_experts
     lx = e // r_
     blocks = expected_blocks(case, me, dead)
@@ -100,7 +111,7 @@ def verify_dispatch(case: Case, me: int, recv_x, recv_count, handle, mode: str =
         info[l, :len(flat)] = torch.tensor(flat, dtype=torch.int32)
     equal(handle.recv_src_info, info, f"{what}: recv_src_info")
     # payload rows
-    src = source_rows(case, mode, round_scale, use_ue8m0)
+    src = source_rows(ctx, case, mode, round_scale, use_ue8m0)
     parts = (recv_x,) if mode == "bf16" else recv_x
     for p, got in enumerate(parts):
         for l in range(lx):
@@ -125,26 +136,27 @@ def verify_layout(recv_x, r_: int, lx: int, mode: str, use_ue8m0: bool, hidden: 
     check(scales.transpose(1, 2).is_contiguous(), "scales.transpose(1, 2) is contiguous")
 
 
-def expert_outputs(recv_x, me: int, lx: int, mode: str, use_ue8m0: bool) -> torch.Tensor:
-    """``bf16[L, R*M, H]``: what the experts of ``me`` return — the received rows (decoded) scaled by a
-    factor of the global expert id, so a row combined from the wrong slot or expert is caught."""
+def expert_outputs(ctx, recv_x, lx: int, mode: str, use_ue8m0: bool) -> torch.Tensor:
+    """``bf16[L, R*M, H]`` on ``ctx.device``: what the experts of this rank return — the received rows
+    (decoded) scaled by a factor of the global expert id, so a row combined from the wrong slot or
+    expert is caught. Computed on the CPU, as ``expected_combine`` does."""
     if mode == "bf16":
-        vals = recv_x.float()
+        vals = recv_x.cpu().float()
     else:
-        data, scales = recv_x
+        data, scales = recv_x[0].cpu(), recv_x[1].cpu()
         if use_ue8m0:
             scales = quant.unpack_ue8m0(scales, HIDDEN // 128)
         vals = quant.per_token_cast_back(data, scales, torch.float32)
-    f = torch.tensor([expert_factor(me * lx + l) for l in range(lx)]).view(lx, 1, 1)
-    return (vals * f).to(torch.bfloat16)
+    f = torch.tensor([expert_factor(ctx.rank * lx + l) for l in range(lx)]).view(lx, 1, 1)
+    return dev(ctx, (vals * f).to(torch.bfloat16))
 
 
-def expected_combine(case: Case, me: int, mode: str = "bf16", round_scale=False, dead: int | None = None):
-    """float64 ``out[t] = sum_k w[t,k] * y[expert_k, slot(t,k)]`` on the sender ``me``; |terms| summed."""
+def expected_combine(ctx, case: Case, mode: str = "bf16", round_scale=False, dead: int | None = None):
+    """float64 ``out[t] = sum_k w[t,k] * y[expert_k, slot(t,k)]`` on the sender (this rank); |terms| summed."""
+    me = ctx.rank
     idx, w = make_topk(case, me)
     x = make_x(case, me)
-    vals = x.float() if mode == "bf16" else quant.per_token_cast_back(
-        *quant.per_token_cast_to_fp8(x, round_scale), torch.float32)
+    vals = x.float() if mode == "bf16" else quant.per_token_cast_back(*fp8_cast(ctx, x, round_scale), torch.float32)
     lx = case.num_experts // case.num_ranks
     ref = torch.zeros(x.shape, dtype=torch.float64)
     abs_sum = torch.zeros(x.shape, dtype=torch.float64)
@@ -159,15 +171,15 @@ def expected_combine(case: Case, me: int, mode: str = "bf16", round_scale=False,
     return ref, abs_sum
 
 
-def combine_and_verify(buf, case, me, recv_x, handle, mode="bf16", round_scale=False, use_ue8m0=False,
+def combine_and_verify(ctx, buf, case, recv_x, handle, mode="bf16", round_scale=False, use_ue8m0=False,
                        dead=None, what="", **kw):
     lx = case.num_experts // case.num_ranks
-    idx, w = make_topk(case, me)
-    y = expert_outputs(recv_x, me, lx, mode, use_ue8m0)
+    idx, w = dev(ctx, make_topk(case, ctx.rank))
+    y = expert_outputs(ctx, recv_x, lx, mode, use_ue8m0)
     out, ev, hook = buf.low_latency_combine(y, idx, w, handle, **kw)
     check(isinstance(ev, EventOverlap) and hook is None, f"{what}: combine returns (out, event, None)")
     equal((out.dtype, tuple(out.shape)), (torch.bfloat16, (idx.shape[0], case.hidden)), f"{what}: combined_x")
-    ref, abs_sum = expected_combine(case, me, mode, round_scale, dead)
+    ref, abs_sum = expected_combine(ctx, case, mode, round_scale, dead)
     assert_within_budget(out, ref, abs_sum, case.num_topk, f"{what}: low_latency_combine")
     return y, out
 
@@ -175,88 +187,90 @@ def combine_and_verify(buf, case, me, recv_x, handle, mode="bf16", round_scale=F
 # ----------------------------------------------------------------------------- checks
 
 
+def rank_inputs(ctx, case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's ``(x bf16[T, H], topk_idx int64[T, K], topk_weights f32[T, K])`` on ``ctx.device``."""
+    idx, w = make_topk(case, ctx.rank)
+    return dev(ctx, (make_x(case, ctx.rank), idx, w))
+
+
 def check_ll_bf16(ctx):
     buf = make_buffer(ctx)
     me, r_ = ctx.rank, ctx.world_size
     for name, case in harness.cases(r_, HIDDEN).items():
-        idx = make_topk(case, me)[0]
-        recv_x, recv_count, handle, ev, hook = buf.low_latency_dispatch(make_x(case, me), idx, M, case.num_experts,
-                                                                        use_fp8=False)
+        x, idx, _ = rank_inputs(ctx, case)
+        recv_x, recv_count, handle, ev, hook = buf.low_latency_dispatch(x, idx, M, case.num_experts, use_fp8=False)
         check(isinstance(ev, EventOverlap) and hook is None, f"{name}: dispatch returns (.., event, None)")
         verify_layout(recv_x, r_, case.num_experts // r_, "bf16", False)
-        verify_dispatch(case, me, recv_x, recv_count, handle, what=f"{name}/bf16")
+        verify_dispatch(ctx, case, recv_x, recv_count, handle, what=f"{name}/bf16")
         if name == "empty_rank" and me == r_ - 1:
             equal(int(recv_count.sum()), 0, "the empty rank receives nothing")
         if name == "random":  # a non-contiguous x (a column slice of a wider tensor) travels the same
-            x = make_x(case, me)
             wide = torch.cat([x, -x], dim=1)[:, :HIDDEN]
             rx2, rc2, h2, _, _ = buf.low_latency_dispatch(wide, idx, M, case.num_experts, use_fp8=False)
-            verify_dispatch(case, me, rx2, rc2, h2, what="non-contiguous x")
-        combine_and_verify(buf, case, me, recv_x, handle, what=f"{name}/bf16")
+            verify_dispatch(ctx, case, rx2, rc2, h2, what="non-contiguous x")
+        combine_and_verify(ctx, buf, case, recv_x, handle, what=f"{name}/bf16")
 
 
 def check_ll_bf16_odd_hidden(ctx):
     """BF16 takes any hidden size that is a multiple of 8 (here 40: not a multiple of 128)."""
-    me, r_ = ctx.rank, ctx.world_size
+    r_ = ctx.world_size
     buf = make_buffer(ctx, hidden=40)
     for name in ("random", "zero_tokens"):
         case = harness.cases(r_, 40)[name]
-        idx = make_topk(case, me)[0]
-        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(make_x(case, me), idx, M, case.num_experts,
-                                                                    use_fp8=False)
+        x, idx, _ = rank_inputs(ctx, case)
+        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, case.num_experts, use_fp8=False)
         verify_layout(recv_x, r_, case.num_experts // r_, "bf16", False, hidden=40)
-        verify_dispatch(case, me, recv_x, recv_count, handle, what=f"{name}/H=40")
-        combine_and_verify(buf, case, me, recv_x, handle, what=f"{name}/H=40")
+        verify_dispatch(ctx, case, recv_x, recv_count, handle, what=f"{name}/H=40")
+        combine_and_verify(ctx, buf, case, recv_x, handle, what=f"{name}/H=40")
 
 
 def check_ll_fp8(ctx):
     buf = make_buffer(ctx)
-    me, r_ = ctx.rank, ctx.world_size
+    r_ = ctx.world_size
     for name in ("random", "zero_tokens", "hot"):
         case = harness.cases(r_, HIDDEN)[name]
+        x, idx, w = rank_inputs(ctx, case)
         for mode, (round_scale, ue8m0) in FP8_MODES.items():
             what = f"{name}/{mode}"
             recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
-                make_x(case, me), make_topk(case, me)[0], M, case.num_experts, use_fp8=True, round_scale=round_scale,
-                use_ue8m0=ue8m0)
+                x, idx, M, case.num_experts, use_fp8=True, round_scale=round_scale, use_ue8m0=ue8m0)
             verify_layout(recv_x, r_, case.num_experts // r_, mode, ue8m0)
-            verify_dispatch(case, me, recv_x, recv_count, handle, mode, round_scale, ue8m0, what=what)
+            verify_dispatch(ctx, case, recv_x, recv_count, handle, mode, round_scale, ue8m0, what=what)
             if round_scale and not ue8m0:
                 valid = torch.cat([recv_x[1][l, :int(c)] for l, c in enumerate(recv_count.tolist())])
                 check(int((valid.view(torch.int32) & 0x7FFFFF).abs().sum()) == 0, f"{what}: power-of-two scales")
             # combine through the zero-copy buffer; x itself is ignored
             lx = case.num_experts // r_
-            y = expert_outputs(recv_x, me, lx, mode, ue8m0)
+            y = expert_outputs(ctx, recv_x, lx, mode, ue8m0)
             zc = buf.get_next_low_latency_combine_buffer(handle)
             equal((zc.dtype, tuple(zc.shape)), (torch.bfloat16, (lx, r_ * M, HIDDEN)), "zero-copy buffer")
             zc.copy_(y)
-            idx, w = make_topk(case, me)
             out, _, _ = buf.low_latency_combine(torch.zeros_like(y), idx, w, handle, zero_copy=True)
-            ref, abs_sum = expected_combine(case, me, mode, round_scale)
+            ref, abs_sum = expected_combine(ctx, case, mode, round_scale)
             assert_within_budget(out, ref, abs_sum, case.num_topk, f"{what}: zero-copy combine")
 
 
 def check_ll_stats(ctx):
     buf = make_buffer(ctx)
-    me, r_ = ctx.rank, ctx.world_size
+    r_ = ctx.world_size
     case = harness.cases(r_, HIDDEN)["hot"]
     lx = case.num_experts // r_
-    cumulative = torch.full((lx,), 5, dtype=torch.int32)
-    wait = torch.zeros(r_, dtype=torch.int64)
-    cwait = torch.zeros(r_, dtype=torch.int64)
-    x, (idx, w) = make_x(case, me), make_topk(case, me)
+    cumulative = torch.full((lx,), 5, dtype=torch.int32, device=ctx.device)
+    wait = torch.zeros(r_, dtype=torch.int64, device=ctx.device)
+    cwait = torch.zeros(r_, dtype=torch.int64, device=ctx.device)
+    x, idx, w = rank_inputs(ctx, case)
     total = torch.full((lx,), 5, dtype=torch.int32)
     for step in range(2):
         before = wait.clone()
         recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
             x, idx, M, case.num_experts, cumulative_local_expert_recv_stats=cumulative,
             dispatch_wait_recv_cost_stats=wait, use_fp8=False)
-        total += recv_count
+        total += recv_count.cpu()
         equal(cumulative, total, f"step {step}: cumulative_local_expert_recv_stats += recv_count")
         equal(wait.dtype, torch.int64, "wait stats stay int64")
         check(bool((wait >= before).all()) and bool((wait >= 0).all()), f"step {step}: wait stats {wait.tolist()}")
         cbefore = cwait.clone()
-        y = expert_outputs(recv_x, me, lx, "bf16", False)
+        y = expert_outputs(ctx, recv_x, lx, "bf16", False)
         buf.low_latency_combine(y, idx, w, handle, combine_wait_recv_cost_stats=cwait)
         check(bool((cwait >= cbefore).all()) and bool((cwait >= 0).all()), f"combine wait stats {cwait.tolist()}")
     equal(cumulative, 5 + 2 * recv_count, "two calls")
@@ -264,13 +278,13 @@ def check_ll_stats(ctx):
 
 def check_ll_hook(ctx):
     buf = make_buffer(ctx)
-    me, r_ = ctx.rank, ctx.world_size
+    r_ = ctx.world_size
     for name in ("random", "zero_tokens"):
         case = harness.cases(r_, HIDDEN)[name]
-        idx, w = make_topk(case, me)
+        x, idx, w = rank_inputs(ctx, case)
         for mode, (round_scale, ue8m0) in {"bf16": (False, False), "fp8_ue8m0": (True, True)}.items():
             recv_x, recv_count, handle, ev, hook = buf.low_latency_dispatch(
-                make_x(case, me), idx, M, case.num_experts, use_fp8=mode != "bf16", round_scale=round_scale,
+                x, idx, M, case.num_experts, use_fp8=mode != "bf16", round_scale=round_scale,
                 use_ue8m0=ue8m0, return_recv_hook=True)
             check(callable(hook) and isinstance(ev, EventOverlap), f"{name}/{mode}: hook returned")
             parts = (recv_x,) if mode == "bf16" else recv_x
@@ -278,14 +292,14 @@ def check_ll_hook(ctx):
             check(all(int(p.reshape(-1).view(torch.uint8).count_nonzero()) == 0 for p in parts),
                   f"{name}/{mode}: recv_x unfilled before hook()")
             hook()
-            verify_dispatch(case, me, recv_x, recv_count, handle, "bf16" if mode == "bf16" else "fp8", round_scale,
+            verify_dispatch(ctx, case, recv_x, recv_count, handle, "bf16" if mode == "bf16" else "fp8", round_scale,
                             ue8m0, what=f"{name}/{mode} after hook()")
             lx = case.num_experts // r_
-            y = expert_outputs(recv_x, me, lx, "bf16" if mode == "bf16" else "fp8", ue8m0)
-            out = torch.zeros(idx.shape[0], HIDDEN, dtype=torch.bfloat16)
+            y = expert_outputs(ctx, recv_x, lx, "bf16" if mode == "bf16" else "fp8", ue8m0)
+            out = torch.zeros(idx.shape[0], HIDDEN, dtype=torch.bfloat16, device=ctx.device)
             res, ev, chook = buf.low_latency_combine(y, idx, w, handle, out=out, return_recv_hook=True)
             check(callable(chook) and res is out, f"{name}/{mode}: combine hook returned, result is out")
-            ref, abs_sum = expected_combine(case, me, "bf16" if mode == "bf16" else "fp8", round_scale)
+            ref, abs_sum = expected_combine(ctx, case, "bf16" if mode == "bf16" else "fp8", round_scale)
             if bool((ref != 0).any()):
                 check(int(out.count_nonzero()) == 0, f"{name}/{mode}: out unfilled before hook()")
             chook()
@@ -294,20 +308,20 @@ def check_ll_hook(ctx):
 
 def check_ll_out_and_async(ctx):
     buf = make_buffer(ctx)
-    me, r_ = ctx.rank, ctx.world_size
+    r_ = ctx.world_size
     case = harness.cases(r_, HIDDEN)["random"]
-    idx, w = make_topk(case, me)
-    recv_x, recv_count, handle, ev, hook = buf.low_latency_dispatch(make_x(case, me), idx, M, case.num_experts,
-                                                                    use_fp8=False, async_finish=True)
+    x, idx, w = rank_inputs(ctx, case)
+    recv_x, recv_count, handle, ev, hook = buf.low_latency_dispatch(x, idx, M, case.num_experts, use_fp8=False,
+                                                                    async_finish=True)
     check(isinstance(ev, EventOverlap) and hook is None, "async_finish returns an event and no hook")
     ev.current_stream_wait()
-    verify_dispatch(case, me, recv_x, recv_count, handle, what="async_finish")
-    out = torch.empty(idx.shape[0], HIDDEN, dtype=torch.bfloat16)
-    y = expert_outputs(recv_x, me, case.num_experts // r_, "bf16", False)
+    verify_dispatch(ctx, case, recv_x, recv_count, handle, what="async_finish")
+    out = torch.empty(idx.shape[0], HIDDEN, dtype=torch.bfloat16, device=ctx.device)
+    y = expert_outputs(ctx, recv_x, case.num_experts // r_, "bf16", False)
     res, ev, hook = buf.low_latency_combine(y, idx, w, handle, out=out, async_finish=True, use_logfmt=True)
     check(res is out and hook is None and isinstance(ev, EventOverlap), "out= is returned; async event")
     with ev:
-        ref, abs_sum = expected_combine(case, me)
+        ref, abs_sum = expected_combine(ctx, case)
     assert_within_budget(out, ref, abs_sum, case.num_topk, "combine into out=")
     # a plain tuple works as the handle
     res2, _, _ = buf.low_latency_combine(y, idx, w, tuple(handle))
@@ -316,24 +330,26 @@ def check_ll_out_and_async(ctx):
 
 def check_ll_two_alive_and_clean(ctx):
     buf = make_buffer(ctx)
-    me, r_ = ctx.rank, ctx.world_size
+    r_ = ctx.world_size
     a = harness.cases(r_, HIDDEN)["random"]
     b = harness.cases(r_, HIDDEN)["hot"]
-    ra = buf.low_latency_dispatch(make_x(a, me), make_topk(a, me)[0], M, a.num_experts, use_fp8=False)
-    rb = buf.low_latency_dispatch(make_x(b, me), make_topk(b, me)[0], M, b.num_experts, use_fp8=False)
-    verify_dispatch(a, me, ra[0], ra[1], ra[2], what="first result still alive after a second call")
-    verify_dispatch(b, me, rb[0], rb[1], rb[2], what="second result")
-    combine_and_verify(buf, a, me, ra[0], ra[2], what="combine of the older result")
+    (xa, ia, _), (xb, ib, _) = rank_inputs(ctx, a), rank_inputs(ctx, b)
+    ra = buf.low_latency_dispatch(xa, ia, M, a.num_experts, use_fp8=False)
+    rb = buf.low_latency_dispatch(xb, ib, M, b.num_experts, use_fp8=False)
+    verify_dispatch(ctx, a, ra[0], ra[1], ra[2], what="first result still alive after a second call")
+    verify_dispatch(ctx, b, rb[0], rb[1], rb[2], what="second result")
+    combine_and_verify(ctx, buf, a, ra[0], ra[2], what="combine of the older result")
     buf.clean_low_latency_buffer(M, HIDDEN, a.num_experts)
-    rc = buf.low_latency_dispatch(make_x(a, me), make_topk(a, me)[0], M, a.num_experts, use_fp8=False)
-    verify_dispatch(a, me, rc[0], rc[1], rc[2], what="after clean_low_latency_buffer")
-    combine_and_verify(buf, a, me, rc[0], rc[2], what="combine after clean")
+    rc = buf.low_latency_dispatch(xa, ia, M, a.num_experts, use_fp8=False)
+    verify_dispatch(ctx, a, rc[0], rc[1], rc[2], what="after clean_low_latency_buffer")
+    combine_and_verify(ctx, buf, a, rc[0], rc[2], what="combine after clean")
 
 
 def check_ll_shrink(ctx):
+    harness.reference_only("the shrink mask: the nvlink backend does not skip masked ranks")
     buf = make_buffer(ctx, enable_shrink=True)
     me, r_ = ctx.rank, ctx.world_size
-    status = torch.full((r_,), 7, dtype=torch.int32)
+    status = torch.full((r_,), 7, dtype=torch.int32, device=ctx.device)
     buf.low_latency_query_mask_buffer(status)
     equal(status, torch.zeros(r_, dtype=torch.int32), "nothing masked at first")
     dead = r_ - 1
@@ -341,14 +357,14 @@ def check_ll_shrink(ctx):
     buf.low_latency_query_mask_buffer(status)
     equal(status, torch.tensor([int(r == dead) for r in range(r_)], dtype=torch.int32), "query shows the mask")
     case = harness.cases(r_, HIDDEN)["random"]
-    idx = make_topk(case, me)[0]
+    x, idx, _ = rank_inputs(ctx, case)
     if r_ > 1 and me != dead:  # the masked rank is gone: it calls nothing, the others skip it
-        wait = torch.zeros(r_, dtype=torch.int64)
-        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(make_x(case, me), idx, M, case.num_experts,
-                                                                    use_fp8=False, dispatch_wait_recv_cost_stats=wait)
-        verify_dispatch(case, me, recv_x, recv_count, handle, dead=dead, what="masked dispatch")
+        wait = torch.zeros(r_, dtype=torch.int64, device=ctx.device)
+        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, case.num_experts, use_fp8=False,
+                                                                    dispatch_wait_recv_cost_stats=wait)
+        verify_dispatch(ctx, case, recv_x, recv_count, handle, dead=dead, what="masked dispatch")
         equal(int(wait[dead]), 0, "no time spent waiting for the masked rank")
-        combine_and_verify(buf, case, me, recv_x, handle, dead=dead, what="masked combine")
+        combine_and_verify(ctx, buf, case, recv_x, handle, dead=dead, what="masked combine")
     buf.low_latency_clean_mask_buffer()
     buf.low_latency_query_mask_buffer(status)
     equal(status, torch.zeros(r_, dtype=torch.int32), "clean resets the mask")
@@ -356,10 +372,9 @@ def check_ll_shrink(ctx):
     buf.low_latency_update_mask_buffer(dead, False)
     buf.low_latency_query_mask_buffer(status)
     equal(status, torch.zeros(r_, dtype=torch.int32), "mask=False unmasks")
-    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(make_x(case, me), idx, M, case.num_experts,
-                                                                use_fp8=False)
-    verify_dispatch(case, me, recv_x, recv_count, handle, what="all ranks again after clean")
-    combine_and_verify(buf, case, me, recv_x, handle, what="full combine after clean")
+    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, case.num_experts, use_fp8=False)
+    verify_dispatch(ctx, case, recv_x, recv_count, handle, what="all ranks again after clean")
+    combine_and_verify(ctx, buf, case, recv_x, handle, what="full combine after clean")
 
 
 CHECKS = [

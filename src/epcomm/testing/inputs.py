@@ -36,6 +36,31 @@ class Case:
         return self.tokens[rank]
 
 
+def to_device(obj, device):
+    """``obj`` on ``device``: a tensor keeps its dtype, shape and strides (a column-major or strided
+    view stays so, where ``Tensor.to`` would make a strided view contiguous); a tuple or list is moved
+    item by item (a tuple comes back as a plain tuple); ``None`` stays ``None``. A tensor already on
+    ``device`` is returned as it is, so on the CPU this is the identity. Not for expanded (stride 0)
+    tensors.
+
+    Tests generate inputs on the CPU (the functions below) and move them with this, so every device
+    gets the same values.
+    """
+    if obj is None:
+        return None
+    if isinstance(obj, torch.Tensor):
+        device = torch.device(device)
+        if obj.device == device:
+            return obj
+        out = torch.empty_strided(obj.shape, obj.stride(), dtype=obj.dtype, device=device)
+        out.copy_(obj)
+        return out
+    if isinstance(obj, (tuple, list)):
+        items = [to_device(o, device) for o in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    raise TypeError(f"to_device takes a tensor, a tuple or list of them, or None; got {type(obj).__name__}")
+
+
 def _gen(case: Case, rank: int, salt: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed((case.seed * 1_000_003 + rank * 7919 + salt) & 0x7FFFFFFF)
