@@ -30,7 +30,9 @@ def fp8_scales(x: torch.Tensor, round_scale: bool = False) -> torch.Tensor:
     t, h = x.shape
     check_fp8_hidden(h)
     amax = x.float().abs().view(t, h // GROUP, GROUP).amax(dim=-1).clamp_min(AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    # A tensor divisor: true IEEE division on every device (a Python-number divisor becomes a
+    # multiplication by its reciprocal on CUDA, which rounds differently).
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if round_scale:
         scale = round_up_pow2(scale)
     return scale

@@ -123,7 +123,11 @@ class ReferenceBackend(Backend):
                 ops.append(dist.P2POp(dist.irecv, t, self._global[peer], self.group))
                 peers.append(peer)
         works = dist.batch_isend_irecv(ops) if ops else []
-        pairs = list(zip(peers, works)) if len(works) == len(ops) else [(None, w) for w in works]
+        if len(works) == len(ops):
+            pairs = list(zip(peers, works))
+        else:  # NCCL returns one work for the whole batch: name the peer when there is only one
+            only = peers[0] if peers and all(p == peers[0] for p in peers) else None
+            pairs = [(only, w) for w in works]
 
         def wait(stats: torch.Tensor | None = None) -> None:
             for peer, w in pairs:
