@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the device machine: GPU test tier + benchmark; a short table last.
-# Usage (device tool): bash scripts/gpu_check.sh [tests|tier2|probe|bench|all]
-#   tests: tier 3 (tests/gpu); tier2: tests/dist on NCCL with CUDA tensors; bench: epcomm bench
+# Usage (device tool): bash scripts/gpu_check.sh [tests|tier2|probe|bench|figures|all]
+#   tests: tier 3 (tests/gpu); tier2: tests/dist on NCCL with CUDA tensors; bench: epcomm bench;
+#   figures: every figure issues 4-5 ask for (24/32/48 SMs, copy engine vs SM push, 1-token LL),
+#   one JSONL per step under $OUT. Budget: tests ~4 min, tier2 ~2 min, bench ~2.5 min, figures ~6 min.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
@@ -22,5 +24,15 @@ if [[ "$what" == tier2 || "$what" == all ]]; then
 fi
 if [[ "$what" == bench || "$what" == all ]]; then
   timeout 500 python3 -m epcomm bench ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | tail -30 || rc=1
+fi
+if [[ "$what" == figures ]]; then
+  for sms in 24 32 48; do
+    timeout 150 python3 -m epcomm bench --cases ht-dsv3 --mode ht --num-sms $sms --iters 20 --warmup 3 \
+      --out "$OUT/ht-sms$sms.jsonl" 2>&1 | tail -9 || rc=1
+  done
+  EPCOMM_HT_TRANSFER=sm timeout 150 python3 -m epcomm bench --cases ht-dsv3 --mode ht --num-sms 24 --iters 20 \
+    --warmup 3 --out "$OUT/ht-sm-push.jsonl" 2>&1 | tail -9 || rc=1
+  timeout 150 python3 -m epcomm bench --cases ll-dsv3,ll-dsv3-288 --mode ll --tokens 1,128 --iters 30 --warmup 5 \
+    --out "$OUT/ll.jsonl" 2>&1 | tail -30 || rc=1
 fi
 exit $rc
