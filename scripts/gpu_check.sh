@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the device machine: GPU test tier + benchmark; a short table last.
-# Usage (device tool): bash scripts/gpu_check.sh [tests|tier2|probe|bench|figures|all]
+# Usage (device tool): bash scripts/gpu_check.sh [tests|tier2|probe|profile|bench|figures|all]
 #   tests: tier 3 (tests/gpu); tier2: tests/dist on NCCL with CUDA tensors; bench: epcomm bench;
 #   figures: every figure issues 4-5 ask for (24/32/48 SMs, copy engine vs SM push, 1-token LL),
 #   one JSONL per step under $OUT. Budget: tests ~4 min, tier2 ~2 min, bench ~2.5 min, figures ~6 min.
@@ -14,6 +14,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 rc=0
 if [[ "$what" == tests || "$what" == all ]]; then
   timeout 560 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40 || rc=1
+fi
+if [[ "$what" == profile ]]; then
+  timeout 240 python3 scripts/profile_ht.py 2>&1 | tee "$OUT/profile.log" | tail -50 || rc=1
 fi
 if [[ "$what" == probe ]]; then
   timeout 300 python3 scripts/ht_probe.py 2>&1 | tee "$OUT/probe.log" | tail -20 || rc=1
