@@ -210,10 +210,21 @@ def _ll_combine_send_kernel(y_ptr, topk_ptr, w_ptr, T, H, K, me, R, L, M,
                             ptr_table, d_area_off, src_bytes, w_off, slot_off, c_off, sig_off,
                             wlevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
                             K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr,
-                            SHRINK: tl.constexpr):
+                            SHRINK: tl.constexpr, PHASES: tl.constexpr = 3):
     """Owner role: push this rank's (expert id, weight) pairs to every rank. Expert role: for every
     (source, token) with experts here, ``partial = Σ_k w[k] · y[slot(k)]`` in float32, written to
-    the owner's combine area; the last program raises the owners' flags."""
+    the owner's combine area; the last program raises the owners' flags. (``PHASES`` = 1 | 2 runs
+    one role only: the interpreter simulation runs every rank's owner role before any expert role.)"""
+    if PHASES & 1:
+        _push_weights(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, ticket_ptr, mask_ptr, SHRINK)
+    if PHASES & 2:
+        _reduce_partials(y_ptr, H, K, me, R, L, M, ptr_table, d_area_off, src_bytes, w_off, slot_off, c_off, sig_off,
+                         wlevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr, K_POW2, BLOCK, HAS_TIMER, SHRINK)
+
+
+@triton.jit
+def _push_weights(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, ticket_ptr, mask_ptr,
+                  SHRINK: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     kk = tl.arange(0, MAX_TOPK)
@@ -231,6 +242,15 @@ def _ll_combine_send_kernel(y_ptr, topk_ptr, w_ptr, T, H, K, me, R, L, M,
         for j in range(0, R):
             if _alive(mask_ptr, j, SHRINK) != 0:
                 signal(peer_ptr(ptr_table, j, sig_off + (SIG_W * R + me) * 4, tl.int32), 1)
+
+
+@triton.jit
+def _reduce_partials(y_ptr, H, K, me, R, L, M, ptr_table, d_area_off, src_bytes, w_off, slot_off, c_off, sig_off,
+                     wlevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr, K_POW2: tl.constexpr,
+                     BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr, SHRINK: tl.constexpr):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    kk = tl.arange(0, MAX_TOPK)
     level = tl.load(wlevel_ptr)
     for r in range(0, R):
         wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_W * R + r) * 4, tl.int32), level + 1, err_ptr, 7, r,

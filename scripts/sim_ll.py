@@ -1,0 +1,132 @@
+"""Run the low-latency kernels under TRITON_INTERPRET=1 on CPU with R simulated ranks in one process
+(peer buffers are plain CPU tensors) against a direct oracle: dispatch placement bitwise (BF16 and
+FP8 with plain / power-of-two / UE8M0 scales), combine within the bf16 budget, and shrink (a masked
+rank is skipped). A development aid: ``PYTHONPATH=<triton site>:src python scripts/sim_ll.py``."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+import torch  # noqa: E402
+
+from epcomm import layout, quant  # noqa: E402
+from epcomm.kernels import ll  # noqa: E402
+from epcomm.testing.compare import assert_bitwise, assert_within_budget  # noqa: E402
+from epcomm.testing.inputs import Case, make_topk, make_x  # noqa: E402
+
+OFF = 256  # LL region offset inside each simulated symmetric buffer
+
+
+def run(R=3, M=6, H=256, E=6, K=3, tokens=(5, 0, 6), use_fp8=False, round_scale=False, ue8m0=False, masked=()):
+    case = Case(num_ranks=R, tokens=tokens, hidden=H, num_topk=K, num_experts=E, seed=2, hot_expert=1)
+    L, G, RM = E // R, H // 128, R * M
+    lay = layout.low_latency_buffer_layout(M, H, R, E)
+    symm = [torch.zeros(OFF + lay.total, dtype=torch.uint8) for _ in range(R)]
+    table = torch.tensor([b.data_ptr() for b in symm], dtype=torch.int64)
+    st = []
+    for me in range(R):
+        topk, w = make_topk(case, me)
+        mask = torch.zeros(R, dtype=torch.int32)
+        for r in masked:
+            mask[r] = 1
+        st.append(dict(topk=topk, w=w, x=make_x(case, me), levels=torch.zeros(8, dtype=torch.int32),
+                       tickets=torch.zeros(16, dtype=torch.int32), err=torch.zeros(4, dtype=torch.int32), mask=mask))
+    area, sig = OFF, OFF + lay.signal_offset
+    alive = [r for r in range(R) if r not in masked]
+    for me in alive:
+        s = st[me]
+        ll._ll_dispatch_send_kernel[(max(tokens[me], 1),)](
+            s["x"], s["topk"], tokens[me], H, G, K, me, R, L, E, M, table, area, lay.dispatch_src_bytes,
+            lay.dispatch_msg_bytes, sig, s["tickets"][4:], s["err"], s["mask"], USE_FP8=use_fp8,
+            ROUND_SCALE=round_scale, GC=2, K_POW2=4, R_POW2=4, SHRINK=bool(masked))
+    outs = {}
+    for me in alive:
+        s = st[me]
+        if use_fp8:
+            q = torch.zeros(L, RM, H, dtype=torch.float8_e4m3fn)
+            sc = torch.zeros(L, (G + 3) // 4 if ue8m0 else G, RM, dtype=torch.int32 if ue8m0 else torch.float32)
+            words = q.view(torch.uint8).view(torch.int32)
+        else:
+            q = torch.zeros(L, RM, H, dtype=torch.bfloat16)
+            sc = None
+            words = q.view(torch.int32)
+        src = torch.full((L, RM), -1, dtype=torch.int32)
+        rng = torch.zeros(L, R, dtype=torch.int64)
+        cnt = torch.zeros(L, dtype=torch.int32)
+        ll._ll_dispatch_recv_kernel[(L,)](
+            table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig, area + lay.slot_offset, me, R, L, M,
+            H, G, words, sc if sc is not None else cnt, src, rng, cnt, cnt, rng, s["levels"][0:], s["tickets"][5:],
+            s["err"], 50, s["mask"], SHRINK=bool(masked), USE_FP8=use_fp8, UE8M0=ue8m0, HAS_CUM=False,
+            HAS_WAIT=False, TB=4, QB=2, BLOCK=32, G_POW2=4, HAS_TIMER=False)
+        assert int(s["err"][0]) == 0, s["err"]
+        # oracle: per local expert, blocks by source rank, tokens ascending
+        for l_ in range(L):
+            e_ = me * L + l_
+            begin = 0
+            for r in range(R):
+                if r in masked:
+                    rows = torch.zeros(0, dtype=torch.int64)
+                else:
+                    rows = (st[r]["topk"] == e_).any(1).nonzero().squeeze(1)
+                n = rows.numel()
+                assert int(rng[l_, r]) == (begin << 32) | n, (me, l_, r, int(rng[l_, r]), begin, n)
+                assert_bitwise(src[l_, begin:begin + n], rows.to(torch.int32), f"src rank {me} expert {l_} from {r}")
+                xr = st[r]["x"][rows]
+                if use_fp8:
+                    eq, es = quant.per_token_cast_to_fp8(xr, round_scale)
+                    assert_bitwise(q[l_, begin:begin + n], eq, f"fp8 rows rank {me} expert {l_} from {r}")
+                    got_s = sc.transpose(1, 2)[l_, begin:begin + n]
+                    want_s = quant.pack_ue8m0(es) if ue8m0 else es
+                    assert_bitwise(got_s, want_s, f"scales rank {me} expert {l_} from {r}")
+                else:
+                    assert_bitwise(q[l_, begin:begin + n], xr, f"rows rank {me} expert {l_} from {r}")
+                begin += n
+            assert int(cnt[l_]) == begin
+        outs[me] = dict(q=q, sc=sc, cnt=cnt)
+    # combine: y = the received rows (dequantised) scaled per local expert
+    for me in alive:
+        o = outs[me]
+        vals = o["q"].float() if not use_fp8 else o["q"].float() * (
+            quant.unpack_ue8m0(o["sc"].transpose(1, 2).contiguous(), G) if ue8m0 else o["sc"].transpose(1, 2)
+        ).repeat_interleave(128, dim=2)
+        o["y"] = (vals * (1 + torch.arange(L).float() / 8).view(L, 1, 1)).to(torch.bfloat16)
+    for phases in (1, 2):
+        for me in alive:
+            s = st[me]
+            ll._ll_combine_send_kernel[(3,)](
+                outs[me]["y"], s["topk"], s["w"], tokens[me], H, K, me, R, L, M, table, area, lay.dispatch_src_bytes,
+                area + lay.weights_offset, area + lay.slot_offset, area + lay.combine_offset, sig, s["levels"][2:],
+                s["tickets"][6:], s["err"], 50, s["mask"], K_POW2=4, BLOCK=64, HAS_TIMER=False, SHRINK=bool(masked),
+                PHASES=phases)
+    for me in alive:
+        s = st[me]
+        out = torch.empty(tokens[me], H, dtype=torch.bfloat16)
+        ll._ll_combine_recv_kernel[(max(1, tokens[me]),)](
+            s["topk"], tokens[me], H, K, me, R, L, M, table, area + lay.combine_offset, sig, out, s["levels"],
+            s["levels"][4:], s["tickets"][8:], s["err"], 50, s["mask"], K_POW2=4, R_POW2=4, BLOCK=64, HAS_WAIT=False,
+            HAS_TIMER=False, SHRINK=bool(masked))
+        assert int(s["err"][0]) == 0, s["err"]
+        # oracle in float64: Σ_k w · y[expert_k, slot(t, k)] over experts on unmasked ranks
+        ref = torch.zeros(tokens[me], H, dtype=torch.float64)
+        terms = torch.zeros_like(ref)
+        for t in range(tokens[me]):
+            for k in range(K):
+                e_ = int(s["topk"][t, k])
+                if e_ < 0 or e_ // L in masked:
+                    continue
+                j, l_ = e_ // L, e_ % L
+                # the row of (t, me) in expert l_ of rank j: block `me`, position of t among me's tokens
+                rows = (s["topk"] == e_).any(1).nonzero().squeeze(1)
+                begin = sum(int((st[r]["topk"] == e_).any(1).sum()) for r in range(me) if r not in masked)
+                slot = begin + int((rows == t).nonzero())
+                yrow = outs[j]["y"][l_, slot].double()
+                ref[t] += float(s["w"][t, k]) * yrow
+                terms[t] += abs(float(s["w"][t, k])) * yrow.abs()
+        assert_within_budget(out, ref, terms, 2 * K, f"combine rank {me}", extra_rel=2.0 ** -8)
+    print("ok", dict(R=R, tokens=tokens, fp8=use_fp8, round=round_scale, ue8m0=ue8m0, masked=masked))
+
+
+if __name__ == "__main__":
+    run()
+    run(use_fp8=True)
+    run(use_fp8=True, round_scale=True, ue8m0=True, H=512, E=9, tokens=(4, 6, 1))
+    run(R=2, tokens=(6, 3), E=4, K=2)
+    run(masked=(1,))
