@@ -1,8 +1,7 @@
 """Run the high-throughput kernels under TRITON_INTERPRET=1 on CPU with R simulated ranks in one
 process (peer buffers are plain CPU tensors), against the reference oracle. A development aid:
-``PYTHONPATH=<triton site> python scripts/sim_ht.py``."""
-import os
-os.environ["TRITON_INTERPRET"] = "1"
+``pip install triton==3.6.0; PYTHONPATH=src python scripts/sim_ht.py``."""
+import _interp  # noqa: F401  (sets TRITON_INTERPRET=1; must come before triton)
 import torch  # noqa: E402
 from epcomm import layout  # noqa: E402
 from epcomm.backends import nvlink as nv  # noqa: E402
