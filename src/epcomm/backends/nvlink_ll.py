@@ -22,6 +22,7 @@ import torch
 from .. import layout
 from ..layout import LowLatencyHandle
 from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult
+from .nvlink import _pow2
 
 # local counters (int32 device memory): dispatch-receive level [2], combine weight level [2],
 # combine-receive level [2]
@@ -30,19 +31,13 @@ _DLEVEL, _WLEVEL, _CLEVEL = 0, 2, 4
 _T_DSEND, _T_DRECV, _T_CSEND, _T_CRECV = 4, 5, 6, 8  # _T_CSEND uses two consecutive slots
 
 
-def _pow2(n: int) -> int:
-    p = 1
-    while p < max(n, 1):
-        p *= 2
-    return p
-
-
 class LowLatencyEngine:
     def __init__(self, nv):
         self.nv = nv
         self.levels = torch.zeros(8, dtype=torch.int32, device=nv.device)
         self.tickets = torch.zeros(16, dtype=torch.int32, device=nv.device)
         self.sms = torch.cuda.get_device_properties(nv.device).multi_processor_count
+        self._m_word = None  # the M last announced in the flag area (written when it changes)
 
     def _layout(self, m: int, h: int, e: int):
         lay = layout.low_latency_buffer_layout(m, h, self.nv.num_ranks, e)
@@ -70,8 +65,10 @@ class LowLatencyEngine:
         topk = a.topk_idx.contiguous()
         k = topk.shape[1]
         mask = a.mask if a.mask is not None else nv.err
-        # mark M in a fixed place so a rank with another M is named, not just timed out
-        nv.symm[nv.flags_off + 5 * r_ * 4:nv.flags_off + 6 * r_ * 4].view(torch.int32)[me].fill_(m)
+        # announce M in a fixed place so a rank with another M is named, not just timed out
+        if self._m_word != m:
+            nv.symm[nv.flags_off + 5 * r_ * 4:nv.flags_off + 6 * r_ * 4].view(torch.int32)[me].fill_(m)
+            self._m_word = m
         ll._ll_dispatch_send_kernel[(max(t, 1),)](
             x, topk, t, h, g, k, me, r_, lx, e, m, nv.ptr_table, area, lay.dispatch_src_bytes,
             lay.dispatch_msg_bytes, sig, self.tickets[_T_DSEND:], nv.err, mask,

@@ -93,23 +93,34 @@ def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
 
 
 @triton.jit
+def _wait_peers(ptr_table, flags_off, slot, R, me, target, err_ptr, phase, timeout_ns, HAS_TIMER: tl.constexpr):
+    """Wait until every peer's counter in flag ``slot`` (in this rank's flag area) reaches ``target``."""
+    for j in range(0, R):
+        if j != me:
+            wait_ge(peer_ptr(ptr_table, me, flags_off + (slot * R + j) * 4, tl.int32), target, err_ptr, phase, j,
+                    timeout_ns, HAS_TIMER)
+
+
+@triton.jit
+def _signal_peers(ptr_table, flags_off, slot, R, me, value):
+    """Add ``value`` (release) to this rank's counter in flag ``slot`` of every peer."""
+    for j in range(0, R):
+        if j != me:
+            signal(peer_ptr(ptr_table, j, flags_off + (slot * R + me) * 4, tl.int32), value)
+
+
+@triton.jit
 def _ce_wait_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr, err_ptr, phase, timeout_ns,
                     HAS_TIMER: tl.constexpr):
     """Before the copy engine overwrites peers' staging: wait until every peer consumed the last one."""
-    n = tl.load(ctr_ptr)
-    for j in range(0, R):
-        if j != me:
-            flag = peer_ptr(ptr_table, me, flags_off + (slot * R + j) * 4, tl.int32)
-            wait_ge(flag, n, err_ptr, phase, j, timeout_ns, HAS_TIMER)
+    _wait_peers(ptr_table, flags_off, slot, R, me, tl.load(ctr_ptr), err_ptr, phase, timeout_ns, HAS_TIMER)
 
 
 @triton.jit(do_not_specialize=['bump'])
 def _ce_signal_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr, bump):
     """After a copy-engine chunk finished (stream order): raise the data flag on every peer by one;
     ``bump`` = 1 after the last chunk advances this rank's send counter."""
-    for j in range(0, R):
-        if j != me:
-            signal(peer_ptr(ptr_table, j, flags_off + (slot * R + me) * 4, tl.int32), 1)
+    _signal_peers(ptr_table, flags_off, slot, R, me, 1)
     if bump != 0:
         tl.store(ctr_ptr, tl.load(ctr_ptr) + 1)
 
@@ -137,10 +148,7 @@ def _push_kernel(x_ptr, row_elems, T, R, me, is_in_ptr, ptr_table, flags_off, sl
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n = tl.load(ctr_ptr)
-    for j in range(0, R):
-        if j != me:
-            flag = peer_ptr(ptr_table, me, flags_off + (consumed_slot * R + j) * 4, tl.int32)
-            wait_ge(flag, n, err_ptr, phase, j, timeout_ns, HAS_TIMER)
+    _wait_peers(ptr_table, flags_off, consumed_slot, R, me, n, err_ptr, phase, timeout_ns, HAS_TIMER)
     for j in range(0, R):
         if j != me:
             dst_base = peer_ptr(ptr_table, j, stage_off + me * stage_src_bytes, ELEM)
@@ -150,9 +158,7 @@ def _push_kernel(x_ptr, row_elems, T, R, me, is_in_ptr, ptr_table, flags_off, sl
                     _copy_row(dst_base + _i64(t) * row_elems, x_ptr + _i64(t) * row_elems,
                               row_elems, BLOCK)
     if ticket_last(ticket_ptr):
-        for j in range(0, R):
-            if j != me:
-                signal(peer_ptr(ptr_table, j, flags_off + (slot * R + me) * 4, tl.int32), NC)
+        _signal_peers(ptr_table, flags_off, slot, R, me, NC)
         tl.store(ctr_ptr, n + 1)
 
 
@@ -267,9 +273,7 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
                      mask=inb[:, None] & km)
             tl.store(out_w + nn64[:, None] * K + kk[None, :], tl.where(here, wv, 0.0), mask=inb[:, None] & km)
     if ticket_last(ticket_ptr):
-        for i in range(0, R):
-            if i != me:
-                signal(peer_ptr(ptr_table, i, flags_off + (DCONSUMED * R + me) * 4, tl.int32), 1)
+        _signal_peers(ptr_table, flags_off, DCONSUMED, R, me, 1)
         tl.store(ctr_ptr, base + 1)
 
 
@@ -349,9 +353,7 @@ def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K,
     known = _wait_sources(tl.full((R_POW2,), NC, tl.int32), known, rr, ptr_table, flags_off, CDATA, R, me, base_ctr,
                           err_ptr, 5, timeout_ns, NC, HAS_TIMER)
     if ticket_last(ticket_ptr):
-        for j in range(0, R):
-            if j != me:
-                signal(peer_ptr(ptr_table, j, flags_off + (CCONSUMED * R + me) * 4, tl.int32), 1)
+        _signal_peers(ptr_table, flags_off, CCONSUMED, R, me, 1)
         tl.store(ctr_ptr, base_ctr + 1)
 
 
@@ -366,10 +368,7 @@ def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, 
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n = tl.load(ctr_ptr)
-    for i in range(0, R):
-        if i != me:
-            flag = peer_ptr(ptr_table, me, flags_off + (CCONSUMED * R + i) * 4, tl.int32)
-            wait_ge(flag, n, err_ptr, 4, i, timeout_ns, HAS_TIMER)
+    _wait_peers(ptr_table, flags_off, CCONSUMED, R, me, n, err_ptr, 4, timeout_ns, HAS_TIMER)
     kk = tl.arange(0, K_POW2)
     for i in range(0, R):
         if i != me:
@@ -386,7 +385,5 @@ def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, 
                 if HAS_W:
                     tl.store(dst_w + r64 * K + kk, tl.load(w_ptr + src * K + kk, mask=kk < K), mask=kk < K)
     if ticket_last(ticket_ptr):
-        for i in range(0, R):
-            if i != me:
-                signal(peer_ptr(ptr_table, i, flags_off + (CDATA * R + me) * 4, tl.int32), NC)
+        _signal_peers(ptr_table, flags_off, CDATA, R, me, NC)
         tl.store(ctr_ptr, n + 1)
