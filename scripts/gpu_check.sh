@@ -37,5 +37,7 @@ if [[ "$what" == figures ]]; then
     --warmup 3 --out "$OUT/ht-sm-push.jsonl" 2>&1 | tail -9 || rc=1
   timeout 150 python3 -m epcomm bench --cases ll-dsv3,ll-dsv3-288 --mode ll --tokens 1,128 --iters 30 --warmup 5 \
     --out "$OUT/ll.jsonl" 2>&1 | tail -30 || rc=1
+  timeout 200 python3 -m epcomm bench --cases sweep --mode ht --iters 10 --warmup 2 --out "$OUT/sweep.jsonl" \
+    --plot "$OUT/plots" 2>&1 | tail -12 || rc=1
 fi
 exit $rc

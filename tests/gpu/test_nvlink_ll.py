@@ -84,3 +84,49 @@ def _rank_shrink(ctx):
 def test_nvlink_low_latency_shrink_masks_a_silent_rank():
     res = parallel_launch(2, _rank_shrink, backend="nccl", timeout_s=90)
     assert res[0] == "ok"
+
+
+def _rank_bad_inputs(ctx):
+    """Device-side checks of the nvlink backend: an out-of-range expert id (HT: ValueError at the
+    dispatch's own sync; LL: at the next call) and M differing across ranks (ValueError naming both)."""
+    import pytest
+    import torch
+
+    os.environ["EPCOMM_TIMEOUT_S"] = "2"
+    case = Case(num_ranks=ctx.world_size, tokens=(16,) * ctx.world_size, hidden=256, num_topk=4,
+                num_experts=8 * ctx.world_size, seed=5)
+    e = case.num_experts
+    with G.forced_backend("nvlink"):
+        ht = Buffer(ctx.group, num_nvl_bytes=64 << 20)
+    xin, x, topk, w = G.device_inputs(case, ctx.rank, ht.device)
+    bad = topk.clone()
+    if ctx.rank == 0:
+        bad[3, 1] = e + 7
+    pr, _, pe, ir, _ = ht.get_dispatch_layout(bad, e)
+    if ctx.rank == 0:
+        with pytest.raises(ValueError, match=f"topk_idx holds expert id {e + 7}"):
+            ht.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe, topk_idx=bad,
+                        topk_weights=w)
+    else:
+        ht.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe, topk_idx=bad,
+                    topk_weights=w)
+    # the Buffer stays in step: a good call works on every rank
+    G.check_ht_case(*G.make_buffers(ctx.group, num_nvl_bytes=64 << 20), case, ctx.rank, False)
+    m = 16 if ctx.rank == 0 else 32
+    hint = Buffer.get_low_latency_rdma_size_hint(32, 256, ctx.world_size, e)
+    with G.forced_backend("nvlink"):
+        llb = Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
+    xl, tl_, wl = G.ll_inputs(case, ctx.rank, llb.device)
+    try:
+        llb.low_latency_dispatch(xl, tl_, m, e, use_fp8=False)
+        torch.cuda.synchronize()
+        llb.low_latency_dispatch(xl, tl_, m, e, use_fp8=False)  # the error surfaces at the next call
+    except ValueError as err:
+        assert "num_max_dispatch_tokens_per_rank differs" in str(err) and "16 on rank 0" in str(err), str(err)
+        return "ok"
+    raise AssertionError("M differing across ranks was not reported")
+
+
+def test_nvlink_device_side_input_errors():
+    res = parallel_launch(2, _rank_bad_inputs, backend="nccl", timeout_s=120)
+    assert res == ["ok", "ok"]
