@@ -334,9 +334,6 @@ class Buffer:
     def _shrink_mask(self) -> torch.Tensor | None:
         return self._mask if self.enable_shrink else None
 
-    def _active_ranks(self) -> torch.Tensor | None:
-        return (self._mask == 0) if self.enable_shrink else None
-
     def _ll_parity(self) -> int:
         p = self._ll_calls % 2
         self._ll_calls += 1
@@ -391,7 +388,7 @@ class Buffer:
         self._ll_check(m, h, e)
         args = LowLatencyDispatchArgs(x, topk_idx, m, e, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
                                       cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-                                      self._active_ranks(), self._ll_parity(), self._shrink_mask())
+                                      self._ll_parity(), self._shrink_mask())
         res, ev, hook = self._ll_run(lambda: self._backend.low_latency_dispatch(args), [x, topk_idx],
                                      async_finish, return_recv_hook)
         return res.recv_x, res.recv_count, res.handle, ev, hook
@@ -424,7 +421,7 @@ class Buffer:
             V.tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, 1, self.device)
             V.shape("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, (self.group_size,))
         args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
-                                     self._active_ranks(), self._ll_parity(), self._shrink_mask())
+                                     self._ll_parity(), self._shrink_mask())
         res, ev, hook = self._ll_run(lambda: self._backend.low_latency_combine(args), [x, topk_idx, topk_weights],
                                      async_finish, return_recv_hook)
         return res, ev, hook

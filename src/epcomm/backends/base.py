@@ -64,10 +64,9 @@ class LowLatencyDispatchArgs:
     use_ue8m0: bool
     cumulative_local_expert_recv_stats: torch.Tensor | None
     dispatch_wait_recv_cost_stats: torch.Tensor | None
-    active_ranks: torch.Tensor | None    # bool[R], False = masked (shrink); None = all active
     parity: int                          # which of the two receive areas this call uses
-    mask: torch.Tensor | None = None     # the Buffer's int32[R] mask (1 = masked) when enable_shrink;
-    #                                      device backends read it and mask a peer that misses its deadline
+    mask: torch.Tensor | None = None     # the Buffer's int32[R] mask (1 = masked) when enable_shrink, else
+    #                                      None; device backends also mask a peer that misses its deadline
 
 
 class LowLatencyDispatchResult(NamedTuple):
@@ -84,7 +83,6 @@ class LowLatencyCombineArgs:
     handle: LowLatencyHandle
     out: torch.Tensor | None             # bf16[T, H]
     combine_wait_recv_cost_stats: torch.Tensor | None
-    active_ranks: torch.Tensor | None
     parity: int
     mask: torch.Tensor | None = None
 

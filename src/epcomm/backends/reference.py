@@ -255,8 +255,9 @@ class ReferenceBackend(Backend):
 
     # ------------------------------------------------------------------ low-latency
 
-    def _active(self, active_ranks: torch.Tensor | None) -> list[bool]:
-        return [True] * self.num_ranks if active_ranks is None else [bool(v) for v in active_ranks.tolist()]
+    def _active(self, mask: torch.Tensor | None) -> list[bool]:
+        """Ranks not masked (shrink): ``mask`` is the Buffer's int32[R], 1 = masked; None = all active."""
+        return [True] * self.num_ranks if mask is None else [v == 0 for v in mask.tolist()]
 
     def _masked_topk(self, topk_idx: torch.Tensor, num_experts: int, active: list[bool]) -> torch.Tensor:
         if all(active):
@@ -271,7 +272,7 @@ class ReferenceBackend(Backend):
         x = a.x
         t, h = x.shape
         dev = x.device
-        active = self._active(a.active_ranks)
+        active = self._active(a.mask)
         sends = layout.low_latency_sends(self._masked_topk(a.topk_idx, e, active), e)
         per_dst = sends.per_expert.view(r_, lx)
         header = torch.cat([torch.full((r_, 1), m, dtype=torch.int64, device=dev), per_dst], dim=1)
@@ -344,7 +345,7 @@ class ReferenceBackend(Backend):
         e = hd.num_experts
         lx = e // r_
         dev = a.x.device
-        active = self._active(a.active_ranks)
+        active = self._active(a.mask)
         begin, cnt = (v.cpu() for v in layout.unpack_layout_range(hd.layout_range))
         if not all(active):
             cnt = cnt * torch.tensor(active, dtype=cnt.dtype).view(1, r_)
