@@ -18,7 +18,7 @@ def compile_one(fn, signature, constexprs, name):
         print(f"ok   {name}: {k.metadata.shared} B smem, {getattr(k, 'n_regs', '?')} regs")
         return True
     except Exception as e:  # noqa: BLE001
-        print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
+        print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]} | cause: {e.__cause__!r:.600}")
         return False
 
 

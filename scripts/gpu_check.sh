@@ -17,6 +17,7 @@ if [[ "$what" == tests || "$what" == all ]]; then
 fi
 if [[ "$what" == profile ]]; then
   timeout 240 python3 scripts/profile_ht.py 2>&1 | tee "$OUT/profile.log" | tail -50 || rc=1
+  timeout 300 python3 scripts/profile_ll.py 2>&1 | tee "$OUT/profile_ll.log" | tail -80 || rc=1
 fi
 if [[ "$what" == probe ]]; then
   timeout 300 python3 scripts/ht_probe.py 2>&1 | tee "$OUT/probe.log" | tail -20 || rc=1

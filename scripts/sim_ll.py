@@ -31,7 +31,7 @@ def run(R=3, M=6, H=256, E=6, K=3, tokens=(5, 0, 6), use_fp8=False, round_scale=
     alive = [r for r in range(R) if r not in masked]
     for me in alive:
         s = st[me]
-        ll._ll_dispatch_send_kernel[(max(tokens[me], 1),)](
+        ll._ll_dispatch_send_kernel[(max(tokens[me], 1), (G + 1) // 2)](
             s["x"], s["topk"], tokens[me], H, G, K, me, R, L, E, M, table, area, lay.dispatch_src_bytes,
             lay.dispatch_msg_bytes, sig, s["tickets"][4:], s["err"], s["mask"], USE_FP8=use_fp8,
             ROUND_SCALE=round_scale, GC=2, K_POW2=4, R_POW2=4, SHRINK=bool(masked))
@@ -49,11 +49,11 @@ def run(R=3, M=6, H=256, E=6, K=3, tokens=(5, 0, 6), use_fp8=False, round_scale=
         src = torch.full((L, RM), -1, dtype=torch.int32)
         rng = torch.zeros(L, R, dtype=torch.int64)
         cnt = torch.zeros(L, dtype=torch.int32)
-        ll._ll_dispatch_recv_kernel[(L,)](
+        ll._ll_dispatch_recv_kernel[(L, R, 2)](
             table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig, area + lay.slot_offset, me, R, L, M,
-            H, G, words, sc if sc is not None else cnt, src, rng, cnt, cnt, rng, s["levels"][0:], s["tickets"][5:],
+            H, G, K, words, sc if sc is not None else cnt, src, rng, cnt, cnt, rng, s["levels"][0:], s["tickets"][5:],
             s["err"], 50, s["mask"], SHRINK=bool(masked), USE_FP8=use_fp8, UE8M0=ue8m0, HAS_CUM=False,
-            HAS_WAIT=False, TB=4, QB=2, BLOCK=32, G_POW2=4, HAS_TIMER=False)
+            HAS_WAIT=False, TB=4, QB=1, BLOCK=32, G_POW2=4, HAS_TIMER=False, K_POW2=4)
         assert int(s["err"][0]) == 0, s["err"]
         # oracle: per local expert, blocks by source rank, tokens ascending
         for l_ in range(L):
@@ -86,18 +86,21 @@ def run(R=3, M=6, H=256, E=6, K=3, tokens=(5, 0, 6), use_fp8=False, round_scale=
             quant.unpack_ue8m0(o["sc"].transpose(1, 2).contiguous(), G) if ue8m0 else o["sc"].transpose(1, 2)
         ).repeat_interleave(128, dim=2)
         o["y"] = (vals * (1 + torch.arange(L).float() / 8).view(L, 1, 1)).to(torch.bfloat16)
-    for phases in (1, 2):
-        for me in alive:
-            s = st[me]
-            ll._ll_combine_send_kernel[(3,)](
-                outs[me]["y"], s["topk"], s["w"], tokens[me], H, K, me, R, L, M, table, area, lay.dispatch_src_bytes,
-                area + lay.weights_offset, area + lay.slot_offset, area + lay.combine_offset, sig, s["levels"][2:],
-                s["tickets"][6:], s["err"], 50, s["mask"], K_POW2=4, BLOCK=64, HAS_TIMER=False, SHRINK=bool(masked),
-                PHASES=phases)
+    for me in alive:  # every owner pushes its weights before any expert side waits for them
+        s = st[me]
+        ll._ll_combine_weights_kernel[(max(tokens[me], 1),)](
+            s["topk"], s["w"], tokens[me], K, me, R, M, table, area + lay.weights_offset, sig, s["tickets"][6:],
+            s["mask"], SHRINK=bool(masked))
+    for me in alive:
+        s = st[me]
+        ll._ll_combine_reduce_kernel[(R * M, 2)](
+            outs[me]["y"], H, K, me, R, L, M, table, area, lay.dispatch_src_bytes, area + lay.weights_offset,
+            area + lay.slot_offset, area + lay.combine_offset, sig, H // 2, s["levels"][2:], s["tickets"][7:],
+            s["err"], 50, s["mask"], K_POW2=4, BLOCK=64, HAS_TIMER=False, SHRINK=bool(masked))
     for me in alive:
         s = st[me]
         out = torch.empty(tokens[me], H, dtype=torch.bfloat16)
-        ll._ll_combine_recv_kernel[(max(1, tokens[me]),)](
+        ll._ll_combine_recv_kernel[(max(1, tokens[me]), H // 64)](
             s["topk"], tokens[me], H, K, me, R, L, M, table, area + lay.combine_offset, sig, out, s["levels"],
             s["levels"][4:], s["tickets"][8:], s["err"], 50, s["mask"], K_POW2=4, R_POW2=4, BLOCK=64, HAS_WAIT=False,
             HAS_TIMER=False, SHRINK=bool(masked))

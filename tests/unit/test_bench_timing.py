@@ -110,6 +110,8 @@ class _FakeCuda:
         monkeypatch.setattr(torch.cuda, "Event", Event)
         monkeypatch.setattr(timing, "make_barrier", lambda group, device: lambda: None)
         monkeypatch.setattr(timing, "_agree", lambda ok, group, device: ok)
+        fake.starts = []
+        monkeypatch.setattr(timing, "make_start", lambda group, device, graphs: lambda: fake.starts.append(graphs))
 
 
 @pytest.mark.parametrize("fail_capture", [False, True])
@@ -132,6 +134,8 @@ def test_gpu_control_flow_graph_or_fallback(monkeypatch, fail_capture):
     m = timing.measure(op, num_sets=2, iters=3, warmup=1, group=None, device=torch.device("cuda"),
                        reset=lambda: resets.append(1))
     assert m.stats[0].median == pytest.approx(1e-3) and m.stats[0].n == 3
+    # every iteration (warm-up included) lines the ranks up; graphs also pre-fill the queue (sleep)
+    assert fake.starts == [not fail_capture] * 4
     if fail_capture:
         assert m.method == "events" and fake.replays == 0 and resets == [1]
         # warm-up before the failed capture (2 sets), then 4 eager iterations

@@ -121,8 +121,11 @@ class NVLinkBackend(Backend):
         self.ctrs = torch.zeros(NUM_CTRS, dtype=torch.int32, device=self.device)
         self.nctr = torch.zeros(r_, dtype=torch.int32, device=self.device)
         self.tickets = torch.zeros(8, dtype=torch.int32, device=self.device)
-        self.err = torch.zeros(4, dtype=torch.int32, device=self.device)
+        # error word [code, peer, observed, target, host-mirror address (int64)]; kernels that record an
+        # error also write the pinned (device-mapped) mirror, so no call needs a copy to learn of it
         self.err_host = torch.zeros(4, dtype=torch.int32).pin_memory()
+        self.err = torch.zeros(6, dtype=torch.int32, device=self.device)
+        self.err[4:].view(torch.int64).fill_(self.err_host.data_ptr())
         self.src_lists = torch.empty(r_, T_LIST_CAP, dtype=torch.int32, device=self.device)
         self.notify_out = torch.zeros(r_ * r_ + r_ * L_MAX + r_ * C_MAX + r_, dtype=torch.int32, device=self.device)
         self.notify_host = torch.zeros(self.notify_out.numel() + 4, dtype=torch.int32).pin_memory()
@@ -148,8 +151,9 @@ class NVLinkBackend(Backend):
             raise ValueError(f"topk_idx holds expert id {word[2]}, outside [-1, {word[3]}) for num_experts={word[3]} "
                              "(found on the device; this Buffer is now unusable)")
         if word[0] == 6:
-            ms = self.symm[self.flags_off + 5 * self.num_ranks * 4:self.flags_off + 6 * self.num_ranks * 4]
-            ms = ms.view(torch.int32).tolist()
+            # each rank announces its M in word `rank` of its own flag area (nvlink_ll.py)
+            off = self.flags_off + 5 * self.num_ranks * 4
+            ms = [int(self.peers[r][off + 4 * r:off + 4 * r + 4].view(torch.int32).item()) for r in range(self.num_ranks)]
             if len(set(ms)) > 1:
                 raise ValueError("num_max_dispatch_tokens_per_rank differs across ranks: "
                                  + ", ".join(f"{m} on rank {r}" for r, m in enumerate(ms)))
@@ -162,7 +166,12 @@ class NVLinkBackend(Backend):
                                    f"flag {word[2]} < expected {word[3]}; this Buffer is now unusable")
 
     def _post_error_copy(self) -> None:
-        self.err_host.copy_(self.err, non_blocking=True)
+        """Mirror the error word after torch ops that may have set it (kernels mirror it themselves)."""
+        self.err_host.copy_(self.err[:4], non_blocking=True)
+
+    def _clear_error(self) -> None:
+        self.err[:4].zero_()
+        self.err_host.zero_()
 
     @property
     def _timeout_ns(self) -> int:
@@ -336,7 +345,7 @@ class NVLinkBackend(Backend):
             lo, hi = torch.aminmax(topk)
             bad = ((lo < -1) | (hi >= e)).to(torch.int64)
             word = torch.stack([bad * 10, -bad, torch.where(lo < -1, lo, hi), bad * 0 + e]).to(torch.int32)
-            self.err.copy_(torch.where(self.err[0] != 0, self.err, word))
+            self.err[:4].copy_(torch.where(self.err[0] != 0, self.err[:4], word))
         host_counts = None
         if a.num_worst_tokens:
             n_rows = a.num_worst_tokens
@@ -344,7 +353,7 @@ class NVLinkBackend(Backend):
         else:
             nh = self.notify_host
             nh[:no.numel()].copy_(no, non_blocking=True)
-            nh[no.numel():].copy_(self.err, non_blocking=True)
+            nh[no.numel():].copy_(self.err[:4], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
             ev.synchronize()
@@ -367,7 +376,7 @@ class NVLinkBackend(Backend):
         if not a.num_worst_tokens and int(word[0]) == 10:
             # A bad expert id: every rank still finished this exchange (ids out of range were ignored
             # by the layout), so the Buffer stays in step; clear the word and report the argument.
-            self.err.zero_()
+            self._clear_error()
             self._check_error(word)
         self._post_error_copy()
         recv_x = out_x.view(torch.uint8).view(a.x.dtype) if a.x.element_size() == 1 else out_x.view(a.x.dtype)
@@ -384,7 +393,7 @@ class NVLinkBackend(Backend):
         over = (n > num_worst).to(torch.int32)
         # phase 9 in the error word; peer = -1 (this rank's own bound), observed = n, target = bound
         word = torch.stack([over * 9, over * -1, n * over, over * num_worst]).to(torch.int32)
-        self.err.copy_(torch.where(self.err[0] != 0, self.err, word))
+        self.err[:4].copy_(torch.where(self.err[0] != 0, self.err[:4], word))
 
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle):
         self._check_error()

@@ -30,6 +30,10 @@ _DLEVEL, _WLEVEL, _CLEVEL = 0, 2, 4
 # ticket slots in the backend's ticket tensor
 _T_DSEND, _T_DRECV, _T_CSEND, _T_CRECV = 4, 5, 6, 8  # _T_CSEND uses two consecutive slots
 
+# Launch parameters (scripts/profile_ll.py sweeps them on the device machine).
+TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_block=2048, recv_split=1,
+            csend_warps=4, csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024)
+
 
 class LowLatencyEngine:
     def __init__(self, nv):
@@ -69,11 +73,12 @@ class LowLatencyEngine:
         if self._m_word != m:
             nv.symm[nv.flags_off + 5 * r_ * 4:nv.flags_off + 6 * r_ * 4].view(torch.int32)[me].fill_(m)
             self._m_word = m
-        ll._ll_dispatch_send_kernel[(max(t, 1),)](
+        gc = TUNE["send_gc"]
+        ll._ll_dispatch_send_kernel[(max(t, 1), (g + gc - 1) // gc)](
             x, topk, t, h, g, k, me, r_, lx, e, m, nv.ptr_table, area, lay.dispatch_src_bytes,
             lay.dispatch_msg_bytes, sig, self.tickets[_T_DSEND:], nv.err, mask,
-            USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=16, K_POW2=_pow2(k), R_POW2=_pow2(r_),
-            SHRINK=a.mask is not None, num_warps=4,
+            USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc, K_POW2=_pow2(k), R_POW2=_pow2(r_),
+            SHRINK=a.mask is not None, num_warps=TUNE["send_warps"],
         )
         rm = r_ * m
         if a.use_fp8:
@@ -98,16 +103,16 @@ class LowLatencyEngine:
         wst = a.dispatch_wait_recv_cost_stats
 
         def receive() -> None:
-            ll._ll_dispatch_recv_kernel[(lx,)](
+            ll._ll_dispatch_recv_kernel[(lx, r_, TUNE["recv_split"])](
                 nv.ptr_table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig,
-                area + lay.slot_offset, me, r_, lx, m, h, g,
+                area + lay.slot_offset, me, r_, lx, m, h, g, k,
                 out_words, sc_alloc if sc_alloc is not None else recv_count, recv_src, recv_range, recv_count,
                 cum if cum is not None else recv_count, wst if wst is not None else recv_range,
                 self.levels[_DLEVEL + a.parity:], self.tickets[_T_DRECV:], nv.err, nv._timeout_ns, mask,
                 SHRINK=a.mask is not None, USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=cum is not None, HAS_WAIT=wst is not None,
-                TB=128, QB=4, BLOCK=1024, G_POW2=max(_pow2(g), 4), HAS_TIMER=True, num_warps=4,
+                TB=TUNE["recv_tb"], QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"], G_POW2=max(_pow2(g), 4),
+                HAS_TIMER=True, K_POW2=_pow2(k), num_warps=TUNE["recv_warps"],
             )
-            nv._post_error_copy()
 
         return LowLatencyDispatchResult(recv_x, recv_count, handle), receive
 
@@ -132,24 +137,30 @@ class LowLatencyEngine:
         out = a.out if a.out is not None else torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         sig = area + lay.signal_offset
         mask = a.mask if a.mask is not None else nv.err
-        grid = (max(1, min(self.sms, r_ * m)),)
-        ll._ll_combine_send_kernel[grid](
-            y, topk, w, t, h, k, me, r_, lx, m, nv.ptr_table, d_area, lay.dispatch_src_bytes,
-            area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset, sig,
-            self.levels[_WLEVEL + a.parity:], self.tickets[_T_CSEND:], nv.err, nv._timeout_ns, mask,
-            K_POW2=_pow2(k), BLOCK=512, HAS_TIMER=True, SHRINK=a.mask is not None, num_warps=8,
+        ll._ll_combine_weights_kernel[(max(t, 1),)](
+            topk, w, t, k, me, r_, m, nv.ptr_table, area + lay.weights_offset, sig, self.tickets[_T_CSEND:], mask,
+            SHRINK=a.mask is not None, num_warps=1,
+        )
+        blk = TUNE["csend_block"]
+        splits = max(1, min((h + blk - 1) // blk, TUNE["csend_programs"] // (r_ * m)))
+        cw = ((h + splits - 1) // splits + blk - 1) // blk * blk
+        ll._ll_combine_reduce_kernel[(r_ * m, (h + cw - 1) // cw)](
+            y, h, k, me, r_, lx, m, nv.ptr_table, d_area, lay.dispatch_src_bytes,
+            area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset, sig, cw,
+            self.levels[_WLEVEL + a.parity:], self.tickets[_T_CSEND + 1:], nv.err, nv._timeout_ns, mask,
+            K_POW2=_pow2(k), BLOCK=blk, HAS_TIMER=True, SHRINK=a.mask is not None, num_warps=TUNE["csend_warps"],
         )
         wst = a.combine_wait_recv_cost_stats
 
         def receive() -> None:
-            ll._ll_combine_recv_kernel[(max(1, min(t, self.sms)),)](
+            cb = TUNE["crecv_block"]
+            ll._ll_combine_recv_kernel[(max(1, t), (h + cb - 1) // cb)](
                 topk, t, h, k, me, r_, lx, m, nv.ptr_table, area + lay.combine_offset, sig, out,
                 wst if wst is not None else self.levels, self.levels[_CLEVEL + a.parity:],
                 self.tickets[_T_CRECV:], nv.err, nv._timeout_ns, mask,
-                K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=1024, HAS_WAIT=wst is not None, HAS_TIMER=True,
-                SHRINK=a.mask is not None, num_warps=8,
+                K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, HAS_WAIT=wst is not None,
+                HAS_TIMER=True, SHRINK=a.mask is not None, num_warps=TUNE["crecv_warps"],
             )
-            nv._post_error_copy()
 
         return out, receive
 

@@ -13,6 +13,14 @@ Methods, recorded in each row as ``timing``:
   the events bracket the replays. Capture is attempted only where the op says it can be captured;
   all ranks agree (one failing rank makes every rank fall back to ``events``). One eager iteration
   follows the replays, so errors the backend records on the device surface as exceptions.
+
+Start alignment (GPU): after the host barrier, the ranks' devices would start up to tens of
+microseconds apart (host jitter), and a rank that starts early spends that time waiting for its
+peers inside the timed op. So every iteration first enqueues a one-element ``all_reduce`` on the
+group, which every rank's device leaves at about the same moment, and marks the start after it.
+With ``graph`` a ``torch.cuda._sleep`` is enqueued before that, long enough for the host to queue
+the rest of the iteration, so the marks bracket device work only (eager ``events`` rows keep their
+host gaps: there the host is part of what is measured).
 """
 
 from __future__ import annotations
@@ -116,6 +124,22 @@ def make_barrier(group, device: torch.device) -> Callable[[], None]:
     return lambda: dist.barrier(group=group)
 
 
+_SLEEP_CYCLES = 4_000_000  # ~2 ms at 2 GHz: covers the host's queueing of align + replays
+
+
+def make_start(group, device: torch.device, graphs: bool) -> Callable[[], None]:
+    """Enqueue what lines the ranks' devices up before the first mark (see the module docstring)."""
+    if device.type != "cuda":
+        return lambda: None
+    one = torch.ones(1, dtype=torch.float32, device=device)
+
+    def start() -> None:
+        if graphs:
+            torch.cuda._sleep(_SLEEP_CYCLES)
+        dist.all_reduce(one, group=group)
+    return start
+
+
 def capture_graphs(plans: list[tuple[list[Step], list[Step]]]) -> list[tuple[list[Step], list[Step]]]:
     """Capture every prep and timed step of every input set into its own CUDA graph.
 
@@ -177,6 +201,7 @@ def measure(op: TimedOp, *, num_sets: int, iters: int, warmup: int, group, devic
             if reset is not None:
                 reset()
     marks_cls = _WallMarks if device.type != "cuda" else _EventMarks
+    start = make_start(group, device, method == "graph")
     samples: list[list[float]] = [[] for _ in op.phases]
     host: list[list[float]] = [[] for _ in op.phases]
     for it in range(warmup + iters):
@@ -184,6 +209,7 @@ def measure(op: TimedOp, *, num_sets: int, iters: int, warmup: int, group, devic
         for p in prep:
             p()
         barrier()
+        start()
         marks = marks_cls()
         marks.mark()
         h = []

@@ -6,9 +6,12 @@ Ordering protocol (every flag in epcomm): the writer stores its data, runs a CTA
 barrier, then reads the data. Release/acquire at system scope orders the data before the flag, so
 no flag is ever seen before its data. Counters only grow, so no flag needs resetting between calls.
 
-Error word (``int32[4]`` in local device memory): ``[code, peer, observed, target]``; ``code`` is
-``phase * 1`` (a phase number from :data:`PHASES`), set once by the first wait that expires. Every
-later wait sees it and returns at once, so a dead peer never hangs a kernel.
+Error word (``int32[6]`` in local device memory): ``[code, peer, observed, target, mirror (int64)]``;
+``code`` is a phase number from :data:`PHASES` (or 9/10 for input errors), set once by the first wait
+that expires. Every later wait sees it and returns at once, so a dead peer never hangs a kernel.
+``mirror`` is the address of a pinned, device-mapped host copy of the first four words: the kernel
+that records an error also writes it there, so the host learns of it without a copy in every call
+(0: no mirror, as under the interpreter).
 """
 
 from __future__ import annotations
@@ -55,11 +58,11 @@ def signal(flag_ptr, value):
 
 @triton.jit
 def ticket_last(ticket_ptr):
-    """True in the last program of the grid to get here (the ticket resets itself). Each program's
+    """True in the last program of the (up to 3-D) grid to get here (the ticket resets itself). Each program's
     earlier writes are released (system scope) before its ticket, so the last one may publish."""
     tl.debug_barrier()
     old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
-    last = old == tl.num_programs(0) - 1
+    last = old == tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) - 1
     if last:
         tl.atomic_xchg(ticket_ptr, 0)
     return last
@@ -76,18 +79,18 @@ def wait_ge(flag_ptr, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER: tl.co
     (interpreter), the deadline counts spins instead of nanoseconds.
     """
     v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    err = tl.load(err_ptr, volatile=True)
+    err = tl.load(err_ptr)
     masked = tl.zeros((), dtype=tl.int32)
     if SHRINK:
-        masked = tl.load(mask_ptr + peer, volatile=True)
+        masked = tl.load(mask_ptr + peer)
     go = (v < target) & (err == 0) & (masked == 0)
     t0 = now_ns(HAS_TIMER)
     spins = tl.zeros((), dtype=tl.int64)
     while go:
         v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        err = tl.load(err_ptr, volatile=True)
+        err = tl.load(err_ptr)
         if SHRINK:
-            masked = tl.load(mask_ptr + peer, volatile=True)
+            masked = tl.load(mask_ptr + peer)
         spins += 1
         if HAS_TIMER:
             elapsed = now_ns(HAS_TIMER) - t0
@@ -99,10 +102,23 @@ def wait_ge(flag_ptr, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER: tl.co
         if SHRINK:
             tl.atomic_xchg(mask_ptr + peer, 1)
         else:
-            old = tl.atomic_cas(err_ptr, 0, phase)
-            if old == 0:
-                tl.store(err_ptr + 1, peer)
-                tl.store(err_ptr + 2, v)
-                tl.store(err_ptr + 3, target)
+            record_error(err_ptr, phase, peer, v, target)
     tl.debug_barrier()
     return ok
+
+
+@triton.jit
+def record_error(err_ptr, code, peer, observed, target):
+    """First error wins: ``[code, peer, observed, target]`` into the error word and its host mirror."""
+    old = tl.atomic_cas(err_ptr, 0, code)
+    if old == 0:
+        tl.store(err_ptr + 1, peer)
+        tl.store(err_ptr + 2, observed)
+        tl.store(err_ptr + 3, target)
+        mirror = tl.load((err_ptr + 4).to(tl.pointer_type(tl.int64)))
+        if mirror != 0:
+            host = mirror.to(tl.pointer_type(tl.int32))
+            tl.store(host + 1, peer)
+            tl.store(host + 2, observed)
+            tl.store(host + 3, target)
+            tl.store(host, code)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import now_ns, peer_ptr, signal, ticket_last, wait_ge
+from .common import now_ns, peer_ptr, record_error, signal, ticket_last, wait_ge
 
 SIG_D = tl.constexpr(0)
 SIG_W = tl.constexpr(1)
@@ -58,55 +58,53 @@ def _ll_dispatch_send_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
                              ptr_table, area_off, src_bytes, msg_bytes, sig_off, ticket_ptr, err_ptr, mask_ptr,
                              USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, GC: tl.constexpr,
                              K_POW2: tl.constexpr, R_POW2: tl.constexpr, SHRINK: tl.constexpr):
-    """Program ``t``: top-k ids to every rank; the row (FP8-cast once when asked) to every rank holding
-    one of its experts. The last program writes the headers ``[T, M]`` and raises the flags."""
+    """Program ``(t, b)``: channel groups ``[b*GC, (b+1)*GC)`` of token ``t`` (FP8-cast when asked) to
+    every rank holding one of its experts; program ``(t, 0)`` also sends the top-k ids to every rank.
+    The last program writes the headers ``[T, M]`` and raises the flags."""
     t = tl.program_id(0)
+    b = tl.program_id(1)
     kk = tl.arange(0, MAX_TOPK)
     rr = tl.arange(0, R_POW2)
     if t < T:
         t64 = t.to(tl.int64)
         ids = tl.load(topk_ptr + t64 * K + kk, mask=kk < K, other=-1)
         bad = (kk < K) & ((ids < -1) | (ids >= E))
-        nbad = tl.sum(bad.to(tl.int32), 0)
-        if nbad > 0:
-            badv = tl.max(tl.where(bad, ids, -(1 << 40)), 0)
-            old = tl.atomic_cas(err_ptr, 0, 10)
-            if old == 0:
-                tl.store(err_ptr + 1, -1)
-                tl.store(err_ptr + 2, badv.to(tl.int32))
-                tl.store(err_ptr + 3, E)
         ids32 = tl.where(bad, -1, ids).to(tl.int32)
         owner = tl.where(ids32 >= 0, ids32 // L, -1)
         dest = tl.sum(tl.where(owner[:, None] == rr[None, :], 1, 0), 0)  # [R_POW2] experts per rank
-        for j in range(0, R):
-            if _alive(mask_ptr, j, SHRINK) != 0:
-                msg = peer_ptr(ptr_table, j, area_off + me * src_bytes + HEADER + t64 * msg_bytes, tl.int32)
-                tl.store(msg + kk, ids32)
-        gg = tl.arange(0, GC)
-        cc = tl.arange(0, 128)
-        for g0 in range(0, G, GC):
-            gm = (g0 + gg) < G
-            offs = (g0 + gg)[:, None] * 128 + cc[None, :]
-            v = tl.load(x_ptr + t64 * H + offs, mask=gm[:, None], other=0.0)
-            if USE_FP8:
-                vf = v.to(tl.float32)
-                amax = tl.maximum(tl.max(tl.abs(vf), 1), 1e-4)
-                scale = tl.math.div_rn(amax, tl.full((GC,), 448.0, tl.float32))
-                if ROUND_SCALE:
-                    bits = scale.to(tl.int32, bitcast=True)
-                    up = (bits & 0x7F800000) + tl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
-                    scale = up.to(tl.float32, bitcast=True)
-                q = _e4m3_rne(tl.math.div_rn(vf, scale[:, None])).to(tl.float8e4nv)
+        if b == 0:
+            nbad = tl.sum(bad.to(tl.int32), 0)
+            if nbad > 0:
+                badv = tl.max(tl.where(bad, ids, -(1 << 40)), 0)
+                record_error(err_ptr, 10, -1, badv.to(tl.int32), E)
             for j in range(0, R):
-                nj = tl.sum(tl.where(rr == j, dest, 0), 0) * _alive(mask_ptr, j, SHRINK)
-                if nj > 0:
-                    base = peer_ptr(ptr_table, j, area_off + me * src_bytes + HEADER + t64 * msg_bytes + MAX_TOPK * 4,
-                                    tl.uint8)
-                    if USE_FP8:
-                        tl.store(base.to(tl.pointer_type(tl.float8e4nv)) + offs, q, mask=gm[:, None])
-                        tl.store((base + H).to(tl.pointer_type(tl.float32)) + g0 + gg, scale, mask=gm)
-                    else:
-                        tl.store(base.to(tl.pointer_type(tl.bfloat16)) + offs, v, mask=gm[:, None])
+                if _alive(mask_ptr, j, SHRINK) != 0:
+                    msg = peer_ptr(ptr_table, j, area_off + me * src_bytes + HEADER + t64 * msg_bytes, tl.int32)
+                    tl.store(msg + kk, ids32)
+        gg = b * GC + tl.arange(0, GC)
+        cc = tl.arange(0, 128)
+        gm = gg < G
+        offs = gg[:, None] * 128 + cc[None, :]
+        v = tl.load(x_ptr + t64 * H + offs, mask=gm[:, None], other=0.0)
+        if USE_FP8:
+            vf = v.to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(vf), 1), 1e-4)
+            scale = tl.math.div_rn(amax, tl.full((GC,), 448.0, tl.float32))
+            if ROUND_SCALE:
+                bits = scale.to(tl.int32, bitcast=True)
+                up = (bits & 0x7F800000) + tl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
+                scale = up.to(tl.float32, bitcast=True)
+            q = _e4m3_rne(tl.math.div_rn(vf, scale[:, None])).to(tl.float8e4nv)
+        for j in range(0, R):
+            nj = tl.sum(tl.where(rr == j, dest, 0), 0) * _alive(mask_ptr, j, SHRINK)
+            if nj > 0:
+                base = peer_ptr(ptr_table, j, area_off + me * src_bytes + HEADER + t64 * msg_bytes + MAX_TOPK * 4,
+                                tl.uint8)
+                if USE_FP8:
+                    tl.store(base.to(tl.pointer_type(tl.float8e4nv)) + offs, q, mask=gm[:, None])
+                    tl.store((base + H).to(tl.pointer_type(tl.float32)) + gg, scale, mask=gm)
+                else:
+                    tl.store(base.to(tl.pointer_type(tl.bfloat16)) + offs, v, mask=gm[:, None])
     if ticket_last(ticket_ptr):
         for j in range(0, R):
             if _alive(mask_ptr, j, SHRINK) != 0:
@@ -117,114 +115,119 @@ def _ll_dispatch_send_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
 
 
 @triton.jit
-def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off, slot_off, me, R, L, M, H, G,
+def _hits(src, msg_bytes, tt, tm, kk, e, K):
+    """For the message tile of tokens ``tt``: (does the token select expert ``e``, at which k)."""
+    msg = src + (HEADER // 4) + tt.to(tl.int64) * (msg_bytes // 4)
+    ids = tl.load(msg[:, None] + kk[None, :], mask=tm[:, None] & (kk[None, :] < K), other=-1)
+    ids = tl.where(tm[:, None], ids, -1)
+    hitk = ids == e
+    hit = tl.sum(hitk.to(tl.int32), 1) > 0
+    kpos = tl.sum(tl.where(hitk, kk[None, :], 0), 1)
+    return hit, kpos
+
+
+@triton.jit
+def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off, slot_off, me, R, L, M, H, G, K,
                              out_x, out_s, out_src, out_range, out_count, cum_ptr, wait_ptr,
                              level_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
                              SHRINK: tl.constexpr, USE_FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_CUM: tl.constexpr,
                              HAS_WAIT: tl.constexpr, TB: tl.constexpr, QB: tl.constexpr, BLOCK: tl.constexpr,
-                             G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """Program ``l`` (local expert): wait for every source, then place its messages for expert
-    ``me*L + l`` in source-rank blocks, token order, and record each (source, token, k) slot."""
+                             G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr, K_POW2: tl.constexpr):
+    """Program ``(l, r, s)``: the block of local expert ``l`` (expert ``me*L + l``) that comes from
+    source rank ``r``, in token order, after the blocks of sources ``< r`` (their messages are only
+    counted); ``s`` of ``S`` programs share the row copies. Program ``s = 0`` records each
+    (source, token, k) slot, the source info and the layout range; ``r = R-1`` the count."""
     l = tl.program_id(0)
+    r = tl.program_id(1)
+    s = tl.program_id(2)
+    S = tl.num_programs(2)
     RM = R * M
     level = tl.load(level_ptr)
-    lo = me * L
-    for r in range(0, R):
-        t0 = now_ns(HAS_WAIT & HAS_TIMER)
-        wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_D * R + r) * 4, tl.int32), level + 1, err_ptr, 6, r,
-                      timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
-        if HAS_WAIT:
+    t0 = now_ns(HAS_WAIT & HAS_TIMER)
+    wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_D * R + r) * 4, tl.int32), level + 1, err_ptr, 6, r,
+            timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
+    if HAS_WAIT:
+        if s == 0:
             tl.atomic_add(wait_ptr + r, (now_ns(HAS_WAIT & HAS_TIMER) - t0).to(tl.int64))
-    kk = tl.arange(0, MAX_TOPK)
+    kk = tl.arange(0, K_POW2)
     cols = tl.arange(0, BLOCK)
     gg = tl.arange(0, G_POW2)
+    e = me * L + l
+    # rows of the sources before r
     begin = tl.zeros((), dtype=tl.int32)
+    for r2 in range(0, r):
+        wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_D * R + r2) * 4, tl.int32), level + 1, err_ptr, 6, r2,
+                timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
+        src2 = peer_ptr(ptr_table, me, area_off + r2 * src_bytes, tl.int32)
+        t_r2 = tl.load(src2) * _alive(mask_ptr, r2, SHRINK)
+        for tb in range(0, t_r2, TB):
+            tt = tb + tl.arange(0, TB)
+            hit, kpos = _hits(src2, msg_bytes, tt, tt < t_r2, kk, e, K)
+            begin += tl.sum(hit.to(tl.int32), 0)
     row_words = H // 2
     if USE_FP8:
         row_words = H // 4
-    for r in range(0, R):
-        src = peer_ptr(ptr_table, me, area_off + r * src_bytes, tl.int32)
-        t_r = tl.load(src) * _alive(mask_ptr, r, SHRINK)
-        running = tl.zeros((), dtype=tl.int32)
-        for tb in range(0, t_r, TB):
-            tt = tb + tl.arange(0, TB)
-            tm = tt < t_r
-            tt64 = tt.to(tl.int64)
-            msg = src + (HEADER // 4) + tt64 * (msg_bytes // 4)
-            ids = tl.load(msg[:, None] + kk[None, :], mask=tm[:, None], other=-1)
-            ids = tl.where(tm[:, None], ids, -1)
-            hitk = ids == lo + l
-            hit = tl.sum(hitk.to(tl.int32), 1) > 0
-            kpos = tl.sum(tl.where(hitk, kk[None, :], 0), 1)
-            h = hit.to(tl.int32)
-            pos = running + tl.cumsum(h, 0) - h
-            row = begin + pos
-            dst = (l * RM + row).to(tl.int64)
-            tl.store(out_src + dst, tt, mask=hit)
+    src = peer_ptr(ptr_table, me, area_off + r * src_bytes, tl.int32)
+    t_r = tl.load(src) * _alive(mask_ptr, r, SHRINK)
+    running = tl.zeros((), dtype=tl.int32)
+    for tb in range(0, t_r, TB):
+        tt = tb + tl.arange(0, TB)
+        hit, kpos = _hits(src, msg_bytes, tt, tt < t_r, kk, e, K)
+        tt64 = tt.to(tl.int64)
+        h = hit.to(tl.int32)
+        rel = tl.cumsum(h, 0) - h
+        row = begin + running + rel
+        if s == 0:
+            tl.store(out_src + (l * RM + row).to(tl.int64), tt, mask=hit)
             slot = peer_ptr(ptr_table, me, slot_off + r * M * MAX_TOPK * 4, tl.int32)
             tl.store(slot + tt64 * MAX_TOPK + kpos, (l * RM + row), mask=hit)
-            nh = tl.sum(h, 0)
-            rel = pos - running
-            qq0 = tl.arange(0, QB)
-            for q0 in range(0, nh, QB):
-                qq = q0 + qq0
-                qv = qq < nh
-                sel = hit[None, :] & (rel[None, :] == qq[:, None])
-                tok = tl.sum(tl.where(sel, tt[None, :], 0), 1).to(tl.int64)
-                rowq = begin + running + qq
-                dstq = (l * RM + rowq).to(tl.int64)
-                payq = src + (HEADER // 4) + tok * (msg_bytes // 4) + MAX_TOPK
-                for c0 in range(0, row_words, BLOCK):
-                    cc = c0 + cols
-                    cm = qv[:, None] & (cc[None, :] < row_words)
-                    v = tl.load(payq[:, None] + cc[None, :], mask=cm)
-                    tl.store(out_x + dstq[:, None] * row_words + cc[None, :], v, mask=cm)
-                if USE_FP8:
-                    sp = (payq + H // 4).to(tl.pointer_type(tl.float32))
-                    gm = qv[:, None] & (gg[None, :] < G)
-                    sc = tl.load(sp[:, None] + gg[None, :], mask=gm, other=1.0)
-                    if UE8M0:
-                        G4 = (G + 3) // 4
-                        ex = (sc.to(tl.int32, bitcast=True) >> 23) & 0xFF
-                        ex = tl.where(gg[None, :] < G, ex, 0)
-                        ex3 = tl.reshape(ex, (QB, G_POW2 // 4, 4))
-                        sh = tl.arange(0, 4) * 8
-                        packed = tl.sum(ex3 << sh[None, None, :], 2)
-                        g4 = tl.arange(0, G_POW2 // 4)
-                        tl.store(out_s + (l * G4 + g4[None, :]).to(tl.int64) * RM + rowq[:, None], packed,
-                                 mask=qv[:, None] & (g4[None, :] < G4))
-                    else:
-                        tl.store(out_s + (l * G + gg[None, :]).to(tl.int64) * RM + rowq[:, None], sc, mask=gm)
-            running += tl.sum(h, 0)
+        nh = tl.sum(h, 0)
+        qq0 = tl.arange(0, QB)
+        for q0 in range(s * QB, nh, S * QB):
+            qq = q0 + qq0
+            qv = qq < nh
+            sel = hit[None, :] & (rel[None, :] == qq[:, None])
+            tok = tl.sum(tl.where(sel, tt[None, :], 0), 1).to(tl.int64)
+            rowq = begin + running + qq
+            dstq = (l * RM + rowq).to(tl.int64)
+            payq = src + (HEADER // 4) + tok * (msg_bytes // 4) + MAX_TOPK
+            for c0 in range(0, row_words, BLOCK):
+                cc = c0 + cols
+                cm = qv[:, None] & (cc[None, :] < row_words)
+                v = tl.load(payq[:, None] + cc[None, :], mask=cm)
+                tl.store(out_x + dstq[:, None] * row_words + cc[None, :], v, mask=cm)
+            if USE_FP8:
+                sp = (payq + H // 4).to(tl.pointer_type(tl.float32))
+                gm = qv[:, None] & (gg[None, :] < G)
+                sc = tl.load(sp[:, None] + gg[None, :], mask=gm, other=1.0)
+                if UE8M0:
+                    G4 = (G + 3) // 4
+                    ex = (sc.to(tl.int32, bitcast=True) >> 23) & 0xFF
+                    ex = tl.where(gg[None, :] < G, ex, 0)
+                    ex3 = tl.reshape(ex, (QB, G_POW2 // 4, 4))
+                    sh = tl.arange(0, 4) * 8
+                    packed = tl.sum(ex3 << sh[None, None, :], 2)
+                    g4 = tl.arange(0, G_POW2 // 4)
+                    tl.store(out_s + (l * G4 + g4[None, :]).to(tl.int64) * RM + rowq[:, None], packed,
+                             mask=qv[:, None] & (g4[None, :] < G4))
+                else:
+                    tl.store(out_s + (l * G + gg[None, :]).to(tl.int64) * RM + rowq[:, None], sc, mask=gm)
+        running += nh
+    if s == 0:
         tl.store(out_range + l * R + r, (begin.to(tl.int64) << 32) | running.to(tl.int64))
-        begin += running
-    tl.store(out_count + l, begin)
-    if HAS_CUM:
-        tl.store(cum_ptr + l, tl.load(cum_ptr + l) + begin)
+        if r == R - 1:
+            tl.store(out_count + l, begin + running)
+            if HAS_CUM:
+                tl.store(cum_ptr + l, tl.load(cum_ptr + l) + begin + running)
     if ticket_last(ticket_ptr):
         tl.store(level_ptr, level + 1)
 
 
 @triton.jit(do_not_specialize=['T'])
-def _ll_combine_send_kernel(y_ptr, topk_ptr, w_ptr, T, H, K, me, R, L, M,
-                            ptr_table, d_area_off, src_bytes, w_off, slot_off, c_off, sig_off,
-                            wlevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
-                            K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr,
-                            SHRINK: tl.constexpr, PHASES: tl.constexpr = 3):
-    """Owner role: push this rank's (expert id, weight) pairs to every rank. Expert role: for every
-    (source, token) with experts here, ``partial = Σ_k w[k] · y[slot(k)]`` in float32, written to
-    the owner's combine area; the last program raises the owners' flags. (``PHASES`` = 1 | 2 runs
-    one role only: the interpreter simulation runs every rank's owner role before any expert role.)"""
-    if PHASES & 1:
-        _push_weights(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, ticket_ptr, mask_ptr, SHRINK)
-    if PHASES & 2:
-        _reduce_partials(y_ptr, H, K, me, R, L, M, ptr_table, d_area_off, src_bytes, w_off, slot_off, c_off, sig_off,
-                         wlevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr, K_POW2, BLOCK, HAS_TIMER, SHRINK)
-
-
-@triton.jit
-def _push_weights(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, ticket_ptr, mask_ptr,
-                  SHRINK: tl.constexpr):
+def _ll_combine_weights_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, ticket_ptr, mask_ptr,
+                               SHRINK: tl.constexpr):
+    """Owner role of the combine: push this rank's (expert id, weight) pairs to every rank, then
+    raise their weight flags (the last program)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     kk = tl.arange(0, MAX_TOPK)
@@ -245,46 +248,48 @@ def _push_weights(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, ti
 
 
 @triton.jit
-def _reduce_partials(y_ptr, H, K, me, R, L, M, ptr_table, d_area_off, src_bytes, w_off, slot_off, c_off, sig_off,
-                     wlevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr, K_POW2: tl.constexpr,
-                     BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr, SHRINK: tl.constexpr):
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
+def _ll_combine_reduce_kernel(y_ptr, H, K, me, R, L, M, ptr_table, d_area_off, src_bytes, w_off, slot_off, c_off,
+                              sig_off, CW, wlevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
+                              K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr,
+                              SHRINK: tl.constexpr):
+    """Expert role of the combine. Program ``(r*M + t, s)``: if token ``t`` of rank ``r`` has experts
+    here, ``partial = Σ_k w[k] · y[slot(k)]`` in float32 over channels ``[s*CW, (s+1)*CW)``, written
+    to rank ``r``'s combine area (after ``r``'s weights arrived); the last program raises the flags."""
+    idx = tl.program_id(0)
+    cs = tl.program_id(1)
     kk = tl.arange(0, MAX_TOPK)
     level = tl.load(wlevel_ptr)
-    for r in range(0, R):
+    r = idx // M
+    t = idx % M
+    t_r = tl.load(peer_ptr(ptr_table, me, d_area_off + r * src_bytes, tl.int32)) * _alive(mask_ptr, r, SHRINK)
+    if t < t_r:
         wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_W * R + r) * 4, tl.int32), level + 1, err_ptr, 7, r,
-                      timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
-    lo = me * L
-    cols = tl.arange(0, BLOCK)
-    for idx in range(pid, R * M, P):
-        r = idx // M
-        t = idx % M
-        t_r = tl.load(peer_ptr(ptr_table, me, d_area_off + r * src_bytes, tl.int32)) * _alive(mask_ptr, r, SHRINK)
-        if t < t_r:
-            wrow = peer_ptr(ptr_table, me, w_off + (_i64(r) * M + t) * MAX_TOPK * 8, tl.int32)
-            ids = tl.load(wrow + kk)
-            w = tl.load(wrow.to(tl.pointer_type(tl.float32)) + MAX_TOPK + kk)
-            here = (kk < K) & (ids >= lo) & (ids < lo + L)
-            if tl.sum(here.to(tl.int32), 0) > 0:
-                slots = tl.load(peer_ptr(ptr_table, me, slot_off + (_i64(r) * M + t) * MAX_TOPK * 4, tl.int32) + kk,
-                                mask=here, other=0)
-                out = peer_ptr(ptr_table, r, c_off + (me * M + _i64(t)) * H * 4, tl.float32)
-                k2 = tl.arange(0, K_POW2)
-                h2 = tl.sum(tl.where(kk[None, :] == k2[:, None], here[None, :].to(tl.int32), 0), 1) > 0
-                s2 = tl.sum(tl.where(kk[None, :] == k2[:, None], slots[None, :], 0), 1).to(tl.int64)
-                w2 = tl.sum(tl.where(kk[None, :] == k2[:, None], w[None, :], 0.0), 1)
-                for c0 in range(0, H, BLOCK):
-                    cc = c0 + cols
-                    cm = cc < H
-                    tile = tl.load(y_ptr + s2[:, None] * H + cc[None, :], mask=h2[:, None] & cm[None, :], other=0.0)
-                    acc = tl.sum(tile.to(tl.float32) * w2[:, None], 0)
-                    tl.store(out + cc, acc, mask=cm)
-    if ticket_last(ticket_ptr + 1):
+                timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
+        lo = me * L
+        wrow = peer_ptr(ptr_table, me, w_off + (_i64(r) * M + t) * MAX_TOPK * 8, tl.int32)
+        ids = tl.load(wrow + kk)
+        w = tl.load(wrow.to(tl.pointer_type(tl.float32)) + MAX_TOPK + kk)
+        here = (kk < K) & (ids >= lo) & (ids < lo + L)
+        if tl.sum(here.to(tl.int32), 0) > 0:
+            slots = tl.load(peer_ptr(ptr_table, me, slot_off + (_i64(r) * M + t) * MAX_TOPK * 4, tl.int32) + kk,
+                            mask=here, other=0)
+            out = peer_ptr(ptr_table, r, c_off + (me * M + _i64(t)) * H * 4, tl.float32)
+            k2 = tl.arange(0, K_POW2)
+            h2 = tl.sum(tl.where(kk[None, :] == k2[:, None], here[None, :].to(tl.int32), 0), 1) > 0
+            s2 = tl.sum(tl.where(kk[None, :] == k2[:, None], slots[None, :], 0), 1).to(tl.int64)
+            w2 = tl.sum(tl.where(kk[None, :] == k2[:, None], w[None, :], 0.0), 1)
+            cols = tl.arange(0, BLOCK)
+            for c0 in range(cs * CW, tl.minimum(H, (cs + 1) * CW), BLOCK):
+                cc = c0 + cols
+                cm = cc < H
+                tile = tl.load(y_ptr + s2[:, None] * H + cc[None, :], mask=h2[:, None] & cm[None, :], other=0.0)
+                acc = tl.sum(tile.to(tl.float32) * w2[:, None], 0)
+                tl.store(out + cc, acc, mask=cm)
+    if ticket_last(ticket_ptr):
         tl.store(wlevel_ptr, level + 1)
-        for r in range(0, R):
-            if _alive(mask_ptr, r, SHRINK) != 0:
-                signal(peer_ptr(ptr_table, r, sig_off + (SIG_C * R + me) * 4, tl.int32), 1)
+        for j in range(0, R):
+            if _alive(mask_ptr, j, SHRINK) != 0:
+                signal(peer_ptr(ptr_table, j, sig_off + (SIG_C * R + me) * 4, tl.int32), 1)
 
 
 @triton.jit(do_not_specialize=['T'])
@@ -292,36 +297,35 @@ def _ll_combine_recv_kernel(topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, si
                             clevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
                             K_POW2: tl.constexpr, R_POW2: tl.constexpr, BLOCK: tl.constexpr,
                             HAS_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr, SHRINK: tl.constexpr):
-    """``out[t] = Σ_j partial_j[t]`` over the ranks ``j`` holding one of token ``t``'s experts, in rank
-    order, float32, rounded once to bf16."""
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
+    """Program ``(t, c)``: ``out[t, cB:(c+1)B] = Σ_j partial_j[t]`` over the ranks ``j`` holding one of
+    token ``t``'s experts, in rank order, float32, rounded once to bf16."""
+    t = tl.program_id(0)
+    cb = tl.program_id(1)
     level = tl.load(clevel_ptr)
-    for j in range(0, R):
-        t0 = now_ns(HAS_WAIT & HAS_TIMER)
-        wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_C * R + j) * 4, tl.int32), level + 1, err_ptr, 7, j,
-                      timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
-        if HAS_WAIT:
-            if pid == 0:
-                tl.atomic_add(wait_ptr + j, (now_ns(HAS_WAIT & HAS_TIMER) - t0).to(tl.int64))
     kk = tl.arange(0, K_POW2)
     rr = tl.arange(0, R_POW2)
-    cols = tl.arange(0, BLOCK)
-    for t in range(pid, T, P):
-        t64 = _i64(t)
-        ids = tl.load(topk_ptr + t64 * K + kk, mask=kk < K, other=-1)
-        owner = tl.where(ids >= 0, ids // L, -1)
-        has = tl.sum(tl.where(owner[:, None] == rr[None, :], 1, 0), 0)
-        for c0 in range(0, H, BLOCK):
-            cc = c0 + cols
-            cm = cc < H
-            acc = tl.zeros((BLOCK,), dtype=tl.float32)
-            for j in range(0, R):
-                hj = tl.sum(tl.where(rr == j, has, 0), 0) * _alive(mask_ptr, j, SHRINK)
-                if hj > 0:
-                    part = peer_ptr(ptr_table, me, c_off + (_i64(j) * M + t64) * H * 4, tl.float32)
-                    acc += tl.load(part + cc, mask=cm, other=0.0)
-            tl.store(out_ptr + t64 * H + cc, acc.to(tl.bfloat16), mask=cm)
+    t64 = _i64(t)
+    ids = tl.load(topk_ptr + t64 * K + kk, mask=(kk < K) & (t < T), other=-1)
+    owner = tl.where(ids >= 0, ids // L, -1)
+    has = tl.sum(tl.where(owner[:, None] == rr[None, :], 1, 0), 0)
+    first = (t == 0) & (cb == 0)
+    cc = cb * BLOCK + tl.arange(0, BLOCK)
+    cm = cc < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(0, R):
+        hj = tl.sum(tl.where(rr == j, has, 0), 0)
+        if (hj > 0) | (HAS_WAIT & first):
+            t0 = now_ns(HAS_WAIT & HAS_TIMER)
+            wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_C * R + j) * 4, tl.int32), level + 1, err_ptr, 7, j,
+                    timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
+            if HAS_WAIT:
+                if first:
+                    tl.atomic_add(wait_ptr + j, (now_ns(HAS_WAIT & HAS_TIMER) - t0).to(tl.int64))
+            if (hj * _alive(mask_ptr, j, SHRINK)) > 0:
+                part = peer_ptr(ptr_table, me, c_off + (_i64(j) * M + t64) * H * 4, tl.float32)
+                acc += tl.load(part + cc, mask=cm, other=0.0)
+    if t < T:
+        tl.store(out_ptr + t64 * H + cc, acc.to(tl.bfloat16), mask=cm)
     if ticket_last(ticket_ptr):
         tl.store(clevel_ptr, level + 1)
 
@@ -343,13 +347,13 @@ def _compile_checks():
         (_ll_dispatch_send_kernel, {**b, "x_ptr": "*bf16", "topk_ptr": "*i64"},
          dict(USE_FP8=False, ROUND_SCALE=False, GC=16, K_POW2=8, R_POW2=2, SHRINK=False)),
         (_ll_dispatch_recv_kernel, {**b, "out_s": "*i32", "out_range": "*i64", "wait_ptr": "*i64"},
-         dict(SHRINK=True, USE_FP8=True, UE8M0=True, HAS_CUM=True, HAS_WAIT=True, TB=128, QB=4, BLOCK=1024, G_POW2=64,
-              HAS_TIMER=True)),
+         dict(SHRINK=True, USE_FP8=True, UE8M0=True, HAS_CUM=True, HAS_WAIT=True, TB=128, QB=4, BLOCK=2048, G_POW2=64,
+              HAS_TIMER=True, K_POW2=8)),
         (_ll_dispatch_recv_kernel, {**b, "out_s": "*fp32", "out_range": "*i64", "wait_ptr": "*i64"},
          dict(SHRINK=False, USE_FP8=False, UE8M0=False, HAS_CUM=False, HAS_WAIT=False, TB=128, QB=4, BLOCK=1024, G_POW2=64,
-              HAS_TIMER=True)),
-        (_ll_combine_send_kernel, {**b, "y_ptr": "*bf16", "topk_ptr": "*i64", "w_ptr": "*fp32"},
-         dict(K_POW2=8, BLOCK=512, HAS_TIMER=True, SHRINK=True)),
+              HAS_TIMER=True, K_POW2=8)),
+        (_ll_combine_weights_kernel, {**b, "topk_ptr": "*i64", "w_ptr": "*fp32"}, dict(SHRINK=True)),
+        (_ll_combine_reduce_kernel, {**b, "y_ptr": "*bf16"}, dict(K_POW2=8, BLOCK=1024, HAS_TIMER=True, SHRINK=True)),
         (_ll_combine_recv_kernel, {**b, "topk_ptr": "*i64", "out_ptr": "*bf16", "wait_ptr": "*i64"},
          dict(K_POW2=8, R_POW2=2, BLOCK=1024, HAS_WAIT=True, HAS_TIMER=True, SHRINK=True)),
     ])
