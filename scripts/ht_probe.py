@@ -1,58 +1,105 @@
-"""Quick GPU timing of the high-throughput path (nvlink vs reference on NCCL), DeepSeek-V3 shape.
-Superseded by `epcomm bench` for recorded figures; kept for kernel work."""
+"""Kernel work on the high-throughput path: GPU time of the nvlink dispatch (num_worst_tokens, CUDA
+graph) and combine (graph) and of the eager dispatch, for launch-parameter variants (backends/nvlink.py
+``TUNE``), DeepSeek-V3 shape, 2 ranks, ranks' devices aligned before each timed replay.
+``epcomm bench`` records the figures; this is for choosing parameters.
+Run on the device machine: ``PYTHONPATH=src python3 scripts/ht_probe.py [tokens] [sms]``."""
 import sys
 
 import torch
+import torch.distributed as dist
 
 from epcomm.testing import gpu_cases as G
 from epcomm.testing.inputs import Case
 from epcomm.testing.launcher import parallel_launch
 
+VARIANTS = [
+    ("default", {}),
+    ("g_rb16_w16", dict(gather_rb=16, gather_warps=16)),
+    ("g_blk1024", dict(gather_block=1024)),
+    ("g_st4_rb16", dict(gather_rb=16, gather_stages=4)),
+    ("r_tb16_w16", dict(reduce_tb=16, reduce_warps=16)),
+    ("r_blk2048", dict(reduce_block=2048)),
+    ("notify1024", dict(notify_block=1024)),
+]
 
-def _time(fn, iters=30, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    torch.distributed.barrier()
+
+def _timed(fn, one, iters=15, sleep=True):
     ts = []
-    for _ in range(iters):
+    for it in range(iters + 3):
+        torch.cuda.synchronize()
+        dist.barrier()
+        if sleep:
+            torch.cuda._sleep(4_000_000)
+        dist.all_reduce(one)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.distributed.barrier()
         a.record()
         fn()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000)
+        if it >= 3:
+            ts.append(a.elapsed_time(b) * 1000)
     ts.sort()
     return ts[len(ts) // 2]
 
 
+def _graph(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    dist.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def main(ctx, tokens, sms):
     from epcomm import Buffer
+    from epcomm.backends import nvlink
+
     Buffer.set_num_sms(sms)
-    ref, fast = G.make_buffers(ctx.group, num_nvl_bytes=2 << 30)
+    _, fast = G.make_buffers(ctx.group, num_nvl_bytes=2 << 30)
     case = Case(num_ranks=ctx.world_size, tokens=(tokens,) * ctx.world_size, hidden=7168, num_topk=8,
                 num_experts=256, seed=1)
+    one = torch.ones(1, device=fast.device)
     rows = {}
-    for fp8 in (False, True):
-        xin, x, topk, w = G.device_inputs(case, ctx.rank, fast.device, fp8)
-        for name, buf in (("ref", ref), ("nvlink", fast)):
-            pr, _, pe, ir, _ = buf.get_dispatch_layout(topk, 256)
-            def d():
-                return buf.dispatch(xin, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
-                                    topk_idx=topk, topk_weights=w)
-            rows[f"{name} dispatch {'fp8' if fp8 else 'bf16'}"] = _time(d)
-            if not fp8:
-                o = d()
-                y = o[0]
-                rows[f"{name} combine bf16"] = _time(lambda: buf.combine(y, o[4]))
-                rows[f"{name} cached dispatch bf16"] = _time(lambda: buf.dispatch(xin, handle=o[4]))
+    worst = tokens * ctx.world_size
+    for name, tune in VARIANTS:
+        saved = dict(nvlink.TUNE)
+        nvlink.TUNE.update(tune)
+        try:
+            for fp8 in (False, True):
+                xin, x, topk, w = G.device_inputs(case, ctx.rank, fast.device, fp8)
+                pr, _, pe, ir, _ = fast.get_dispatch_layout(topk, 256)
+
+                def d(nw=0):
+                    return fast.dispatch(xin, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
+                                         topk_idx=topk, topk_weights=w, num_worst_tokens=nw)
+                tag = "fp8" if fp8 else "bf16"
+                rows[(name, f"eager dispatch {tag}")] = _timed(d, one, sleep=False)
+                g = _graph(lambda: d(worst))
+                rows[(name, f"graph dispatch {tag}")] = _timed(g.replay, one)
+                del g
+                if not fp8:
+                    o = d()
+                    gc = _graph(lambda: fast.combine(o[0], o[4]))
+                    rows[(name, "graph combine bf16")] = _timed(gc.replay, one)
+                    del gc
+        finally:
+            nvlink.TUNE.clear()
+            nvlink.TUNE.update(saved)
     return rows
 
 
 if __name__ == "__main__":
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
-    for sms in (24, 32):
-        res = parallel_launch(2, main, tokens, sms, backend="nccl", timeout_s=300)
-        for k in res[0]:
-            print(f"sms={sms} {k:28s} " + " ".join(f"{r[k]:8.1f}us" for r in res))
+    sms = int(sys.argv[2]) if len(sys.argv) > 2 else 24
+    res = parallel_launch(2, main, tokens, sms, backend="nccl", timeout_s=400)
+    ops = sorted({k[1] for k in res[0]})
+    print(f"sms={sms} tokens={tokens}; us, max over the 2 ranks")
+    print(f"{'variant':14s} " + " ".join(f"{o:>20s}" for o in ops))
+    for name, _ in VARIANTS:
+        print(f"{name:14s} " + " ".join(f"{max(r[(name, o)] for r in res):20.1f}" for o in ops))

@@ -26,7 +26,7 @@ def run(R=3, M=6, H=256, E=6, K=3, tokens=(5, 0, 6), use_fp8=False, round_scale=
         for r in masked:
             mask[r] = 1
         st.append(dict(topk=topk, w=w, x=make_x(case, me), levels=torch.zeros(8, dtype=torch.int32),
-                       tickets=torch.zeros(16, dtype=torch.int32), err=torch.zeros(4, dtype=torch.int32), mask=mask))
+                       tickets=torch.zeros(16, dtype=torch.int32), err=torch.zeros(6, dtype=torch.int32), mask=mask))
     area, sig = OFF, OFF + lay.signal_offset
     alive = [r for r in range(R) if r not in masked]
     for me in alive:

@@ -41,8 +41,9 @@ C_MAX = 128
 T_LIST_CAP = 32768
 DEFAULT_NVL_BYTES = 256 << 20
 NUM_CTRS = 16
-RB = 8  # rows per gather tile
-TB = 8  # tokens per reduce tile
+# launch parameters of the high-throughput kernels (scripts/ht_probe.py sweeps them on the device machine)
+TUNE = dict(gather_rb=8, gather_block=512, gather_warps=8, gather_stages=3, reduce_tb=8, reduce_block=1024,
+            reduce_warps=8, reduce_stages=3, notify_block=256)
 NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
 # counter slots (local int32 device memory)
 DSEND, DRECV, CSEND, CRECV = 0, 1, 2, 3
@@ -284,7 +285,8 @@ class NVLinkBackend(Backend):
         stage_k = self._local(lay["dk"], lay["d_slot"], torch.int64)
         stage_w = self._local(lay["dw"], lay["d_slot"], torch.float32)
         dummy_f = stage_s
-        grid = (max(1, min(self.num_sms, (n_rows + RB - 1) // RB)),)
+        rb = TUNE["gather_rb"]
+        grid = (max(1, min(self.num_sms, (n_rows + rb - 1) // rb)),)
         ht._gather_kernel[grid](
             x_words, scales if scales is not None else dummy_f, topk if topk is not None else stage_k,
             w if w is not None else dummy_f, row, g, k,
@@ -297,8 +299,8 @@ class NVLinkBackend(Backend):
             out_k if out_k is not None else stage_k, out_w if out_w is not None else dummy_f, out_src,
             self.ptr_table, self.flags_off, self.ctrs[DRECV:], self.tickets[T_GATHER:], self.err, self._timeout_ns,
             CACHED=cached, IS_PREFIX=is_prefix, HAS_SCALES=scales is not None, HAS_TOPK=out_k is not None,
-            NC=NC, RB=RB, BLOCK=512, R_POW2=_pow2(self.num_ranks), K_POW2=_pow2(k), G_POW2=_pow2(g), HAS_TIMER=True,
-            num_warps=8,
+            NC=NC, RB=rb, BLOCK=TUNE["gather_block"], R_POW2=_pow2(self.num_ranks), K_POW2=_pow2(k), G_POW2=_pow2(g),
+            HAS_TIMER=True, STAGES=TUNE["gather_stages"], num_warps=TUNE["gather_warps"],
         )
         return out_x, out_s, out_k, out_w
 
@@ -337,15 +339,10 @@ class NVLinkBackend(Backend):
             self.ptr_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
             self.list_off, self.list_parity_bytes, self.list_src_bytes,
             self.nctr, send_head_rel, cpm, counts, per_expert, chan, toks, self.src_lists, self.src_lists.stride(0),
-            self.err, self._timeout_ns,
-            BLOCK=256, R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=True, num_warps=4,
+            self.err, self._timeout_ns, topk if topk is not None else self.nctr, k, e,
+            BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=True,
+            CHECK_TOPK=topk is not None, K_POW2=_pow2(k), num_warps=4,  # expert ids checked: error word, code 10
         )
-        if topk is not None and t:
-            # expert-id range on the device: folded into the error word (read at the sync below)
-            lo, hi = torch.aminmax(topk)
-            bad = ((lo < -1) | (hi >= e)).to(torch.int64)
-            word = torch.stack([bad * 10, -bad, torch.where(lo < -1, lo, hi), bad * 0 + e]).to(torch.int32)
-            self.err[:4].copy_(torch.where(self.err[0] != 0, self.err[:4], word))
         host_counts = None
         if a.num_worst_tokens:
             n_rows = a.num_worst_tokens
@@ -469,14 +466,15 @@ class NVLinkBackend(Backend):
         stage_w = self._local(lay["cw"], lay["c_slot"], torch.float32)
         b0 = bias[0] if len(bias) > 0 else out
         b1 = bias[1] if len(bias) > 1 else out
-        grid = (max(1, min(self.num_sms, (t + TB - 1) // TB)),)
+        tb = TUNE["reduce_tb"]
+        grid = (max(1, min(self.num_sms, (t + tb - 1) // tb)),)
         ht._reduce_kernel[grid](
             x, h, t, r_, me, handle.send_head.contiguous(), rpm.contiguous(), w if w is not None else stage_w, k,
             stage_x, lay["c_slot"] // 2, stage_w, lay["c_slot"] // 4,
             b0.contiguous(), b1.contiguous(), out, out_w if out_w is not None else stage_w,
             self.ptr_table, self.flags_off, self.ctrs[CRECV:], self.tickets[T_REDUCE:], self.err, self._timeout_ns,
-            HAS_W=w is not None, NUM_BIAS=len(bias), NC=NC, TB=TB, BLOCK=1024, R_POW2=_pow2(r_), K_POW2=_pow2(k),
-            HAS_TIMER=True, num_warps=8,
+            HAS_W=w is not None, NUM_BIAS=len(bias), NC=NC, TB=tb, BLOCK=TUNE["reduce_block"], R_POW2=_pow2(r_),
+            K_POW2=_pow2(k), HAS_TIMER=True, STAGES=TUNE["reduce_stages"], num_warps=TUNE["reduce_warps"],
         )
         self._join_ce()
         self._post_error_copy()
