@@ -45,9 +45,9 @@ def main():
                 t[n] = "*i32"
         t.update(overrides)
         return t
-    kernels.append((ht._notify_kernel, ptr_types(ht._notify_kernel, {"is_in_ptr": "*i8", "ptr_table": "*i64", "topk_ptr": "*i64",
+    kernels.append((ht._notify_kernel, ptr_types(ht._notify_kernel, {"is_in_ptr": "*i8", "ptr_table": "*i64",
                      "flags_off": "i64", "meta_off": "i64", "list_off": "i64", "timeout_ns": "i64"}),
-                    dict(BLOCK=256, R_POW2=2, DO_SEND=True, DO_RECV=True, HAS_TIMER=True, CHECK_TOPK=True, K_POW2=8)))
+                    dict(BLOCK=256, R_POW2=2, DO_SEND=True, DO_RECV=True, HAS_TIMER=True)))
     kernels.append((ht._ce_wait_kernel, ptr_types(ht._ce_wait_kernel, {"ptr_table": "*i64", "flags_off": "i64",
                      "timeout_ns": "i64"}), dict(HAS_TIMER=True)))
     kernels.append((ht._ce_signal_kernel, ptr_types(ht._ce_signal_kernel, {"ptr_table": "*i64", "flags_off": "i64"}),

@@ -339,10 +339,15 @@ class NVLinkBackend(Backend):
             self.ptr_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
             self.list_off, self.list_parity_bytes, self.list_src_bytes,
             self.nctr, send_head_rel, cpm, counts, per_expert, chan, toks, self.src_lists, self.src_lists.stride(0),
-            self.err, self._timeout_ns, topk if topk is not None else self.nctr, k, e,
-            BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=True,
-            CHECK_TOPK=topk is not None, K_POW2=_pow2(k), num_warps=4,  # expert ids checked: error word, code 10
+            self.err, self._timeout_ns,
+            BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=True, num_warps=4,
         )
+        if topk is not None and t:
+            # expert-id range on the device: folded into the error word (read at the sync below)
+            lo, hi = torch.aminmax(topk)
+            bad = ((lo < -1) | (hi >= e)).to(torch.int64)
+            word = torch.stack([bad * 10, -bad, torch.where(lo < -1, lo, hi), bad * 0 + e]).to(torch.int32)
+            self.err[:4].copy_(torch.where(self.err[0] != 0, self.err[:4], word))
         host_counts = None
         if a.num_worst_tokens:
             n_rows = a.num_worst_tokens

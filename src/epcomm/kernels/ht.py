@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import peer_ptr, record_error, signal, ticket_last, wait_ge
+from .common import peer_ptr, signal, ticket_last, wait_ge
 
 # Flag slots (int32 index = slot * R + peer) in every rank's flag area.
 NOTIFY = tl.constexpr(0)
@@ -39,12 +39,9 @@ def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
                    list_off, list_parity_bytes, list_src_bytes,
                    nctr_ptr, send_head_rel_ptr, cpm_ptr,
                    counts_ptr, per_expert_ptr, chan_ptr, tok_ptr, src_lists_ptr, src_lists_stride,
-                   err_ptr, timeout_ns, topk_ptr, K, E,
+                   err_ptr, timeout_ns,
                    BLOCK: tl.constexpr, R_POW2: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr,
-                   HAS_TIMER: tl.constexpr, CHECK_TOPK: tl.constexpr = False, K_POW2: tl.constexpr = 1):
-    """Program ``j``: send this rank's counts and the list of tokens for rank ``j`` to ``j`` (DO_SEND);
-    receive ``j``'s (DO_RECV). With ``CHECK_TOPK`` it also checks its share of ``topk_idx`` against
-    ``[-1, E)`` and records the first bad id in the error word (code 10)."""
+                   HAS_TIMER: tl.constexpr):
     j = tl.program_id(0)
     n = tl.load(nctr_ptr + j)
     parity = n % 2
@@ -93,18 +90,6 @@ def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
             m = offs < cnt
             tl.store(src_lists_ptr + j * src_lists_stride + offs, tl.load(lst_in + offs, mask=m, other=0), mask=m)
         tl.store(nctr_ptr + j, n + 1)
-    if CHECK_TOPK:
-        share = (T + R - 1) // R
-        kk = tl.arange(0, K_POW2)
-        for b in range(j * share, tl.minimum((j + 1) * share, T), BLOCK // K_POW2):
-            tt = b + tl.arange(0, BLOCK // K_POW2)
-            m = (tt[:, None] < tl.minimum((j + 1) * share, T)) & (kk[None, :] < K)
-            ids = tl.load(topk_ptr + tt.to(tl.int64)[:, None] * K + kk[None, :], mask=m, other=-1).to(tl.int64)
-            bad = m & ((ids < -1) | (ids >= E))
-            if tl.sum(bad.to(tl.int32)) > 0:
-                lo = tl.min(tl.min(tl.where(bad, ids, 1 << 40), 1), 0)
-                hi = tl.max(tl.max(tl.where(bad, ids, -(1 << 40)), 1), 0)
-                record_error(err_ptr, 10, -1, tl.where(lo < -1, lo, hi).to(tl.int32), E)
 
 
 @triton.jit
@@ -260,12 +245,12 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
         lrow = s64 * row_elems
         srow = i.to(tl.int64) * stage_src_elems + s64 * row_elems
         orow = nn64 * row_elems
-        row_src = tl.where(mine, x_ptr + lrow, stage_ptr + srow)  # one load per element: local x or staging
         for h0 in tl.range(0, row_elems, BLOCK, num_stages=STAGES):
             cc = h0 + cols
             cm = cc[None, :] < row_elems
-            v = tl.load(row_src[:, None] + cc[None, :], mask=real[:, None] & cm)
-            tl.store(out_x + orow[:, None] + cc[None, :], v, mask=real[:, None] & cm)
+            a = tl.load(x_ptr + lrow[:, None] + cc[None, :], mask=mine[:, None] & cm)
+            b = tl.load(stage_ptr + srow[:, None] + cc[None, :], mask=peer[:, None] & cm)
+            tl.store(out_x + orow[:, None] + cc[None, :], tl.where(mine[:, None], a, b), mask=real[:, None] & cm)
         if HAS_SCALES:
             gm = gg[None, :] < G
             sa = tl.load(xs_ptr + s64[:, None] * G + gg[None, :], mask=mine[:, None] & gm)
