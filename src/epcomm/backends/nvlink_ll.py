@@ -42,6 +42,7 @@ class LowLatencyEngine:
         self.tickets = torch.zeros(16, dtype=torch.int32, device=nv.device)
         self.sms = torch.cuda.get_device_properties(nv.device).multi_processor_count
         self._m_word = None  # the M last announced in the flag area (written when it changes)
+        self._shape = None  # (M, H, E) of the low-latency calls since the last clean
 
     def _layout(self, m: int, h: int, e: int):
         lay = layout.low_latency_buffer_layout(m, h, self.nv.num_ranks, e)
@@ -64,6 +65,13 @@ class LowLatencyEngine:
         t, h = x.shape
         g = (h + 127) // 128
         lay = self._layout(m, h, e)
+        if self._shape is not None and self._shape != (m, h, e):
+            # The areas and flags move with the shape: a peer still in the last call could be overwritten,
+            # and the flag levels no longer match. Say so instead of timing out.
+            raise ValueError(f"low-latency shape changed from (num_max_dispatch_tokens_per_rank, hidden, num_experts) = "
+                             f"{self._shape} to {(m, h, e)} since the last clean; call "
+                             f"Buffer.clean_low_latency_buffer({m}, {h}, {e}) on every rank first")
+        self._shape = (m, h, e)
         area = self._area(lay, a.parity)
         sig = area + lay.signal_offset
         topk = a.topk_idx.contiguous()
@@ -180,6 +188,7 @@ class LowLatencyEngine:
         torch.distributed.barrier(group=nv.group)
         nv.symm[nv.ll_off:nv.ll_off + nv.rdma_bytes].zero_()
         self.levels.zero_()
+        self._shape = None
         self.tickets.zero_()
         torch.cuda.synchronize(nv.device)
         torch.distributed.barrier(group=nv.group)

@@ -142,6 +142,10 @@ def _run_case(ctx, plan: BenchPlan, case: BenchCase, bufs: dict[str, Buffer], pr
     else:
         num_sets += num_sets % 2  # even: graph replays keep the two receive areas alternating
         sets = workloads.make_ll_sets(case, me, r_, dev, num_sets, plan.seed)
+        for buf in bufs.values():  # M = T changes from case to case: the contract asks for a clean first
+            dist.barrier(group=group)
+            buf.clean_low_latency_buffer(case.tokens, case.hidden, case.experts)
+        dist.barrier(group=group)
         checks = workloads.check_ll(bufs, sets[0], case) if plan.check else dict.fromkeys(bufs, "skipped")
         nbytes = workloads.ll_bytes(group, sets, case, me, r_)
     out = []
