@@ -82,6 +82,7 @@ class Buffer:
         log.info("epcomm rank %d: backend %s (%s)", self.rank, self._backend.name, why)
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
         self._ll_calls = 0
+        self._ll_shape: tuple[int, int, int] | None = None  # (M, H, E) of the low-latency calls since the last clean
         self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers
@@ -386,11 +387,18 @@ class Buffer:
             V.tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64, 1, self.device)
             V.shape("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, (self.group_size,))
         self._ll_check(m, h, e)
+        if self._ll_shape is not None and self._ll_shape != (m, h, e):
+            # The low-latency areas and flags are laid out for one shape (as in DeepEP): a new shape on a
+            # live buffer could overwrite a peer that is still in the last call, or wait on stale flags.
+            raise ValueError("low-latency shape (num_max_dispatch_tokens_per_rank, hidden, num_experts) changed "
+                             f"from {self._ll_shape} to {(m, h, e)}; call clean_low_latency_buffer({m}, {h}, {e}) "
+                             "on every rank first")
         args = LowLatencyDispatchArgs(x, topk_idx, m, e, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
                                       cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
                                       self._ll_parity(), self._shrink_mask())
         res, ev, hook = self._ll_run(lambda: self._backend.low_latency_dispatch(args), [x, topk_idx],
                                      async_finish, return_recv_hook)
+        self._ll_shape = (m, h, e)  # after the call: one that raised (e.g. M differing across ranks) sets nothing
         return res.recv_x, res.recv_count, res.handle, ev, hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
@@ -442,6 +450,7 @@ class Buffer:
         self._ll_check(m, h, e)
         self._backend.clean_low_latency_buffer()
         self._ll_calls = 0
+        self._ll_shape = None
 
     # ------------------------------------------------------------------ shrink (fault tolerance)
 

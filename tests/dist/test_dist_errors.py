@@ -366,6 +366,24 @@ def check_mask_and_clean_args(ctx):
     good_ll(ctx, buf)
 
 
+def check_ll_shape_change(ctx):
+    """A new (M, H, E) on a live low-latency buffer needs clean_low_latency_buffer first: a ValueError
+    naming both shapes, on every backend (on the nvlink backend the areas and flags move with the shape)."""
+    case = harness.cases(ctx.world_size, HIDDEN)["random"]
+    e = case.num_experts
+    buf = Buffer(ctx.group, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(M + 1, HIDDEN, ctx.world_size, e),
+                 low_latency_mode=True)
+    good_ll(ctx, buf)
+    x, idx = dev(ctx, (make_x(case, ctx.rank), make_topk(case, ctx.rank)[0]))
+    raises(ValueError, rf"changed from \({M}, {HIDDEN}, {e}\) to \({M + 1}, {HIDDEN}, {e}\); call "
+           rf"clean_low_latency_buffer\({M + 1}, {HIDDEN}, {e}\)", buf.low_latency_dispatch, x, idx, M + 1, e)
+    buf.clean_low_latency_buffer(M + 1, HIDDEN, e)
+    recv_x, count, _, _, _ = buf.low_latency_dispatch(x, idx, M + 1, e, use_fp8=False)
+    check(recv_x.shape[1] == ctx.world_size * (M + 1), "dispatch with the new M after the clean")
+    buf.clean_low_latency_buffer(M, HIDDEN, e)
+    good_ll(ctx, buf)
+
+
 CHECKS = [
     ("constructor", check_constructor),
     ("layout_args", check_layout_args),
@@ -376,6 +394,7 @@ CHECKS = [
     ("ll_combine_args", check_ll_combine_args),
     ("m_differs_across_ranks", check_m_differs_across_ranks),
     ("mask_and_clean_args", check_mask_and_clean_args),
+    ("ll_shape_change", check_ll_shape_change),
 ]
 
 

@@ -4,15 +4,22 @@ symmetric buffer (``layout.LowLatencyBufferLayout``).
 Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``,
 ``M`` max tokens per rank.
 
-Two kernels per operation: a send kernel and a receive kernel. Without the hook both run back to
-back; with ``return_recv_hook`` the call launches the send kernel and returns, and ``hook()``
-launches the receive kernel, so no kernel stays resident in between. (The combine's send kernel
-waits briefly for the owners' top-k weights, which every rank pushes first thing in that kernel:
-the expert side pre-reduces ``Σ_k w·y`` so each token crosses the link once per rank.)
+Dispatch: a send kernel (program per (token, group of 128-channel blocks): FP8 cast, row to every
+rank holding one of the token's experts, ids to every rank) and a receive kernel (program per
+(local expert, source rank): its block of rows in token order after the blocks of lower ranks).
+Combine: a weights kernel (each owner pushes its (expert id, weight) pairs to every rank), a reduce
+kernel (program per (source token, channel split): ``Σ_k w·y`` in float32 over the experts held
+here, so each token crosses the link once per rank) and a receive kernel (program per (token,
+channel block): the partial sums of the ranks holding its experts, in rank order). Without the
+hook the kernels run back to back; with ``return_recv_hook`` the call launches the send side and
+returns, and ``hook()`` launches the receive kernel, so no kernel stays resident in between.
+Every grid is sized by the shape, not by ``num_sms``; waits are per program, on the flags of the
+ranks that program needs.
 
 Parity: ``Buffer`` alternates the parity call by call; a CUDA graph replays the parities it
 captured, and a captured dispatch + combine pair uses both areas, so replays stay safe. At most two
-low-latency calls may be in flight (a third reuses the first one's area).
+low-latency calls may be in flight (a third reuses the first one's area). The areas and flags
+are laid out for one (M, H, E); ``Buffer`` asks for ``clean_low_latency_buffer`` before another.
 """
 
 from __future__ import annotations
@@ -42,7 +49,6 @@ class LowLatencyEngine:
         self.tickets = torch.zeros(16, dtype=torch.int32, device=nv.device)
         self.sms = torch.cuda.get_device_properties(nv.device).multi_processor_count
         self._m_word = None  # the M last announced in the flag area (written when it changes)
-        self._shape = None  # (M, H, E) of the low-latency calls since the last clean
 
     def _layout(self, m: int, h: int, e: int):
         lay = layout.low_latency_buffer_layout(m, h, self.nv.num_ranks, e)
@@ -65,13 +71,6 @@ class LowLatencyEngine:
         t, h = x.shape
         g = (h + 127) // 128
         lay = self._layout(m, h, e)
-        if self._shape is not None and self._shape != (m, h, e):
-            # The areas and flags move with the shape: a peer still in the last call could be overwritten,
-            # and the flag levels no longer match. Say so instead of timing out.
-            raise ValueError(f"low-latency shape changed from (num_max_dispatch_tokens_per_rank, hidden, num_experts) = "
-                             f"{self._shape} to {(m, h, e)} since the last clean; call "
-                             f"Buffer.clean_low_latency_buffer({m}, {h}, {e}) on every rank first")
-        self._shape = (m, h, e)
         area = self._area(lay, a.parity)
         sig = area + lay.signal_offset
         topk = a.topk_idx.contiguous()
@@ -188,7 +187,6 @@ class LowLatencyEngine:
         torch.distributed.barrier(group=nv.group)
         nv.symm[nv.ll_off:nv.ll_off + nv.rdma_bytes].zero_()
         self.levels.zero_()
-        self._shape = None
         self.tickets.zero_()
         torch.cuda.synchronize(nv.device)
         torch.distributed.barrier(group=nv.group)
