@@ -54,6 +54,26 @@ def _graph(fn):
     return g
 
 
+def _variant(fast, case, rank, name, worst, one, rows):
+    for fp8 in (False, True):
+        xin, x, topk, w = G.device_inputs(case, rank, fast.device, fp8)
+        pr, _, pe, ir, _ = fast.get_dispatch_layout(topk, 256)
+
+        def d(nw=0):
+            return fast.dispatch(xin, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
+                                 topk_idx=topk, topk_weights=w, num_worst_tokens=nw)
+        tag = "fp8" if fp8 else "bf16"
+        rows[(name, f"eager dispatch {tag}")] = _timed(d, one, sleep=False)
+        g = _graph(lambda: d(worst))
+        rows[(name, f"graph dispatch {tag}")] = _timed(g.replay, one)
+        del g
+        if not fp8:
+            o = d()
+            gc = _graph(lambda: fast.combine(o[0], o[4]))
+            rows[(name, "graph combine bf16")] = _timed(gc.replay, one)
+            del gc
+
+
 def main(ctx, tokens, sms):
     from epcomm import Buffer
     from epcomm.backends import nvlink
@@ -69,25 +89,8 @@ def main(ctx, tokens, sms):
         saved = dict(nvlink.TUNE)
         nvlink.TUNE.update(tune)
         try:
-          try:
-            for fp8 in (False, True):
-                xin, x, topk, w = G.device_inputs(case, ctx.rank, fast.device, fp8)
-                pr, _, pe, ir, _ = fast.get_dispatch_layout(topk, 256)
-
-                def d(nw=0):
-                    return fast.dispatch(xin, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
-                                         topk_idx=topk, topk_weights=w, num_worst_tokens=nw)
-                tag = "fp8" if fp8 else "bf16"
-                rows[(name, f"eager dispatch {tag}")] = _timed(d, one, sleep=False)
-                g = _graph(lambda: d(worst))
-                rows[(name, f"graph dispatch {tag}")] = _timed(g.replay, one)
-                del g
-                if not fp8:
-                    o = d()
-                    gc = _graph(lambda: fast.combine(o[0], o[4]))
-                    rows[(name, "graph combine bf16")] = _timed(gc.replay, one)
-                    del gc
-          except Exception as e:  # noqa: BLE001 - a variant that does not fit (e.g. shared memory) is reported
+            _variant(fast, case, ctx.rank, name, worst, one, rows)
+        except Exception as e:  # noqa: BLE001 - a variant that does not fit (e.g. shared memory) is reported
             print(f"rank {ctx.rank} variant {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             torch.cuda.synchronize()
             dist.barrier()

@@ -10,7 +10,13 @@ from epcomm.testing.inputs import Case, make_topk, make_x, expected_dispatch  # 
 from epcomm.testing.compare import assert_bitwise  # noqa: E402
 
 
-def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0):
+def _wrap32(v):
+    return (v + 2 ** 31) % 2 ** 32 - 2 ** 31
+
+
+def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0):
+    """``start``: every per-call counter (and the flags that follow it) starts there, e.g. 2**31 - 1 so
+    that the counters and the copy-engine data flags (NC per call) cross the int32 wrap in this call."""
     case = Case(num_ranks=R, tokens=T, hidden=H, num_topk=K, num_experts=E, seed=1, hot_expert=1)
     L = E // R
     meta_src = nv._align((R + nv.L_MAX + nv.C_MAX) * 4, 16)
@@ -45,6 +51,14 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0):
                        counts=torch.zeros(R, R, dtype=torch.int32), pe=torch.zeros(R, L, dtype=torch.int32),
                        toks=torch.zeros(R, dtype=torch.int32),
                        chan=torch.zeros(R, C, dtype=torch.int32)))
+    if start:
+        for me in range(R):
+            st[me]["nctr"].fill_(start)
+            st[me]["ctrs"].fill_(start)
+            flags = symm[me][:nv.NUM_CTRS * R * 4].view(torch.int32).view(nv.NUM_CTRS, R)
+            flags[ht.NOTIFY.value] = start
+            flags[ht.DDATA.value] = flags[ht.CDATA.value] = _wrap32(start * nv.NC)
+            flags[ht.DCONSUMED.value] = flags[ht.CCONSUMED.value] = start
     for phase in ("send", "recv"):
         for me in range(R):
             s = st[me]
@@ -133,10 +147,11 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0):
         trunc = (ref.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
         assert_bitwise(out, trunc, f"combine rank {me}")
         assert_bitwise(out_w, s["w"], f"combine weights rank {me}")
-    print("ok", R, T)
+    print("ok", R, T, "start", start)
 
 
 if __name__ == "__main__":
     run()
     run(R=2, T=(9, 4), worst=20)
     run(R=1, T=(6,))
+    run(start=2 ** 31 - 1)  # counters, parities and data flags cross the int32 wrap

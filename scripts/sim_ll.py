@@ -13,7 +13,14 @@ from epcomm.testing.inputs import Case, make_topk, make_x  # noqa: E402
 OFF = 256  # LL region offset inside each simulated symmetric buffer
 
 
-def run(R=3, M=6, H=256, E=6, K=3, tokens=(5, 0, 6), use_fp8=False, round_scale=False, ue8m0=False, masked=()):
+INT_MAX = 2 ** 31 - 1
+
+
+def run(R=3, M=6, H=256, E=6, K=3, tokens=(5, 0, 6), use_fp8=False, round_scale=False, ue8m0=False, masked=(),
+        start=0, early_recv=False):
+    """``start``: every counter (flag words and levels of parity 0) starts there, e.g. ``INT_MAX`` to
+    cross the int32 wrap in this call. ``early_recv``: rank 0's dispatch receive runs before any send
+    and must time out (the flags say nothing arrived), not read the area."""
     case = Case(num_ranks=R, tokens=tokens, hidden=H, num_topk=K, num_experts=E, seed=2, hot_expert=1)
     L, G, RM = E // R, H // 128, R * M
     lay = layout.low_latency_buffer_layout(M, H, R, E)
@@ -29,6 +36,25 @@ def run(R=3, M=6, H=256, E=6, K=3, tokens=(5, 0, 6), use_fp8=False, round_scale=
                        tickets=torch.zeros(16, dtype=torch.int32), err=torch.zeros(6, dtype=torch.int32), mask=mask))
     area, sig = OFF, OFF + lay.signal_offset
     alive = [r for r in range(R) if r not in masked]
+    if start:
+        for me in range(R):
+            symm[me][sig:sig + 3 * R * 4].view(torch.int32).fill_(start)
+            for i in (0, 2, 4):  # dispatch, combine-weights and combine-receive levels of parity 0
+                st[me]["levels"][i] = start
+    if early_recv:
+        s = st[0]
+        q = torch.zeros(L, RM, H, dtype=torch.bfloat16)
+        src, rng, cnt = torch.full((L, RM), -1, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64), \
+            torch.zeros(L, dtype=torch.int32)
+        ll._ll_dispatch_recv_kernel[(L, R, 1)](
+            table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig, area + lay.slot_offset, 0, R, L, M,
+            H, G, K, q.view(torch.int32), cnt, src, rng, cnt, cnt, rng, s["levels"][0:], s["tickets"][5:],
+            s["err"], 20, s["mask"], SHRINK=False, USE_FP8=False, UE8M0=False, HAS_CUM=False,
+            HAS_WAIT=False, TB=4, QB=1, BLOCK=32, G_POW2=4, HAS_TIMER=False, K_POW2=4)
+        assert s["err"][:4].tolist()[:2] == [6, 0], s["err"]  # timed out waiting for rank 0's own data first
+        assert s["err"][3] == start + 1 if start != INT_MAX else s["err"][3] == -2 ** 31, s["err"]
+        print("ok early receive times out", dict(start=start))
+        return
     for me in alive:
         s = st[me]
         ll._ll_dispatch_send_kernel[(max(tokens[me], 1), (G + 1) // 2)](
@@ -122,7 +148,7 @@ def run(R=3, M=6, H=256, E=6, K=3, tokens=(5, 0, 6), use_fp8=False, round_scale=
                 ref[t] += float(s["w"][t, k]) * yrow
                 terms[t] += abs(float(s["w"][t, k])) * yrow.abs()
         assert_within_budget(out, ref, terms, 2 * K, f"combine rank {me}", extra_rel=2.0 ** -8)
-    print("ok", dict(R=R, tokens=tokens, fp8=use_fp8, round=round_scale, ue8m0=ue8m0, masked=masked))
+    print("ok", dict(R=R, tokens=tokens, fp8=use_fp8, round=round_scale, ue8m0=ue8m0, masked=masked, start=start))
 
 
 if __name__ == "__main__":
@@ -131,3 +157,6 @@ if __name__ == "__main__":
     run(use_fp8=True, round_scale=True, ue8m0=True, H=512, E=9, tokens=(4, 6, 1))
     run(R=2, tokens=(6, 3), E=4, K=2)
     run(masked=(1,))
+    run(start=INT_MAX)  # every counter crosses the int32 wrap in this call
+    run(start=INT_MAX, early_recv=True)
+    run(start=5, early_recv=True)

@@ -4,7 +4,9 @@ Ordering protocol (every flag in epcomm): the writer stores its data, runs a CTA
 ``atomic_add(flag, 1, sem="release", scope="sys")``; the reader spins on
 ``atomic_add(flag, 0, sem="acquire", scope="sys")`` until the counter reaches its target, then a CTA
 barrier, then reads the data. Release/acquire at system scope orders the data before the flag, so
-no flag is ever seen before its data. Counters only grow, so no flag needs resetting between calls.
+no flag is ever seen before its data. Counters only grow, so no flag needs resetting between calls;
+they are int32 and wrap after 2**32 increments (days of decoding at tens of thousands of calls per
+second), so "reached" means a non-negative wrapped difference ``counter - target``.
 
 Error word (``int32[6]`` in local device memory): ``[code, peer, observed, target, mirror (int64)]``;
 ``code`` is a phase number from :data:`PHASES` (or 9/10 for input errors), set once by the first wait
@@ -71,7 +73,7 @@ def ticket_last(ticket_ptr):
 @triton.jit
 def wait_ge(flag_ptr, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER: tl.constexpr, mask_ptr=None,
             SHRINK: tl.constexpr = False):
-    """Spin until ``*flag_ptr >= target`` (acquire) or the deadline; returns True when reached.
+    """Spin until ``*flag_ptr - target >= 0`` (acquire; int32, wrapped) or the deadline; True when reached.
 
     On expiry records ``[phase, peer, observed, target]`` in the error word (first error wins) —
     or, with ``SHRINK``, masks ``peer`` in ``mask_ptr`` instead. Returns at once if an error was
@@ -79,25 +81,25 @@ def wait_ge(flag_ptr, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER: tl.co
     (interpreter), the deadline counts spins instead of nanoseconds.
     """
     v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    err = tl.load(err_ptr)
+    err = tl.load(err_ptr, volatile=True)
     masked = tl.zeros((), dtype=tl.int32)
     if SHRINK:
-        masked = tl.load(mask_ptr + peer)
-    go = (v < target) & (err == 0) & (masked == 0)
+        masked = tl.load(mask_ptr + peer, volatile=True)
+    go = ((v - target) < 0) & (err == 0) & (masked == 0)  # wrapped difference: counters may wrap
     t0 = now_ns(HAS_TIMER)
     spins = tl.zeros((), dtype=tl.int64)
     while go:
         v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        err = tl.load(err_ptr)
+        err = tl.load(err_ptr, volatile=True)
         if SHRINK:
-            masked = tl.load(mask_ptr + peer)
+            masked = tl.load(mask_ptr + peer, volatile=True)
         spins += 1
         if HAS_TIMER:
             elapsed = now_ns(HAS_TIMER) - t0
         else:
             elapsed = spins
-        go = (v < target) & (err == 0) & (masked == 0) & (elapsed < timeout_ns)
-    ok = v >= target
+        go = ((v - target) < 0) & (err == 0) & (masked == 0) & (elapsed < timeout_ns)
+    ok = (v - target) >= 0
     if (not ok) & (err == 0) & (masked == 0):
         if SHRINK:
             tl.atomic_xchg(mask_ptr + peer, 1)

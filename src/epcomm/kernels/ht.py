@@ -44,7 +44,7 @@ def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
                    HAS_TIMER: tl.constexpr):
     j = tl.program_id(0)
     n = tl.load(nctr_ptr + j)
-    parity = n % 2
+    parity = n & 1  # (n % 2 is -1 for odd n once the counter has wrapped)
     if DO_SEND:
         meta = peer_ptr(ptr_table, j, meta_off + parity * meta_parity_bytes + me * meta_src_bytes, tl.int32)
         lst = peer_ptr(ptr_table, j, list_off + parity * list_parity_bytes + me * list_src_bytes, tl.int32)
