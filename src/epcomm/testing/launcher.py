@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import os
 import queue
+import signal
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -42,8 +45,17 @@ class RankContext:
     group: Any
 
 
+def _stack_file(init_file: str, rank: int) -> str:
+    return f"{init_file}.stack-{rank}"
+
+
 def _worker(rank, world_size, init_file, backend, pg_timeout_s, fn, args, results):
     os.environ.update(SAFE_ENV)
+    if hasattr(signal, "SIGUSR1"):
+        # The parent sends SIGUSR1 to a rank that does not finish in time: every thread's Python stack
+        # goes to a file the parent puts into the error, so a hang says where it hangs.
+        stack = open(_stack_file(init_file, rank), "w")  # noqa: SIM115 - open for the process's lifetime
+        faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -90,8 +102,6 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
             p.start()
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
-        import time
-
         deadline = time.monotonic() + timeout_s
         while len(out) + len(errors) < world_size:
             left = deadline - time.monotonic()
@@ -113,6 +123,8 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
             (out if status == "ok" else errors)[rank] = value
             if errors:  # one rank failed: give the others a moment to report, then stop waiting
                 deadline = min(deadline, time.monotonic() + 10.0)
+        stuck = [r for r in range(world_size) if r not in out and r not in errors and procs[r].is_alive()]
+        stacks = _dump_stacks(procs, stuck, init_file)
         for p in procs:
             p.join(timeout=5.0)
             if p.is_alive():
@@ -120,8 +132,29 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
                 p.join()
         if errors:
             first = min(errors)
-            raise RankError(first, errors[first])
+            raise RankError(first, errors[first] + stacks)
         missing = [r for r in range(world_size) if r not in out]
         if missing:
-            raise RankError(missing[0], f"ranks {missing} did not finish within {timeout_s:.0f} s")
+            raise RankError(missing[0], f"ranks {missing} did not finish within {timeout_s:.0f} s" + stacks)
         return [out[r] for r in range(world_size)]
+
+
+def _dump_stacks(procs, ranks: list[int], init_file: str) -> str:
+    """Ask the still-running ``ranks`` for their Python stacks (SIGUSR1, see ``_worker``); the text."""
+    if not ranks or not hasattr(signal, "SIGUSR1"):
+        return ""
+    for r in ranks:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(1.0)
+    parts = []
+    for r in ranks:
+        try:
+            with open(_stack_file(init_file, r)) as f:
+                text = f.read()
+        except OSError:
+            text = ""
+        parts.append(f"\n--- rank {r} was still running; its Python stacks:\n" + (text[-6000:] or "(none written)"))
+    return "".join(parts)

@@ -1,0 +1,41 @@
+"""Tier 2: the process launcher reports hangs with the stuck ranks' Python stacks."""
+import time
+
+import pytest
+
+from epcomm.testing.launcher import RankError, parallel_launch
+
+
+def _stuck_here(seconds):
+    time.sleep(seconds)
+
+
+def _one_fails_one_hangs(ctx):
+    if ctx.rank == 0:
+        raise ValueError("rank 0 gives up")
+    _stuck_here(120)
+    return "unreachable"
+
+
+def _one_hangs(ctx):
+    if ctx.rank == 1:
+        _stuck_here(120)
+    return ctx.rank
+
+
+def test_a_failure_reports_the_other_ranks_stacks():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as e:
+        parallel_launch(2, _one_fails_one_hangs, backend="gloo", timeout_s=60)
+    msg = str(e.value)
+    assert "rank 0 gives up" in msg
+    assert "rank 1 was still running" in msg and "_stuck_here" in msg, msg
+    assert time.monotonic() - t0 < 45  # the survivors get a short grace period, not the whole timeout
+
+
+def test_a_timeout_names_the_rank_and_where_it_hangs():
+    with pytest.raises(RankError) as e:
+        parallel_launch(2, _one_hangs, backend="gloo", timeout_s=15)
+    msg = str(e.value)
+    assert "ranks [1] did not finish within 15 s" in msg
+    assert "rank 1 was still running" in msg and "_stuck_here" in msg, msg
