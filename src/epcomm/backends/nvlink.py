@@ -62,6 +62,20 @@ def _pow2(n: int) -> int:
     return p
 
 
+def _host_counts(vals: list[int], r_: int, lx: int, me: int, alignment: int):
+    """From the notify output read back at the synchronisation (``counts[R][R]`` then the per-expert
+    counts ``[R][L]`` of the rows coming here): the count matrix as rows (``cnt[i][j]`` = tokens rank
+    ``i`` sends to rank ``j``), the rows this rank receives, and the per-expert list rounded up to
+    ``alignment``. Plain Python: a handful of ints, no torch op per value.
+
+    Example: ``_host_counts([3, 1, 2, 4, 1, 0, 2, 2], 2, 2, 1, 2) == ([[3, 1], [2, 4]], 5, [4, 2])``.
+    """
+    cnt = [vals[i * r_:(i + 1) * r_] for i in range(r_)]
+    n_rows = sum(row[me] for row in cnt)
+    pe = [sum(vals[r_ * r_ + j * lx + l_] for j in range(r_)) for l_ in range(lx)]
+    return cnt, n_rows, [(v + alignment - 1) // alignment * alignment for v in pe]
+
+
 def availability(buf) -> tuple[bool, str]:
     """Whether this Buffer's ranks can use the nvlink backend, and why (collective: all ranks call)."""
     try:
@@ -130,6 +144,7 @@ class NVLinkBackend(Backend):
         self.src_lists = torch.empty(r_, T_LIST_CAP, dtype=torch.int32, device=self.device)
         self.notify_out = torch.zeros(r_ * r_ + r_ * L_MAX + r_ * C_MAX + r_, dtype=torch.int32, device=self.device)
         self.notify_host = torch.zeros(self.notify_out.numel() + 4, dtype=torch.int32).pin_memory()
+        self.ids_host = torch.zeros(2, dtype=torch.int64).pin_memory()  # (min, max) of topk_idx, eager dispatch
         self.ce_stream = torch.cuda.Stream(self.device)
         self.transfer = _env.ht_transfer()  # "ce" (copy engine) or "sm"
         torch.cuda.synchronize(self.device)
@@ -169,10 +184,6 @@ class NVLinkBackend(Backend):
     def _post_error_copy(self) -> None:
         """Mirror the error word after torch ops that may have set it (kernels mirror it themselves)."""
         self.err_host.copy_(self.err[:4], non_blocking=True)
-
-    def _clear_error(self) -> None:
-        self.err[:4].zero_()
-        self.err_host.zero_()
 
     @property
     def _timeout_ns(self) -> int:
@@ -342,30 +353,38 @@ class NVLinkBackend(Backend):
             self.err, self._timeout_ns,
             BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=True, num_warps=4,
         )
-        if topk is not None and t:
-            # expert-id range on the device: folded into the error word (read at the sync below)
-            lo, hi = torch.aminmax(topk)
-            bad = ((lo < -1) | (hi >= e)).to(torch.int64)
-            word = torch.stack([bad * 10, -bad, torch.where(lo < -1, lo, hi), bad * 0 + e]).to(torch.int32)
-            self.err[:4].copy_(torch.where(self.err[0] != 0, self.err[:4], word))
         host_counts = None
+        bad_id = None
         if a.num_worst_tokens:
+            if topk is not None and t:
+                # no host synchronisation here: the expert-id range goes into the error word on the device
+                lo, hi = torch.aminmax(topk)
+                bad = ((lo < -1) | (hi >= e)).to(torch.int64)
+                word = torch.stack([bad * 10, -bad, torch.where(lo < -1, lo, hi), bad * 0 + e]).to(torch.int32)
+                self.err[:4].copy_(torch.where(self.err[0] != 0, self.err[:4], word))
             n_rows = a.num_worst_tokens
             lst = []
         else:
+            # The contract's one synchronisation: counts, the error word and the expert-id range come back
+            # together; everything after it is Python arithmetic on one list (no torch ops per value).
+            nn = r_ * r_ + r_ * lx
             nh = self.notify_host
-            nh[:no.numel()].copy_(no, non_blocking=True)
-            nh[no.numel():].copy_(self.err[:4], non_blocking=True)
+            nh[:nn].copy_(no[:nn], non_blocking=True)
+            nh[nn:nn + 4].copy_(self.err[:4], non_blocking=True)
+            if topk is not None and t:
+                self.ids_host.copy_(torch.stack(torch.aminmax(topk)), non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
             ev.synchronize()
-            word = nh[no.numel():].clone()
-            if int(word[0]) != 10:
-                self._check_error(word)
-            host_counts = nh[:r_ * r_].view(r_, r_).to(torch.int64).clone()
-            n_rows = int(host_counts[:, me].sum())
-            pe = nh[r_ * r_:r_ * r_ + r_ * lx].view(r_, lx).to(torch.int64).sum(0)
-            lst = layout.align_up(pe, a.expert_alignment).tolist()
+            vals = nh[:nn + 4].tolist()
+            if vals[nn]:
+                self._check_error(torch.tensor(vals[nn:nn + 4]))
+            if topk is not None and t:
+                lo, hi = self.ids_host.tolist()
+                if lo < -1 or hi >= e:
+                    bad_id = lo if lo < -1 else hi
+            cnt, n_rows, lst = _host_counts(vals, r_, lx, me, a.expert_alignment)
+            host_counts = torch.tensor(cnt, dtype=torch.int64)
         out_src = torch.empty(n_rows, dtype=torch.int32, device=dev)
         out_x, out_s, out_k, out_w = self._gather(x_words, scales, topk, w, lay, counts, False, n_rows, me * lx, lx,
                                                   out_src, False, g, k, toks)
@@ -375,11 +394,10 @@ class NVLinkBackend(Backend):
         send_head = _send_head_from_rel(send_head_rel, rpm, me)
         if a.num_worst_tokens:
             self._flag_worst_overflow(rpm, a.num_worst_tokens)
-        if not a.num_worst_tokens and int(word[0]) == 10:
+        if bad_id is not None:
             # A bad expert id: every rank still finished this exchange (ids out of range were ignored
-            # by the layout), so the Buffer stays in step; clear the word and report the argument.
-            self._clear_error()
-            self._check_error(word)
+            # by the layout), so the Buffer stays in step; report the argument.
+            raise ValueError(f"topk_idx holds expert id {bad_id}, outside [-1, {e}) for num_experts={e}")
         self._post_error_copy()
         recv_x = out_x.view(torch.uint8).view(a.x.dtype) if a.x.element_size() == 1 else out_x.view(a.x.dtype)
         recv_x = recv_x.view(n_rows, h)
