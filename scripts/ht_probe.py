@@ -8,6 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from epcomm.bench.timing import make_barrier, make_start
 from epcomm.testing import gpu_cases as G
 from epcomm.testing.inputs import Case
 from epcomm.testing.launcher import parallel_launch
@@ -21,14 +22,13 @@ VARIANTS = [
 ]
 
 
-def _timed(fn, one, iters=15, sleep=True):
+def _timed(fn, device, graphs, iters=15):
+    """Median GPU us of ``fn`` with the ranks' devices aligned first, as ``epcomm bench`` does."""
+    barrier, start = make_barrier(None, device), make_start(None, device, graphs)
     ts = []
     for it in range(iters + 3):
-        torch.cuda.synchronize()
-        dist.barrier()
-        if sleep:
-            torch.cuda._sleep(4_000_000)
-        dist.all_reduce(one)
+        barrier()
+        start()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -54,7 +54,7 @@ def _graph(fn):
     return g
 
 
-def _variant(fast, case, rank, name, worst, one, rows):
+def _variant(fast, case, rank, name, worst, rows):
     for fp8 in (False, True):
         xin, x, topk, w = G.device_inputs(case, rank, fast.device, fp8)
         pr, _, pe, ir, _ = fast.get_dispatch_layout(topk, 256)
@@ -63,14 +63,14 @@ def _variant(fast, case, rank, name, worst, one, rows):
             return fast.dispatch(xin, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
                                  topk_idx=topk, topk_weights=w, num_worst_tokens=nw)
         tag = "fp8" if fp8 else "bf16"
-        rows[(name, f"eager dispatch {tag}")] = _timed(d, one, sleep=False)
+        rows[(name, f"eager dispatch {tag}")] = _timed(d, fast.device, graphs=False)
         g = _graph(lambda: d(worst))
-        rows[(name, f"graph dispatch {tag}")] = _timed(g.replay, one)
+        rows[(name, f"graph dispatch {tag}")] = _timed(g.replay, fast.device, graphs=True)
         del g
         if not fp8:
             o = d()
             gc = _graph(lambda: fast.combine(o[0], o[4]))
-            rows[(name, "graph combine bf16")] = _timed(gc.replay, one)
+            rows[(name, "graph combine bf16")] = _timed(gc.replay, fast.device, graphs=True)
             del gc
 
 
@@ -82,14 +82,13 @@ def main(ctx, tokens, sms):
     _, fast = G.make_buffers(ctx.group, num_nvl_bytes=2 << 30)
     case = Case(num_ranks=ctx.world_size, tokens=(tokens,) * ctx.world_size, hidden=7168, num_topk=8,
                 num_experts=256, seed=1)
-    one = torch.ones(1, device=fast.device)
     rows = {}
     worst = tokens * ctx.world_size
     for name, tune in VARIANTS:
         saved = dict(nvlink.TUNE)
         nvlink.TUNE.update(tune)
         try:
-            _variant(fast, case, ctx.rank, name, worst, one, rows)
+            _variant(fast, case, ctx.rank, name, worst, rows)
         except Exception as e:  # noqa: BLE001 - a variant that does not fit (e.g. shared memory) is reported
             print(f"rank {ctx.rank} variant {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             torch.cuda.synchronize()

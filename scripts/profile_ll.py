@@ -3,13 +3,13 @@ nvlink dispatch (FP8) + combine pair, with and without the hook, DeepSeek-V3 dec
 128 tokens, hidden 7168, top-8, 256 experts), then the steady-state time of one pair: a CUDA graph
 of ``N`` back-to-back pairs, start aligned across ranks, divided by ``N``.
 Run on the device machine: ``PYTHONPATH=src python3 scripts/profile_ll.py [tokens]`` (gpu_check.sh profile)."""
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
 from epcomm import Buffer
+from epcomm.bench.timing import make_barrier, make_start
 from epcomm.testing import gpu_cases as G
 from epcomm.testing.inputs import Case
 from epcomm.testing.launcher import parallel_launch
@@ -38,7 +38,7 @@ def main(ctx, tokens, variants):
             rx, cnt, hd, ev, _ = fast.low_latency_dispatch(x, topk, M, E, use_fp8=True)
             fast.low_latency_combine(y, topk, w, hd)
 
-    one = torch.ones(1, device=fast.device)
+    barrier, start = make_barrier(None, fast.device), make_start(None, fast.device, graphs=True)
 
     for name, tune in variants:
         saved = dict(nvlink_ll.TUNE)
@@ -72,10 +72,8 @@ def main(ctx, tokens, variants):
                     pair(False)
             times = []
             for it in range(12):
-                torch.cuda.synchronize()
-                dist.barrier()
-                torch.cuda._sleep(4_000_000)
-                dist.all_reduce(one)
+                barrier()
+                start()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 g.replay()

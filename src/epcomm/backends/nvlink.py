@@ -158,18 +158,20 @@ class NVLinkBackend(Backend):
         buf = self._buf()
         return buf.num_sms if buf is not None else 20
 
-    def _check_error(self, host: torch.Tensor | None = None) -> None:
-        """Raise if a kernel recorded an expired deadline (``host``: a fresh copy of the error word)."""
+    def _check_error(self, word: list[int] | None = None) -> None:
+        """Raise if a kernel recorded an error (``word``: a fresh copy of the error word; default: the
+        host mirror, which the recording kernel or ``_record_word`` wrote)."""
         from ..kernels.common import PHASES
 
-        word = (host if host is not None else self.err_host).tolist()
+        word = word if word is not None else self.err_host.tolist()
         if word[0] == 10:
             raise ValueError(f"topk_idx holds expert id {word[2]}, outside [-1, {word[3]}) for num_experts={word[3]} "
                              "(found on the device; this Buffer is now unusable)")
         if word[0] == 6:
             # each rank announces its M in word `rank` of its own flag area (nvlink_ll.py)
             off = self.flags_off + 5 * self.num_ranks * 4
-            ms = [int(self.peers[r][off + 4 * r:off + 4 * r + 4].view(torch.int32).item()) for r in range(self.num_ranks)]
+            ms = [int(self.peers[r][off + 4 * r:off + 4 * r + 4].view(torch.int32).item())
+                  for r in range(self.num_ranks)]
             if len(set(ms)) > 1:
                 raise ValueError("num_max_dispatch_tokens_per_rank differs across ranks: "
                                  + ", ".join(f"{m} on rank {r}" for r, m in enumerate(ms)))
@@ -181,8 +183,10 @@ class NVLinkBackend(Backend):
             raise PeerTimeoutError(self.rank, phase, word[1], self.timeout_s,
                                    f"flag {word[2]} < expected {word[3]}; this Buffer is now unusable")
 
-    def _post_error_copy(self) -> None:
-        """Mirror the error word after torch ops that may have set it (kernels mirror it themselves)."""
+    def _record_word(self, word: torch.Tensor) -> None:
+        """Record an error word computed by torch ops on the device (first error wins) and mirror it to
+        the host; kernels mirror the words they record themselves, so only this path copies."""
+        self.err[:4].copy_(torch.where(self.err[0] != 0, self.err[:4], word))
         self.err_host.copy_(self.err[:4], non_blocking=True)
 
     @property
@@ -360,8 +364,8 @@ class NVLinkBackend(Backend):
                 # no host synchronisation here: the expert-id range goes into the error word on the device
                 lo, hi = torch.aminmax(topk)
                 bad = ((lo < -1) | (hi >= e)).to(torch.int64)
-                word = torch.stack([bad * 10, -bad, torch.where(lo < -1, lo, hi), bad * 0 + e]).to(torch.int32)
-                self.err[:4].copy_(torch.where(self.err[0] != 0, self.err[:4], word))
+                word = torch.stack([bad * 10, -bad, torch.where(lo < -1, lo, hi), bad * 0 + e])
+                self._record_word(word.to(torch.int32))
             n_rows = a.num_worst_tokens
             lst = []
         else:
@@ -378,7 +382,7 @@ class NVLinkBackend(Backend):
             ev.synchronize()
             vals = nh[:nn + 4].tolist()
             if vals[nn]:
-                self._check_error(torch.tensor(vals[nn:nn + 4]))
+                self._check_error(vals[nn:nn + 4])
             if topk is not None and t:
                 lo, hi = self.ids_host.tolist()
                 if lo < -1 or hi >= e:
@@ -398,7 +402,6 @@ class NVLinkBackend(Backend):
             # A bad expert id: every rank still finished this exchange (ids out of range were ignored
             # by the layout), so the Buffer stays in step; report the argument.
             raise ValueError(f"topk_idx holds expert id {bad_id}, outside [-1, {e}) for num_experts={e}")
-        self._post_error_copy()
         recv_x = out_x.view(torch.uint8).view(a.x.dtype) if a.x.element_size() == 1 else out_x.view(a.x.dtype)
         recv_x = recv_x.view(n_rows, h)
         handle = DispatchHandle(rpm, cpm, recv_cp, out_src, a.is_token_in_rank, send_head)
@@ -412,8 +415,7 @@ class NVLinkBackend(Backend):
         n = rpm[-1, self.rank]
         over = (n > num_worst).to(torch.int32)
         # phase 9 in the error word; peer = -1 (this rank's own bound), observed = n, target = bound
-        word = torch.stack([over * 9, over * -1, n * over, over * num_worst]).to(torch.int32)
-        self.err[:4].copy_(torch.where(self.err[0] != 0, self.err[:4], word))
+        self._record_word(torch.stack([over * 9, over * -1, n * over, over * num_worst]).to(torch.int32))
 
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle):
         self._check_error()
@@ -427,7 +429,6 @@ class NVLinkBackend(Backend):
         out_x, out_s, _, _ = self._gather(x_words, scales, None, None, lay, handle.rank_prefix_matrix, True, n_rows,
                                           0, 0, handle.recv_src_idx, True, g, 0, None)
         self._join_ce()
-        self._post_error_copy()
         recv_x = out_x.view(torch.uint8).view(x.dtype) if x.element_size() == 1 else out_x.view(x.dtype)
         return recv_x.view(n_rows, h), out_s
 
@@ -500,7 +501,6 @@ class NVLinkBackend(Backend):
             K_POW2=_pow2(k), HAS_TIMER=True, STAGES=TUNE["reduce_stages"], num_warps=TUNE["reduce_warps"],
         )
         self._join_ce()
-        self._post_error_copy()
         return out, out_w
 
     # ------------------------------------------------------------------ low-latency
