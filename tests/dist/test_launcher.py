@@ -39,3 +39,19 @@ def test_a_timeout_names_the_rank_and_where_it_hangs():
     msg = str(e.value)
     assert "ranks [1] did not finish within 15 s" in msg
     assert "rank 1 was still running" in msg and "_stuck_here" in msg, msg
+
+
+def _hangs_deaf(ctx):
+    if ctx.rank == 1:
+        import signal
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # as a thread stuck in a driver call
+        _stuck_here(120)
+    return ctx.rank
+
+
+def test_a_rank_that_cannot_take_the_signal_still_leaves_its_stacks():
+    with pytest.raises(RankError) as e:
+        parallel_launch(2, _hangs_deaf, backend="gloo", timeout_s=20)
+    msg = str(e.value)
+    assert "rank 1 was still running" in msg and "_stuck_here" in msg, msg

@@ -29,7 +29,7 @@ def test_assert_bitwise_catches_one_bit(dtype):
     a = (torch.randn(5, 16, generator=torch.Generator().manual_seed(0)) * 10).to(dtype)
     assert_bitwise(a, a.clone(), "same")
     b = flip_lowest_bit(a, 37)
-    with pytest.raises(AssertionError, match=r"x: 1 of 80 elements differ; first at \(2, 5\)"):
+    with pytest.raises(AssertionError, match=r"x: 1 of 80 elements differ; rows \[2\] of 5; first at \(2, 5\)"):
         assert_bitwise(b, a, "x")
 
 

@@ -232,7 +232,7 @@ class NVLinkBackend(Backend):
         r_, me = self.num_ranks, self.rank
         if r_ == 1:
             return
-        if self.transfer == "sm":
+        if not self._use_ce():
             # Small per-token arrays by copy engine (after the receivers freed the slot), rows by SMs.
             ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.DCONSUMED, r_, me, self.ctrs[DSEND:],
                                      self.err, 2, self._timeout_ns, HAS_TIMER=True)
@@ -278,8 +278,16 @@ class NVLinkBackend(Backend):
             if arr is not None:
                 arr.record_stream(self.ce_stream)
 
+    def _use_ce(self) -> bool:
+        """Bulk bytes by copy engine, unless EPCOMM_HT_TRANSFER=sm or the call is being captured in a CUDA
+        graph. Under graph replay the copy-engine branch (a forked stream: copies, then a flag kernel)
+        let the receiver read the last rows of a chunk before they arrived (tier 3 on nvidia-h200-x2,
+        2026-11-22: the rows at the end of chunks 0-2 held the previous replay's data, every replay; a
+        stream memory barrier between copy and flag did not change it); SM push was correct there."""
+        return self.transfer != "sm" and not torch.cuda.is_current_stream_capturing()
+
     def _join_ce(self) -> None:
-        if self.num_ranks > 1 and self.transfer != "sm":
+        if self.num_ranks > 1 and self._use_ce():
             torch.cuda.current_stream().wait_stream(self.ce_stream)
 
     def _gather(self, x_words, scales, topk, w, lay, counts, is_prefix: bool, n_rows: int, lo_expert: int,
@@ -448,7 +456,7 @@ class NVLinkBackend(Backend):
         w = topk_weights.contiguous() if topk_weights is not None else None
         host_prefix = getattr(rpm, "_epcomm_host_prefix", None)
         if r_ > 1:
-            if host_prefix is not None and self.transfer != "sm":
+            if host_prefix is not None and self._use_ce():
                 cur = torch.cuda.current_stream()
                 self.ce_stream.wait_stream(cur)
                 with torch.cuda.stream(self.ce_stream):

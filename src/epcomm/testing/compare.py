@@ -23,7 +23,11 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str) -> N
     diff = (a != b)
     if bool(diff.any()):
         first = tuple(int(i) for i in diff.nonzero()[0])
-        raise AssertionError(f"{what}: {int(diff.sum())} of {diff.numel()} elements differ; first at {first}: "
+        rows = ""
+        if diff.dim() > 1:  # which rows: a pattern (every chunk's first row, a tail) often names the cause
+            bad = diff.reshape(diff.shape[0], -1).any(1).nonzero().flatten().tolist()
+            rows = f"; rows {bad[:16]}{' ...' if len(bad) > 16 else ''} of {diff.shape[0]}"
+        raise AssertionError(f"{what}: {int(diff.sum())} of {diff.numel()} elements differ{rows}; first at {first}: "
                              f"{actual[first].item()} != {expected[first].item()}")
 
 

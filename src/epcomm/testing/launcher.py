@@ -49,13 +49,18 @@ def _stack_file(init_file: str, rank: int) -> str:
     return f"{init_file}.stack-{rank}"
 
 
-def _worker(rank, world_size, init_file, backend, pg_timeout_s, fn, args, results):
+def _worker(rank, world_size, init_file, backend, pg_timeout_s, fn, args, results, dump_at=None):
     os.environ.update(SAFE_ENV)
+    # A rank that does not finish in time leaves every thread's Python stack in a file the parent puts
+    # into the error, so a hang says where it hangs: the parent asks with SIGUSR1, and a watchdog thread
+    # (independent of signal delivery, which a thread blocked in the driver may not see) writes it
+    # shortly before the parent's deadline.
+    stack = open(_stack_file(init_file, rank), "w")  # noqa: SIM115 - open for the process's lifetime
+    faulthandler.enable(file=stack, all_threads=True)  # a fatal signal (abort, segfault) leaves its stacks too
     if hasattr(signal, "SIGUSR1"):
-        # The parent sends SIGUSR1 to a rank that does not finish in time: every thread's Python stack
-        # goes to a file the parent puts into the error, so a hang says where it hangs.
-        stack = open(_stack_file(init_file, rank), "w")  # noqa: SIM115 - open for the process's lifetime
         faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)
+    if dump_at is not None:  # wall-clock time, shortly before the parent's deadline
+        faulthandler.dump_traceback_later(max(dump_at - time.time(), 1.0), file=stack)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -68,15 +73,20 @@ def _worker(rank, world_size, init_file, backend, pg_timeout_s, fn, args, result
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s), **kw,
         )
+        ctx = RankContext(rank, world_size, device, backend, dist.group.WORLD)
         try:
-            ctx = RankContext(rank, world_size, device, backend, dist.group.WORLD)
             out = fn(ctx, *args)
-            results.put((rank, "ok", out))
-        finally:
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group must not hide the real error
-                pass
+        except BaseException:  # noqa: BLE001 - reported to the parent with the rank
+            # Report before tearing the group down: destroying it while a peer still waits in a
+            # collective can block, and the error must not wait for that.
+            results.put((rank, "error", traceback.format_exc()))
+            return
+        results.put((rank, "ok", out))
+        faulthandler.cancel_dump_traceback_later()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the result is already reported
+            pass
     except BaseException:  # noqa: BLE001 - reported to the parent with the rank
         results.put((rank, "error", traceback.format_exc()))
 
@@ -94,7 +104,8 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
     with tempfile.TemporaryDirectory(prefix="epcomm-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, backend, pg_timeout_s, fn, args, results),
+            ctx.Process(target=_worker, args=(r, world_size, init_file, backend, pg_timeout_s, fn, args, results,
+                                                   time.time() + max(timeout_s - 5.0, 0.5 * timeout_s)),
                         daemon=False)
             for r in range(world_size)
         ]
@@ -139,6 +150,26 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
         return [out[r] for r in range(world_size)]
 
 
+def _proc_state(pid: int) -> str:
+    """The kernel's view of a process: its state and each thread's state and wait channel (Linux)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            state = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("State:")), "?")
+        threads = []
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int)[:16]:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()[0]
+            try:
+                with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                    wchan = f.read().strip() or "-"
+            except OSError:
+                wchan = "?"
+            threads.append(f"{tid}:{st}/{wchan}")
+        return f"state {state}; threads " + " ".join(threads)
+    except (OSError, StopIteration, IndexError):
+        return "state unknown"
+
+
 def _dump_stacks(procs, ranks: list[int], init_file: str) -> str:
     """Ask the still-running ``ranks`` for their Python stacks (SIGUSR1, see ``_worker``); the text."""
     if not ranks or not hasattr(signal, "SIGUSR1"):
@@ -156,5 +187,6 @@ def _dump_stacks(procs, ranks: list[int], init_file: str) -> str:
                 text = f.read()
         except OSError:
             text = ""
-        parts.append(f"\n--- rank {r} was still running; its Python stacks:\n" + (text[-6000:] or "(none written)"))
+        parts.append(f"\n--- rank {r} was still running ({_proc_state(procs[r].pid)}); its Python stacks:\n"
+                     + (text[-12000:] or "(none written)"))
     return "".join(parts)
