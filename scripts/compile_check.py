@@ -67,11 +67,11 @@ def main():
                     dict(HAS_W=True, NUM_BIAS=2, NC=4, TB=4, BLOCK=1024, R_POW2=2, K_POW2=8, HAS_TIMER=True, STAGES=3)))
     kernels.append((ht._combine_push_kernel, ptr_types(ht._combine_push_kernel, {"w_ptr": "*fp32",
                     "ptr_table": "*i64", "flags_off": "i64", "timeout_ns": "i64", "stage_off": "i64",
-                    "stage_w_off": "i64"}), dict(HAS_W=True, NC=4, BLOCK=1024, K_POW2=8, HAS_TIMER=True)))
+                    "stage_w_off": "i64"}), dict(HAS_W=True, NC=4, RB=8, BLOCK=512, K_POW2=8, HAS_TIMER=True)))
     import triton.language as tl
     kernels.append((ht._push_kernel, ptr_types(ht._push_kernel, {"ptr_table": "*i64", "is_in_ptr": "*i8",
                     "flags_off": "i64", "timeout_ns": "i64", "stage_off": "i64"}),
-                    dict(NC=4, BLOCK=1024, HAS_TIMER=True, ELEM=tl.int32)))
+                    dict(NC=4, RB=8, BLOCK=512, HAS_TIMER=True, ELEM=tl.int32)))
     try:
         from epcomm.kernels import ll
         for fn, types, consts in ll.COMPILE_CHECKS:

@@ -3,6 +3,7 @@ process (peer buffers are plain CPU tensors), against the reference oracle. A de
 ``pip install triton==3.6.0; PYTHONPATH=src python scripts/sim_ht.py``."""
 import _interp  # noqa: F401  (sets TRITON_INTERPRET=1; must come before triton)
 import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
 from epcomm import layout  # noqa: E402
 from epcomm.backends import nvlink as nv  # noqa: E402
 from epcomm.kernels import ht  # noqa: E402
@@ -14,7 +15,7 @@ def _wrap32(v):
     return (v + 2 ** 31) % 2 ** 32 - 2 ** 31
 
 
-def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0):
+def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push="ce"):
     """``start``: every per-call counter (and the flags that follow it) starts there, e.g. 2**31 - 1 so
     that the counters and the copy-engine data flags (NC per call) cross the int32 wrap in this call."""
     case = Case(num_ranks=R, tokens=T, hidden=H, num_topk=K, num_experts=E, seed=1, hot_expert=1)
@@ -70,7 +71,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0):
                 DO_RECV=phase == "recv", HAS_TIMER=False)
             if phase == "recv":
                 s["nctr"] -= 0
-    # emulate the copy engine + signal
+    # the transfer: the copy engine emulated (copies, then NC flag kernels), or the SM push kernel
     for me in range(R):
         s = st[me]
         xw = s["x"].view(torch.int32)
@@ -80,9 +81,17 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0):
             def put(off, arr):
                 b = arr.numel() * arr.element_size()
                 symm[j][off + me * d_slot: off + me * d_slot + b] = arr.reshape(-1).view(torch.uint8)
-            put(dx, xw); put(dk, s["topk"]); put(dw, s["w"])
-        for c in range(nv.NC):
-            ht._ce_signal_kernel[(1,)](table, 0, ht.DDATA, R, me, s["ctrs"][nv.DSEND:], int(c == nv.NC - 1))
+            if push == "ce":
+                put(dx, xw)
+            put(dk, s["topk"]); put(dw, s["w"])
+        if push == "ce":
+            for c in range(nv.NC):
+                ht._ce_signal_kernel[(1,)](table, 0, ht.DDATA, R, me, s["ctrs"][nv.DSEND:], int(c == nv.NC - 1))
+        else:
+            ht._push_kernel[(2,)](xw, row_words, T[me], R, me, s["in_rank"].view(torch.int8), table, 0, ht.DDATA,
+                                  ht.DCONSUMED, dx, d_slot, s["ctrs"][nv.DSEND:], s["tickets"][4:], s["err"], 2, 100,
+                                  NC=nv.NC, RB=2, BLOCK=16, HAS_TIMER=False, ELEM=tl.int32)
+            assert s["err"][0] == 0, s["err"]
     outs = []
     for me in range(R):
         s = st[me]
@@ -127,7 +136,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0):
         o["y"] = y
         ht._combine_push_kernel[(2,)](y.view(torch.int32), o["w"], H // 2, K, R, me, o["rpm"], table, 0, cx, c_slot,
                                       cw, c_slot, s["ctrs"][nv.CSEND:], s["tickets"][3:], s["err"], 100, HAS_W=True,
-                                      NC=nv.NC, BLOCK=16, K_POW2=4, HAS_TIMER=False)
+                                      NC=nv.NC, RB=2, BLOCK=16, K_POW2=4, HAS_TIMER=False)
     for me in range(R):
         s, o = st[me], outs[me]
         out = torch.empty(T[me], H, dtype=torch.bfloat16)
@@ -155,3 +164,5 @@ if __name__ == "__main__":
     run(R=2, T=(9, 4), worst=20)
     run(R=1, T=(6,))
     run(start=2 ** 31 - 1)  # counters, parities and data flags cross the int32 wrap
+    run(push="sm")  # the SM push kernels (tiles of rows; used under CUDA-graph capture)
+    run(R=2, T=(9, 4), worst=20, push="sm", start=2 ** 31 - 1)

@@ -43,7 +43,7 @@ DEFAULT_NVL_BYTES = 256 << 20
 NUM_CTRS = 16
 # launch parameters of the high-throughput kernels (scripts/ht_probe.py sweeps them on the device machine)
 TUNE = dict(gather_rb=8, gather_block=512, gather_warps=8, gather_stages=3, reduce_tb=8, reduce_block=1024,
-            reduce_warps=8, reduce_stages=3, notify_block=256)
+            reduce_warps=8, reduce_stages=3, notify_block=256, push_rb=8, push_block=512, push_warps=8)
 NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
 # counter slots (local int32 device memory)
 DSEND, DRECV, CSEND, CRECV = 0, 1, 2, 3
@@ -246,8 +246,8 @@ class NVLinkBackend(Backend):
             ht._push_kernel[grid](x_words, x_words.shape[1], x_words.shape[0], r_, me, is_in.view(torch.int8),
                                   self.ptr_table, self.flags_off, ht.DDATA, ht.DCONSUMED, lay["dx"],
                                   lay["d_slot"], self.ctrs[DSEND:], self.tickets[T_DPUSH:], self.err, 2,
-                                  self._timeout_ns, NC=NC, BLOCK=1024, HAS_TIMER=True,
-                                  ELEM=torch_to_tl(x_words.dtype), num_warps=8)
+                                  self._timeout_ns, NC=NC, RB=TUNE["push_rb"], BLOCK=TUNE["push_block"],
+                                  HAS_TIMER=True, ELEM=torch_to_tl(x_words.dtype), num_warps=TUNE["push_warps"])
             return
         cur = torch.cuda.current_stream()
         self.ce_stream.wait_stream(cur)
@@ -490,7 +490,8 @@ class NVLinkBackend(Backend):
                     xw, w if w is not None else xw.view(torch.float32), xw.shape[1], k, r_, me, rpm,
                     self.ptr_table, self.flags_off, lay["cx"], lay["c_slot"], lay["cw"], lay["c_slot"],
                     self.ctrs[CSEND:], self.tickets[T_CPUSH:], self.err, self._timeout_ns,
-                    HAS_W=w is not None, NC=NC, BLOCK=1024, K_POW2=_pow2(k), HAS_TIMER=True, num_warps=8,
+                    HAS_W=w is not None, NC=NC, RB=TUNE["push_rb"], BLOCK=TUNE["push_block"], K_POW2=_pow2(k),
+                    HAS_TIMER=True, num_warps=TUNE["push_warps"],
                 )
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         out_w = torch.empty(t, k, dtype=torch.float32, device=dev) if w is not None else None

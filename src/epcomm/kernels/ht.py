@@ -132,31 +132,39 @@ def _i64(v):
 
 
 @triton.jit
-def _copy_row(dst, src, n_elems, BLOCK: tl.constexpr):
-    for h0 in range(0, n_elems, BLOCK):
-        hh = h0 + tl.arange(0, BLOCK)
-        m = hh < n_elems
-        tl.store(dst + hh, tl.load(src + hh, mask=m), mask=m)
+def _copy_tile(dst, dst_rows, src, src_rows, row_ok, row_elems, BLOCK: tl.constexpr):
+    """Rows ``src_rows`` of ``src`` to rows ``dst_rows`` of ``dst`` (int64 row indices, ``row_elems``
+    words each) where ``row_ok``: a whole tile of rows per step, so many loads are in flight at once."""
+    cols = tl.arange(0, BLOCK)
+    d = dst_rows[:, None] * row_elems
+    s = src_rows[:, None] * row_elems
+    for h0 in range(0, row_elems, BLOCK):
+        cc = h0 + cols
+        m = row_ok[:, None] & (cc[None, :] < row_elems)
+        tl.store(dst + d + cc[None, :], tl.load(src + s + cc[None, :], mask=m), mask=m)
 
 
 @triton.jit(do_not_specialize=['T'])
 def _push_kernel(x_ptr, row_elems, T, R, me, is_in_ptr, ptr_table, flags_off, slot, consumed_slot,
                  stage_off, stage_src_bytes, ctr_ptr, ticket_ptr, err_ptr, phase, timeout_ns,
-                 NC: tl.constexpr, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr, ELEM: tl.constexpr):
+                 NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr,
+                 ELEM: tl.constexpr):
     """SM bulk mover: row ``t`` of ``x`` (``row_elems`` int8/int16/int32 words) to row ``t`` of my slot
-    in every peer ``j`` with ``is_in[t, j]``; the last program raises the peers' data flags."""
+    in every peer ``j`` with ``is_in[t, j]``, ``RB`` rows per step; the last program raises the peers'
+    data flags (every program's stores are released, system scope, before its ticket)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n = tl.load(ctr_ptr)
     _wait_peers(ptr_table, flags_off, consumed_slot, R, me, n, err_ptr, phase, timeout_ns, HAS_TIMER)
-    for j in range(0, R):
-        if j != me:
-            dst_base = peer_ptr(ptr_table, j, stage_off + me * stage_src_bytes, ELEM)
-            for t in range(pid, T, P):
-                f = tl.load(is_in_ptr + t.to(tl.int64) * R + j)
-                if f != 0:
-                    _copy_row(dst_base + _i64(t) * row_elems, x_ptr + _i64(t) * row_elems,
-                              row_elems, BLOCK)
+    for t0 in range(pid * RB, T, P * RB):
+        tt = (t0 + tl.arange(0, RB)).to(tl.int64)
+        inb = tt < T
+        for j in range(0, R):
+            if j != me:
+                f = tl.load(is_in_ptr + tt * R + j, mask=inb, other=0) != 0
+                if tl.max(f.to(tl.int32), 0) > 0:
+                    dst = peer_ptr(ptr_table, j, stage_off + me * stage_src_bytes, ELEM)
+                    _copy_tile(dst, tt, x_ptr, tt, f, row_elems, BLOCK)
     if ticket_last(ticket_ptr):
         _signal_peers(ptr_table, flags_off, slot, R, me, NC)
         tl.store(ctr_ptr, n + 1)
@@ -361,10 +369,10 @@ def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K,
 def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, flags_off,
                          stage_off, stage_src_bytes, stage_w_off, stage_w_src_bytes,
                          ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
-                         HAS_W: tl.constexpr, NC: tl.constexpr, BLOCK: tl.constexpr, K_POW2: tl.constexpr,
-                         HAS_TIMER: tl.constexpr):
+                         HAS_W: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
+                         K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
     """SM mover for combine: rows ``[rpm[i-1, me], rpm[i, me])`` of x go to row 0.. of my slot on
-    owner ``i``; the last program raises the owners' data flags."""
+    owner ``i``, ``RB`` rows per step; the last program raises the owners' data flags."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n = tl.load(ctr_ptr)
@@ -378,12 +386,15 @@ def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, 
                 start = tl.load(rpm_ptr + (i - 1) * R + me)
             dst = peer_ptr(ptr_table, i, stage_off + me * stage_src_bytes, tl.int32)
             dst_w = peer_ptr(ptr_table, i, stage_w_off + me * stage_w_src_bytes, tl.float32)
-            for r in range(pid, end - start, P):
-                r64 = _i64(r)
-                src = (start + r).to(tl.int64)
-                _copy_row(dst + r64 * row_elems, x_ptr + src * row_elems, row_elems, BLOCK)
+            for r0 in range(pid * RB, end - start, P * RB):
+                rr = (r0 + tl.arange(0, RB)).to(tl.int64)
+                ok = rr < end - start
+                src = start + rr
+                _copy_tile(dst, rr, x_ptr, src, ok, row_elems, BLOCK)
                 if HAS_W:
-                    tl.store(dst_w + r64 * K + kk, tl.load(w_ptr + src * K + kk, mask=kk < K), mask=kk < K)
+                    km = ok[:, None] & (kk[None, :] < K)
+                    tl.store(dst_w + rr[:, None] * K + kk[None, :], tl.load(w_ptr + src[:, None] * K + kk[None, :],
+                                                                              mask=km), mask=km)
     if ticket_last(ticket_ptr):
         _signal_peers(ptr_table, flags_off, CDATA, R, me, NC)
         tl.store(ctr_ptr, n + 1)
