@@ -8,7 +8,8 @@ VARIABLES = {
     "EPCOMM_BACKEND": "force a backend: reference | nvlink (a forced backend that cannot run raises)",
     "EPCOMM_TIMEOUT_S": "deadline in seconds for every wait on a peer (default 30 on CPU, 10 on GPU)",
     "EPCOMM_LOG_LEVEL": "log level of the epcomm logger (e.g. INFO to see which backend runs and why)",
-    "EPCOMM_HT_TRANSFER": "nvlink high-throughput bulk mover: ce (copy engine, default) | sm (Triton push kernels)",
+    "EPCOMM_HT_TRANSFER": "nvlink high-throughput bulk mover of eager calls: ce (copy engine, default) | sm (Triton push "
+                          "kernels); calls captured in a CUDA graph always push with SMs",
 }
 
 
