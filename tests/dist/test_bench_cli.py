@@ -45,6 +45,8 @@ def test_bench_small_end_to_end(tmp_path, capsys):
     for r in rows:
         assert r["backend"] == "reference" and r["world_size"] == 2 and r["timing"] == "wall"
         assert r["check"] == "pass" and r["sms"] == "gloo" and r["iters"] == 2
+        # high-throughput ops are also checked the way they were timed (set 0 once more, as timed)
+        assert r["timed_check"] == ("pass" if r["mode"] == "ht" else "not run"), r
         assert r["median_us"] > 0 and r["p10_us"] <= r["p90_us"]
         assert r["speedup"] == pytest.approx(1.0) and r["ref_median_us"] == r["median_us"]
         assert r["env"]["transport"] == "gloo" and r["env"]["world_size"] == 2 and r["env"]["device"] == "cpu"
@@ -73,14 +75,19 @@ class _Wrapped:
     def __init__(self, buf: Buffer, how: str):
         self.buf, self.how = buf, how
         self.backend_name = f"fake-{how}"
+        self.calls = 0
 
     def __getattr__(self, name):
         return getattr(self.buf, name)
 
     def dispatch(self, x, **kw):
         out = self.buf.dispatch(x, **kw)
-        if self.how == "corrupt" and not isinstance(x, tuple) and out[0].numel():
-            out[0].view(torch.int16)[-1, -1] ^= 1
+        self.calls += 1
+        # "late": right in the case check (its first two dispatches), wrong afterwards, as a path that
+        # is only broken the way it is timed (the copy engine under graph replay was)
+        broken = self.how == "corrupt" or (self.how == "late" and self.calls > 2)
+        if broken and not isinstance(x, tuple) and out[0].numel():
+            out[0].view(torch.int16)[0, -1] ^= 1  # row 0: also inside the rows a worst-case dispatch fills
         return out
 
     @staticmethod
@@ -120,7 +127,7 @@ def _check_worker(ctx):
     out = {}
     for how in ("corrupt", "reorder"):
         fake = _Wrapped(Buffer(ctx.group), how)
-        out[("ht", how)] = workloads.check_ht({fake.backend_name: fake, "reference": Buffer(ctx.group)}, ht_set)
+        out[("ht", how)] = workloads.check_ht({fake.backend_name: fake, "reference": Buffer(ctx.group)}, ht_set)[0]
         fake = _Wrapped(Buffer(ctx.group, num_rdma_bytes=rdma, low_latency_mode=True), how)
         ref = Buffer(ctx.group, num_rdma_bytes=rdma, low_latency_mode=True)
         out[("ll", how)] = workloads.check_ll({fake.backend_name: fake, "reference": ref}, ll_set, ll)
@@ -165,3 +172,26 @@ def test_rows_pair_a_fast_backend_with_the_reference():
         assert r["ref_median_us"] is not None and r["speedup"] == pytest.approx(r["ref_median_us"] / r["median_us"])
     assert [r["op"] for r in rows[:5]] == ["dispatch", "dispatch", "combine", "dispatch", "dispatch"]  # fast first
     assert [r["op"] for r in rows[5:8]] == ["dispatch", "dispatch", "combine"]  # then the reference
+
+
+def _late_worker(ctx):
+    os.environ["EPCOMM_TIMEOUT_S"] = "60"
+    from epcomm.bench.runner import BenchPlan, _run_case
+
+    ht, _ = CASE_SETS["small"]
+    plan = BenchPlan(cases=(ht,), iters=2, warmup=0, sets=2)
+    late = _Wrapped(Buffer(ctx.group), "late")
+    return _run_case(ctx, plan, ht, {late.backend_name: late, "reference": Buffer(ctx.group)}, None)
+
+
+def test_a_path_broken_only_as_timed_fails_its_rows():
+    from epcomm.bench import report
+
+    rows = report.merge_ranks(parallel_launch(2, _late_worker, backend="gloo", timeout_s=120), env={}, iters=2,
+                              warmup=0)
+    late = {r["dtype"]: r for r in rows if r["backend"] == "fake-late" and r["op"] == "dispatch"}
+    for dtype in ("bf16", "bf16-worst"):
+        assert "rank 0: FAIL as timed (FAIL: timed dispatch (bf16, set 0) bf16 recv_x" in late[dtype]["check"]
+        assert late[dtype]["timed_check"].startswith("rank 0: FAIL: timed dispatch"), late[dtype]
+    assert late["fp8"]["check"] == "pass" and late["fp8"]["timed_check"] == "pass"  # FP8 rows are not damaged
+    assert all(r["check"] == "pass" for r in rows if r["backend"] == "reference")

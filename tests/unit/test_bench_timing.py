@@ -155,3 +155,43 @@ def test_reference_ops_are_not_captured(monkeypatch):
     op = timing.TimedOp("dispatch", "fp8", ("send", "recv"), lambda s: ([], [lambda: None, lambda: None]))
     m = timing.measure(op, num_sets=1, iters=2, warmup=0, group=None, device=torch.device("cuda"))
     assert m.method == "events" and fake.replays == 0 and len(m.stats) == 2
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_graph_rows_are_verified_as_replayed(monkeypatch, wrong):
+    """The op's verify sees set 0's output the way it was timed: after a replay, the tensor the step
+    returned under capture (which replays rewrite), not a fresh eager result."""
+    fake = _FakeCuda(False)
+    fake.install(monkeypatch)
+    seen = []
+
+    def build(s):
+        def step():
+            return {"set": s, "captured": fake.capturing}
+        return [], [step]
+
+    def verify(s, out):
+        seen.append((s, out, fake.replays))
+        if wrong:
+            raise AssertionError("graph replay 0 recv_x: 3 of 63 rows differ\nmore detail")
+
+    op = timing.TimedOp("dispatch", "bf16-worst", ("total",), build, capturable=True, verify=verify)
+    m = timing.measure(op, num_sets=2, iters=2, warmup=0, group=None, device=torch.device("cuda"))
+    assert m.method == "graph"
+    assert seen == [(0, {"set": 0, "captured": True}, 2 + 1)]  # after the timed replays and one more of set 0
+    assert m.verified == ("FAIL: graph replay 0 recv_x: 3 of 63 rows differ" if wrong else "pass")
+
+
+def test_eager_rows_are_verified_and_ops_without_verify_say_so(monkeypatch):
+    monkeypatch.setattr(timing, "make_barrier", lambda group, device: lambda: None)
+    outs = []
+
+    def build(s):
+        return [], [lambda: outs.append(s) or len(outs)]
+
+    got = []
+    op = timing.TimedOp("combine", "bf16", ("total",), build, verify=lambda s, out: got.append((s, out)))
+    m = timing.measure(op, num_sets=2, iters=3, warmup=0, group=None, device=torch.device("cpu"))
+    assert m.verified == "pass" and got == [(0, 4)]  # set 0 run once more after the 3 timed iterations
+    op = timing.TimedOp("combine", "bf16", ("total",), build)
+    assert timing.measure(op, num_sets=1, iters=1, warmup=0, group=None, device=torch.device("cpu")).verified is None

@@ -30,10 +30,16 @@ ROW_FIELDS = (
     "case", "mode", "tokens", "hidden", "topk", "experts", "world_size", "backend", "op", "dtype", "phase",
     "cached", "median_us", "p10_us", "p90_us", "host_us", "iters", "warmup", "timing", "logical_bytes",
     "link_bytes", "logical_gbps", "link_gbps", "sms", "ref_median_us", "speedup", "ce_gbps", "link_fraction",
-    "check", "env",
+    "check", "timed_check", "env",
 )
 ENV_FIELDS = ("date", "device", "gpu_count", "driver", "cuda", "nccl", "torch", "triton", "epcomm", "git_sha",
               "git_dirty", "python", "world_size", "transport", "backends")
+
+
+def _timed_check(rs: list[dict]) -> str:
+    vals = [r.get("timed_check", "not run") for r in rs]
+    bad = [f"rank {i}: {v}" for i, v in enumerate(vals) if v not in ("pass", "not run")]
+    return "; ".join(bad) if bad else vals[0]
 
 
 def _run(cmd: list[str], cwd: str | None = None, timeout: float = 10.0) -> str | None:
@@ -135,6 +141,8 @@ def merge_ranks(per_rank: list[list[dict]], *, env: dict, iters: int, warmup: in
             "ref_median_us": None, "speedup": None,
             "ce_gbps": ce_gbps, "link_fraction": None,
             "check": "; ".join(failures) if failures else rs[0]["check"],
+            # the op checked the way it was timed (graph replay or eager) on input set 0, every rank
+            "timed_check": _timed_check(rs),
             "env": env,
         }
         if ce_gbps and row["link_gbps"] is not None:

@@ -30,6 +30,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,9 @@ class TimedOp:
     phases: tuple[str, ...]       # ("total",) or ("send", "recv")
     build: Callable[[int], tuple[list[Step], list[Step]]]
     capturable: bool = False      # worth trying a CUDA graph (fixed shapes, no host sync)
+    # verify(s, out): raise AssertionError if ``out`` (what the last step returned for input set ``s``,
+    # run the way it was timed: graph replay or eager) is wrong
+    verify: Callable[[int, Any], None] | None = None
 
 
 @dataclasses.dataclass
@@ -86,6 +90,7 @@ class Measurement:
     stats: list[Stats]            # one per phase (GPU or wall time)
     host: list[float]             # median host seconds per phase (time to return from the call)
     method: str                   # "wall" | "events" | "graph"
+    verified: str | None = None   # op.verify on set 0 run as timed: "pass" | "FAIL: ..." | None (no verify)
 
 
 class _WallMarks:
@@ -140,6 +145,19 @@ def make_start(group, device: torch.device, graphs: bool) -> Callable[[], None]:
     return start
 
 
+class _Replay:
+    """A captured step: calling it replays the graph and returns what the step returned at capture
+    (its output tensors, which every replay rewrites), so a replayed step can be checked like an
+    eager one."""
+
+    def __init__(self, graph, out) -> None:
+        self.graph, self.out = graph, out
+
+    def __call__(self):
+        self.graph.replay()
+        return self.out
+
+
 def capture_graphs(plans: list[tuple[list[Step], list[Step]]]) -> list[tuple[list[Step], list[Step]]]:
     """Capture every prep and timed step of every input set into its own CUDA graph.
 
@@ -162,8 +180,8 @@ def capture_graphs(plans: list[tuple[list[Step], list[Step]]]) -> list[tuple[lis
             g = torch.cuda.CUDAGraph()
             # thread_local: calls from other threads (NCCL's watchdog) cannot invalidate the capture
             with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                step()
-            replays.append(g.replay)  # the bound method keeps the graph alive
+                result = step()
+            replays.append(_Replay(g, result))
         out.append((replays[:len(prep)], replays[len(prep):]))
     torch.cuda.synchronize()
     return out
@@ -224,6 +242,22 @@ def measure(op: TimedOp, *, num_sets: int, iters: int, warmup: int, group, devic
                 samples[j].append(dt[j])
                 host[j].append(h[j])
     barrier()
+    verified = None
+    if op.verify is not None:
+        # Check the op the way it was timed (a graph replay is not the eager call the case check saw):
+        # input set 0 once more through the timed plans, then its last step's output.
+        prep, steps = plans[0]
+        for p in prep:
+            p()
+        outs = [step() for step in steps]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        try:
+            op.verify(0, outs[-1])
+            verified = "pass"
+        except AssertionError as e:
+            verified = "FAIL: " + (str(e).splitlines() or ["assertion failed"])[0][:160]
+        barrier()
     if method == "graph":
         # Replays bypass the backend's host-side checks (deadline expiries recorded by its kernels):
         # one eager iteration afterwards lets them raise here instead of leaving wrong numbers.
@@ -234,4 +268,4 @@ def measure(op: TimedOp, *, num_sets: int, iters: int, warmup: int, group, devic
             step()
         barrier()
     return Measurement(op.phases, [Stats.of(s) for s in samples],
-                       [Stats.of(h).median for h in host], method)
+                       [Stats.of(h).median for h in host], method, verified)

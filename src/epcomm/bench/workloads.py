@@ -82,10 +82,11 @@ def make_ht_sets(case: BenchCase, rank: int, num_ranks: int, device: torch.devic
     return out
 
 
-def ht_ops(buf, sets: list[HTSet], cached: bool = False) -> list[TimedOp]:
+def ht_ops(buf, sets: list[HTSet], cached: bool = False, expect: HTExpect | None = None) -> list[TimedOp]:
     """Dispatch BF16, dispatch FP8, combine BF16 on ``buf`` (an ``epcomm.Buffer``).
 
     ``cached``: time dispatch with a handle (no layout exchange), as DeepEP's tuning loop does.
+    ``expect``: the reference's results on set 0; each op is then verified as it was timed.
     """
     r_ = buf.group_size
     dcfg, ccfg = buf.get_dispatch_config(r_), buf.get_combine_config(r_)
@@ -113,9 +114,16 @@ def ht_ops(buf, sets: list[HTSet], cached: bool = False) -> list[TimedOp]:
             return buf.combine(recv_x, handle, config=ccfg)
         return [], [step]
 
-    ops = [TimedOp("dispatch", "bf16", ("total",), dispatch(False)),
-           TimedOp("dispatch", "fp8", ("total",), dispatch(True)),
-           TimedOp("combine", "bf16", ("total",), combine, capturable=buf.backend_name != "reference")]
+    def verify_dispatch(fp8: bool):
+        if expect is None:
+            return None
+        return lambda s, out: expect.dispatch(out, fp8, f"timed dispatch ({'fp8' if fp8 else 'bf16'}, set {s})")
+
+    verify_combine = None if expect is None else (lambda s, out: expect.combine(out, f"timed combine (set {s})"))
+    ops = [TimedOp("dispatch", "bf16", ("total",), dispatch(False), verify=verify_dispatch(False)),
+           TimedOp("dispatch", "fp8", ("total",), dispatch(True), verify=verify_dispatch(True)),
+           TimedOp("combine", "bf16", ("total",), combine, capturable=buf.backend_name != "reference",
+                   verify=verify_combine)]
     if buf.backend_name != "reference" and not cached:
         # GPU time without the host: num_worst_tokens (no host sync) lets the dispatch be captured in
         # a CUDA graph; rows are labelled "<dtype>-worst" (outputs padded to R*T rows).
@@ -131,8 +139,10 @@ def ht_ops(buf, sets: list[HTSet], cached: bool = False) -> list[TimedOp]:
                 return [], [step]
             return build
 
-        ops += [TimedOp("dispatch", "bf16-worst", ("total",), dispatch_worst(False), capturable=True),
-                TimedOp("dispatch", "fp8-worst", ("total",), dispatch_worst(True), capturable=True)]
+        ops += [TimedOp("dispatch", "bf16-worst", ("total",), dispatch_worst(False), capturable=True,
+                        verify=verify_dispatch(False)),
+                TimedOp("dispatch", "fp8-worst", ("total",), dispatch_worst(True), capturable=True,
+                        verify=verify_dispatch(True))]
     return ops
 
 
@@ -160,8 +170,9 @@ def _fail(e: AssertionError) -> str:
     return "FAIL: " + (str(e).splitlines() or ["assertion failed"])[0][:160]
 
 
-def check_ht(bufs: dict, st: HTSet) -> dict[str, str]:
-    """Check each backend once on set ``st``: ``"pass"`` or ``"FAIL: ..."`` per backend name.
+def check_ht(bufs: dict, st: HTSet) -> tuple[dict[str, str], "HTExpect"]:
+    """Check each backend once on set ``st``: ``"pass"`` or ``"FAIL: ..."`` per backend name, and the
+    reference's results on ``st`` (what :func:`ht_ops` verifies the timed runs against).
 
     - every backend: the FP8 rows received are the FP8 cast of the BF16 rows received (bitwise),
       and combine(dispatch(x)) = x * (ranks the token went to), within the BF16 reduction budget;
@@ -195,7 +206,30 @@ def check_ht(bufs: dict, st: HTSet) -> dict[str, str]:
             result[name] = "pass"
         except AssertionError as e:
             result[name] = _fail(e)
-    return result
+    return result, HTExpect(ref_d[0], ref_f[0], x64 * cnt, x64.abs() * cnt, num_ranks)
+
+
+@dataclasses.dataclass
+class HTExpect:
+    """The reference's results on input set 0 (see :func:`check_ht`)."""
+    recv_x: torch.Tensor                          # bf16 rows received
+    recv_fp8: tuple[torch.Tensor, torch.Tensor]   # fp8 rows and scales received
+    combined: torch.Tensor                        # float64: combine(dispatch(x)) exactly
+    combined_abs: torch.Tensor                    # float64: the same of |x| (the reduction budget)
+    num_ranks: int
+
+    def dispatch(self, out, fp8: bool, what: str) -> None:
+        recv = out[0]
+        if fp8:
+            n = self.recv_fp8[0].shape[0]
+            assert_bitwise(recv[0][:n], self.recv_fp8[0], f"{what} fp8 recv_x")
+            assert_bitwise(recv[1][:n], self.recv_fp8[1], f"{what} fp8 recv scales")
+        else:
+            n = self.recv_x.shape[0]
+            assert_bitwise(recv[:n], self.recv_x, f"{what} bf16 recv_x")
+
+    def combine(self, out, what: str) -> None:
+        assert_within_budget(out[0], self.combined, self.combined_abs, self.num_ranks, what)
 
 
 # ----------------------------------------------------------------------------- low-latency
@@ -337,3 +371,26 @@ def check_ll(bufs: dict, st: LLSet, case: BenchCase) -> dict[str, str]:
         except AssertionError as e:
             result[name] = _fail(e)
     return result
+
+
+@dataclasses.dataclass
+class HTExpect:
+    """The reference's results on input set 0 (see :func:`check_ht`)."""
+    recv_x: torch.Tensor                          # bf16 rows received
+    recv_fp8: tuple[torch.Tensor, torch.Tensor]   # fp8 rows and scales received
+    combined: torch.Tensor                        # float64: combine(dispatch(x)) exactly
+    combined_abs: torch.Tensor                    # float64: the same of |x| (the reduction budget)
+    num_ranks: int
+
+    def dispatch(self, out, fp8: bool, what: str) -> None:
+        recv = out[0]
+        if fp8:
+            n = self.recv_fp8[0].shape[0]
+            assert_bitwise(recv[0][:n], self.recv_fp8[0], f"{what} fp8 recv_x")
+            assert_bitwise(recv[1][:n], self.recv_fp8[1], f"{what} fp8 recv scales")
+        else:
+            n = self.recv_x.shape[0]
+            assert_bitwise(recv[:n], self.recv_x, f"{what} bf16 recv_x")
+
+    def combine(self, out, what: str) -> None:
+        assert_within_budget(out[0], self.combined, self.combined_abs, self.num_ranks, what)
