@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the device machine: GPU test tier + benchmark; a short table last.
-# Usage (device tool): bash scripts/gpu_check.sh [tests|triage|tier2|probe|profile|bench|figures|all]
-#   tests: tier 3 (tests/gpu); triage: the HT async/graph test alone, then the rest of tier 3; tier2: tests/dist on NCCL with CUDA tensors; bench: epcomm bench;
+# Usage (device tool): bash scripts/gpu_check.sh [tests|triage|tier2|probe|ceprobe|profile|bench|figures|all]
+#   tests: tier 3 (tests/gpu); triage: the HT graph and async tests alone, then the rest of tier 3;
+#   ceprobe: scripts/ce_graph_probe.py (copy-engine transfer variants, eager vs graph replay); tier2: tests/dist on NCCL with CUDA tensors; bench: epcomm bench;
 #   figures: every figure issues 4-5 ask for (24/32/48 SMs, copy engine vs SM push, 1-token LL),
 #   one JSONL per step under $OUT. Budget: tests ~4 min, tier2 ~2 min, bench ~2.5 min, figures ~6 min.
 set -uo pipefail
@@ -27,6 +28,10 @@ fi
 if [[ "$what" == profile ]]; then
   timeout 240 python3 scripts/profile_ht.py 2>&1 | tee "$OUT/profile.log" | tail -50 || rc=1
   timeout 300 python3 scripts/profile_ll.py 2>&1 | tee "$OUT/profile_ll.log" | tail -80 || rc=1
+fi
+if [[ "$what" == ceprobe ]]; then
+  # which copy-engine transfer keeps data ahead of its flag under graph replay (~1 min)
+  timeout 280 python3 scripts/ce_graph_probe.py 2>&1 | tee "$OUT/ce_probe.log" | tail -14 || rc=1
 fi
 if [[ "$what" == probe ]]; then
   timeout 300 python3 scripts/ht_probe.py 2>&1 | tee "$OUT/probe.log" | tail -20 || rc=1
