@@ -195,3 +195,31 @@ def test_eager_rows_are_verified_and_ops_without_verify_say_so(monkeypatch):
     assert m.verified == "pass" and got == [(0, 4)]  # set 0 run once more after the 3 timed iterations
     op = timing.TimedOp("combine", "bf16", ("total",), build)
     assert timing.measure(op, num_sets=1, iters=1, warmup=0, group=None, device=torch.device("cpu")).verified is None
+
+
+@pytest.mark.parametrize("differs", [False, True])
+def test_graph_replay_is_compared_with_an_eager_call(monkeypatch, differs):
+    """Ops with snapshot/same (low-latency): the replay of the next set in rotation is compared with an
+    eager call on that set, after the reset; a difference fails the row."""
+    fake = _FakeCuda(False)
+    fake.install(monkeypatch)
+    resets = []
+
+    def build(s):
+        def step():
+            # under capture the "graph" output; eagerly a fresh one, wrong for set 1 when ``differs``
+            return ("graph" if fake.capturing else "eager", s, 7 if differs and not fake.capturing else 5)
+        return [], [step]
+
+    def same(a, b):
+        assert a[1:] == b[1:], f"{a} != {b}"
+
+    op = timing.TimedOp("dispatch", "fp8", ("total",), build, capturable=True,
+                        snapshot=lambda out: out, same=same)
+    m = timing.measure(op, num_sets=2, iters=2, warmup=1, group=None, device=torch.device("cuda"),
+                       reset=lambda: resets.append(fake.replays))
+    assert m.method == "graph" and resets == [3 * 1 + 1]  # reset after the timed replays + the checked one
+    if differs:
+        assert m.verified.startswith("FAIL: graph replay != eager call on set 1: ('graph', 1, 5) != ('eager', 1, 7)")
+    else:
+        assert m.verified == "pass"

@@ -82,6 +82,11 @@ class TimedOp:
     # verify(s, out): raise AssertionError if ``out`` (what the last step returned for input set ``s``,
     # run the way it was timed: graph replay or eager) is wrong
     verify: Callable[[int, Any], None] | None = None
+    # snapshot(out) copies the last step's output out of reusable buffers; same(a, b) raises
+    # AssertionError if two snapshots differ. With both, a graph-timed op's replay is compared with an
+    # eager call on the same inputs (for ops whose results depend on nothing else, bitwise).
+    snapshot: Callable[[Any], Any] | None = None
+    same: Callable[[Any, Any], None] | None = None
 
 
 @dataclasses.dataclass
@@ -143,6 +148,10 @@ def make_start(group, device: torch.device, graphs: bool) -> Callable[[], None]:
             torch.cuda._sleep(_SLEEP_CYCLES)
         dist.all_reduce(one, group=group)
     return start
+
+
+def _fail(e: AssertionError) -> str:
+    return "FAIL: " + (str(e).splitlines() or ["assertion failed"])[0][:200]
 
 
 class _Replay:
@@ -243,29 +252,44 @@ def measure(op: TimedOp, *, num_sets: int, iters: int, warmup: int, group, devic
                 host[j].append(h[j])
     barrier()
     verified = None
-    if op.verify is not None:
+    compare = method == "graph" and op.snapshot is not None
+    # set checked: 0 for ``verify`` (its expectations are for set 0), else the next one in rotation
+    # (low-latency graphs alternate receive areas; the check keeps the alternation)
+    sv = 0 if op.verify is not None else (warmup + iters) % num_sets
+    timed_out = None
+    if op.verify is not None or compare:
         # Check the op the way it was timed (a graph replay is not the eager call the case check saw):
-        # input set 0 once more through the timed plans, then its last step's output.
-        prep, steps = plans[0]
+        # the set once more through the timed plans; its last step's output.
+        prep, steps = plans[sv]
         for p in prep:
             p()
-        outs = [step() for step in steps]
+        timed_out = [step() for step in steps][-1]
         if device.type == "cuda":
             torch.cuda.synchronize()
+    if op.verify is not None:
         try:
-            op.verify(0, outs[-1])
+            op.verify(sv, timed_out)
             verified = "pass"
         except AssertionError as e:
-            verified = "FAIL: " + (str(e).splitlines() or ["assertion failed"])[0][:160]
+            verified = _fail(e)
         barrier()
     if method == "graph":
+        snap = op.snapshot(timed_out) if compare else None  # copied out before the eager call reuses buffers
         # Replays bypass the backend's host-side checks (deadline expiries recorded by its kernels):
-        # one eager iteration afterwards lets them raise here instead of leaving wrong numbers.
+        # one eager iteration afterwards lets them raise here instead of leaving wrong numbers, and,
+        # with ``snapshot``, gives the eager result the replay must equal.
         if reset is not None:
             reset()
-        prep, steps = op.build(0)
-        for step in prep + steps:
-            step()
+        prep, steps = op.build(sv)
+        eager_out = [step() for step in prep + steps][-1]
+        if compare:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            try:
+                op.same(snap, op.snapshot(eager_out))
+                verified = verified or "pass"
+            except AssertionError as e:
+                verified = _fail(AssertionError(f"graph replay != eager call on set {sv}: {e}"))
         barrier()
     return Measurement(op.phases, [Stats.of(s) for s in samples],
                        [Stats.of(h).median for h in host], method, verified)
