@@ -2,7 +2,9 @@
 graph) and combine (graph) and of the eager dispatch, for launch-parameter variants (backends/nvlink.py
 ``TUNE``), DeepSeek-V3 shape, 2 ranks, ranks' devices aligned before each timed replay.
 ``epcomm bench`` records the figures; this is for choosing parameters.
-Run on the device machine: ``PYTHONPATH=src python3 scripts/ht_probe.py [tokens] [sms]``."""
+Run on the device machine: ``PYTHONPATH=src python3 scripts/ht_probe.py [tokens] [sms]``
+(``PROBE_VARIANTS=default,p_rb16`` picks variants by name)."""
+import os
 import sys
 
 import torch
@@ -19,7 +21,14 @@ VARIANTS = [
     ("g_blk1024", dict(gather_block=1024)),
     ("r_tb16_w16", dict(reduce_tb=16, reduce_warps=16)),
     ("notify1024", dict(notify_block=1024)),
+    # the SM push (graph rows: calls captured in a CUDA graph push with SMs)
+    ("p_rb16", dict(push_rb=16)),
+    ("p_rb4_blk1024", dict(push_rb=4, push_block=1024)),
+    ("p_w16", dict(push_warps=16)),
+    ("p_rb16_w16", dict(push_rb=16, push_warps=16)),
 ]
+if os.environ.get("PROBE_VARIANTS"):  # e.g. PROBE_VARIANTS=default,p_rb16
+    VARIANTS = [v for v in VARIANTS if v[0] in os.environ["PROBE_VARIANTS"].split(",")]
 
 
 def _timed(fn, device, graphs, iters=15):
