@@ -56,10 +56,10 @@ def main():
                   "stage_k_ptr": "*i64", "stage_w_ptr": "*fp32", "out_s": "*fp32", "out_k": "*i64",
                   "out_w": "*fp32", "ptr_table": "*i64", "flags_off": "i64", "timeout_ns": "i64",
                   "stage_src_elems": "i64", "stage_s_src": "i64", "stage_k_src": "i64", "stage_w_src": "i64"})
-    for cached in (False, True):
+    for cached, one_load in ((False, False), (True, False), (False, True)):
         kernels.append((ht._gather_kernel, g, dict(CACHED=cached, IS_PREFIX=cached, HAS_SCALES=True, HAS_TOPK=not cached,
                                                  NC=4, RB=8, BLOCK=512, R_POW2=2, K_POW2=8, G_POW2=64, STAGES=3,
-                                                 HAS_TIMER=True)))
+                                                 HAS_TIMER=True, ONE_LOAD=one_load)))
     kernels.append((ht._reduce_kernel, ptr_types(ht._reduce_kernel, {"x_ptr": "*bf16", "stage_ptr": "*bf16",
                     "w_ptr": "*fp32", "stage_w_ptr": "*fp32", "bias0_ptr": "*bf16", "bias1_ptr": "*bf16",
                     "out_ptr": "*bf16", "out_w_ptr": "*fp32", "ptr_table": "*i64", "flags_off": "i64",

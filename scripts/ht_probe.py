@@ -19,6 +19,7 @@ VARIANTS = [
     ("default", {}),
     ("g_rb16_w16", dict(gather_rb=16, gather_warps=16)),
     ("g_blk1024", dict(gather_block=1024)),
+    ("g_one_load", dict(gather_one_load=True)),
     ("r_tb16_w16", dict(reduce_tb=16, reduce_warps=16)),
     ("notify1024", dict(notify_block=1024)),
     # the SM push (graph rows: calls captured in a CUDA graph push with SMs)

@@ -15,7 +15,7 @@ def _wrap32(v):
     return (v + 2 ** 31) % 2 ** 32 - 2 ** 31
 
 
-def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push="ce"):
+def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push="ce", one_load=False):
     """``start``: every per-call counter (and the flags that follow it) starts there, e.g. 2**31 - 1 so
     that the counters and the copy-engine data flags (NC per call) cross the int32 wrap in this call."""
     case = Case(num_ranks=R, tokens=T, hidden=H, num_topk=K, num_experts=E, seed=1, hot_expert=1)
@@ -114,7 +114,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
             out_x, stage_w, 0, 1, out_k, out_w, out_src, table, 0, s["ctrs"][nv.DRECV:], s["tickets"][0:],
             s["err"], 100, CACHED=False, IS_PREFIX=False, HAS_SCALES=False, HAS_TOPK=True, NC=nv.NC, RB=4,
             BLOCK=16, R_POW2=4,
-            K_POW2=4, G_POW2=1, HAS_TIMER=False)
+            K_POW2=4, G_POW2=1, HAS_TIMER=False, ONE_LOAD=one_load)
         assert s["err"][0] == 0, s["err"]
         assert_bitwise(out_x.view(torch.bfloat16)[:n], exp["recv_x"], f"recv_x rank {me}")
         assert_bitwise(out_k[:n], exp["recv_topk_idx"], "topk")
@@ -166,3 +166,5 @@ if __name__ == "__main__":
     run(start=2 ** 31 - 1)  # counters, parities and data flags cross the int32 wrap
     run(push="sm")  # the SM push kernels (tiles of rows; used under CUDA-graph capture)
     run(R=2, T=(9, 4), worst=20, push="sm", start=2 ** 31 - 1)
+    run(one_load=True)  # the gather's one-load variant (TUNE gather_one_load)
+    run(R=2, T=(9, 4), worst=20, push="sm", one_load=True)

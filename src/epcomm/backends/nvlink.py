@@ -43,7 +43,8 @@ DEFAULT_NVL_BYTES = 256 << 20
 NUM_CTRS = 16
 # launch parameters of the high-throughput kernels (scripts/ht_probe.py sweeps them on the device machine)
 TUNE = dict(gather_rb=8, gather_block=512, gather_warps=8, gather_stages=3, reduce_tb=8, reduce_block=1024,
-            reduce_warps=8, reduce_stages=3, notify_block=256, push_rb=8, push_block=512, push_warps=8)
+            reduce_warps=8, reduce_stages=3, notify_block=256, push_rb=8, push_block=512, push_warps=8,
+            gather_one_load=False)
 NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
 # counter slots (local int32 device memory)
 DSEND, DRECV, CSEND, CRECV = 0, 1, 2, 3
@@ -323,7 +324,8 @@ class NVLinkBackend(Backend):
             self.ptr_table, self.flags_off, self.ctrs[DRECV:], self.tickets[T_GATHER:], self.err, self._timeout_ns,
             CACHED=cached, IS_PREFIX=is_prefix, HAS_SCALES=scales is not None, HAS_TOPK=out_k is not None,
             NC=NC, RB=rb, BLOCK=TUNE["gather_block"], R_POW2=_pow2(self.num_ranks), K_POW2=_pow2(k), G_POW2=_pow2(g),
-            HAS_TIMER=True, STAGES=TUNE["gather_stages"], num_warps=TUNE["gather_warps"],
+            HAS_TIMER=True, STAGES=TUNE["gather_stages"], ONE_LOAD=TUNE["gather_one_load"],
+            num_warps=TUNE["gather_warps"],
         )
         return out_x, out_s, out_k, out_w
 

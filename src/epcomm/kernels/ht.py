@@ -197,7 +197,7 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
                    CACHED: tl.constexpr, IS_PREFIX: tl.constexpr, HAS_SCALES: tl.constexpr,
                    HAS_TOPK: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
                    R_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
-                   STAGES: tl.constexpr = 3):
+                   STAGES: tl.constexpr = 3, ONE_LOAD: tl.constexpr = False):
     """Dispatch receive: row ``n`` of the outputs = token ``s`` of source rank ``i`` (rank-major order).
 
     Tiles of ``RB`` rows; rows are visited rotated so this rank's own block (no wait) comes first,
@@ -253,12 +253,21 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
         lrow = s64 * row_elems
         srow = i.to(tl.int64) * stage_src_elems + s64 * row_elems
         orow = nn64 * row_elems
-        for h0 in tl.range(0, row_elems, BLOCK, num_stages=STAGES):
-            cc = h0 + cols
-            cm = cc[None, :] < row_elems
-            a = tl.load(x_ptr + lrow[:, None] + cc[None, :], mask=mine[:, None] & cm)
-            b = tl.load(stage_ptr + srow[:, None] + cc[None, :], mask=peer[:, None] & cm)
-            tl.store(out_x + orow[:, None] + cc[None, :], tl.where(mine[:, None], a, b), mask=real[:, None] & cm)
+        if ONE_LOAD:  # one load per element through a per-row pointer (local x or staging)
+            row_src = tl.where(mine, x_ptr + lrow, stage_ptr + srow)
+            for h0 in tl.range(0, row_elems, BLOCK, num_stages=STAGES):
+                cc = h0 + cols
+                cm = real[:, None] & (cc[None, :] < row_elems)
+                v = tl.load(row_src[:, None] + cc[None, :], mask=cm)
+                tl.store(out_x + orow[:, None] + cc[None, :], v, mask=cm)
+        else:  # two masked loads (x or staging), then a select
+            for h0 in tl.range(0, row_elems, BLOCK, num_stages=STAGES):
+                cc = h0 + cols
+                cm = cc[None, :] < row_elems
+                a = tl.load(x_ptr + lrow[:, None] + cc[None, :], mask=mine[:, None] & cm)
+                b = tl.load(stage_ptr + srow[:, None] + cc[None, :], mask=peer[:, None] & cm)
+                tl.store(out_x + orow[:, None] + cc[None, :], tl.where(mine[:, None], a, b),
+                         mask=real[:, None] & cm)
         if HAS_SCALES:
             gm = gg[None, :] < G
             sa = tl.load(xs_ptr + s64[:, None] * G + gg[None, :], mask=mine[:, None] & gm)
