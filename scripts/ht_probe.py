@@ -20,6 +20,12 @@ VARIANTS = [
     ("g_rb16_w16", dict(gather_rb=16, gather_warps=16)),
     ("g_blk1024", dict(gather_block=1024)),
     ("g_one_load", dict(gather_one_load=True)),
+    # bytes in flight per SM decide a copy's rate (Little's law: ~16 KB per tile at ~1 us latency is
+    # ~20 GB/s per SM, ~0.5 TB/s on 24 SMs, about the gather's measured rate): bigger tiles
+    # (two loads at 16 x 1024 with 3 stages would need 256 KB of shared memory: 2 stages)
+    ("g_rb16_blk1024_s2", dict(gather_rb=16, gather_block=1024, gather_stages=2)),
+    ("g_rb16_blk1024_1l", dict(gather_rb=16, gather_block=1024, gather_one_load=True)),
+    ("g_1l_s1", dict(gather_one_load=True, gather_stages=1)),
     ("r_tb16_w16", dict(reduce_tb=16, reduce_warps=16)),
     ("notify1024", dict(notify_block=1024)),
     # the SM push (graph rows: calls captured in a CUDA graph push with SMs)
@@ -27,6 +33,8 @@ VARIANTS = [
     ("p_rb4_blk1024", dict(push_rb=4, push_block=1024)),
     ("p_w16", dict(push_warps=16)),
     ("p_rb16_w16", dict(push_rb=16, push_warps=16)),
+    ("p_rb16_blk1024", dict(push_rb=16, push_block=1024)),
+    ("r_tb16_blk2048", dict(reduce_tb=16, reduce_block=2048)),
 ]
 if os.environ.get("PROBE_VARIANTS"):  # e.g. PROBE_VARIANTS=default,p_rb16
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["PROBE_VARIANTS"].split(",")]
