@@ -28,6 +28,9 @@ VARIANTS = [
     ("g_1l_s1", dict(gather_one_load=True, gather_stages=1)),
     ("r_tb16_w16", dict(reduce_tb=16, reduce_warps=16)),
     ("notify1024", dict(notify_block=1024)),
+    # eager: one copy-engine copy per call instead of NC (the gather starts after the host sync,
+    # when the copies are long done; fewer launches)
+    ("ce1", dict(ce_chunks=1)),
     # the SM push (graph rows: calls captured in a CUDA graph push with SMs)
     ("p_rb16", dict(push_rb=16)),
     ("p_rb4_blk1024", dict(push_rb=4, push_block=1024)),

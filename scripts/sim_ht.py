@@ -15,7 +15,7 @@ def _wrap32(v):
     return (v + 2 ** 31) % 2 ** 32 - 2 ** 31
 
 
-def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push="ce", one_load=False):
+def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push="ce", one_load=False, ce_chunks=4):
     """``start``: every per-call counter (and the flags that follow it) starts there, e.g. 2**31 - 1 so
     that the counters and the copy-engine data flags (NC per call) cross the int32 wrap in this call."""
     case = Case(num_ranks=R, tokens=T, hidden=H, num_topk=K, num_experts=E, seed=1, hot_expert=1)
@@ -85,8 +85,10 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
                 put(dx, xw)
             put(dk, s["topk"]); put(dw, s["w"])
         if push == "ce":
-            for c in range(nv.NC):
-                ht._ce_signal_kernel[(1,)](table, 0, ht.DDATA, R, me, s["ctrs"][nv.DSEND:], int(c == nv.NC - 1))
+            step = nv.NC // ce_chunks  # each copy carries ``step`` NC-chunks and raises the flag by that
+            for c in range(0, nv.NC, step):
+                ht._ce_signal_kernel[(1,)](table, 0, ht.DDATA, R, me, s["ctrs"][nv.DSEND:], step,
+                                           int(c + step == nv.NC))
         else:
             ht._push_kernel[(2,)](xw, row_words, T[me], R, me, s["in_rank"].view(torch.int8), table, 0, ht.DDATA,
                                   ht.DCONSUMED, dx, d_slot, s["ctrs"][nv.DSEND:], s["tickets"][4:], s["err"], 2, 100,
@@ -167,4 +169,6 @@ if __name__ == "__main__":
     run(push="sm")  # the SM push kernels (tiles of rows; used under CUDA-graph capture)
     run(R=2, T=(9, 4), worst=20, push="sm", start=2 ** 31 - 1)
     run(one_load=True)  # the gather's one-load variant (TUNE gather_one_load)
+    run(ce_chunks=1, start=2 ** 31 - 1)  # one copy-engine copy per call (TUNE ce_chunks), across the wrap
+    run(R=2, T=(9, 4), ce_chunks=2)
     run(R=2, T=(9, 4), worst=20, push="sm", one_load=True)

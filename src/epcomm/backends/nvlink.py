@@ -44,8 +44,18 @@ NUM_CTRS = 16
 # launch parameters of the high-throughput kernels (scripts/ht_probe.py sweeps them on the device machine)
 TUNE = dict(gather_rb=8, gather_block=512, gather_warps=8, gather_stages=3, reduce_tb=8, reduce_block=1024,
             reduce_warps=8, reduce_stages=3, notify_block=256, push_rb=8, push_block=512, push_warps=8,
-            gather_one_load=False)
+            gather_one_load=False, ce_chunks=4)
 NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
+
+
+def _ce_groups(rows: int) -> tuple[int, int]:
+    """Rows per ``NC``-chunk, and how many ``NC``-chunks each copy-engine copy carries
+    (``NC // TUNE["ce_chunks"]``; the receiver's levels count ``NC``-chunks either way, so fewer,
+    larger copies only raise the flag by more at a time)."""
+    n = TUNE["ce_chunks"]
+    if n not in (1, 2, 4) or NC % n:
+        raise ValueError(f"TUNE['ce_chunks'] must divide NC={NC}, got {n}")
+    return max((rows + NC - 1) // NC, 1), NC // n
 # counter slots (local int32 device memory)
 DSEND, DRECV, CSEND, CRECV = 0, 1, 2, 3
 # ticket slots
@@ -253,13 +263,13 @@ class NVLinkBackend(Backend):
         cur = torch.cuda.current_stream()
         self.ce_stream.wait_stream(cur)
         t = x_words.shape[0]
-        per = max((t + NC - 1) // NC, 1)
+        per, step = _ce_groups(t)
         with torch.cuda.stream(self.ce_stream):
             ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.DCONSUMED, r_, me, self.ctrs[DSEND:],
                                      self.err, 2, self._timeout_ns, HAS_TIMER=True)
             side = [(scales, "ds"), (topk, "dk"), (w, "dw")]
-            for c in range(NC):
-                lo, hi = min(c * per, t), min((c + 1) * per, t)
+            for c in range(0, NC, step):
+                lo, hi = min(c * per, t), min((c + step) * per, t)
                 for j in range(r_):
                     if j == me:
                         continue
@@ -274,7 +284,7 @@ class NVLinkBackend(Backend):
                         self._slot_view(j, lay["dx"] + lo * rb, lay["d_slot"], me, (hi - lo) * rb).copy_(
                             x_words[lo:hi].reshape(-1).view(torch.uint8))
                 ht._ce_signal_kernel[(1,)](self.ptr_table, self.flags_off, ht.DDATA, r_, me, self.ctrs[DSEND:],
-                                           int(c == NC - 1))
+                                           step, int(c + step == NC))
         for arr in (x_words, scales, topk, w):
             if arr is not None:
                 arr.record_stream(self.ce_stream)
@@ -465,14 +475,15 @@ class NVLinkBackend(Backend):
                     ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.CCONSUMED, r_, me,
                                              self.ctrs[CSEND:], self.err, 4, self._timeout_ns, HAS_TIMER=True)
                     col = host_prefix[:, me].tolist()
-                    for c in range(NC):
+                    step = _ce_groups(0)[1]
+                    for c in range(0, NC, step):
                         for i in range(r_):
                             if i == me:
                                 continue
                             start = col[i - 1] if i > 0 else 0
                             rows = col[i] - start
-                            per = max((rows + NC - 1) // NC, 1)
-                            lo, hi = min(c * per, rows), min((c + 1) * per, rows)
+                            per = _ce_groups(rows)[0]
+                            lo, hi = min(c * per, rows), min((c + step) * per, rows)
                             if hi > lo:
                                 src = x[start + lo:start + hi]
                                 self._slot_view(i, lay["cx"] + lo * h * 2, lay["c_slot"], me, src.numel() * 2).copy_(
@@ -482,7 +493,7 @@ class NVLinkBackend(Backend):
                                     self._slot_view(i, lay["cw"] + lo * k * 4, lay["c_slot"], me, ws.numel() * 4).copy_(
                                         ws.reshape(-1).view(torch.uint8))
                         ht._ce_signal_kernel[(1,)](self.ptr_table, self.flags_off, ht.CDATA, r_, me, self.ctrs[CSEND:],
-                                                   int(c == NC - 1))
+                                                   step, int(c + step == NC))
                 x.record_stream(self.ce_stream)
                 if w is not None:
                     w.record_stream(self.ce_stream)

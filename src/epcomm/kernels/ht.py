@@ -116,11 +116,12 @@ def _ce_wait_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr, err_ptr, phase, 
     _wait_peers(ptr_table, flags_off, slot, R, me, tl.load(ctr_ptr), err_ptr, phase, timeout_ns, HAS_TIMER)
 
 
-@triton.jit(do_not_specialize=['bump'])
-def _ce_signal_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr, bump):
-    """After a copy-engine chunk finished (stream order): raise the data flag on every peer by one;
-    ``bump`` = 1 after the last chunk advances this rank's send counter."""
-    _signal_peers(ptr_table, flags_off, slot, R, me, 1)
+@triton.jit(do_not_specialize=['inc', 'bump'])
+def _ce_signal_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr, inc, bump):
+    """After copy-engine chunks finished (stream order): raise the data flag on every peer by ``inc``
+    (the number of ``NC``-chunks just copied); ``bump`` = 1 after the last advances this rank's send
+    counter."""
+    _signal_peers(ptr_table, flags_off, slot, R, me, inc)
     if bump != 0:
         tl.store(ctr_ptr, tl.load(ctr_ptr) + 1)
 
