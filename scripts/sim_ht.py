@@ -15,6 +15,10 @@ def _wrap32(v):
     return (v + 2 ** 31) % 2 ** 32 - 2 ** 31
 
 
+def _p2(v: int) -> int:
+    return 1 << max(v - 1, 0).bit_length()
+
+
 def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push="ce", one_load=False, ce_chunks=4):
     """``start``: every per-call counter (and the flags that follow it) starts there, e.g. 2**31 - 1 so
     that the counters and the copy-engine data flags (NC per call) cross the int32 wrap in this call."""
@@ -124,11 +128,23 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
         assert_bitwise(out_src[:n], exp["recv_src_idx"], "src")
         if worst:
             assert (out_k[n:] == -1).all() and (out_src[n:] == -1).all()
-        rpm = s["counts"].cumsum(0).to(torch.int32)
-        # check the handle pieces against the layout module
+        # the handle's tensors by the handle kernel, against the layout module
+        rpm = torch.empty(R, R, dtype=torch.int32)
+        rcp = torch.empty(R, C, dtype=torch.int32)
+        sh = torch.empty(T[me], R, dtype=torch.int32)
+        ht._handle_kernel[(2,)](s["counts"], s["chan"], C, s["shr"], T[me], R, me, rpm, rcp, sh, s["err"], worst,
+                                CHECK_WORST=bool(worst), R_POW2=4, C_POW2=_p2(C), TB=2)
+        assert s["err"][0] == 0, s["err"]
+        rpm_ref = s["counts"].cumsum(0).to(torch.int32)
+        assert_bitwise(rpm, rpm_ref, "rank_prefix_matrix")
+        assert_bitwise(rcp, layout.recv_channel_prefix_matrix(rpm_ref, s["chan"], me), "recv_channel_prefix_matrix")
         assert_bitwise(s["cpm"], layout.channel_prefix_matrix(s["in_rank"], C), "cpm")
-        sh = nv._send_head_from_rel(s["shr"], rpm, me)
-        assert_bitwise(sh, layout.send_head(s["in_rank"], rpm, me), "send_head")
+        assert_bitwise(sh, layout.send_head(s["in_rank"], rpm_ref, me), "send_head")
+        if worst and n:  # one row fewer allowed than arrived: error 9 with (observed, bound)
+            err = torch.zeros(6, dtype=torch.int32)
+            ht._handle_kernel[(1,)](s["counts"], s["chan"], C, s["shr"], T[me], R, me, rpm, rcp, sh, err, n - 1,
+                                    CHECK_WORST=True, R_POW2=4, C_POW2=_p2(C), TB=2)
+            assert err[:4].tolist() == [9, -1, n, n - 1], err
         outs.append(dict(x=out_x.view(torch.bfloat16)[:rows], w=out_w, rpm=rpm, sh=sh))
     assert all(bool((s["counts"] == st[0]["counts"]).all()) for s in st)
     # combine: expert outputs = received rows * 2; push then reduce

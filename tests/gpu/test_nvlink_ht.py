@@ -103,6 +103,28 @@ def _late_rank(ctx):
     raise AssertionError("dispatch with an absent peer did not raise")
 
 
+def _worst_too_small(ctx):
+    _, fast = G.make_buffers(ctx.group, num_nvl_bytes=64 << 20)
+    case = Case(num_ranks=ctx.world_size, tokens=(64,) * ctx.world_size, hidden=256, num_topk=4,
+                num_experts=8 * ctx.world_size, seed=7)
+    xin, x, topk, w = G.device_inputs(case, ctx.rank, fast.device)
+    G._dispatch(fast, xin, topk, w, case.num_experts, num_worst_tokens=1)  # every rank receives more than 1 row
+    import torch
+
+    torch.cuda.synchronize()
+    try:
+        G._dispatch(fast, xin, topk, w, case.num_experts)
+    except RuntimeError as e:  # found on the device (handle kernel), raised by the next call on the Buffer
+        assert "num_worst_tokens=1" in str(e) and f"epcomm rank {ctx.rank}" in str(e), str(e)
+        return str(e)
+    raise AssertionError("a dispatch after an overflowing num_worst_tokens did not raise")
+
+
+def test_num_worst_tokens_overflow_is_reported():
+    res = parallel_launch(WORLD, _worst_too_small, backend="nccl", timeout_s=120)
+    assert all("tokens arrived" in r for r in res)
+
+
 def test_deadline_names_phase_and_rank():
     res = parallel_launch(2, _late_rank, backend="nccl", timeout_s=120)
     assert "rank 1" in res[0]

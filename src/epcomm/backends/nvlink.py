@@ -30,7 +30,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .. import _env, layout
+from .. import _env
 from ..layout import DispatchHandle
 from .base import Backend, DispatchArgs, DispatchResult, PeerTimeoutError
 
@@ -413,11 +413,13 @@ class NVLinkBackend(Backend):
         out_x, out_s, out_k, out_w = self._gather(x_words, scales, topk, w, lay, counts, False, n_rows, me * lx, lx,
                                                   out_src, False, g, k, toks)
         self._join_ce()
-        rpm = counts.cumsum(0).to(torch.int32)
-        recv_cp = layout.recv_channel_prefix_matrix(rpm, chan, me)
-        send_head = _send_head_from_rel(send_head_rel, rpm, me)
-        if a.num_worst_tokens:
-            self._flag_worst_overflow(rpm, a.num_worst_tokens)
+        rpm = torch.empty(r_, r_, dtype=torch.int32, device=dev)
+        recv_cp = torch.empty(r_, c, dtype=torch.int32, device=dev)
+        send_head = torch.empty(t, r_, dtype=torch.int32, device=dev)
+        tb = 128
+        ht._handle_kernel[(max(1, min(self.num_sms, (t + tb - 1) // tb)),)](
+            counts, chan, c, send_head_rel, t, r_, me, rpm, recv_cp, send_head, self.err, a.num_worst_tokens,
+            CHECK_WORST=bool(a.num_worst_tokens), R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, num_warps=4)
         if bad_id is not None:
             # A bad expert id: every rank still finished this exchange (ids out of range were ignored
             # by the layout), so the Buffer stays in step; report the argument.
@@ -429,13 +431,6 @@ class NVLinkBackend(Backend):
             # The combine's copy-engine path needs the block bounds on the host; keep them on the handle.
             rpm._epcomm_host_prefix = host_counts.cumsum(0)
         return DispatchResult(recv_x, out_s, out_k, out_w, lst, handle)
-
-    def _flag_worst_overflow(self, rpm: torch.Tensor, num_worst: int) -> None:
-        """Record (without a host sync) that more rows arrived than num_worst_tokens allows."""
-        n = rpm[-1, self.rank]
-        over = (n > num_worst).to(torch.int32)
-        # phase 9 in the error word; peer = -1 (this rank's own bound), observed = n, target = bound
-        self._record_word(torch.stack([over * 9, over * -1, n * over, over * num_worst]).to(torch.int32))
 
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle):
         self._check_error()
@@ -553,13 +548,6 @@ class NVLinkBackend(Backend):
         dist.barrier(group=self.group)
         self.peers = self.nvl_buffer = self.rdma_buffer = None
         self.symm = self.hdl = None
-
-
-def _send_head_from_rel(rel: torch.Tensor, rpm: torch.Tensor, me: int) -> torch.Tensor:
-    if me == 0:
-        return rel
-    offs = rpm[me - 1].to(torch.int32).unsqueeze(0)
-    return torch.where(rel >= 0, rel + offs, rel)
 
 
 def torch_to_tl(dtype: torch.dtype):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import peer_ptr, signal, ticket_last, wait_ge
+from .common import peer_ptr, record_error, signal, ticket_last, wait_ge
 
 # Flag slots (int32 index = slot * R + peer) in every rank's flag area.
 NOTIFY = tl.constexpr(0)
@@ -90,6 +90,45 @@ def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
             m = offs < cnt
             tl.store(src_lists_ptr + j * src_lists_stride + offs, tl.load(lst_in + offs, mask=m, other=0), mask=m)
         tl.store(nctr_ptr + j, n + 1)
+
+
+@triton.jit(do_not_specialize=['T', 'num_worst'])
+def _handle_kernel(counts_ptr, chan_ptr, C, rel_ptr, T, R, me, rpm_ptr, rcp_ptr, send_head_ptr, err_ptr,
+                   num_worst, CHECK_WORST: tl.constexpr, R_POW2: tl.constexpr, C_POW2: tl.constexpr,
+                   TB: tl.constexpr):
+    """The dispatch handle's tensors from the notify outputs, in one launch (they were ~17 torch ops):
+
+    - ``rpm = cumsum(counts, 0)`` (``counts[i][j]``: tokens rank ``i`` sends to rank ``j``);
+    - ``recv_channel_prefix[i][c] = rpm[i-1][me] + chan[i][c-1]`` (``chan``: source ``i``'s inclusive
+      channel prefix for this rank; 0 for ``i = 0`` / ``c = 0``), as ``layout.recv_channel_prefix_matrix``;
+    - ``send_head[t][j] = rel[t][j] + rpm[me-1][j]`` where ``rel >= 0`` (else ``rel``), rows split over
+      the programs;
+    - with ``CHECK_WORST``: more rows arriving than ``num_worst`` records error 9 (program 0).
+    """
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    ri = tl.arange(0, R_POW2)
+    m2 = (ri[:, None] < R) & (ri[None, :] < R)
+    cnt = tl.load(counts_ptr + ri[:, None] * R + ri[None, :], mask=m2, other=0)
+    rpm = tl.cumsum(cnt, 0)
+    if pid == 0:
+        tl.store(rpm_ptr + ri[:, None] * R + ri[None, :], rpm, mask=m2)
+        col_incl = tl.sum(tl.where(ri[None, :] == me, rpm, 0), 1)  # rpm[:, me]
+        col_cnt = tl.sum(tl.where(ri[None, :] == me, cnt, 0), 1)
+        cc = tl.arange(0, C_POW2)
+        mc = (ri[:, None] < R) & (cc[None, :] < C)
+        prev = tl.load(chan_ptr + ri[:, None] * C + cc[None, :] - 1, mask=mc & (cc[None, :] > 0), other=0)
+        tl.store(rcp_ptr + ri[:, None] * C + cc[None, :], (col_incl - col_cnt)[:, None] + prev, mask=mc)
+        if CHECK_WORST:
+            n = tl.max(tl.where(ri < R, col_incl, 0), 0)  # rpm[R-1][me]: every row arriving here
+            if n > num_worst:
+                record_error(err_ptr, 9, -1, n, num_worst)
+    offs = tl.sum(tl.where(ri[:, None] == me - 1, rpm, 0), 0)  # rpm[me-1][:] (zeros for me = 0)
+    for t0 in range(pid * TB, T, P * TB):
+        tt = (t0 + tl.arange(0, TB)).to(tl.int64)
+        m = (tt[:, None] < T) & (ri[None, :] < R)
+        rel = tl.load(rel_ptr + tt[:, None] * R + ri[None, :], mask=m, other=-1)
+        tl.store(send_head_ptr + tt[:, None] * R + ri[None, :], tl.where(rel >= 0, rel + offs[None, :], rel), mask=m)
 
 
 @triton.jit
