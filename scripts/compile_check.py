@@ -66,8 +66,8 @@ def main():
                     "timeout_ns": "i64", "stage_src_elems": "i64", "stage_w_src": "i64"}),
                     dict(HAS_W=True, NUM_BIAS=2, NC=4, TB=4, BLOCK=1024, R_POW2=2, K_POW2=8, HAS_TIMER=True, STAGES=3)))
     for worst in (False, True):
-        kernels.append((ht._handle_kernel, ptr_types(ht._handle_kernel, {"chan_ptr": "*i32"}),
-                        dict(CHECK_WORST=worst, R_POW2=2, C_POW2=32, TB=128)))
+        kernels.append((ht._handle_kernel, ptr_types(ht._handle_kernel, {"chan_ptr": "*i32", "topk_ptr": "*i64"}),
+                        dict(CHECK_WORST=worst, R_POW2=2, C_POW2=32, TB=128, CHECK_TOPK=worst, K_POW2=8)))
     kernels.append((ht._combine_push_kernel, ptr_types(ht._combine_push_kernel, {"w_ptr": "*fp32",
                     "ptr_table": "*i64", "flags_off": "i64", "timeout_ns": "i64", "stage_off": "i64",
                     "stage_w_off": "i64"}), dict(HAS_W=True, NC=4, RB=8, BLOCK=512, K_POW2=8, HAS_TIMER=True)))

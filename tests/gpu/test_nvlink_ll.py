@@ -88,7 +88,8 @@ def test_nvlink_low_latency_shrink_masks_a_silent_rank():
 
 def _rank_bad_inputs(ctx):
     """Device-side checks of the nvlink backend: an out-of-range expert id (HT: ValueError at the
-    dispatch's own sync; LL: at the next call) and M differing across ranks (ValueError naming both)."""
+    dispatch's own sync, or with num_worst_tokens at the next call; LL: at the next call) and M
+    differing across ranks (ValueError naming both)."""
     import pytest
     import torch
 
@@ -112,6 +113,16 @@ def _rank_bad_inputs(ctx):
                     topk_weights=w)
     # the Buffer stays in step: a good call works on every rank
     G.check_ht_case(*G.make_buffers(ctx.group, num_nvl_bytes=64 << 20), case, ctx.rank, False)
+    # with num_worst_tokens (no host sync) the handle kernel records the id; the next call raises
+    with G.forced_backend("nvlink"):
+        ht2 = Buffer(ctx.group, num_nvl_bytes=64 << 20)
+    kw = dict(num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe, topk_idx=bad, topk_weights=w)
+    ht2.dispatch(x, num_worst_tokens=sum(case.tokens), **kw)
+    torch.cuda.synchronize()
+    if ctx.rank == 0:  # raised before any exchange, so the other rank makes no call
+        with pytest.raises(ValueError, match=f"topk_idx holds expert id {e + 7}"):
+            ht2.dispatch(x, num_worst_tokens=sum(case.tokens), **kw)
+    torch.distributed.barrier()
     m = 16 if ctx.rank == 0 else 32
     hint = Buffer.get_low_latency_rdma_size_hint(32, 256, ctx.world_size, e)
     with G.forced_backend("nvlink"):

@@ -171,7 +171,7 @@ class NVLinkBackend(Backend):
 
     def _check_error(self, word: list[int] | None = None) -> None:
         """Raise if a kernel recorded an error (``word``: a fresh copy of the error word; default: the
-        host mirror, which the recording kernel or ``_record_word`` wrote)."""
+        host mirror, which the recording kernel wrote)."""
         from ..kernels.common import PHASES
 
         word = word if word is not None else self.err_host.tolist()
@@ -193,12 +193,6 @@ class NVLinkBackend(Backend):
             phase = PHASES.get(word[0], f"phase {word[0]}")
             raise PeerTimeoutError(self.rank, phase, word[1], self.timeout_s,
                                    f"flag {word[2]} < expected {word[3]}; this Buffer is now unusable")
-
-    def _record_word(self, word: torch.Tensor) -> None:
-        """Record an error word computed by torch ops on the device (first error wins) and mirror it to
-        the host; kernels mirror the words they record themselves, so only this path copies."""
-        self.err[:4].copy_(torch.where(self.err[0] != 0, self.err[:4], word))
-        self.err_host.copy_(self.err[:4], non_blocking=True)
 
     @property
     def _timeout_ns(self) -> int:
@@ -380,12 +374,7 @@ class NVLinkBackend(Backend):
         host_counts = None
         bad_id = None
         if a.num_worst_tokens:
-            if topk is not None and t:
-                # no host synchronisation here: the expert-id range goes into the error word on the device
-                lo, hi = torch.aminmax(topk)
-                bad = ((lo < -1) | (hi >= e)).to(torch.int64)
-                word = torch.stack([bad * 10, -bad, torch.where(lo < -1, lo, hi), bad * 0 + e])
-                self._record_word(word.to(torch.int32))
+            # no host synchronisation: expert ids are checked by the handle kernel (error word)
             n_rows = a.num_worst_tokens
             lst = []
         else:
@@ -419,7 +408,9 @@ class NVLinkBackend(Backend):
         tb = 128
         ht._handle_kernel[(max(1, min(self.num_sms, (t + tb - 1) // tb)),)](
             counts, chan, c, send_head_rel, t, r_, me, rpm, recv_cp, send_head, self.err, a.num_worst_tokens,
-            CHECK_WORST=bool(a.num_worst_tokens), R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, num_warps=4)
+            topk if topk is not None else send_head, k, e, CHECK_WORST=bool(a.num_worst_tokens), R_POW2=_pow2(r_),
+            C_POW2=_pow2(c), TB=tb, CHECK_TOPK=bool(a.num_worst_tokens) and topk is not None, K_POW2=_pow2(k),
+            num_warps=4)
         if bad_id is not None:
             # A bad expert id: every rank still finished this exchange (ids out of range were ignored
             # by the layout), so the Buffer stays in step; report the argument.

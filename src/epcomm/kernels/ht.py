@@ -94,8 +94,9 @@ def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
 
 @triton.jit(do_not_specialize=['T', 'num_worst'])
 def _handle_kernel(counts_ptr, chan_ptr, C, rel_ptr, T, R, me, rpm_ptr, rcp_ptr, send_head_ptr, err_ptr,
-                   num_worst, CHECK_WORST: tl.constexpr, R_POW2: tl.constexpr, C_POW2: tl.constexpr,
-                   TB: tl.constexpr):
+                   num_worst, topk_ptr, K, E, CHECK_WORST: tl.constexpr, R_POW2: tl.constexpr,
+                   C_POW2: tl.constexpr, TB: tl.constexpr, CHECK_TOPK: tl.constexpr = False,
+                   K_POW2: tl.constexpr = 1):
     """The dispatch handle's tensors from the notify outputs, in one launch (they were ~17 torch ops):
 
     - ``rpm = cumsum(counts, 0)`` (``counts[i][j]``: tokens rank ``i`` sends to rank ``j``);
@@ -103,7 +104,9 @@ def _handle_kernel(counts_ptr, chan_ptr, C, rel_ptr, T, R, me, rpm_ptr, rcp_ptr,
       channel prefix for this rank; 0 for ``i = 0`` / ``c = 0``), as ``layout.recv_channel_prefix_matrix``;
     - ``send_head[t][j] = rel[t][j] + rpm[me-1][j]`` where ``rel >= 0`` (else ``rel``), rows split over
       the programs;
-    - with ``CHECK_WORST``: more rows arriving than ``num_worst`` records error 9 (program 0).
+    - with ``CHECK_WORST``: more rows arriving than ``num_worst`` records error 9 (program 0);
+    - with ``CHECK_TOPK``: an expert id in ``topk[T, K]`` outside ``[-1, E)`` records error 10 (the
+      calls without a host synchronisation find bad ids here; the others at their synchronisation).
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -129,6 +132,15 @@ def _handle_kernel(counts_ptr, chan_ptr, C, rel_ptr, T, R, me, rpm_ptr, rcp_ptr,
         m = (tt[:, None] < T) & (ri[None, :] < R)
         rel = tl.load(rel_ptr + tt[:, None] * R + ri[None, :], mask=m, other=-1)
         tl.store(send_head_ptr + tt[:, None] * R + ri[None, :], tl.where(rel >= 0, rel + offs[None, :], rel), mask=m)
+        if CHECK_TOPK:
+            kk = tl.arange(0, K_POW2)
+            mk = (tt[:, None] < T) & (kk[None, :] < K)
+            ids = tl.load(topk_ptr + tt[:, None] * K + kk[None, :], mask=mk, other=-1).to(tl.int64)
+            bad = mk & ((ids < -1) | (ids >= E))
+            if tl.sum(tl.sum(bad.to(tl.int32), 1), 0) > 0:
+                lo = tl.min(tl.min(tl.where(bad, ids, 1 << 40), 1), 0)
+                hi = tl.max(tl.max(tl.where(bad, ids, -(1 << 40)), 1), 0)
+                record_error(err_ptr, 10, -1, tl.where(lo < -1, lo, hi).to(tl.int32), E)
 
 
 @triton.jit
