@@ -1,7 +1,9 @@
-"""Tier 1: the nvlink backend's host-side arithmetic after the dispatch synchronisation."""
+"""Tier 1: the nvlink backend's host-side arithmetic (after the dispatch synchronisation, copy-engine chunks)."""
+import pytest
 import torch
 
 from epcomm import layout
+from epcomm.backends import nvlink as nv
 from epcomm.backends.nvlink import _host_counts
 
 
@@ -20,3 +22,14 @@ def test_host_counts_match_the_tensor_formulas():
 
 def test_host_counts_example():
     assert _host_counts([3, 1, 2, 4, 1, 0, 2, 2], 2, 2, 1, 2) == ([[3, 1], [2, 4]], 5, [4, 2])
+
+
+def test_copy_engine_groups(monkeypatch):
+    """Rows per NC-chunk (the receiver's unit) and NC-chunks per copy-engine copy (TUNE ce_chunks)."""
+    monkeypatch.setitem(nv.TUNE, "ce_chunks", 4)
+    assert nv._ce_groups(4096) == (1024, 1) and nv._ce_groups(0) == (1, 1) and nv._ce_groups(5) == (2, 1)
+    monkeypatch.setitem(nv.TUNE, "ce_chunks", 1)
+    assert nv._ce_groups(4096) == (1024, 4)  # one copy carries all four chunks and raises the flag by 4
+    monkeypatch.setitem(nv.TUNE, "ce_chunks", 3)
+    with pytest.raises(ValueError, match="must divide NC=4, got 3"):
+        nv._ce_groups(10)

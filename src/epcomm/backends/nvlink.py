@@ -56,6 +56,8 @@ def _ce_groups(rows: int) -> tuple[int, int]:
     if n not in (1, 2, 4) or NC % n:
         raise ValueError(f"TUNE['ce_chunks'] must divide NC={NC}, got {n}")
     return max((rows + NC - 1) // NC, 1), NC // n
+
+
 # counter slots (local int32 device memory)
 DSEND, DRECV, CSEND, CRECV = 0, 1, 2, 3
 # ticket slots
