@@ -159,6 +159,8 @@ class NVLinkBackend(Backend):
         self.notify_host = torch.zeros(self.notify_out.numel() + 4, dtype=torch.int32).pin_memory()
         self.ids_host = torch.zeros(2, dtype=torch.int64).pin_memory()  # (min, max) of topk_idx, eager dispatch
         self.ce_stream = torch.cuda.Stream(self.device)
+        self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
+        self._views: dict = {}  # see _view
         self.transfer = _env.ht_transfer()  # "ce" (copy engine) or "sm"
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
@@ -226,9 +228,25 @@ class NVLinkBackend(Backend):
         start = off + src * slot_bytes
         return self.peers[rank][start:start + nbytes]
 
+    def _view(self, key, make):
+        """A view of a persistent buffer, made once per ``key`` (each slice or view is a torch call, tens
+        of microseconds apiece on the eager path's host)."""
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = make()
+        return v
+
     def _local(self, off: int, slot_bytes: int, dtype: torch.dtype) -> torch.Tensor:
         """All R slots of one staging array, as ``dtype`` (slot ``i`` at ``i * slot_bytes``)."""
-        return self.symm[off:off + self.num_ranks * slot_bytes].view(dtype)
+        return self._view(("local", off, slot_bytes, dtype),
+                          lambda: self.symm[off:off + self.num_ranks * slot_bytes].view(dtype))
+
+    def _notify_views(self, lx: int, c: int):
+        """``counts[R][R]``, ``per_expert[R][lx]``, ``chan[R][c]`` and ``toks[R]`` in the notify output."""
+        r_, no = self.num_ranks, self.notify_out
+        return self._view(("notify", lx, c), lambda: (
+            no[:r_ * r_].view(r_, r_), no[r_ * r_:r_ * r_ + r_ * lx].view(r_, lx),
+            no[r_ * r_ + r_ * L_MAX:r_ * r_ + r_ * L_MAX + r_ * c].view(r_, c), no[r_ * r_ + r_ * L_MAX + r_ * C_MAX:]))
 
     # ------------------------------------------------------------------ dispatch
 
@@ -359,11 +377,7 @@ class NVLinkBackend(Backend):
 
         send_head_rel = torch.empty(t, r_, dtype=torch.int32, device=dev)
         cpm = torch.empty(r_, c, dtype=torch.int32, device=dev)
-        no = self.notify_out
-        counts = no[:r_ * r_].view(r_, r_)
-        per_expert = no[r_ * r_:r_ * r_ + r_ * lx].view(r_, lx)
-        chan = no[r_ * r_ + r_ * L_MAX:r_ * r_ + r_ * L_MAX + r_ * c].view(r_, c)
-        toks = no[r_ * r_ + r_ * L_MAX + r_ * C_MAX:]
+        counts, per_expert, chan, toks = self._notify_views(lx, c)
         per_chan = max((t + c - 1) // c, 1)
         ht._notify_kernel[(r_,)](
             is_in.view(torch.int8), t, r_, me, a.num_tokens_per_rank, a.num_tokens_per_expert, lx, c, per_chan,
@@ -384,13 +398,14 @@ class NVLinkBackend(Backend):
             # together; everything after it is Python arithmetic on one list (no torch ops per value).
             nn = r_ * r_ + r_ * lx
             nh = self.notify_host
-            nh[:nn].copy_(no[:nn], non_blocking=True)
-            nh[nn:nn + 4].copy_(self.err[:4], non_blocking=True)
+            counts_host, err_host, counts_dev, err_dev = self._view(("sync", nn), lambda: (
+                nh[:nn], nh[nn:nn + 4], self.notify_out[:nn], self.err[:4]))
+            counts_host.copy_(counts_dev, non_blocking=True)
+            err_host.copy_(err_dev, non_blocking=True)
             if topk is not None and t:
                 self.ids_host.copy_(torch.stack(torch.aminmax(topk)), non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            ev.synchronize()
+            self._sync_event.record()
+            self._sync_event.synchronize()
             vals = nh[:nn + 4].tolist()
             if vals[nn]:
                 self._check_error(vals[nn:nn + 4])
@@ -540,6 +555,7 @@ class NVLinkBackend(Backend):
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
         self.peers = self.nvl_buffer = self.rdma_buffer = None
+        self._views = {}  # views into the symmetric buffer keep it alive
         self.symm = self.hdl = None
 
 
