@@ -1,0 +1,231 @@
+"""Tier 1: the nvlink backend's host code on a CPU.
+
+Every kernel launch the backend makes is bound against its kernel's signature (a missing, unknown or
+misplaced argument, or a tensor given for a constexpr, fails here instead of on the device machine),
+for the eager, num_worst_tokens, cached, captured (SM push), copy-engine-chunk and low-latency calls.
+The kernels are not run (scripts/sim_ht.py and sim_ll.py run them under the Triton interpreter);
+CUDA streams, events and symmetric memory are stand-ins, so the host synchronisation reads zeros
+(no rows arrive) — this checks the orchestration, not the results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import types
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from epcomm import layout  # noqa: E402
+from epcomm.backends import nvlink as nv  # noqa: E402
+from epcomm.backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs  # noqa: E402
+from epcomm.kernels import ht, ll  # noqa: E402
+
+R, T, H, K, E = 2, 24, 256, 4, 16
+
+
+class _Kernel:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kw)`` binds and records."""
+
+    def __init__(self, jit, log: list):
+        self.fn = jit.fn
+        self.sig = inspect.signature(jit.fn)
+        self.log = log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            for opt in ("num_warps", "num_stages", "num_ctas"):
+                kwargs.pop(opt, None)
+            name = self.fn.__name__
+            bound = self.sig.bind(*args, **kwargs)  # TypeError: a missing or unknown argument
+            assert len(grid) in (1, 2, 3) and all(isinstance(g, int) and g >= 1 for g in grid), (name, grid)
+            for pname, p in self.sig.parameters.items():
+                v = bound.arguments.get(pname, p.default)
+                assert v is not inspect.Parameter.empty, (name, pname)
+                if "constexpr" in str(p.annotation):
+                    assert not isinstance(v, torch.Tensor), f"{name}: constexpr {pname} given a tensor"
+                elif pname.endswith("_ptr") or pname == "ptr_table":
+                    assert isinstance(v, torch.Tensor), f"{name}: {pname} must be a tensor, got {type(v).__name__}"
+                else:  # a runtime scalar or a tensor; never None
+                    assert v is not None, f"{name}: {pname} is None"
+            self.log.append((name, tuple(grid), dict(bound.arguments)))
+        return launch
+
+
+class _Stream:
+    cuda_stream = 0
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, ev):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Event:
+    def __init__(self, *a, **k):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+
+class _Buf(types.SimpleNamespace):
+    """The Buffer attributes the backend reads (weak-referenceable, as a Buffer is)."""
+
+
+class _Symm:
+    """torch.distributed._symmetric_memory for ranks built one after another in one process."""
+
+    def __init__(self):
+        self.rank = 0
+        self.bufs: dict[int, list[torch.Tensor]] = {}
+
+    def empty(self, n, dtype=torch.uint8, device=None):
+        ranks = self.bufs.setdefault(n, [torch.zeros(n, dtype=dtype) for _ in range(R)])
+        return ranks[self.rank]
+
+    def rendezvous(self, t, group_name):
+        ranks = self.bufs[t.numel()]
+        return types.SimpleNamespace(buffer_ptrs=[b.data_ptr() for b in ranks],
+                                     get_buffer=lambda r, shape, dtype: ranks[r].view(dtype).view(shape))
+
+
+@pytest.fixture
+def rig(monkeypatch):
+    log: list = []
+    capturing = {"on": False}
+    symm = _Symm()
+    mod = types.ModuleType("torch.distributed._symmetric_memory")
+    mod.empty, mod.rendezvous = symm.empty, symm.rendezvous
+    monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", mod)
+    monkeypatch.setattr(torch.distributed, "_symmetric_memory", mod, raising=False)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["on"])
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    for mod_ in (ht, ll):
+        for name, obj in list(vars(mod_).items()):
+            if isinstance(obj, triton.runtime.jit.JITFunction):
+                monkeypatch.setattr(mod_, name, _Kernel(obj, log))
+    from epcomm import Buffer
+
+    rdma = Buffer.get_low_latency_rdma_size_hint(8, H, R, E)
+    backends = []
+    for r in range(R):
+        symm.rank = r
+        buf = _Buf(group=types.SimpleNamespace(group_name="g"), rank=r, group_size=R, device=torch.device("cpu"),
+                   timeout_s=1.0, num_nvl_bytes=8 << 20, num_rdma_bytes=rdma, num_sms=24)
+        b = nv.NVLinkBackend(buf)
+        b._keep = buf  # the backend holds a weak reference
+        backends.append(b)
+    return types.SimpleNamespace(log=log, capturing=capturing, b=backends)
+
+
+def _args(worst=0, fp8=False):
+    g = torch.Generator().manual_seed(1)
+    topk = torch.randint(-1, E, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    scales = None
+    if fp8:
+        from epcomm import quant
+
+        x, scales = quant.per_token_cast_to_fp8(x)
+    per_rank, per_expert, in_rank = layout.dispatch_layout(topk, E, R)
+    return DispatchArgs(x, scales, topk, w, per_rank, in_rank, per_expert, 1, worst, 8, 24)
+
+
+def _names(log):
+    return [n for n, _, _ in log]
+
+
+def test_eager_dispatch_combine_and_cached(rig):
+    b = rig.b[0]
+    res = b.dispatch(_args())
+    assert _names(rig.log) == ["_ce_wait_kernel"] + ["_ce_signal_kernel"] * 4 + ["_notify_kernel", "_gather_kernel",
+                                                                              "_handle_kernel"]
+    handle = res.handle
+    assert handle.rank_prefix_matrix.shape == (R, R) and handle.send_head.shape == (T, R)
+    assert not rig.log[-1][2]["CHECK_WORST"] and not rig.log[-1][2]["CHECK_TOPK"]
+    rig.log.clear()
+    out, w = b.combine(res.recv_x, handle, res.recv_topk_weights, ())
+    assert out.shape == (T, H) and w.shape == (T, K)
+    assert _names(rig.log) == ["_ce_wait_kernel"] + ["_ce_signal_kernel"] * 4 + ["_reduce_kernel"]
+    rig.log.clear()
+    fp8 = _args(fp8=True)
+    b.cached_dispatch(fp8.x, fp8.x_scales, handle)
+    assert _names(rig.log)[-1] == "_gather_kernel" and rig.log[-1][2]["CACHED"] and rig.log[-1][2]["HAS_SCALES"]
+
+
+def test_worst_dispatch_checks_on_the_device(rig):
+    b = rig.b[1]
+    res = b.dispatch(_args(worst=R * T))
+    assert res.recv_x.shape == (R * T, H) and res.num_recv_tokens_per_expert_list == []
+    handle_launch = rig.log[-1]
+    assert handle_launch[0] == "_handle_kernel"
+    assert handle_launch[2]["CHECK_WORST"] and handle_launch[2]["CHECK_TOPK"] and handle_launch[2]["num_worst"] == R * T
+    rig.log.clear()
+    b.combine(res.recv_x, res.handle, None, ())  # no host prefix on the handle: the SM push
+    assert _names(rig.log) == ["_combine_push_kernel", "_reduce_kernel"]
+
+
+def test_captured_calls_push_with_sms(rig):
+    rig.capturing["on"] = True
+    rig.b[0].dispatch(_args(worst=R * T))
+    names = _names(rig.log)
+    assert "_push_kernel" in names and "_ce_signal_kernel" not in names
+    push = rig.log[names.index("_push_kernel")][2]
+    assert push["RB"] == nv.TUNE["push_rb"] and push["BLOCK"] == nv.TUNE["push_block"]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_copy_engine_chunks_raise_the_flag_by_what_they_carry(rig, monkeypatch, chunks):
+    monkeypatch.setitem(nv.TUNE, "ce_chunks", chunks)
+    rig.b[0].dispatch(_args())
+    sig = [a for n, _, a in rig.log if n == "_ce_signal_kernel"]
+    assert [(a["inc"], a["bump"]) for a in sig] == [(4 // chunks, int(i == chunks - 1)) for i in range(chunks)]
+
+
+def test_gather_variant_flag_reaches_the_kernel(rig, monkeypatch):
+    monkeypatch.setitem(nv.TUNE, "gather_one_load", True)
+    rig.b[0].dispatch(_args())
+    assert [a for n, _, a in rig.log if n == "_gather_kernel"][0]["ONE_LOAD"] is True
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_low_latency_dispatch_and_combine(rig, fp8):
+    b = rig.b[0]
+    m = 8
+    x = torch.randn(6, H).to(torch.bfloat16)
+    topk = torch.randint(-1, E, (6, K), generator=torch.Generator().manual_seed(2))
+    res, recv = b.low_latency_dispatch(LowLatencyDispatchArgs(x, topk, m, E, fp8, False, False, None, None, 0, None))
+    recv()
+    assert _names(rig.log) == ["_ll_dispatch_send_kernel", "_ll_dispatch_recv_kernel"]
+    y = torch.randn(E // R, R * m, H).to(torch.bfloat16)
+    w = torch.rand(6, K)
+    out, recv = b.low_latency_combine(LowLatencyCombineArgs(y, topk, w, res.handle, None, None, 1, None))
+    recv()
+    assert out.shape == (6, H)
+    assert _names(rig.log)[2:] == ["_ll_combine_weights_kernel", "_ll_combine_reduce_kernel",
+                                   "_ll_combine_recv_kernel"]
