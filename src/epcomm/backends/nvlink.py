@@ -23,6 +23,7 @@ Flow control: a sender waits until every receiver consumed the previous contents
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import weakref
 import zlib
@@ -46,6 +47,9 @@ TUNE = dict(gather_rb=8, gather_block=512, gather_warps=8, gather_stages=3, redu
             reduce_warps=8, reduce_stages=3, notify_block=256, push_rb=8, push_block=512, push_warps=8,
             gather_one_load=False, ce_chunks=4)
 NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
+# deadlines on %globaltimer; under the Triton interpreter (CPU runs of the backend, epcomm.testing.cpu_nvlink)
+# the waits count spins instead
+TIMER = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def _ce_groups(rows: int) -> tuple[int, int]:
@@ -260,7 +264,7 @@ class NVLinkBackend(Backend):
         if not self._use_ce():
             # Small per-token arrays by copy engine (after the receivers freed the slot), rows by SMs.
             ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.DCONSUMED, r_, me, self.ctrs[DSEND:],
-                                     self.err, 2, self._timeout_ns, HAS_TIMER=True)
+                                     self.err, 2, self._timeout_ns, HAS_TIMER=TIMER)
             for arr, key in ((scales, "ds"), (topk, "dk"), (w, "dw")):
                 if arr is not None and arr.numel():
                     for j in range(r_):
@@ -272,7 +276,7 @@ class NVLinkBackend(Backend):
                                   self.ptr_table, self.flags_off, ht.DDATA, ht.DCONSUMED, lay["dx"],
                                   lay["d_slot"], self.ctrs[DSEND:], self.tickets[T_DPUSH:], self.err, 2,
                                   self._timeout_ns, NC=NC, RB=TUNE["push_rb"], BLOCK=TUNE["push_block"],
-                                  HAS_TIMER=True, ELEM=torch_to_tl(x_words.dtype), num_warps=TUNE["push_warps"])
+                                  HAS_TIMER=TIMER, ELEM=torch_to_tl(x_words.dtype), num_warps=TUNE["push_warps"])
             return
         cur = torch.cuda.current_stream()
         self.ce_stream.wait_stream(cur)
@@ -280,7 +284,7 @@ class NVLinkBackend(Backend):
         per, step = _ce_groups(t)
         with torch.cuda.stream(self.ce_stream):
             ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.DCONSUMED, r_, me, self.ctrs[DSEND:],
-                                     self.err, 2, self._timeout_ns, HAS_TIMER=True)
+                                     self.err, 2, self._timeout_ns, HAS_TIMER=TIMER)
             side = [(scales, "ds"), (topk, "dk"), (w, "dw")]
             for c in range(0, NC, step):
                 lo, hi = min(c * per, t), min((c + step) * per, t)
@@ -348,7 +352,7 @@ class NVLinkBackend(Backend):
             self.ptr_table, self.flags_off, self.ctrs[DRECV:], self.tickets[T_GATHER:], self.err, self._timeout_ns,
             CACHED=cached, IS_PREFIX=is_prefix, HAS_SCALES=scales is not None, HAS_TOPK=out_k is not None,
             NC=NC, RB=rb, BLOCK=TUNE["gather_block"], R_POW2=_pow2(self.num_ranks), K_POW2=_pow2(k), G_POW2=_pow2(g),
-            HAS_TIMER=True, STAGES=TUNE["gather_stages"], ONE_LOAD=TUNE["gather_one_load"],
+            HAS_TIMER=TIMER, STAGES=TUNE["gather_stages"], ONE_LOAD=TUNE["gather_one_load"],
             num_warps=TUNE["gather_warps"],
         )
         return out_x, out_s, out_k, out_w
@@ -385,7 +389,7 @@ class NVLinkBackend(Backend):
             self.list_off, self.list_parity_bytes, self.list_src_bytes,
             self.nctr, send_head_rel, cpm, counts, per_expert, chan, toks, self.src_lists, self.src_lists.stride(0),
             self.err, self._timeout_ns,
-            BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=True, num_warps=4,
+            BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=TIMER, num_warps=4,
         )
         host_counts = None
         bad_id = None
@@ -476,7 +480,7 @@ class NVLinkBackend(Backend):
                 self.ce_stream.wait_stream(cur)
                 with torch.cuda.stream(self.ce_stream):
                     ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.CCONSUMED, r_, me,
-                                             self.ctrs[CSEND:], self.err, 4, self._timeout_ns, HAS_TIMER=True)
+                                             self.ctrs[CSEND:], self.err, 4, self._timeout_ns, HAS_TIMER=TIMER)
                     col = host_prefix[:, me].tolist()
                     step = _ce_groups(0)[1]
                     for c in range(0, NC, step):
@@ -507,7 +511,7 @@ class NVLinkBackend(Backend):
                     self.ptr_table, self.flags_off, lay["cx"], lay["c_slot"], lay["cw"], lay["c_slot"],
                     self.ctrs[CSEND:], self.tickets[T_CPUSH:], self.err, self._timeout_ns,
                     HAS_W=w is not None, NC=NC, RB=TUNE["push_rb"], BLOCK=TUNE["push_block"], K_POW2=_pow2(k),
-                    HAS_TIMER=True, num_warps=TUNE["push_warps"],
+                    HAS_TIMER=TIMER, num_warps=TUNE["push_warps"],
                 )
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         out_w = torch.empty(t, k, dtype=torch.float32, device=dev) if w is not None else None
@@ -523,7 +527,7 @@ class NVLinkBackend(Backend):
             b0.contiguous(), b1.contiguous(), out, out_w if out_w is not None else stage_w,
             self.ptr_table, self.flags_off, self.ctrs[CRECV:], self.tickets[T_REDUCE:], self.err, self._timeout_ns,
             HAS_W=w is not None, NUM_BIAS=len(bias), NC=NC, TB=tb, BLOCK=TUNE["reduce_block"], R_POW2=_pow2(r_),
-            K_POW2=_pow2(k), HAS_TIMER=True, STAGES=TUNE["reduce_stages"], num_warps=TUNE["reduce_warps"],
+            K_POW2=_pow2(k), HAS_TIMER=TIMER, STAGES=TUNE["reduce_stages"], num_warps=TUNE["reduce_warps"],
         )
         self._join_ce()
         return out, out_w

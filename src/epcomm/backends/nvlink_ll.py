@@ -29,7 +29,7 @@ import torch
 from .. import layout
 from ..layout import LowLatencyHandle
 from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult
-from .nvlink import _pow2
+from .nvlink import TIMER, _pow2
 
 # local counters (int32 device memory): dispatch-receive level [2], combine weight level [2],
 # combine-receive level [2]
@@ -118,7 +118,7 @@ class LowLatencyEngine:
                 self.levels[_DLEVEL + a.parity:], self.tickets[_T_DRECV:], nv.err, nv._timeout_ns, mask,
                 SHRINK=a.mask is not None, USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=cum is not None, HAS_WAIT=wst is not None,
                 TB=TUNE["recv_tb"], QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"], G_POW2=max(_pow2(g), 4),
-                HAS_TIMER=True, K_POW2=_pow2(k), num_warps=TUNE["recv_warps"],
+                HAS_TIMER=TIMER, K_POW2=_pow2(k), num_warps=TUNE["recv_warps"],
             )
 
         return LowLatencyDispatchResult(recv_x, recv_count, handle), receive
@@ -155,7 +155,7 @@ class LowLatencyEngine:
             y, h, k, me, r_, lx, m, nv.ptr_table, d_area, lay.dispatch_src_bytes,
             area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset, sig, cw,
             self.levels[_WLEVEL + a.parity:], self.tickets[_T_CSEND + 1:], nv.err, nv._timeout_ns, mask,
-            K_POW2=_pow2(k), BLOCK=blk, HAS_TIMER=True, SHRINK=a.mask is not None, num_warps=TUNE["csend_warps"],
+            K_POW2=_pow2(k), BLOCK=blk, HAS_TIMER=TIMER, SHRINK=a.mask is not None, num_warps=TUNE["csend_warps"],
         )
         wst = a.combine_wait_recv_cost_stats
 
@@ -166,7 +166,7 @@ class LowLatencyEngine:
                 wst if wst is not None else self.levels, self.levels[_CLEVEL + a.parity:],
                 self.tickets[_T_CRECV:], nv.err, nv._timeout_ns, mask,
                 K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, HAS_WAIT=wst is not None,
-                HAS_TIMER=True, SHRINK=a.mask is not None, num_warps=TUNE["crecv_warps"],
+                HAS_TIMER=TIMER, SHRINK=a.mask is not None, num_warps=TUNE["crecv_warps"],
             )
 
         return out, receive

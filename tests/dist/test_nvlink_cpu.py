@@ -1,0 +1,108 @@
+"""Tier 2: the nvlink backend — its host code and its Triton kernels under the interpreter — on CPU
+processes, against the reference backend (``epcomm.testing.cpu_nvlink``).
+
+High-throughput: dispatch bitwise (BF16, FP8, num_worst_tokens, cached), combine within the BF16
+budget, with a rank that sends nothing and a hot expert, over the copy-engine path (here plain
+copies), the SM push, and the tuning variants. Low-latency: BF16 / FP8 / UE8M0 dispatch, hook,
+zero-copy and out= combine. A rank that never arrives gives the deadline error. GPU memory
+ordering, the copy engine itself and CUDA graphs are tier 3's.
+"""
+import importlib.util
+import os
+import uuid
+
+import pytest
+
+from epcomm.testing.launcher import parallel_launch
+
+# (not importorskip: the ranks must set TRITON_INTERPRET before anything imports Triton)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+
+
+def _setup(ctx, tag, env=None, tune=None):
+    from epcomm.testing import cpu_nvlink
+
+    os.environ.update(env or {})
+    cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
+    from epcomm.backends import nvlink
+
+    nvlink.TUNE.update(tune or {})
+    return cpu_nvlink
+
+
+def _ht(ctx, tag, env, tune):
+    cpu_nvlink = _setup(ctx, tag, env, tune)
+    from epcomm import Buffer
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    ref = Buffer(ctx.group)
+    fast = cpu_nvlink.nvlink_buffer(ctx.group, num_nvl_bytes=16 << 20)
+    assert fast.backend_name == "nvlink" and ref.backend_name == "reference"
+    r = ctx.world_size
+    cases = [Case(num_ranks=r, tokens=tuple(5 + 3 * i for i in range(r)), hidden=128, num_topk=4,
+                  num_experts=4 * r, seed=1),
+             Case(num_ranks=r, tokens=tuple(0 if i == 0 else 9 for i in range(r)), hidden=256, num_topk=2,
+                  num_experts=2 * r, hot_expert=1, seed=2)]
+    out = []
+    for case in cases:
+        for fp8 in (False, True):
+            out.append(G.check_ht_case(ref, fast, case, ctx.rank, fp8, with_bias=not fp8))
+        out.append(G.check_ht_case(ref, fast, case, ctx.rank, False, worst=sum(case.tokens) + 3))
+    return [o["n"] for o in out]
+
+
+@pytest.mark.parametrize("env,tune", [
+    ({}, {}),  # the copy-engine path (copies are plain CPU copies here), NC chunks
+    ({"EPCOMM_HT_TRANSFER": "sm"}, {"push_rb": 2, "push_block": 64}),  # the SM push, several tiles per row
+    ({}, {"ce_chunks": 1, "gather_one_load": True, "gather_rb": 4}),  # the tuning variants
+], ids=["copy-engine", "sm-push", "variants"])
+def test_nvlink_high_throughput_on_cpu_processes(env, tune):
+    res = parallel_launch(2, _ht, uuid.uuid4().hex[:12], env, tune, backend="gloo", timeout_s=300)
+    assert all(len(r) == 6 for r in res) and any(n > 0 for r in res for n in r)
+
+
+def _ll(ctx, tag):
+    cpu_nvlink = _setup(ctx, tag)
+    from epcomm import Buffer
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    r, m = ctx.world_size, 8
+    case = Case(num_ranks=r, tokens=tuple(6 - i for i in range(r)), hidden=256, num_topk=4, num_experts=4 * r,
+                seed=3)
+    hint = Buffer.get_low_latency_rdma_size_hint(m, case.hidden, r, case.num_experts)
+    ref = Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
+    fast = cpu_nvlink.nvlink_buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
+    out = []
+    for i, kw in enumerate([dict(use_fp8=False), dict(use_fp8=True), dict(use_fp8=True, round_scale=True, ue8m0=True),
+                            dict(use_fp8=True, hook=True), dict(use_fp8=False, zero_copy=True)]):
+        out.append(G.check_ll_case(ref, fast, case, ctx.rank, m, seed_shift=i, **kw))
+    return len(out)
+
+
+def test_nvlink_low_latency_on_cpu_processes():
+    assert parallel_launch(2, _ll, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [5, 5]
+
+
+def _absent(ctx, tag):
+    cpu_nvlink = _setup(ctx, tag)
+    from epcomm.backends.base import PeerTimeoutError
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    fast = cpu_nvlink.nvlink_buffer(ctx.group, spins=3e3, num_nvl_bytes=16 << 20)
+    case = Case(num_ranks=ctx.world_size, tokens=(8,) * ctx.world_size, hidden=128, num_topk=2, num_experts=4)
+    xin, x, topk, w = G.device_inputs(case, ctx.rank, fast.device)
+    if ctx.rank == 1:
+        return "absent"  # never dispatches
+    try:
+        G._dispatch(fast, xin, topk, w, case.num_experts)
+    except PeerTimeoutError as e:
+        return str(e)
+    raise AssertionError("a dispatch without its peer did not raise")
+
+
+def test_a_rank_that_never_arrives_gives_the_deadline_error():
+    res = parallel_launch(2, _absent, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
+    assert "rank 1" in res[0] and "dispatch" in res[0], res[0]
