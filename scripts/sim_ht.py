@@ -162,14 +162,14 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
         y = (o["x"].float() * 2).to(torch.bfloat16)
         o["y"] = y
         ht._combine_push_kernel[(2,)](y.view(torch.int32), o["w"], H // 2, K, R, me, o["rpm"], table, 0, cx, c_slot,
-                                      cw, c_slot, s["ctrs"][nv.CSEND:], s["tickets"][3:], s["err"], 100, HAS_W=True,
+                                      cw, c_slot, s["ctrs"][nv.CSEND:], s["tickets"][3:], s["err"], 100, y.shape[0], HAS_W=True,
                                       NC=nv.NC, RB=2, BLOCK=16, K_POW2=4, HAS_TIMER=False)
     for me in range(R):
         s, o = st[me], outs[me]
         out = torch.empty(T[me], H, dtype=torch.bfloat16)
         out_w = torch.empty(T[me], K, dtype=torch.float32)
         bias = torch.randn(T[me], H).to(torch.bfloat16)
-        ht._reduce_kernel[(2,)](o["y"], H, T[me], R, me, o["sh"], o["rpm"], o["w"], K,
+        ht._reduce_kernel[(2,)](o["y"], H, T[me], R, me, o["sh"], o["rpm"], o["w"], K, o["y"].shape[0],
                                 symm[me][cx:cx + R * c_slot].view(torch.bfloat16), c_slot // 2,
                                 symm[me][cw:cw + R * c_slot].view(torch.float32), c_slot // 4,
                                 bias, bias, out, out_w, table, 0, s["ctrs"][nv.CRECV:], s["tickets"][1:], s["err"], 100,

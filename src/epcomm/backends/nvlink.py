@@ -509,7 +509,7 @@ class NVLinkBackend(Backend):
                 ht._combine_push_kernel[(max(1, self.num_sms),)](
                     xw, w if w is not None else xw.view(torch.float32), xw.shape[1], k, r_, me, rpm,
                     self.ptr_table, self.flags_off, lay["cx"], lay["c_slot"], lay["cw"], lay["c_slot"],
-                    self.ctrs[CSEND:], self.tickets[T_CPUSH:], self.err, self._timeout_ns,
+                    self.ctrs[CSEND:], self.tickets[T_CPUSH:], self.err, self._timeout_ns, x.shape[0],
                     HAS_W=w is not None, NC=NC, RB=TUNE["push_rb"], BLOCK=TUNE["push_block"], K_POW2=_pow2(k),
                     HAS_TIMER=TIMER, num_warps=TUNE["push_warps"],
                 )
@@ -523,6 +523,7 @@ class NVLinkBackend(Backend):
         grid = (max(1, min(self.num_sms, (t + tb - 1) // tb)),)
         ht._reduce_kernel[grid](
             x, h, t, r_, me, handle.send_head.contiguous(), rpm.contiguous(), w if w is not None else stage_w, k,
+            x.shape[0],
             stage_x, lay["c_slot"] // 2, stage_w, lay["c_slot"] // 4,
             b0.contiguous(), b1.contiguous(), out, out_w if out_w is not None else stage_w,
             self.ptr_table, self.flags_off, self.ctrs[CRECV:], self.tickets[T_REDUCE:], self.err, self._timeout_ns,

@@ -267,7 +267,9 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
     else:
         incl = tl.cumsum(col, 0)
         excl = incl - col
-    total = tl.max(tl.where(rr < R, incl, 0), 0)
+    # rows this call may write: every row arriving, or fewer when num_worst_tokens is too small (the
+    # handle kernel records that error; the rows beyond the output are dropped, never written past it)
+    total = tl.minimum(tl.max(tl.where(rr < R, incl, 0), 0), n_rows)
     start_me = tl.sum(tl.where(rr == me, excl, 0), 0)
     known = tl.zeros((R_POW2,), dtype=tl.int32)
     if CACHED:
@@ -347,7 +349,7 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
 
 
 @triton.jit(do_not_specialize=['T'])
-def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K,
+def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K, x_rows,
                    stage_ptr, stage_src_elems, stage_w_ptr, stage_w_src,
                    bias0_ptr, bias1_ptr, out_ptr, out_w_ptr,
                    ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
@@ -358,7 +360,8 @@ def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K,
 
     ``row_j(t)`` is row ``send_head[t, j]`` of rank ``j``'s x: local x for ``j == me``, else row
     ``send_head[t, j] - rpm[me-1, j]`` of staging slot ``j`` (rank ``j`` copied my block there in
-    ``NC`` chunks of ``ceil(count / NC)`` rows; this program waits chunk by chunk).
+    ``NC`` chunks of ``ceil(count / NC)`` rows; this program waits chunk by chunk). Local rows at or
+    past ``x_rows`` are not read (after a num_worst_tokens overflow, recorded as an error).
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -392,8 +395,8 @@ def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K,
                 row = tl.sum(tl.where(rr[None, :] == j, heads, 0), 1)
                 ok = tm & (row >= 0) & (j < R)
                 relj = row - tl.sum(tl.where(rr == j, base, 0), 0)
-                a = tl.load(x_ptr + row.to(tl.int64)[:, None] * H + cc[None, :], mask=(ok & (me == j))[:, None] & cm,
-                            other=0.0)
+                a = tl.load(x_ptr + row.to(tl.int64)[:, None] * H + cc[None, :],
+                            mask=(ok & (me == j) & (row < x_rows))[:, None] & cm, other=0.0)
                 b = tl.load(stage_ptr + j * stage_src_elems + relj.to(tl.int64)[:, None] * H + cc[None, :],
                             mask=(ok & (me != j))[:, None] & cm, other=0.0)
                 acc += a.to(tl.float32) + b.to(tl.float32)  # one of a, b is 0: the same sum, rank by rank
@@ -411,7 +414,8 @@ def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K,
                 row = tl.sum(tl.where(rr[None, :] == j, heads, 0), 1)
                 ok = tm & (row >= 0)
                 if j == me:
-                    wv = tl.load(w_ptr + row.to(tl.int64)[:, None] * K + kk[None, :], mask=ok[:, None] & km, other=0.0)
+                    wv = tl.load(w_ptr + row.to(tl.int64)[:, None] * K + kk[None, :],
+                                 mask=(ok & (row < x_rows))[:, None] & km, other=0.0)
                 else:
                     relj = row - tl.sum(tl.where(rr == j, base, 0), 0)
                     wv = tl.load(stage_w_ptr + _i64(j) * stage_w_src + relj.to(tl.int64)[:, None] * K + kk[None, :],
@@ -429,11 +433,13 @@ def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K,
 @triton.jit
 def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, flags_off,
                          stage_off, stage_src_bytes, stage_w_off, stage_w_src_bytes,
-                         ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
+                         ctr_ptr, ticket_ptr, err_ptr, timeout_ns, x_rows,
                          HAS_W: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
                          K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
     """SM mover for combine: rows ``[rpm[i-1, me], rpm[i, me])`` of x go to row 0.. of my slot on
-    owner ``i``, ``RB`` rows per step; the last program raises the owners' data flags."""
+    owner ``i``, ``RB`` rows per step; the last program raises the owners' data flags. Rows at or past
+    ``x_rows`` (x's length) are not read: after a num_worst_tokens overflow, recorded as an error,
+    ``rpm`` counts more rows than x has."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n = tl.load(ctr_ptr)
@@ -441,10 +447,10 @@ def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, 
     kk = tl.arange(0, K_POW2)
     for i in range(0, R):
         if i != me:
-            end = tl.load(rpm_ptr + i * R + me)
+            end = tl.minimum(tl.load(rpm_ptr + i * R + me), x_rows)
             start = tl.zeros((), dtype=tl.int32)
             if i > 0:
-                start = tl.load(rpm_ptr + (i - 1) * R + me)
+                start = tl.minimum(tl.load(rpm_ptr + (i - 1) * R + me), x_rows)
             dst = peer_ptr(ptr_table, i, stage_off + me * stage_src_bytes, tl.int32)
             dst_w = peer_ptr(ptr_table, i, stage_w_off + me * stage_w_src_bytes, tl.float32)
             for r0 in range(pid * RB, end - start, P * RB):
