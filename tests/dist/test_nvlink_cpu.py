@@ -164,3 +164,73 @@ def test_device_side_input_errors_on_cpu_processes():
     assert res[0][1].startswith("worst: topk_idx holds expert id 11, outside [-1, 4)"), res[0]
     for r, seen in enumerate(res):
         assert seen[-1].startswith(f"overflow: epcomm rank {r}: num_worst_tokens=1 but "), seen
+
+
+def _stress(ctx, tag):
+    """Many calls with changing routings and sizes: counters, parities and flag levels across calls."""
+    cpu_nvlink = _setup(ctx, tag)
+    from epcomm import Buffer
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    ref, fast = Buffer(ctx.group), cpu_nvlink.nvlink_buffer(ctx.group, num_nvl_bytes=64 << 20)
+    G.check_ht_stress(fast, ref, ctx.rank, ctx.world_size, iters=24)  # full checks at 0 and 23
+    r, m = ctx.world_size, 8
+    case = Case(num_ranks=r, tokens=(m,) * r, hidden=256, num_topk=4, num_experts=4 * r, seed=5)
+    hint = Buffer.get_low_latency_rdma_size_hint(m, case.hidden, r, case.num_experts)
+    llr = Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
+    llf = cpu_nvlink.nvlink_buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
+    G.check_ll_stress(llr, llf, case, ctx.rank, m, iters=24)
+    return "ok"
+
+
+def test_stress_on_cpu_processes():
+    assert parallel_launch(2, _stress, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == ["ok", "ok"]
+
+
+def _ll_faults(ctx, tag, what):
+    cpu_nvlink = _setup(ctx, tag)
+    import torch
+
+    from epcomm import Buffer
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    r, h, e = ctx.world_size, 256, 4 * ctx.world_size
+    case = Case(num_ranks=r, tokens=(8,) * r, hidden=h, num_topk=4, num_experts=e, seed=6)
+    hint = Buffer.get_low_latency_rdma_size_hint(16, h, r, e)
+    x, topk, w = G.ll_inputs(case, ctx.rank, "cpu")
+    if what == "m-differs":  # M differs across ranks: named, not a hang
+        buf = cpu_nvlink.nvlink_buffer(ctx.group, spins=3e3, num_rdma_bytes=hint, low_latency_mode=True)
+        m = 8 if ctx.rank == 0 else 16
+        try:
+            buf.low_latency_dispatch(x, topk, m, e)
+            buf.low_latency_dispatch(x, topk, m, e)  # the error surfaces at the next call
+        except ValueError as err:
+            return str(err)
+        return "no error"
+    # shrink: rank 1 never calls; rank 0 masks it at the deadline and carries on
+    buf = cpu_nvlink.nvlink_buffer(ctx.group, spins=3e3, num_rdma_bytes=hint, low_latency_mode=True,
+                                   enable_shrink=True)
+    if ctx.rank == 1:
+        return "absent"
+    rx, cnt, handle, _, _ = buf.low_latency_dispatch(x, topk, 8, e, use_fp8=False)
+    out, _, _ = buf.low_latency_combine(rx, topk, w, handle)
+    status = torch.zeros(r, dtype=torch.int32)
+    buf.low_latency_query_mask_buffer(status)
+    lx = e // r
+    mine = (topk >= 0) & (topk < lx)  # experts on rank 0: only its own tokens arrive
+    assert torch.equal(cnt, torch.bincount(topk[mine], minlength=lx).to(torch.int32)), cnt
+    from epcomm.testing.compare import assert_within_budget
+
+    assert_within_budget(out, x.double() * (w.double() * mine.double()).sum(1, keepdim=True),
+                         x.double().abs() * (w.double().abs() * mine.double()).sum(1, keepdim=True),
+                         2 * case.num_topk, "combine without the masked rank", extra_rel=2.0 ** -8)
+    return status.tolist()
+
+
+def test_low_latency_faults_on_cpu_processes():
+    res = parallel_launch(2, _ll_faults, uuid.uuid4().hex[:12], "m-differs", backend="gloo", timeout_s=300)
+    assert all("num_max_dispatch_tokens_per_rank differs" in r and "8 on rank 0" in r for r in res), res
+    res = parallel_launch(2, _ll_faults, uuid.uuid4().hex[:12], "shrink", backend="gloo", timeout_s=300)
+    assert res[0] == [0, 1], res

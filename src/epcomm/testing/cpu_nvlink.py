@@ -10,7 +10,9 @@ spins instead of nanoseconds (``backends.nvlink.TIMER``).
 
 What it checks: the host code (layouts, offsets, flag levels across calls, host arithmetic) and the
 kernels' logic with real peers running concurrently. What it cannot: GPU memory ordering, the copy
-engine, CUDA graphs, timing.
+engine, CUDA graphs, timing. One numeric difference: Triton 3.6's interpreter converts float32 to
+bf16 by truncation (the GPU rounds to nearest), so a bf16 result may be one more ulp away: combine
+checks here allow one extra rounding of the output (``extra_rel=2**-8``), as the GPU checks do.
 """
 
 from __future__ import annotations
