@@ -97,6 +97,11 @@ def unpack_ue8m0(packed: torch.Tensor, num_groups: int) -> torch.Tensor:
         raise TypeError(f"packed must be int32, got {packed.dtype}")
     # Low-latency dispatch returns packed scales as a transposed view ([L, R*M, 1] with a stride of
     # R*M in the last dim): go through a flat view so view(dtype) accepts it.
-    raw = packed.contiguous().reshape(-1).view(torch.uint8).view(*packed.shape[:-1], packed.shape[-1] * 4)
+    # (A tensor with at most one element counts as contiguous with any strides, and view(dtype) would then
+    # reject its last stride: an expert that received 0 or 1 rows. Those get fresh strides.)
+    flat = packed.contiguous().reshape(-1)
+    if flat.numel() <= 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    raw = flat.view(torch.uint8).view(*packed.shape[:-1], packed.shape[-1] * 4)
     exp = raw[..., :num_groups].to(torch.int32)
     return (exp << 23).view(torch.float32)

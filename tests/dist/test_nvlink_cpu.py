@@ -37,7 +37,7 @@ def _ht(ctx, tag, env, tune):
     from epcomm.testing.inputs import Case
 
     ref = Buffer(ctx.group)
-    fast = cpu_nvlink.nvlink_buffer(ctx.group, num_nvl_bytes=16 << 20)
+    fast = cpu_nvlink.nvlink_buffer(ctx.group, num_nvl_bytes=32 << 20)
     assert fast.backend_name == "nvlink" and ref.backend_name == "reference"
     r = ctx.world_size
     cases = [Case(num_ranks=r, tokens=tuple(5 + 3 * i for i in range(r)), hidden=128, num_topk=4,
@@ -83,6 +83,14 @@ def _ll(ctx, tag):
 
 def test_nvlink_low_latency_on_cpu_processes():
     assert parallel_launch(2, _ll, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [5, 5]
+
+
+def test_three_ranks_on_cpu_processes():
+    """Three ranks (non-power-of-two rank loops and masks; found a misaligned staging view and the
+    UE8M0 unpack of a one-row expert)."""
+    res = parallel_launch(3, _ht, uuid.uuid4().hex[:12], {}, {}, backend="gloo", timeout_s=300)
+    assert all(len(r) == 6 for r in res)
+    assert parallel_launch(3, _ll, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [5, 5, 5]
 
 
 def _absent(ctx, tag):

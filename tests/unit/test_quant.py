@@ -172,6 +172,12 @@ def test_ue8m0_round_trip():
     assert packed_t.stride() == (4, 1, 4)
     assert bits_equal(quant.unpack_ue8m0(packed_t, 4), s1)
     assert torch.equal(quant.pack_ue8m0(quant.unpack_ue8m0(packed_t, 4)), packed_t)
+    # an expert that received 0 or 1 rows: a slice of that layout (tensors of at most one element count
+    # as contiguous with any strides)
+    assert quant.unpack_ue8m0(packed_t[0, :0], 4).shape == (0, 4)
+    one = packed_t[1, :1]
+    assert one.shape == (1, 1) and one.contiguous().reshape(-1).stride() == (4,)
+    assert bits_equal(quant.unpack_ue8m0(one, 4), s1[1, :1])
     # G not a multiple of 4
     s6 = s[:, :6]
     assert bits_equal(quant.unpack_ue8m0(quant.pack_ue8m0(s6), 6), s6.contiguous())

@@ -214,17 +214,21 @@ class NVLinkBackend(Backend):
         c_slot = d_slot
         d_tok = row_bytes + g * 4 + k * 12
         c_tok = h_comb * 2 + k * 4
-        cap = min(T_LIST_CAP, d_slot // max(d_tok, 1), c_slot // max(c_tok, 1))
+        # a slot holds cap rows, then cap rows of scales, top-k ids and weights, each array 16-byte aligned
+        # (an int64 view of the ids needs it: with FP8 at hidden 128, cap * (row + scale bytes) can be odd
+        # multiples of 4)
+        cap = min(T_LIST_CAP, (d_slot - 48) // max(d_tok, 1), c_slot // max(c_tok, 1))
         if t_rows > cap:
             need = 2 * r_ * t_rows * max(d_tok, c_tok)
             raise ValueError(f"num_nvl_bytes={self._buf().num_nvl_bytes} holds at most {cap} tokens per rank for "
                              f"this shape; {t_rows} were given (about {need} bytes needed)")
         d0 = self.ht_off
         c0 = self.ht_off + half
+        ds = d0 + _align(cap * row_bytes, 16)
+        dk = ds + _align(cap * g * 4, 16)
+        dw = dk + _align(cap * k * 8, 16)
         return {
-            "cap": cap, "d_slot": d_slot, "c_slot": c_slot,
-            "dx": d0, "ds": d0 + cap * row_bytes, "dk": d0 + cap * (row_bytes + g * 4),
-            "dw": d0 + cap * (row_bytes + g * 4 + k * 8),
+            "cap": cap, "d_slot": d_slot, "c_slot": c_slot, "dx": d0, "ds": ds, "dk": dk, "dw": dw,
             "cx": c0, "cw": c0 + cap * h_comb * 2,
         }
 
