@@ -242,3 +242,42 @@ def test_low_latency_faults_on_cpu_processes():
     assert all("num_max_dispatch_tokens_per_rank differs" in r and "8 on rank 0" in r for r in res), res
     res = parallel_launch(2, _ll_faults, uuid.uuid4().hex[:12], "shrink", backend="gloo", timeout_s=300)
     assert res[0] == [0, 1], res
+
+
+def _edges(ctx, tag):
+    """No tokens anywhere, top-1, top-32 with drops, a hidden size that is not a multiple of 128, 2 and
+    4 SMs (grids of one or two programs), expert_alignment, a combine with one bias tensor."""
+    cpu_nvlink = _setup(ctx, tag)
+    import torch
+
+    from epcomm import Buffer
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    r, ref = ctx.world_size, Buffer(ctx.group)
+    for sms in (2, 4):
+        Buffer.set_num_sms(sms)
+        fast = cpu_nvlink.nvlink_buffer(ctx.group, num_nvl_bytes=32 << 20)
+        for case in (Case(num_ranks=r, tokens=(0,) * r, hidden=128, num_topk=2, num_experts=2 * r, seed=1),
+                     Case(num_ranks=r, tokens=(7, 3), hidden=136, num_topk=1, num_experts=r, seed=2),
+                     Case(num_ranks=r, tokens=(33, 1), hidden=128, num_topk=32, num_experts=32 * r, seed=3,
+                          drop_prob=0.5)):
+            for fp8 in (False, True):
+                if not fp8 or case.hidden % 128 == 0:
+                    G.check_ht_case(ref, fast, case, ctx.rank, fp8)
+            G.check_ht_case(ref, fast, case, ctx.rank, False, worst=sum(case.tokens) + 1)
+    case = Case(num_ranks=r, tokens=(20, 9), hidden=128, num_topk=4, num_experts=4 * r, seed=4)
+    xin, x, topk, w = G.device_inputs(case, ctx.rank, "cpu")
+    rr = G._dispatch(ref, xin, topk, w, case.num_experts, expert_alignment=8)
+    fr = G._dispatch(fast, xin, topk, w, case.num_experts, expert_alignment=8)
+    assert fr[3] == rr[3] and all(v % 8 == 0 for v in fr[3]), (fr[3], rr[3])
+    b = torch.randn(x.shape).to(torch.bfloat16)
+    ro, _, _ = ref.combine(rr[0], rr[4], bias=b)
+    fo, _, _ = fast.combine(fr[0], fr[4], bias=b)
+    G._combine_check(fo, ro, ref, rr[0], rr[4], "combine with one bias", bias=(b,))
+    return fr[3]
+
+
+def test_edge_cases_on_cpu_processes():
+    res = parallel_launch(2, _edges, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
+    assert len(res) == 2
