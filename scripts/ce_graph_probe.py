@@ -66,33 +66,31 @@ def _bump_kernel(ctr_ptr):
 
 
 @triton.jit
+def _copy_chunk(dst_ptr, src_ptr, c, per_rows, T, row_words, BLOCK: tl.constexpr):
+    """Rows ``[c * per_rows, min((c + 1) * per_rows, T))`` of ``src`` to the same rows of ``dst``."""
+    lo = c * per_rows
+    hi = tl.minimum(lo + per_rows, T)
+    cols = tl.arange(0, BLOCK)
+    for r in range(lo, hi):
+        base = r.to(tl.int64) * row_words
+        for h0 in range(0, row_words, BLOCK):
+            m = h0 + cols < row_words
+            tl.store(dst_ptr + base + h0 + cols, tl.load(src_ptr + base + h0 + cols, mask=m), mask=m)
+
+
+@triton.jit
 def _recv_kernel(flag_ptr, ctr_ptr, src_ptr, out_ptr, per_rows, T, row_words, err_ptr, timeout_ns,
                  NC: tl.constexpr, BLOCK: tl.constexpr):
     """Program ``c``: wait until the flag reaches this call's level for chunk ``c``, then copy the
     chunk's rows from the staging to the output."""
     c = tl.program_id(0)
     wait_ge(flag_ptr, tl.load(ctr_ptr) * NC + c + 1, err_ptr, 3, 0, timeout_ns, True)
-    lo = c * per_rows
-    hi = tl.minimum(lo + per_rows, T)
-    cols = tl.arange(0, BLOCK)
-    for r in range(lo, hi):
-        base = r.to(tl.int64) * row_words
-        for h0 in range(0, row_words, BLOCK):
-            m = h0 + cols < row_words
-            tl.store(out_ptr + base + h0 + cols, tl.load(src_ptr + base + h0 + cols, mask=m), mask=m)
+    _copy_chunk(out_ptr, src_ptr, c, per_rows, T, row_words, BLOCK)
 
 
 @triton.jit
 def _push_kernel(x_ptr, dst_ptr, flag_ptr, per_rows, T, row_words, NC: tl.constexpr, BLOCK: tl.constexpr):
-    c = tl.program_id(0)
-    lo = c * per_rows
-    hi = tl.minimum(lo + per_rows, T)
-    cols = tl.arange(0, BLOCK)
-    for r in range(lo, hi):
-        base = r.to(tl.int64) * row_words
-        for h0 in range(0, row_words, BLOCK):
-            m = h0 + cols < row_words
-            tl.store(dst_ptr + base + h0 + cols, tl.load(x_ptr + base + h0 + cols, mask=m), mask=m)
+    _copy_chunk(dst_ptr, x_ptr, tl.program_id(0), per_rows, T, row_words, BLOCK)
     signal(flag_ptr, 1)
 
 

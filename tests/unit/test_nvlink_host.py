@@ -24,12 +24,13 @@ def test_host_counts_example():
     assert _host_counts([3, 1, 2, 4, 1, 0, 2, 2], 2, 2, 1, 2) == ([[3, 1], [2, 4]], 5, [4, 2])
 
 
-def test_copy_engine_groups(monkeypatch):
+def test_copy_engine_chunks(monkeypatch):
     """Rows per NC-chunk (the receiver's unit) and NC-chunks per copy-engine copy (TUNE ce_chunks)."""
+    assert nv._chunk_rows(4096) == 1024 and nv._chunk_rows(0) == 1 and nv._chunk_rows(5) == 2
     monkeypatch.setitem(nv.TUNE, "ce_chunks", 4)
-    assert nv._ce_groups(4096) == (1024, 1) and nv._ce_groups(0) == (1, 1) and nv._ce_groups(5) == (2, 1)
+    assert nv._ce_step() == 1
     monkeypatch.setitem(nv.TUNE, "ce_chunks", 1)
-    assert nv._ce_groups(4096) == (1024, 4)  # one copy carries all four chunks and raises the flag by 4
+    assert nv._ce_step() == 4  # one copy carries all four chunks and raises the flag by 4
     monkeypatch.setitem(nv.TUNE, "ce_chunks", 3)
     with pytest.raises(ValueError, match="must divide NC=4, got 3"):
-        nv._ce_groups(10)
+        nv._ce_step()

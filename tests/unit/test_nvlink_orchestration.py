@@ -3,14 +3,13 @@
 Every kernel launch the backend makes is bound against its kernel's signature (a missing, unknown or
 misplaced argument, or a tensor given for a constexpr, fails here instead of on the device machine),
 for the eager, num_worst_tokens, cached, captured (SM push), copy-engine-chunk and low-latency calls.
-The kernels are not run (scripts/sim_ht.py and sim_ll.py run them under the Triton interpreter);
-CUDA streams, events and symmetric memory are stand-ins, so the host synchronisation reads zeros
-(no rows arrive) — this checks the orchestration, not the results.
+The kernels are not run (tests/dist/test_nvlink_cpu.py and the sims run them under the interpreter);
+CUDA streams and events are ``epcomm.testing.cpu_nvlink``'s stand-ins and symmetric memory a local
+one, so the host synchronisation reads zeros (no rows arrive): this checks the orchestration only.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import sys
 import types
@@ -24,6 +23,7 @@ from epcomm import layout  # noqa: E402
 from epcomm.backends import nvlink as nv  # noqa: E402
 from epcomm.backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs  # noqa: E402
 from epcomm.kernels import ht, ll  # noqa: E402
+from epcomm.testing.cpu_nvlink import cuda_stand_ins  # noqa: E402
 
 R, T, H, K, E = 2, 24, 256, 4, 16
 
@@ -54,33 +54,6 @@ class _Kernel:
                     assert v is not None, f"{name}: {pname} is None"
             self.log.append((name, tuple(grid), dict(bound.arguments)))
         return launch
-
-
-class _Stream:
-    cuda_stream = 0
-
-    def wait_stream(self, other):
-        pass
-
-    def wait_event(self, ev):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-class _Event:
-    def __init__(self, *a, **k):
-        pass
-
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def wait(self, stream=None):
-        pass
 
 
 class _Buf(types.SimpleNamespace):
@@ -114,16 +87,7 @@ def rig(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", mod)
     monkeypatch.setattr(torch.distributed, "_symmetric_memory", mod, raising=False)
     monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _Stream())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["on"])
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda *a: types.SimpleNamespace(multi_processor_count=132))
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    cuda_stand_ins(monkeypatch.setattr, capturing=lambda: capturing["on"], sms=132)
     for mod_ in (ht, ll):
         for name, obj in list(vars(mod_).items()):
             if isinstance(obj, triton.runtime.jit.JITFunction):

@@ -52,14 +52,18 @@ NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while 
 TIMER = os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def _ce_groups(rows: int) -> tuple[int, int]:
-    """Rows per ``NC``-chunk, and how many ``NC``-chunks each copy-engine copy carries
-    (``NC // TUNE["ce_chunks"]``; the receiver's levels count ``NC``-chunks either way, so fewer,
-    larger copies only raise the flag by more at a time)."""
+def _chunk_rows(rows: int) -> int:
+    """Rows per ``NC``-chunk of a block of ``rows`` (the receiver's unit: its kernels use this formula)."""
+    return max((rows + NC - 1) // NC, 1)
+
+
+def _ce_step() -> int:
+    """How many ``NC``-chunks each copy-engine copy carries (``NC // TUNE["ce_chunks"]``; the receiver's
+    levels count ``NC``-chunks either way, so fewer, larger copies only raise the flag by more at a time)."""
     n = TUNE["ce_chunks"]
     if n not in (1, 2, 4) or NC % n:
         raise ValueError(f"TUNE['ce_chunks'] must divide NC={NC}, got {n}")
-    return max((rows + NC - 1) // NC, 1), NC // n
+    return NC // n
 
 
 # counter slots (local int32 device memory)
@@ -285,7 +289,7 @@ class NVLinkBackend(Backend):
         cur = torch.cuda.current_stream()
         self.ce_stream.wait_stream(cur)
         t = x_words.shape[0]
-        per, step = _ce_groups(t)
+        per, step = _chunk_rows(t), _ce_step()
         with torch.cuda.stream(self.ce_stream):
             ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.DCONSUMED, r_, me, self.ctrs[DSEND:],
                                      self.err, 2, self._timeout_ns, HAS_TIMER=TIMER)
@@ -486,14 +490,14 @@ class NVLinkBackend(Backend):
                     ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.CCONSUMED, r_, me,
                                              self.ctrs[CSEND:], self.err, 4, self._timeout_ns, HAS_TIMER=TIMER)
                     col = host_prefix[:, me].tolist()
-                    step = _ce_groups(0)[1]
+                    step = _ce_step()
                     for c in range(0, NC, step):
                         for i in range(r_):
                             if i == me:
                                 continue
                             start = col[i - 1] if i > 0 else 0
                             rows = col[i] - start
-                            per = _ce_groups(rows)[0]
+                            per = _chunk_rows(rows)
                             lo, hi = min(c * per, rows), min((c + step) * per, rows)
                             if hi > lo:
                                 src = x[start + lo:start + hi]

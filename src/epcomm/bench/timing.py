@@ -150,7 +150,8 @@ def make_start(group, device: torch.device, graphs: bool) -> Callable[[], None]:
     return start
 
 
-def _fail(e: AssertionError) -> str:
+def fail_text(e: AssertionError) -> str:
+    """A failed check as a row's verdict: ``FAIL:`` and the first line of the message."""
     return "FAIL: " + (str(e).splitlines() or ["assertion failed"])[0][:200]
 
 
@@ -271,7 +272,7 @@ def measure(op: TimedOp, *, num_sets: int, iters: int, warmup: int, group, devic
             op.verify(sv, timed_out)
             verified = "pass"
         except AssertionError as e:
-            verified = _fail(e)
+            verified = fail_text(e)
         barrier()
     if method == "graph":
         snap = op.snapshot(timed_out) if compare else None  # copied out before the eager call reuses buffers
@@ -289,7 +290,7 @@ def measure(op: TimedOp, *, num_sets: int, iters: int, warmup: int, group, devic
                 op.same(snap, op.snapshot(eager_out))
                 verified = verified or "pass"
             except AssertionError as e:
-                verified = _fail(AssertionError(f"graph replay != eager call on set {sv}: {e}"))
+                verified = fail_text(AssertionError(f"graph replay != eager call on set {sv}: {e}"))
         barrier()
     return Measurement(op.phases, [Stats.of(s) for s in samples],
                        [Stats.of(h).median for h in host], method, verified)

@@ -21,7 +21,7 @@ from .. import layout, quant
 from ..testing.compare import assert_bitwise, assert_fp8_within_one_step, assert_within_budget
 from . import accounting
 from .cases import BenchCase
-from .timing import TimedOp
+from .timing import TimedOp, fail_text
 
 
 def _seed(base: int, rank: int, s: int, salt: int) -> int:
@@ -166,10 +166,6 @@ def ht_bytes(group, sets: list[HTSet], me: int, hidden: int) -> dict[tuple[str, 
     return {k: (round(v[0] / len(sets)), round(v[1] / len(sets))) for k, v in acc.items()}
 
 
-def _fail(e: AssertionError) -> str:
-    return "FAIL: " + (str(e).splitlines() or ["assertion failed"])[0][:160]
-
-
 def check_ht(bufs: dict, st: HTSet) -> tuple[dict[str, str], "HTExpect"]:
     """Check each backend once on set ``st``: ``"pass"`` or ``"FAIL: ..."`` per backend name, and the
     reference's results on ``st`` (what :func:`ht_ops` verifies the timed runs against).
@@ -205,7 +201,7 @@ def check_ht(bufs: dict, st: HTSet) -> tuple[dict[str, str], "HTExpect"]:
             assert_within_budget(c, x64 * cnt, x64.abs() * cnt, num_ranks, "combine(dispatch(x)) vs x*ranks")
             result[name] = "pass"
         except AssertionError as e:
-            result[name] = _fail(e)
+            result[name] = fail_text(e)
     return result, HTExpect(ref_d[0], ref_f[0], x64 * cnt, x64.abs() * cnt, num_ranks)
 
 
@@ -384,5 +380,5 @@ def check_ll(bufs: dict, st: LLSet, case: BenchCase) -> dict[str, str]:
             assert_within_budget(out, ref64, terms, 2 * k, "low-latency combine vs dequant(x)*sum(w)")
             result[name] = "pass"
         except AssertionError as e:
-            result[name] = _fail(e)
+            result[name] = fail_text(e)
     return result

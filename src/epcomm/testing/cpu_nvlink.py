@@ -88,7 +88,9 @@ class _SharedSymm:
                                      get_buffer=lambda r, shape, dtype: bufs[r].view(dtype).view(shape))
 
 
-class _Stream:
+class Stream:
+    """``torch.cuda.Stream`` stand-in: on a CPU every call is done when it returns."""
+
     cuda_stream = 0
 
     def wait_stream(self, other):
@@ -101,7 +103,9 @@ class _Stream:
         pass
 
 
-class _Event:
+class Event:
+    """``torch.cuda.Event`` stand-in."""
+
     def __init__(self, *a, **k):
         pass
 
@@ -118,6 +122,22 @@ class _Event:
         return True
 
 
+def cuda_stand_ins(set_attr=setattr, capturing=lambda: False, sms: int = 8) -> None:
+    """Replace the ``torch.cuda`` calls the nvlink backend makes (streams, events, synchronisation,
+    capture state, SM count) and ``Tensor.record_stream`` / ``pin_memory`` by CPU stand-ins, through
+    ``set_attr`` (``setattr``, or pytest's ``monkeypatch.setattr`` to undo them)."""
+    c = torch.cuda
+    set_attr(c, "Stream", lambda *a, **k: Stream())
+    set_attr(c, "current_stream", lambda *a, **k: Stream())
+    set_attr(c, "stream", lambda s: contextlib.nullcontext())
+    set_attr(c, "Event", Event)
+    set_attr(c, "synchronize", lambda *a, **k: None)
+    set_attr(c, "is_current_stream_capturing", capturing)
+    set_attr(c, "get_device_properties", lambda *a: types.SimpleNamespace(multi_processor_count=sms))
+    set_attr(torch.Tensor, "record_stream", lambda self, s: None)
+    set_attr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+
+
 def install(tag: str, rank: int, world: int, group) -> None:
     """In this (fresh, disposable) process: the interpreter, the stand-ins and the shared symmetric
     memory. Call before anything imports Triton."""
@@ -129,16 +149,7 @@ def install(tag: str, rank: int, world: int, group) -> None:
     mod.empty, mod.rendezvous = symm.empty, symm.rendezvous
     sys.modules["torch.distributed._symmetric_memory"] = mod
     torch.distributed._symmetric_memory = mod
-    c = torch.cuda
-    c.Stream = lambda *a, **k: _Stream()
-    c.current_stream = lambda *a, **k: _Stream()
-    c.stream = lambda s: contextlib.nullcontext()
-    c.Event = _Event
-    c.synchronize = lambda *a, **k: None
-    c.is_current_stream_capturing = lambda: False
-    c.get_device_properties = lambda *a: types.SimpleNamespace(multi_processor_count=8)
-    torch.Tensor.record_stream = lambda self, s: None
-    torch.Tensor.pin_memory = lambda self, *a, **k: self
+    cuda_stand_ins()
 
 
 def nvlink_buffer(group, spins: float = 2e5, **kw):

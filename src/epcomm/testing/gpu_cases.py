@@ -8,6 +8,7 @@ Dispatch is compared bitwise; combine within the budget of epcomm.testing.compar
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -139,9 +140,18 @@ def check_ht_async(ref: Buffer, fast: Buffer, case: Case, rank: int) -> None:
     _combine_check(fo, ro, ref, rr[0], rr[4], f"async combine {case}")
 
 
+def _progress_log() -> logging.Logger:
+    lg = logging.getLogger("epcomm.testing.progress")
+    if not lg.handlers:  # rank processes configure no logging: their stderr is what a failing test shows
+        lg.addHandler(logging.StreamHandler(sys.stderr))
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
+    return lg
+
+
 def _progress(rank: int, msg: str) -> None:
     """A step of a long check, on stderr (the launcher's error shows it when a rank hangs)."""
-    print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
+    _progress_log().info("[rank %d] %s", rank, msg)
 
 
 def check_ht_graph(ref: Buffer, fast: Buffer, case: Case, rank: int, worst: int, replays: int = 20) -> None:
