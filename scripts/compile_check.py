@@ -55,11 +55,17 @@ def main():
     g = ptr_types(ht._gather_kernel, {"tok_ptr": "*i32", "xs_ptr": "*fp32", "topk_ptr": "*i64", "w_ptr": "*fp32", "stage_s_ptr": "*fp32",
                   "stage_k_ptr": "*i64", "stage_w_ptr": "*fp32", "out_s": "*fp32", "out_k": "*i64",
                   "out_w": "*fp32", "ptr_table": "*i64", "flags_off": "i64", "timeout_ns": "i64",
-                  "stage_src_elems": "i64", "stage_s_src": "i64", "stage_k_src": "i64", "stage_w_src": "i64"})
-    for cached, one_load in ((False, False), (True, False), (False, True)):
+                  "stage_src_elems": "i64", "stage_s_src": "i64", "stage_k_src": "i64", "stage_w_src": "i64",
+                  "is_in_ptr": "*i8", "push_off": "i64", "push_slot_bytes": "i64", "push_s_off": "i64",
+                  "push_k_off": "i64", "push_w_off": "i64"})
+    import triton.language as tl
+    for cached, one_load, push in ((False, False, False), (True, False, False), (False, True, False),
+                                   (False, True, True)):
         kernels.append((ht._gather_kernel, g, dict(CACHED=cached, IS_PREFIX=cached, HAS_SCALES=True, HAS_TOPK=not cached,
-                                                 NC=4, RB=8, BLOCK=512, R_POW2=2, K_POW2=8, G_POW2=64, STAGES=3,
-                                                 HAS_TIMER=True, ONE_LOAD=one_load)))
+                                                 NC=4, RB=8, BLOCK=2048 if one_load else 512, R_POW2=2, K_POW2=8,
+                                                 G_POW2=64, STAGES=1 if one_load else 3, HAS_TIMER=True,
+                                                 ONE_LOAD=one_load, PUSH=push, PUSH_RB=8, PUSH_BLOCK=512,
+                                                 ELEM=tl.int32, PUSH_TOPK=push)))
     kernels.append((ht._reduce_kernel, ptr_types(ht._reduce_kernel, {"x_ptr": "*bf16", "stage_ptr": "*bf16",
                     "w_ptr": "*fp32", "stage_w_ptr": "*fp32", "bias0_ptr": "*bf16", "bias1_ptr": "*bf16",
                     "out_ptr": "*bf16", "out_w_ptr": "*fp32", "ptr_table": "*i64", "flags_off": "i64",
@@ -71,10 +77,11 @@ def main():
     kernels.append((ht._combine_push_kernel, ptr_types(ht._combine_push_kernel, {"w_ptr": "*fp32",
                     "ptr_table": "*i64", "flags_off": "i64", "timeout_ns": "i64", "stage_off": "i64",
                     "stage_w_off": "i64"}), dict(HAS_W=True, NC=4, RB=8, BLOCK=512, K_POW2=8, HAS_TIMER=True)))
-    import triton.language as tl
     kernels.append((ht._push_kernel, ptr_types(ht._push_kernel, {"ptr_table": "*i64", "is_in_ptr": "*i8",
-                    "flags_off": "i64", "timeout_ns": "i64", "stage_off": "i64"}),
-                    dict(NC=4, RB=8, BLOCK=512, HAS_TIMER=True, ELEM=tl.int32)))
+                    "flags_off": "i64", "timeout_ns": "i64", "stage_off": "i64", "xs_ptr": "*fp32", "topk_ptr": "*i64",
+                    "w_ptr": "*fp32", "s_off": "i64", "k_off": "i64", "w_off": "i64"}),
+                    dict(NC=4, RB=8, BLOCK=512, HAS_TIMER=True, ELEM=tl.int32, HAS_SCALES=True, HAS_TOPK=True,
+                         G_POW2=64, K_POW2=8)))
     try:
         from epcomm.kernels import ll
         for fn, types, consts in ll.COMPILE_CHECKS:

@@ -17,27 +17,16 @@ from epcomm.testing.launcher import parallel_launch
 
 VARIANTS = [
     ("default", {}),
-    ("g_rb16_w16", dict(gather_rb=16, gather_warps=16)),
-    ("g_blk1024", dict(gather_block=1024)),
-    ("g_one_load", dict(gather_one_load=True)),
-    # bytes in flight per SM decide a copy's rate (Little's law: ~16 KB per tile at ~1 us latency is
-    # ~20 GB/s per SM, ~0.5 TB/s on 24 SMs, about the gather's measured rate): bigger tiles
-    # (two loads at 16 x 1024 with 3 stages would need 256 KB of shared memory: 2 stages)
-    ("g_rb16_blk1024_s2", dict(gather_rb=16, gather_block=1024, gather_stages=2)),
-    ("g_rb16_blk1024_1l", dict(gather_rb=16, gather_block=1024, gather_one_load=True)),
-    ("g_1l_s1", dict(gather_one_load=True, gather_stages=1)),
-    ("r_tb16_w16", dict(reduce_tb=16, reduce_warps=16)),
-    ("notify1024", dict(notify_block=1024)),
-    # eager: one copy-engine copy per call instead of NC (the gather starts after the host sync,
-    # when the copies are long done; fewer launches)
-    ("ce1", dict(ce_chunks=1)),
-    # the SM push (graph rows: calls captured in a CUDA graph push with SMs)
-    ("p_rb16", dict(push_rb=16)),
+    # the SM push as its own kernel before notify, the gather after (no overlap of push and own block)
+    ("nofuse", dict(fused_push=False)),
+    # the gather tiles before 2026-11-22 (fourth session): 8 rows x 512 words, two masked loads, 3 stages
+    ("old_gather", dict(gather_rb=8, gather_block=512, gather_warps=8, gather_stages=3, gather_one_load=False)),
     ("p_rb4_blk1024", dict(push_rb=4, push_block=1024)),
-    ("p_w16", dict(push_warps=16)),
-    ("p_rb16_w16", dict(push_rb=16, push_warps=16)),
-    ("p_rb16_blk1024", dict(push_rb=16, push_block=1024)),
-    ("r_tb16_blk2048", dict(reduce_tb=16, reduce_block=2048)),
+    ("p_rb16", dict(push_rb=16)),
+    ("g_rb16_blk1024", dict(gather_rb=16, gather_block=1024)),
+    ("g_w8", dict(gather_warps=8)),
+    ("g_rb4_4096", dict(gather_rb=4, gather_block=4096)),
+    ("ce1", dict(ce_chunks=1)),
 ]
 if os.environ.get("PROBE_VARIANTS"):  # e.g. PROBE_VARIANTS=default,p_rb16
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["PROBE_VARIANTS"].split(",")]
@@ -95,6 +84,17 @@ def _variant(fast, case, rank, name, worst, rows):
             del gc
 
 
+def _print_progress(name, rows):
+    """Rank 0 prints the variant's figures as soon as both ranks have them (a variant that kills the
+    process leaves the earlier ones on record)."""
+    mine = {k[1]: v for k, v in rows.items() if k[0] == name}
+    both = [None] * dist.get_world_size()
+    dist.all_gather_object(both, mine)
+    if dist.get_rank() == 0:
+        print(f"{name:14s} " + "  ".join(f"{o} {max(r.get(o, float('nan')) for r in both):.1f}"
+                                          for o in sorted(mine)), flush=True)
+
+
 def main(ctx, tokens, sms):
     from epcomm import Buffer
     from epcomm.backends import nvlink
@@ -110,6 +110,7 @@ def main(ctx, tokens, sms):
         nvlink.TUNE.update(tune)
         try:
             _variant(fast, case, ctx.rank, name, worst, rows)
+            _print_progress(name, rows)
         except Exception as e:  # noqa: BLE001 - a variant that does not fit (e.g. shared memory) is reported
             print(f"rank {ctx.rank} variant {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             torch.cuda.synchronize()

@@ -1,6 +1,7 @@
 """Where does an eager high-throughput call spend its time? torch.profiler over a few nvlink
 dispatch + combine calls (DeepSeek-V3 shape, 2 ranks); prints rank 0's top CPU and CUDA entries.
-Run on the device machine: ``PYTHONPATH=src python3 scripts/profile_ht.py`` (gpu_check.sh profile)."""
+Run on the device machine: ``PYTHONPATH=src python3 scripts/profile_ht.py`` (gpu_check.sh profile);
+``PROFILE_GRAPH=1``: the kernels of CUDA-graph replays of a worst-mode dispatch + combine."""
 import os
 import sys
 
@@ -20,10 +21,26 @@ def main(ctx, tokens, out_dir):
     xin, x, topk, w = G.device_inputs(case, ctx.rank, fast.device)
     pr, _, pe, ir, _ = fast.get_dispatch_layout(topk, 256)
 
-    def step():
+    worst = tokens * ctx.world_size if os.environ.get("PROFILE_GRAPH") else 0
+
+    def call():
         o = fast.dispatch(xin, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
-                          topk_idx=topk, topk_weights=w)
+                          topk_idx=topk, topk_weights=w, num_worst_tokens=worst)
         fast.combine(o[0], o[4])
+
+    step = call
+    if worst:  # PROFILE_GRAPH=1: replays of one captured worst-mode dispatch + combine (kernels inside)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            call()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        torch.distributed.barrier()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+        step = g.replay
 
     for _ in range(5):
         step()

@@ -85,9 +85,9 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
             def put(off, arr):
                 b = arr.numel() * arr.element_size()
                 symm[j][off + me * d_slot: off + me * d_slot + b] = arr.reshape(-1).view(torch.uint8)
-            if push == "ce":
+            if push == "ce":  # the SM push kernel carries the ids and weights itself
                 put(dx, xw)
-            put(dk, s["topk"]); put(dw, s["w"])
+                put(dk, s["topk"]); put(dw, s["w"])
         if push == "ce":
             step = nv.NC // ce_chunks  # each copy carries ``step`` NC-chunks and raises the flag by that
             for c in range(0, nv.NC, step):
@@ -96,6 +96,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
         else:
             ht._push_kernel[(2,)](xw, row_words, T[me], R, me, s["in_rank"].view(torch.int8), table, 0, ht.DDATA,
                                   ht.DCONSUMED, dx, d_slot, s["ctrs"][nv.DSEND:], s["tickets"][4:], s["err"], 2, 100,
+                                  s["err"], 0, s["topk"], s["w"], K, 0, dk, dw, HAS_TOPK=True, K_POW2=_p2(K),
                                   NC=nv.NC, RB=2, BLOCK=16, HAS_TIMER=False, ELEM=tl.int32)
             assert s["err"][0] == 0, s["err"]
     outs = []
@@ -118,7 +119,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
             s["counts"], R, me, R, me * L, L, s["toks"], s["src_lists"], s["src_lists"].stride(0), rows,
             stage_x, d_slot // 4, stage_w, d_slot // 4, stage_k, d_slot // 8, stage_w, d_slot // 4,
             out_x, stage_w, 0, 1, out_k, out_w, out_src, table, 0, s["ctrs"][nv.DRECV:], s["tickets"][0:],
-            s["err"], 100, CACHED=False, IS_PREFIX=False, HAS_SCALES=False, HAS_TOPK=True, NC=nv.NC, RB=4,
+            s["err"], 100, s["err"], 0, 0, 0, 0, 0, 0, s["ctrs"][nv.DSEND:], s["tickets"][4:], CACHED=False, IS_PREFIX=False, HAS_SCALES=False, HAS_TOPK=True, NC=nv.NC, RB=4,
             BLOCK=16, R_POW2=4,
             K_POW2=4, G_POW2=1, HAS_TIMER=False, ONE_LOAD=one_load)
         assert s["err"][0] == 0, s["err"]

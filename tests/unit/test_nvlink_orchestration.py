@@ -157,10 +157,22 @@ def test_worst_dispatch_checks_on_the_device(rig):
 def test_captured_calls_push_with_sms(rig):
     rig.capturing["on"] = True
     rig.b[0].dispatch(_args(worst=R * T))
+    # the gather kernel pushes (after notify: its own block and the push at once), no copy engine
+    assert _names(rig.log) == ["_notify_kernel", "_gather_kernel", "_handle_kernel"]
+    gather = rig.log[1][2]
+    assert gather["PUSH"] and gather["PUSH_TOPK"] and gather["PUSH_RB"] == nv.TUNE["push_rb"]
+    assert gather["PUSH_BLOCK"] == nv.TUNE["push_block"] and rig.log[1][1] == (rig.b[0].num_sms,)
+
+
+def test_captured_calls_without_fusion_use_the_push_kernel(rig, monkeypatch):
+    monkeypatch.setitem(nv.TUNE, "fused_push", False)
+    rig.capturing["on"] = True
+    rig.b[0].dispatch(_args(worst=R * T))
     names = _names(rig.log)
-    assert "_push_kernel" in names and "_ce_signal_kernel" not in names
-    push = rig.log[names.index("_push_kernel")][2]
-    assert push["RB"] == nv.TUNE["push_rb"] and push["BLOCK"] == nv.TUNE["push_block"]
+    assert names == ["_push_kernel", "_notify_kernel", "_gather_kernel", "_handle_kernel"]
+    push = rig.log[0][2]
+    assert push["RB"] == nv.TUNE["push_rb"] and push["BLOCK"] == nv.TUNE["push_block"] and push["HAS_TOPK"]
+    assert not rig.log[2][2]["PUSH"]
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 4])

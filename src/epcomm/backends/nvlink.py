@@ -43,9 +43,9 @@ T_LIST_CAP = 32768
 DEFAULT_NVL_BYTES = 256 << 20
 NUM_CTRS = 16
 # launch parameters of the high-throughput kernels (scripts/ht_probe.py sweeps them on the device machine)
-TUNE = dict(gather_rb=8, gather_block=512, gather_warps=8, gather_stages=3, reduce_tb=8, reduce_block=1024,
+TUNE = dict(gather_rb=8, gather_block=2048, gather_warps=16, gather_stages=1, reduce_tb=8, reduce_block=1024,
             reduce_warps=8, reduce_stages=3, notify_block=256, push_rb=8, push_block=512, push_warps=8,
-            gather_one_load=False, ce_chunks=4)
+            gather_one_load=True, ce_chunks=4, fused_push=True)
 NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
 # deadlines on %globaltimer; under the Triton interpreter (CPU runs of the backend, epcomm.testing.cpu_nvlink)
 # the waits count spins instead
@@ -262,29 +262,29 @@ class NVLinkBackend(Backend):
 
     # ------------------------------------------------------------------ dispatch
 
-    def _bulk_dispatch(self, x_words: torch.Tensor, scales, topk, w, lay: dict, is_in: torch.Tensor) -> None:
-        """Send this rank's batch into slot ``me`` of every peer's dispatch staging."""
+    def _bulk_dispatch(self, x_words: torch.Tensor, scales, topk, w, lay: dict, is_in: torch.Tensor,
+                       fused: bool = False) -> None:
+        """Send this rank's batch into slot ``me`` of every peer's dispatch staging (by copy engine; or
+        by SMs, where ``fused`` leaves the SM push to the gather kernel: ``_fused_push``)."""
         from ..kernels import ht
 
         r_, me = self.num_ranks, self.rank
-        if r_ == 1:
+        if r_ == 1 or (fused and self._fused_push()):
             return
         if not self._use_ce():
-            # Small per-token arrays by copy engine (after the receivers freed the slot), rows by SMs.
-            ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.DCONSUMED, r_, me, self.ctrs[DSEND:],
-                                     self.err, 2, self._timeout_ns, HAS_TIMER=TIMER)
-            for arr, key in ((scales, "ds"), (topk, "dk"), (w, "dw")):
-                if arr is not None and arr.numel():
-                    for j in range(r_):
-                        if j != me:
-                            b = arr.numel() * arr.element_size()
-                            self._slot_view(j, lay[key], lay["d_slot"], me, b).copy_(arr.reshape(-1).view(torch.uint8))
+            # Rows and their per-token arrays (scales, top-k ids, weights) by SMs, one kernel.
             grid = (max(1, self.num_sms),)
+            has_s, has_k = scales is not None and scales.numel() > 0, topk is not None and topk.numel() > 0
+            g = scales.shape[1] if has_s else 0
+            k = topk.shape[1] if has_k else 0
             ht._push_kernel[grid](x_words, x_words.shape[1], x_words.shape[0], r_, me, is_in.view(torch.int8),
                                   self.ptr_table, self.flags_off, ht.DDATA, ht.DCONSUMED, lay["dx"],
                                   lay["d_slot"], self.ctrs[DSEND:], self.tickets[T_DPUSH:], self.err, 2,
-                                  self._timeout_ns, NC=NC, RB=TUNE["push_rb"], BLOCK=TUNE["push_block"],
-                                  HAS_TIMER=TIMER, ELEM=torch_to_tl(x_words.dtype), num_warps=TUNE["push_warps"])
+                                  self._timeout_ns, scales if has_s else self.err, g, topk if has_k else self.err,
+                                  w if has_k else self.err, k, lay["ds"], lay["dk"], lay["dw"],
+                                  NC=NC, RB=TUNE["push_rb"], BLOCK=TUNE["push_block"],
+                                  HAS_TIMER=TIMER, ELEM=torch_to_tl(x_words.dtype), HAS_SCALES=has_s,
+                                  HAS_TOPK=has_k, G_POW2=_pow2(g), K_POW2=_pow2(k), num_warps=TUNE["push_warps"])
             return
         cur = torch.cuda.current_stream()
         self.ce_stream.wait_stream(cur)
@@ -323,12 +323,18 @@ class NVLinkBackend(Backend):
         stream memory barrier between copy and flag did not change it); SM push was correct there."""
         return self.transfer != "sm" and not torch.cuda.is_current_stream_capturing()
 
+    def _fused_push(self) -> bool:
+        """A non-cached dispatch without the copy engine pushes inside the gather kernel (its programs
+        push and copy the own block at once, then copy the peers' rows), unless TUNE["fused_push"] is off."""
+        return self.num_ranks > 1 and not self._use_ce() and TUNE["fused_push"]
+
     def _join_ce(self) -> None:
         if self.num_ranks > 1 and self._use_ce():
             torch.cuda.current_stream().wait_stream(self.ce_stream)
 
     def _gather(self, x_words, scales, topk, w, lay, counts, is_prefix: bool, n_rows: int, lo_expert: int,
-                lx: int, out_src: torch.Tensor, cached: bool, g: int, k: int, toks: torch.Tensor | None):
+                lx: int, out_src: torch.Tensor, cached: bool, g: int, k: int, toks: torch.Tensor | None,
+                is_in: torch.Tensor):
         from ..kernels import ht
 
         dev = self.device
@@ -346,7 +352,11 @@ class NVLinkBackend(Backend):
         stage_w = self._local(lay["dw"], lay["d_slot"], torch.float32)
         dummy_f = stage_s
         rb = TUNE["gather_rb"]
-        grid = (max(1, min(self.num_sms, (n_rows + rb - 1) // rb)),)
+        push = not cached and self._fused_push()
+        # with the push every program must be resident at once; the Triton interpreter (CPU runs) runs
+        # programs one after another, so there the fused kernel is one program
+        grid = (max(1, (self.num_sms if TIMER else 1) if push else min(self.num_sms, (n_rows + rb - 1) // rb)),)
+        has_s, has_k = scales is not None and scales.numel() > 0, topk is not None and topk.numel() > 0
         ht._gather_kernel[grid](
             x_words, scales if scales is not None else dummy_f, topk if topk is not None else stage_k,
             w if w is not None else dummy_f, row, g, k,
@@ -358,6 +368,10 @@ class NVLinkBackend(Backend):
             out_x, out_s if out_s is not None else dummy_f, g, 1,
             out_k if out_k is not None else stage_k, out_w if out_w is not None else dummy_f, out_src,
             self.ptr_table, self.flags_off, self.ctrs[DRECV:], self.tickets[T_GATHER:], self.err, self._timeout_ns,
+            is_in.view(torch.int8) if push else self.err, x_words.shape[0], lay["dx"], lay["d_slot"], lay["ds"],
+            lay["dk"], lay["dw"], self.ctrs[DSEND:], self.tickets[T_DPUSH:],
+            PUSH=push, PUSH_RB=TUNE["push_rb"], PUSH_BLOCK=TUNE["push_block"], ELEM=torch_to_tl(x_words.dtype),
+            PUSH_TOPK=push and has_k,
             CACHED=cached, IS_PREFIX=is_prefix, HAS_SCALES=scales is not None, HAS_TOPK=out_k is not None,
             NC=NC, RB=rb, BLOCK=TUNE["gather_block"], R_POW2=_pow2(self.num_ranks), K_POW2=_pow2(k), G_POW2=_pow2(g),
             HAS_TIMER=TIMER, STAGES=TUNE["gather_stages"], ONE_LOAD=TUNE["gather_one_load"],
@@ -385,7 +399,7 @@ class NVLinkBackend(Backend):
         topk = a.topk_idx.contiguous() if a.topk_idx is not None else None
         w = a.topk_weights.contiguous() if a.topk_weights is not None else None
         is_in = a.is_token_in_rank.contiguous()
-        self._bulk_dispatch(x_words, scales, topk, w, lay, is_in)
+        self._bulk_dispatch(x_words, scales, topk, w, lay, is_in, fused=True)
 
         send_head_rel = torch.empty(t, r_, dtype=torch.int32, device=dev)
         cpm = torch.empty(r_, c, dtype=torch.int32, device=dev)
@@ -429,7 +443,7 @@ class NVLinkBackend(Backend):
             host_counts = torch.tensor(cnt, dtype=torch.int64)
         out_src = torch.empty(n_rows, dtype=torch.int32, device=dev)
         out_x, out_s, out_k, out_w = self._gather(x_words, scales, topk, w, lay, counts, False, n_rows, me * lx, lx,
-                                                  out_src, False, g, k, toks)
+                                                  out_src, False, g, k, toks, is_in)
         self._join_ce()
         rpm = torch.empty(r_, r_, dtype=torch.int32, device=dev)
         recv_cp = torch.empty(r_, c, dtype=torch.int32, device=dev)
@@ -459,10 +473,11 @@ class NVLinkBackend(Backend):
         x_words = x.view(torch.uint8).view(torch.int32) if x.element_size() == 1 else x.view(torch.int32)
         lay = self._ht_layout(t, x_words.shape[1] * 4, g, 0, h)
         scales = x_scales.contiguous() if x_scales is not None else None
-        self._bulk_dispatch(x_words, scales, None, None, lay, handle.is_token_in_rank.contiguous())
+        is_in = handle.is_token_in_rank.contiguous()
+        self._bulk_dispatch(x_words, scales, None, None, lay, is_in)
         n_rows = handle.recv_src_idx.numel()
         out_x, out_s, _, _ = self._gather(x_words, scales, None, None, lay, handle.rank_prefix_matrix, True, n_rows,
-                                          0, 0, handle.recv_src_idx, True, g, 0, None)
+                                          0, 0, handle.recv_src_idx, True, g, 0, None, is_in)
         self._join_ce()
         recv_x = out_x.view(torch.uint8).view(x.dtype) if x.element_size() == 1 else out_x.view(x.dtype)
         return recv_x.view(n_rows, h), out_s

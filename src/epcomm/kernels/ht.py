@@ -196,27 +196,60 @@ def _copy_tile(dst, dst_rows, src, src_rows, row_ok, row_elems, BLOCK: tl.conste
         tl.store(dst + d + cc[None, :], tl.load(src + s + cc[None, :], mask=m), mask=m)
 
 
+@triton.jit
+def _copy_small(dst, src, rows, row_ok, n_cols, N_POW2: tl.constexpr):
+    """Rows ``rows`` (int64) of a ``[*, n_cols]`` array (scales, top-k ids or weights) to the same rows
+    of ``dst`` where ``row_ok``."""
+    cc = tl.arange(0, N_POW2)
+    m = row_ok[:, None] & (cc[None, :] < n_cols)
+    off = rows[:, None] * n_cols + cc[None, :]
+    tl.store(dst + off, tl.load(src + off, mask=m), mask=m)
+
+
+@triton.jit
+def _push_tile(t0, x_ptr, row_elems, T, R, me, is_in_ptr, ptr_table, stage_off, stage_src_bytes, xs_ptr, G,
+               topk_ptr, w_ptr, K, s_off, k_off, w_off, RB: tl.constexpr, BLOCK: tl.constexpr,
+               ELEM: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, G_POW2: tl.constexpr,
+               K_POW2: tl.constexpr):
+    """Rows ``t0 .. t0 + RB`` of ``x`` (and their scales, ids, weights) to the same rows of my slot in
+    every peer that gets them (``is_in[t, j]``)."""
+    tt = (t0 + tl.arange(0, RB)).to(tl.int64)
+    inb = tt < T
+    for j in range(0, R):
+        if j != me:
+            f = tl.load(is_in_ptr + tt * R + j, mask=inb, other=0) != 0
+            if tl.max(f.to(tl.int32), 0) > 0:
+                dst = peer_ptr(ptr_table, j, stage_off + me * stage_src_bytes, ELEM)
+                _copy_tile(dst, tt, x_ptr, tt, f, row_elems, BLOCK)
+                if HAS_SCALES:
+                    _copy_small(peer_ptr(ptr_table, j, s_off + me * stage_src_bytes, tl.float32), xs_ptr, tt,
+                                f, G, G_POW2)
+                if HAS_TOPK:
+                    _copy_small(peer_ptr(ptr_table, j, k_off + me * stage_src_bytes, tl.int64), topk_ptr, tt,
+                                f, K, K_POW2)
+                    _copy_small(peer_ptr(ptr_table, j, w_off + me * stage_src_bytes, tl.float32), w_ptr, tt,
+                                f, K, K_POW2)
+
+
 @triton.jit(do_not_specialize=['T'])
 def _push_kernel(x_ptr, row_elems, T, R, me, is_in_ptr, ptr_table, flags_off, slot, consumed_slot,
                  stage_off, stage_src_bytes, ctr_ptr, ticket_ptr, err_ptr, phase, timeout_ns,
+                 xs_ptr, G, topk_ptr, w_ptr, K, s_off, k_off, w_off,
                  NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr,
-                 ELEM: tl.constexpr):
+                 ELEM: tl.constexpr, HAS_SCALES: tl.constexpr = False, HAS_TOPK: tl.constexpr = False,
+                 G_POW2: tl.constexpr = 1, K_POW2: tl.constexpr = 1):
     """SM bulk mover: row ``t`` of ``x`` (``row_elems`` int8/int16/int32 words) to row ``t`` of my slot
-    in every peer ``j`` with ``is_in[t, j]``, ``RB`` rows per step; the last program raises the peers'
-    data flags (every program's stores are released, system scope, before its ticket)."""
+    in every peer ``j`` with ``is_in[t, j]``, ``RB`` rows per step, with the row's scales (``G``
+    float32, staging array at ``s_off``), top-k ids (``K`` int64, ``k_off``) and weights (``K``
+    float32, ``w_off``); the last program raises the peers' data flags (every program's stores are
+    released, system scope, before its ticket)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n = tl.load(ctr_ptr)
     _wait_peers(ptr_table, flags_off, consumed_slot, R, me, n, err_ptr, phase, timeout_ns, HAS_TIMER)
     for t0 in range(pid * RB, T, P * RB):
-        tt = (t0 + tl.arange(0, RB)).to(tl.int64)
-        inb = tt < T
-        for j in range(0, R):
-            if j != me:
-                f = tl.load(is_in_ptr + tt * R + j, mask=inb, other=0) != 0
-                if tl.max(f.to(tl.int32), 0) > 0:
-                    dst = peer_ptr(ptr_table, j, stage_off + me * stage_src_bytes, ELEM)
-                    _copy_tile(dst, tt, x_ptr, tt, f, row_elems, BLOCK)
+        _push_tile(t0, x_ptr, row_elems, T, R, me, is_in_ptr, ptr_table, stage_off, stage_src_bytes, xs_ptr, G,
+                   topk_ptr, w_ptr, K, s_off, k_off, w_off, RB, BLOCK, ELEM, HAS_SCALES, HAS_TOPK, G_POW2, K_POW2)
     if ticket_last(ticket_ptr):
         _signal_peers(ptr_table, flags_off, slot, R, me, NC)
         tl.store(ctr_ptr, n + 1)
@@ -238,54 +271,25 @@ def _wait_sources(need, known, rr, ptr_table, flags_off, slot, R, me, base, err_
     return known
 
 
-@triton.jit(do_not_specialize=['n_rows'])
-def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
-                   counts_ptr, counts_stride, me, R, lo_expert, L, tok_ptr,
-                   src_lists_ptr, src_lists_stride, n_rows,
-                   stage_ptr, stage_src_elems, stage_s_ptr, stage_s_src, stage_k_ptr, stage_k_src,
-                   stage_w_ptr, stage_w_src,
-                   out_x, out_s, out_s_stride_row, out_s_stride_col, out_k, out_w, out_src,
-                   ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
-                   CACHED: tl.constexpr, IS_PREFIX: tl.constexpr, HAS_SCALES: tl.constexpr,
-                   HAS_TOPK: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
-                   R_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
-                   STAGES: tl.constexpr = 3, ONE_LOAD: tl.constexpr = False):
-    """Dispatch receive: row ``n`` of the outputs = token ``s`` of source rank ``i`` (rank-major order).
-
-    Tiles of ``RB`` rows; rows are visited rotated so this rank's own block (no wait) comes first,
-    then the peers' blocks in token order, waiting chunk by chunk (``NC`` copy-engine chunks per
-    source; chunk of token ``s`` = ``s // ceil(T_i / NC)``; cached mode waits for all chunks).
-    """
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    base = tl.load(ctr_ptr)
-    rr = tl.arange(0, R_POW2)
-    col = tl.load(counts_ptr + rr * counts_stride + me, mask=rr < R, other=0)
-    if IS_PREFIX:
-        incl = col
-        excl = tl.load(counts_ptr + (rr - 1) * counts_stride + me, mask=(rr < R) & (rr > 0), other=0)
-    else:
-        incl = tl.cumsum(col, 0)
-        excl = incl - col
-    # rows this call may write: every row arriving, or fewer when num_worst_tokens is too small (the
-    # handle kernel records that error; the rows beyond the output are dropped, never written past it)
-    total = tl.minimum(tl.max(tl.where(rr < R, incl, 0), 0), n_rows)
-    start_me = tl.sum(tl.where(rr == me, excl, 0), 0)
-    known = tl.zeros((R_POW2,), dtype=tl.int32)
-    if CACHED:
-        known = _wait_sources(tl.full((R_POW2,), NC, tl.int32), known, rr, ptr_table, flags_off, DDATA, R, me,
-                              base, err_ptr, 3, timeout_ns, NC, HAS_TIMER)
-        chunk_rows = tl.full((R_POW2,), 1, tl.int32)
-    else:
-        toks = tl.load(tok_ptr + rr, mask=rr < R, other=0)
-        chunk_rows = tl.maximum((toks + NC - 1) // NC, 1)
+@triton.jit
+def _gather_rows(v_lo, v_hi, pid, P, known, x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K, me, R, lo_expert, L,
+                 src_lists_ptr, src_lists_stride, n_rows, total, start_me, rr, incl, excl, chunk_rows,
+                 stage_ptr, stage_src_elems, stage_s_ptr, stage_s_src, stage_k_ptr, stage_k_src,
+                 stage_w_ptr, stage_w_src,
+                 out_x, out_s, out_s_stride_row, out_s_stride_col, out_k, out_w, out_src,
+                 ptr_table, flags_off, base, err_ptr, timeout_ns,
+                 CACHED: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, NC: tl.constexpr,
+                 RB: tl.constexpr, BLOCK: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr,
+                 HAS_TIMER: tl.constexpr, STAGES: tl.constexpr, ONE_LOAD: tl.constexpr):
+    """Output rows at rotated positions ``v_lo <= v < v_hi`` (``v = 0`` is this rank's own block),
+    tiles of ``RB`` rows, tile ``u`` by program ``u % P``; returns the updated ``known`` levels."""
     kk = tl.arange(0, K_POW2)
     gg = tl.arange(0, G_POW2)
     cols = tl.arange(0, BLOCK)
-    for v0 in range(pid * RB, n_rows, P * RB):
+    for v0 in range(v_lo + pid * RB, v_hi, P * RB):
         vv = v0 + tl.arange(0, RB)
-        inb = vv < n_rows
-        real = vv < total
+        inb = vv < v_hi
+        real = vv < tl.minimum(total, v_hi)
         nn = tl.where(real, (vv + start_me) % tl.maximum(total, 1), vv)
         nn64 = nn.to(tl.int64)
         i = tl.sum(tl.where((rr[None, :] < R) & (incl[None, :] <= nn[:, None]), 1, 0), 1)
@@ -343,6 +347,92 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
             tl.store(out_k + nn64[:, None] * K + kk[None, :], tl.where(here, kv - lo_expert, -1),
                      mask=inb[:, None] & km)
             tl.store(out_w + nn64[:, None] * K + kk[None, :], tl.where(here, wv, 0.0), mask=inb[:, None] & km)
+    return known
+
+
+@triton.jit(do_not_specialize=['n_rows', 'T_send'])
+def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
+                   counts_ptr, counts_stride, me, R, lo_expert, L, tok_ptr,
+                   src_lists_ptr, src_lists_stride, n_rows,
+                   stage_ptr, stage_src_elems, stage_s_ptr, stage_s_src, stage_k_ptr, stage_k_src,
+                   stage_w_ptr, stage_w_src,
+                   out_x, out_s, out_s_stride_row, out_s_stride_col, out_k, out_w, out_src,
+                   ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
+                   is_in_ptr, T_send, push_off, push_slot_bytes, push_s_off, push_k_off, push_w_off,
+                   send_ctr_ptr, push_ticket_ptr,
+                   CACHED: tl.constexpr, IS_PREFIX: tl.constexpr, HAS_SCALES: tl.constexpr,
+                   HAS_TOPK: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
+                   R_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
+                   STAGES: tl.constexpr = 3, ONE_LOAD: tl.constexpr = False, PUSH: tl.constexpr = False,
+                   PUSH_RB: tl.constexpr = 8, PUSH_BLOCK: tl.constexpr = 512, ELEM: tl.constexpr = tl.int32,
+                   PUSH_TOPK: tl.constexpr = False):
+    """Dispatch receive: row ``n`` of the outputs = token ``s`` of source rank ``i`` (rank-major order).
+
+    Tiles of ``RB`` rows; rows are visited rotated so this rank's own block (no wait) comes first,
+    then the peers' blocks in token order, waiting chunk by chunk (``NC`` copy-engine chunks per
+    source; chunk of token ``s`` = ``s // ceil(T_i / NC)``; cached mode waits for all chunks).
+
+    ``PUSH`` (the SM transfer, non-cached): this kernel also sends. Its programs first push this
+    rank's rows into the peers' staging (``_push_kernel``'s work: ``T_send`` rows, ``is_in``, scales
+    and, with ``PUSH_TOPK``, ids and weights) interleaved with copying the own block (local
+    reads, so NVLink and HBM work at once); the last program to finish that raises the peers' data
+    flags; then every program copies the peers' rows as they are flagged. Every program of the grid
+    must be resident (grid <= SMs), as for the waits elsewhere.
+    """
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    base = tl.load(ctr_ptr)
+    rr = tl.arange(0, R_POW2)
+    col = tl.load(counts_ptr + rr * counts_stride + me, mask=rr < R, other=0)
+    if IS_PREFIX:
+        incl = col
+        excl = tl.load(counts_ptr + (rr - 1) * counts_stride + me, mask=(rr < R) & (rr > 0), other=0)
+    else:
+        incl = tl.cumsum(col, 0)
+        excl = incl - col
+    # rows this call may write: every row arriving, or fewer when num_worst_tokens is too small (the
+    # handle kernel records that error; the rows beyond the output are dropped, never written past it)
+    total = tl.minimum(tl.max(tl.where(rr < R, incl, 0), 0), n_rows)
+    start_me = tl.sum(tl.where(rr == me, excl, 0), 0)
+    known = tl.zeros((R_POW2,), dtype=tl.int32)
+    if CACHED:
+        known = _wait_sources(tl.full((R_POW2,), NC, tl.int32), known, rr, ptr_table, flags_off, DDATA, R, me,
+                              base, err_ptr, 3, timeout_ns, NC, HAS_TIMER)
+        chunk_rows = tl.full((R_POW2,), 1, tl.int32)
+    else:
+        toks = tl.load(tok_ptr + rr, mask=rr < R, other=0)
+        chunk_rows = tl.maximum((toks + NC - 1) // NC, 1)
+    v_lo = 0
+    if PUSH:
+        n_send = tl.load(send_ctr_ptr)
+        _wait_peers(ptr_table, flags_off, DCONSUMED, R, me, n_send, err_ptr, 2, timeout_ns, HAS_TIMER)
+        own = tl.minimum(tl.sum(tl.where(rr == me, col, 0), 0), total)
+        n_push = (T_send + PUSH_RB - 1) // PUSH_RB
+        n_own = (own + RB - 1) // RB
+        for u in range(pid, tl.maximum(n_push, n_own), P):
+            if u < n_push:
+                _push_tile(u * PUSH_RB, x_ptr, row_elems, T_send, R, me, is_in_ptr, ptr_table, push_off,
+                           push_slot_bytes, xs_ptr, G, topk_ptr, w_ptr, K, push_s_off, push_k_off, push_w_off,
+                           PUSH_RB, PUSH_BLOCK, ELEM, HAS_SCALES, PUSH_TOPK, G_POW2, K_POW2)
+            if u < n_own:
+                known = _gather_rows(u * RB, tl.minimum(u * RB + RB, own), 0, 1, known, x_ptr, xs_ptr, topk_ptr,
+                                     w_ptr, row_elems, G, K, me, R, lo_expert, L, src_lists_ptr, src_lists_stride,
+                                     n_rows, total, start_me, rr, incl, excl, chunk_rows, stage_ptr,
+                                     stage_src_elems, stage_s_ptr, stage_s_src, stage_k_ptr, stage_k_src,
+                                     stage_w_ptr, stage_w_src, out_x, out_s, out_s_stride_row, out_s_stride_col,
+                                     out_k, out_w, out_src, ptr_table, flags_off, base, err_ptr, timeout_ns,
+                                     CACHED, HAS_SCALES, HAS_TOPK, NC, RB, BLOCK, K_POW2, G_POW2, HAS_TIMER,
+                                     STAGES, ONE_LOAD)
+        if ticket_last(push_ticket_ptr):
+            _signal_peers(ptr_table, flags_off, DDATA, R, me, NC)
+            tl.store(send_ctr_ptr, n_send + 1)
+        v_lo = own
+    known = _gather_rows(v_lo, n_rows, pid, P, known, x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K, me, R,
+                         lo_expert, L, src_lists_ptr, src_lists_stride, n_rows, total, start_me, rr, incl, excl,
+                         chunk_rows, stage_ptr, stage_src_elems, stage_s_ptr, stage_s_src, stage_k_ptr,
+                         stage_k_src, stage_w_ptr, stage_w_src, out_x, out_s, out_s_stride_row, out_s_stride_col,
+                         out_k, out_w, out_src, ptr_table, flags_off, base, err_ptr, timeout_ns,
+                         CACHED, HAS_SCALES, HAS_TOPK, NC, RB, BLOCK, K_POW2, G_POW2, HAS_TIMER, STAGES, ONE_LOAD)
     if ticket_last(ticket_ptr):
         _signal_peers(ptr_table, flags_off, DCONSUMED, R, me, 1)
         tl.store(ctr_ptr, base + 1)
