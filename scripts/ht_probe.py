@@ -19,14 +19,19 @@ VARIANTS = [
     ("default", {}),
     # the SM push as its own kernel before notify, the gather after (no overlap of push and own block)
     ("nofuse", dict(fused_push=False)),
-    # the gather tiles before 2026-11-22 (fourth session): 8 rows x 512 words, two masked loads, 3 stages
-    ("old_gather", dict(gather_rb=8, gather_block=512, gather_warps=8, gather_stages=3, gather_one_load=False)),
-    ("p_rb4_blk1024", dict(push_rb=4, push_block=1024)),
-    ("p_rb16", dict(push_rb=16)),
-    ("g_rb16_blk1024", dict(gather_rb=16, gather_block=1024)),
-    ("g_w8", dict(gather_warps=8)),
-    ("g_rb4_4096", dict(gather_rb=4, gather_block=4096)),
-    ("ce1", dict(ce_chunks=1)),
+    # bytes in flight per SM: bigger push and gather tiles (the fused kernel runs gather_warps warps)
+    ("p16", dict(push_rb=16)),
+    ("p16_g16", dict(push_rb=16, gather_rb=16, gather_block=1024)),
+    ("p32_g16", dict(push_rb=32, gather_rb=16, gather_block=1024)),
+    ("p16x1024_g16", dict(push_rb=16, push_block=1024, gather_rb=16, gather_block=1024)),
+    ("p16_g32", dict(push_rb=16, gather_rb=32, gather_block=1024)),
+    ("nofuse_p16_g16", dict(fused_push=False, push_rb=16, gather_rb=16, gather_block=1024)),
+    # combine: the push, then the reduce
+    ("c16", dict(cpush_rb=16)),
+    ("c16x1024_w16", dict(cpush_rb=16, cpush_block=1024, cpush_warps=16)),
+    ("c8x2048_w16", dict(cpush_rb=8, cpush_block=2048, cpush_warps=16)),
+    ("r_tb8_w16", dict(reduce_tb=8, reduce_block=1024, reduce_warps=16)),
+    ("r_tb16_512_w16", dict(reduce_tb=16, reduce_block=512, reduce_warps=16)),
 ]
 if os.environ.get("PROBE_VARIANTS"):  # e.g. PROBE_VARIANTS=default,p_rb16
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["PROBE_VARIANTS"].split(",")]
@@ -73,7 +78,8 @@ def _variant(fast, case, rank, name, worst, rows):
             return fast.dispatch(xin, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
                                  topk_idx=topk, topk_weights=w, num_worst_tokens=nw)
         tag = "fp8" if fp8 else "bf16"
-        rows[(name, f"eager dispatch {tag}")] = _timed(d, fast.device, graphs=False)
+        if os.environ.get("PROBE_EAGER", "1") == "1":  # PROBE_EAGER=0: graph rows only
+            rows[(name, f"eager dispatch {tag}")] = _timed(d, fast.device, graphs=False)
         g = _graph(lambda: d(worst))
         rows[(name, f"graph dispatch {tag}")] = _timed(g.replay, fast.device, graphs=True)
         del g

@@ -45,6 +45,7 @@ NUM_CTRS = 16
 # launch parameters of the high-throughput kernels (scripts/ht_probe.py sweeps them on the device machine)
 TUNE = dict(gather_rb=8, gather_block=2048, gather_warps=16, gather_stages=1, reduce_tb=8, reduce_block=1024,
             reduce_warps=8, reduce_stages=3, notify_block=256, push_rb=8, push_block=512, push_warps=8,
+            cpush_rb=8, cpush_block=512, cpush_warps=8,
             gather_one_load=True, ce_chunks=4, fused_push=True)
 NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
 # deadlines on %globaltimer; under the Triton interpreter (CPU runs of the backend, epcomm.testing.cpu_nvlink)
@@ -533,8 +534,8 @@ class NVLinkBackend(Backend):
                     xw, w if w is not None else xw.view(torch.float32), xw.shape[1], k, r_, me, rpm,
                     self.ptr_table, self.flags_off, lay["cx"], lay["c_slot"], lay["cw"], lay["c_slot"],
                     self.ctrs[CSEND:], self.tickets[T_CPUSH:], self.err, self._timeout_ns, x.shape[0],
-                    HAS_W=w is not None, NC=NC, RB=TUNE["push_rb"], BLOCK=TUNE["push_block"], K_POW2=_pow2(k),
-                    HAS_TIMER=TIMER, num_warps=TUNE["push_warps"],
+                    HAS_W=w is not None, NC=NC, RB=TUNE["cpush_rb"], BLOCK=TUNE["cpush_block"], K_POW2=_pow2(k),
+                    HAS_TIMER=TIMER, num_warps=TUNE["cpush_warps"],
                 )
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         out_w = torch.empty(t, k, dtype=torch.float32, device=dev) if w is not None else None
