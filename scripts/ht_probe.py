@@ -19,19 +19,19 @@ VARIANTS = [
     ("default", {}),
     # the SM push as its own kernel before notify, the gather after (no overlap of push and own block)
     ("nofuse", dict(fused_push=False)),
-    # bytes in flight per SM: bigger push and gather tiles (the fused kernel runs gather_warps warps)
-    ("p16", dict(push_rb=16)),
-    ("p16_g16", dict(push_rb=16, gather_rb=16, gather_block=1024)),
-    ("p32_g16", dict(push_rb=32, gather_rb=16, gather_block=1024)),
-    ("p16x1024_g16", dict(push_rb=16, push_block=1024, gather_rb=16, gather_block=1024)),
-    ("p16_g32", dict(push_rb=16, gather_rb=32, gather_block=1024)),
-    ("nofuse_p16_g16", dict(fused_push=False, push_rb=16, gather_rb=16, gather_block=1024)),
-    # combine: the push, then the reduce
-    ("c16", dict(cpush_rb=16)),
-    ("c16x1024_w16", dict(cpush_rb=16, cpush_block=1024, cpush_warps=16)),
-    ("c8x2048_w16", dict(cpush_rb=8, cpush_block=2048, cpush_warps=16)),
-    ("r_tb8_w16", dict(reduce_tb=8, reduce_block=1024, reduce_warps=16)),
-    ("r_tb16_512_w16", dict(reduce_tb=16, reduce_block=512, reduce_warps=16)),
+    # the tiles before the fourth session's probe (8 rows x 512 words everywhere, two masked loads)
+    ("old_tiles", dict(gather_rb=8, gather_block=512, gather_warps=8, gather_stages=3, gather_one_load=False,
+                       push_rb=8, push_block=512, reduce_tb=8, reduce_block=1024, reduce_warps=8)),
+    # bytes in flight per SM: still bigger tiles (the fused kernel runs gather_warps warps)
+    ("p16x2048", dict(push_block=2048)),
+    ("p8x2048", dict(push_rb=8, push_block=2048)),
+    ("g16x2048", dict(gather_block=2048)),
+    ("g_w32", dict(gather_warps=32)),
+    ("c8_w16", dict(cpush_warps=16)),
+    ("c16x1024_w32", dict(cpush_rb=16, cpush_block=1024, cpush_warps=32)),
+    ("r_tb32", dict(reduce_tb=32)),
+    ("r_tb16_1024", dict(reduce_block=1024)),
+    ("r_s1", dict(reduce_stages=1)),
 ]
 if os.environ.get("PROBE_VARIANTS"):  # e.g. PROBE_VARIANTS=default,p_rb16
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["PROBE_VARIANTS"].split(",")]
