@@ -127,6 +127,22 @@ def _hits(src, msg_bytes, tt, tm, kk, e, K):
 
 
 @triton.jit
+def _header_tokens(hdr_ptr, M, err_ptr, r, alive):
+    """Source ``r``'s token count from its header ``[T, M]``; 0 for a masked source (``alive == 0``,
+    not checked) and unless the header is sane. A source
+    with another M writes at other offsets: its data can land on this rank's flag (a wrapped int32
+    compare passes half the time) and its header is garbage; reading on would use garbage counts as
+    offsets (a misaligned-address fault on nvidia-h200-x2). Recorded as code 6, which the host reports
+    by the ranks' announced M."""
+    t = tl.load(hdr_ptr, volatile=True)
+    m = tl.load(hdr_ptr + 1, volatile=True)
+    bad = (m != M) | (t < 0) | (t > M)
+    if (alive != 0) & bad:
+        record_error(err_ptr, 6, r, m, M)
+    return tl.where(bad | (alive == 0), 0, t)
+
+
+@triton.jit
 def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off, slot_off, me, R, L, M, H, G, K,
                              out_x, out_s, out_src, out_range, out_count, cum_ptr, wait_ptr,
                              level_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
@@ -159,7 +175,7 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
         wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_D * R + r2) * 4, tl.int32), level + 1, err_ptr, 6, r2,
                 timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
         src2 = peer_ptr(ptr_table, me, area_off + r2 * src_bytes, tl.int32)
-        t_r2 = tl.load(src2) * _alive(mask_ptr, r2, SHRINK)
+        t_r2 = _header_tokens(src2, M, err_ptr, r2, _alive(mask_ptr, r2, SHRINK))
         for tb in range(0, t_r2, TB):
             tt = tb + tl.arange(0, TB)
             hit, kpos = _hits(src2, msg_bytes, tt, tt < t_r2, kk, e, K)
@@ -168,7 +184,7 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
     if USE_FP8:
         row_words = H // 4
     src = peer_ptr(ptr_table, me, area_off + r * src_bytes, tl.int32)
-    t_r = tl.load(src) * _alive(mask_ptr, r, SHRINK)
+    t_r = _header_tokens(src, M, err_ptr, r, _alive(mask_ptr, r, SHRINK))
     running = tl.zeros((), dtype=tl.int32)
     for tb in range(0, t_r, TB):
         tt = tb + tl.arange(0, TB)
@@ -261,7 +277,8 @@ def _ll_combine_reduce_kernel(y_ptr, H, K, me, R, L, M, ptr_table, d_area_off, s
     level = tl.load(wlevel_ptr)
     r = idx // M
     t = idx % M
-    t_r = tl.load(peer_ptr(ptr_table, me, d_area_off + r * src_bytes, tl.int32)) * _alive(mask_ptr, r, SHRINK)
+    t_r = _header_tokens(peer_ptr(ptr_table, me, d_area_off + r * src_bytes, tl.int32), M, err_ptr, r,
+                         _alive(mask_ptr, r, SHRINK))
     if t < t_r:
         wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_W * R + r) * 4, tl.int32), level + 1, err_ptr, 7, r,
                 timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
