@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the device machine: GPU test tier + benchmark; a short table last.
-# Usage (device tool): bash scripts/gpu_check.sh [tests|triage|tier2|probe|ceprobe|profile|bench|figures|all]
+# Usage (device tool): bash scripts/gpu_check.sh [tests|triage|tier2|probe|ceprobe|cegraph|profile|bench|figures|all]
 #   tests: tier 3 (tests/gpu); triage: the HT graph and async tests alone, then the rest of tier 3;
-#   ceprobe: scripts/ce_graph_probe.py (copy-engine transfer variants, eager vs graph replay); tier2: tests/dist on NCCL with CUDA tensors; bench: epcomm bench;
+#   ceprobe: scripts/ce_graph_probe.py (copy-engine transfer variants, eager vs graph replay); cegraph: the
+#   backend's copy-engine path under graph capture (EPCOMM_HT_TRANSFER=ce-always), graph test + bench; tier2: tests/dist on NCCL with CUDA tensors; bench: epcomm bench;
 #   figures: every figure issues 4-5 ask for (24/32/48 SMs, copy engine vs SM push, 1-token LL),
 #   one JSONL per step under $OUT. Budget: tests ~4 min, tier2 ~2 min, bench ~2.5 min, figures ~6 min.
 set -uo pipefail
@@ -32,6 +33,14 @@ fi
 if [[ "$what" == ceprobe ]]; then
   # which copy-engine transfer keeps data ahead of its flag under graph replay (~1 min)
   timeout 280 python3 scripts/ce_graph_probe.py 2>&1 | tee "$OUT/ce_probe.log" | tail -14 || rc=1
+fi
+if [[ "$what" == cegraph ]]; then
+  # the copy engine under CUDA-graph capture too (EPCOMM_HT_TRANSFER=ce-always): is the backend's own
+  # path right under replay now (graph test, the bench's as-timed check), and how fast (~2.5 min)
+  EPCOMM_HT_TRANSFER=ce-always timeout 100 python3 -m pytest -q -rfE -p no:cacheprovider \
+    tests/gpu/test_nvlink_ht.py::test_nvlink_high_throughput_graph 2>&1 | tee "$OUT/cegraph-test.log" | tail -12 || rc=1
+  EPCOMM_HT_TRANSFER=ce-always timeout 150 python3 -m epcomm bench --cases ht-dsv3 --mode ht --num-sms 24 --iters 20 \
+    --warmup 3 --out "$OUT/ht-cegraph.jsonl" 2>&1 | tail -10 || rc=1
 fi
 if [[ "$what" == probe ]]; then
   timeout 300 python3 scripts/ht_probe.py 2>&1 | tee "$OUT/probe.log" | tail -20 || rc=1

@@ -8,8 +8,9 @@ VARIABLES = {
     "EPCOMM_BACKEND": "force a backend: reference | nvlink (a forced backend that cannot run raises)",
     "EPCOMM_TIMEOUT_S": "deadline in seconds for every wait on a peer (default 30 on CPU, 10 on GPU)",
     "EPCOMM_LOG_LEVEL": "log level of the epcomm logger (e.g. INFO to see which backend runs and why)",
-    "EPCOMM_HT_TRANSFER": "nvlink high-throughput bulk mover of eager calls: ce (copy engine, default) | sm (Triton push "
-                          "kernels); calls captured in a CUDA graph always push with SMs",
+    "EPCOMM_HT_TRANSFER": "nvlink high-throughput bulk mover: ce (default: copy engine for eager calls, SMs for calls "
+                          "captured in a CUDA graph) | sm (Triton push kernels always) | ce-always (the copy engine "
+                          "under capture too; diagnostic: it delivered stale rows under replay on H200, 2026-11-22)",
 }
 
 
@@ -37,6 +38,6 @@ def log_level() -> str | None:
 
 def ht_transfer() -> str:
     v = os.environ.get("EPCOMM_HT_TRANSFER", "ce").strip().lower() or "ce"
-    if v not in ("ce", "sm"):
-        raise ValueError(f"EPCOMM_HT_TRANSFER must be 'ce' or 'sm', got {v!r}")
+    if v not in ("ce", "sm", "ce-always"):
+        raise ValueError(f"EPCOMM_HT_TRANSFER must be 'ce', 'sm' or 'ce-always', got {v!r}")
     return v

@@ -205,3 +205,23 @@ def test_low_latency_dispatch_and_combine(rig, fp8):
     assert out.shape == (6, H)
     assert _names(rig.log)[2:] == ["_ll_combine_weights_kernel", "_ll_combine_reduce_kernel",
                                    "_ll_combine_recv_kernel"]
+
+
+def test_ce_always_uses_the_copy_engine_under_capture(rig):
+    rig.b[0].transfer = "ce-always"  # EPCOMM_HT_TRANSFER=ce-always (diagnostic)
+    rig.capturing["on"] = True
+    rig.b[0].dispatch(_args(worst=R * T))
+    names = _names(rig.log)
+    assert names[0] == "_ce_wait_kernel" and "_ce_signal_kernel" in names and "_push_kernel" not in names
+    assert not [a for n, _, a in rig.log if n == "_gather_kernel"][0]["PUSH"]
+
+
+def test_transfer_variable_is_checked(monkeypatch):
+    from epcomm import _env
+
+    for v, want in (("", "ce"), ("SM", "sm"), ("ce-always", "ce-always")):
+        monkeypatch.setenv("EPCOMM_HT_TRANSFER", v)
+        assert _env.ht_transfer() == want
+    monkeypatch.setenv("EPCOMM_HT_TRANSFER", "dma")
+    with pytest.raises(ValueError, match="EPCOMM_HT_TRANSFER must be .* got 'dma'"):
+        _env.ht_transfer()

@@ -173,7 +173,7 @@ class NVLinkBackend(Backend):
         self.ce_stream = torch.cuda.Stream(self.device)
         self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
         self._views: dict = {}  # see _view
-        self.transfer = _env.ht_transfer()  # "ce" (copy engine) or "sm"
+        self.transfer = _env.ht_transfer()  # "ce" (copy engine eagerly), "sm" or "ce-always"
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
         self._ll = None
@@ -321,11 +321,15 @@ class NVLinkBackend(Backend):
 
     def _use_ce(self) -> bool:
         """Bulk bytes by copy engine, unless EPCOMM_HT_TRANSFER=sm or the call is being captured in a CUDA
-        graph. Under graph replay the copy-engine branch (a forked stream: copies, then a flag kernel)
-        let the receiver read the last rows of a chunk before they arrived (tier 3 on nvidia-h200-x2,
-        2026-11-22: the rows at the end of chunks 0-2 held the previous replay's data, every replay; a
-        stream memory barrier between copy and flag did not change it); SM push was correct there."""
-        return self.transfer != "sm" and not torch.cuda.is_current_stream_capturing()
+        graph (``ce-always``: under capture too, to diagnose). Under graph replay the copy-engine branch
+        (a forked stream: copies, then a flag kernel) let the receiver read the last rows of a chunk
+        before they arrived (tier 3 on nvidia-h200-x2, third session of 2026-11-22: the rows at the
+        end of chunks 0-2 held the previous replay's data, every replay; a stream memory barrier
+        between copy and flag did not change it); SM push was correct there. The fourth session's
+        probe (scripts/ce_graph_probe.py, 512 tokens) saw no stale rows in any copy-engine variant."""
+        if self.transfer == "sm":
+            return False
+        return self.transfer == "ce-always" or not torch.cuda.is_current_stream_capturing()
 
     def _fused_push(self) -> bool:
         """A non-cached dispatch without the copy engine pushes inside the gather kernel (its programs
