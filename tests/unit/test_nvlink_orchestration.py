@@ -207,6 +207,13 @@ def test_low_latency_dispatch_and_combine(rig, fp8):
                                    "_ll_combine_recv_kernel"]
 
 
+def test_fused_push_grid_is_at_most_one_program_per_sm(rig):
+    rig.capturing["on"] = True
+    rig.b[0]._buf = lambda: types.SimpleNamespace(num_sms=256)  # Config.num_sms allows 256; the GPU has 132
+    rig.b[0].dispatch(_args(worst=R * T))
+    assert [g for n, g, _ in rig.log if n == "_gather_kernel"] == [(132,)]
+
+
 def test_ce_always_uses_the_copy_engine_under_capture(rig):
     rig.b[0].transfer = "ce-always"  # EPCOMM_HT_TRANSFER=ce-always (diagnostic)
     rig.capturing["on"] = True

@@ -173,6 +173,7 @@ class NVLinkBackend(Backend):
         self.ce_stream = torch.cuda.Stream(self.device)
         self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
         self._views: dict = {}  # see _view
+        self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.transfer = _env.ht_transfer()  # "ce" (copy engine eagerly), "sm" or "ce-always"
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
@@ -361,9 +362,11 @@ class NVLinkBackend(Backend):
         dummy_f = stage_s
         rb = TUNE["gather_rb"]
         push = not cached and self._fused_push()
-        # with the push every program must be resident at once; the Triton interpreter (CPU runs) runs
-        # programs one after another, so there the fused kernel is one program
-        grid = (max(1, (self.num_sms if TIMER else 1) if push else min(self.num_sms, (n_rows + rb - 1) // rb)),)
+        # with the push every program must be resident at once (at most one per SM: a num_sms above the
+        # GPU's SM count would leave programs waiting on programs that cannot start); the Triton
+        # interpreter (CPU runs) runs programs one after another, so there the fused kernel is one program
+        fused_grid = min(self.num_sms, self.sm_count) if TIMER else 1
+        grid = (max(1, fused_grid if push else min(self.num_sms, (n_rows + rb - 1) // rb)),)
         has_s, has_k = scales is not None and scales.numel() > 0, topk is not None and topk.numel() > 0
         ht._gather_kernel[grid](
             x_words, scales if scales is not None else dummy_f, topk if topk is not None else stage_k,
