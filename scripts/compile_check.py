@@ -50,6 +50,7 @@ def main():
                     dict(BLOCK=256, R_POW2=2, DO_SEND=True, DO_RECV=True, HAS_TIMER=True)))
     kernels.append((ht._ce_wait_kernel, ptr_types(ht._ce_wait_kernel, {"ptr_table": "*i64", "flags_off": "i64",
                      "timeout_ns": "i64"}), dict(HAS_TIMER=True)))
+    kernels.append((ht._ce_flag_value_kernel, ptr_types(ht._ce_flag_value_kernel, {}), dict(NC=4)))
     kernels.append((ht._ce_signal_kernel, ptr_types(ht._ce_signal_kernel, {"ptr_table": "*i64", "flags_off": "i64"}),
                     {}))
     g = ptr_types(ht._gather_kernel, {"tok_ptr": "*i32", "xs_ptr": "*fp32", "topk_ptr": "*i64", "w_ptr": "*fp32", "stage_s_ptr": "*fp32",

@@ -56,7 +56,8 @@ def _ht(ctx, tag, env, tune):
     ({}, {}),  # the copy-engine path (copies are plain CPU copies here), NC chunks
     ({"EPCOMM_HT_TRANSFER": "sm"}, {"push_rb": 2, "push_block": 64}),  # the SM push, several tiles per row
     ({}, {"ce_chunks": 1, "gather_one_load": True, "gather_rb": 4}),  # the tuning variants
-], ids=["copy-engine", "sm-push", "variants"])
+    ({"EPCOMM_HT_TUNE": "ce_flag=copy,ce_chunks=2"}, {}),  # flags raised by copies of their value
+], ids=["copy-engine", "sm-push", "variants", "copy-flag"])
 def test_nvlink_high_throughput_on_cpu_processes(env, tune):
     res = parallel_launch(2, _ht, uuid.uuid4().hex[:12], env, tune, backend="gloo", timeout_s=300)
     assert all(len(r) == 6 for r in res) and any(n > 0 for r in res for n in r)

@@ -232,3 +232,40 @@ def test_transfer_variable_is_checked(monkeypatch):
     monkeypatch.setenv("EPCOMM_HT_TRANSFER", "dma")
     with pytest.raises(ValueError, match="EPCOMM_HT_TRANSFER must be .* got 'dma'"):
         _env.ht_transfer()
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_copy_engine_flag_variant_writes_the_value_by_copy(rig, monkeypatch, chunks):
+    monkeypatch.setitem(nv.TUNE, "ce_flag", "copy")
+    monkeypatch.setitem(nv.TUNE, "ce_chunks", chunks)
+    res = rig.b[0].dispatch(_args())
+    names = _names(rig.log)
+    assert "_ce_signal_kernel" not in names
+    vals = [a for n, _, a in rig.log if n == "_ce_flag_value_kernel"]
+    assert [(a["done"], a["bump"]) for a in vals] == [((i + 1) * 4 // chunks, int(i == chunks - 1))
+                                                      for i in range(chunks)]
+    # the stand-in kernels do not run: the value word is what the copy carries to the peer's flag
+    rig.log.clear()
+    rig.b[0].combine(res.recv_x, res.handle, None, ())
+    assert "_ce_flag_value_kernel" in _names(rig.log) and "_ce_signal_kernel" not in _names(rig.log)
+
+
+def test_tune_variable(monkeypatch):
+    saved = dict(nv.TUNE)
+    try:
+        nv.apply_tune({"push_rb": "4", "fused_push": "false", "ce_flag": "copy"})
+        assert nv.TUNE["push_rb"] == 4 and nv.TUNE["fused_push"] is False and nv.TUNE["ce_flag"] == "copy"
+        for bad, msg in (({"push_rbs": "4"}, "unknown key 'push_rbs'"), ({"push_rb": "x"}, "push_rb must be an integer"),
+                         ({"fused_push": "maybe"}, "fused_push must be"), ({"ce_flag": "dma"}, "ce_flag must be")):
+            with pytest.raises(ValueError, match=msg):
+                nv.apply_tune(bad)
+    finally:
+        nv.TUNE.clear()
+        nv.TUNE.update(saved)
+    from epcomm import _env
+
+    monkeypatch.setenv("EPCOMM_HT_TUNE", " push_rb=16, ce_flag=copy ")
+    assert _env.ht_tune() == {"push_rb": "16", "ce_flag": "copy"}
+    monkeypatch.setenv("EPCOMM_HT_TUNE", "push_rb")
+    with pytest.raises(ValueError, match="key=value"):
+        _env.ht_tune()

@@ -46,7 +46,7 @@ NUM_CTRS = 16
 TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, reduce_tb=16, reduce_block=512,
             reduce_warps=16, reduce_stages=3, notify_block=256, push_rb=16, push_block=1024, push_warps=8,
             cpush_rb=8, cpush_block=512, cpush_warps=8,
-            gather_one_load=True, ce_chunks=4, fused_push=True)
+            gather_one_load=True, ce_chunks=4, fused_push=True, ce_flag="kernel")
 # (chosen with scripts/ht_probe.py on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
 # 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
 # combine 360 -> 349 us against 8 x 512-word tiles)
@@ -54,6 +54,27 @@ NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while 
 # deadlines on %globaltimer; under the Triton interpreter (CPU runs of the backend, epcomm.testing.cpu_nvlink)
 # the waits count spins instead
 TIMER = os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def apply_tune(overrides: dict[str, str]) -> None:
+    """Set ``TUNE`` entries from ``EPCOMM_HT_TUNE`` strings, each converted to its default's type."""
+    for key, val in overrides.items():
+        if key not in TUNE:
+            raise ValueError(f"EPCOMM_HT_TUNE: unknown key {key!r} (known: {', '.join(sorted(TUNE))})")
+        kind = type(TUNE[key])
+        if kind is bool:
+            if val.lower() not in ("1", "0", "true", "false"):
+                raise ValueError(f"EPCOMM_HT_TUNE: {key} must be 0/1/true/false, got {val!r}")
+            TUNE[key] = val.lower() in ("1", "true")
+        elif kind is int:
+            try:
+                TUNE[key] = int(val)
+            except ValueError:
+                raise ValueError(f"EPCOMM_HT_TUNE: {key} must be an integer, got {val!r}") from None
+        else:
+            TUNE[key] = val
+    if TUNE["ce_flag"] not in ("kernel", "copy"):
+        raise ValueError(f"EPCOMM_HT_TUNE: ce_flag must be 'kernel' or 'copy', got {TUNE['ce_flag']!r}")
 
 
 def _chunk_rows(rows: int) -> int:
@@ -175,6 +196,8 @@ class NVLinkBackend(Backend):
         self._views: dict = {}  # see _view
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.transfer = _env.ht_transfer()  # "ce" (copy engine eagerly), "sm" or "ce-always"
+        apply_tune(_env.ht_tune())
+        self.flag_words = torch.zeros(2, dtype=torch.int32, device=self.device)  # TUNE["ce_flag"] == "copy"
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
         self._ll = None
@@ -314,11 +337,30 @@ class NVLinkBackend(Backend):
                         rb = x_words.shape[1] * 4
                         self._slot_view(j, lay["dx"] + lo * rb, lay["d_slot"], me, (hi - lo) * rb).copy_(
                             x_words[lo:hi].reshape(-1).view(torch.uint8))
-                ht._ce_signal_kernel[(1,)](self.ptr_table, self.flags_off, ht.DDATA, r_, me, self.ctrs[DSEND:],
-                                           step, int(c + step == NC))
+                self._ce_raise(ht.DDATA, DSEND, step, c + step)
         for arr in (x_words, scales, topk, w):
             if arr is not None:
                 arr.record_stream(self.ce_stream)
+
+    def _ce_raise(self, slot: int, ctr: int, inc: int, done: int) -> None:
+        """On the copy-engine stream, behind a chunk's copies: raise every peer's data flag ``slot`` by
+        ``inc`` chunks (``done`` of ``NC`` sent this call; the last advances counter ``ctr``). By a flag
+        kernel (release add), or with ``TUNE["ce_flag"] == "copy"`` by 4-byte copy-engine copies of the
+        new value, queued behind the data copies on the same stream (a variant to test whether the copy
+        engine keeps a flag behind its data under graph replay)."""
+        from ..kernels import ht
+
+        r_, me, last = self.num_ranks, self.rank, int(done == NC)
+        if TUNE["ce_flag"] != "copy":
+            ht._ce_signal_kernel[(1,)](self.ptr_table, self.flags_off, slot, r_, me, self.ctrs[ctr:], inc, last)
+            return
+        word = self.flag_words[int(int(slot) == int(ht.CDATA)):][:1]
+        ht._ce_flag_value_kernel[(1,)](self.ctrs[ctr:], word, done, last, NC=NC)
+        src = word.view(torch.uint8)
+        for j in range(r_):
+            if j != me:
+                off = self.flags_off + (int(slot) * r_ + me) * 4
+                self._view(("flag", j, int(slot)), lambda: self.peers[j][off:off + 4]).copy_(src)
 
     def _use_ce(self) -> bool:
         """Bulk bytes by copy engine, unless EPCOMM_HT_TRANSFER=sm or the call is being captured in a CUDA
@@ -533,8 +575,7 @@ class NVLinkBackend(Backend):
                                     ws = w[start + lo:start + hi]
                                     self._slot_view(i, lay["cw"] + lo * k * 4, lay["c_slot"], me, ws.numel() * 4).copy_(
                                         ws.reshape(-1).view(torch.uint8))
-                        ht._ce_signal_kernel[(1,)](self.ptr_table, self.flags_off, ht.CDATA, r_, me, self.ctrs[CSEND:],
-                                                   step, int(c + step == NC))
+                        self._ce_raise(ht.CDATA, CSEND, step, c + step)
                 x.record_stream(self.ce_stream)
                 if w is not None:
                     w.record_stream(self.ce_stream)

@@ -181,6 +181,18 @@ def _ce_signal_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr, inc, bump):
         tl.store(ctr_ptr, tl.load(ctr_ptr) + 1)
 
 
+@triton.jit(do_not_specialize=['done', 'bump'])
+def _ce_flag_value_kernel(ctr_ptr, out_ptr, done, bump, NC: tl.constexpr):
+    """The copy-engine flag variant (``TUNE["ce_flag"] = "copy"``): the value a data flag must reach
+    after ``done`` of this call's ``NC`` chunks (``sends so far * NC + done``) into ``out``, for a
+    4-byte copy-engine copy to every peer's flag, behind the data copies on the same stream;
+    ``bump`` = 1 after the last advances the send counter."""
+    n = tl.load(ctr_ptr)
+    tl.store(out_ptr, n * NC + done)
+    if bump != 0:
+        tl.store(ctr_ptr, n + 1)
+
+
 @triton.jit
 def _i64(v):
     """Widen a loop index (a tensor when compiled, a Python int under the interpreter) to int64."""
