@@ -13,7 +13,7 @@ from epcomm.bench.cases import BenchCase
 CASE = dataclasses.asdict(BenchCase("small", "ht", 64, 256, 4, 16))
 ENV = {"date": "2026-11-21T00:00:00+00:00", "device": "cpu", "gpu_count": 0, "driver": None, "cuda": None,
        "nccl": None, "torch": "2.x", "triton": None, "epcomm": "0.1.0", "git_sha": "abc", "git_dirty": False,
-       "python": "3.11", "world_size": 2, "transport": "gloo", "backends": ["nvlink", "reference"]}
+       "python": "3.11", "world_size": 2, "transport": "gloo", "backends": ["nvlink", "reference"], "epcomm_env": {}}
 
 
 def result(backend, median, *, lb=1000, kb=500, check="pass", phase="total", p10=None, p90=None):
@@ -84,10 +84,14 @@ def test_header_names_device_versions_and_ceiling():
     assert "NVIDIA H200 x2" in text and "driver 570.1" in text and "386.0 GB/s" in text
 
 
-def test_environment_record():
+def test_environment_record(monkeypatch):
+    monkeypatch.setenv("EPCOMM_HT_TUNE", "push_rb=4")
+    monkeypatch.delenv("EPCOMM_HT_TRANSFER", raising=False)
     env = report.environment({"device": "cpu", "gpu_count": 0}, 4, "gloo", ["reference"])
     assert set(env) == set(report.ENV_FIELDS)
     assert env["world_size"] == 4 and env["driver"] is None and env["git_sha"]
+    assert env["epcomm_env"] == {"EPCOMM_HT_TUNE": "push_rb=4"}  # the variables that shaped the run
+    assert "set: EPCOMM_HT_TUNE=push_rb=4" in report.render_header(env, None)
 
 
 def test_plots(tmp_path):

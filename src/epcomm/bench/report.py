@@ -24,6 +24,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from .. import _env
 from . import accounting
 
 ROW_FIELDS = (
@@ -33,7 +34,7 @@ ROW_FIELDS = (
     "check", "timed_check", "env",
 )
 ENV_FIELDS = ("date", "device", "gpu_count", "driver", "cuda", "nccl", "torch", "triton", "epcomm", "git_sha",
-              "git_dirty", "python", "world_size", "transport", "backends")
+              "git_dirty", "python", "world_size", "transport", "backends", "epcomm_env")
 
 
 def _timed_check(rs: list[dict]) -> str:
@@ -98,6 +99,8 @@ def environment(device_info: dict, world_size: int, transport: str, backends: li
         "world_size": world_size,
         "transport": transport,
         "backends": backends,
+        # the epcomm variables set for this run (EPCOMM_HT_TRANSFER, EPCOMM_HT_TUNE, ...): what ran
+        "epcomm_env": {k: os.environ[k] for k in _env.VARIABLES if os.environ.get(k)},
     }
     return env
 
@@ -254,6 +257,8 @@ def render_header(env: dict, ce_gbps: float | None) -> str:
         + (f"driver {env['driver']} | cuda {env['cuda']} | nccl {env['nccl']} | " if env.get("gpu_count") else "")
         + env["date"],
     ]
+    if env.get("epcomm_env"):
+        lines.append("set: " + " ".join(f"{k}={v}" for k, v in env["epcomm_env"].items()))
     if ce_gbps is not None:
         lines.append(f"copy-engine peer ceiling: {ce_gbps:.1f} GB/s per direction (256 MiB, both directions at once)")
     lines.append("times: max over ranks of each rank's median; GB/s: min over ranks; logical = all bytes "
