@@ -91,6 +91,13 @@ def test_three_ranks_on_cpu_processes():
     UE8M0 unpack of a one-row expert)."""
     res = parallel_launch(3, _ht, uuid.uuid4().hex[:12], {}, {}, backend="gloo", timeout_s=300)
     assert all(len(r) == 6 for r in res)
+    # the SM transfer (the gather kernel pushes to two peers) and copy-engine flags by copy
+    res = parallel_launch(3, _ht, uuid.uuid4().hex[:12], {"EPCOMM_HT_TRANSFER": "sm"}, {}, backend="gloo",
+                          timeout_s=300)
+    assert all(len(r) == 6 for r in res)
+    res = parallel_launch(3, _ht, uuid.uuid4().hex[:12], {"EPCOMM_HT_TUNE": "ce_flag=copy"}, {}, backend="gloo",
+                          timeout_s=300)
+    assert all(len(r) == 6 for r in res)
     assert parallel_launch(3, _ll, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [5, 5, 5]
 
 
