@@ -60,13 +60,14 @@ def main():
                   "is_in_ptr": "*i8", "push_off": "i64", "push_slot_bytes": "i64", "push_s_off": "i64",
                   "push_k_off": "i64", "push_w_off": "i64"})
     import triton.language as tl
-    for cached, one_load, push in ((False, False, False), (True, False, False), (False, True, False),
-                                   (False, True, True)):
+    for cached, one_load, push, prefetch in ((False, False, False, False), (True, False, False, False),
+                                             (False, True, False, True), (False, True, True, False),
+                                             (True, True, False, True), (False, True, True, True)):
         kernels.append((ht._gather_kernel, g, dict(CACHED=cached, IS_PREFIX=cached, HAS_SCALES=True, HAS_TOPK=not cached,
                                                  NC=4, RB=8, BLOCK=2048 if one_load else 512, R_POW2=2, K_POW2=8,
                                                  G_POW2=64, STAGES=1 if one_load else 3, HAS_TIMER=True,
                                                  ONE_LOAD=one_load, PUSH=push, PUSH_RB=8, PUSH_BLOCK=512,
-                                                 ELEM=tl.int32, PUSH_TOPK=push)))
+                                                 ELEM=tl.int32, PUSH_TOPK=push, PREFETCH=prefetch)))
     kernels.append((ht._reduce_kernel, ptr_types(ht._reduce_kernel, {"x_ptr": "*bf16", "stage_ptr": "*bf16",
                     "w_ptr": "*fp32", "stage_w_ptr": "*fp32", "bias0_ptr": "*bf16", "bias1_ptr": "*bf16",
                     "out_ptr": "*bf16", "out_w_ptr": "*fp32", "ptr_table": "*i64", "flags_off": "i64",

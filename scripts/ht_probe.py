@@ -22,16 +22,15 @@ VARIANTS = [
     # the tiles before the fourth session's probe (8 rows x 512 words everywhere, two masked loads)
     ("old_tiles", dict(gather_rb=8, gather_block=512, gather_warps=8, gather_stages=3, gather_one_load=False,
                        push_rb=8, push_block=512, reduce_tb=8, reduce_block=1024, reduce_warps=8)),
-    # bytes in flight per SM: still bigger tiles (the fused kernel runs gather_warps warps)
-    ("p16x2048", dict(push_block=2048)),
+    ("g_prefetch", dict(gather_prefetch=True)),
     ("p8x2048", dict(push_rb=8, push_block=2048)),
-    ("g16x2048", dict(gather_block=2048)),
-    ("g_w32", dict(gather_warps=32)),
     ("c8_w16", dict(cpush_warps=16)),
-    ("c16x1024_w32", dict(cpush_rb=16, cpush_block=1024, cpush_warps=32)),
-    ("r_tb32", dict(reduce_tb=32)),
     ("r_tb16_1024", dict(reduce_block=1024)),
     ("r_s1", dict(reduce_stages=1)),
+    # the copy engine under capture too (timing only: correctness is gpu_check.sh cegraph's job)
+    ("ce_graph", dict(transfer="ce-always")),
+    ("ce_graph_copyflag", dict(transfer="ce-always", ce_flag="copy")),
+    ("ce_graph_prefetch", dict(transfer="ce-always", gather_prefetch=True)),
 ]
 if os.environ.get("PROBE_VARIANTS"):  # e.g. PROBE_VARIANTS=default,p_rb16
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["PROBE_VARIANTS"].split(",")]
@@ -112,7 +111,9 @@ def main(ctx, tokens, sms):
     rows = {}
     worst = tokens * ctx.world_size
     for name, tune in VARIANTS:
-        saved = dict(nvlink.TUNE)
+        saved, saved_transfer = dict(nvlink.TUNE), fast._backend.transfer
+        tune = dict(tune)
+        fast._backend.transfer = tune.pop("transfer", saved_transfer)  # EPCOMM_HT_TRANSFER for this variant
         nvlink.TUNE.update(tune)
         try:
             _variant(fast, case, ctx.rank, name, worst, rows)
@@ -124,6 +125,7 @@ def main(ctx, tokens, sms):
         finally:
             nvlink.TUNE.clear()
             nvlink.TUNE.update(saved)
+            fast._backend.transfer = saved_transfer
     return rows
 
 

@@ -46,7 +46,7 @@ NUM_CTRS = 16
 TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, reduce_tb=16, reduce_block=512,
             reduce_warps=16, reduce_stages=3, notify_block=256, push_rb=16, push_block=1024, push_warps=8,
             cpush_rb=8, cpush_block=512, cpush_warps=8,
-            gather_one_load=True, ce_chunks=4, fused_push=True, ce_flag="kernel")
+            gather_one_load=True, ce_chunks=4, fused_push=True, ce_flag="kernel", gather_prefetch=False)
 # (chosen with scripts/ht_probe.py on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
 # 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
 # combine 360 -> 349 us against 8 x 512-word tiles)
@@ -428,6 +428,7 @@ class NVLinkBackend(Backend):
             CACHED=cached, IS_PREFIX=is_prefix, HAS_SCALES=scales is not None, HAS_TOPK=out_k is not None,
             NC=NC, RB=rb, BLOCK=TUNE["gather_block"], R_POW2=_pow2(self.num_ranks), K_POW2=_pow2(k), G_POW2=_pow2(g),
             HAS_TIMER=TIMER, STAGES=TUNE["gather_stages"], ONE_LOAD=TUNE["gather_one_load"],
+            PREFETCH=TUNE["gather_prefetch"],
             num_warps=TUNE["gather_warps"],
         )
         return out_x, out_s, out_k, out_w
