@@ -17,10 +17,12 @@ INT_MAX = 2 ** 31 - 1
 
 
 def run(R=3, M=6, H=256, E=6, K=3, tokens=(5, 0, 6), use_fp8=False, round_scale=False, ue8m0=False, masked=(),
-        start=0, early_recv=False):
+        start=0, early_recv=False, bad_m_from=None):
     """``start``: every counter (flag words and levels of parity 0) starts there, e.g. ``INT_MAX`` to
     cross the int32 wrap in this call. ``early_recv``: rank 0's dispatch receive runs before any send
-    and must time out (the flags say nothing arrived), not read the area."""
+    and must time out (the flags say nothing arrived), not read the area. ``bad_m_from``: after the
+    sends, the header of that source in rank 0's area says another M (as when a rank with another M
+    wrote here); rank 0's receive must record code 6 and take nothing from it."""
     case = Case(num_ranks=R, tokens=tokens, hidden=H, num_topk=K, num_experts=E, seed=2, hot_expert=1)
     L, G, RM = E // R, H // 128, R * M
     lay = layout.low_latency_buffer_layout(M, H, R, E)
@@ -61,9 +63,14 @@ def run(R=3, M=6, H=256, E=6, K=3, tokens=(5, 0, 6), use_fp8=False, round_scale=
             s["x"], s["topk"], tokens[me], H, G, K, me, R, L, E, M, table, area, lay.dispatch_src_bytes,
             lay.dispatch_msg_bytes, sig, s["tickets"][4:], s["err"], s["mask"], USE_FP8=use_fp8,
             ROUND_SCALE=round_scale, GC=2, K_POW2=4, R_POW2=4, SHRINK=bool(masked))
+    if bad_m_from is not None:
+        hdr = symm[0][area + bad_m_from * lay.dispatch_src_bytes:][:8].view(torch.int32)
+        hdr[1] = M + 16
     outs = {}
     for me in alive:
         s = st[me]
+        if bad_m_from is not None and me != 0:
+            continue
         if use_fp8:
             q = torch.zeros(L, RM, H, dtype=torch.float8_e4m3fn)
             sc = torch.zeros(L, (G + 3) // 4 if ue8m0 else G, RM, dtype=torch.int32 if ue8m0 else torch.float32)
@@ -80,6 +87,12 @@ def run(R=3, M=6, H=256, E=6, K=3, tokens=(5, 0, 6), use_fp8=False, round_scale=
             H, G, K, words, sc if sc is not None else cnt, src, rng, cnt, cnt, rng, s["levels"][0:], s["tickets"][5:],
             s["err"], 50, s["mask"], SHRINK=bool(masked), USE_FP8=use_fp8, UE8M0=ue8m0, HAS_CUM=False,
             HAS_WAIT=False, TB=4, QB=1, BLOCK=32, G_POW2=4, HAS_TIMER=False, K_POW2=4)
+        if bad_m_from is not None:
+            assert s["err"][:4].tolist() == [6, bad_m_from, M + 16, M], s["err"]
+            took = [int(rng[l_, bad_m_from]) & 0xFFFFFFFF for l_ in range(L)]
+            assert took == [0] * L, took  # nothing taken from the source with the bad header
+            print("ok a header with another M is refused", dict(source=bad_m_from))
+            return
         assert int(s["err"][0]) == 0, s["err"]
         # oracle: per local expert, blocks by source rank, tokens ascending
         for l_ in range(L):
@@ -160,3 +173,5 @@ if __name__ == "__main__":
     run(start=INT_MAX)  # every counter crosses the int32 wrap in this call
     run(start=INT_MAX, early_recv=True)
     run(start=5, early_recv=True)
+    run(bad_m_from=2)
+    run(bad_m_from=0)  # its own header too
