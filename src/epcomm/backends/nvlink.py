@@ -9,21 +9,23 @@ Symmetric buffer (one allocation per Buffer, made once at construction)::
     [high-throughput region: num_nvl_bytes = dispatch staging (R slots) | combine staging (R slots)]
     [low-latency region: num_rdma_bytes, laid out by layout.low_latency_buffer_layout]
 
-High-throughput dispatch: the copy engine copies this rank's whole batch (rows, FP8 scales, top-k)
-into slot ``me`` of every peer's dispatch staging (zero SMs; it overlaps the notify step and the
-host synchronisation), then a one-program kernel raises the peers' data flags. ``notify`` exchanges
-counts and send lists through the peers' meta areas; the host reads the counts (the contract's one
-synchronisation; none with ``num_worst_tokens``); ``gather`` builds ``recv_x`` in (source rank,
-token) order from local x and the staging slots. Combine: each rank copies the block of rows it
-received from owner ``i`` into slot ``me`` of ``i``'s combine staging (copy engine when the block
-bounds are known on the host, else an SM push kernel), and ``reduce`` sums rank by rank in float32.
-Flow control: a sender waits until every receiver consumed the previous contents of its slot.
+High-throughput dispatch, eager: the copy engine copies this rank's whole batch (rows, FP8 scales,
+top-k) into slot ``me`` of every peer's dispatch staging (zero SMs; it overlaps the notify step and
+the host synchronisation), then a one-program kernel raises the peers' data flags. ``notify``
+exchanges counts and send lists through the peers' meta areas; the host reads the counts (the
+contract's one synchronisation; none with ``num_worst_tokens``); ``gather`` builds ``recv_x`` in
+(source rank, token) order from local x and the staging slots. Captured in a CUDA graph (or with
+``EPCOMM_HT_TRANSFER=sm``) the gather kernel pushes the batch itself, while it copies its own block
+(``_fused_push``). Combine: each rank copies the block of rows it received from owner ``i`` into slot
+``me`` of ``i``'s combine staging (copy engine when the block bounds are known on the host and the
+call is not captured, else an SM push kernel), and ``reduce`` sums rank by rank in float32. Flow
+control: a sender waits until every receiver consumed the previous contents of its slot. Launch
+parameters and host arithmetic: ``nvlink_params.py``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import weakref
 import zlib
@@ -34,99 +36,41 @@ import torch.distributed as dist
 from .. import _env
 from ..layout import DispatchHandle
 from .base import Backend, DispatchArgs, DispatchResult, PeerTimeoutError
+from .nvlink_params import (
+    C_MAX,
+    CRECV,
+    CSEND,
+    DEFAULT_NVL_BYTES,
+    DRECV,
+    DSEND,
+    L_MAX,
+    NC,
+    NUM_CTRS,
+    T_CPUSH,
+    T_DPUSH,
+    T_GATHER,
+    T_LIST_CAP,
+    T_REDUCE,
+    TIMER,
+    TUNE,
+    _align,
+    _ce_step,
+    _chunk_rows,
+    _host_counts,
+    _pow2,
+    apply_tune,
+    torch_to_tl,
+)
 
 log = logging.getLogger(__name__)
 
-L_MAX = 1024
-C_MAX = 128
-T_LIST_CAP = 32768
-DEFAULT_NVL_BYTES = 256 << 20
-NUM_CTRS = 16
-# launch parameters of the high-throughput kernels (scripts/ht_probe.py sweeps them on the device machine)
-TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, reduce_tb=16, reduce_block=512,
-            reduce_warps=16, reduce_stages=3, notify_block=256, push_rb=16, push_block=1024, push_warps=8,
-            cpush_rb=8, cpush_block=512, cpush_warps=8,
-            gather_one_load=True, ce_chunks=4, fused_push=True, ce_flag="kernel", gather_prefetch=False)
-# (chosen with scripts/ht_probe.py on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
-# 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
-# combine 360 -> 349 us against 8 x 512-word tiles)
-NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
-# deadlines on %globaltimer; under the Triton interpreter (CPU runs of the backend, epcomm.testing.cpu_nvlink)
-# the waits count spins instead
-TIMER = os.environ.get("TRITON_INTERPRET") != "1"
-
-
-def apply_tune(overrides: dict[str, str]) -> None:
-    """Set ``TUNE`` entries from ``EPCOMM_HT_TUNE`` strings, each converted to its default's type."""
-    for key, val in overrides.items():
-        if key not in TUNE:
-            raise ValueError(f"EPCOMM_HT_TUNE: unknown key {key!r} (known: {', '.join(sorted(TUNE))})")
-        kind = type(TUNE[key])
-        if kind is bool:
-            if val.lower() not in ("1", "0", "true", "false"):
-                raise ValueError(f"EPCOMM_HT_TUNE: {key} must be 0/1/true/false, got {val!r}")
-            TUNE[key] = val.lower() in ("1", "true")
-        elif kind is int:
-            try:
-                TUNE[key] = int(val)
-            except ValueError:
-                raise ValueError(f"EPCOMM_HT_TUNE: {key} must be an integer, got {val!r}") from None
-        else:
-            TUNE[key] = val
-    if TUNE["ce_flag"] not in ("kernel", "copy"):
-        raise ValueError(f"EPCOMM_HT_TUNE: ce_flag must be 'kernel' or 'copy', got {TUNE['ce_flag']!r}")
-
-
-def _chunk_rows(rows: int) -> int:
-    """Rows per ``NC``-chunk of a block of ``rows`` (the receiver's unit: its kernels use this formula)."""
-    return max((rows + NC - 1) // NC, 1)
-
-
-def _ce_step() -> int:
-    """How many ``NC``-chunks each copy-engine copy carries (``NC // TUNE["ce_chunks"]``; the receiver's
-    levels count ``NC``-chunks either way, so fewer, larger copies only raise the flag by more at a time)."""
-    n = TUNE["ce_chunks"]
-    if n not in (1, 2, 4) or NC % n:
-        raise ValueError(f"TUNE['ce_chunks'] must divide NC={NC}, got {n}")
-    return NC // n
-
-
-# counter slots (local int32 device memory)
-DSEND, DRECV, CSEND, CRECV = 0, 1, 2, 3
-# ticket slots
-T_GATHER, T_REDUCE, T_DPUSH, T_CPUSH = 0, 1, 2, 3
-
-
-def _align(n: int, a: int = 256) -> int:
-    return (n + a - 1) // a * a
-
-
-def _pow2(n: int) -> int:
-    p = 1
-    while p < max(n, 1):
-        p *= 2
-    return p
-
-
-def _host_counts(vals: list[int], r_: int, lx: int, me: int, alignment: int):
-    """From the notify output read back at the synchronisation (``counts[R][R]`` then the per-expert
-    counts ``[R][L]`` of the rows coming here): the count matrix as rows (``cnt[i][j]`` = tokens rank
-    ``i`` sends to rank ``j``), the rows this rank receives, and the per-expert list rounded up to
-    ``alignment``. Plain Python: a handful of ints, no torch op per value.
-
-    Example: ``_host_counts([3, 1, 2, 4, 1, 0, 2, 2], 2, 2, 1, 2) == ([[3, 1], [2, 4]], 5, [4, 2])``.
-    """
-    cnt = [vals[i * r_:(i + 1) * r_] for i in range(r_)]
-    n_rows = sum(row[me] for row in cnt)
-    pe = [sum(vals[r_ * r_ + j * lx + l_] for j in range(r_)) for l_ in range(lx)]
-    return cnt, n_rows, [(v + alignment - 1) // alignment * alignment for v in pe]
 
 
 def availability(buf) -> tuple[bool, str]:
     """Whether this Buffer's ranks can use the nvlink backend, and why (collective: all ranks call)."""
     try:
+        import torch.distributed._symmetric_memory
         import triton  # noqa: F401
-        import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError as e:
         return False, f"needs triton and torch symmetric memory ({e}); pip install triton"
     if torch.cuda.get_device_capability(buf.device)[0] < 8:
@@ -360,7 +304,7 @@ class NVLinkBackend(Backend):
         for j in range(r_):
             if j != me:
                 off = self.flags_off + (int(slot) * r_ + me) * 4
-                self._view(("flag", j, int(slot)), lambda: self.peers[j][off:off + 4]).copy_(src)
+                self._view(("flag", j, int(slot)), lambda j=j, off=off: self.peers[j][off:off + 4]).copy_(src)
 
     def _use_ce(self) -> bool:
         """Bulk bytes by copy engine, unless EPCOMM_HT_TRANSFER=sm or the call is being captured in a CUDA
@@ -409,7 +353,7 @@ class NVLinkBackend(Backend):
         # interpreter (CPU runs) runs programs one after another, so there the fused kernel is one program
         fused_grid = min(self.num_sms, self.sm_count) if TIMER else 1
         grid = (max(1, fused_grid if push else min(self.num_sms, (n_rows + rb - 1) // rb)),)
-        has_s, has_k = scales is not None and scales.numel() > 0, topk is not None and topk.numel() > 0
+        has_k = topk is not None and topk.numel() > 0
         ht._gather_kernel[grid](
             x_words, scales if scales is not None else dummy_f, topk if topk is not None else stage_k,
             w if w is not None else dummy_f, row, g, k,
@@ -638,9 +582,3 @@ class NVLinkBackend(Backend):
         self.peers = self.nvl_buffer = self.rdma_buffer = None
         self._views = {}  # views into the symmetric buffer keep it alive
         self.symm = self.hdl = None
-
-
-def torch_to_tl(dtype: torch.dtype):
-    import triton.language as tl
-
-    return {torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}[dtype]

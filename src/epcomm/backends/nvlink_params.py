@@ -1,0 +1,102 @@
+"""Launch parameters and host-side arithmetic of the nvlink backend's high-throughput path: the
+``TUNE`` table (``EPCOMM_HT_TUNE`` overrides it), the copy-engine chunking, counter and ticket
+slots, and small pure helpers. No CUDA calls; ``backends/nvlink.py`` uses it.
+
+Letters: ``T`` tokens, ``R`` ranks, ``L = E/R`` local experts, ``C`` channels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+L_MAX = 1024
+C_MAX = 128
+T_LIST_CAP = 32768
+DEFAULT_NVL_BYTES = 256 << 20
+NUM_CTRS = 16
+# launch parameters of the high-throughput kernels (scripts/ht_probe.py sweeps them on the device machine)
+TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, reduce_tb=16, reduce_block=512,
+            reduce_warps=16, reduce_stages=3, notify_block=256, push_rb=16, push_block=1024, push_warps=8,
+            cpush_rb=8, cpush_block=512, cpush_warps=8,
+            gather_one_load=True, ce_chunks=4, fused_push=True, ce_flag="kernel", gather_prefetch=False)
+# (chosen with scripts/ht_probe.py on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
+# 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
+# combine 360 -> 349 us against 8 x 512-word tiles)
+NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
+# deadlines on %globaltimer; under the Triton interpreter (CPU runs of the backend, epcomm.testing.cpu_nvlink)
+# the waits count spins instead
+TIMER = os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def apply_tune(overrides: dict[str, str]) -> None:
+    """Set ``TUNE`` entries from ``EPCOMM_HT_TUNE`` strings, each converted to its default's type."""
+    for key, val in overrides.items():
+        if key not in TUNE:
+            raise ValueError(f"EPCOMM_HT_TUNE: unknown key {key!r} (known: {', '.join(sorted(TUNE))})")
+        kind = type(TUNE[key])
+        if kind is bool:
+            if val.lower() not in ("1", "0", "true", "false"):
+                raise ValueError(f"EPCOMM_HT_TUNE: {key} must be 0/1/true/false, got {val!r}")
+            TUNE[key] = val.lower() in ("1", "true")
+        elif kind is int:
+            try:
+                TUNE[key] = int(val)
+            except ValueError:
+                raise ValueError(f"EPCOMM_HT_TUNE: {key} must be an integer, got {val!r}") from None
+        else:
+            TUNE[key] = val
+    if TUNE["ce_flag"] not in ("kernel", "copy"):
+        raise ValueError(f"EPCOMM_HT_TUNE: ce_flag must be 'kernel' or 'copy', got {TUNE['ce_flag']!r}")
+
+
+def _chunk_rows(rows: int) -> int:
+    """Rows per ``NC``-chunk of a block of ``rows`` (the receiver's unit: its kernels use this formula)."""
+    return max((rows + NC - 1) // NC, 1)
+
+
+def _ce_step() -> int:
+    """How many ``NC``-chunks each copy-engine copy carries (``NC // TUNE["ce_chunks"]``; the receiver's
+    levels count ``NC``-chunks either way, so fewer, larger copies only raise the flag by more at a time)."""
+    n = TUNE["ce_chunks"]
+    if n not in (1, 2, 4) or NC % n:
+        raise ValueError(f"TUNE['ce_chunks'] must divide NC={NC}, got {n}")
+    return NC // n
+
+
+# counter slots (local int32 device memory)
+DSEND, DRECV, CSEND, CRECV = 0, 1, 2, 3
+# ticket slots
+T_GATHER, T_REDUCE, T_DPUSH, T_CPUSH = 0, 1, 2, 3
+
+
+def _align(n: int, a: int = 256) -> int:
+    return (n + a - 1) // a * a
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < max(n, 1):
+        p *= 2
+    return p
+
+
+def _host_counts(vals: list[int], r_: int, lx: int, me: int, alignment: int):
+    """From the notify output read back at the synchronisation (``counts[R][R]`` then the per-expert
+    counts ``[R][L]`` of the rows coming here): the count matrix as rows (``cnt[i][j]`` = tokens rank
+    ``i`` sends to rank ``j``), the rows this rank receives, and the per-expert list rounded up to
+    ``alignment``. Plain Python: a handful of ints, no torch op per value.
+
+    Example: ``_host_counts([3, 1, 2, 4, 1, 0, 2, 2], 2, 2, 1, 2) == ([[3, 1], [2, 4]], 5, [4, 2])``.
+    """
+    cnt = [vals[i * r_:(i + 1) * r_] for i in range(r_)]
+    n_rows = sum(row[me] for row in cnt)
+    pe = [sum(vals[r_ * r_ + j * lx + l_] for j in range(r_)) for l_ in range(lx)]
+    return cnt, n_rows, [(v + alignment - 1) // alignment * alignment for v in pe]
+
+
+def torch_to_tl(dtype: torch.dtype):
+    import triton.language as tl
+
+    return {torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}[dtype]
