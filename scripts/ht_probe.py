@@ -23,6 +23,7 @@ VARIANTS = [
     ("old_tiles", dict(gather_rb=8, gather_block=512, gather_warps=8, gather_stages=3, gather_one_load=False,
                        push_rb=8, push_block=512, reduce_tb=8, reduce_block=1024, reduce_warps=8)),
     ("g_prefetch", dict(gather_prefetch=True)),
+    ("ce_sync1", dict(ce_chunks_sync=1)),  # eager rows: one copy before the synchronisation
     ("p8x2048", dict(push_rb=8, push_block=2048)),
     ("c8_w16", dict(cpush_warps=16)),
     ("r_tb16_1024", dict(reduce_block=1024)),

@@ -269,3 +269,12 @@ def test_tune_variable(monkeypatch):
     monkeypatch.setenv("EPCOMM_HT_TUNE", "push_rb")
     with pytest.raises(ValueError, match="key=value"):
         _env.ht_tune()
+
+
+def test_synchronised_dispatch_may_use_fewer_copy_engine_chunks(rig, monkeypatch):
+    monkeypatch.setitem(nv.TUNE, "ce_chunks_sync", 1)
+    rig.b[0].dispatch(_args())  # synchronises: one copy, one flag kernel
+    assert [(a["inc"], a["bump"]) for n, _, a in rig.log if n == "_ce_signal_kernel"] == [(4, 1)]
+    rig.log.clear()
+    rig.b[0].dispatch(_args(worst=R * T))  # no synchronisation: the gather overlaps the chunks
+    assert len([n for n, _, _ in rig.log if n == "_ce_signal_kernel"]) == nv.TUNE["ce_chunks"]

@@ -235,7 +235,7 @@ class NVLinkBackend(Backend):
     # ------------------------------------------------------------------ dispatch
 
     def _bulk_dispatch(self, x_words: torch.Tensor, scales, topk, w, lay: dict, is_in: torch.Tensor,
-                       fused: bool = False) -> None:
+                       fused: bool = False, synchronised: bool = False) -> None:
         """Send this rank's batch into slot ``me`` of every peer's dispatch staging (by copy engine; or
         by SMs, where ``fused`` leaves the SM push to the gather kernel: ``_fused_push``)."""
         from ..kernels import ht
@@ -261,7 +261,7 @@ class NVLinkBackend(Backend):
         cur = torch.cuda.current_stream()
         self.ce_stream.wait_stream(cur)
         t = x_words.shape[0]
-        per, step = _chunk_rows(t), _ce_step()
+        per, step = _chunk_rows(t), _ce_step(synchronised)
         with torch.cuda.stream(self.ce_stream):
             ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.DCONSUMED, r_, me, self.ctrs[DSEND:],
                                      self.err, 2, self._timeout_ns, HAS_TIMER=TIMER)
@@ -397,7 +397,7 @@ class NVLinkBackend(Backend):
         topk = a.topk_idx.contiguous() if a.topk_idx is not None else None
         w = a.topk_weights.contiguous() if a.topk_weights is not None else None
         is_in = a.is_token_in_rank.contiguous()
-        self._bulk_dispatch(x_words, scales, topk, w, lay, is_in, fused=True)
+        self._bulk_dispatch(x_words, scales, topk, w, lay, is_in, fused=True, synchronised=not a.num_worst_tokens)
 
         send_head_rel = torch.empty(t, r_, dtype=torch.int32, device=dev)
         cpm = torch.empty(r_, c, dtype=torch.int32, device=dev)

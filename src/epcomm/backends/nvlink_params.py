@@ -20,7 +20,8 @@ NUM_CTRS = 16
 TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, reduce_tb=16, reduce_block=512,
             reduce_warps=16, reduce_stages=3, notify_block=256, push_rb=16, push_block=1024, push_warps=8,
             cpush_rb=8, cpush_block=512, cpush_warps=8,
-            gather_one_load=True, ce_chunks=4, fused_push=True, ce_flag="kernel", gather_prefetch=False)
+            gather_one_load=True, ce_chunks=4, fused_push=True, ce_flag="kernel", gather_prefetch=False,
+            ce_chunks_sync=0)
 # (chosen with scripts/ht_probe.py on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
 # 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
 # combine 360 -> 349 us against 8 x 512-word tiles)
@@ -56,12 +57,15 @@ def _chunk_rows(rows: int) -> int:
     return max((rows + NC - 1) // NC, 1)
 
 
-def _ce_step() -> int:
+def _ce_step(synchronised: bool = False) -> int:
     """How many ``NC``-chunks each copy-engine copy carries (``NC // TUNE["ce_chunks"]``; the receiver's
-    levels count ``NC``-chunks either way, so fewer, larger copies only raise the flag by more at a time)."""
-    n = TUNE["ce_chunks"]
+    levels count ``NC``-chunks either way, so fewer, larger copies only raise the flag by more at a time).
+    ``synchronised``: a dispatch whose gather starts only after the host synchronisation, by when the
+    copies are usually done; ``TUNE["ce_chunks_sync"]`` (0: as ``ce_chunks``) may then use fewer
+    copies and flag kernels, i.e. fewer launches before the synchronisation."""
+    n = TUNE["ce_chunks_sync"] if synchronised and TUNE["ce_chunks_sync"] else TUNE["ce_chunks"]
     if n not in (1, 2, 4) or NC % n:
-        raise ValueError(f"TUNE['ce_chunks'] must divide NC={NC}, got {n}")
+        raise ValueError(f"TUNE['ce_chunks'] / TUNE['ce_chunks_sync'] must divide NC={NC}, got {n}")
     return NC // n
 
 
