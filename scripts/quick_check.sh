@@ -13,7 +13,7 @@ timeout 90 python3 -m epcomm bench --cases ht-dsv3 --mode ht --num-sms 24 --iter
   --out "$OUT/ht24.jsonl" > "$OUT/ht24.log" 2>&1 || rc=1
 timeout 80 python3 -m epcomm bench --cases ll-dsv3,ll-dsv3-288 --mode ll --tokens 1,128 --iters 30 --warmup 5 \
   --out "$OUT/ll.jsonl" > "$OUT/ll.log" 2>&1 || rc=1
-EPCOMM_HT_TRANSFER=sm timeout 90 python3 -m pytest -q -p no:cacheprovider \
-  tests/gpu/test_nvlink_ht.py::test_nvlink_high_throughput_cases 2>&1 | tail -3 || rc=1
+timeout 90 python3 -m pytest -q -p no:cacheprovider \
+  "tests/gpu/test_nvlink_ht.py::test_nvlink_high_throughput_cases[sm]" 2>&1 | tail -3 || rc=1
 tail -12 "$OUT/ht24.log"; grep -E "^ll|^case" "$OUT/ll.log" | grep -v reference | head -24
 exit $rc

@@ -8,6 +8,8 @@ the deadline error of a rank that never arrives.
 import os
 import sys
 
+import pytest
+
 from epcomm.backends.base import PeerTimeoutError
 from epcomm.testing import gpu_cases as G
 from epcomm.testing.inputs import Case
@@ -32,7 +34,9 @@ def _log(ctx, msg):
     print(f"[rank {ctx.rank}] {msg}", file=sys.stderr, flush=True)
 
 
-def _rank_cases(ctx):
+def _rank_cases(ctx, transfer="default"):
+    if transfer != "default":  # read when the Buffer is made (this rank's process only)
+        os.environ["EPCOMM_HT_TRANSFER"] = transfer
     ref, fast = G.make_buffers(ctx.group, num_nvl_bytes=1 << 30)
     assert fast.backend_name == "nvlink", fast.backend_name
     out = []
@@ -67,8 +71,9 @@ def _rank_stress(ctx):
     return G.check_ht_stress(fast, ref, ctx.rank, ctx.world_size, iters=500)
 
 
-def test_nvlink_high_throughput_cases():
-    res = parallel_launch(WORLD, _rank_cases, backend="nccl", timeout_s=150)
+@pytest.mark.parametrize("transfer", ["default", "sm"])  # sm: the fused push of captured calls, every case
+def test_nvlink_high_throughput_cases(transfer):
+    res = parallel_launch(WORLD, _rank_cases, transfer, backend="nccl", timeout_s=150)
     assert all(len(r) == len(res[0]) for r in res)
 
 
