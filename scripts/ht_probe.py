@@ -3,7 +3,8 @@ graph) and combine (graph) and of the eager dispatch, for launch-parameter varia
 ``TUNE``), DeepSeek-V3 shape, 2 ranks, ranks' devices aligned before each timed replay.
 ``epcomm bench`` records the figures; this is for choosing parameters.
 Run on the device machine: ``PYTHONPATH=src python3 scripts/ht_probe.py [tokens] [sms]``
-(``PROBE_VARIANTS=default,p_rb16`` picks variants by name)."""
+(``PROBE_VARIANTS=default,p_rb16`` picks variants by name; ``PROBE_EAGER=0`` skips the eager rows;
+``PROBE_ITERS`` sets the timed iterations, default 15: eager rows are host-bound and noisy, use more)."""
 import os
 import sys
 
@@ -24,6 +25,8 @@ VARIANTS = [
                        push_rb=8, push_block=512, reduce_tb=8, reduce_block=1024, reduce_warps=8)),
     ("g_prefetch", dict(gather_prefetch=True)),
     ("ce_sync1", dict(ce_chunks_sync=1)),  # eager rows: one copy before the synchronisation
+    ("notify_first", dict(notify_first=True)),  # eager rows: the count exchange before the copies
+    ("ce_sync1_nf", dict(ce_chunks_sync=1, notify_first=True)),
     ("p8x2048", dict(push_rb=8, push_block=2048)),
     ("c8_w16", dict(cpush_warps=16)),
     ("r_tb16_1024", dict(reduce_block=1024)),
@@ -37,7 +40,7 @@ if os.environ.get("PROBE_VARIANTS"):  # e.g. PROBE_VARIANTS=default,p_rb16
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["PROBE_VARIANTS"].split(",")]
 
 
-def _timed(fn, device, graphs, iters=15):
+def _timed(fn, device, graphs, iters=int(os.environ.get("PROBE_ITERS", "15"))):
     """Median GPU us of ``fn`` with the ranks' devices aligned first, as ``epcomm bench`` does."""
     barrier, start = make_barrier(None, device), make_start(None, device, graphs)
     ts = []

@@ -55,7 +55,8 @@ def _ht(ctx, tag, env, tune):
 @pytest.mark.parametrize("env,tune", [
     ({}, {}),  # the copy-engine path (copies are plain CPU copies here), NC chunks
     ({"EPCOMM_HT_TRANSFER": "sm"}, {"push_rb": 2, "push_block": 64}),  # the SM push, several tiles per row
-    ({}, {"ce_chunks": 1, "gather_one_load": True, "gather_rb": 4, "gather_prefetch": True}),  # tuning variants
+    ({}, {"ce_chunks": 1, "gather_one_load": True, "gather_rb": 4, "gather_prefetch": True,  # tuning variants
+          "notify_first": True}),
     ({"EPCOMM_HT_TUNE": "ce_flag=copy,ce_chunks=2"}, {}),  # flags raised by copies of their value
 ], ids=["copy-engine", "sm-push", "variants", "copy-flag"])
 def test_nvlink_high_throughput_on_cpu_processes(env, tune):

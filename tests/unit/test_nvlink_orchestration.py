@@ -278,3 +278,11 @@ def test_synchronised_dispatch_may_use_fewer_copy_engine_chunks(rig, monkeypatch
     rig.log.clear()
     rig.b[0].dispatch(_args(worst=R * T))  # no synchronisation: the gather overlaps the chunks
     assert len([n for n, _, _ in rig.log if n == "_ce_signal_kernel"]) == nv.TUNE["ce_chunks"]
+
+
+def test_notify_first_queues_the_exchange_before_the_copies(rig, monkeypatch):
+    monkeypatch.setitem(nv.TUNE, "notify_first", True)
+    rig.b[0].dispatch(_args())
+    names = _names(rig.log)
+    assert names[:2] == ["_notify_kernel", "_ce_wait_kernel"] and names.count("_ce_signal_kernel") == 4
+    assert names[-2:] == ["_gather_kernel", "_handle_kernel"]

@@ -137,6 +137,7 @@ class NVLinkBackend(Backend):
         self.ids_host = torch.zeros(2, dtype=torch.int64).pin_memory()  # (min, max) of topk_idx, eager dispatch
         self.ce_stream = torch.cuda.Stream(self.device)
         self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
+        self._ready_event = torch.cuda.Event()  # TUNE["notify_first"]: the inputs are ready
         self._views: dict = {}  # see _view
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.transfer = _env.ht_transfer()  # "ce" (copy engine eagerly), "sm" or "ce-always"
@@ -235,9 +236,11 @@ class NVLinkBackend(Backend):
     # ------------------------------------------------------------------ dispatch
 
     def _bulk_dispatch(self, x_words: torch.Tensor, scales, topk, w, lay: dict, is_in: torch.Tensor,
-                       fused: bool = False, synchronised: bool = False) -> None:
+                       fused: bool = False, synchronised: bool = False, ready=None) -> None:
         """Send this rank's batch into slot ``me`` of every peer's dispatch staging (by copy engine; or
-        by SMs, where ``fused`` leaves the SM push to the gather kernel: ``_fused_push``)."""
+        by SMs, where ``fused`` leaves the SM push to the gather kernel: ``_fused_push``). ``ready``: an
+        event recorded on the current stream when the inputs were ready (the copies wait for it, not
+        for work queued after it, such as the notify kernel)."""
         from ..kernels import ht
 
         r_, me = self.num_ranks, self.rank
@@ -258,8 +261,10 @@ class NVLinkBackend(Backend):
                                   HAS_TIMER=TIMER, ELEM=torch_to_tl(x_words.dtype), HAS_SCALES=has_s,
                                   HAS_TOPK=has_k, G_POW2=_pow2(g), K_POW2=_pow2(k), num_warps=TUNE["push_warps"])
             return
-        cur = torch.cuda.current_stream()
-        self.ce_stream.wait_stream(cur)
+        if ready is not None:
+            self.ce_stream.wait_event(ready)
+        else:
+            self.ce_stream.wait_stream(torch.cuda.current_stream())
         t = x_words.shape[0]
         per, step = _chunk_rows(t), _ce_step(synchronised)
         with torch.cuda.stream(self.ce_stream):
@@ -397,20 +402,32 @@ class NVLinkBackend(Backend):
         topk = a.topk_idx.contiguous() if a.topk_idx is not None else None
         w = a.topk_weights.contiguous() if a.topk_weights is not None else None
         is_in = a.is_token_in_rank.contiguous()
-        self._bulk_dispatch(x_words, scales, topk, w, lay, is_in, fused=True, synchronised=not a.num_worst_tokens)
-
         send_head_rel = torch.empty(t, r_, dtype=torch.int32, device=dev)
         cpm = torch.empty(r_, c, dtype=torch.int32, device=dev)
         counts, per_expert, chan, toks = self._notify_views(lx, c)
         per_chan = max((t + c - 1) // c, 1)
-        ht._notify_kernel[(r_,)](
-            is_in.view(torch.int8), t, r_, me, a.num_tokens_per_rank, a.num_tokens_per_expert, lx, c, per_chan,
-            self.ptr_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
-            self.list_off, self.list_parity_bytes, self.list_src_bytes,
-            self.nctr, send_head_rel, cpm, counts, per_expert, chan, toks, self.src_lists, self.src_lists.stride(0),
-            self.err, self._timeout_ns,
-            BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=TIMER, num_warps=4,
-        )
+
+        def notify():
+            ht._notify_kernel[(r_,)](
+                is_in.view(torch.int8), t, r_, me, a.num_tokens_per_rank, a.num_tokens_per_expert, lx, c, per_chan,
+                self.ptr_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
+                self.list_off, self.list_parity_bytes, self.list_src_bytes,
+                self.nctr, send_head_rel, cpm, counts, per_expert, chan, toks, self.src_lists,
+                self.src_lists.stride(0), self.err, self._timeout_ns,
+                BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=TIMER,
+                num_warps=4,
+            )
+
+        bulk = dict(fused=True, synchronised=not a.num_worst_tokens)
+        if TUNE["notify_first"]:
+            # the exchange of counts runs while the host queues the copies (the synchronisation below then
+            # waits less); the copies wait for the inputs only, through an event recorded before notify
+            self._ready_event.record()
+            notify()
+            self._bulk_dispatch(x_words, scales, topk, w, lay, is_in, ready=self._ready_event, **bulk)
+        else:
+            self._bulk_dispatch(x_words, scales, topk, w, lay, is_in, **bulk)
+            notify()
         host_counts = None
         bad_id = None
         if a.num_worst_tokens:
