@@ -1,5 +1,5 @@
 """Kernel work on the high-throughput path: GPU time of the nvlink dispatch (num_worst_tokens, CUDA
-graph) and combine (graph) and of the eager dispatch, for launch-parameter variants (backends/nvlink.py
+graph) and combine (graph) and of the eager dispatch, for launch-parameter variants (backends/nvlink_params.py
 ``TUNE``), DeepSeek-V3 shape, 2 ranks, ranks' devices aligned before each timed replay.
 ``epcomm bench`` records the figures; this is for choosing parameters.
 Run on the device machine: ``PYTHONPATH=src python3 scripts/ht_probe.py [tokens] [sms]``

@@ -12,7 +12,7 @@ VARIABLES = {
                           "captured in a CUDA graph) | sm (Triton push kernels always) | ce-always (the copy engine "
                           "under capture too; diagnostic: it delivered stale rows under replay on H200, 2026-11-22)",
     "EPCOMM_HT_TUNE": "nvlink high-throughput launch parameters, e.g. push_rb=16,ce_flag=copy (keys and defaults: "
-                      "TUNE in backends/nvlink.py; for measuring variants with epcomm bench)",
+                      "TUNE in backends/nvlink_params.py; for measuring variants with epcomm bench)",
 }
 
 
