@@ -37,12 +37,12 @@ fi
 if [[ "$what" == cegraph ]]; then
   # the copy engine under CUDA-graph capture too (EPCOMM_HT_TRANSFER=ce-always): is the backend's own
   # path right under replay now (graph test, the bench's as-timed check), and how fast (~5 min)
-  # flags by kernel (release add), then by copy-engine copies of the value behind the data (EPCOMM_HT_TUNE)
+  # flags by kernel (release add), then by copy-engine copies of the value behind the data (EPCOMM_TUNE)
   for flag in kernel copy; do
     echo "== ce_flag=$flag"
-    EPCOMM_HT_TRANSFER=ce-always EPCOMM_HT_TUNE=ce_flag=$flag timeout 100 python3 -m pytest -q -rfE -p no:cacheprovider \
+    EPCOMM_HT_TRANSFER=ce-always EPCOMM_TUNE=ce_flag=$flag timeout 100 python3 -m pytest -q -rfE -p no:cacheprovider \
       tests/gpu/test_nvlink_ht.py::test_nvlink_high_throughput_graph 2>&1 | tee "$OUT/cegraph-$flag.log" | tail -6 || rc=1
-    EPCOMM_HT_TRANSFER=ce-always EPCOMM_HT_TUNE=ce_flag=$flag timeout 150 python3 -m epcomm bench --cases ht-dsv3 --mode ht \
+    EPCOMM_HT_TRANSFER=ce-always EPCOMM_TUNE=ce_flag=$flag timeout 150 python3 -m epcomm bench --cases ht-dsv3 --mode ht \
       --num-sms 24 --iters 20 --warmup 3 --out "$OUT/ht-cegraph-$flag.jsonl" 2>&1 | tail -9 || rc=1
   done
 fi

@@ -11,8 +11,9 @@ VARIABLES = {
     "EPCOMM_HT_TRANSFER": "nvlink high-throughput bulk mover: ce (default: copy engine for eager calls, SMs for calls "
                           "captured in a CUDA graph) | sm (Triton push kernels always) | ce-always (the copy engine "
                           "under capture too; diagnostic: it delivered stale rows under replay on H200, 2026-11-22)",
-    "EPCOMM_HT_TUNE": "nvlink high-throughput launch parameters, e.g. push_rb=16,ce_flag=copy (keys and defaults: "
-                      "TUNE in backends/nvlink_params.py; for measuring variants with epcomm bench)",
+    "EPCOMM_TUNE": "nvlink launch parameters, e.g. push_rb=16,ce_flag=copy,ll.fused_dispatch=1 (keys and defaults: "
+                   "TUNE in backends/nvlink_params.py; ll. keys: TUNE in backends/nvlink_ll.py; for measuring "
+                   "variants with epcomm bench)",
 }
 
 
@@ -45,13 +46,13 @@ def ht_transfer() -> str:
     return v
 
 
-def ht_tune() -> dict[str, str]:
-    """``EPCOMM_HT_TUNE`` as ``{key: value}`` (strings; the backend checks keys and converts values)."""
-    v = os.environ.get("EPCOMM_HT_TUNE", "").strip()
+def tune() -> dict[str, str]:
+    """``EPCOMM_TUNE`` as ``{key: value}`` (strings; the backend checks keys and converts values)."""
+    v = os.environ.get("EPCOMM_TUNE", "").strip()
     out = {}
     for item in filter(None, (p.strip() for p in v.split(","))):
         key, eq, val = item.partition("=")
         if not eq or not key.strip() or not val.strip():
-            raise ValueError(f"EPCOMM_HT_TUNE must be key=value pairs separated by commas, got {v!r}")
+            raise ValueError(f"EPCOMM_TUNE must be key=value pairs separated by commas, got {v!r}")
         out[key.strip()] = val.strip()
     return out

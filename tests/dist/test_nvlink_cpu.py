@@ -57,7 +57,7 @@ def _ht(ctx, tag, env, tune):
     ({"EPCOMM_HT_TRANSFER": "sm"}, {"push_rb": 2, "push_block": 64}),  # the SM push, several tiles per row
     ({}, {"ce_chunks": 1, "gather_one_load": True, "gather_rb": 4, "gather_prefetch": True,  # tuning variants
           "notify_first": True}),
-    ({"EPCOMM_HT_TUNE": "ce_flag=copy,ce_chunks=2"}, {}),  # flags raised by copies of their value
+    ({"EPCOMM_TUNE": "ce_flag=copy,ce_chunks=2"}, {}),  # flags raised by copies of their value
 ], ids=["copy-engine", "sm-push", "variants", "copy-flag"])
 def test_nvlink_high_throughput_on_cpu_processes(env, tune):
     res = parallel_launch(2, _ht, uuid.uuid4().hex[:12], env, tune, backend="gloo", timeout_s=300)
@@ -96,7 +96,7 @@ def test_three_ranks_on_cpu_processes():
     res = parallel_launch(3, _ht, uuid.uuid4().hex[:12], {"EPCOMM_HT_TRANSFER": "sm"}, {}, backend="gloo",
                           timeout_s=300)
     assert all(len(r) == 6 for r in res)
-    res = parallel_launch(3, _ht, uuid.uuid4().hex[:12], {"EPCOMM_HT_TUNE": "ce_flag=copy"}, {}, backend="gloo",
+    res = parallel_launch(3, _ht, uuid.uuid4().hex[:12], {"EPCOMM_TUNE": "ce_flag=copy"}, {}, backend="gloo",
                           timeout_s=300)
     assert all(len(r) == 6 for r in res)
     assert parallel_launch(3, _ll, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [5, 5, 5]

@@ -85,13 +85,13 @@ def test_header_names_device_versions_and_ceiling():
 
 
 def test_environment_record(monkeypatch):
-    monkeypatch.setenv("EPCOMM_HT_TUNE", "push_rb=4")
+    monkeypatch.setenv("EPCOMM_TUNE", "push_rb=4")
     monkeypatch.delenv("EPCOMM_HT_TRANSFER", raising=False)
     env = report.environment({"device": "cpu", "gpu_count": 0}, 4, "gloo", ["reference"])
     assert set(env) == set(report.ENV_FIELDS)
     assert env["world_size"] == 4 and env["driver"] is None and env["git_sha"]
-    assert env["epcomm_env"] == {"EPCOMM_HT_TUNE": "push_rb=4"}  # the variables that shaped the run
-    assert "set: EPCOMM_HT_TUNE=push_rb=4" in report.render_header(env, None)
+    assert env["epcomm_env"] == {"EPCOMM_TUNE": "push_rb=4"}  # the variables that shaped the run
+    assert "set: EPCOMM_TUNE=push_rb=4" in report.render_header(env, None)
 
 
 def test_plots(tmp_path):

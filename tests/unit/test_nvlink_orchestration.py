@@ -255,6 +255,14 @@ def test_tune_variable(monkeypatch):
     try:
         nv.apply_tune({"push_rb": "4", "fused_push": "false", "ce_flag": "copy"})
         assert nv.TUNE["push_rb"] == 4 and nv.TUNE["fused_push"] is False and nv.TUNE["ce_flag"] == "copy"
+        from epcomm.backends import nvlink_ll
+
+        saved_ll = dict(nvlink_ll.TUNE)
+        nv.apply_tune({"send_gc": "4"}, nvlink_ll.TUNE, "ll.")
+        assert nvlink_ll.TUNE["send_gc"] == 4
+        nvlink_ll.TUNE.update(saved_ll)
+        with pytest.raises(ValueError, match="unknown key 'll.push_rb'"):
+            nv.apply_tune({"push_rb": "4"}, nvlink_ll.TUNE, "ll.")
         for bad, msg in (({"push_rbs": "4"}, "unknown key 'push_rbs'"), ({"push_rb": "x"}, "push_rb must be an integer"),
                          ({"fused_push": "maybe"}, "fused_push must be"), ({"ce_flag": "dma"}, "ce_flag must be")):
             with pytest.raises(ValueError, match=msg):
@@ -264,11 +272,11 @@ def test_tune_variable(monkeypatch):
         nv.TUNE.update(saved)
     from epcomm import _env
 
-    monkeypatch.setenv("EPCOMM_HT_TUNE", " push_rb=16, ce_flag=copy ")
-    assert _env.ht_tune() == {"push_rb": "16", "ce_flag": "copy"}
-    monkeypatch.setenv("EPCOMM_HT_TUNE", "push_rb")
+    monkeypatch.setenv("EPCOMM_TUNE", " push_rb=16, ce_flag=copy ")
+    assert _env.tune() == {"push_rb": "16", "ce_flag": "copy"}
+    monkeypatch.setenv("EPCOMM_TUNE", "push_rb")
     with pytest.raises(ValueError, match="key=value"):
-        _env.ht_tune()
+        _env.tune()
 
 
 def test_synchronised_dispatch_may_use_fewer_copy_engine_chunks(rig, monkeypatch):

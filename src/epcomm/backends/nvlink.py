@@ -141,7 +141,11 @@ class NVLinkBackend(Backend):
         self._views: dict = {}  # see _view
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.transfer = _env.ht_transfer()  # "ce" (copy engine eagerly), "sm" or "ce-always"
-        apply_tune(_env.ht_tune())
+        from . import nvlink_ll
+
+        over = _env.tune()
+        apply_tune({k: v for k, v in over.items() if not k.startswith("ll.")})
+        apply_tune({k[3:]: v for k, v in over.items() if k.startswith("ll.")}, nvlink_ll.TUNE, "ll.")
         self.flag_words = torch.zeros(2, dtype=torch.int32, device=self.device)  # TUNE["ce_flag"] == "copy"
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)

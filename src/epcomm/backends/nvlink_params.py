@@ -1,5 +1,5 @@
 """Launch parameters and host-side arithmetic of the nvlink backend's high-throughput path: the
-``TUNE`` table (``EPCOMM_HT_TUNE`` overrides it), the copy-engine chunking, counter and ticket
+``TUNE`` table (``EPCOMM_TUNE`` overrides it), the copy-engine chunking, counter and ticket
 slots, and small pure helpers. No CUDA calls; ``backends/nvlink.py`` uses it.
 
 Letters: ``T`` tokens, ``R`` ranks, ``L = E/R`` local experts, ``C`` channels.
@@ -31,25 +31,28 @@ NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while 
 TIMER = os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def apply_tune(overrides: dict[str, str]) -> None:
-    """Set ``TUNE`` entries from ``EPCOMM_HT_TUNE`` strings, each converted to its default's type."""
+def apply_tune(overrides: dict[str, str], table: dict | None = None, prefix: str = "") -> None:
+    """Set entries of ``table`` (default: ``TUNE``) from ``EPCOMM_TUNE`` strings, each converted to its
+    default's type (``prefix``: how the keys are written in the variable, e.g. ``ll.``)."""
+    table = TUNE if table is None else table
     for key, val in overrides.items():
-        if key not in TUNE:
-            raise ValueError(f"EPCOMM_HT_TUNE: unknown key {key!r} (known: {', '.join(sorted(TUNE))})")
-        kind = type(TUNE[key])
+        if key not in table:
+            known = ", ".join(prefix + k for k in sorted(table))
+            raise ValueError(f"EPCOMM_TUNE: unknown key {prefix + key!r} (known: {known})")
+        kind = type(table[key])
         if kind is bool:
             if val.lower() not in ("1", "0", "true", "false"):
-                raise ValueError(f"EPCOMM_HT_TUNE: {key} must be 0/1/true/false, got {val!r}")
-            TUNE[key] = val.lower() in ("1", "true")
+                raise ValueError(f"EPCOMM_TUNE: {prefix + key} must be 0/1/true/false, got {val!r}")
+            table[key] = val.lower() in ("1", "true")
         elif kind is int:
             try:
-                TUNE[key] = int(val)
+                table[key] = int(val)
             except ValueError:
-                raise ValueError(f"EPCOMM_HT_TUNE: {key} must be an integer, got {val!r}") from None
+                raise ValueError(f"EPCOMM_TUNE: {prefix + key} must be an integer, got {val!r}") from None
         else:
-            TUNE[key] = val
-    if TUNE["ce_flag"] not in ("kernel", "copy"):
-        raise ValueError(f"EPCOMM_HT_TUNE: ce_flag must be 'kernel' or 'copy', got {TUNE['ce_flag']!r}")
+            table[key] = val
+    if table is TUNE and TUNE["ce_flag"] not in ("kernel", "copy"):
+        raise ValueError(f"EPCOMM_TUNE: ce_flag must be 'kernel' or 'copy', got {TUNE['ce_flag']!r}")
 
 
 def _chunk_rows(rows: int) -> int:

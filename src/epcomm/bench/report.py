@@ -99,7 +99,7 @@ def environment(device_info: dict, world_size: int, transport: str, backends: li
         "world_size": world_size,
         "transport": transport,
         "backends": backends,
-        # the epcomm variables set for this run (EPCOMM_HT_TRANSFER, EPCOMM_HT_TUNE, ...): what ran
+        # the epcomm variables set for this run (EPCOMM_HT_TRANSFER, EPCOMM_TUNE, ...): what ran
         "epcomm_env": {k: os.environ[k] for k in _env.VARIABLES if os.environ.get(k)},
     }
     return env
