@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on the device machine: GPU test tier + benchmark; a short table last.
-# Usage (device tool): bash scripts/gpu_check.sh [tests|triage|tier2|probe|ceprobe|cegraph|profile|bench|figures|all]
+# Usage (device tool): bash scripts/gpu_check.sh [tests|triage|tier2|probe|ceprobe|cegraph|llfused|profile|bench|figures|all]
 #   tests: tier 3 (tests/gpu); triage: the HT graph and async tests alone, then the rest of tier 3;
 #   ceprobe: scripts/ce_graph_probe.py (copy-engine transfer variants, eager vs graph replay); cegraph: the
-#   backend's copy-engine path under graph capture (EPCOMM_HT_TRANSFER=ce-always), graph test + bench; tier2: tests/dist on NCCL with CUDA tensors; bench: epcomm bench;
+#   backend's copy-engine path under graph capture (EPCOMM_HT_TRANSFER=ce-always), graph test + bench; llfused:
+#   the one-launch LL dispatch (EPCOMM_TUNE=ll.fused_dispatch=1), LL tier 3 + bench; tier2: tests/dist on NCCL with CUDA tensors; bench: epcomm bench;
 #   figures: every figure issues 4-5 ask for (24/32/48 SMs, copy engine vs SM push, 1-token LL),
 #   one JSONL per step under $OUT. Budget: tests ~4 min, tier2 ~2 min, bench ~2.5 min, figures ~6 min.
 set -uo pipefail
@@ -44,6 +45,16 @@ if [[ "$what" == cegraph ]]; then
       tests/gpu/test_nvlink_ht.py::test_nvlink_high_throughput_graph 2>&1 | tee "$OUT/cegraph-$flag.log" | tail -6 || rc=1
     EPCOMM_HT_TRANSFER=ce-always EPCOMM_TUNE=ce_flag=$flag timeout 150 python3 -m epcomm bench --cases ht-dsv3 --mode ht \
       --num-sms 24 --iters 20 --warmup 3 --out "$OUT/ht-cegraph-$flag.jsonl" 2>&1 | tail -9 || rc=1
+  done
+fi
+if [[ "$what" == llfused ]]; then
+  # the low-latency dispatch without the hook in one launch (EPCOMM_TUNE=ll.fused_dispatch=1): tier 3's LL
+  # tests and the LL bench (its replay-vs-eager and reference checks), default beside it (~3 min)
+  EPCOMM_TUNE=ll.fused_dispatch=1 timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_nvlink_ll.py \
+    2>&1 | tee "$OUT/llfused-tests.log" | tail -6 || rc=1
+  for v in 0 1; do
+    EPCOMM_TUNE=ll.fused_dispatch=$v timeout 100 python3 -m epcomm bench --cases ll-dsv3 --mode ll --tokens 1,128 \
+      --iters 30 --warmup 5 --out "$OUT/ll-fused$v.jsonl" 2>&1 | grep -E "^ll" | grep -v reference || rc=1
   done
 fi
 if [[ "$what" == probe ]]; then

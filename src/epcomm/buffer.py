@@ -395,7 +395,7 @@ class Buffer:
                              "on every rank first")
         args = LowLatencyDispatchArgs(x, topk_idx, m, e, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
                                       cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-                                      self._ll_parity(), self._shrink_mask())
+                                      self._ll_parity(), self._shrink_mask(), hook=bool(return_recv_hook))
         res, ev, hook = self._ll_run(lambda: self._backend.low_latency_dispatch(args), [x, topk_idx],
                                      async_finish, return_recv_hook)
         self._ll_shape = (m, h, e)  # after the call: one that raised (e.g. M differing across ranks) sets nothing

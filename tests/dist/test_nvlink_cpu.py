@@ -64,8 +64,8 @@ def test_nvlink_high_throughput_on_cpu_processes(env, tune):
     assert all(len(r) == 6 for r in res) and any(n > 0 for r in res for n in r)
 
 
-def _ll(ctx, tag):
-    cpu_nvlink = _setup(ctx, tag)
+def _ll(ctx, tag, env=None):
+    cpu_nvlink = _setup(ctx, tag, env)
     from epcomm import Buffer
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
@@ -83,8 +83,9 @@ def _ll(ctx, tag):
     return len(out)
 
 
-def test_nvlink_low_latency_on_cpu_processes():
-    assert parallel_launch(2, _ll, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [5, 5]
+@pytest.mark.parametrize("env", [{}, {"EPCOMM_TUNE": "ll.fused_dispatch=1"}], ids=["two-kernels", "fused-dispatch"])
+def test_nvlink_low_latency_on_cpu_processes(env):
+    assert parallel_launch(2, _ll, uuid.uuid4().hex[:12], env, backend="gloo", timeout_s=300) == [5, 5]
 
 
 def test_three_ranks_on_cpu_processes():
@@ -100,6 +101,8 @@ def test_three_ranks_on_cpu_processes():
                           timeout_s=300)
     assert all(len(r) == 6 for r in res)
     assert parallel_launch(3, _ll, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [5, 5, 5]
+    assert parallel_launch(3, _ll, uuid.uuid4().hex[:12], {"EPCOMM_TUNE": "ll.fused_dispatch=1"}, backend="gloo",
+                           timeout_s=300) == [5, 5, 5]
 
 
 def _absent(ctx, tag):

@@ -294,3 +294,28 @@ def test_notify_first_queues_the_exchange_before_the_copies(rig, monkeypatch):
     names = _names(rig.log)
     assert names[:2] == ["_notify_kernel", "_ce_wait_kernel"] and names.count("_ce_signal_kernel") == 4
     assert names[-2:] == ["_gather_kernel", "_handle_kernel"]
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_low_latency_fused_dispatch_is_one_launch_without_the_hook(rig, monkeypatch, hook):
+    from epcomm.backends import nvlink_ll
+
+    monkeypatch.setitem(nvlink_ll.TUNE, "fused_dispatch", True)
+    b, m = rig.b[0], 8
+    x = torch.randn(6, H).to(torch.bfloat16)
+    topk = torch.randint(-1, E, (6, K), generator=torch.Generator().manual_seed(2))
+    res, recv = b.low_latency_dispatch(LowLatencyDispatchArgs(x, topk, m, E, True, False, False, None, None, 0, None,
+                                                              hook=hook))
+    names = _names(rig.log)
+    if hook:  # the hook must receive later: the two kernels as before
+        assert names == ["_ll_dispatch_send_kernel"]
+        recv()
+        assert _names(rig.log) == ["_ll_dispatch_send_kernel", "_ll_dispatch_recv_kernel"]
+        return
+    assert names == ["_ll_dispatch_fused_kernel"]
+    launch = rig.log[0]
+    n_gb = (H // 128 + nvlink_ll.TUNE["send_gc"] - 1) // nvlink_ll.TUNE["send_gc"]
+    assert launch[2]["n_send"] == 6 * n_gb and launch[2]["n_gb"] == n_gb
+    assert launch[1] == (6 * n_gb + (E // R) * R * nvlink_ll.TUNE["recv_split"],)
+    recv()  # nothing left to launch
+    assert len(rig.log) == 1

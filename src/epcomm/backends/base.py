@@ -67,6 +67,8 @@ class LowLatencyDispatchArgs:
     parity: int                          # which of the two receive areas this call uses
     mask: torch.Tensor | None = None     # the Buffer's int32[R] mask (1 = masked) when enable_shrink, else
     #                                      None; device backends also mask a peer that misses its deadline
+    hook: bool = False                   # return_recv_hook: the receive must wait for hook() (else a
+    #                                      backend may send and receive in one launch)
 
 
 class LowLatencyDispatchResult(NamedTuple):

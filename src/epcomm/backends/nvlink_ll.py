@@ -36,10 +36,14 @@ from .nvlink import TIMER, _pow2
 _DLEVEL, _WLEVEL, _CLEVEL = 0, 2, 4
 # ticket slots in the backend's ticket tensor
 _T_DSEND, _T_DRECV, _T_CSEND, _T_CRECV = 4, 5, 6, 8  # _T_CSEND uses two consecutive slots
+_T_ROLE = 9  # the fused dispatch's role ticket
 
 # Launch parameters (scripts/profile_ll.py sweeps them on the device machine).
 TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_block=2048, recv_split=1,
-            csend_warps=4, csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024)
+            csend_warps=4, csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024,
+            fused_dispatch=False)
+# fused_dispatch: without the hook, send and receive in one launch (kernels/ll.py
+# _ll_dispatch_fused_kernel; send_warps for both roles); off until measured on a GPU
 
 
 class LowLatencyEngine:
@@ -81,12 +85,14 @@ class LowLatencyEngine:
             nv.symm[nv.flags_off + 5 * r_ * 4:nv.flags_off + 6 * r_ * 4].view(torch.int32)[me].fill_(m)
             self._m_word = m
         gc = TUNE["send_gc"]
-        ll._ll_dispatch_send_kernel[(max(t, 1), (g + gc - 1) // gc)](
-            x, topk, t, h, g, k, me, r_, lx, e, m, nv.ptr_table, area, lay.dispatch_src_bytes,
-            lay.dispatch_msg_bytes, sig, self.tickets[_T_DSEND:], nv.err, mask,
-            USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc, K_POW2=_pow2(k), R_POW2=_pow2(r_),
-            SHRINK=a.mask is not None, num_warps=TUNE["send_warps"],
-        )
+        fused = TUNE["fused_dispatch"] and not a.hook
+        if not fused:
+            ll._ll_dispatch_send_kernel[(max(t, 1), (g + gc - 1) // gc)](
+                x, topk, t, h, g, k, me, r_, lx, e, m, nv.ptr_table, area, lay.dispatch_src_bytes,
+                lay.dispatch_msg_bytes, sig, self.tickets[_T_DSEND:], nv.err, mask,
+                USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc, K_POW2=_pow2(k), R_POW2=_pow2(r_),
+                SHRINK=a.mask is not None, num_warps=TUNE["send_warps"],
+            )
         rm = r_ * m
         if a.use_fp8:
             recv_q = torch.empty(lx, rm, h, dtype=torch.float8_e4m3fn, device=dev)
@@ -108,6 +114,23 @@ class LowLatencyEngine:
         recv_src._epcomm_ll_parity = a.parity
         cum = a.cumulative_local_expert_recv_stats
         wst = a.dispatch_wait_recv_cost_stats
+
+        if fused:
+            n_gb, split = (g + gc - 1) // gc, TUNE["recv_split"]
+            n_send = max(t, 1) * n_gb
+            ll._ll_dispatch_fused_kernel[(n_send + lx * r_ * split,)](
+                x, topk, t, h, g, k, me, r_, lx, e, m, nv.ptr_table, area, lay.dispatch_src_bytes,
+                lay.dispatch_msg_bytes, sig, self.tickets[_T_DSEND:], nv.err, mask, area + lay.slot_offset,
+                out_words, sc_alloc if sc_alloc is not None else recv_count, recv_src, recv_range, recv_count,
+                cum if cum is not None else recv_count, wst if wst is not None else recv_range,
+                self.levels[_DLEVEL + a.parity:], self.tickets[_T_DRECV:], self.tickets[_T_ROLE:], nv._timeout_ns,
+                n_gb, n_send, split,
+                USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc, R_POW2=_pow2(r_), SHRINK=a.mask is not None,
+                UE8M0=a.use_ue8m0, HAS_CUM=cum is not None, HAS_WAIT=wst is not None, TB=TUNE["recv_tb"],
+                QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"], G_POW2=max(_pow2(g), 4), HAS_TIMER=TIMER,
+                K_POW2=_pow2(k), num_warps=TUNE["send_warps"],
+            )
+            return LowLatencyDispatchResult(recv_x, recv_count, handle), lambda: None
 
         def receive() -> None:
             ll._ll_dispatch_recv_kernel[(lx, r_, TUNE["recv_split"])](

@@ -62,9 +62,15 @@ def signal(flag_ptr, value):
 def ticket_last(ticket_ptr):
     """True in the last program of the (up to 3-D) grid to get here (the ticket resets itself). Each program's
     earlier writes are released (system scope) before its ticket, so the last one may publish."""
+    return ticket_last_n(ticket_ptr, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
+
+
+@triton.jit
+def ticket_last_n(ticket_ptr, n):
+    """``ticket_last`` among ``n`` programs (the ones of a grid that took one role of a fused kernel)."""
     tl.debug_barrier()
     old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
-    last = old == tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) - 1
+    last = old == n - 1
     if last:
         tl.atomic_xchg(ticket_ptr, 0)
     return last

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import now_ns, peer_ptr, record_error, signal, ticket_last, wait_ge
+from .common import now_ns, peer_ptr, record_error, signal, ticket_last, ticket_last_n, wait_ge
 
 SIG_D = tl.constexpr(0)
 SIG_W = tl.constexpr(1)
@@ -61,8 +61,17 @@ def _ll_dispatch_send_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
     """Program ``(t, b)``: channel groups ``[b*GC, (b+1)*GC)`` of token ``t`` (FP8-cast when asked) to
     every rank holding one of its experts; program ``(t, 0)`` also sends the top-k ids to every rank.
     The last program writes the headers ``[T, M]`` and raises the flags."""
-    t = tl.program_id(0)
-    b = tl.program_id(1)
+    _ll_send(tl.program_id(0), tl.program_id(1), tl.num_programs(0) * tl.num_programs(1), x_ptr, topk_ptr, T, H,
+             G, K, me, R, L, E, M, ptr_table, area_off, src_bytes, msg_bytes, sig_off, ticket_ptr, err_ptr, mask_ptr,
+             USE_FP8, ROUND_SCALE, GC, R_POW2, SHRINK)
+
+
+@triton.jit
+def _ll_send(t, b, n_programs, x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
+             ptr_table, area_off, src_bytes, msg_bytes, sig_off, ticket_ptr, err_ptr, mask_ptr,
+             USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, GC: tl.constexpr, R_POW2: tl.constexpr,
+             SHRINK: tl.constexpr):
+    """The send kernel's work for its program ``(t, b)`` of ``n_programs``."""
     kk = tl.arange(0, MAX_TOPK)
     rr = tl.arange(0, R_POW2)
     if t < T:
@@ -105,7 +114,7 @@ def _ll_dispatch_send_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
                     tl.store((base + H).to(tl.pointer_type(tl.float32)) + gg, scale, mask=gm)
                 else:
                     tl.store(base.to(tl.pointer_type(tl.bfloat16)) + offs, v, mask=gm[:, None])
-    if ticket_last(ticket_ptr):
+    if ticket_last_n(ticket_ptr, n_programs):
         for j in range(0, R):
             if _alive(mask_ptr, j, SHRINK) != 0:
                 hdr = peer_ptr(ptr_table, j, area_off + me * src_bytes, tl.int32)
@@ -153,10 +162,51 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
     source rank ``r``, in token order, after the blocks of sources ``< r`` (their messages are only
     counted); ``s`` of ``S`` programs share the row copies. Program ``s = 0`` records each
     (source, token, k) slot, the source info and the layout range; ``r = R-1`` the count."""
-    l = tl.program_id(0)
-    r = tl.program_id(1)
-    s = tl.program_id(2)
-    S = tl.num_programs(2)
+    _ll_recv(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
+             tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), ptr_table, area_off, src_bytes,
+             msg_bytes, sig_off, slot_off, me, R, L, M, H, G, K, out_x, out_s, out_src, out_range, out_count,
+             cum_ptr, wait_ptr, level_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr, SHRINK, USE_FP8, UE8M0,
+             HAS_CUM, HAS_WAIT, TB, QB, BLOCK, G_POW2, HAS_TIMER, K_POW2)
+
+
+@triton.jit(do_not_specialize=['T'])
+def _ll_dispatch_fused_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M, ptr_table, area_off, src_bytes,
+                              msg_bytes, sig_off, send_ticket_ptr, err_ptr, mask_ptr, slot_off,
+                              out_x, out_s, out_src, out_range, out_count, cum_ptr, wait_ptr,
+                              level_ptr, recv_ticket_ptr, role_ptr, timeout_ns, n_gb, n_send, S,
+                              USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, GC: tl.constexpr,
+                              R_POW2: tl.constexpr, SHRINK: tl.constexpr, UE8M0: tl.constexpr,
+                              HAS_CUM: tl.constexpr, HAS_WAIT: tl.constexpr, TB: tl.constexpr, QB: tl.constexpr,
+                              BLOCK: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
+                              K_POW2: tl.constexpr):
+    """Send and receive of a dispatch without the hook, one launch: ``n_send`` programs do the send
+    kernel's work (``n_gb`` per token), the rest the receive kernel's (``L x R x S``). Roles go by a
+    ticket taken at the start, sends first, so a program only gets a receive role (which waits on
+    other GPUs) once every send role is held by a program already running: no send can be starved of
+    an SM by waiting receives, whatever number of programs is resident."""
+    n_all = tl.num_programs(0)
+    role = tl.atomic_add(role_ptr, 1)
+    if role == n_all - 1:
+        tl.atomic_xchg(role_ptr, 0)  # every program has its role: ready for the next launch
+    if role < n_send:
+        _ll_send(role // n_gb, role % n_gb, n_send, x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M, ptr_table,
+                 area_off, src_bytes, msg_bytes, sig_off, send_ticket_ptr, err_ptr, mask_ptr, USE_FP8,
+                 ROUND_SCALE, GC, R_POW2, SHRINK)
+    else:
+        q = role - n_send
+        _ll_recv(q // (R * S), (q // S) % R, q % S, S, n_all - n_send, ptr_table, area_off, src_bytes, msg_bytes,
+                 sig_off, slot_off, me, R, L, M, H, G, K, out_x, out_s, out_src, out_range, out_count, cum_ptr,
+                 wait_ptr, level_ptr, recv_ticket_ptr, err_ptr, timeout_ns, mask_ptr, SHRINK, USE_FP8, UE8M0,
+                 HAS_CUM, HAS_WAIT, TB, QB, BLOCK, G_POW2, HAS_TIMER, K_POW2)
+
+
+@triton.jit
+def _ll_recv(l, r, s, S, n_programs, ptr_table, area_off, src_bytes, msg_bytes, sig_off, slot_off, me, R, L, M, H,
+             G, K, out_x, out_s, out_src, out_range, out_count, cum_ptr, wait_ptr, level_ptr, ticket_ptr, err_ptr,
+             timeout_ns, mask_ptr, SHRINK: tl.constexpr, USE_FP8: tl.constexpr, UE8M0: tl.constexpr,
+             HAS_CUM: tl.constexpr, HAS_WAIT: tl.constexpr, TB: tl.constexpr, QB: tl.constexpr,
+             BLOCK: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr, K_POW2: tl.constexpr):
+    """The receive kernel's work for its program ``(l, r, s)`` of ``n_programs`` (``S`` per block)."""
     RM = R * M
     level = tl.load(level_ptr)
     t0 = now_ns(HAS_WAIT & HAS_TIMER)
@@ -235,7 +285,7 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
             tl.store(out_count + l, begin + running)
             if HAS_CUM:
                 tl.store(cum_ptr + l, tl.load(cum_ptr + l) + begin + running)
-    if ticket_last(ticket_ptr):
+    if ticket_last_n(ticket_ptr, n_programs):
         tl.store(level_ptr, level + 1)
 
 
@@ -369,6 +419,10 @@ def _compile_checks():
         (_ll_dispatch_recv_kernel, {**b, "out_s": "*fp32", "out_range": "*i64", "wait_ptr": "*i64"},
          dict(SHRINK=False, USE_FP8=False, UE8M0=False, HAS_CUM=False, HAS_WAIT=False, TB=128, QB=4, BLOCK=1024, G_POW2=64,
               HAS_TIMER=True, K_POW2=8)),
+        (_ll_dispatch_fused_kernel, {**b, "x_ptr": "*bf16", "topk_ptr": "*i64", "out_s": "*fp32",
+                                     "out_range": "*i64", "wait_ptr": "*i64"},
+         dict(USE_FP8=True, ROUND_SCALE=False, GC=8, R_POW2=2, SHRINK=False, UE8M0=False, HAS_CUM=False,
+              HAS_WAIT=False, TB=128, QB=4, BLOCK=2048, G_POW2=64, HAS_TIMER=True, K_POW2=8)),
         (_ll_combine_weights_kernel, {**b, "topk_ptr": "*i64", "w_ptr": "*fp32"}, dict(SHRINK=True)),
         (_ll_combine_reduce_kernel, {**b, "y_ptr": "*bf16"}, dict(K_POW2=8, BLOCK=1024, HAS_TIMER=True, SHRINK=True)),
         (_ll_combine_recv_kernel, {**b, "topk_ptr": "*i64", "out_ptr": "*bf16", "wait_ptr": "*i64"},
