@@ -4,7 +4,7 @@
 #   tests: tier 3 (tests/gpu); triage: the HT graph and async tests alone, then the rest of tier 3;
 #   ceprobe: scripts/ce_graph_probe.py (copy-engine transfer variants, eager vs graph replay); cegraph: the
 #   backend's copy-engine path under graph capture (EPCOMM_HT_TRANSFER=ce-always), graph test + bench; llfused:
-#   the one-launch LL dispatch (EPCOMM_TUNE=ll.fused_dispatch=1), LL tier 3 + bench; tier2: tests/dist on NCCL with CUDA tensors; bench: epcomm bench;
+#   the fused LL kernels (EPCOMM_TUNE=ll.fused_dispatch=1,ll.fused_combine=1), LL tier 3 + bench; tier2: tests/dist on NCCL with CUDA tensors; bench: epcomm bench;
 #   figures: every figure issues 4-5 ask for (24/32/48 SMs, copy engine vs SM push, 1-token LL),
 #   one JSONL per step under $OUT. Budget: tests ~4 min, tier2 ~2 min, bench ~2.5 min, figures ~6 min.
 set -uo pipefail
@@ -48,12 +48,12 @@ if [[ "$what" == cegraph ]]; then
   done
 fi
 if [[ "$what" == llfused ]]; then
-  # the low-latency dispatch without the hook in one launch (EPCOMM_TUNE=ll.fused_dispatch=1): tier 3's LL
+  # the low-latency kernels fused (EPCOMM_TUNE=ll.fused_dispatch=1,ll.fused_combine=1): tier 3's LL
   # tests and the LL bench (its replay-vs-eager and reference checks), default beside it (~3 min)
-  EPCOMM_TUNE=ll.fused_dispatch=1 timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_nvlink_ll.py \
+  EPCOMM_TUNE=ll.fused_dispatch=1,ll.fused_combine=1 timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_nvlink_ll.py \
     2>&1 | tee "$OUT/llfused-tests.log" | tail -6 || rc=1
   for v in 0 1; do
-    EPCOMM_TUNE=ll.fused_dispatch=$v timeout 100 python3 -m epcomm bench --cases ll-dsv3 --mode ll --tokens 1,128 \
+    EPCOMM_TUNE=ll.fused_dispatch=$v,ll.fused_combine=$v timeout 100 python3 -m epcomm bench --cases ll-dsv3 --mode ll --tokens 1,128 \
       --iters 30 --warmup 5 --out "$OUT/ll-fused$v.jsonl" 2>&1 | grep -E "^ll" | grep -v reference || rc=1
   done
 fi

@@ -429,7 +429,7 @@ class Buffer:
             V.tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, 1, self.device)
             V.shape("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, (self.group_size,))
         args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
-                                     self._ll_parity(), self._shrink_mask())
+                                     self._ll_parity(), self._shrink_mask(), hook=bool(return_recv_hook))
         res, ev, hook = self._ll_run(lambda: self._backend.low_latency_combine(args), [x, topk_idx, topk_weights],
                                      async_finish, return_recv_hook)
         return res, ev, hook

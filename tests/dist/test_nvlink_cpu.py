@@ -83,7 +83,8 @@ def _ll(ctx, tag, env=None):
     return len(out)
 
 
-@pytest.mark.parametrize("env", [{}, {"EPCOMM_TUNE": "ll.fused_dispatch=1"}], ids=["two-kernels", "fused-dispatch"])
+@pytest.mark.parametrize("env", [{}, {"EPCOMM_TUNE": "ll.fused_dispatch=1,ll.fused_combine=1"}],
+                         ids=["separate-kernels", "fused"])
 def test_nvlink_low_latency_on_cpu_processes(env):
     assert parallel_launch(2, _ll, uuid.uuid4().hex[:12], env, backend="gloo", timeout_s=300) == [5, 5]
 
@@ -101,8 +102,8 @@ def test_three_ranks_on_cpu_processes():
                           timeout_s=300)
     assert all(len(r) == 6 for r in res)
     assert parallel_launch(3, _ll, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [5, 5, 5]
-    assert parallel_launch(3, _ll, uuid.uuid4().hex[:12], {"EPCOMM_TUNE": "ll.fused_dispatch=1"}, backend="gloo",
-                           timeout_s=300) == [5, 5, 5]
+    assert parallel_launch(3, _ll, uuid.uuid4().hex[:12], {"EPCOMM_TUNE": "ll.fused_dispatch=1,ll.fused_combine=1"},
+                           backend="gloo", timeout_s=300) == [5, 5, 5]
 
 
 def _absent(ctx, tag):

@@ -319,3 +319,25 @@ def test_low_latency_fused_dispatch_is_one_launch_without_the_hook(rig, monkeypa
     assert launch[1] == (6 * n_gb + (E // R) * R * nvlink_ll.TUNE["recv_split"],)
     recv()  # nothing left to launch
     assert len(rig.log) == 1
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_low_latency_fused_combine(rig, monkeypatch, hook):
+    from epcomm.backends import nvlink_ll
+
+    b, m = rig.b[0], 8
+    x = torch.randn(6, H).to(torch.bfloat16)
+    topk = torch.randint(-1, E, (6, K), generator=torch.Generator().manual_seed(2))
+    res, recv = b.low_latency_dispatch(LowLatencyDispatchArgs(x, topk, m, E, True, False, False, None, None, 0, None))
+    recv()
+    rig.log.clear()
+    monkeypatch.setitem(nvlink_ll.TUNE, "fused_combine", True)
+    y = torch.randn(E // R, R * m, H).to(torch.bfloat16)
+    out, recv = b.low_latency_combine(LowLatencyCombineArgs(y, topk, torch.rand(6, K), res.handle, None, None, 1, None,
+                                                            hook=hook))
+    assert _names(rig.log) == ["_ll_combine_fused_kernel"]
+    a = rig.log[0][2]
+    assert a["DO_RECV"] is (not hook) and a["n_w"] == 6 and a["n_red"] == R * m * a["n_cs"]
+    assert rig.log[0][1] == (a["n_w"] + a["n_red"] + (0 if hook else 6 * a["n_cb"]),)
+    recv()  # with the hook, the receive kernel; without, nothing left
+    assert _names(rig.log) == ["_ll_combine_fused_kernel"] + (["_ll_combine_recv_kernel"] if hook else [])

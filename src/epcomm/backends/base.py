@@ -87,6 +87,7 @@ class LowLatencyCombineArgs:
     combine_wait_recv_cost_stats: torch.Tensor | None
     parity: int
     mask: torch.Tensor | None = None
+    hook: bool = False                   # return_recv_hook (as in LowLatencyDispatchArgs)
 
 
 class Backend:

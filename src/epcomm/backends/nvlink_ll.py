@@ -36,14 +36,16 @@ from .nvlink import TIMER, _pow2
 _DLEVEL, _WLEVEL, _CLEVEL = 0, 2, 4
 # ticket slots in the backend's ticket tensor
 _T_DSEND, _T_DRECV, _T_CSEND, _T_CRECV = 4, 5, 6, 8  # _T_CSEND uses two consecutive slots
-_T_ROLE = 9  # the fused dispatch's role ticket
+_T_ROLE, _T_CROLE = 9, 10  # the fused dispatch's and the fused combine's role tickets
 
 # Launch parameters (scripts/profile_ll.py sweeps them on the device machine).
 TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_block=2048, recv_split=1,
             csend_warps=4, csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024,
-            fused_dispatch=False)
+            fused_dispatch=False, fused_combine=False)
 # fused_dispatch: without the hook, send and receive in one launch (kernels/ll.py
-# _ll_dispatch_fused_kernel; send_warps for both roles); off until measured on a GPU
+# _ll_dispatch_fused_kernel; send_warps for both roles); fused_combine: weights and reduce in one launch,
+# with the receive too when there is no hook (_ll_combine_fused_kernel; csend_warps); both off until
+# measured on a GPU
 
 
 class LowLatencyEngine:
@@ -167,20 +169,37 @@ class LowLatencyEngine:
         out = a.out if a.out is not None else torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         sig = area + lay.signal_offset
         mask = a.mask if a.mask is not None else nv.err
-        ll._ll_combine_weights_kernel[(max(t, 1),)](
-            topk, w, t, k, me, r_, m, nv.ptr_table, area + lay.weights_offset, sig, self.tickets[_T_CSEND:], mask,
-            SHRINK=a.mask is not None, num_warps=1,
-        )
         blk = TUNE["csend_block"]
         splits = max(1, min((h + blk - 1) // blk, TUNE["csend_programs"] // (r_ * m)))
         cw = ((h + splits - 1) // splits + blk - 1) // blk * blk
-        ll._ll_combine_reduce_kernel[(r_ * m, (h + cw - 1) // cw)](
-            y, h, k, me, r_, lx, m, nv.ptr_table, d_area, lay.dispatch_src_bytes,
-            area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset, sig, cw,
-            self.levels[_WLEVEL + a.parity:], self.tickets[_T_CSEND + 1:], nv.err, nv._timeout_ns, mask,
-            K_POW2=_pow2(k), BLOCK=blk, HAS_TIMER=TIMER, SHRINK=a.mask is not None, num_warps=TUNE["csend_warps"],
-        )
         wst = a.combine_wait_recv_cost_stats
+        if TUNE["fused_combine"]:
+            n_w, n_cs, cb = max(t, 1), (h + cw - 1) // cw, TUNE["crecv_block"]
+            n_cb = (h + cb - 1) // cb
+            recv_too = not a.hook
+            ll._ll_combine_fused_kernel[(n_w + r_ * m * n_cs + (max(1, t) * n_cb if recv_too else 0),)](
+                topk, w, t, k, me, r_, m, nv.ptr_table, area + lay.weights_offset, sig, self.tickets[_T_CSEND:],
+                mask, y, h, lx, d_area, lay.dispatch_src_bytes, d_area + lay.slot_offset, area + lay.combine_offset,
+                cw, self.levels[_WLEVEL + a.parity:], self.tickets[_T_CSEND + 1:], nv.err, nv._timeout_ns, out,
+                wst if wst is not None else self.levels, self.levels[_CLEVEL + a.parity:], self.tickets[_T_CRECV:],
+                self.tickets[_T_CROLE:], n_w, n_cs, r_ * m * n_cs, n_cb,
+                K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, RBLOCK=blk, HAS_WAIT=wst is not None, HAS_TIMER=TIMER,
+                SHRINK=a.mask is not None, DO_RECV=recv_too, num_warps=TUNE["csend_warps"],
+            )
+            if recv_too:
+                return out, lambda: None
+        else:
+            ll._ll_combine_weights_kernel[(max(t, 1),)](
+                topk, w, t, k, me, r_, m, nv.ptr_table, area + lay.weights_offset, sig, self.tickets[_T_CSEND:],
+                mask, SHRINK=a.mask is not None, num_warps=1,
+            )
+            ll._ll_combine_reduce_kernel[(r_ * m, (h + cw - 1) // cw)](
+                y, h, k, me, r_, lx, m, nv.ptr_table, d_area, lay.dispatch_src_bytes,
+                area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset, sig, cw,
+                self.levels[_WLEVEL + a.parity:], self.tickets[_T_CSEND + 1:], nv.err, nv._timeout_ns, mask,
+                K_POW2=_pow2(k), BLOCK=blk, HAS_TIMER=TIMER, SHRINK=a.mask is not None,
+                num_warps=TUNE["csend_warps"],
+            )
 
         def receive() -> None:
             cb = TUNE["crecv_block"]

@@ -294,8 +294,14 @@ def _ll_combine_weights_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off
                                SHRINK: tl.constexpr):
     """Owner role of the combine: push this rank's (expert id, weight) pairs to every rank, then
     raise their weight flags (the last program)."""
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
+    _ll_weights(tl.program_id(0), tl.num_programs(0), topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off,
+                ticket_ptr, mask_ptr, SHRINK)
+
+
+@triton.jit
+def _ll_weights(pid, P, topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, ticket_ptr, mask_ptr,
+                SHRINK: tl.constexpr):
+    """The weights kernel's work for program ``pid`` of ``P``."""
     kk = tl.arange(0, MAX_TOPK)
     km = kk < K
     for t in range(pid, T, P):
@@ -307,7 +313,7 @@ def _ll_combine_weights_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off
                 dst = peer_ptr(ptr_table, j, w_off + (me * M + t64) * MAX_TOPK * 8, tl.int32)
                 tl.store(dst + kk, ids)
                 tl.store(dst.to(tl.pointer_type(tl.float32)) + MAX_TOPK + kk, w)
-    if ticket_last(ticket_ptr):
+    if ticket_last_n(ticket_ptr, P):
         for j in range(0, R):
             if _alive(mask_ptr, j, SHRINK) != 0:
                 signal(peer_ptr(ptr_table, j, sig_off + (SIG_W * R + me) * 4, tl.int32), 1)
@@ -321,8 +327,16 @@ def _ll_combine_reduce_kernel(y_ptr, H, K, me, R, L, M, ptr_table, d_area_off, s
     """Expert role of the combine. Program ``(r*M + t, s)``: if token ``t`` of rank ``r`` has experts
     here, ``partial = Σ_k w[k] · y[slot(k)]`` in float32 over channels ``[s*CW, (s+1)*CW)``, written
     to rank ``r``'s combine area (after ``r``'s weights arrived); the last program raises the flags."""
-    idx = tl.program_id(0)
-    cs = tl.program_id(1)
+    _ll_reduce(tl.program_id(0), tl.program_id(1), tl.num_programs(0) * tl.num_programs(1), y_ptr, H, K, me, R, L,
+               M, ptr_table, d_area_off, src_bytes, w_off, slot_off, c_off, sig_off, CW, wlevel_ptr, ticket_ptr,
+               err_ptr, timeout_ns, mask_ptr, K_POW2, BLOCK, HAS_TIMER, SHRINK)
+
+
+@triton.jit
+def _ll_reduce(idx, cs, n_programs, y_ptr, H, K, me, R, L, M, ptr_table, d_area_off, src_bytes, w_off, slot_off,
+               c_off, sig_off, CW, wlevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr, K_POW2: tl.constexpr,
+               BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr, SHRINK: tl.constexpr):
+    """The reduce kernel's work for its program ``(idx, cs)`` of ``n_programs``."""
     kk = tl.arange(0, MAX_TOPK)
     level = tl.load(wlevel_ptr)
     r = idx // M
@@ -352,7 +366,7 @@ def _ll_combine_reduce_kernel(y_ptr, H, K, me, R, L, M, ptr_table, d_area_off, s
                 tile = tl.load(y_ptr + s2[:, None] * H + cc[None, :], mask=h2[:, None] & cm[None, :], other=0.0)
                 acc = tl.sum(tile.to(tl.float32) * w2[:, None], 0)
                 tl.store(out + cc, acc, mask=cm)
-    if ticket_last(ticket_ptr):
+    if ticket_last_n(ticket_ptr, n_programs):
         tl.store(wlevel_ptr, level + 1)
         for j in range(0, R):
             if _alive(mask_ptr, j, SHRINK) != 0:
@@ -366,8 +380,17 @@ def _ll_combine_recv_kernel(topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, si
                             HAS_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr, SHRINK: tl.constexpr):
     """Program ``(t, c)``: ``out[t, cB:(c+1)B] = Σ_j partial_j[t]`` over the ranks ``j`` holding one of
     token ``t``'s experts, in rank order, float32, rounded once to bf16."""
-    t = tl.program_id(0)
-    cb = tl.program_id(1)
+    _ll_combine_recv(tl.program_id(0), tl.program_id(1), tl.num_programs(0) * tl.num_programs(1), topk_ptr, T, H,
+                     K, me, R, L, M, ptr_table, c_off, sig_off, out_ptr, wait_ptr, clevel_ptr, ticket_ptr, err_ptr,
+                     timeout_ns, mask_ptr, K_POW2, R_POW2, BLOCK, HAS_WAIT, HAS_TIMER, SHRINK)
+
+
+@triton.jit
+def _ll_combine_recv(t, cb, n_programs, topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, sig_off, out_ptr, wait_ptr,
+                     clevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr, K_POW2: tl.constexpr,
+                     R_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr,
+                     SHRINK: tl.constexpr):
+    """The combine receive kernel's work for its program ``(t, cb)`` of ``n_programs``."""
     level = tl.load(clevel_ptr)
     kk = tl.arange(0, K_POW2)
     rr = tl.arange(0, R_POW2)
@@ -393,8 +416,40 @@ def _ll_combine_recv_kernel(topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, si
                 acc += tl.load(part + cc, mask=cm, other=0.0)
     if t < T:
         tl.store(out_ptr + t64 * H + cc, acc.to(tl.bfloat16), mask=cm)
-    if ticket_last(ticket_ptr):
+    if ticket_last_n(ticket_ptr, n_programs):
         tl.store(clevel_ptr, level + 1)
+
+
+@triton.jit(do_not_specialize=['T'])
+def _ll_combine_fused_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, wticket_ptr, mask_ptr,
+                             y_ptr, H, L, d_area_off, src_bytes, slot_off, c_off, CW, wlevel_ptr, rticket_ptr,
+                             err_ptr, timeout_ns, out_ptr, wait_ptr, clevel_ptr, cticket_ptr, role_ptr,
+                             n_w, n_cs, n_red, n_cb, K_POW2: tl.constexpr, R_POW2: tl.constexpr,
+                             BLOCK: tl.constexpr, RBLOCK: tl.constexpr, HAS_WAIT: tl.constexpr,
+                             HAS_TIMER: tl.constexpr, SHRINK: tl.constexpr, DO_RECV: tl.constexpr):
+    """The combine in one launch: ``n_w`` programs do the weights kernel's work, the next ``n_red``
+    the reduce kernel's (``n_cs`` channel splits per source token), and with ``DO_RECV`` (no hook)
+    the rest the receive kernel's (``n_cb`` channel blocks per token). Roles go by a ticket taken at
+    the start, in that order: a program gets a role that waits on other GPUs only once every role
+    before it is held by a running program (see ``_ll_dispatch_fused_kernel``)."""
+    n_all = tl.num_programs(0)
+    role = tl.atomic_add(role_ptr, 1)
+    if role == n_all - 1:
+        tl.atomic_xchg(role_ptr, 0)
+    if role < n_w:
+        _ll_weights(role, n_w, topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, wticket_ptr, mask_ptr,
+                    SHRINK)
+    elif role < n_w + n_red:
+        q = role - n_w
+        _ll_reduce(q // n_cs, q % n_cs, n_red, y_ptr, H, K, me, R, L, M, ptr_table, d_area_off, src_bytes, w_off,
+                   slot_off, c_off, sig_off, CW, wlevel_ptr, rticket_ptr, err_ptr, timeout_ns, mask_ptr, K_POW2,
+                   RBLOCK, HAS_TIMER, SHRINK)
+    else:
+        if DO_RECV:
+            q = role - n_w - n_red
+            _ll_combine_recv(q // n_cb, q % n_cb, n_all - n_w - n_red, topk_ptr, T, H, K, me, R, L, M, ptr_table,
+                             c_off, sig_off, out_ptr, wait_ptr, clevel_ptr, cticket_ptr, err_ptr, timeout_ns,
+                             mask_ptr, K_POW2, R_POW2, BLOCK, HAS_WAIT, HAS_TIMER, SHRINK)
 
 
 @triton.jit
@@ -424,6 +479,9 @@ def _compile_checks():
          dict(USE_FP8=True, ROUND_SCALE=False, GC=8, R_POW2=2, SHRINK=False, UE8M0=False, HAS_CUM=False,
               HAS_WAIT=False, TB=128, QB=4, BLOCK=2048, G_POW2=64, HAS_TIMER=True, K_POW2=8)),
         (_ll_combine_weights_kernel, {**b, "topk_ptr": "*i64", "w_ptr": "*fp32"}, dict(SHRINK=True)),
+        (_ll_combine_fused_kernel, {**b, "topk_ptr": "*i64", "w_ptr": "*fp32", "y_ptr": "*bf16", "out_ptr": "*bf16",
+                                    "wait_ptr": "*i64"},
+         dict(K_POW2=8, R_POW2=2, BLOCK=1024, RBLOCK=1024, HAS_WAIT=True, HAS_TIMER=True, SHRINK=True, DO_RECV=True)),
         (_ll_combine_reduce_kernel, {**b, "y_ptr": "*bf16"}, dict(K_POW2=8, BLOCK=1024, HAS_TIMER=True, SHRINK=True)),
         (_ll_combine_recv_kernel, {**b, "topk_ptr": "*i64", "out_ptr": "*bf16", "wait_ptr": "*i64"},
          dict(K_POW2=8, R_POW2=2, BLOCK=1024, HAS_WAIT=True, HAS_TIMER=True, SHRINK=True)),
