@@ -11,8 +11,10 @@ Combine: a weights kernel (each owner pushes its (expert id, weight) pairs to ev
 kernel (program per (source token, channel split): ``Σ_k w·y`` in float32 over the experts held
 here, so each token crosses the link once per rank) and a receive kernel (program per (token,
 channel block): the partial sums of the ranks holding its experts, in rank order). Without the
-hook the kernels run back to back; with ``return_recv_hook`` the call launches the send side and
-returns, and ``hook()`` launches the receive kernel, so no kernel stays resident in between.
+hook the kernels run back to back (or, with ``TUNE["fused_dispatch"]`` / ``TUNE["fused_combine"]``,
+as one launch whose programs take the kernels' roles in order); with ``return_recv_hook`` the call
+launches the send side and returns, and ``hook()`` launches the receive kernel, so no kernel stays
+resident in between.
 Every grid is sized by the shape, not by ``num_sms``; waits are per program, on the flags of the
 ranks that program needs.
 
