@@ -58,20 +58,6 @@ def _timed(fn, device, graphs, iters=int(os.environ.get("PROBE_ITERS", "15"))):
     return ts[len(ts) // 2]
 
 
-def _graph(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    dist.barrier()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 def _variant(fast, case, rank, name, worst, rows):
     for fp8 in (False, True):
         xin, x, topk, w = G.device_inputs(case, rank, fast.device, fp8)
@@ -83,12 +69,12 @@ def _variant(fast, case, rank, name, worst, rows):
         tag = "fp8" if fp8 else "bf16"
         if os.environ.get("PROBE_EAGER", "1") == "1":  # PROBE_EAGER=0: graph rows only
             rows[(name, f"eager dispatch {tag}")] = _timed(d, fast.device, graphs=False)
-        g = _graph(lambda: d(worst))
+        g, _ = G.capture(lambda: d(worst))
         rows[(name, f"graph dispatch {tag}")] = _timed(g.replay, fast.device, graphs=True)
         del g
         if not fp8:
             o = d()
-            gc = _graph(lambda: fast.combine(o[0], o[4]))
+            gc, _ = G.capture(lambda: fast.combine(o[0], o[4]))
             rows[(name, "graph combine bf16")] = _timed(gc.replay, fast.device, graphs=True)
             del gc
 

@@ -30,17 +30,7 @@ def main(ctx, tokens, out_dir):
 
     step = call
     if worst:  # PROFILE_GRAPH=1: replays of one captured worst-mode dispatch + combine (kernels inside)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            call()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        torch.distributed.barrier()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            call()
-        step = g.replay
+        step = G.capture(call)[0].replay
 
     for _ in range(5):
         step()

@@ -140,6 +140,24 @@ def check_ht_async(ref: Buffer, fast: Buffer, case: Case, rank: int) -> None:
     _combine_check(fo, ro, ref, rr[0], rr[4], f"async combine {case}")
 
 
+def capture(fn, warmup: int = 1):
+    """Run ``fn`` ``warmup`` times on a side stream (kernels compile outside the capture), wait for
+    the device and every rank, then capture one more call in a CUDA graph. Returns ``(graph, what the
+    captured call returned)``; ``graph.replay()`` reruns it."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 def _progress_log() -> logging.Logger:
     lg = logging.getLogger("epcomm.testing.progress")
     if not lg.handlers:  # rank processes configure no logging: their stderr is what a failing test shows
@@ -328,18 +346,8 @@ def check_ll_graph(ref: Buffer, fast: Buffer, case: Case, rank: int, m: int, rep
         out, _, _ = fast.low_latency_combine(y, st, sw, h)
         return rx, cnt, h, out
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    torch.distributed.barrier()
-    _progress(rank, "graph: capture")
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        rx, cnt, h, out = step()
+    _progress(rank, "graph: warm-up and capture")
+    g, (rx, cnt, h, out) = capture(step, warmup=2)
     for it in range(replays):
         x2, t2, w2 = ll_inputs(case, rank, dev, seed_shift=1000 + it)
         sx.copy_(x2)
