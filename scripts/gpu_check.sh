@@ -5,6 +5,9 @@
 #   ceprobe: scripts/ce_graph_probe.py (copy-engine transfer variants, eager vs graph replay); cegraph: the
 #   backend's copy-engine path under graph capture (EPCOMM_HT_TRANSFER=ce-always), graph test + bench; llfused:
 #   the fused LL kernels (EPCOMM_TUNE=ll.fused_dispatch=1,ll.fused_combine=1), LL tier 3 + bench; tier2: tests/dist on NCCL with CUDA tensors; bench: epcomm bench;
+#   shared: tier 3 with two ranks time-sharing ONE GPU (EPCOMM_TEST_SHARE_GPU=1, for single-GPU kinds):
+#   correctness of the multi-rank paths only, no timing; SHARED_TESTS picks the tests (default: all);
+#   sharedce: the copy-engine path under capture and the fused LL kernels in that mode;
 #   figures: every figure issues 4-5 ask for (24/32/48 SMs, copy engine vs SM push, 1-token LL),
 #   one JSONL per step under $OUT. Budget: tests ~4 min, tier2 ~2 min, bench ~2.5 min, figures ~6 min.
 set -uo pipefail
@@ -26,6 +29,28 @@ if [[ "$what" == triage ]]; then
   [[ -n "${TRIAGE_ONLY:-}" ]] || timeout 420 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu \
     --deselect tests/gpu/test_nvlink_ht.py::test_nvlink_high_throughput_graph \
     --deselect tests/gpu/test_nvlink_ht.py::test_nvlink_high_throughput_async 2>&1 | tee "$OUT/tests.log" | tail -15 || rc=1
+fi
+if [[ "$what" == shared ]]; then
+  export EPCOMM_TEST_SHARE_GPU=1
+  timeout 240 python3 -m pytest -q -rA -x -p no:cacheprovider --durations=0 \
+    tests/gpu/test_nvlink_ll.py::test_nvlink_low_latency_small "tests/gpu/test_nvlink_ht.py::test_nvlink_high_throughput_cases[default]" \
+    2>&1 | tee "$OUT/shared-smoke.log" | tail -25 || rc=1
+  [[ $rc == 0 ]] && { timeout 330 python3 -m pytest -q -rfE -p no:cacheprovider --durations=0 ${SHARED_TESTS:-tests/gpu} \
+    --deselect tests/gpu/test_nvlink_ll.py::test_nvlink_low_latency_small \
+    --deselect "tests/gpu/test_nvlink_ht.py::test_nvlink_high_throughput_cases[default]" \
+    2>&1 | tee "$OUT/shared-tests.log" | tail -40 || rc=1; }
+fi
+if [[ "$what" == sharedce ]]; then
+  export EPCOMM_TEST_SHARE_GPU=1
+  for flag in kernel copy; do
+    echo "== ce-always, ce_flag=$flag"
+    EPCOMM_HT_TRANSFER=ce-always EPCOMM_TUNE=ce_flag=$flag timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider \
+      tests/gpu/test_nvlink_ht.py::test_nvlink_high_throughput_graph "tests/gpu/test_nvlink_ht.py::test_nvlink_high_throughput_cases[default]" \
+      2>&1 | tee "$OUT/sharedce-$flag.log" | tail -6 || rc=1
+  done
+  echo "== fused LL kernels"
+  EPCOMM_TUNE=ll.fused_dispatch=1,ll.fused_combine=1 timeout 250 python3 -m pytest -q -rfE -p no:cacheprovider \
+    tests/gpu/test_nvlink_ll.py 2>&1 | tee "$OUT/sharedll-fused.log" | tail -8 || rc=1
 fi
 if [[ "$what" == profile ]]; then
   timeout 240 python3 scripts/profile_ht.py 2>&1 | tee "$OUT/profile.log" | tail -50 || rc=1

@@ -69,7 +69,8 @@ class Buffer:
         if level:
             logging.getLogger("epcomm").setLevel(level.upper())
         backend_name = str(dist.get_backend(group)).lower()
-        if "nccl" in backend_name and torch.cuda.is_available():
+        # CUDA where the group moves CUDA tensors: NCCL, or gloo named for CUDA too ("cpu:gloo,cuda:gloo")
+        if ("nccl" in backend_name or "cuda:gloo" in backend_name) and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")

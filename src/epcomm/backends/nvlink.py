@@ -75,11 +75,8 @@ def availability(buf) -> tuple[bool, str]:
         return False, f"needs triton and torch symmetric memory ({e}); pip install triton"
     if torch.cuda.get_device_capability(buf.device)[0] < 8:
         return False, "needs an SM80+ GPU"
-    host = torch.tensor([zlib.crc32(socket.gethostname().encode()), buf.device.index], dtype=torch.int64,
-                        device=buf.device)
-    everyone = [torch.empty_like(host) for _ in range(buf.group_size)]
-    dist.all_gather(everyone, host, group=buf.group)
-    rows = torch.stack(everyone).cpu().tolist()
+    rows: list = [None] * buf.group_size
+    dist.all_gather_object(rows, (zlib.crc32(socket.gethostname().encode()), buf.device.index), group=buf.group)
     if len({r[0] for r in rows}) != 1:
         return False, "ranks span several hosts"
     devs = [r[1] for r in rows]

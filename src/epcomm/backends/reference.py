@@ -70,6 +70,8 @@ class ReferenceBackend(Backend):
     def __init__(self, group, rank, num_ranks, device, timeout_s, num_nvl_bytes: int, num_rdma_bytes: int):
         super().__init__(group, rank, num_ranks, device, timeout_s)
         self._global = [dist.get_global_rank(group, r) for r in range(num_ranks)]
+        # CUDA tensors on a gloo group (the tests' shared-GPU mode): stage every transfer through the host
+        self._staged = device.type == "cuda" and "nccl" not in str(dist.get_backend(group)).lower()
         # Local byte buffers: views of them are what get_local_buffer_tensor and zero-copy return.
         self.nvl_buffer = torch.empty(num_nvl_bytes, dtype=torch.uint8, device=device)
         self.rdma_buffer = torch.empty(num_rdma_bytes, dtype=torch.uint8, device=device)
@@ -80,8 +82,9 @@ class ReferenceBackend(Backend):
         """Wait for ``work`` with the deadline; on expiry raise naming the phase and the peer."""
         if work is None:
             return
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self._staged:
             # NCCL work completes on the GPU; poll its end event so the host never blocks forever.
+            # (gloo's point-to-point works complete only inside wait(): they take the path below.)
             deadline = time.monotonic() + self.timeout_s
             while not work.is_completed():
                 if time.monotonic() > deadline:
@@ -97,30 +100,36 @@ class ReferenceBackend(Backend):
             raise
 
     def _all_gather(self, t: torch.Tensor, phase: str) -> torch.Tensor:
-        out = [torch.empty_like(t) for _ in range(self.num_ranks)]
-        self._wait(dist.all_gather(out, t.contiguous(), group=self.group, async_op=True), phase)
-        return torch.stack(out)
+        src = t.cpu() if self._staged else t.contiguous()
+        out = [torch.empty_like(src) for _ in range(self.num_ranks)]
+        self._wait(dist.all_gather(out, src, group=self.group, async_op=True), phase)
+        return torch.stack(out).to(t.device)
 
     def _all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
                     phase: str) -> torch.Tensor:
-        recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
-        work = dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts,
+        src = send.cpu() if self._staged else send.contiguous()
+        recv = src.new_empty((sum(recv_counts), *send.shape[1:]))
+        work = dist.all_to_all_single(recv, src, recv_counts, send_counts,
                                       group=self.group, async_op=True)
         self._wait(work, phase)
-        return recv
+        return recv.to(send.device)
 
     def _p2p(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], phase: str):
         """Post sends/receives (self handled by a copy); return ``wait(peer_filter)`` callable."""
-        ops, peers = [], []
+        ops, peers, staged = [], [], []
         for peer, t in sends.items():
             if peer == self.rank:
                 recvs[peer].copy_(t)
             elif t.numel() > 0:
-                ops.append(dist.P2POp(dist.isend, t.contiguous(), self._global[peer], self.group))
+                ops.append(dist.P2POp(dist.isend, t.cpu() if self._staged else t.contiguous(),
+                                      self._global[peer], self.group))
                 peers.append(peer)
         for peer, t in recvs.items():
             if peer != self.rank and t.numel() > 0:
-                ops.append(dist.P2POp(dist.irecv, t, self._global[peer], self.group))
+                host = torch.empty(t.shape, dtype=t.dtype) if self._staged else t
+                if self._staged:
+                    staged.append((t, host))
+                ops.append(dist.P2POp(dist.irecv, host, self._global[peer], self.group))
                 peers.append(peer)
         works = dist.batch_isend_irecv(ops) if ops else []
         if len(works) == len(ops):
@@ -135,6 +144,8 @@ class ReferenceBackend(Backend):
                 self._wait(w, phase, peer)
                 if stats is not None and peer is not None:
                     stats[peer] += time.perf_counter_ns() - t0
+            for t, host in staged:
+                t.copy_(host)
 
         return wait
 

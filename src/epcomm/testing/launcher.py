@@ -6,6 +6,12 @@ them through a ``file://`` rendezvous in a fresh temporary directory (no fixed p
 is re-raised in the parent as ``RankError`` naming the rank, with the remote traceback; a rank that
 does not finish within ``timeout_s`` is killed and reported. The process group is destroyed in
 ``finally``.
+
+Shared-GPU mode (``EPCOMM_TEST_SHARE_GPU=1``, for machines with fewer GPUs than ranks): an "nccl" launch
+places rank r on GPU ``r % device_count`` and joins the ranks through gloo for both CPU and CUDA
+tensors (``cpu:gloo,cuda:gloo``; NCCL refuses two ranks on one GPU), with torch symmetric memory told
+that ranks may share a device. The ranks' kernels then time-share the GPU: the mode checks
+correctness of the multi-rank paths, its timings mean nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +51,12 @@ class RankContext:
     group: Any
 
 
+def share_gpu(world_size: int) -> bool:
+    """Whether an "nccl" launch of ``world_size`` ranks runs in shared-GPU mode (see the module doc)."""
+    return (os.environ.get("EPCOMM_TEST_SHARE_GPU", "") not in ("", "0") and torch.cuda.is_available()
+            and torch.cuda.device_count() < world_size)
+
+
 def _stack_file(init_file: str, rank: int) -> str:
     return f"{init_file}.stack-{rank}"
 
@@ -66,6 +78,9 @@ def _worker(rank, world_size, init_file, backend, pg_timeout_s, fn, args, result
             torch.cuda.set_device(rank % torch.cuda.device_count())
             device = torch.device("cuda", torch.cuda.current_device())
             kw = {"device_id": device}
+            if share_gpu(world_size):
+                os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+                backend, kw = "cpu:gloo,cuda:gloo", {}
         else:
             device = torch.device("cpu")
             kw = {}
@@ -97,7 +112,8 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+        backend = ("nccl" if torch.cuda.is_available()
+                   and (torch.cuda.device_count() >= world_size or share_gpu(world_size)) else "gloo")
     os.environ.update(SAFE_ENV)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
