@@ -8,6 +8,8 @@
 #   shared: tier 3 with two ranks time-sharing ONE GPU (EPCOMM_TEST_SHARE_GPU=1, for single-GPU kinds):
 #   correctness of the multi-rank paths only, no timing; SHARED_TESTS picks the tests (default: all);
 #   sharedce: the copy-engine path under capture and the fused LL kernels in that mode;
+#   single: one rank on one GPU (single-GPU kinds): LL per-kernel profile (128 and 1 tokens, variants
+#   incl. fused), HT graph-replay kernels at 24 SMs, LL bench default vs fused (~5 min);
 #   figures: every figure issues 4-5 ask for (24/32/48 SMs, copy engine vs SM push, 1-token LL),
 #   one JSONL per step under $OUT. Budget: tests ~4 min, tier2 ~2 min, bench ~2.5 min, figures ~6 min.
 set -uo pipefail
@@ -51,6 +53,18 @@ if [[ "$what" == sharedce ]]; then
   echo "== fused LL kernels"
   EPCOMM_TUNE=ll.fused_dispatch=1,ll.fused_combine=1 timeout 250 python3 -m pytest -q -rfE -p no:cacheprovider \
     tests/gpu/test_nvlink_ll.py 2>&1 | tee "$OUT/sharedll-fused.log" | tail -8 || rc=1
+fi
+if [[ "$what" == single ]]; then
+  export PROFILE_WORLD=1
+  for t in 128 1; do
+    timeout 200 python3 scripts/profile_ll.py $t 2>&1 | tee "$OUT/single-profile-ll-$t.log" | tail -12 || rc=1
+  done
+  PROFILE_GRAPH=1 timeout 150 python3 scripts/profile_ht.py 2>&1 | tee "$OUT/single-profile-ht.log" | tail -22 || rc=1
+  for v in 0 1; do
+    EPCOMM_TUNE=ll.fused_dispatch=$v,ll.fused_combine=$v timeout 100 python3 -m epcomm bench --world-size 1 \
+      --cases ll-dsv3 --mode ll --tokens 1,128 --iters 30 --warmup 5 --out "$OUT/single-ll-fused$v.jsonl" 2>&1 \
+      | grep -E "^ll" | grep -v reference || rc=1
+  done
 fi
 if [[ "$what" == profile ]]; then
   timeout 240 python3 scripts/profile_ht.py 2>&1 | tee "$OUT/profile.log" | tail -50 || rc=1

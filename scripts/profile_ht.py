@@ -1,7 +1,8 @@
 """Where does an eager high-throughput call spend its time? torch.profiler over a few nvlink
 dispatch + combine calls (DeepSeek-V3 shape, 2 ranks); prints rank 0's top CPU and CUDA entries.
 Run on the device machine: ``PYTHONPATH=src python3 scripts/profile_ht.py`` (gpu_check.sh profile);
-``PROFILE_GRAPH=1``: the kernels of CUDA-graph replays of a worst-mode dispatch + combine."""
+``PROFILE_GRAPH=1``: the kernels of CUDA-graph replays of a worst-mode dispatch + combine;
+``PROFILE_WORLD=1``: one rank (a single GPU: the local kernels' times without the link)."""
 import os
 import sys
 
@@ -50,7 +51,7 @@ def main(ctx, tokens, out_dir):
 
 if __name__ == "__main__":
     out = os.environ.get("OUT", "/tmp")
-    res = parallel_launch(2, main, int(sys.argv[1]) if len(sys.argv) > 1 else 4096, out, backend="nccl",
+    res = parallel_launch(int(os.environ.get("PROFILE_WORLD", "2")), main, int(sys.argv[1]) if len(sys.argv) > 1 else 4096, out, backend="nccl",
                           timeout_s=240)
     print(res[0][0])
     print(res[0][1])

@@ -2,7 +2,9 @@
 nvlink dispatch (FP8) + combine pair, with and without the hook, DeepSeek-V3 decode shape (2 ranks,
 128 tokens, hidden 7168, top-8, 256 experts), then the steady-state time of one pair: a CUDA graph
 of ``N`` back-to-back pairs, start aligned across ranks, divided by ``N``.
-Run on the device machine: ``PYTHONPATH=src python3 scripts/profile_ll.py [tokens]`` (gpu_check.sh profile)."""
+Run on the device machine: ``PYTHONPATH=src python3 scripts/profile_ll.py [tokens]`` (gpu_check.sh profile);
+``PROFILE_WORLD=1``: one rank (a single GPU: the kernels' local work and launches without the link)."""
+import os
 import sys
 
 import torch
@@ -97,17 +99,20 @@ VARIANTS = [
     ("csend_b512_w4", dict(csend_block=512)),
     ("crecv_b512", dict(crecv_block=512)),
     ("warps8", dict(recv_warps=8, csend_warps=8, crecv_warps=8)),
+    ("fused", dict(fused_dispatch=True, fused_combine=True)),
 ]
 
 if __name__ == "__main__":
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else M
-    res = parallel_launch(2, main, tokens, VARIANTS, backend="nccl", timeout_s=300)
+    res = parallel_launch(int(os.environ.get("PROFILE_WORLD", "2")), main, tokens, VARIANTS, backend="nccl",
+                          timeout_s=300)
     for name, _ in VARIANTS:
         for rank, o in enumerate(res):
             for hook in ((False, True) if name == "default" else (False,)):
                 print(f"--- {name} rank {rank} hook={hook}: kernel, calls, avg us")
                 for key, cnt, us in o[(name, hook, "kernels")]:
                     print(f"   {key[:60]:60s} {cnt:5d} {us:9.1f}")
-    print("variant                          pair us (rank0, rank1)  [graph of 20 dispatch+combine pairs]")
+    print(f"variant                          pair us by rank ({len(res)} ranks, {tokens} tokens)"
+          "  [graph of 20 dispatch+combine pairs]")
     for name, _ in VARIANTS:
-        print(f"{name:32s} {res[0][(name, 'pair_us')]:8.1f} {res[1][(name, 'pair_us')]:8.1f}")
+        print(f"{name:32s} " + " ".join(f"{o[(name, 'pair_us')]:8.1f}" for o in res))
