@@ -10,6 +10,8 @@
 #   sharedce: the copy-engine path under capture and the fused LL kernels in that mode;
 #   single: one rank on one GPU (single-GPU kinds): LL per-kernel profile (128 and 1 tokens, variants
 #   incl. fused), HT graph-replay kernels at 24 SMs, LL bench default vs fused (~5 min);
+#   singleht: one rank on one GPU, HT kernel variants (ht_probe.py, graph rows; PROBE_VARIANTS) and the
+#   graph-replay kernel profile (~4 min);
 #   figures: every figure issues 4-5 ask for (24/32/48 SMs, copy engine vs SM push, 1-token LL),
 #   one JSONL per step under $OUT. Budget: tests ~4 min, tier2 ~2 min, bench ~2.5 min, figures ~6 min.
 set -uo pipefail
@@ -65,6 +67,13 @@ if [[ "$what" == single ]]; then
       --cases ll-dsv3 --mode ll --tokens 1,128 --iters 30 --warmup 5 --out "$OUT/single-ll-fused$v.jsonl" 2>&1 \
       | grep -E "^ll" | grep -v reference || rc=1
   done
+fi
+if [[ "$what" == singleht ]]; then
+  PROFILE_WORLD=1 PROFILE_GRAPH=1 timeout 150 python3 scripts/profile_ht.py 2>&1 | tee "$OUT/single-profile-ht.log" \
+    | grep -E "^ +_[a-z_]*kernel" | sort -u -k1,1 || rc=1
+  PROBE_WORLD=1 PROBE_EAGER=0 PROBE_ITERS=${PROBE_ITERS:-30} \
+    PROBE_VARIANTS=${PROBE_VARIANTS:-default,g_prefetch,g16x2048,g8x2048,g16x2048_pf,notify256,notify4096,r_2048_s1,r_8x2048_s2,r_1024_s1,r_tb16_1024,r_s1} \
+    timeout 330 python3 scripts/ht_probe.py 2>&1 | tee "$OUT/single-probe.log" | tail -16 || rc=1
 fi
 if [[ "$what" == profile ]]; then
   timeout 240 python3 scripts/profile_ht.py 2>&1 | tee "$OUT/profile.log" | tail -50 || rc=1

@@ -4,7 +4,8 @@ graph) and combine (graph) and of the eager dispatch, for launch-parameter varia
 ``epcomm bench`` records the figures; this is for choosing parameters.
 Run on the device machine: ``PYTHONPATH=src python3 scripts/ht_probe.py [tokens] [sms]``
 (``PROBE_VARIANTS=default,p_rb16`` picks variants by name; ``PROBE_EAGER=0`` skips the eager rows;
-``PROBE_ITERS`` sets the timed iterations, default 15: eager rows are host-bound and noisy, use more)."""
+``PROBE_ITERS`` sets the timed iterations, default 15: eager rows are host-bound and noisy, use more;
+``PROBE_WORLD=1``: one rank on one GPU, the local kernels (notify, gather, reduce) without the link)."""
 import os
 import sys
 
@@ -35,6 +36,15 @@ VARIANTS = [
     ("ce_graph", dict(transfer="ce-always")),
     ("ce_graph_copyflag", dict(transfer="ce-always", ce_flag="copy")),
     ("ce_graph_prefetch", dict(transfer="ce-always", gather_prefetch=True)),
+    # bigger copy steps: a whole BF16 row (1792 words) per load, fewer dependent steps per tile
+    ("g16x2048", dict(gather_block=2048)),
+    ("g8x2048", dict(gather_rb=8, gather_block=2048)),
+    ("g16x2048_pf", dict(gather_block=2048, gather_prefetch=True)),
+    ("notify256", dict(notify_block=256, notify_warps=4)),
+    ("notify4096", dict(notify_block=4096, notify_warps=8)),
+    ("r_2048_s1", dict(reduce_block=2048, reduce_stages=1)),
+    ("r_8x2048_s2", dict(reduce_tb=8, reduce_block=2048, reduce_stages=2)),
+    ("r_1024_s1", dict(reduce_block=1024, reduce_stages=1)),
 ]
 if os.environ.get("PROBE_VARIANTS"):  # e.g. PROBE_VARIANTS=default,p_rb16
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["PROBE_VARIANTS"].split(",")]
@@ -122,9 +132,9 @@ def main(ctx, tokens, sms):
 if __name__ == "__main__":
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     sms = int(sys.argv[2]) if len(sys.argv) > 2 else 24
-    res = parallel_launch(2, main, tokens, sms, backend="nccl", timeout_s=400)
+    res = parallel_launch(int(os.environ.get("PROBE_WORLD", "2")), main, tokens, sms, backend="nccl", timeout_s=400)
     ops = sorted({k[1] for k in res[0]})
-    print(f"sms={sms} tokens={tokens}; us, max over the 2 ranks")
+    print(f"sms={sms} tokens={tokens}; us, max over the {len(res)} ranks")
     print(f"{'variant':14s} " + " ".join(f"{o:>20s}" for o in ops))
     for name, _ in VARIANTS:
         print(f"{name:14s} " + " ".join(f"{max(r.get((name, o), float('nan')) for r in res):20.1f}" for o in ops))

@@ -416,7 +416,7 @@ class NVLinkBackend(Backend):
                 self.nctr, send_head_rel, cpm, counts, per_expert, chan, toks, self.src_lists,
                 self.src_lists.stride(0), self.err, self._timeout_ns,
                 BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=TIMER,
-                num_warps=4,
+                num_warps=TUNE["notify_warps"],
             )
 
         bulk = dict(fused=True, synchronised=not a.num_worst_tokens)

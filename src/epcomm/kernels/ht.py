@@ -57,21 +57,29 @@ def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
         for l0 in range(0, L, BLOCK):
             ll = l0 + tl.arange(0, BLOCK)
             tl.store(meta + R + ll, tl.load(ntpe_ptr + j * L + ll, mask=ll < L, other=0), mask=ll < L)
+        # One pass over the tokens (channel c holds tokens [c*per_chan, (c+1)*per_chan)): the list of
+        # tokens for rank j, each token's position in it, and each channel's inclusive count, stored
+        # by the channel's last token; channels past the end hold the total. (A loop per channel
+        # made ~C*T/(C*BLOCK) dependent steps: 28 us at 4096 tokens on one H200.)
         running = tl.zeros((), dtype=tl.int32)
-        for c in range(0, C):
-            lo = c * per_chan
-            hi = tl.minimum(lo + per_chan, T)
-            for b in range(lo, hi, BLOCK):
-                offs = b + tl.arange(0, BLOCK)
-                m = offs < hi
-                f = tl.load(is_in_ptr + offs.to(tl.int64) * R + j, mask=m, other=0).to(tl.int32)
-                cs = tl.cumsum(f, 0)
-                pos = running + cs - f
-                tl.store(lst + pos, offs, mask=m & (f != 0))
-                tl.store(send_head_rel_ptr + offs.to(tl.int64) * R + j, tl.where(f != 0, pos, -1), mask=m)
-                running += tl.sum(f, 0)
-            tl.store(meta + R + L + c, running)
-            tl.store(cpm_ptr + j * C + c, running)
+        for b in range(0, T, BLOCK):
+            offs = b + tl.arange(0, BLOCK)
+            m = offs < T
+            f = tl.load(is_in_ptr + offs.to(tl.int64) * R + j, mask=m, other=0).to(tl.int32)
+            cs = tl.cumsum(f, 0)
+            pos = running + cs - f
+            tl.store(lst + pos, offs, mask=m & (f != 0))
+            tl.store(send_head_rel_ptr + offs.to(tl.int64) * R + j, tl.where(f != 0, pos, -1), mask=m)
+            ends = m & (((offs + 1) % per_chan == 0) | (offs == T - 1))
+            ch = offs // per_chan
+            tl.store(meta + R + L + ch, running + cs, mask=ends)
+            tl.store(cpm_ptr + j * C + ch, running + cs, mask=ends)
+            running += tl.sum(f, 0)
+        for c0 in range(0, C, BLOCK):
+            cc = c0 + tl.arange(0, BLOCK)
+            past = (cc < C) & (cc * per_chan >= T)
+            tl.store(meta + R + L + cc, tl.zeros_like(cc) + running, mask=past)
+            tl.store(cpm_ptr + j * C + cc, tl.zeros_like(cc) + running, mask=past)
         tl.store(meta + R + L + C, T)
         signal(peer_ptr(ptr_table, j, flags_off + (NOTIFY * R + me) * 4, tl.int32), 1)
     if DO_RECV:
