@@ -69,6 +69,8 @@ if [[ "$what" == single ]]; then
   done
 fi
 if [[ "$what" == singleht ]]; then
+  EPCOMM_TEST_SHARE_GPU=1 timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider ${SINGLE_TESTS:-tests/gpu/test_nvlink_ht.py} \
+    -k "cases or graph or stress" 2>&1 | tee "$OUT/single-shared-tests.log" | tail -4 || rc=1
   PROFILE_WORLD=1 PROFILE_GRAPH=1 timeout 150 python3 scripts/profile_ht.py 2>&1 | tee "$OUT/single-profile-ht.log" \
     | grep -E "^ +_[a-z_]*kernel" | sort -u -k1,1 || rc=1
   PROBE_WORLD=1 PROBE_EAGER=0 PROBE_ITERS=${PROBE_ITERS:-30} \
