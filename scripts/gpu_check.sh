@@ -12,6 +12,7 @@
 #   incl. fused), HT graph-replay kernels at 24 SMs, LL bench default vs fused (~5 min);
 #   singleht: one rank on one GPU, HT kernel variants (ht_probe.py, graph rows; PROBE_VARIANTS) and the
 #   graph-replay kernel profile (~4 min);
+#   shared4: tier 3's main HT and LL tests with 4 ranks time-sharing one GPU (SHARED_WORLD; ~5 min);
 #   kbench: scripts/kernel_bench.py, the HT combine's reduce kernel alone on one GPU at R = 1, 2, 4 (~2 min);
 #   figures: every figure issues 4-5 ask for (24/32/48 SMs, copy engine vs SM push, 1-token LL),
 #   one JSONL per step under $OUT. Budget: tests ~4 min, tier2 ~2 min, bench ~2.5 min, figures ~6 min.
@@ -77,6 +78,11 @@ if [[ "$what" == singleht ]]; then
   PROBE_WORLD=1 PROBE_EAGER=0 PROBE_ITERS=${PROBE_ITERS:-30} \
     PROBE_VARIANTS=${PROBE_VARIANTS:-default,g_prefetch,g16x2048,g8x2048,g16x2048_pf,notify256,notify4096,r_2048_s1,r_8x2048_s2,r_1024_s1,r_tb16_1024,r_s1} \
     timeout 330 python3 scripts/ht_probe.py 2>&1 | tee "$OUT/single-probe.log" | tail -16 || rc=1
+fi
+if [[ "$what" == shared4 ]]; then
+  EPCOMM_TEST_SHARE_GPU=1 EPCOMM_TEST_WORLD=${SHARED_WORLD:-4} timeout ${SHARED_TIMEOUT:-330} python3 -m pytest -q -rfE \
+    -p no:cacheprovider --durations=0 tests/gpu -k "${SHARED_K:-cases or graph or low_latency_small}" 2>&1 \
+    | tee "$OUT/shared4-tests.log" | tail -25 || rc=1
 fi
 if [[ "$what" == kbench ]]; then
   for r in ${KB_RANKS:-1 2 4}; do

@@ -31,6 +31,20 @@ NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while 
 TIMER = os.environ.get("TRITON_INTERPRET") != "1"
 
 
+SMEM_BUDGET = 200 << 10  # bytes of shared memory a pipelined kernel may plan for (H100/H200: 227 KB per block)
+
+
+def reduce_stages(r_pow2: int, tb: int, block: int, stages: int | None = None) -> int:
+    """Pipeline depth of the combine's reduce kernel for ``R_POW2`` ranks: ``TUNE["reduce_stages"]``, less
+    where its buffers would not fit. The kernel loads ``2 * R_POW2`` tiles of ``tb x block`` bf16 per step
+    and keeps ``stages - 1`` steps in flight in shared memory (3 stages of 16 x 512 need 256 KB at 4
+    ranks: an out-of-resources error at launch, measured with scripts/kernel_bench.py on one H200)."""
+    s = TUNE["reduce_stages"] if stages is None else stages
+    while s > 1 and (s - 1) * 2 * r_pow2 * tb * block * 2 > SMEM_BUDGET:
+        s -= 1
+    return s
+
+
 def apply_tune(overrides: dict[str, str], table: dict | None = None, prefix: str = "") -> None:
     """Set entries of ``table`` (default: ``TUNE``) from ``EPCOMM_TUNE`` strings, each converted to its
     default's type (``prefix``: how the keys are written in the variable, e.g. ``ll.``)."""
