@@ -341,3 +341,22 @@ def test_low_latency_fused_combine(rig, monkeypatch, hook):
     assert rig.log[0][1] == (a["n_w"] + a["n_red"] + (0 if hook else 6 * a["n_cb"]),)
     recv()  # with the hook, the receive kernel; without, nothing left
     assert _names(rig.log) == ["_ll_combine_fused_kernel"] + (["_ll_combine_recv_kernel"] if hook else [])
+
+
+@pytest.mark.parametrize("r_pow2, expected", [(1, 3), (2, 3), (4, 1), (8, 1)])
+def test_reduce_stages_fit_shared_memory(r_pow2, expected):
+    from epcomm.backends.nvlink_params import SMEM_BUDGET, reduce_stages
+
+    s = reduce_stages(r_pow2, 16, 512, stages=3)
+    assert s == expected
+    assert (s - 1) * 2 * r_pow2 * 16 * 512 * 2 <= SMEM_BUDGET  # 2*R bf16 tiles per step, s-1 steps ahead
+
+
+def test_combine_passes_the_fitted_stages(rig, monkeypatch):
+    monkeypatch.setitem(nv.TUNE, "reduce_stages", 3)
+    res = rig.b[0].dispatch(_args())
+    rig.b[0].combine(res.recv_x, res.handle, res.recv_topk_weights, ())
+    launched = [a for n, _, a in rig.log if n == "_reduce_kernel"][0]
+    from epcomm.backends.nvlink_params import reduce_stages
+
+    assert launched["STAGES"] == reduce_stages(launched["R_POW2"], launched["TB"], launched["BLOCK"])
