@@ -1,5 +1,7 @@
 """Compile every Triton kernel for sm_90 without a GPU (catches type and syntax errors before a
-device run): ``PYTHONPATH=<triton site> python scripts/compile_check.py``."""
+device run): ``PYTHONPATH=<triton site> python scripts/compile_check.py``.
+``COMPILE_PTX=<name part>``: also print the atomics and fences of the matching kernels' PTX."""
+import os
 import sys
 
 import triton
@@ -16,6 +18,10 @@ def compile_one(fn, signature, constexprs, name):
     try:
         k = triton.compile(src, target=TARGET, options={"num_warps": 8})
         print(f"ok   {name}: {k.metadata.shared} B smem, {getattr(k, 'n_regs', '?')} regs")
+        if os.environ.get("COMPILE_PTX") and os.environ["COMPILE_PTX"] in name:
+            for line in k.asm["ptx"].splitlines():
+                if any(w in line for w in ("atom.", "fence.", "membar", "red.")):
+                    print("       ", line.strip())
         return True
     except Exception as e:  # noqa: BLE001
         print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]} | cause: {e.__cause__!r:.600}")

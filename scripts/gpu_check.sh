@@ -13,6 +13,8 @@
 #   singleht: one rank on one GPU, HT kernel variants (ht_probe.py, graph rows; PROBE_VARIANTS) and the
 #   graph-replay kernel profile (~4 min);
 #   shared4: tier 3's main HT and LL tests with 4 ranks time-sharing one GPU (SHARED_WORLD; ~5 min);
+#   final1: for a single-GPU session's last call: tier 3 shared by 2 ranks (all of it), the LL bench at one
+#   rank with and without ll.local_ticket, then tier 3's main tests shared by 8 ranks (~8 min);
 #   kbench: scripts/kernel_bench.py, the HT combine's reduce kernel alone on one GPU at R = 1, 2, 4 (~2 min);
 #   figures: every figure issues 4-5 ask for (24/32/48 SMs, copy engine vs SM push, 1-token LL),
 #   one JSONL per step under $OUT. Budget: tests ~4 min, tier2 ~2 min, bench ~2.5 min, figures ~6 min.
@@ -83,6 +85,16 @@ if [[ "$what" == shared4 ]]; then
   EPCOMM_TEST_SHARE_GPU=1 EPCOMM_TEST_WORLD=${SHARED_WORLD:-4} timeout ${SHARED_TIMEOUT:-330} python3 -m pytest -q -rfE \
     -p no:cacheprovider --durations=0 tests/gpu -k "${SHARED_K:-cases or graph or low_latency_small}" 2>&1 \
     | tee "$OUT/shared4-tests.log" | tail -25 || rc=1
+fi
+if [[ "$what" == final1 ]]; then
+  EPCOMM_TEST_SHARE_GPU=1 EPCOMM_TUNE=ll.local_ticket=1 timeout 280 python3 -m pytest -q -rfE -p no:cacheprovider \
+    --durations=5 tests/gpu 2>&1 | tee "$OUT/final-shared2.log" | tail -12 || rc=1
+  for v in 0 1; do
+    EPCOMM_TUNE=ll.local_ticket=$v timeout 80 python3 -m epcomm bench --world-size 1 --cases ll-dsv3 --mode ll \
+      --tokens 1,128 --iters 40 --warmup 5 --out "$OUT/final-ll-local$v.jsonl" 2>&1 | grep -E "^ll" | grep -v reference || rc=1
+  done
+  EPCOMM_TEST_SHARE_GPU=1 EPCOMM_TEST_WORLD=8 timeout ${SHARED8_TIMEOUT:-150} python3 -m pytest -q -rfE -p no:cacheprovider \
+    --durations=5 tests/gpu -k "cases and default or low_latency_small" 2>&1 | tee "$OUT/final-shared8.log" | tail -12 || rc=1
 fi
 if [[ "$what" == kbench ]]; then
   for r in ${KB_RANKS:-1 2 4}; do

@@ -43,11 +43,12 @@ _T_ROLE, _T_CROLE = 9, 10  # the fused dispatch's and the fused combine's role t
 # Launch parameters (scripts/profile_ll.py sweeps them on the device machine).
 TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_block=2048, recv_split=1,
             csend_warps=4, csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024,
-            fused_dispatch=False, fused_combine=False)
+            fused_dispatch=False, fused_combine=False, local_ticket=False)
 # fused_dispatch: without the hook, send and receive in one launch (kernels/ll.py
 # _ll_dispatch_fused_kernel; send_warps for both roles); fused_combine: weights and reduce in one launch,
 # with the receive too when there is no hook (_ll_combine_fused_kernel; csend_warps); both off until
-# measured on a GPU
+# measured on a GPU; local_ticket: the receive kernels count their programs with a relaxed GPU-scope
+# ticket (their last program only stores the next expected level) instead of a system-scope acq_rel one
 
 
 class LowLatencyEngine:
@@ -132,7 +133,7 @@ class LowLatencyEngine:
                 USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc, R_POW2=_pow2(r_), SHRINK=a.mask is not None,
                 UE8M0=a.use_ue8m0, HAS_CUM=cum is not None, HAS_WAIT=wst is not None, TB=TUNE["recv_tb"],
                 QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"], G_POW2=max(_pow2(g), 4), HAS_TIMER=TIMER,
-                K_POW2=_pow2(k), num_warps=TUNE["send_warps"],
+                K_POW2=_pow2(k), LOCAL_TICKET=TUNE["local_ticket"], num_warps=TUNE["send_warps"],
             )
             return LowLatencyDispatchResult(recv_x, recv_count, handle), lambda: None
 
@@ -145,7 +146,7 @@ class LowLatencyEngine:
                 self.levels[_DLEVEL + a.parity:], self.tickets[_T_DRECV:], nv.err, nv._timeout_ns, mask,
                 SHRINK=a.mask is not None, USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=cum is not None, HAS_WAIT=wst is not None,
                 TB=TUNE["recv_tb"], QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"], G_POW2=max(_pow2(g), 4),
-                HAS_TIMER=TIMER, K_POW2=_pow2(k), num_warps=TUNE["recv_warps"],
+                HAS_TIMER=TIMER, K_POW2=_pow2(k), LOCAL_TICKET=TUNE["local_ticket"], num_warps=TUNE["recv_warps"],
             )
 
         return LowLatencyDispatchResult(recv_x, recv_count, handle), receive
@@ -186,7 +187,8 @@ class LowLatencyEngine:
                 wst if wst is not None else self.levels, self.levels[_CLEVEL + a.parity:], self.tickets[_T_CRECV:],
                 self.tickets[_T_CROLE:], n_w, n_cs, r_ * m * n_cs, n_cb,
                 K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, RBLOCK=blk, HAS_WAIT=wst is not None, HAS_TIMER=TIMER,
-                SHRINK=a.mask is not None, DO_RECV=recv_too, num_warps=TUNE["csend_warps"],
+                SHRINK=a.mask is not None, DO_RECV=recv_too, LOCAL_TICKET=TUNE["local_ticket"],
+                num_warps=TUNE["csend_warps"],
             )
             if recv_too:
                 return out, lambda: None
@@ -210,7 +212,8 @@ class LowLatencyEngine:
                 wst if wst is not None else self.levels, self.levels[_CLEVEL + a.parity:],
                 self.tickets[_T_CRECV:], nv.err, nv._timeout_ns, mask,
                 K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, HAS_WAIT=wst is not None,
-                HAS_TIMER=TIMER, SHRINK=a.mask is not None, num_warps=TUNE["crecv_warps"],
+                HAS_TIMER=TIMER, SHRINK=a.mask is not None, LOCAL_TICKET=TUNE["local_ticket"],
+                num_warps=TUNE["crecv_warps"],
             )
 
         return out, receive

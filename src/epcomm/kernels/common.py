@@ -66,10 +66,16 @@ def ticket_last(ticket_ptr):
 
 
 @triton.jit
-def ticket_last_n(ticket_ptr, n):
-    """``ticket_last`` among ``n`` programs (the ones of a grid that took one role of a fused kernel)."""
+def ticket_last_n(ticket_ptr, n, LOCAL: tl.constexpr = False):
+    """``ticket_last`` among ``n`` programs (the ones of a grid that took one role of a fused kernel).
+    ``LOCAL``: a relaxed GPU-scope ticket, for a last program that publishes nothing to other GPUs or
+    to the host (it only stores a counter the next kernel on the stream reads); the programs' writes
+    are then not released, only counted."""
     tl.debug_barrier()
-    old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
+    if LOCAL:
+        old = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+    else:
+        old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
     last = old == n - 1
     if last:
         tl.atomic_xchg(ticket_ptr, 0)

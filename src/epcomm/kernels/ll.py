@@ -157,7 +157,8 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
                              level_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
                              SHRINK: tl.constexpr, USE_FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_CUM: tl.constexpr,
                              HAS_WAIT: tl.constexpr, TB: tl.constexpr, QB: tl.constexpr, BLOCK: tl.constexpr,
-                             G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr, K_POW2: tl.constexpr):
+                             G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr, K_POW2: tl.constexpr,
+                             LOCAL_TICKET: tl.constexpr = False):
     """Program ``(l, r, s)``: the block of local expert ``l`` (expert ``me*L + l``) that comes from
     source rank ``r``, in token order, after the blocks of sources ``< r`` (their messages are only
     counted); ``s`` of ``S`` programs share the row copies. Program ``s = 0`` records each
@@ -166,7 +167,7 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
              tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), ptr_table, area_off, src_bytes,
              msg_bytes, sig_off, slot_off, me, R, L, M, H, G, K, out_x, out_s, out_src, out_range, out_count,
              cum_ptr, wait_ptr, level_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr, SHRINK, USE_FP8, UE8M0,
-             HAS_CUM, HAS_WAIT, TB, QB, BLOCK, G_POW2, HAS_TIMER, K_POW2)
+             HAS_CUM, HAS_WAIT, TB, QB, BLOCK, G_POW2, HAS_TIMER, K_POW2, LOCAL_TICKET)
 
 
 @triton.jit(do_not_specialize=['T'])
@@ -178,7 +179,7 @@ def _ll_dispatch_fused_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M, ptr_t
                               R_POW2: tl.constexpr, SHRINK: tl.constexpr, UE8M0: tl.constexpr,
                               HAS_CUM: tl.constexpr, HAS_WAIT: tl.constexpr, TB: tl.constexpr, QB: tl.constexpr,
                               BLOCK: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
-                              K_POW2: tl.constexpr):
+                              K_POW2: tl.constexpr, LOCAL_TICKET: tl.constexpr = False):
     """Send and receive of a dispatch without the hook, one launch: ``n_send`` programs do the send
     kernel's work (``n_gb`` per token), the rest the receive kernel's (``L x R x S``). Roles go by a
     ticket taken at the start, sends first, so a program only gets a receive role (which waits on
@@ -197,7 +198,7 @@ def _ll_dispatch_fused_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M, ptr_t
         _ll_recv(q // (R * S), (q // S) % R, q % S, S, n_all - n_send, ptr_table, area_off, src_bytes, msg_bytes,
                  sig_off, slot_off, me, R, L, M, H, G, K, out_x, out_s, out_src, out_range, out_count, cum_ptr,
                  wait_ptr, level_ptr, recv_ticket_ptr, err_ptr, timeout_ns, mask_ptr, SHRINK, USE_FP8, UE8M0,
-                 HAS_CUM, HAS_WAIT, TB, QB, BLOCK, G_POW2, HAS_TIMER, K_POW2)
+                 HAS_CUM, HAS_WAIT, TB, QB, BLOCK, G_POW2, HAS_TIMER, K_POW2, LOCAL_TICKET)
 
 
 @triton.jit
@@ -205,7 +206,8 @@ def _ll_recv(l, r, s, S, n_programs, ptr_table, area_off, src_bytes, msg_bytes, 
              G, K, out_x, out_s, out_src, out_range, out_count, cum_ptr, wait_ptr, level_ptr, ticket_ptr, err_ptr,
              timeout_ns, mask_ptr, SHRINK: tl.constexpr, USE_FP8: tl.constexpr, UE8M0: tl.constexpr,
              HAS_CUM: tl.constexpr, HAS_WAIT: tl.constexpr, TB: tl.constexpr, QB: tl.constexpr,
-             BLOCK: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr, K_POW2: tl.constexpr):
+             BLOCK: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr, K_POW2: tl.constexpr,
+             LOCAL_TICKET: tl.constexpr = False):
     """The receive kernel's work for its program ``(l, r, s)`` of ``n_programs`` (``S`` per block)."""
     RM = R * M
     level = tl.load(level_ptr)
@@ -285,7 +287,7 @@ def _ll_recv(l, r, s, S, n_programs, ptr_table, area_off, src_bytes, msg_bytes, 
             tl.store(out_count + l, begin + running)
             if HAS_CUM:
                 tl.store(cum_ptr + l, tl.load(cum_ptr + l) + begin + running)
-    if ticket_last_n(ticket_ptr, n_programs):
+    if ticket_last_n(ticket_ptr, n_programs, LOCAL_TICKET):
         tl.store(level_ptr, level + 1)
 
 
@@ -377,19 +379,20 @@ def _ll_reduce(idx, cs, n_programs, y_ptr, H, K, me, R, L, M, ptr_table, d_area_
 def _ll_combine_recv_kernel(topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, sig_off, out_ptr, wait_ptr,
                             clevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
                             K_POW2: tl.constexpr, R_POW2: tl.constexpr, BLOCK: tl.constexpr,
-                            HAS_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr, SHRINK: tl.constexpr):
+                            HAS_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr, SHRINK: tl.constexpr,
+                            LOCAL_TICKET: tl.constexpr = False):
     """Program ``(t, c)``: ``out[t, cB:(c+1)B] = Σ_j partial_j[t]`` over the ranks ``j`` holding one of
     token ``t``'s experts, in rank order, float32, rounded once to bf16."""
     _ll_combine_recv(tl.program_id(0), tl.program_id(1), tl.num_programs(0) * tl.num_programs(1), topk_ptr, T, H,
                      K, me, R, L, M, ptr_table, c_off, sig_off, out_ptr, wait_ptr, clevel_ptr, ticket_ptr, err_ptr,
-                     timeout_ns, mask_ptr, K_POW2, R_POW2, BLOCK, HAS_WAIT, HAS_TIMER, SHRINK)
+                     timeout_ns, mask_ptr, K_POW2, R_POW2, BLOCK, HAS_WAIT, HAS_TIMER, SHRINK, LOCAL_TICKET)
 
 
 @triton.jit
 def _ll_combine_recv(t, cb, n_programs, topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, sig_off, out_ptr, wait_ptr,
                      clevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr, K_POW2: tl.constexpr,
                      R_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr,
-                     SHRINK: tl.constexpr):
+                     SHRINK: tl.constexpr, LOCAL_TICKET: tl.constexpr = False):
     """The combine receive kernel's work for its program ``(t, cb)`` of ``n_programs``."""
     level = tl.load(clevel_ptr)
     kk = tl.arange(0, K_POW2)
@@ -416,7 +419,7 @@ def _ll_combine_recv(t, cb, n_programs, topk_ptr, T, H, K, me, R, L, M, ptr_tabl
                 acc += tl.load(part + cc, mask=cm, other=0.0)
     if t < T:
         tl.store(out_ptr + t64 * H + cc, acc.to(tl.bfloat16), mask=cm)
-    if ticket_last_n(ticket_ptr, n_programs):
+    if ticket_last_n(ticket_ptr, n_programs, LOCAL_TICKET):
         tl.store(clevel_ptr, level + 1)
 
 
@@ -426,7 +429,8 @@ def _ll_combine_fused_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, 
                              err_ptr, timeout_ns, out_ptr, wait_ptr, clevel_ptr, cticket_ptr, role_ptr,
                              n_w, n_cs, n_red, n_cb, K_POW2: tl.constexpr, R_POW2: tl.constexpr,
                              BLOCK: tl.constexpr, RBLOCK: tl.constexpr, HAS_WAIT: tl.constexpr,
-                             HAS_TIMER: tl.constexpr, SHRINK: tl.constexpr, DO_RECV: tl.constexpr):
+                             HAS_TIMER: tl.constexpr, SHRINK: tl.constexpr, DO_RECV: tl.constexpr,
+                             LOCAL_TICKET: tl.constexpr = False):
     """The combine in one launch: ``n_w`` programs do the weights kernel's work, the next ``n_red``
     the reduce kernel's (``n_cs`` channel splits per source token), and with ``DO_RECV`` (no hook)
     the rest the receive kernel's (``n_cb`` channel blocks per token). Roles go by a ticket taken at
@@ -449,7 +453,7 @@ def _ll_combine_fused_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, 
             q = role - n_w - n_red
             _ll_combine_recv(q // n_cb, q % n_cb, n_all - n_w - n_red, topk_ptr, T, H, K, me, R, L, M, ptr_table,
                              c_off, sig_off, out_ptr, wait_ptr, clevel_ptr, cticket_ptr, err_ptr, timeout_ns,
-                             mask_ptr, K_POW2, R_POW2, BLOCK, HAS_WAIT, HAS_TIMER, SHRINK)
+                             mask_ptr, K_POW2, R_POW2, BLOCK, HAS_WAIT, HAS_TIMER, SHRINK, LOCAL_TICKET)
 
 
 @triton.jit
@@ -470,7 +474,7 @@ def _compile_checks():
          dict(USE_FP8=False, ROUND_SCALE=False, GC=16, K_POW2=8, R_POW2=2, SHRINK=False)),
         (_ll_dispatch_recv_kernel, {**b, "out_s": "*i32", "out_range": "*i64", "wait_ptr": "*i64"},
          dict(SHRINK=True, USE_FP8=True, UE8M0=True, HAS_CUM=True, HAS_WAIT=True, TB=128, QB=4, BLOCK=2048, G_POW2=64,
-              HAS_TIMER=True, K_POW2=8)),
+              HAS_TIMER=True, K_POW2=8, LOCAL_TICKET=True)),
         (_ll_dispatch_recv_kernel, {**b, "out_s": "*fp32", "out_range": "*i64", "wait_ptr": "*i64"},
          dict(SHRINK=False, USE_FP8=False, UE8M0=False, HAS_CUM=False, HAS_WAIT=False, TB=128, QB=4, BLOCK=1024, G_POW2=64,
               HAS_TIMER=True, K_POW2=8)),
@@ -485,6 +489,8 @@ def _compile_checks():
         (_ll_combine_reduce_kernel, {**b, "y_ptr": "*bf16"}, dict(K_POW2=8, BLOCK=1024, HAS_TIMER=True, SHRINK=True)),
         (_ll_combine_recv_kernel, {**b, "topk_ptr": "*i64", "out_ptr": "*bf16", "wait_ptr": "*i64"},
          dict(K_POW2=8, R_POW2=2, BLOCK=1024, HAS_WAIT=True, HAS_TIMER=True, SHRINK=True)),
+        (_ll_combine_recv_kernel, {**b, "topk_ptr": "*i64", "out_ptr": "*bf16", "wait_ptr": "*i64"},
+         dict(K_POW2=8, R_POW2=2, BLOCK=1024, HAS_WAIT=False, HAS_TIMER=True, SHRINK=False, LOCAL_TICKET=True)),
     ])
 
 
