@@ -83,7 +83,7 @@ def _ll(ctx, tag, env=None):
     return len(out)
 
 
-@pytest.mark.parametrize("env", [{}, {"EPCOMM_TUNE": "ll.fused_dispatch=1,ll.fused_combine=1,ll.local_ticket=1"}],
+@pytest.mark.parametrize("env", [{}, {"EPCOMM_TUNE": "ll.fused_dispatch=1,ll.fused_combine=1,ll.local_ticket=0"}],
                          ids=["separate-kernels", "fused"])
 def test_nvlink_low_latency_on_cpu_processes(env):
     assert parallel_launch(2, _ll, uuid.uuid4().hex[:12], env, backend="gloo", timeout_s=300) == [5, 5]

@@ -43,12 +43,14 @@ _T_ROLE, _T_CROLE = 9, 10  # the fused dispatch's and the fused combine's role t
 # Launch parameters (scripts/profile_ll.py sweeps them on the device machine).
 TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_block=2048, recv_split=1,
             csend_warps=4, csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024,
-            fused_dispatch=False, fused_combine=False, local_ticket=False)
+            fused_dispatch=False, fused_combine=False, local_ticket=True)
 # fused_dispatch: without the hook, send and receive in one launch (kernels/ll.py
 # _ll_dispatch_fused_kernel; send_warps for both roles); fused_combine: weights and reduce in one launch,
 # with the receive too when there is no hook (_ll_combine_fused_kernel; csend_warps); both off until
 # measured on a GPU; local_ticket: the receive kernels count their programs with a relaxed GPU-scope
 # ticket (their last program only stores the next expected level) instead of a system-scope acq_rel one
+# (one H200, one rank, 128 tokens, graph replays, same run: dispatch receive 12.9 -> 12.1 us, combine
+# receive 8.7 -> 8.0 us; 1 token: 7.4 -> 7.2, 5.9 -> 5.5 us)
 
 
 class LowLatencyEngine:
