@@ -55,3 +55,17 @@ def test_a_rank_that_cannot_take_the_signal_still_leaves_its_stacks():
         parallel_launch(2, _hangs_deaf, backend="gloo", timeout_s=20)
     msg = str(e.value)
     assert "rank 1 was still running" in msg and "_stuck_here" in msg, msg
+
+
+@pytest.mark.parametrize("env, gpus, world, expected", [
+    ("1", 1, 2, True), ("1", 2, 2, False), ("0", 1, 2, False), ("", 1, 4, False), ("1", 0, 2, False),
+])
+def test_shared_gpu_mode_only_when_asked_and_short_of_gpus(monkeypatch, env, gpus, world, expected):
+    import torch
+
+    from epcomm.testing import launcher
+
+    monkeypatch.setenv("EPCOMM_TEST_SHARE_GPU", env)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert launcher.share_gpu(world) is expected
