@@ -127,11 +127,11 @@ def _names(log):
 def test_eager_dispatch_combine_and_cached(rig):
     b = rig.b[0]
     res = b.dispatch(_args())
-    assert _names(rig.log) == ["_ce_wait_kernel"] + ["_ce_signal_kernel"] * 4 + ["_notify_kernel", "_gather_kernel",
-                                                                              "_handle_kernel"]
+    assert _names(rig.log) == ["_ce_wait_kernel"] + ["_ce_signal_kernel"] * 4 + ["_notify_kernel", "_handle_kernel",
+                                                                              "_gather_kernel"]
     handle = res.handle
     assert handle.rank_prefix_matrix.shape == (R, R) and handle.send_head.shape == (T, R)
-    assert not rig.log[-1][2]["CHECK_WORST"] and not rig.log[-1][2]["CHECK_TOPK"]
+    assert not rig.log[-2][2]["CHECK_WORST"] and not rig.log[-2][2]["CHECK_TOPK"]
     rig.log.clear()
     out, w = b.combine(res.recv_x, handle, res.recv_topk_weights, ())
     assert out.shape == (T, H) and w.shape == (T, K)
@@ -146,8 +146,8 @@ def test_worst_dispatch_checks_on_the_device(rig):
     b = rig.b[1]
     res = b.dispatch(_args(worst=R * T))
     assert res.recv_x.shape == (R * T, H) and res.num_recv_tokens_per_expert_list == []
-    handle_launch = rig.log[-1]
-    assert handle_launch[0] == "_handle_kernel"
+    handle_launch = rig.log[-2]
+    assert handle_launch[0] == "_handle_kernel" and rig.log[-1][0] == "_gather_kernel"
     assert handle_launch[2]["CHECK_WORST"] and handle_launch[2]["CHECK_TOPK"] and handle_launch[2]["num_worst"] == R * T
     rig.log.clear()
     b.combine(res.recv_x, res.handle, None, ())  # no host prefix on the handle: the SM push
@@ -158,10 +158,10 @@ def test_captured_calls_push_with_sms(rig):
     rig.capturing["on"] = True
     rig.b[0].dispatch(_args(worst=R * T))
     # the gather kernel pushes (after notify: its own block and the push at once), no copy engine
-    assert _names(rig.log) == ["_notify_kernel", "_gather_kernel", "_handle_kernel"]
-    gather = rig.log[1][2]
+    assert _names(rig.log) == ["_notify_kernel", "_handle_kernel", "_gather_kernel"]
+    gather = rig.log[2][2]
     assert gather["PUSH"] and gather["PUSH_TOPK"] and gather["PUSH_RB"] == nv.TUNE["push_rb"]
-    assert gather["PUSH_BLOCK"] == nv.TUNE["push_block"] and rig.log[1][1] == (rig.b[0].num_sms,)
+    assert gather["PUSH_BLOCK"] == nv.TUNE["push_block"] and rig.log[2][1] == (rig.b[0].num_sms,)
 
 
 def test_captured_calls_without_fusion_use_the_push_kernel(rig, monkeypatch):
@@ -169,10 +169,10 @@ def test_captured_calls_without_fusion_use_the_push_kernel(rig, monkeypatch):
     rig.capturing["on"] = True
     rig.b[0].dispatch(_args(worst=R * T))
     names = _names(rig.log)
-    assert names == ["_push_kernel", "_notify_kernel", "_gather_kernel", "_handle_kernel"]
+    assert names == ["_push_kernel", "_notify_kernel", "_handle_kernel", "_gather_kernel"]
     push = rig.log[0][2]
     assert push["RB"] == nv.TUNE["push_rb"] and push["BLOCK"] == nv.TUNE["push_block"] and push["HAS_TOPK"]
-    assert not rig.log[2][2]["PUSH"]
+    assert not rig.log[3][2]["PUSH"]
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 4])
@@ -293,7 +293,7 @@ def test_notify_first_queues_the_exchange_before_the_copies(rig, monkeypatch):
     rig.b[0].dispatch(_args())
     names = _names(rig.log)
     assert names[:2] == ["_notify_kernel", "_ce_wait_kernel"] and names.count("_ce_signal_kernel") == 4
-    assert names[-2:] == ["_gather_kernel", "_handle_kernel"]
+    assert names[-2:] == ["_handle_kernel", "_gather_kernel"]
 
 
 @pytest.mark.parametrize("hook", [False, True])

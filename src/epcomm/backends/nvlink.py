@@ -430,12 +430,27 @@ class NVLinkBackend(Backend):
         else:
             self._bulk_dispatch(x_words, scales, topk, w, lay, is_in, **bulk)
             notify()
+        # The handle's tensors need only the notify outputs: their kernel is queued before the
+        # synchronisation, so its launch is not on the host's path between the counts and the gather.
+        rpm = torch.empty(r_, r_, dtype=torch.int32, device=dev)
+        recv_cp = torch.empty(r_, c, dtype=torch.int32, device=dev)
+        send_head = torch.empty(t, r_, dtype=torch.int32, device=dev)
+
+        def handle_kernel():
+            tb = 128
+            ht._handle_kernel[(max(1, min(self.num_sms, (t + tb - 1) // tb)),)](
+                counts, chan, c, send_head_rel, t, r_, me, rpm, recv_cp, send_head, self.err, a.num_worst_tokens,
+                topk if topk is not None else send_head, k, e, CHECK_WORST=bool(a.num_worst_tokens),
+                R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, CHECK_TOPK=bool(a.num_worst_tokens) and topk is not None,
+                K_POW2=_pow2(k), num_warps=4)
+
         host_counts = None
         bad_id = None
         if a.num_worst_tokens:
             # no host synchronisation: expert ids are checked by the handle kernel (error word)
             n_rows = a.num_worst_tokens
             lst = []
+            handle_kernel()
         else:
             # The contract's one synchronisation: counts, the error word and the expert-id range come back
             # together; everything after it is Python arithmetic on one list (no torch ops per value).
@@ -448,6 +463,7 @@ class NVLinkBackend(Backend):
             if topk is not None and t:
                 self.ids_host.copy_(torch.stack(torch.aminmax(topk)), non_blocking=True)
             self._sync_event.record()
+            handle_kernel()  # queued behind the event: the host waits for the counts, not for it
             self._sync_event.synchronize()
             vals = nh[:nn + 4].tolist()
             if vals[nn]:
@@ -462,15 +478,6 @@ class NVLinkBackend(Backend):
         out_x, out_s, out_k, out_w = self._gather(x_words, scales, topk, w, lay, counts, False, n_rows, me * lx, lx,
                                                   out_src, False, g, k, toks, is_in)
         self._join_ce()
-        rpm = torch.empty(r_, r_, dtype=torch.int32, device=dev)
-        recv_cp = torch.empty(r_, c, dtype=torch.int32, device=dev)
-        send_head = torch.empty(t, r_, dtype=torch.int32, device=dev)
-        tb = 128
-        ht._handle_kernel[(max(1, min(self.num_sms, (t + tb - 1) // tb)),)](
-            counts, chan, c, send_head_rel, t, r_, me, rpm, recv_cp, send_head, self.err, a.num_worst_tokens,
-            topk if topk is not None else send_head, k, e, CHECK_WORST=bool(a.num_worst_tokens), R_POW2=_pow2(r_),
-            C_POW2=_pow2(c), TB=tb, CHECK_TOPK=bool(a.num_worst_tokens) and topk is not None, K_POW2=_pow2(k),
-            num_warps=4)
         if bad_id is not None:
             # A bad expert id: every rank still finished this exchange (ids out of range were ignored
             # by the layout), so the Buffer stays in step; report the argument.
