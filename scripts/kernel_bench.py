@@ -53,7 +53,7 @@ def run(r_, sms, variants, iters=20):
     ref = x[:T].float() + sum(stage_x[j].float() for j in range(r_) if j != me)
     rows = []
     for tb, block, stages, warps in variants:
-        flags.view(-1)[ht.CDATA.value * r_:(ht.CDATA.value + 1) * r_] = 1 << 24  # every chunk has arrived
+        flags[ht.CDATA.value * r_:(ht.CDATA.value + 1) * r_] = 1 << 24  # every chunk has arrived
         ctr.zero_()
 
         def launch():

@@ -574,7 +574,8 @@ class NVLinkBackend(Backend):
             b0.contiguous(), b1.contiguous(), out, out_w if out_w is not None else stage_w,
             self.ptr_table, self.flags_off, self.ctrs[CRECV:], self.tickets[T_REDUCE:], self.err, self._timeout_ns,
             HAS_W=w is not None, NUM_BIAS=len(bias), NC=NC, TB=tb, BLOCK=TUNE["reduce_block"], R_POW2=_pow2(r_),
-            K_POW2=_pow2(k), HAS_TIMER=TIMER, STAGES=reduce_stages(_pow2(r_), tb, TUNE["reduce_block"]), num_warps=TUNE["reduce_warps"],
+            K_POW2=_pow2(k), HAS_TIMER=TIMER, STAGES=reduce_stages(_pow2(r_), tb, TUNE["reduce_block"]),
+            num_warps=TUNE["reduce_warps"],
         )
         self._join_ce()
         return out, out_w

@@ -148,7 +148,8 @@ class LowLatencyEngine:
                 self.levels[_DLEVEL + a.parity:], self.tickets[_T_DRECV:], nv.err, nv._timeout_ns, mask,
                 SHRINK=a.mask is not None, USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=cum is not None, HAS_WAIT=wst is not None,
                 TB=TUNE["recv_tb"], QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"], G_POW2=max(_pow2(g), 4),
-                HAS_TIMER=TIMER, K_POW2=_pow2(k), LOCAL_TICKET=TUNE["local_ticket"], num_warps=TUNE["recv_warps"],
+                HAS_TIMER=TIMER, K_POW2=_pow2(k), LOCAL_TICKET=TUNE["local_ticket"],
+                num_warps=TUNE["recv_warps"],
             )
 
         return LowLatencyDispatchResult(recv_x, recv_count, handle), receive

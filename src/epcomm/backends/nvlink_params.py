@@ -18,7 +18,8 @@ DEFAULT_NVL_BYTES = 256 << 20
 NUM_CTRS = 16
 # launch parameters of the high-throughput kernels (scripts/ht_probe.py sweeps them on the device machine)
 TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, reduce_tb=16, reduce_block=512,
-            reduce_warps=16, reduce_stages=3, notify_block=1024, notify_warps=8, push_rb=16, push_block=1024, push_warps=8,
+            reduce_warps=16, reduce_stages=3, notify_block=1024, notify_warps=8, push_rb=16, push_block=1024,
+            push_warps=8,
             cpush_rb=8, cpush_block=512, cpush_warps=8,
             gather_one_load=True, ce_chunks=4, fused_push=True, ce_flag="kernel", gather_prefetch=False,
             ce_chunks_sync=0, notify_first=False)

