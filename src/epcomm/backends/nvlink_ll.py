@@ -31,7 +31,7 @@ import torch
 from .. import layout
 from ..layout import LowLatencyHandle
 from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult
-from .nvlink import TIMER, _pow2
+from .nvlink_params import TIMER, _pow2
 
 # local counters (int32 device memory): dispatch-receive level [2], combine weight level [2],
 # combine-receive level [2]
