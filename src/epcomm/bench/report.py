@@ -24,7 +24,6 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .. import _env
 from . import accounting
 
 ROW_FIELDS = (
@@ -51,14 +50,56 @@ def _run(cmd: list[str], cwd: str | None = None, timeout: float = 10.0) -> str |
     return p.stdout.strip() if p.returncode == 0 else None
 
 
+def _package_dir() -> Path:
+    """The directory of the imported ``epcomm/__init__.py`` (not the cwd: a bench may run anywhere)."""
+    return Path(__file__).resolve().parents[1]
+
+
+def _installed_commit() -> str | None:
+    """The commit pip recorded when epcomm was installed from a VCS URL (PEP 610 ``direct_url.json``)."""
+    try:
+        dist = importlib.metadata.distribution("epcomm")
+        if Path(dist.locate_file("epcomm/__init__.py")).resolve() != _package_dir() / "__init__.py":
+            return None  # the imported package is not the installed one
+        text = dist.read_text("direct_url.json")
+        return json.loads(text)["vcs_info"]["commit_id"] if text else None
+    except (importlib.metadata.PackageNotFoundError, KeyError, TypeError, ValueError):
+        return None
+
+
+def source_commit() -> tuple[str | None, bool | None]:
+    """``(sha, dirty)`` of epcomm's own source, wherever the process runs.
+
+    From the git checkout that holds the imported package (``dirty``: the package's files differ
+    from that commit, untracked modules included); else from the install record of a
+    ``pip install git+...``, ``dirty`` None; else ``(None, None)``. A checkout counts only if it
+    tracks ``epcomm/__init__.py``: a site-packages inside some other repository is not epcomm's.
+    """
+    pkg = str(_package_dir())
+    if _run(["git", "-C", pkg, "ls-files", "--error-unmatch", "__init__.py"]) is not None:
+        sha = _run(["git", "-C", pkg, "rev-parse", "HEAD"])
+        if sha:
+            status = _run(["git", "-C", pkg, "status", "--porcelain", "--", "."])
+            return sha, (bool(status) if status is not None else None)
+    return _installed_commit(), None
+
+
 def git_info() -> tuple[str, bool | None]:
-    """``(sha, dirty)`` of the checkout epcomm is imported from, or ``("unknown", None)``."""
-    here = str(Path(__file__).resolve().parent)
-    sha = _run(["git", "rev-parse", "HEAD"], cwd=here)
-    if not sha:
-        return "unknown", None
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here)
-    return sha, (bool(status) if status is not None else None)
+    """:func:`source_commit` with ``"unknown"`` for a missing sha (for ``epcomm env``)."""
+    sha, dirty = source_commit()
+    return sha or "unknown", dirty
+
+
+def epcomm_version() -> str:
+    """The installed distribution's version; the package's ``__version__`` when not installed."""
+    from .. import __version__
+
+    return package_version("epcomm") or __version__
+
+
+def epcomm_variables() -> dict[str, str]:
+    """Every ``EPCOMM_*`` variable set for this run, known to ``epcomm env`` or not, sorted."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("EPCOMM_") and v}
 
 
 def package_version(name: str) -> str | None:
@@ -77,12 +118,14 @@ def driver_version() -> str | None:
 
 
 def environment(device_info: dict, world_size: int, transport: str, backends: list[str]) -> dict:
-    """What every row carries: device, versions, git sha, date, world size, transport, backends."""
+    """What every row carries: device, versions, epcomm's commit, date, world size, transport, backends.
+
+    ``git_sha``/``git_dirty`` are epcomm's own (:func:`source_commit`), None when unknown;
+    ``epcomm_env`` holds every ``EPCOMM_*`` variable that was set.
+    """
     import torch
 
-    from .. import __version__
-
-    sha, dirty = git_info()
+    sha, dirty = source_commit()
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device_info.get("device", "cpu"),
@@ -92,7 +135,7 @@ def environment(device_info: dict, world_size: int, transport: str, backends: li
         "nccl": device_info.get("nccl"),
         "torch": torch.__version__,
         "triton": package_version("triton"),
-        "epcomm": __version__,
+        "epcomm": epcomm_version(),
         "git_sha": sha,
         "git_dirty": dirty,
         "python": platform.python_version(),
@@ -100,7 +143,7 @@ def environment(device_info: dict, world_size: int, transport: str, backends: li
         "transport": transport,
         "backends": backends,
         # the epcomm variables set for this run (EPCOMM_HT_TRANSFER, EPCOMM_TUNE, ...): what ran
-        "epcomm_env": {k: os.environ[k] for k in _env.VARIABLES if os.environ.get(k)},
+        "epcomm_env": epcomm_variables(),
     }
     return env
 
@@ -253,7 +296,7 @@ def render_header(env: dict, ce_gbps: float | None) -> str:
         (f"epcomm bench | {dev} | {env['world_size']} ranks on {env['transport']} | backends: "
          f"{', '.join(env['backends'])}"),
         f"torch {env['torch']} | triton {env['triton'] or 'absent'} | epcomm {env['epcomm']} "
-        f"(git {env['git_sha'][:12]}{'+dirty' if env.get('git_dirty') else ''}) | "
+        f"(git {(env.get('git_sha') or 'unknown')[:12]}{'+dirty' if env.get('git_dirty') else ''}) | "
         + (f"driver {env['driver']} | cuda {env['cuda']} | nccl {env['nccl']} | " if env.get("gpu_count") else "")
         + env["date"],
     ]
