@@ -1,4 +1,4 @@
-"""Tier 1: the Triton kernels' logic on CPU. scripts/sim_ht.py and scripts/sim_ll.py run every
+"""Tier 1: the Triton kernels' logic on CPU. sims/sim_ht.py and sims/sim_ll.py (beside this file) run every
 high-throughput and low-latency kernel under the Triton interpreter with 1-3 simulated ranks (peer
 buffers are CPU tensors) and compare with oracles: dispatch bitwise, combine within the budget,
 shrink. Each runs in its own process (TRITON_INTERPRET must be set before Triton loads). Skipped
@@ -13,12 +13,13 @@ pytest.importorskip("triton")
 pytest.importorskip("numpy")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SIMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sims")
 
 
 @pytest.mark.parametrize("script", ["sim_ht.py", "sim_ll.py"])
 def test_kernels_under_the_interpreter(script):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script)], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, os.path.join(SIMS, script)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     oks = [line for line in proc.stdout.splitlines() if line.startswith("ok")]

@@ -1,7 +1,8 @@
 """Run the high-throughput kernels under TRITON_INTERPRET=1 on CPU with R simulated ranks in one
-process (peer buffers are plain CPU tensors), against the reference oracle. A development aid:
-``pip install triton==3.6.0; PYTHONPATH=src python scripts/sim_ht.py``."""
-import _interp  # noqa: F401  (sets TRITON_INTERPRET=1; must come before triton)
+process (peer buffers are plain CPU tensors), against the reference oracle. Run by
+``tests/unit/test_kernel_sims.py``; alone: ``pip install triton==3.6.0; PYTHONPATH=src python
+tests/unit/sims/sim_ht.py``."""
+import epcomm.testing.interp  # noqa: F401  (sets TRITON_INTERPRET=1; must come before triton)
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from epcomm import layout  # noqa: E402
