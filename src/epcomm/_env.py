@@ -11,10 +11,20 @@ VARIABLES = {
     "EPCOMM_HT_TRANSFER": "nvlink high-throughput bulk mover: ce (default: copy engine for eager calls, SMs for calls "
                           "captured in a CUDA graph) | sm (Triton push kernels always) | ce-always (the copy engine "
                           "under capture too; diagnostic: it delivered stale rows under replay on H200, 2026-11-22)",
+    "EPCOMM_VERIFY_LAUNCH": "1: every Triton launch also runs Triton's binder and checks that the kernel bound once "
+                            "for its key is the one Triton would pick (slow; the GPU tests set it)",
+    "EPCOMM_AS_DEEP_EP": "1: every Python process that imports deep_ep (Megatron-Core, vLLM, SGLang, ...) gets "
+                         "epcomm, even where a real DeepEP is installed (a .pth hook installed with epcomm; "
+                         "docs/clients.md); 0 or unset: nothing named deep_ep is provided",
     "EPCOMM_TUNE": "nvlink launch parameters, e.g. push_rb=16,ce_flag=copy,ll.fused_dispatch=1 (keys and defaults: "
                    "TUNE in backends/nvlink_params.py; ll. keys: TUNE in backends/nvlink_ll.py; for measuring "
                    "variants with epcomm bench)",
 }
+
+
+def verify_launch() -> bool:
+    """``EPCOMM_VERIFY_LAUNCH=1``: every kernel launch also checks its bound specialisation (kernels/launch.py)."""
+    return os.environ.get("EPCOMM_VERIFY_LAUNCH", "") == "1"
 
 
 def backend() -> str | None:
@@ -56,3 +66,11 @@ def tune() -> dict[str, str]:
             raise ValueError(f"EPCOMM_TUNE must be key=value pairs separated by commas, got {v!r}")
         out[key.strip()] = val.strip()
     return out
+
+
+def as_deep_ep() -> bool:
+    """``EPCOMM_AS_DEEP_EP``: whether epcomm answers ``import deep_ep`` (the rule lives in the torch-free
+    start-up hook ``_epcomm_as_deep_ep``, which reads it before anything else can)."""
+    from _epcomm_as_deep_ep import switch_on
+
+    return switch_on()

@@ -25,6 +25,7 @@ parameters and host arithmetic: ``nvlink_params.py``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import weakref
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _env
+from ..kernels.launch import Ptr
 from ..layout import DispatchHandle
 from .base import Backend, DispatchArgs, DispatchResult, PeerTimeoutError
 from .nvlink_params import (
@@ -65,6 +67,16 @@ from .nvlink_params import (
 
 log = logging.getLogger(__name__)
 
+
+
+def _aligned(*tensors) -> int:
+    """Bit ``i`` set where per-call tensor ``i`` (or None) is not 16-byte aligned: Triton specialises a
+    kernel on its pointers' alignment, so this joins the launch key (kernels/launch.py)."""
+    bits = 0
+    for i, t in enumerate(tensors):
+        if t is not None and type(t) is not Ptr and t.data_ptr() & 15:
+            bits |= 1 << i
+    return bits
 
 
 def availability(buf) -> tuple[bool, str]:
@@ -145,11 +157,26 @@ class NVLinkBackend(Backend):
         apply_tune({k: v for k, v in over.items() if not k.startswith("ll.")})
         apply_tune({k[3:]: v for k, v in over.items() if k.startswith("ll.")}, nvlink_ll.TUNE, "ll.")
         self.flag_words = torch.zeros(2, dtype=torch.int32, device=self.device)  # TUNE["ce_flag"] == "copy"
+        self._bind_kernels()
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
         self._ll = None
 
     # ------------------------------------------------------------------ helpers
+
+    def _bind_kernels(self) -> None:
+        """The kernels' launchers and the persistent buffers as addresses (kernels/launch.py): made once,
+        so a call makes no slice or view of them."""
+        from ..kernels import ht
+        from ..kernels.launch import Launcher
+
+        self.k = {name: Launcher(getattr(ht, name)) for name in (
+            "_push_kernel", "_ce_wait_kernel", "_ce_signal_kernel", "_ce_flag_value_kernel", "_gather_kernel",
+            "_notify_kernel", "_handle_kernel", "_combine_push_kernel", "_reduce_kernel")}
+        self.p_table, self.p_err, self.p_nctr = Ptr(self.ptr_table), Ptr(self.err), Ptr(self.nctr)
+        self.p_ctr = {i: Ptr(self.ctrs[i:]) for i in (DSEND, DRECV, CSEND, CRECV)}
+        self.p_tk = {i: Ptr(self.tickets[i:]) for i in (T_GATHER, T_REDUCE, T_DPUSH, T_CPUSH)}
+        self.p_src_lists = Ptr(self.src_lists)
 
     @property
     def num_sms(self) -> int:
@@ -223,17 +250,19 @@ class NVLinkBackend(Backend):
             v = self._views[key] = make()
         return v
 
-    def _local(self, off: int, slot_bytes: int, dtype: torch.dtype) -> torch.Tensor:
-        """All R slots of one staging array, as ``dtype`` (slot ``i`` at ``i * slot_bytes``)."""
+    def _local(self, off: int, slot_bytes: int, dtype: torch.dtype):
+        """All R slots of one staging array, as ``dtype`` (slot ``i`` at ``i * slot_bytes``), as a kernel
+        argument (``launch.Ptr``; its tensor is ``.tensor``)."""
         return self._view(("local", off, slot_bytes, dtype),
-                          lambda: self.symm[off:off + self.num_ranks * slot_bytes].view(dtype))
+                          lambda: Ptr(self.symm[off:off + self.num_ranks * slot_bytes].view(dtype)))
 
     def _notify_views(self, lx: int, c: int):
-        """``counts[R][R]``, ``per_expert[R][lx]``, ``chan[R][c]`` and ``toks[R]`` in the notify output."""
+        """``counts[R][R]``, ``per_expert[R][lx]``, ``chan[R][c]`` and ``toks[R]`` in the notify output,
+        as kernel arguments (``launch.Ptr``)."""
         r_, no = self.num_ranks, self.notify_out
-        return self._view(("notify", lx, c), lambda: (
+        return self._view(("notify", lx, c), lambda: tuple(Ptr(v) for v in (
             no[:r_ * r_].view(r_, r_), no[r_ * r_:r_ * r_ + r_ * lx].view(r_, lx),
-            no[r_ * r_ + r_ * L_MAX:r_ * r_ + r_ * L_MAX + r_ * c].view(r_, c), no[r_ * r_ + r_ * L_MAX + r_ * C_MAX:]))
+            no[r_ * r_ + r_ * L_MAX:r_ * r_ + r_ * L_MAX + r_ * c].view(r_, c), no[r_ * r_ + r_ * L_MAX + r_ * C_MAX:])))
 
     # ------------------------------------------------------------------ dispatch
 
@@ -254,12 +283,14 @@ class NVLinkBackend(Backend):
             has_s, has_k = scales is not None and scales.numel() > 0, topk is not None and topk.numel() > 0
             g = scales.shape[1] if has_s else 0
             k = topk.shape[1] if has_k else 0
-            ht._push_kernel[grid](x_words, x_words.shape[1], x_words.shape[0], r_, me, is_in.view(torch.int8),
-                                  self.ptr_table, self.flags_off, ht.DDATA, ht.DCONSUMED, lay["dx"],
-                                  lay["d_slot"], self.ctrs[DSEND:], self.tickets[T_DPUSH:], self.err, 2,
-                                  self._timeout_ns, scales if has_s else self.err, g, topk if has_k else self.err,
-                                  w if has_k else self.err, k, lay["ds"], lay["dk"], lay["dw"],
-                                  NC=NC, RB=TUNE["push_rb"], BLOCK=TUNE["push_block"],
+            key = (x_words.shape[1], g, k, _aligned(x_words, scales, topk, w, is_in))
+            self.k["_push_kernel"](key, grid, x_words, x_words.shape[1], x_words.shape[0], r_, me,
+                                   is_in.view(torch.int8), self.p_table, self.flags_off, ht.DDATA.value,
+                                   ht.DCONSUMED.value, lay["dx"], lay["d_slot"], self.p_ctr[DSEND],
+                                   self.p_tk[T_DPUSH], self.p_err, 2, self._timeout_ns,
+                                   scales if has_s else self.p_err, g, topk if has_k else self.p_err,
+                                   w if has_k else self.p_err, k, lay["ds"], lay["dk"], lay["dw"],
+                                   NC=NC, RB=TUNE["push_rb"], BLOCK=TUNE["push_block"],
                                   HAS_TIMER=TIMER, ELEM=torch_to_tl(x_words.dtype), HAS_SCALES=has_s,
                                   HAS_TOPK=has_k, G_POW2=_pow2(g), K_POW2=_pow2(k), num_warps=TUNE["push_warps"])
             return
@@ -270,8 +301,8 @@ class NVLinkBackend(Backend):
         t = x_words.shape[0]
         per, step = _chunk_rows(t), _ce_step(synchronised)
         with torch.cuda.stream(self.ce_stream):
-            ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.DCONSUMED, r_, me, self.ctrs[DSEND:],
-                                     self.err, 2, self._timeout_ns, HAS_TIMER=TIMER)
+            self.k["_ce_wait_kernel"](DSEND, (1,), self.p_table, self.flags_off, ht.DCONSUMED.value, r_, me,
+                                      self.p_ctr[DSEND], self.p_err, 2, self._timeout_ns, HAS_TIMER=TIMER)
             side = [(scales, "ds"), (topk, "dk"), (w, "dw")]
             for c in range(0, NC, step):
                 lo, hi = min(c * per, t), min((c + step) * per, t)
@@ -303,10 +334,11 @@ class NVLinkBackend(Backend):
 
         r_, me, last = self.num_ranks, self.rank, int(done == NC)
         if TUNE["ce_flag"] != "copy":
-            ht._ce_signal_kernel[(1,)](self.ptr_table, self.flags_off, slot, r_, me, self.ctrs[ctr:], inc, last)
+            self.k["_ce_signal_kernel"](ctr, (1,), self.p_table, self.flags_off, int(slot), r_, me, self.p_ctr[ctr],
+                                        inc, last)
             return
         word = self.flag_words[int(int(slot) == int(ht.CDATA)):][:1]
-        ht._ce_flag_value_kernel[(1,)](self.ctrs[ctr:], word, done, last, NC=NC)
+        self.k["_ce_flag_value_kernel"](ctr, (1,), self.p_ctr[ctr], word, done, last, NC=NC)
         src = word.view(torch.uint8)
         for j in range(r_):
             if j != me:
@@ -337,7 +369,6 @@ class NVLinkBackend(Backend):
     def _gather(self, x_words, scales, topk, w, lay, counts, is_prefix: bool, n_rows: int, lo_expert: int,
                 lx: int, out_src: torch.Tensor, cached: bool, g: int, k: int, toks: torch.Tensor | None,
                 is_in: torch.Tensor):
-        from ..kernels import ht
 
         dev = self.device
         out_x = torch.empty(n_rows, x_words.shape[1], dtype=x_words.dtype, device=dev)
@@ -361,19 +392,21 @@ class NVLinkBackend(Backend):
         fused_grid = min(self.num_sms, self.sm_count) if TIMER else 1
         grid = (max(1, fused_grid if push else min(self.num_sms, (n_rows + rb - 1) // rb)),)
         has_k = topk is not None and topk.numel() > 0
-        ht._gather_kernel[grid](
+        key = (row, g, k, lx, cached, _aligned(x_words, scales, topk, w, counts, is_in))
+        self.k["_gather_kernel"](
+            key, grid,
             x_words, scales if scales is not None else dummy_f, topk if topk is not None else stage_k,
             w if w is not None else dummy_f, row, g, k,
-            counts, counts.stride(0), self.rank, self.num_ranks, lo_expert, lx,
-            toks if toks is not None else self.nctr,
-            self.src_lists, self.src_lists.stride(0), n_rows,
+            counts, self.num_ranks, self.rank, self.num_ranks, lo_expert, lx,
+            toks if toks is not None else self.p_nctr,
+            self.p_src_lists, self.src_lists.stride(0), n_rows,
             stage_x, lay["d_slot"] // x_words.element_size(), stage_s, lay["d_slot"] // 4, stage_k,
             lay["d_slot"] // 8, stage_w, lay["d_slot"] // 4,
             out_x, out_s if out_s is not None else dummy_f, g, 1,
             out_k if out_k is not None else stage_k, out_w if out_w is not None else dummy_f, out_src,
-            self.ptr_table, self.flags_off, self.ctrs[DRECV:], self.tickets[T_GATHER:], self.err, self._timeout_ns,
-            is_in.view(torch.int8) if push else self.err, x_words.shape[0], lay["dx"], lay["d_slot"], lay["ds"],
-            lay["dk"], lay["dw"], self.ctrs[DSEND:], self.tickets[T_DPUSH:],
+            self.p_table, self.flags_off, self.p_ctr[DRECV], self.p_tk[T_GATHER], self.p_err, self._timeout_ns,
+            is_in.view(torch.int8) if push else self.p_err, x_words.shape[0], lay["dx"], lay["d_slot"], lay["ds"],
+            lay["dk"], lay["dw"], self.p_ctr[DSEND], self.p_tk[T_DPUSH],
             PUSH=push, PUSH_RB=TUNE["push_rb"], PUSH_BLOCK=TUNE["push_block"], ELEM=torch_to_tl(x_words.dtype),
             PUSH_TOPK=push and has_k,
             CACHED=cached, IS_PREFIX=is_prefix, HAS_SCALES=scales is not None, HAS_TOPK=out_k is not None,
@@ -385,7 +418,6 @@ class NVLinkBackend(Backend):
         return out_x, out_s, out_k, out_w
 
     def dispatch(self, a: DispatchArgs) -> DispatchResult:
-        from ..kernels import ht
 
         self._check_error()
         r_, me, dev = self.num_ranks, self.rank, self.device
@@ -409,13 +441,17 @@ class NVLinkBackend(Backend):
         counts, per_expert, chan, toks = self._notify_views(lx, c)
         per_chan = max((t + c - 1) // c, 1)
 
+        ntpr, ntpe = a.num_tokens_per_rank, a.num_tokens_per_expert
+        key = (lx, c, k, e, _aligned(is_in, ntpr, ntpe, topk))
+
         def notify():
-            ht._notify_kernel[(r_,)](
-                is_in.view(torch.int8), t, r_, me, a.num_tokens_per_rank, a.num_tokens_per_expert, lx, c, per_chan,
-                self.ptr_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
+            self.k["_notify_kernel"](
+                key, (r_,),
+                is_in.view(torch.int8), t, r_, me, ntpr, ntpe, lx, c, per_chan,
+                self.p_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
                 self.list_off, self.list_parity_bytes, self.list_src_bytes,
-                self.nctr, send_head_rel, cpm, counts, per_expert, chan, toks, self.src_lists,
-                self.src_lists.stride(0), self.err, self._timeout_ns,
+                self.p_nctr, send_head_rel, cpm, counts, per_expert, chan, toks, self.p_src_lists,
+                self.src_lists.stride(0), self.p_err, self._timeout_ns,
                 BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=TIMER,
                 num_warps=TUNE["notify_warps"],
             )
@@ -438,13 +474,14 @@ class NVLinkBackend(Backend):
 
         def handle_kernel():
             tb = 128
-            ht._handle_kernel[(max(1, min(self.num_sms, (t + tb - 1) // tb)),)](
-                counts, chan, c, send_head_rel, t, r_, me, rpm, recv_cp, send_head, self.err, a.num_worst_tokens,
+            self.k["_handle_kernel"](
+                key, (max(1, min(self.num_sms, (t + tb - 1) // tb)),),
+                counts, chan, c, send_head_rel, t, r_, me, rpm, recv_cp, send_head, self.p_err, a.num_worst_tokens,
                 topk if topk is not None else send_head, k, e, CHECK_WORST=bool(a.num_worst_tokens),
                 R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, CHECK_TOPK=bool(a.num_worst_tokens) and topk is not None,
                 K_POW2=_pow2(k), num_warps=4)
 
-        host_counts = None
+        host_col = None
         bad_id = None
         if a.num_worst_tokens:
             # no host synchronisation: expert ids are checked by the handle kernel (error word)
@@ -473,7 +510,7 @@ class NVLinkBackend(Backend):
                 if lo < -1 or hi >= e:
                     bad_id = lo if lo < -1 else hi
             cnt, n_rows, lst = _host_counts(vals, r_, lx, me, a.expert_alignment)
-            host_counts = torch.tensor(cnt, dtype=torch.int64)
+            host_col = list(itertools.accumulate(row[me] for row in cnt))
         out_src = torch.empty(n_rows, dtype=torch.int32, device=dev)
         out_x, out_s, out_k, out_w = self._gather(x_words, scales, topk, w, lay, counts, False, n_rows, me * lx, lx,
                                                   out_src, False, g, k, toks, is_in)
@@ -485,9 +522,10 @@ class NVLinkBackend(Backend):
         recv_x = out_x.view(torch.uint8).view(a.x.dtype) if a.x.element_size() == 1 else out_x.view(a.x.dtype)
         recv_x = recv_x.view(n_rows, h)
         handle = DispatchHandle(rpm, cpm, recv_cp, out_src, a.is_token_in_rank, send_head)
-        if host_counts is not None:
-            # The combine's copy-engine path needs the block bounds on the host; keep them on the handle.
-            rpm._epcomm_host_prefix = host_counts.cumsum(0)
+        if host_col is not None:
+            # The combine's copy-engine path needs the block bounds on the host (rank_prefix_matrix[:, me]);
+            # keep them on the handle.
+            rpm._epcomm_host_col = host_col
         return DispatchResult(recv_x, out_s, out_k, out_w, lst, handle)
 
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle):
@@ -520,15 +558,15 @@ class NVLinkBackend(Backend):
         rpm = handle.rank_prefix_matrix
         x = x.contiguous()
         w = topk_weights.contiguous() if topk_weights is not None else None
-        host_prefix = getattr(rpm, "_epcomm_host_prefix", None)
+        host_prefix = getattr(rpm, "_epcomm_host_col", None)
         if r_ > 1:
             if host_prefix is not None and self._use_ce():
                 cur = torch.cuda.current_stream()
                 self.ce_stream.wait_stream(cur)
                 with torch.cuda.stream(self.ce_stream):
-                    ht._ce_wait_kernel[(1,)](self.ptr_table, self.flags_off, ht.CCONSUMED, r_, me,
-                                             self.ctrs[CSEND:], self.err, 4, self._timeout_ns, HAS_TIMER=TIMER)
-                    col = host_prefix[:, me].tolist()
+                    self.k["_ce_wait_kernel"](CSEND, (1,), self.p_table, self.flags_off, ht.CCONSUMED.value, r_, me,
+                                              self.p_ctr[CSEND], self.p_err, 4, self._timeout_ns, HAS_TIMER=TIMER)
+                    col = host_prefix
                     step = _ce_step()
                     for c in range(0, NC, step):
                         for i in range(r_):
@@ -552,10 +590,11 @@ class NVLinkBackend(Backend):
                     w.record_stream(self.ce_stream)
             else:
                 xw = x.view(torch.int32)
-                ht._combine_push_kernel[(max(1, self.num_sms),)](
-                    xw, w if w is not None else xw.view(torch.float32), xw.shape[1], k, r_, me, rpm,
-                    self.ptr_table, self.flags_off, lay["cx"], lay["c_slot"], lay["cw"], lay["c_slot"],
-                    self.ctrs[CSEND:], self.tickets[T_CPUSH:], self.err, self._timeout_ns, x.shape[0],
+                self.k["_combine_push_kernel"](
+                    (h, k, _aligned(xw, w, rpm)), (max(1, self.num_sms),),
+                    xw, w if w is not None else self.p_err, xw.shape[1], k, r_, me, rpm,
+                    self.p_table, self.flags_off, lay["cx"], lay["c_slot"], lay["cw"], lay["c_slot"],
+                    self.p_ctr[CSEND], self.p_tk[T_CPUSH], self.p_err, self._timeout_ns, x.shape[0],
                     HAS_W=w is not None, NC=NC, RB=TUNE["cpush_rb"], BLOCK=TUNE["cpush_block"], K_POW2=_pow2(k),
                     HAS_TIMER=TIMER, num_warps=TUNE["cpush_warps"],
                 )
@@ -567,12 +606,14 @@ class NVLinkBackend(Backend):
         b1 = bias[1] if len(bias) > 1 else out
         tb = TUNE["reduce_tb"]
         grid = (max(1, min(self.num_sms, (t + tb - 1) // tb)),)
-        ht._reduce_kernel[grid](
-            x, h, t, r_, me, handle.send_head.contiguous(), rpm.contiguous(), w if w is not None else stage_w, k,
+        send_head, rpm, b0, b1 = handle.send_head.contiguous(), rpm.contiguous(), b0.contiguous(), b1.contiguous()
+        self.k["_reduce_kernel"](
+            (h, k, _aligned(x, send_head, rpm, w, b0, b1)), grid,
+            x, h, t, r_, me, send_head, rpm, w if w is not None else stage_w, k,
             x.shape[0],
             stage_x, lay["c_slot"] // 2, stage_w, lay["c_slot"] // 4,
-            b0.contiguous(), b1.contiguous(), out, out_w if out_w is not None else stage_w,
-            self.ptr_table, self.flags_off, self.ctrs[CRECV:], self.tickets[T_REDUCE:], self.err, self._timeout_ns,
+            b0, b1, out, out_w if out_w is not None else stage_w,
+            self.p_table, self.flags_off, self.p_ctr[CRECV], self.p_tk[T_REDUCE], self.p_err, self._timeout_ns,
             HAS_W=w is not None, NUM_BIAS=len(bias), NC=NC, TB=tb, BLOCK=TUNE["reduce_block"], R_POW2=_pow2(r_),
             K_POW2=_pow2(k), HAS_TIMER=TIMER, STAGES=reduce_stages(_pow2(r_), tb, TUNE["reduce_block"]),
             num_warps=TUNE["reduce_warps"],

@@ -489,7 +489,7 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
         tl.store(ctr_ptr, base + 1)
 
 
-@triton.jit(do_not_specialize=['T'])
+@triton.jit(do_not_specialize=['T', 'x_rows'])
 def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K, x_rows,
                    stage_ptr, stage_src_elems, stage_w_ptr, stage_w_src,
                    bias0_ptr, bias1_ptr, out_ptr, out_w_ptr,
@@ -571,7 +571,7 @@ def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K, x_rows,
         tl.store(ctr_ptr, base_ctr + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['x_rows'])
 def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, flags_off,
                          stage_off, stage_src_bytes, stage_w_off, stage_w_src_bytes,
                          ctr_ptr, ticket_ptr, err_ptr, timeout_ns, x_rows,

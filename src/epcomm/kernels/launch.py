@@ -1,0 +1,143 @@
+"""Launching Triton kernels through their compiled kernels, bound once per specialisation.
+
+``fn[grid](*args, **kw)`` re-binds every argument on every call (Triton's binder, a cache-key string,
+launch metadata), and its C launcher asks the driver about every tensor pointer. For the kernels here,
+with 20-45 arguments, that is 15-45 microseconds of host time per launch on an H200 host (DESIGN.md),
+more than a whole low-latency exchange takes on the GPU. A :class:`Launcher` compiles each
+specialisation once through Triton's own path (the first call for a key launches through it), then
+calls the compiled kernel's launcher directly.
+
+The key: Triton compiles one kernel per (constexpr values and launch options; dtypes of the pointer
+arguments; for each integer argument not in ``do_not_specialize``, whether it is 1 or divisible by 16,
+and whether it fits 32 bits; whether each pointer is 16-byte aligned). The constexprs and options given
+by keyword join the key by themselves; the caller's ``key`` names the rest that can change between its
+calls (shapes and flags it derives integers from, the alignment of tensors a user passes). Runtime
+arguments are passed positionally. With ``EPCOMM_VERIFY_LAUNCH=1`` (the GPU tests set it) every launch
+also runs Triton's binder and raises if the kernel bound to the key is not the one Triton would pick.
+
+:class:`Ptr` is a persistent buffer's address as an ``int`` that remembers its tensor: the launcher
+passes it to the driver as it is (no ``data_ptr()`` call and no driver query per launch), and Triton's
+binder sees the tensor when a key is bound. Make one per buffer view, once.
+
+Under the Triton interpreter (CPU runs: ``TRITON_INTERPRET=1``) a launcher calls ``fn[grid]`` as usual.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .. import _env
+
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+class Ptr(int):
+    """The address of ``tensor`` (a persistent buffer or view); ``Ptr(t)`` keeps ``t`` alive."""
+
+    tensor: torch.Tensor
+
+    def __new__(cls, tensor: torch.Tensor) -> Ptr:
+        p = super().__new__(cls, tensor.data_ptr())
+        p.tensor = tensor
+        return p
+
+
+def _tensors(args) -> tuple:
+    return tuple(a.tensor if type(a) is Ptr else a for a in args)
+
+
+class _Bound:
+    __slots__ = ("run", "function", "packed", "tail", "key")
+
+    def __init__(self, kernel, tail: tuple, key) -> None:
+        self.run = kernel.run  # initialises the kernel's handles (the first launch already did)
+        self.function = kernel.function
+        self.packed = kernel.packed_metadata
+        self.tail = tail
+        self.key = key  # Triton's own cache key (EPCOMM_VERIFY_LAUNCH)
+
+
+class Launcher:
+    """``fn`` (a ``@triton.jit`` kernel) launched as ``launcher(key, grid, *args, **constexprs_and_options)``.
+
+    Counts every launch in ``Launcher.launches`` (the tests bound the launches per call with it)."""
+
+    launches = 0
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.name = getattr(getattr(fn, "fn", fn), "__name__", repr(fn))
+        self.interpreted = not hasattr(fn, "device_caches")  # the interpreter's InterpretedFunction
+        self.verify = _env.verify_launch()
+        self.bound: dict = {}
+        self._stream = None
+        self._params = None
+
+    def __call__(self, key, grid: tuple, *args, **kw) -> None:
+        Launcher.launches += 1
+        if self.interpreted:
+            self.fn[grid](*_tensors(args), **kw)
+            return
+        k = (key, *kw.values())
+        b = self.bound.get(k)
+        if b is None:
+            self._bind(k, grid, args, kw)
+            return
+        if self.verify:
+            self._check(b, args, kw)
+        n = len(grid)
+        b.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._stream(), b.function, b.packed,
+              None, None, None, *args, *b.tail)
+
+    # ------------------------------------------------------------------ binding (once per key)
+
+    def _bind(self, k, grid, args, kw) -> None:
+        from triton.runtime import driver
+
+        fn = self.fn
+        if self._params is None:
+            self._params = list(inspect.signature(fn.fn).parameters.values())
+            dev = driver.active.get_current_device()
+            get = driver.active.get_current_stream
+            self._stream = lambda: get(dev)
+        params = self._params
+        const_names = {p.name for p in fn.params if p.is_constexpr}
+        for name in kw:
+            if name not in _OPTIONS and name not in const_names:
+                raise TypeError(f"{self.name}: pass runtime argument {name!r} positionally (keywords are "
+                                "constexprs and launch options, part of the key)")
+        tail = []
+        for p in params[len(args):]:
+            if p.name in kw:
+                tail.append(kw[p.name])
+            elif p.default is not inspect.Parameter.empty:
+                tail.append(p.default)
+            else:
+                raise TypeError(f"{self.name}: missing argument {p.name!r}")
+        kernel = fn.run(*_tensors(args), grid=grid, warmup=False, **kw)  # compiles if new, and launches
+        if hasattr(kernel, "result"):
+            kernel = kernel.result()
+        self.bound[k] = _Bound(kernel, tuple(t.value if hasattr(t, "value") else t for t in tail),
+                               self._triton_key(args, kw))
+
+    def _triton_key(self, args, kw) -> str | None:
+        if not self.verify:
+            return None
+        from triton import knobs
+        from triton.runtime import driver
+        from triton.runtime.jit import compute_cache_key
+
+        _, key_cache, _, _, binder = self.fn.device_caches[driver.active.get_current_device()]
+        opts = dict(kw)  # as JITFunction.run completes them
+        opts["debug"] = opts.get("debug", self.fn.debug) or knobs.runtime.debug
+        opts["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        _, spec, options = binder(*_tensors(args), **opts)
+        return compute_cache_key(key_cache, spec, options)
+
+    def _check(self, b: _Bound, args, kw) -> None:
+        got = self._triton_key(args, kw)
+        if got != b.key:
+            raise AssertionError(f"{self.name}: the launch key does not determine Triton's specialisation:\n"
+                                 f"bound: {b.key}\nnow:   {got}")
