@@ -1,4 +1,4 @@
-"""Tier 1: epcomm's modules import each other without a cycle.
+"""Tier 1: epcomm's modules import each other without a cycle, and only downwards (docs/architecture.md).
 
 Every ``.py`` under ``src/epcomm`` is parsed with ``ast`` (nothing is imported); each ``import`` or
 ``from ... import`` naming an epcomm module is an edge, wherever it stands: at module level, inside a
@@ -15,8 +15,24 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "epcomm"
+
+# The layers of docs/architecture.md, lowest first; a module may import its own layer and the ones
+# below. A module is in the layer of the longest name here that is it or a package holding it.
+LAYERS = {
+    # 0, bottom: pure torch math, configuration, argument checks, the environment
+    "epcomm._env": 0, "epcomm.config": 0, "epcomm.event": 0, "epcomm.layout": 0, "epcomm.quant": 0,
+    "epcomm._validate": 0,
+    "epcomm.kernels": 1,
+    "epcomm.backends": 2,
+    # 3: the Buffer and the API over it
+    "epcomm.buffer": 3, "epcomm.ops": 3, "epcomm": 3, "epcomm._deep_ep": 3,
+    # 4: tools beside the stack
+    "epcomm.testing": 4, "epcomm.bench": 4, "epcomm.cli": 4, "epcomm.doctor": 4, "epcomm.__main__": 4,
+}
 
 
 def module_names(src: Path = SRC) -> dict[str, Path]:
@@ -120,6 +136,20 @@ def _cycle_in(comp: set[str], graph: dict[str, set[str]]) -> list[str]:
         seen.add(v)
 
 
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS and (n == len(parts) or ".".join(parts[:n]) != PACKAGE):
+            return LAYERS[".".join(parts[:n])]
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``"a (layer i) imports b (layer j > i)"`` for every import that points up."""
+    return [f"{m} (layer {layer_of(m)}) imports {d} (layer {layer_of(d)})"
+            for m in sorted(graph) for d in sorted(graph[m]) if layer_of(d) > layer_of(m)]
+
+
 def test_the_graph_sees_every_kind_of_import(tmp_path):
     pkg = tmp_path / PACKAGE
     (pkg / "sub").mkdir(parents=True)
@@ -152,6 +182,28 @@ def test_find_cycles_names_each_tangle_once():
     graph = {"p.a": {"p.b"}, "p.b": {"p.a"}, "p.c": {"p.d"}, "p.d": {"p.e"}, "p.e": {"p.c"}, "p.f": {"p.a"}}
     assert sorted(find_cycles(graph)) == [["p.a", "p.b", "p.a"], ["p.c", "p.d", "p.e", "p.c"]]
     assert find_cycles({"p.a": {"p.b"}, "p.b": set()}) == []
+
+
+def test_layers():
+    assert layer_of("epcomm") == 3 and layer_of("epcomm.kernels.ll") == 1
+    assert layer_of("epcomm.bench.report") == 4 and layer_of("epcomm.layout") == 0
+    assert layer_of("epcomm.somewhere_new") is None  # the package's own entry does not cover its modules
+    graph = {"epcomm.layout": {"epcomm.buffer"}, "epcomm.buffer": {"epcomm.layout", "epcomm.backends.base"},
+             "epcomm.backends.base": {"epcomm.layout"}}
+    assert upward_imports(graph) == ["epcomm.layout (layer 0) imports epcomm.buffer (layer 3)"]
+
+
+def test_every_module_has_a_layer():
+    missing = [m for m in import_graph() if layer_of(m) is None]
+    assert not missing, f"modules with no layer (add them to LAYERS and to docs/architecture.md): {missing}"
+
+
+def test_epcomm_imports_point_downwards():
+    graph = import_graph()
+    if any(layer_of(m) is None for m in graph):
+        pytest.skip("a module has no layer (test_every_module_has_a_layer names it)")
+    bad = upward_imports(graph)
+    assert not bad, "imports that point up a layer:\n" + "\n".join(bad)
 
 
 def test_epcomm_has_no_import_cycle():
