@@ -9,7 +9,8 @@
 #                   $OUT/benchmarks/<UTC date>/ (commit them as benchmarks/<date>/): DSv3 high-throughput
 #                   full and cached, DSv3 low-latency at 1 and 128 tokens, the token sweep with its
 #                   plots (~8 min)
-#   profile         epcomm bench --profile on the DeepSeek-V3 cases: a torch.profiler table per operation
+#   profile         epcomm bench --profile on the DeepSeek-V3 cases: per operation, a host-path (cProfile)
+#                   and a torch.profiler table, under $OUT/profile/
 #   shared [WORLD]  tier 3 with WORLD ranks (default 2) time-sharing the GPUs (EPCOMM_TEST_SHARE_GPU=1):
 #                   for single-GPU kinds; correctness of the multi-rank paths only, no timing (~5 min at 2)
 # Every mode prints the GPUs and versions first and exits non-zero if a step failed.
@@ -22,7 +23,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
 OUT="${OUT:-/tmp/epcomm-out}"; mkdir -p "$OUT"
 mode="${1:-}"
 case "$mode" in tests|bench|figures|profile|shared) ;;
-  *) sed -n '2,17p' "$0"; exit 2 ;;
+  *) sed -n '2,18p' "$0"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
@@ -49,8 +50,10 @@ if [[ "$mode" == bench ]]; then
 fi
 
 if [[ "$mode" == profile ]]; then
-  timeout 560 "${bench[@]}" --cases dsv3 --num-sms 24 --iters 20 --warmup 5 --profile ${BENCH_ARGS:-} \
-    --out "$OUT/profile-dsv3.jsonl" 2>&1 | tee "$OUT/profile-dsv3.log" | tail -120 || rc=1
+  # per operation and rank: a cProfile table of the host path and a torch.profiler table, in $OUT/profile/
+  timeout 560 "${bench[@]}" --cases dsv3 --num-sms 24 --iters 20 --warmup 5 --profile "$OUT/profile" \
+    ${BENCH_ARGS:-} --out "$OUT/profile-dsv3.jsonl" 2>&1 | tee "$OUT/profile-dsv3.log" | tail -45 || rc=1
+  ls "$OUT/profile" 2>/dev/null | head -40
 fi
 
 if [[ "$mode" == figures ]]; then
