@@ -13,9 +13,9 @@ VARIABLES = {
                           "under capture too; diagnostic: it delivered stale rows under replay on H200, 2026-11-22)",
     "EPCOMM_VERIFY_LAUNCH": "1: every Triton launch also runs Triton's binder and checks that the kernel bound once "
                             "for its key is the one Triton would pick (slow; the GPU tests set it)",
-    "EPCOMM_AS_DEEP_EP": "1: every Python process that imports deep_ep (Megatron-Core, vLLM, SGLang, ...) gets "
-                         "epcomm, even where a real DeepEP is installed (a .pth hook installed with epcomm; "
-                         "docs/clients.md); 0 or unset: nothing named deep_ep is provided",
+    "EPCOMM_AS_DEEP_EP": "1: every Python process that imports deep_ep (Megatron-Core, vLLM, SGLang, ...) "
+                         "gets epcomm, even where a real DeepEP is installed (a .pth hook installed with "
+                         "epcomm; docs/clients.md); 0 or unset: nothing named deep_ep is provided",
     "EPCOMM_TUNE": "nvlink launch parameters, e.g. push_rb=16,ce_flag=copy,ll.fused_dispatch=1 (keys and defaults: "
                    "TUNE in backends/nvlink_params.py; ll. keys: TUNE in backends/nvlink_ll.py; for measuring "
                    "variants with epcomm bench)",

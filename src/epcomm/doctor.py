@@ -137,6 +137,46 @@ def variables() -> Section:
     return ("environment variables", lines)
 
 
+def deep_ep_switch() -> Section:
+    """Whether ``import deep_ep`` gives epcomm here (``EPCOMM_AS_DEEP_EP``), whether the start-up hook is
+    installed, and whether a real DeepEP is shadowed (docs/clients.md)."""
+    import sys
+
+    import _epcomm_as_deep_ep as hook
+
+    lines = []
+    try:
+        on = hook.switch_on()
+    except ValueError as e:
+        on = None
+        lines.append(f"switch: error: {e}")
+    else:
+        lines.append(f"switch: {hook.VARIABLE}={'on' if on else 'off'}"
+                     + ("" if on else f" (set {hook.VARIABLE}=1 to give every process epcomm as deep_ep)"))
+    pths = hook.pth_files()
+    lines.append(f"start-up hook: {', '.join(pths)}" if pths else
+                 f"start-up hook: {hook.PTH_NAME} is in no site directory of this interpreter: the switch "
+                 "does nothing here; reinstall epcomm (pip install . or pip install -e .)")
+    real = hook.real_deep_ep_origin()
+    loaded = sys.modules.get(hook.NAME)
+    if on and hook.installed():
+        gives = "epcomm (epcomm/_deep_ep)"
+    elif on:
+        gives = "not epcomm: the switch is on but the hook did not run in this process (see start-up hook)"
+    else:
+        gives = f"the real DeepEP ({real})" if real else "nothing (ImportError)"
+    if loaded is not None:
+        gives += f"; already imported here from {getattr(loaded, '__file__', '?')}"
+    lines.append(f"import deep_ep gives: {gives}")
+    if real is None:
+        lines.append("real DeepEP: not installed")
+    elif on:
+        lines.append(f"real DeepEP: installed at {real}, SHADOWED: epcomm wins while the switch is on")
+    else:
+        lines.append(f"real DeepEP: installed at {real}, in use (the switch is off)")
+    return ("deep_ep (EPCOMM_AS_DEEP_EP)", lines)
+
+
 def backend_choice() -> Section:
     """Which backend a Buffer would pick here and why, by the rule of ``epcomm.backends``."""
     from . import backends
@@ -169,7 +209,7 @@ def backend_choice() -> Section:
 
 
 def env_report(probe: bool = False) -> str:
-    sections = [versions(), gpus(), symmetric_memory(probe), variables(), backend_choice()]
+    sections = [versions(), gpus(), symmetric_memory(probe), variables(), deep_ep_switch(), backend_choice()]
     out = []
     for title, lines in sections:
         out.append(f"== {title}")

@@ -1,4 +1,5 @@
-"""``EventOverlap``: a CUDA event (or nothing, on CPU) plus tensors kept alive until it completes."""
+"""``EventOverlap``: a CUDA event (or nothing, on CPU) plus tensors kept alive until it completes;
+``EventHandle``: DeepEP's handle that records the current stream's position when it is made."""
 
 from __future__ import annotations
 
@@ -7,8 +8,46 @@ from typing import Any
 import torch
 
 
+class EventHandle:
+    """DeepEP's ``EventHandle``: made, it records an event on the current CUDA stream, so
+    ``EventOverlap(EventHandle())`` is "everything queued on this stream so far" (Megatron-Core passes
+    it as ``previous_event``).
+
+    On CPU, or while CUDA is not initialised (no work can be queued), nothing is pending: ``event`` is
+    ``None`` and waiting is a no-op. ``wait(stream)`` lets ``torch.cuda.Stream.wait_event`` take it.
+    """
+
+    def __init__(self) -> None:
+        self.event: torch.cuda.Event | None = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        """Make the current CUDA stream wait for the recorded position (no-op without an event)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def wait(self, stream=None) -> None:
+        """Make ``stream`` (default: the current one) wait for the recorded position."""
+        if self.event is not None:
+            self.event.wait(stream)
+
+    def query(self) -> bool:
+        """Whether the recorded work has completed (always True without an event)."""
+        return True if self.event is None else self.event.query()
+
+    def synchronize(self) -> None:
+        """Block the host until the recorded work has completed."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def __repr__(self) -> str:
+        return f"EventHandle(event={self.event!r})"
+
+
 class EventOverlap:
-    """Wraps a ``torch.cuda.Event`` recorded on the communication stream.
+    """Wraps a ``torch.cuda.Event`` recorded on the communication stream (or an ``EventHandle``).
 
     On CPU (and whenever the work already completed synchronously) the event is ``None`` and every
     method is a no-op. ``with event: body`` lets ``body`` overlap the communication and makes the
@@ -21,7 +60,9 @@ class EventOverlap:
 
     def current_stream_wait(self) -> None:
         """Make the current CUDA stream wait for the event (no-op without one)."""
-        if self.event is not None:
+        if isinstance(self.event, EventHandle):
+            self.event.current_stream_wait()
+        elif self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
 
     def __enter__(self) -> EventOverlap:
