@@ -41,9 +41,9 @@ from harness import check, equal
 from epcomm.testing.compare import assert_within_budget
 
 WORLD_SIZES = (2, 4)
-H, F, K = 64, 32, 2           # hidden, expert FFN hidden, top-k
-T_BASE = 7                    # tokens on rank r: T_BASE + 2 r (odd, different per rank)
-U = 2.0 ** -8                 # bf16 unit roundoff (eps / 2)
+H, F, K = 64, 32, 2  # hidden, expert FFN hidden, top-k
+T_BASE = 7  # tokens on rank r: T_BASE + 2 r (odd, different per rank)
+U = 2.0**-8  # bf16 unit roundoff (eps / 2)
 MEGATRON = "megatron-core"
 
 
@@ -77,10 +77,12 @@ def layer_inputs(r: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def weights(e_: int) -> dict:
-    """Every weight of the layer, bf16, from one seed: router ``[E, H]``, fc1 ``[E, F, H]``, fc2 ``[E, H, F]``."""
-    return {"router": (torch.randn(e_, H, generator=_gen(1)) / H ** 0.5).to(torch.bfloat16),
-            "fc1": (torch.randn(e_, F, H, generator=_gen(2)) / H ** 0.5).to(torch.bfloat16),
-            "fc2": (torch.randn(e_, H, F, generator=_gen(3)) / F ** 0.5).to(torch.bfloat16)}
+    """Every weight of the layer, bf16, seeded: router ``[E, H]``, fc1 ``[E, F, H]``, fc2 ``[E, H, F]``."""
+    return {
+        "router": (torch.randn(e_, H, generator=_gen(1)) / H**0.5).to(torch.bfloat16),
+        "fc1": (torch.randn(e_, F, H, generator=_gen(2)) / H**0.5).to(torch.bfloat16),
+        "fc2": (torch.randn(e_, H, F, generator=_gen(3)) / F**0.5).to(torch.bfloat16),
+    }
 
 
 # ----------------------------------------------------------------------------- rank side
@@ -93,8 +95,9 @@ def _megatron(ctx):
         import megatron.core.transformer.moe.fused_a2a as fused_a2a
         from megatron.core import parallel_state
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
-                                                 expert_model_parallel_size=ctx.world_size)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1, expert_model_parallel_size=ctx.world_size
+        )
     return fused_a2a, parallel_state
 
 
@@ -102,8 +105,11 @@ def check_switch(ctx):
     import _epcomm_as_deep_ep as hook
     import epcomm
 
-    check(hook.installed(), "the EPCOMM_AS_DEEP_EP hook did not run in this rank (is epcomm_as_deep_ep.pth "
-          "installed? `epcomm env` says)")
+    check(
+        hook.installed(),
+        "the EPCOMM_AS_DEEP_EP hook did not run in this rank (is epcomm_as_deep_ep.pth "
+        "installed? `epcomm env` says)",
+    )
     fa, _ = _megatron(ctx)
     check(fa.HAVE_DEEP_EP, "fused_a2a.HAVE_DEEP_EP is False")
     check(fa.Buffer is epcomm.Buffer, f"fused_a2a.Buffer is {fa.Buffer!r}, not epcomm's")
@@ -139,7 +145,8 @@ def check_fused_a2a(ctx):
         idx, probs = _routing(me, r_, e_)
         probs.requires_grad_()
         recv_x, recv_idx, recv_probs, per_expert, handle = fa.fused_dispatch(
-            x, idx, probs, e_, group, async_finish=async_finish, allocate_on_comm_stream=async_finish)
+            x, idx, probs, e_, group, async_finish=async_finish, allocate_on_comm_stream=async_finish
+        )
         what = f"async_finish={async_finish}"
         check(fa._buffer is not None and fa._buffer.group is group, f"{what}: get_buffer's Buffer and group")
         # expected received rows: every source rank's tokens with an expert here, by source rank then token
@@ -155,28 +162,44 @@ def check_fused_a2a(ctx):
                     exp_idx.append(local)
                     exp_probs.append(torch.where(local >= 0, ps[t], 0.0))
         n = len(rows)
-        equal(recv_x.detach(), torch.stack(rows) if n else torch.empty(0, H, dtype=torch.bfloat16),
-              f"{what}: recv_x")
-        equal(recv_idx, torch.stack(exp_idx) if n else torch.empty(0, K, dtype=torch.int64), f"{what}: indices")
+        equal(
+            recv_x.detach(),
+            torch.stack(rows) if n else torch.empty(0, H, dtype=torch.bfloat16),
+            f"{what}: recv_x",
+        )
+        equal(
+            recv_idx, torch.stack(exp_idx) if n else torch.empty(0, K, dtype=torch.int64), f"{what}: indices"
+        )
         equal(recv_probs.detach(), torch.stack(exp_probs) if n else torch.empty(0, K), f"{what}: probs")
-        counts = torch.bincount(torch.stack(exp_idx).flatten() + 1, minlength=lx + 1)[1:] if n else \
-            torch.zeros(lx, dtype=torch.int64)
+        counts = (
+            torch.bincount(torch.stack(exp_idx).flatten() + 1, minlength=lx + 1)[1:]
+            if n
+            else torch.zeros(lx, dtype=torch.int64)
+        )
         equal(per_expert, counts, f"{what}: tokens_per_expert")
         # combine what came back scaled by 2**me: combined[t] = sum over its ranks of 2**r * x[t]
-        y = recv_x * (2.0 ** me)
-        combined, _ = fa.fused_combine(y, group, handle, async_finish=async_finish,
-                                       allocate_on_comm_stream=async_finish)
+        y = recv_x * (2.0**me)
+        combined, _ = fa.fused_combine(
+            y, group, handle, async_finish=async_finish, allocate_on_comm_stream=async_finish
+        )
         dests = _dest_ranks(idx, r_)
-        scale = torch.tensor([[sum(2.0 ** d for d in ds)] for ds in dests], dtype=torch.float64)
-        assert_within_budget(combined.detach(), x.detach().double() * scale, x.detach().double().abs() * scale,
-                             r_, f"{what}: fused_combine")
+        scale = torch.tensor([[sum(2.0**d for d in ds)] for ds in dests], dtype=torch.float64)
+        assert_within_budget(
+            combined.detach(),
+            x.detach().double() * scale,
+            x.detach().double().abs() * scale,
+            r_,
+            f"{what}: fused_combine",
+        )
         # backward: loss = <combined, g> + <recv_probs, gp>, gp[row, k] = 2**-(receiving rank + 1) * (k + 1)
         g = torch.randn(tokens(me), H, generator=_gen(500 + me)).to(torch.bfloat16)
         gp = (2.0 ** -(me + 1)) * torch.arange(1, K + 1, dtype=torch.float32).expand(n, K)
         ((combined.float() * g.float()).sum() + (recv_probs * gp).sum()).backward()
         assert_within_budget(x.grad, g.double() * scale, g.double().abs() * scale, r_, f"{what}: grad of x")
-        exp_gp = torch.tensor([[sum(2.0 ** -(d + 1) * (k + 1) for d in ds) for k in range(K)] for ds in dests],
-                              dtype=torch.float32).reshape(-1, K)
+        exp_gp = torch.tensor(
+            [[sum(2.0 ** -(d + 1) * (k + 1) for d in ds) for k in range(K)] for ds in dests],
+            dtype=torch.float32,
+        ).reshape(-1, K)
         equal(probs.grad, exp_gp, f"{what}: grad of probs (per slot, summed over the receiving ranks)")
 
 
@@ -188,12 +211,26 @@ def _config(r_: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=1, hidden_size=H, num_attention_heads=4, ffn_hidden_size=F, moe_ffn_hidden_size=F,
-        num_moe_experts=num_experts(r_), moe_router_topk=K, expert_model_parallel_size=r_,
-        moe_token_dispatcher_type="flex", moe_enable_deepep=True, moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, add_bias_linear=False,
-        activation_func=F_.relu, bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=True,
-        gradient_accumulation_fusion=False)
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=4,
+        ffn_hidden_size=F,
+        moe_ffn_hidden_size=F,
+        num_moe_experts=num_experts(r_),
+        moe_router_topk=K,
+        expert_model_parallel_size=r_,
+        moe_token_dispatcher_type="flex",
+        moe_enable_deepep=True,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        add_bias_linear=False,
+        activation_func=F_.relu,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+    )
 
 
 def build_layer(ctx):
@@ -207,11 +244,17 @@ def build_layer(ctx):
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     r_ = ctx.world_size
-    sub = MoESubmodules(router=TopKRouter, experts=ModuleSpec(
-        module=SequentialMLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                       linear_fc2=RowParallelLinear)))
+    sub = MoESubmodules(
+        router=TopKRouter,
+        experts=ModuleSpec(
+            module=SequentialMLP,
+            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        ),
+    )
     layer = MoELayer(_config(r_), sub)
-    check(isinstance(layer.token_dispatcher, MoEFlexTokenDispatcher), f"dispatcher {layer.token_dispatcher!r}")
+    check(
+        isinstance(layer.token_dispatcher, MoEFlexTokenDispatcher), f"dispatcher {layer.token_dispatcher!r}"
+    )
     w = weights(num_experts(r_))
     with torch.no_grad():
         layer.router.weight.copy_(w["router"])
@@ -263,11 +306,11 @@ def reference(r_: int) -> dict:
         # magnitudes: a value rounded to bf16 moves by at most u times its own size (|h|, |W2^T g|), and
         # that error reaches the result through absolute values of the later (linear) steps
         xa, ga, pd = x.detach().abs(), g.abs(), p.detach()
-        mh = h.detach().abs()                                                # |h| = |W1 x|
+        mh = h.detach().abs()  # |h| = |W1 x|
         mags.append((torch.einsum("tkhf,tkf->tkh", a2[top], pd.unsqueeze(-1) * mh)).sum(1))
         mgs = torch.einsum("tkhf,th->tkf", w["fc2"].detach()[top], g).abs()  # |W2^T g|
-        mgp = (mh * mgs).sum(-1)                                             # |d loss / d p|
-        mgz = pd * (mgp + (pd * mgp).sum(-1, keepdim=True))                  # |d loss / d logits| (top-k)
+        mgp = (mh * mgs).sum(-1)  # |d loss / d p|
+        mgz = pd * (mgp + (pd * mgp).sum(-1, keepdim=True))  # |d loss / d logits| (top-k)
         mgx = torch.einsum("tkfh,tkf->th", a1[top], pd.unsqueeze(-1) * mgs)
         mgx = mgx + torch.einsum("tk,tkh->th", mgz, ar[top])
         m_gx.append(mgx)
@@ -278,9 +321,18 @@ def reference(r_: int) -> dict:
                 m_gw2[e] += torch.outer(ga[t], pd[t, k] * mh[t, k])
                 m_gr[e] += mgz[t, k] * xa[t]
     loss.backward()
-    return {"out": [o.detach() for o in out], "out_mag": mags, "gx": [x.grad for x in xs], "gx_mag": m_gx,
-            "fc1": w["fc1"].grad, "fc1_mag": m_gw1, "fc2": w["fc2"].grad, "fc2_mag": m_gw2,
-            "router": w["router"].grad, "router_mag": m_gr}
+    return {
+        "out": [o.detach() for o in out],
+        "out_mag": mags,
+        "gx": [x.grad for x in xs],
+        "gx_mag": m_gx,
+        "fc1": w["fc1"].grad,
+        "fc1_mag": m_gw1,
+        "fc2": w["fc2"].grad,
+        "fc2_mag": m_gw2,
+        "router": w["router"].grad,
+        "router_mag": m_gr,
+    }
 
 
 def _budget(actual, ref, mag, roundings: int, what: str) -> None:
@@ -295,9 +347,11 @@ def _budget(actual, ref, mag, roundings: int, what: str) -> None:
     bad = (a - ref64).abs() > budget
     if bool(bad.any()):
         i = tuple(int(v) for v in bad.nonzero()[0])
-        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements outside the bf16 budget; first "
-                             f"at {i}: got {a[i].item():.6g}, expected {ref64[i].item():.6g}, budget "
-                             f"{budget[i].item():.3g}")
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.numel()} elements outside the bf16 budget; first "
+            f"at {i}: got {a[i].item():.6g}, expected {ref64[i].item():.6g}, budget "
+            f"{budget[i].item():.3g}"
+        )
 
 
 def check_flex_layer(ctx):
@@ -320,8 +374,12 @@ def check_flex_layer(ctx):
     _budget(gr, ref["router"], ref["router_mag"], K + 4, "gradient of the router weight (summed over ranks)")
     for i, e in enumerate(layer.local_expert_indices):
         mlp = layer.experts.local_experts[i]
-        _budget(mlp.linear_fc1.weight.grad, ref["fc1"][e], ref["fc1_mag"][e], 4, f"gradient of expert {e} fc1")
-        _budget(mlp.linear_fc2.weight.grad, ref["fc2"][e], ref["fc2_mag"][e], 4, f"gradient of expert {e} fc2")
+        _budget(
+            mlp.linear_fc1.weight.grad, ref["fc1"][e], ref["fc1_mag"][e], 4, f"gradient of expert {e} fc1"
+        )
+        _budget(
+            mlp.linear_fc2.weight.grad, ref["fc2"][e], ref["fc2_mag"][e], 4, f"gradient of expert {e} fc2"
+        )
 
 
 CHECKS = [("switch", check_switch), ("fused_a2a", check_fused_a2a), ("flex_layer", check_flex_layer)]
