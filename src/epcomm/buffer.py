@@ -30,9 +30,11 @@ log = logging.getLogger(__name__)
 
 
 def _tensors(obj) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (a tensor, or tuples/lists/NamedTuples of them and other values); lists
+    of plain numbers (e.g. the per-expert counts) are not walked item by item."""
     if isinstance(obj, torch.Tensor):
         return [obj]
-    if isinstance(obj, (tuple, list)):
+    if isinstance(obj, (tuple, list)) and obj and not isinstance(obj[0], (int, float)):
         return [t for o in obj for t in _tensors(o)]
     return []
 
@@ -84,6 +86,10 @@ class Buffer:
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
         self._ll_calls = 0
         self._ll_shape: tuple[int, int, int] | None = None  # (M, H, E) of the low-latency calls since the last clean
+        self._ll_sizes: dict = {}  # (M, H, E) -> get_low_latency_rdma_size_hint, checked once per shape
+        # which stream the last call's work went on: the communication stream (asynchronous calls) or the
+        # current one (synchronous calls); see _run
+        self._comm_pending, self._last_on_current = False, False
         self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers
@@ -153,7 +159,7 @@ class Buffer:
         if offset > raw.numel():
             raise ValueError(f"offset={offset} is past the end of the {raw.numel()}-byte buffer")
         raw = raw[offset:]
-        esz = torch.empty((), dtype=dtype).element_size()
+        esz = dtype.itemsize
         usable = raw[: raw.numel() // esz * esz].view(dtype)
         if size is None:
             return usable
@@ -176,6 +182,14 @@ class Buffer:
 
     # ------------------------------------------------------------------ streams and events
 
+    def _sync_stream(self) -> None:
+        """Before work queued on the current stream (a synchronous call): behind an asynchronous call's work
+        on the communication stream, which shares this Buffer's device state (counters, staging)."""
+        if self._comm_pending:
+            torch.cuda.current_stream().wait_stream(self._comm_stream)
+            self._comm_pending = False
+        self._last_on_current = True
+
     def _run(self, fn: Callable, inputs: list, previous_event: EventOverlap | None, async_finish: bool,
              allocate_on_comm_stream: bool):
         """Run ``fn`` on the communication stream after ``previous_event`` (or the current stream)."""
@@ -186,11 +200,21 @@ class Buffer:
             raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
         if self._comm_stream is None:
             return fn(), EventOverlap()
+        if not async_finish:
+            # A synchronous call: its results are the current stream's when it returns, so its work goes on
+            # the current stream (after previous_event): no stream switch, no record_stream, no join.
+            if previous_event is not None and previous_event.event is not None:
+                torch.cuda.current_stream().wait_event(previous_event.event)
+            self._sync_stream()
+            return fn(), EventOverlap()
         compute = torch.cuda.current_stream()
-        if previous_event is not None and previous_event.event is not None:
+        if previous_event is not None and previous_event.event is not None and not self._last_on_current:
             self._comm_stream.wait_event(previous_event.event)
         else:
+            # without an event, or after a call that ran on the current stream (its kernels share this
+            # Buffer's device state with the ones queued now): behind everything queued there
             self._comm_stream.wait_stream(compute)
+        self._last_on_current, self._comm_pending = False, True
         with torch.cuda.stream(self._comm_stream):
             result = fn()
         outs = _tensors(result)
@@ -200,12 +224,9 @@ class Buffer:
         for t in _tensors(inputs):
             if t.is_cuda:
                 t.record_stream(self._comm_stream)
-        if async_finish:
-            ev = torch.cuda.Event()
-            ev.record(self._comm_stream)
-            return result, EventOverlap(ev, tuple(outs) + tuple(_tensors(inputs)))
-        compute.wait_stream(self._comm_stream)
-        return result, EventOverlap()
+        ev = torch.cuda.Event()
+        ev.record(self._comm_stream)
+        return result, EventOverlap(ev, tuple(outs) + tuple(_tensors(inputs)))
 
     # ------------------------------------------------------------------ high-throughput
 
@@ -328,7 +349,9 @@ class Buffer:
         if not self.low_latency_mode:
             raise ValueError("low-latency calls need a Buffer made with low_latency_mode=True, "
                              f"this one has low_latency_mode={self.low_latency_mode}")
-        need = self.get_low_latency_rdma_size_hint(m, h, self.group_size, e)
+        need = self._ll_sizes.get((m, h, e))
+        if need is None:
+            need = self._ll_sizes[(m, h, e)] = self.get_low_latency_rdma_size_hint(m, h, self.group_size, e)
         if self.num_rdma_bytes < need:
             raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for M={m}, H={h}, E={e}: "
                              f"get_low_latency_rdma_size_hint gives {need}")
@@ -345,6 +368,8 @@ class Buffer:
         if async_finish and return_recv_hook:
             raise ValueError("async_finish=True and return_recv_hook=True are mutually exclusive")
         if return_recv_hook:
+            if self._comm_stream is not None:
+                self._sync_stream()
             result, receive = send()
             return result, EventOverlap(), receive
 
@@ -356,6 +381,8 @@ class Buffer:
         if async_finish:
             result, ev = self._run(both, inputs, None, True, False)
         else:
+            if self._comm_stream is not None:
+                self._sync_stream()
             result, ev = both(), EventOverlap()
         return result, ev, None
 

@@ -87,10 +87,10 @@ def send_order(is_token_in_rank: torch.Tensor) -> torch.Tensor:
     return is_token_in_rank.t().nonzero()[:, 1].contiguous()
 
 
-def channel_ranges(num_tokens: int, num_channels: int) -> torch.Tensor:
+def channel_ranges(num_tokens: int, num_channels: int, device=None) -> torch.Tensor:
     """Channel id of every token: ``int64[T]``; channel ``c`` covers ``[c*ceil(T/C), (c+1)*ceil(T/C))``."""
     per = max((num_tokens + num_channels - 1) // num_channels, 1)
-    return torch.arange(num_tokens) // per
+    return torch.arange(num_tokens, device=device or "cpu") // per
 
 
 def channel_prefix_matrix(is_token_in_rank: torch.Tensor, num_channels: int) -> torch.Tensor:
@@ -99,7 +99,7 @@ def channel_prefix_matrix(is_token_in_rank: torch.Tensor, num_channels: int) -> 
     Example: T = 4, C = 2, tokens to rank 0 = {0, 2, 3} → channel counts [1, 2] → row [1, 3].
     """
     t, r = is_token_in_rank.shape
-    ch = channel_ranges(t, num_channels).to(is_token_in_rank.device)
+    ch = channel_ranges(t, num_channels, is_token_in_rank.device)
     counts = torch.zeros(num_channels, r, dtype=torch.int64, device=is_token_in_rank.device)
     counts.index_add_(0, ch, is_token_in_rank.to(torch.int64))
     return counts.t().cumsum(1).to(torch.int32).contiguous()

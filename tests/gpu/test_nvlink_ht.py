@@ -133,3 +133,29 @@ def test_num_worst_tokens_overflow_is_reported():
 def test_deadline_names_phase_and_rank():
     res = parallel_launch(2, _late_rank, backend="nccl", timeout_s=120)
     assert "rank 1" in res[0]
+
+
+def _rank_caller_defaults(ctx):
+    """The caller ran ``torch.set_default_device('cuda')`` and ``torch.set_default_dtype(torch.bfloat16)``
+    first (DeepEP's scripts and many training scripts do): Buffers and every call still work, and
+    match the reference."""
+    import torch
+
+    from epcomm import Buffer
+
+    torch.set_default_device(ctx.device)
+    torch.set_default_dtype(torch.bfloat16)
+    ref, fast = G.make_buffers(ctx.group, num_nvl_bytes=256 << 20)
+    case = _cases(ctx.world_size)[0]
+    out = [G.check_ht_case(ref, fast, case, ctx.rank, fp8) for fp8 in (False, True)]
+    m, h, e = 16, 512, 8 * ctx.world_size
+    hint = Buffer.get_low_latency_rdma_size_hint(m, h, ctx.world_size, e)
+    lref, lfast = G.make_buffers(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
+    ll = Case(num_ranks=ctx.world_size, tokens=(m,) * ctx.world_size, hidden=h, num_topk=4, num_experts=e, seed=9)
+    out.append(G.check_ll_case(lref, lfast, ll, ctx.rank, m, use_fp8=True))
+    return out
+
+
+def test_caller_default_device_and_dtype():
+    res = parallel_launch(WORLD, _rank_caller_defaults, backend="nccl", timeout_s=150)
+    assert all(len(r) == 3 for r in res)

@@ -131,7 +131,8 @@ def test_eager_dispatch_combine_and_cached(rig):
                                                                               "_gather_kernel"]
     handle = res.handle
     assert handle.rank_prefix_matrix.shape == (R, R) and handle.send_head.shape == (T, R)
-    assert not rig.log[-2][2]["CHECK_WORST"] and not rig.log[-2][2]["CHECK_TOPK"]
+    # the eager path checks the expert ids in the handle kernel too, before its one synchronisation
+    assert not rig.log[-2][2]["CHECK_WORST"] and rig.log[-2][2]["CHECK_TOPK"]
     rig.log.clear()
     out, w = b.combine(res.recv_x, handle, res.recv_topk_weights, ())
     assert out.shape == (T, H) and w.shape == (T, K)
@@ -360,3 +361,46 @@ def test_combine_passes_the_fitted_stages(rig, monkeypatch):
     from epcomm.backends.nvlink_params import reduce_stages
 
     assert launched["STAGES"] == reduce_stages(launched["R_POW2"], launched["TB"], launched["BLOCK"])
+
+
+def test_launches_and_host_synchronisations_per_call(rig, monkeypatch):
+    """The host path cannot silently grow back: launches (through kernels/launch.py) and host
+    synchronisations per call, for every call the backend makes."""
+    from epcomm.kernels.launch import Launcher
+    from epcomm.testing import cpu_nvlink
+
+    syncs = []
+    monkeypatch.setattr(cpu_nvlink.Event, "synchronize", lambda self: syncs.append("event"))
+    monkeypatch.setattr(cpu_nvlink.Stream, "synchronize", lambda self: syncs.append("stream"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append("device"))
+    b = rig.b[0]
+
+    def per_call(fn, *args):
+        syncs.clear()
+        before = Launcher.launches
+        out = fn(*args)
+        return out, Launcher.launches - before, len(syncs)
+
+    # eager: the copy engine's wait and 4 chunk flags, notify, handle, gather; one synchronisation (counts)
+    res, launches, n_sync = per_call(b.dispatch, _args())
+    assert (launches, n_sync) == (8, 1)
+    assert per_call(b.combine, res.recv_x, res.handle, res.recv_topk_weights, ())[1:] == (6, 0)
+    assert per_call(b.cached_dispatch, res.recv_x[:0].new_empty(T, H), None, res.handle)[1:] == (6, 0)
+    # num_worst_tokens: no synchronisation
+    assert per_call(b.dispatch, _args(worst=R * T))[1:] == (8, 0)
+    rig.capturing["on"] = True  # captured: notify, handle, gather (which pushes); combine: push + reduce
+    res, launches, n_sync = per_call(b.dispatch, _args(worst=R * T))
+    assert (launches, n_sync) == (3, 0)
+    assert per_call(b.combine, res.recv_x, res.handle, None, ())[1:] == (2, 0)
+    rig.capturing["on"] = False
+    # low-latency: two launches per call, three for a combine; never a synchronisation
+    m = 8
+    x = torch.randn(6, H).to(torch.bfloat16)
+    topk = torch.randint(-1, E, (6, K), generator=torch.Generator().manual_seed(2))
+    (res, recv), launches, n_sync = per_call(
+        b.low_latency_dispatch, LowLatencyDispatchArgs(x, topk, m, E, True, False, False, None, None, 0, None))
+    assert (launches, n_sync) == (1, 0) and per_call(recv)[1:] == (1, 0)
+    y = torch.randn(E // R, R * m, H).to(torch.bfloat16)
+    (out, recv), launches, n_sync = per_call(
+        b.low_latency_combine, LowLatencyCombineArgs(y, topk, torch.rand(6, K), res.handle, None, None, 1, None))
+    assert (launches, n_sync) == (2, 0) and per_call(recv)[1:] == (1, 0)

@@ -138,13 +138,12 @@ class NVLinkBackend(Backend):
         self.tickets = torch.zeros(8, dtype=torch.int32, device=self.device)
         # error word [code, peer, observed, target, host-mirror address (int64)]; kernels that record an
         # error also write the pinned (device-mapped) mirror, so no call needs a copy to learn of it
-        self.err_host = torch.zeros(4, dtype=torch.int32).pin_memory()
+        self.err_host = torch.zeros(4, dtype=torch.int32, device="cpu").pin_memory()
         self.err = torch.zeros(6, dtype=torch.int32, device=self.device)
         self.err[4:].view(torch.int64).fill_(self.err_host.data_ptr())
         self.src_lists = torch.empty(r_, T_LIST_CAP, dtype=torch.int32, device=self.device)
         self.notify_out = torch.zeros(r_ * r_ + r_ * L_MAX + r_ * C_MAX + r_, dtype=torch.int32, device=self.device)
-        self.notify_host = torch.zeros(self.notify_out.numel() + 4, dtype=torch.int32).pin_memory()
-        self.ids_host = torch.zeros(2, dtype=torch.int64).pin_memory()  # (min, max) of topk_idx, eager dispatch
+        self.notify_host = torch.zeros(self.notify_out.numel() + 4, dtype=torch.int32, device="cpu").pin_memory()
         self.ce_stream = torch.cuda.Stream(self.device)
         self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
         self._ready_event = torch.cuda.Event()  # TUNE["notify_first"]: the inputs are ready
@@ -478,8 +477,7 @@ class NVLinkBackend(Backend):
                 key, (max(1, min(self.num_sms, (t + tb - 1) // tb)),),
                 counts, chan, c, send_head_rel, t, r_, me, rpm, recv_cp, send_head, self.p_err, a.num_worst_tokens,
                 topk if topk is not None else send_head, k, e, CHECK_WORST=bool(a.num_worst_tokens),
-                R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, CHECK_TOPK=bool(a.num_worst_tokens) and topk is not None,
-                K_POW2=_pow2(k), num_warps=4)
+                R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, CHECK_TOPK=topk is not None, K_POW2=_pow2(k), num_warps=4)
 
         host_col = None
         bad_id = None
@@ -489,26 +487,27 @@ class NVLinkBackend(Backend):
             lst = []
             handle_kernel()
         else:
-            # The contract's one synchronisation: counts, the error word and the expert-id range come back
-            # together; everything after it is Python arithmetic on one list (no torch ops per value).
+            # The contract's one synchronisation: the counts and the error word (with the handle kernel's
+            # check of the expert ids) come back together; everything after it is Python arithmetic on one
+            # list (no torch op per value).
             nn = r_ * r_ + r_ * lx
             nh = self.notify_host
             counts_host, err_host, counts_dev, err_dev = self._view(("sync", nn), lambda: (
                 nh[:nn], nh[nn:nn + 4], self.notify_out[:nn], self.err[:4]))
+            handle_kernel()
             counts_host.copy_(counts_dev, non_blocking=True)
             err_host.copy_(err_dev, non_blocking=True)
-            if topk is not None and t:
-                self.ids_host.copy_(torch.stack(torch.aminmax(topk)), non_blocking=True)
             self._sync_event.record()
-            handle_kernel()  # queued behind the event: the host waits for the counts, not for it
             self._sync_event.synchronize()
             vals = nh[:nn + 4].tolist()
-            if vals[nn]:
+            if vals[nn] == 10:
+                # A bad expert id (the layout ignored it): the exchange still completes on every rank, so the
+                # Buffer stays in step; the ValueError comes after it. The error word is cleared.
+                bad_id = vals[nn + 2]
+                err_dev.zero_()
+                self.err_host.zero_()
+            elif vals[nn]:
                 self._check_error(vals[nn:nn + 4])
-            if topk is not None and t:
-                lo, hi = self.ids_host.tolist()
-                if lo < -1 or hi >= e:
-                    bad_id = lo if lo < -1 else hi
             cnt, n_rows, lst = _host_counts(vals, r_, lx, me, a.expert_alignment)
             host_col = list(itertools.accumulate(row[me] for row in cnt))
         out_src = torch.empty(n_rows, dtype=torch.int32, device=dev)

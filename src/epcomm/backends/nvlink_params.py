@@ -114,7 +114,10 @@ def _host_counts(vals: list[int], r_: int, lx: int, me: int, alignment: int):
     """
     cnt = [vals[i * r_:(i + 1) * r_] for i in range(r_)]
     n_rows = sum(row[me] for row in cnt)
-    pe = [sum(vals[r_ * r_ + j * lx + l_] for j in range(r_)) for l_ in range(lx)]
+    base = r_ * r_
+    pe = list(map(sum, zip(*(vals[base + j * lx:base + (j + 1) * lx] for j in range(r_)))))
+    if alignment == 1:
+        return cnt, n_rows, pe
     return cnt, n_rows, [(v + alignment - 1) // alignment * alignment for v in pe]
 
 

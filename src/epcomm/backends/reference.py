@@ -54,7 +54,7 @@ def _unpack(buf: torch.Tensor, specs: list[tuple[torch.dtype, tuple[int, ...]]])
     out, col = [], 0
     rows = buf.shape[0]
     for dtype, shape in specs:
-        width = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        width = math.prod(shape) * dtype.itemsize
         if rows == 0 or width == 0:  # an empty slice keeps its strides, which view(dtype) may reject
             part = torch.empty((0, *shape), dtype=dtype, device=buf.device)
         else:
@@ -126,7 +126,7 @@ class ReferenceBackend(Backend):
                 peers.append(peer)
         for peer, t in recvs.items():
             if peer != self.rank and t.numel() > 0:
-                host = torch.empty(t.shape, dtype=t.dtype) if self._staged else t
+                host = torch.empty(t.shape, dtype=t.dtype, device="cpu") if self._staged else t
                 if self._staged:
                     staged.append((t, host))
                 ops.append(dist.P2POp(dist.irecv, host, self._global[peer], self.group))
@@ -359,7 +359,7 @@ class ReferenceBackend(Backend):
         active = self._active(a.mask)
         begin, cnt = (v.cpu() for v in layout.unpack_layout_range(hd.layout_range))
         if not all(active):
-            cnt = cnt * torch.tensor(active, dtype=cnt.dtype).view(1, r_)
+            cnt = cnt * torch.tensor(active, dtype=cnt.dtype, device=cnt.device).view(1, r_)
         # Rows back to each source rank r: expert by expert, in slot order (= the sender's message order).
         order_cnt = cnt.t().contiguous()  # [R, L]
         row_l, slot = _block_rows(cnt, begin)
@@ -417,9 +417,9 @@ def _block_rows(cnt: torch.Tensor, begin: torch.Tensor) -> tuple[torch.Tensor, t
     lx, r_ = cnt.shape
     flat_cnt = cnt.t().reshape(-1)  # (r, l) order
     flat_begin = begin.t().reshape(-1)
-    experts = torch.arange(lx).repeat(r_)
+    experts = torch.arange(lx, device=cnt.device).repeat(r_)
     total = int(flat_cnt.sum())
     row_l = torch.repeat_interleave(experts, flat_cnt)
     start = torch.repeat_interleave(flat_cnt.cumsum(0) - flat_cnt, flat_cnt)
-    slot = torch.repeat_interleave(flat_begin, flat_cnt) + (torch.arange(total) - start)
+    slot = torch.repeat_interleave(flat_begin, flat_cnt) + (torch.arange(total, device=cnt.device) - start)
     return row_l, slot

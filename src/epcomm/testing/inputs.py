@@ -62,7 +62,7 @@ def to_device(obj, device):
 
 
 def _gen(case: Case, rank: int, salt: int) -> torch.Generator:
-    g = torch.Generator()
+    g = torch.Generator(device="cpu")
     g.manual_seed((case.seed * 1_000_003 + rank * 7919 + salt) & 0x7FFFFFFF)
     return g
 
@@ -71,25 +71,25 @@ def make_topk(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(topk_idx int64[T, K], topk_weights float32[T, K])`` for ``rank``; distinct experts per row."""
     t, k, e = case.tokens_of(rank), case.num_topk, case.num_experts
     g = _gen(case, rank, 1)
-    allowed = torch.ones(e, dtype=torch.bool)
+    allowed = torch.ones(e, dtype=torch.bool, device="cpu")
     if case.empty_rank is not None:
         lx = e // case.num_ranks
         allowed[case.empty_rank * lx:(case.empty_rank + 1) * lx] = False
     pool = allowed.nonzero().squeeze(1)
     kk = min(k, pool.numel())
-    scores = torch.rand(t, pool.numel(), generator=g)
+    scores = torch.rand(t, pool.numel(), generator=g, dtype=torch.float32, device="cpu")
     if case.hot_expert is not None and bool(allowed[case.hot_expert]):
         hot_col = int((pool == case.hot_expert).nonzero())
-        hot_rows = torch.rand(t, generator=g) < 0.34
+        hot_rows = torch.rand(t, generator=g, dtype=torch.float32, device="cpu") < 0.34
         scores[hot_rows, hot_col] = 2.0
-    idx = pool[scores.topk(kk, dim=1).indices] if t else torch.empty(0, kk, dtype=torch.int64)
+    idx = pool[scores.topk(kk, dim=1).indices] if t else torch.empty(0, kk, dtype=torch.int64, device="cpu")
     if kk < k:
-        idx = torch.cat([idx, torch.full((t, k - kk), -1, dtype=torch.int64)], 1)
-    drop = torch.rand(t, k, generator=g) < case.drop_prob
+        idx = torch.cat([idx, torch.full((t, k - kk), -1, dtype=torch.int64, device="cpu")], 1)
+    drop = torch.rand(t, k, generator=g, dtype=torch.float32, device="cpu") < case.drop_prob
     idx = idx.masked_fill(drop, -1)
     if case.no_expert_token and t > 0:
         idx[0] = -1
-    w = torch.rand(t, k, generator=g) + 0.1
+    w = torch.rand(t, k, generator=g, dtype=torch.float32, device="cpu") + 0.1
     w = w.masked_fill(idx < 0, 0.0)
     return idx.to(torch.int64), w.to(torch.float32)
 
@@ -98,10 +98,10 @@ def make_x(case: Case, rank: int) -> torch.Tensor:
     """``bf16[T, H]`` random rows (never zeros) tagged with (rank, token) in columns 0 and 1."""
     t, h = case.tokens_of(rank), case.hidden
     g = _gen(case, rank, 2)
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    x = torch.randn(t, h, generator=g, dtype=torch.float32, device="cpu").to(torch.bfloat16)
     if h >= 2 and t:
         x[:, 0] = float(rank)
-        x[:, 1] = torch.arange(t, dtype=torch.float32).remainder(256)
+        x[:, 1] = torch.arange(t, dtype=torch.float32, device="cpu").remainder(256)
     return x
 
 
