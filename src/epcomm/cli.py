@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from . import _env
 
@@ -92,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     b.add_argument("--out", default=None, metavar="PATH", help="write the rows as JSONL to PATH")
     b.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots to DIR (needs epcomm[plot])")
+    b.add_argument("--profile", default=None, metavar="DIR",
+                   help="also profile every operation's eager call: a cProfile table of the host path and a "
+                   "torch.profiler table per operation and rank, written to DIR")
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     b.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed (default 1800)")
     b.set_defaults(case_sets=CASE_SETS)
@@ -163,7 +167,8 @@ def cmd_bench(args) -> int:
                      iters=args.iters or (50 if gpu else 20),
                      warmup=args.warmup if args.warmup is not None else (10 if gpu else 3),
                      sets=args.sets, num_sms=args.num_sms, graphs=not args.no_graph, cached=args.cached,
-                     check=not args.no_check, seed=args.seed)
+                     check=not args.no_check, seed=args.seed,
+                     profile=str(Path(args.profile).resolve()) if args.profile else None)
     progress = Progress(enabled=not args.no_progress)
     result = run_bench(plan, world_size=world, device=device, progress=progress, timeout_s=args.timeout)
     if args.out:

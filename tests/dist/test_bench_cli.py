@@ -40,15 +40,26 @@ def test_bench_small_end_to_end(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0, text
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    # HT: dispatch bf16, dispatch fp8, combine bf16; LL: dispatch, combine, and their send/recv halves
-    assert len(rows) == 3 + 2 + 4
+    # HT: dispatch bf16, dispatch fp8, combine bf16; LL: dispatch, combine, and their send/recv halves;
+    # then the peer baseline (gloo-a2a): HT's three and LL's dispatch and combine
+    ref_rows = [r for r in rows if r["backend"] == "reference"]
+    peer_rows = [r for r in rows if r["backend"] == "gloo-a2a"]
+    assert len(ref_rows) == 3 + 2 + 4 and len(peer_rows) == 3 + 2 and len(rows) == 14
+    peer_us = {(r["mode"], r["op"], r["dtype"]): r["median_us"] for r in peer_rows}
     for r in rows:
-        assert r["backend"] == "reference" and r["world_size"] == 2 and r["timing"] == "wall"
+        assert r["world_size"] == 2 and r["timing"] == "wall"
         assert r["check"] == "pass" and r["sms"] == "gloo" and r["iters"] == 2
-        # high-throughput ops are also checked the way they were timed (set 0 once more, as timed)
-        assert r["timed_check"] == ("pass" if r["mode"] == "ht" else "not run"), r
+        # high-throughput ops and the peer's are also checked the way they were timed (set 0 once more)
+        want = "pass" if r["mode"] == "ht" or r["backend"] == "gloo-a2a" else "not run"
+        assert r["timed_check"] == want, r
         assert r["median_us"] > 0 and r["p10_us"] <= r["p90_us"]
-        assert r["speedup"] == pytest.approx(1.0) and r["ref_median_us"] == r["median_us"]
+        assert r["ref_median_us"] == (r["median_us"] if r["backend"] == "reference" else None) or \
+            r["backend"] == "gloo-a2a"
+        if r["phase"] == "total":  # speedup: the peer's median over this one
+            assert r["peer_us"] == peer_us[(r["mode"], r["op"], r["dtype"])]
+            assert r["speedup"] == pytest.approx(r["peer_us"] / r["median_us"])
+        else:
+            assert r["speedup"] is None
         assert r["env"]["transport"] == "gloo" and r["env"]["world_size"] == 2 and r["env"]["device"] == "cpu"
         if r["phase"] == "total":
             assert 0 < r["link_bytes"] < r["logical_bytes"] and r["logical_gbps"] > 0
@@ -60,7 +71,7 @@ def test_bench_small_end_to_end(tmp_path, capsys):
     lines = text.rstrip().splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("case "))
     assert len(lines) == header + 2 + len(rows)  # the table is the last thing printed
-    assert lines[0].startswith("wrote 9 rows")
+    assert lines[0].startswith("wrote 14 rows")
 
 
 def test_check_command(capsys):
@@ -169,7 +180,9 @@ def test_rows_pair_a_fast_backend_with_the_reference():
     assert {r["dtype"] for r in fast if r["dtype"].endswith("-worst")} == {"bf16-worst", "fp8-worst"}
     for r in fast:
         assert r["check"] == "pass" and r["timing"] == "wall"
-        assert r["ref_median_us"] is not None and r["speedup"] == pytest.approx(r["ref_median_us"] / r["median_us"])
+        assert r["ref_median_us"] is not None  # the oracle's time, kept beside the peer's
+        if r["phase"] == "total":
+            assert r["speedup"] == pytest.approx(r["peer_us"] / r["median_us"])
     assert [r["op"] for r in rows[:5]] == ["dispatch", "dispatch", "combine", "dispatch", "dispatch"]  # fast first
     assert [r["op"] for r in rows[5:8]] == ["dispatch", "dispatch", "combine"]  # then the reference
 

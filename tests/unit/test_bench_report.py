@@ -16,18 +16,19 @@ ENV = {"date": "2026-11-21T00:00:00+00:00", "device": "cpu", "gpu_count": 0, "dr
        "python": "3.11", "world_size": 2, "transport": "gloo", "backends": ["nvlink", "reference"], "epcomm_env": {}}
 
 
-def result(backend, median, *, lb=1000, kb=500, check="pass", phase="total", p10=None, p90=None):
-    return {"case": CASE, "backend": backend, "op": "dispatch", "dtype": "bf16", "phase": phase,
+def result(backend, median, *, lb=1000, kb=500, check="pass", phase="total", p10=None, p90=None,
+           timing="events", dtype="bf16"):
+    return {"case": CASE, "backend": backend, "op": "dispatch", "dtype": dtype, "phase": phase,
             "median": median, "p10": p10 or median * 0.9, "p90": p90 or median * 1.1, "host": median / 2,
-            "timing": "events", "logical_bytes": lb, "link_bytes": kb, "sms": 24 if backend != "reference" else "nccl",
+            "timing": timing, "logical_bytes": lb, "link_bytes": kb, "sms": 24 if backend != "reference" else "nccl",
             "check": check}
 
 
 def test_merge_takes_max_median_min_bandwidth_and_pairs_the_reference():
-    rank0 = [result("nvlink", 10e-6, lb=2000, kb=1000), result("reference", 40e-6)]
-    rank1 = [result("nvlink", 20e-6, lb=1000, kb=500), result("reference", 30e-6)]
+    rank0 = [result("nvlink", 10e-6, lb=2000, kb=1000), result("reference", 40e-6), result("gloo-a2a", 40e-6)]
+    rank1 = [result("nvlink", 20e-6, lb=1000, kb=500), result("reference", 30e-6), result("gloo-a2a", 30e-6)]
     rows = report.merge_ranks([rank0, rank1], env=ENV, iters=5, warmup=1, ce_gbps=100.0)
-    fast, ref = rows
+    fast, ref, peer = rows
     assert fast["backend"] == "nvlink" and ref["backend"] == "reference"
     assert fast["median_us"] == pytest.approx(20.0)          # max over ranks of the medians
     assert fast["p90_us"] == pytest.approx(22.0)
@@ -36,10 +37,21 @@ def test_merge_takes_max_median_min_bandwidth_and_pairs_the_reference():
     assert fast["logical_gbps"] == pytest.approx(0.05)
     assert fast["link_gbps"] == pytest.approx(0.025)
     assert fast["link_fraction"] == pytest.approx(0.025 / 100.0)
-    assert fast["ref_median_us"] == pytest.approx(40.0) and fast["speedup"] == pytest.approx(2.0)
-    assert ref["speedup"] == pytest.approx(1.0)
+    assert fast["ref_median_us"] == pytest.approx(40.0)
+    assert fast["peer_us"] == pytest.approx(40.0) and fast["speedup"] == pytest.approx(2.0)  # peer / this
+    assert ref["speedup"] == pytest.approx(1.0) and peer["speedup"] == pytest.approx(1.0)
     assert fast["world_size"] == 2 and fast["sms"] == 24 and ref["sms"] == "nccl"
     assert fast["check"] == "pass" and fast["env"] is ENV
+
+
+def test_merge_pairs_eager_rows_with_their_graph_rows():
+    rank = [result("nvlink", 30e-6), result("nvlink", 20e-6, timing="graph"),
+            result("nvlink", 50e-6, dtype="bf16-worst", timing="graph"), result("nccl-a2a", 90e-6)]
+    eager, graph, worst, peer = report.merge_ranks([rank], env=ENV, iters=5, warmup=1)
+    assert eager["graph_us"] == pytest.approx(20.0) and eager["eager_over_graph"] == pytest.approx(1.5)
+    assert graph["eager_over_graph"] is None and graph["speedup"] == pytest.approx(4.5)
+    assert worst["speedup"] == pytest.approx(1.8)  # "-worst" rows pair with the peer's plain row
+    assert peer["graph_us"] is None
 
 
 def test_merge_reports_failing_ranks_and_missing_bytes():
@@ -60,7 +72,7 @@ def test_jsonl_rows_carry_every_field(tmp_path):
 
 
 def test_table_rendering():
-    rows = report.merge_ranks([[result("nvlink", 12.3e-6), result("reference", 1234.5e-6)]], env=ENV, iters=3,
+    rows = report.merge_ranks([[result("nvlink", 12.3e-6), result("gloo-a2a", 1234.5e-6)]], env=ENV, iters=3,
                               warmup=1, ce_gbps=None)
     text = report.render_table(rows)
     lines = text.splitlines()

@@ -53,6 +53,12 @@ class BenchCase:
             out += [("dispatch", "fp8", ("send", "recv")), ("combine", "bf16", ("send", "recv"))]
         return out
 
+    def peer_ops(self) -> list[tuple[str, str, tuple[str, ...]]]:
+        """The operations the peer baseline (bench/a2a.py) is timed on for this case."""
+        if self.mode == "ht":
+            return self.ops()
+        return [("dispatch", "fp8", ("total",)), ("combine", "bf16", ("total",))]
+
 
 _DSV3 = {"hidden": 7168, "topk": 8, "experts": 256}
 _SWEEP_HT = tuple(4 ** i for i in range(8))        # 1 .. 16384

@@ -5,12 +5,16 @@ A row (one JSON object per line) holds::
     case mode tokens hidden topk experts world_size backend op dtype phase cached
     median_us p10_us p90_us host_us iters warmup timing
     logical_bytes link_bytes logical_gbps link_gbps sms
-    ref_median_us speedup ce_gbps link_fraction check env{...}
+    ref_median_us peer_us speedup graph_us eager_over_graph ce_gbps link_fraction check env{...}
 
 Across ranks: every rank times itself; a row reports the **largest** per-rank median (and the
 largest p10/p90, host time), the bytes of the busiest rank, and the **smallest** per-rank GB/s
-(each rank's bytes over its own median). ``speedup`` = reference median / this median, both from
-the same run; ``link_fraction`` = link GB/s / the copy-engine ceiling ``ce_gbps``.
+(each rank's bytes over its own median). ``timing`` is ``events`` (eager calls), ``graph`` (CUDA-graph
+replays) or ``wall`` (CPU); on GPUs a capturable op has a row of each, and its eager row carries
+``graph_us`` and ``eager_over_graph``. ``peer_us`` is the peer baseline's eager median (backend
+``nccl-a2a`` / ``gloo-a2a``: torch.distributed all-to-all dispatch and combine, bench/a2a.py) and
+``speedup`` = peer_us / this median; ``ref_median_us`` is the oracle's (reference backend), kept for
+the record. All from the same run; ``link_fraction`` = link GB/s / the copy-engine ceiling ``ce_gbps``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from . import accounting
 ROW_FIELDS = (
     "case", "mode", "tokens", "hidden", "topk", "experts", "world_size", "backend", "op", "dtype", "phase",
     "cached", "median_us", "p10_us", "p90_us", "host_us", "iters", "warmup", "timing", "logical_bytes",
-    "link_bytes", "logical_gbps", "link_gbps", "sms", "ref_median_us", "speedup", "ce_gbps", "link_fraction",
+    "link_bytes", "logical_gbps", "link_gbps", "sms", "ref_median_us", "peer_us", "speedup", "graph_us",
+    "eager_over_graph", "ce_gbps", "link_fraction",
     "check", "timed_check", "env",
 )
 ENV_FIELDS = ("date", "device", "gpu_count", "driver", "cuda", "nccl", "torch", "triton", "epcomm", "git_sha",
@@ -151,7 +156,7 @@ def environment(device_info: dict, world_size: int, transport: str, backends: li
 def _key(r: dict) -> tuple:
     c = r["case"]
     return (c["name"], c["mode"], c["tokens"], c["hidden"], c["topk"], c["experts"], r["op"], r["dtype"],
-            r["phase"], r["backend"])
+            r["phase"], r["backend"], r["timing"])
 
 
 def merge_ranks(per_rank: list[list[dict]], *, env: dict, iters: int, warmup: int,
@@ -184,7 +189,7 @@ def merge_ranks(per_rank: list[list[dict]], *, env: dict, iters: int, warmup: in
             "logical_gbps": min(accounting.gbps(r["logical_bytes"], r["median"]) for r in rs) if has_bytes else None,
             "link_gbps": min(accounting.gbps(r["link_bytes"], r["median"]) for r in rs) if has_bytes else None,
             "sms": rs[0]["sms"],
-            "ref_median_us": None, "speedup": None,
+            "ref_median_us": None, "peer_us": None, "speedup": None, "graph_us": None, "eager_over_graph": None,
             "ce_gbps": ce_gbps, "link_fraction": None,
             "check": "; ".join(failures) if failures else rs[0]["check"],
             # the op checked the way it was timed (graph replay or eager) on input set 0, every rank
@@ -194,20 +199,30 @@ def merge_ranks(per_rank: list[list[dict]], *, env: dict, iters: int, warmup: in
         if ce_gbps and row["link_gbps"] is not None:
             row["link_fraction"] = row["link_gbps"] / ce_gbps
         rows.append(row)
-    ref = {_key_of_row(r, "reference"): r for r in rows if r["backend"] == "reference"}
+    # the oracle (reference) and the peer baseline ("<transport>-a2a", eager): "<dtype>-worst" rows (the
+    # fast path captured with num_worst_tokens) pair with their plain dtype row, the same exchange
+    ref = {_key_of_row(r, "reference"): r for r in rows if r["backend"] == "reference" and r["timing"] != "graph"}
+    peer = {_key_of_row(r, "peer"): r for r in rows if r["backend"].endswith("-a2a")}
+    graphs = {_key_of_row(r, r["backend"]) + (r["dtype"],): r for r in rows if r["timing"] == "graph"}
     for row in rows:
-        # "<dtype>-worst" rows (the fast path captured with num_worst_tokens) pair with the
-        # reference's plain dtype row: the same exchange, which the reference cannot capture.
-        base = ref.get(_key_of_row({**row, "dtype": row["dtype"].split("-")[0]}, "reference"))
+        plain = {**row, "dtype": row["dtype"].split("-")[0]}
+        base = ref.get(_key_of_row(plain, "reference"))
         if base is not None:
             row["ref_median_us"] = base["median_us"]
-            row["speedup"] = base["median_us"] / row["median_us"] if row["median_us"] else None
+        p = peer.get(_key_of_row(plain, "peer"))
+        if p is not None and row["median_us"]:
+            row["peer_us"] = p["median_us"]
+            row["speedup"] = p["median_us"] / row["median_us"]
+        g = graphs.get(_key_of_row(row, row["backend"]) + (row["dtype"],))
+        if row["timing"] != "graph" and g is not None and g["median_us"]:
+            row["graph_us"] = g["median_us"]
+            row["eager_over_graph"] = row["median_us"] / g["median_us"]
     return rows
 
 
 def _key_of_row(r: dict, backend: str) -> tuple:
-    return (r["case"], r["mode"], r["tokens"], r["hidden"], r["topk"], r["experts"], r["op"], r["dtype"],
-            r["phase"], backend)
+    return (r["case"], r["mode"], r["tokens"], r["hidden"], r["topk"], r["experts"], r["op"],
+            r["dtype"].split("-")[0] if backend in ("reference", "peer") else r["dtype"], r["phase"], backend)
 
 
 def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> Path:
@@ -266,8 +281,8 @@ def render_table(rows: list[dict]) -> str:
     """A fixed-width text table, one line per row, in run order."""
     show_ce = any(r.get("link_fraction") is not None for r in rows)
     head = ["case", "T", "H", "K", "E", "op", "backend", "median us", "p10", "p90", "host us",
-            "logical GB/s", "link GB/s"] + (["%CE"] if show_ce else []) + ["SMs", "ref us", "speedup",
-                                                                           "timing", "check"]
+            "logical GB/s", "link GB/s"] + (["%CE"] if show_ce else []) + ["SMs", "timing", "eager/graph",
+                                                                           "peer us", "speedup", "check"]
     body = []
     for r in rows:
         line = [r["case"], str(r["tokens"]), str(r["hidden"]), str(r["topk"]), str(r["experts"]), op_label(r),
@@ -276,8 +291,9 @@ def render_table(rows: list[dict]) -> str:
         if show_ce:
             lf = r.get("link_fraction")
             line.append("-" if lf is None else f"{100 * lf:.0f}%")
-        line += [str(r["sms"]), _us(r["ref_median_us"]),
-                 "-" if r["speedup"] is None else f"{r['speedup']:.2f}x", r["timing"], _check(r["check"])]
+        eg = r.get("eager_over_graph")
+        line += [str(r["sms"]), r["timing"], "-" if eg is None else f"{eg:.2f}", _us(r.get("peer_us")),
+                 "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x", _check(r["check"])]
         body.append(line)
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     left = {0, 5, 6, len(head) - 2, len(head) - 1}

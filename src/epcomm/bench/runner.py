@@ -22,6 +22,7 @@ from ..testing.launcher import parallel_launch
 from . import report, workloads
 from .cases import BenchCase
 from .peer import measure_copy_engine
+from .profile import profile_op
 from .progress import Progress
 from .timing import measure
 
@@ -44,6 +45,7 @@ class BenchPlan:
     cached: bool = False         # time HT dispatch with a handle (DeepEP's tuning mode)
     check: bool = True           # correctness check of every case before timing it
     seed: int = 0
+    profile: str | None = None   # a directory: profile every op's eager call there (bench/profile.py)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_CHOICES:
@@ -123,8 +125,13 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def peer_name(device: torch.device) -> str:
+    """The peer baseline's row name (:mod:`epcomm.bench.a2a` on the group's transport)."""
+    return "nccl-a2a" if device.type == "cuda" else "gloo-a2a"
+
+
 def _sms(name: str, device: torch.device, mode: str = "ht"):
-    if name == "reference":
+    if name == "reference" or name.endswith("-a2a"):
         return "nccl" if device.type == "cuda" else "gloo"
     if mode == "ll" and device.type == "cuda":
         # the low-latency kernels are not bounded by num_sms: their grids reach every SM
@@ -161,11 +168,16 @@ def _run_case(ctx, plan: BenchPlan, case: BenchCase, bufs: dict[str, Buffer], pr
         checks = workloads.check_ll(bufs, sets[0], case) if plan.check else dict.fromkeys(bufs, "skipped")
         nbytes = workloads.ll_bytes(group, sets, case, me, r_)
     out = []
-    for name, buf in bufs.items():
-        ops = (workloads.ht_ops(buf, sets, plan.cached, expect) if case.mode == "ht"
-               else workloads.ll_ops(buf, sets, case))
+    timed = [(name, buf) for name, buf in bufs.items()]
+    timed.append((peer_name(dev), None))
+    for name, buf in timed:
+        if buf is None:
+            ops = workloads.a2a_ops(group, sets, case)
+        else:
+            ops = (workloads.ht_ops(buf, sets, plan.cached, expect) if case.mode == "ht"
+                   else workloads.ll_ops(buf, sets, case))
         reset = None
-        if case.mode == "ll":
+        if case.mode == "ll" and buf is not None:
             def reset(buf=buf):
                 dist.barrier(group=group)
                 buf.clean_low_latency_buffer(case.tokens, case.hidden, case.experts)
@@ -175,18 +187,27 @@ def _run_case(ctx, plan: BenchPlan, case: BenchCase, bufs: dict[str, Buffer], pr
             label += "" if op.phases == ("total",) else " send/recv"
             if progress is not None:
                 progress.show(f"{label} ({name})")
-            if reset is not None:
-                reset()
-            m = measure(op, num_sets=num_sets, iters=plan.iters, warmup=plan.warmup, group=group, device=dev,
-                        use_graphs=plan.graphs, reset=reset)
-            for phase, st, host in zip(m.phases, m.stats, m.host):
-                key = (op.op, op.dtype.split("-")[0])  # "bf16-worst" moves the bytes of "bf16"
-                lb, kb = nbytes.get(key, (None, None)) if phase == "total" else (None, None)
-                out.append({"case": dataclasses.asdict(case), "backend": name, "op": op.op, "dtype": op.dtype,
-                            "phase": phase, "median": st.median, "p10": st.p10, "p90": st.p90, "host": host,
-                            "timing": m.method, "logical_bytes": lb, "link_bytes": kb, "sms": _sms(name, dev, case.mode),
-                            "check": _check_verdict(checks[name], m.verified),
-                            "timed_check": m.verified or "not run"})
+            # on GPUs a capturable op is timed both ways: eager launches (events) and graph replays
+            graph_too = dev.type == "cuda" and plan.graphs and op.capturable
+            for use_graphs in ((False, True) if graph_too else (False,)):
+                if reset is not None:
+                    reset()
+                m = measure(op, num_sets=num_sets, iters=plan.iters, warmup=plan.warmup, group=group, device=dev,
+                            use_graphs=use_graphs, reset=reset)
+                if use_graphs and m.method != "graph":
+                    continue  # the capture failed (logged): the eager row stands alone
+                if plan.profile and not use_graphs:
+                    profile_op(op, f"{label} {name}", num_sets=num_sets, iters=plan.iters, group=group, device=dev,
+                               rank=me, out_dir=plan.profile, reset=reset)
+                check = checks.get(name, "not checked") if buf is not None else (m.verified or "not checked")
+                for phase, st, host in zip(m.phases, m.stats, m.host):
+                    key = (op.op, op.dtype.split("-")[0])  # "bf16-worst" moves the bytes of "bf16"
+                    lb, kb = nbytes.get(key, (None, None)) if phase == "total" else (None, None)
+                    out.append({"case": dataclasses.asdict(case), "backend": name, "op": op.op, "dtype": op.dtype,
+                                "phase": phase, "median": st.median, "p10": st.p10, "p90": st.p90, "host": host,
+                                "timing": m.method, "logical_bytes": lb, "link_bytes": kb,
+                                "sms": _sms(name, dev, case.mode), "check": _check_verdict(check, m.verified),
+                                "timed_check": m.verified or "not run"})
             if progress is not None:
                 progress.update(f"{label} ({name})")
     del sets
@@ -207,7 +228,7 @@ def bench_worker(ctx, plan: BenchPlan, progress: Progress | None) -> dict:
     if ctx.rank != 0:
         progress = None
     if progress is not None:
-        progress.set_total(sum(len(c.ops()) * len(bufs[c.mode]) for c in plan.cases))
+        progress.set_total(sum(len(c.ops()) * len(bufs[c.mode]) + len(c.peer_ops()) for c in plan.cases))
         progress.show(f"backends: {', '.join(names)}", always=True)
     results = []
     for case in plan.cases:

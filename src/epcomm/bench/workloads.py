@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .. import layout, quant
 from ..testing.compare import assert_bitwise, assert_fp8_within_one_step, assert_within_budget
-from . import accounting
+from . import a2a, accounting
 from .cases import BenchCase
 from .timing import TimedOp, fail_text
 
@@ -382,3 +382,60 @@ def check_ll(bufs: dict, st: LLSet, case: BenchCase) -> dict[str, str]:
         except AssertionError as e:
             result[name] = fail_text(e)
     return result
+
+
+# ----------------------------------------------------------------------------- peer baseline
+
+
+def a2a_ops(group, sets, case: BenchCase) -> list[TimedOp]:
+    """The peer baseline (:mod:`epcomm.bench.a2a`) on the same inputs: for a high-throughput case
+    dispatch BF16, dispatch FP8 and combine BF16; for a low-latency case dispatch FP8 (the cast
+    included, as the low-latency dispatch does it) and combine BF16. Each is verified as timed by a
+    round trip: the rows dispatch delivered (FP8 ones dequantised to BF16), combined back, give
+    ``x * Σ_k w`` (within the BF16 budget of a 2K-term float32 sum; every rank runs the check's
+    collectives in the same order)."""
+    e, t = case.experts, case.tokens
+
+    def dispatch(fp8: bool, cast: bool = False):
+        def build(s: int):
+            st = sets[s]
+            if cast:
+                def step():
+                    return a2a.dispatch(quant.per_token_cast_to_fp8(st.x), st.topk_idx, st.topk_weights, e, group)
+            else:
+                x = st.x_fp8 if fp8 else st.x
+
+                def step():
+                    return a2a.dispatch(x, st.topk_idx, st.topk_weights, e, group)
+            return [], [step]
+        return build
+
+    def combine(s: int):
+        st, state = sets[s], {}
+
+        def prep():
+            state["rows"], _, state["st"] = a2a.dispatch(st.x, st.topk_idx, st.topk_weights, e, group)
+
+        return [prep], [lambda: a2a.combine(state["rows"], state["st"], t, group)]
+
+    def verify_combine(s: int, out, fp8: bool = False) -> None:
+        st = sets[s]
+        w = (st.topk_weights * (st.topk_idx >= 0)).double().cpu()
+        x = quant.per_token_cast_back(*quant.per_token_cast_to_fp8(st.x)).to(torch.bfloat16) if fp8 else st.x
+        x64 = x.double().cpu()
+        assert_within_budget(out, x64 * w.sum(1, keepdim=True), x64.abs() * w.abs().sum(1, keepdim=True),
+                             2 * case.topk, f"a2a combine(dispatch(x{' fp8' if fp8 else ''})) vs x * sum(w)")
+
+    def verify_dispatch(fp8: bool):
+        def verify(s: int, out) -> None:
+            recv, _, state = out
+            rows = quant.per_token_cast_back(*recv).to(torch.bfloat16) if fp8 else recv
+            verify_combine(s, a2a.combine(rows, state, t, group), fp8)
+        return verify
+
+    if case.mode == "ht":
+        return [TimedOp("dispatch", "bf16", ("total",), dispatch(False), verify=verify_dispatch(False)),
+                TimedOp("dispatch", "fp8", ("total",), dispatch(True), verify=verify_dispatch(True)),
+                TimedOp("combine", "bf16", ("total",), combine, verify=verify_combine)]
+    return [TimedOp("dispatch", "fp8", ("total",), dispatch(True, cast=True), verify=verify_dispatch(True)),
+            TimedOp("combine", "bf16", ("total",), combine, verify=verify_combine)]

@@ -1,0 +1,95 @@
+"""``epcomm bench --profile DIR``: where each operation's eager call spends its time.
+
+For every timed operation (after its timing) each rank runs it eagerly again, twice over:
+
+- under ``cProfile`` (the Python host path: argument checks, allocations, kernel launches, copies,
+  events, host synchronisations, each a function in the table), written as
+  ``DIR/<case>-<op>-<backend>.rank<r>.host.txt``, sorted by cumulative time, with the host time per call;
+- under ``torch.profiler`` (CPU and, on GPUs, CUDA activities: kernels, copies, synchronisations),
+  written as ``DIR/<case>-<op>-<backend>.rank<r>.torch.txt``.
+
+The profilers' own overhead inflates the absolute host times; the ratios between phases are what
+these files are for. The timed rows (``host us``) are measured without them.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from .timing import TimedOp, make_barrier
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", s).strip("_")
+
+
+def host_table(stats: pstats.Stats, calls: int, limit: int = 45) -> str:
+    """cProfile's functions as µs per call of the profiled operation: calls, own time, time with callees."""
+    rows = []
+    for (file, line, name), (_, nc, tt, ct, _) in stats.stats.items():
+        where = name if file == "~" else f"{Path(file).name}:{line}({name})"
+        rows.append((ct / calls * 1e6, tt / calls * 1e6, nc / calls, where))
+    rows.sort(reverse=True)
+    out = [f"{'with callees us':>16} {'own us':>9} {'calls':>7}  function"]
+    out += [f"{ct:16.1f} {tt:9.1f} {nc:7.1f}  {where}" for ct, tt, nc, where in rows[:limit]]
+    return "\n".join(out) + "\n"
+
+
+def profile_op(op: TimedOp, label: str, *, num_sets: int, iters: int, group, device: torch.device, rank: int,
+               out_dir: str | Path, reset=None) -> list[Path]:
+    """Profile ``iters`` eager iterations of ``op`` (see the module docstring); returns the files written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    barrier = make_barrier(group, device)
+    if reset is not None:
+        reset()
+    plans = [op.build(s) for s in range(num_sets)]
+    base = f"{_slug(label)}.rank{rank}"
+
+    def run(it: int, before=None, after=None) -> float:
+        prep, steps = plans[it % num_sets]
+        for p in prep:
+            p()
+        barrier()
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        for step in steps:
+            step()
+        dt = time.perf_counter() - t0
+        if after is not None:
+            after()
+        return dt
+
+    for it in range(2):  # warm-up: compilation, allocator
+        run(it)
+    prof = cProfile.Profile()
+    host = [run(it, prof.enable, prof.disable) for it in range(iters)]
+    text = io.StringIO()
+    text.write(f"{label}: {iters} eager calls under cProfile, host time per call (median, with the profiler's "
+               f"overhead): {sorted(host)[len(host) // 2] * 1e6:.1f} us\n\n")
+    text.write(host_table(pstats.Stats(prof), iters))
+    host_path = out / f"{base}.host.txt"
+    host_path.write_text(text.getvalue())
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as tp:
+        for it in range(iters):
+            run(it)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    torch_path = out / f"{base}.torch.txt"
+    torch_path.write_text(f"{label}: {iters} eager calls under torch.profiler\n\n"
+                          + tp.key_averages().table(sort_by=sort, row_limit=40))
+    barrier()
+    return [host_path, torch_path]
