@@ -87,6 +87,9 @@ class Buffer:
         self._ll_calls = 0
         self._ll_shape: tuple[int, int, int] | None = None  # (M, H, E) of the low-latency calls since the last clean
         self._ll_sizes: dict = {}  # (M, H, E) -> get_low_latency_rdma_size_hint, checked once per shape
+        self._checked: set = set()  # call signatures (_signature) whose shape/dtype/flag checks passed
+        self._nvl_ok: set = set()  # (config, hidden bytes) that fit num_nvl_bytes
+        self._default_configs: dict = {}  # (combine, num_sms) -> the default Config
         # which stream the last call's work went on: the communication stream (asynchronous calls) or the
         # current one (synchronous calls); see _run
         self._comm_pending, self._last_on_current = False, False
@@ -247,16 +250,23 @@ class Buffer:
 
     def _config(self, config, combine: bool) -> Config:
         if config is None:
-            return (self.get_combine_config if combine else self.get_dispatch_config)(self.group_size)
+            c = self._default_configs.get((combine, Buffer.num_sms))
+            if c is None:
+                c = (self.get_combine_config if combine else self.get_dispatch_config)(self.group_size)
+                self._default_configs[(combine, Buffer.num_sms)] = c
+            return c
         if not isinstance(config, Config):
             raise TypeError(f"config must be an epcomm.Config, got {type(config).__name__}")
         return config
 
     def _check_nvl_bytes(self, config: Config, hidden_bytes: int) -> None:
+        if (config, hidden_bytes) in self._nvl_ok:
+            return
         need = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
         if self.num_nvl_bytes and need > self.num_nvl_bytes:
             raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small: this config needs {need} "
                              f"(Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size}))")
+        self._nvl_ok.add((config, hidden_bytes))
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -281,6 +291,29 @@ class Buffer:
             (rx, rs), ev = self._run(cached, [data, scales], previous_event, async_finish, allocate_on_comm_stream)
             return (rx if rs is None else (rx, rs)), None, None, None, None, ev
 
+        sig = _signature(data, scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config)
+        if sig in self._checked and not self._host_checks:
+            # these shapes, dtypes and arguments passed every check below before
+            e = num_tokens_per_expert.shape[0]
+        else:
+            e = self._dispatch_checks(t, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                      num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                      num_worst_tokens)
+            if sig is not None and len(self._checked) < 4096:
+                self._checked.add(sig)
+        args = DispatchArgs(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                            num_tokens_per_expert, expert_alignment, num_worst_tokens, config.num_channels,
+                            config.num_sms)
+        res, ev = self._run(lambda: self._backend.dispatch(args), [data, scales, topk_idx, topk_weights],
+                            previous_event, async_finish, allocate_on_comm_stream)
+        recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
+        return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list, res.handle, ev
+
+    def _dispatch_checks(self, t: int, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens) -> int:
+        """The argument checks of a dispatch without a handle; returns the number of experts."""
+        r_ = self.group_size
         if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
             missing = [n for n, v in (("num_tokens_per_rank", num_tokens_per_rank),
                                       ("is_token_in_rank", is_token_in_rank),
@@ -305,13 +338,7 @@ class Buffer:
             V.topk_weights(topk_weights, topk_idx, self.device)
         V.int_arg("expert_alignment", expert_alignment, 1)
         V.int_arg("num_worst_tokens", num_worst_tokens, 0)
-        args = DispatchArgs(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                            num_tokens_per_expert, expert_alignment, num_worst_tokens, config.num_channels,
-                            config.num_sms)
-        res, ev = self._run(lambda: self._backend.dispatch(args), [data, scales, topk_idx, topk_weights],
-                            previous_event, async_finish, allocate_on_comm_stream)
-        recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
-        return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list, res.handle, ev
+        return e
 
     def combine(self, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, bias=None,
                 config: Config | None = None, previous_event=None, async_finish: bool = False,
@@ -393,6 +420,49 @@ class Buffer:
                              return_recv_hook: bool = False):
         """Low-latency dispatch; see API.md. Returns ``(recv_x, recv_count, handle, event, hook)``."""
         self._check_alive()
+        cum, wst = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
+        try:  # the common case inline: plain tensors, int sizes (a bool is an int too: excluded)
+            sig = None
+            if type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int:
+                sig = ("lld", x.shape, x.dtype, x.is_cuda, topk_idx.shape, topk_idx.dtype, topk_idx.is_cuda,
+                       num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
+                       None if cum is None else (cum.shape, cum.dtype, cum.is_cuda),
+                       None if wst is None else (wst.shape, wst.dtype, wst.is_cuda))
+        except AttributeError:  # not tensors: the checks say which
+            sig = None
+        if sig in self._checked and not self._host_checks:
+            # these shapes, dtypes and flags passed every check below before: only what can differ remains
+            m, e = num_max_dispatch_tokens_per_rank, num_experts
+            h = x.shape[1]
+        else:
+            m, h, e = self._ll_dispatch_checks(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                               round_scale, use_ue8m0, cum, wst)
+            if sig is not None and len(self._checked) < 4096:
+                self._checked.add(sig)
+        if self._ll_shape is not None and self._ll_shape != (m, h, e):
+            # The low-latency areas and flags are laid out for one shape (as in DeepEP): a new shape on a
+            # live buffer could overwrite a peer that is still in the last call, or wait on stale flags.
+            raise ValueError("low-latency shape (num_max_dispatch_tokens_per_rank, hidden, num_experts) changed "
+                             f"from {self._ll_shape} to {(m, h, e)}; call clean_low_latency_buffer({m}, {h}, {e}) "
+                             "on every rank first")
+        args = LowLatencyDispatchArgs(x, topk_idx, m, e, bool(use_fp8), bool(round_scale), bool(use_ue8m0), cum, wst,
+                                      self._ll_parity(), self._shrink_mask(), hook=bool(return_recv_hook))
+        if async_finish or return_recv_hook:
+            res, ev, hook = self._ll_run(lambda: self._backend.low_latency_dispatch(args), [x, topk_idx],
+                                         async_finish, return_recv_hook)
+        else:  # the common case, without _ll_run's closures
+            if self._comm_pending:
+                self._sync_stream()
+            self._last_on_current = True
+            res, receive = self._backend.low_latency_dispatch(args)
+            receive()
+            ev, hook = _NO_EVENT, None
+        self._ll_shape = (m, h, e)  # after the call: one that raised (e.g. M differing across ranks) sets nothing
+        return res.recv_x, res.recv_count, res.handle, ev, hook
+
+    def _ll_dispatch_checks(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                            use_ue8m0, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats):
+        """Every argument check of ``low_latency_dispatch``; returns ``(M, H, E)``."""
         m = V.int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
         e = V.num_experts(num_experts, self.group_size)
         V.tensor("x", x, torch.bfloat16, 2, self.device)
@@ -415,19 +485,7 @@ class Buffer:
             V.tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64, 1, self.device)
             V.shape("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, (self.group_size,))
         self._ll_check(m, h, e)
-        if self._ll_shape is not None and self._ll_shape != (m, h, e):
-            # The low-latency areas and flags are laid out for one shape (as in DeepEP): a new shape on a
-            # live buffer could overwrite a peer that is still in the last call, or wait on stale flags.
-            raise ValueError("low-latency shape (num_max_dispatch_tokens_per_rank, hidden, num_experts) changed "
-                             f"from {self._ll_shape} to {(m, h, e)}; call clean_low_latency_buffer({m}, {h}, {e}) "
-                             "on every rank first")
-        args = LowLatencyDispatchArgs(x, topk_idx, m, e, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
-                                      cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-                                      self._ll_parity(), self._shrink_mask(), hook=bool(return_recv_hook))
-        res, ev, hook = self._ll_run(lambda: self._backend.low_latency_dispatch(args), [x, topk_idx],
-                                     async_finish, return_recv_hook)
-        self._ll_shape = (m, h, e)  # after the call: one that raised (e.g. M differing across ranks) sets nothing
-        return res.recv_x, res.recv_count, res.handle, ev, hook
+        return m, h, e
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -439,10 +497,37 @@ class Buffer:
         self._check_alive()
         handle = _as_low_latency_handle(handle)
         m, h, e = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        if zero_copy:
+            self._ll_check(m, h, e)
+            x = self._backend.low_latency_zero_copy_buffer(handle)
+        try:
+            sig = ("llc", x.shape, x.dtype, x.is_cuda, topk_idx.shape, topk_idx.dtype, topk_idx.is_cuda,
+                   topk_weights.shape, topk_weights.dtype, topk_weights.is_cuda,
+                   None if out is None else (out.shape, out.dtype, out.is_cuda),
+                   _signature(combine_wait_recv_cost_stats), m, h, e)
+        except AttributeError:  # not tensors: the checks say which
+            sig = None
+        if sig not in self._checked or self._host_checks:
+            self._ll_combine_checks(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, m, h, e)
+            if sig is not None and len(self._checked) < 4096:
+                self._checked.add(sig)
+        args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
+                                     self._ll_parity(), self._shrink_mask(), hook=bool(return_recv_hook))
+        if async_finish or return_recv_hook:
+            return self._ll_run(lambda: self._backend.low_latency_combine(args), [x, topk_idx, topk_weights],
+                                async_finish, return_recv_hook)
+        if self._comm_pending:  # the common case, without _ll_run's closures
+            self._sync_stream()
+        self._last_on_current = True
+        res, receive = self._backend.low_latency_combine(args)
+        receive()
+        return res, _NO_EVENT, None
+
+    def _ll_combine_checks(self, x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, m: int, h: int,
+                           e: int) -> None:
+        """Every argument check of ``low_latency_combine`` (``m, h, e`` from the handle)."""
         self._ll_check(m, h, e)
         lx = e // self.group_size
-        if zero_copy:
-            x = self._backend.low_latency_zero_copy_buffer(handle)
         V.tensor("x", x, torch.bfloat16, 3, self.device)
         V.shape("x", x, (lx, self.group_size * m, h))
         V.topk_idx(topk_idx, None, e, self.device, check_values=self._host_checks)
@@ -456,11 +541,6 @@ class Buffer:
         if combine_wait_recv_cost_stats is not None:
             V.tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, 1, self.device)
             V.shape("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, (self.group_size,))
-        args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
-                                     self._ll_parity(), self._shrink_mask(), hook=bool(return_recv_hook))
-        res, ev, hook = self._ll_run(lambda: self._backend.low_latency_combine(args), [x, topk_idx, topk_weights],
-                                     async_finish, return_recv_hook)
-        return res, ev, hook
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
         """``bf16[L, R*M, H]``: write expert outputs here, then call combine with ``zero_copy=True``."""
@@ -505,6 +585,23 @@ class Buffer:
     def low_latency_clean_mask_buffer(self) -> None:
         self._check_shrink()
         self._mask.zero_()
+
+
+_NO_EVENT = EventOverlap()  # what a synchronous call returns as its event (holds nothing)
+
+
+def _signature(*args) -> tuple | None:
+    """What the argument checks of a low-latency call depend on: per tensor (shape, dtype, on CUDA), per
+    other argument (type, value). None where something is not hashable (the checks then run, and raise)."""
+    sig = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append((a.shape, a.dtype, a.is_cuda))
+        elif a is None or isinstance(a, (bool, int, float, Config)):
+            sig.append((type(a), a))
+        else:
+            return None
+    return tuple(sig)
 
 
 def _as_dispatch_handle(handle) -> DispatchHandle:

@@ -510,6 +510,8 @@ def check_caller_default_dtype(ctx):
     """``torch.set_default_dtype(torch.bfloat16)`` by the caller (and, on CUDA ranks,
     ``torch.set_default_device``): a Buffer made after it dispatches and combines as before."""
     case = harness.cases(ctx.world_size, HIDDEN)["random"]
+    exp = expected_dispatch(case, ctx.rank)  # the oracle computes on the host: before the defaults change
+    x64 = make_x(case, ctx.rank).double()
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     if ctx.device.type == "cuda":
@@ -517,11 +519,9 @@ def check_caller_default_dtype(ctx):
     try:
         buf = make_buffer(ctx)
         recv_x, recv_idx, recv_w, counts, handle, _ = dispatch_case(ctx, buf, case)
-        exp = expected_dispatch(case, ctx.rank)
         assert_bitwise(recv_x, exp["recv_x"], "recv_x under default dtype bf16")
         equal(recv_w.dtype, torch.float32, "recv_topk_weights dtype")
         combined, _, _ = buf.combine(recv_x, handle)
-        x64 = make_x(case, ctx.rank).double()
         in_rank = layout_args(buf, dev(ctx, make_topk(case, ctx.rank)[0]), case.num_experts)["is_token_in_rank"]
         ranks = in_rank.sum(1).double().cpu().unsqueeze(1)  # the ranks each token went to
         assert_within_budget(combined, x64 * ranks, x64.abs() * ranks, ctx.world_size, "combine(dispatch(x))")

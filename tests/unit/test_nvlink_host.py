@@ -14,14 +14,14 @@ def test_host_counts_match_the_tensor_formulas():
         per_expert = torch.randint(0, 900, (r_, lx), generator=g)
         vals = counts.flatten().tolist() + per_expert.flatten().tolist()
         for me in range(r_):
-            cnt, n_rows, lst = _host_counts(vals, r_, lx, me, alignment)
-            assert cnt == counts.tolist()
+            prefix, n_rows, lst = _host_counts(vals, r_, lx, me, alignment)
+            assert prefix == counts[:, me].cumsum(0).tolist()
             assert n_rows == int(counts[:, me].sum())
             assert lst == layout.align_up(per_expert.sum(0), alignment).tolist()
 
 
 def test_host_counts_example():
-    assert _host_counts([3, 1, 2, 4, 1, 0, 2, 2], 2, 2, 1, 2) == ([[3, 1], [2, 4]], 5, [4, 2])
+    assert _host_counts([3, 1, 2, 4, 1, 0, 2, 2], 2, 2, 1, 2) == ([1, 5], 5, [4, 2])
 
 
 def test_copy_engine_chunks(monkeypatch):

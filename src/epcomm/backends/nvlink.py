@@ -25,7 +25,7 @@ parameters and host arithmetic: ``nvlink_params.py``.
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import logging
 import socket
 import weakref
@@ -67,6 +67,9 @@ from .nvlink_params import (
 
 log = logging.getLogger(__name__)
 
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _aligned(*tensors) -> int:
@@ -139,11 +142,18 @@ class NVLinkBackend(Backend):
         # error word [code, peer, observed, target, host-mirror address (int64)]; kernels that record an
         # error also write the pinned (device-mapped) mirror, so no call needs a copy to learn of it
         self.err_host = torch.zeros(4, dtype=torch.int32, device="cpu").pin_memory()
-        self.err = torch.zeros(6, dtype=torch.int32, device=self.device)
+        self._err_view = self.err_host.numpy()
+        # the notify output, then (16-byte aligned) the error word: the synchronisation copies both at once
+        n_notify = r_ * r_ + r_ * L_MAX + r_ * C_MAX + r_
+        self.err_at = _align(n_notify, 4)
+        words = torch.zeros(self.err_at + 8, dtype=torch.int32, device=self.device)
+        self.notify_out, self.err = words[:n_notify], words[self.err_at:self.err_at + 6]
         self.err[4:].view(torch.int64).fill_(self.err_host.data_ptr())
         self.src_lists = torch.empty(r_, T_LIST_CAP, dtype=torch.int32, device=self.device)
-        self.notify_out = torch.zeros(r_ * r_ + r_ * L_MAX + r_ * C_MAX + r_, dtype=torch.int32, device=self.device)
-        self.notify_host = torch.zeros(self.notify_out.numel() + 4, dtype=torch.int32, device="cpu").pin_memory()
+        self.notify_host = torch.zeros(self.err_at + 4, dtype=torch.int32, device="cpu").pin_memory()
+        self._sync_copy = (self.notify_host, words[:self.err_at + 4])  # (to, from)
+        self._notify_view = self.notify_host.numpy()
+        self._streams: dict = {}  # raw CUDA stream -> its torch Stream (_current_stream)
         self.ce_stream = torch.cuda.Stream(self.device)
         self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
         self._ready_event = torch.cuda.Event()  # TUNE["notify_first"]: the inputs are ready
@@ -182,12 +192,36 @@ class NVLinkBackend(Backend):
         buf = self._buf()
         return buf.num_sms if buf is not None else 20
 
+    def _current_stream(self) -> torch.cuda.Stream:
+        """``torch.cuda.current_stream()``, cached by the raw stream (torch's lookup of the current device
+        and the Stream object it builds cost tens of microseconds of host time per call)."""
+        if _raw_stream is None:  # a CPU build of torch (the tests' stand-ins)
+            return torch.cuda.current_stream()
+        raw = _raw_stream(self.device.index)
+        s = self._streams.get(raw)
+        if s is None:
+            s = self._streams[raw] = torch.cuda.current_stream(self.device)
+        return s
+
+    @contextlib.contextmanager
+    def _on(self, stream):
+        """Work queued inside goes on ``stream`` (``torch.cuda.stream`` without its current-device lookups)."""
+        prev = self._current_stream()
+        torch.cuda.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.cuda.set_stream(prev)
+
     def _check_error(self, word: list[int] | None = None) -> None:
         """Raise if a kernel recorded an error (``word``: a fresh copy of the error word; default: the
         host mirror, which the recording kernel wrote)."""
+        if word is None:
+            if not self._err_view[0]:  # the host mirror, as a NumPy view: no torch call per check
+                return
+            word = self.err_host.tolist()
         from ..kernels.common import PHASES
 
-        word = word if word is not None else self.err_host.tolist()
         if word[0] == 10:
             raise ValueError(f"topk_idx holds expert id {word[2]}, outside [-1, {word[3]}) for num_experts={word[3]} "
                              "(found on the device; this Buffer is now unusable)")
@@ -296,10 +330,10 @@ class NVLinkBackend(Backend):
         if ready is not None:
             self.ce_stream.wait_event(ready)
         else:
-            self.ce_stream.wait_stream(torch.cuda.current_stream())
+            self.ce_stream.wait_stream(self._current_stream())
         t = x_words.shape[0]
         per, step = _chunk_rows(t), _ce_step(synchronised)
-        with torch.cuda.stream(self.ce_stream):
+        with self._on(self.ce_stream):
             self.k["_ce_wait_kernel"](DSEND, (1,), self.p_table, self.flags_off, ht.DCONSUMED.value, r_, me,
                                       self.p_ctr[DSEND], self.p_err, 2, self._timeout_ns, HAS_TIMER=TIMER)
             side = [(scales, "ds"), (topk, "dk"), (w, "dw")]
@@ -363,7 +397,7 @@ class NVLinkBackend(Backend):
 
     def _join_ce(self) -> None:
         if self.num_ranks > 1 and self._use_ce():
-            torch.cuda.current_stream().wait_stream(self.ce_stream)
+            self._current_stream().wait_stream(self.ce_stream)
 
     def _gather(self, x_words, scales, topk, w, lay, counts, is_prefix: bool, n_rows: int, lo_expert: int,
                 lx: int, out_src: torch.Tensor, cached: bool, g: int, k: int, toks: torch.Tensor | None,
@@ -459,7 +493,7 @@ class NVLinkBackend(Backend):
         if TUNE["notify_first"]:
             # the exchange of counts runs while the host queues the copies (the synchronisation below then
             # waits less); the copies wait for the inputs only, through an event recorded before notify
-            self._ready_event.record()
+            self._ready_event.record(self._current_stream())
             notify()
             self._bulk_dispatch(x_words, scales, topk, w, lay, is_in, ready=self._ready_event, **bulk)
         else:
@@ -488,28 +522,24 @@ class NVLinkBackend(Backend):
             handle_kernel()
         else:
             # The contract's one synchronisation: the counts and the error word (with the handle kernel's
-            # check of the expert ids) come back together; everything after it is Python arithmetic on one
-            # list (no torch op per value).
-            nn = r_ * r_ + r_ * lx
-            nh = self.notify_host
-            counts_host, err_host, counts_dev, err_dev = self._view(("sync", nn), lambda: (
-                nh[:nn], nh[nn:nn + 4], self.notify_out[:nn], self.err[:4]))
+            # check of the expert ids) come back in one copy; after it, a few NumPy operations on the pinned
+            # words (no torch op per value).
             handle_kernel()
-            counts_host.copy_(counts_dev, non_blocking=True)
-            err_host.copy_(err_dev, non_blocking=True)
-            self._sync_event.record()
+            dst, src = self._sync_copy
+            dst.copy_(src, non_blocking=True)
+            self._sync_event.record(self._current_stream())
             self._sync_event.synchronize()
-            vals = nh[:nn + 4].tolist()
-            if vals[nn] == 10:
+            vals = self._notify_view
+            word = vals[self.err_at:self.err_at + 4].tolist()
+            if word[0] == 10:
                 # A bad expert id (the layout ignored it): the exchange still completes on every rank, so the
                 # Buffer stays in step; the ValueError comes after it. The error word is cleared.
-                bad_id = vals[nn + 2]
-                err_dev.zero_()
+                bad_id = word[2]
+                self.err[:4].zero_()
                 self.err_host.zero_()
-            elif vals[nn]:
-                self._check_error(vals[nn:nn + 4])
-            cnt, n_rows, lst = _host_counts(vals, r_, lx, me, a.expert_alignment)
-            host_col = list(itertools.accumulate(row[me] for row in cnt))
+            elif word[0]:
+                self._check_error(word)
+            host_col, n_rows, lst = _host_counts(vals, r_, lx, me, a.expert_alignment)
         out_src = torch.empty(n_rows, dtype=torch.int32, device=dev)
         out_x, out_s, out_k, out_w = self._gather(x_words, scales, topk, w, lay, counts, False, n_rows, me * lx, lx,
                                                   out_src, False, g, k, toks, is_in)
@@ -560,9 +590,8 @@ class NVLinkBackend(Backend):
         host_prefix = getattr(rpm, "_epcomm_host_col", None)
         if r_ > 1:
             if host_prefix is not None and self._use_ce():
-                cur = torch.cuda.current_stream()
-                self.ce_stream.wait_stream(cur)
-                with torch.cuda.stream(self.ce_stream):
+                self.ce_stream.wait_stream(self._current_stream())
+                with self._on(self.ce_stream):
                     self.k["_ce_wait_kernel"](CSEND, (1,), self.p_table, self.flags_off, ht.CCONSUMED.value, r_, me,
                                               self.p_ctr[CSEND], self.p_err, 4, self._timeout_ns, HAS_TIMER=TIMER)
                     col = host_prefix

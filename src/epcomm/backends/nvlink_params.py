@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 L_MAX = 1024
@@ -104,21 +105,22 @@ def _pow2(n: int) -> int:
     return p
 
 
-def _host_counts(vals: list[int], r_: int, lx: int, me: int, alignment: int):
+def _host_counts(vals, r_: int, lx: int, me: int, alignment: int):
     """From the notify output read back at the synchronisation (``counts[R][R]`` then the per-expert
-    counts ``[R][L]`` of the rows coming here): the count matrix as rows (``cnt[i][j]`` = tokens rank
-    ``i`` sends to rank ``j``), the rows this rank receives, and the per-expert list rounded up to
-    ``alignment``. Plain Python: a handful of ints, no torch op per value.
+    counts ``[R][L]`` of the rows coming here; a NumPy view of the pinned host copy, or any sequence):
+    the inclusive prefix of ``counts[:, me]`` (the rows from ranks ``0..i``, i.e. ``rank_prefix_matrix[:, me]``),
+    the rows this rank receives, and the per-expert list rounded up to ``alignment``, as Python ints.
+    A few NumPy operations on the whole arrays, none per value.
 
-    Example: ``_host_counts([3, 1, 2, 4, 1, 0, 2, 2], 2, 2, 1, 2) == ([[3, 1], [2, 4]], 5, [4, 2])``.
+    Example: ``_host_counts([3, 1, 2, 4, 1, 0, 2, 2], 2, 2, 1, 2) == ([1, 5], 5, [4, 2])``.
     """
-    cnt = [vals[i * r_:(i + 1) * r_] for i in range(r_)]
-    n_rows = sum(row[me] for row in cnt)
-    base = r_ * r_
-    pe = list(map(sum, zip(*(vals[base + j * lx:base + (j + 1) * lx] for j in range(r_)))))
-    if alignment == 1:
-        return cnt, n_rows, pe
-    return cnt, n_rows, [(v + alignment - 1) // alignment * alignment for v in pe]
+    v = np.asarray(vals)
+    col = np.cumsum(v[me:r_ * r_:r_])
+    pe = v[r_ * r_:r_ * r_ + r_ * lx].reshape(r_, lx).sum(0)
+    if alignment != 1:
+        pe = (pe + (alignment - 1)) // alignment * alignment
+    prefix = col.tolist()
+    return prefix, prefix[-1], pe.tolist()
 
 
 def torch_to_tl(dtype: torch.dtype):

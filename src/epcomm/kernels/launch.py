@@ -49,14 +49,34 @@ def _tensors(args) -> tuple:
 
 
 class _Bound:
-    __slots__ = ("run", "function", "packed", "tail", "key")
+    """One compiled specialisation and how to launch it. Where the kernel needs no scratch memory (none of
+    ours does) the launch goes straight to the C launcher that Triton built for it (``launch``),
+    skipping ``CudaLauncher.__call__``; otherwise through it (``run``)."""
+
+    __slots__ = ("run", "launch", "head", "function", "packed", "tail", "key")
 
     def __init__(self, kernel, tail: tuple, key) -> None:
-        self.run = kernel.run  # initialises the kernel's handles (the first launch already did)
-        self.function = kernel.function
-        self.packed = kernel.packed_metadata
+        run = kernel.run  # initialises the kernel's handles (the first launch already did)
+        self.run, self.function, self.packed = run, kernel.function, kernel.packed_metadata
         self.tail = tail
         self.key = key  # Triton's own cache key (EPCOMM_VERIFY_LAUNCH)
+        self.launch = getattr(run, "launch", None)
+        if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+            self.launch = None
+        if self.launch is not None:
+            # launch(gx, gy, gz, stream, function, cooperative, pdl, global_scratch, profile_scratch,
+            #        packed_metadata, launch_metadata, enter_hook, exit_hook, *args): triton 3.4-3.6
+            self.head = (run.launch_cooperative_grid, run.launch_pdl, None, None, self.packed, None, None, None)
+
+
+def _go(b: _Bound, grid: tuple, stream: int, args: tuple) -> None:
+    n = len(grid)
+    g1 = grid[1] if n > 1 else 1
+    g2 = grid[2] if n > 2 else 1
+    if b.launch is not None:
+        b.launch(grid[0], g1, g2, stream, b.function, *b.head, *args, *b.tail)
+    else:
+        b.run(grid[0], g1, g2, stream, b.function, b.packed, None, None, None, *args, *b.tail)
 
 
 class Launcher:
@@ -87,9 +107,12 @@ class Launcher:
             return
         if self.verify:
             self._check(b, args, kw)
-        n = len(grid)
-        b.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._stream(), b.function, b.packed,
-              None, None, None, *args, *b.tail)
+        _go(b, grid, self._stream(), args)
+
+    def prepared(self, key, consts: dict) -> Prepared:
+        """A launcher for one key whose constexprs and options (``consts``) are fixed: ``p(grid, *args)``
+        costs no keyword dictionary and no key lookup per call."""
+        return Prepared(self, (key, *consts.values()), consts)
 
     # ------------------------------------------------------------------ binding (once per key)
 
@@ -102,6 +125,7 @@ class Launcher:
             dev = driver.active.get_current_device()
             get = driver.active.get_current_stream
             self._stream = lambda: get(dev)
+            self._get_stream, self._dev = get, dev
         params = self._params
         const_names = {p.name for p in fn.params if p.is_constexpr}
         for name in kw:
@@ -141,3 +165,24 @@ class Launcher:
         if got != b.key:
             raise AssertionError(f"{self.name}: the launch key does not determine Triton's specialisation:\n"
                                  f"bound: {b.key}\nnow:   {got}")
+
+
+class Prepared:
+    """``Launcher.prepared``: one key, its constexprs fixed."""
+
+    __slots__ = ("launcher", "k", "consts", "b", "get_stream", "dev")
+
+    def __init__(self, launcher: Launcher, k: tuple, consts: dict) -> None:
+        self.launcher, self.k, self.consts, self.b = launcher, k, consts, None
+        self.get_stream = self.dev = None
+
+    def __call__(self, grid: tuple, *args) -> None:
+        b = self.b
+        if b is None or self.launcher.verify:
+            self.launcher(self.k[0], grid, *args, **self.consts)  # binds (once), launches, verifies
+            self.b = self.launcher.bound.get(self.k)
+            if self.b is not None:
+                self.get_stream, self.dev = self.launcher._get_stream, self.launcher._dev
+            return
+        Launcher.launches += 1
+        _go(b, grid, self.get_stream(self.dev), args)

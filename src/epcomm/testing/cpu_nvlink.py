@@ -130,6 +130,7 @@ def cuda_stand_ins(set_attr=setattr, capturing=lambda: False, sms: int = 8) -> N
     set_attr(c, "Stream", lambda *a, **k: Stream())
     set_attr(c, "current_stream", lambda *a, **k: Stream())
     set_attr(c, "stream", lambda s: contextlib.nullcontext())
+    set_attr(c, "set_stream", lambda s: None)
     set_attr(c, "Event", Event)
     set_attr(c, "synchronize", lambda *a, **k: None)
     set_attr(c, "is_current_stream_capturing", capturing)
