@@ -85,9 +85,10 @@ class Buffer:
         log.info("epcomm rank %d: backend %s (%s)", self.rank, self._backend.name, why)
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
         self._ll_calls = 0
-        self._ll_shape: tuple[int, int, int] | None = None  # (M, H, E) of the low-latency calls since the last clean
+        # (M, H, E) of the low-latency calls since the last clean
+        self._ll_shape: tuple[int, int, int] | None = None
         self._ll_sizes: dict = {}  # (M, H, E) -> get_low_latency_rdma_size_hint, checked once per shape
-        self._checked: set = set()  # call signatures (_signature) whose shape/dtype/flag checks passed
+        self._checked: set = set()  # call signatures (shapes, dtypes, arguments) whose shape/dtype/flag checks passed
         self._nvl_ok: set = set()  # (config, hidden bytes) that fit num_nvl_bytes
         self._default_configs: dict = {}  # (combine, num_sms) -> the default Config
         # which stream the last call's work went on: the communication stream (asynchronous calls) or the
@@ -279,7 +280,6 @@ class Buffer:
         t, h = data.shape
         config = self._config(config, combine=False)
         self._check_nvl_bytes(config, h * data.element_size())
-        r_ = self.group_size
         if handle is not None:
             handle = _as_dispatch_handle(handle)
             if handle.is_token_in_rank.shape[0] != t:
@@ -288,16 +288,20 @@ class Buffer:
             def cached():
                 return self._backend.cached_dispatch(data, scales, handle)
 
-            (rx, rs), ev = self._run(cached, [data, scales], previous_event, async_finish, allocate_on_comm_stream)
+            (rx, rs), ev = self._run(cached, [data, scales], previous_event, async_finish,
+                                     allocate_on_comm_stream)
             return (rx if rs is None else (rx, rs)), None, None, None, None, ev
 
-        sig = _signature(data, scales, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config)
-        if sig in self._checked and not self._host_checks:
-            # these shapes, dtypes and arguments passed every check below before
-            e = num_tokens_per_expert.shape[0]
-        else:
-            e = self._dispatch_checks(t, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+        try:
+            sig = None
+            if type(expert_alignment) is int and type(num_worst_tokens) is int:  # a bool is an int too
+                sig = ("htd", data.shape, data.dtype, data.is_cuda, _ts(scales), _ts(num_tokens_per_rank),
+                       _ts(num_tokens_per_rdma_rank), _ts(is_token_in_rank), _ts(num_tokens_per_expert),
+                       _ts(topk_idx), _ts(topk_weights), expert_alignment, num_worst_tokens, config)
+        except AttributeError:  # not tensors: the checks say which
+            sig = None
+        if sig not in self._checked or self._host_checks:  # else these shapes and arguments passed before
+            self._dispatch_checks(t, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                       num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                       num_worst_tokens)
             if sig is not None and len(self._checked) < 4096:
@@ -311,7 +315,8 @@ class Buffer:
         return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list, res.handle, ev
 
     def _dispatch_checks(self, t: int, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens) -> int:
+                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                         num_worst_tokens) -> int:
         """The argument checks of a dispatch without a handle; returns the number of experts."""
         r_ = self.group_size
         if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
@@ -367,7 +372,8 @@ class Buffer:
             V.tensor(f"bias[{i}]", b, torch.bfloat16, 2, self.device)
             V.shape(f"bias[{i}]", b, (t, x.shape[1]))
         (out, w), ev = self._run(lambda: self._backend.combine(x, handle, topk_weights, tuple(biases)),
-                                 [x, topk_weights, *biases], previous_event, async_finish, allocate_on_comm_stream)
+                                 [x, topk_weights, *biases], previous_event, async_finish,
+                                 allocate_on_comm_stream)
         return out, w, ev
 
     # ------------------------------------------------------------------ low-latency
@@ -413,7 +419,8 @@ class Buffer:
             result, ev = both(), EventOverlap()
         return result, ev, None
 
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                              dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
@@ -435,7 +442,8 @@ class Buffer:
             m, e = num_max_dispatch_tokens_per_rank, num_experts
             h = x.shape[1]
         else:
-            m, h, e = self._ll_dispatch_checks(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+            m, h, e = self._ll_dispatch_checks(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                               use_fp8,
                                                round_scale, use_ue8m0, cum, wst)
             if sig is not None and len(self._checked) < 4096:
                 self._checked.add(sig)
@@ -445,7 +453,8 @@ class Buffer:
             raise ValueError("low-latency shape (num_max_dispatch_tokens_per_rank, hidden, num_experts) changed "
                              f"from {self._ll_shape} to {(m, h, e)}; call clean_low_latency_buffer({m}, {h}, {e}) "
                              "on every rank first")
-        args = LowLatencyDispatchArgs(x, topk_idx, m, e, bool(use_fp8), bool(round_scale), bool(use_ue8m0), cum, wst,
+        args = LowLatencyDispatchArgs(x, topk_idx, m, e, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
+                                      cum, wst,
                                       self._ll_parity(), self._shrink_mask(), hook=bool(return_recv_hook))
         if async_finish or return_recv_hook:
             res, ev, hook = self._ll_run(lambda: self._backend.low_latency_dispatch(args), [x, topk_idx],
@@ -457,10 +466,12 @@ class Buffer:
             res, receive = self._backend.low_latency_dispatch(args)
             receive()
             ev, hook = _NO_EVENT, None
-        self._ll_shape = (m, h, e)  # after the call: one that raised (e.g. M differing across ranks) sets nothing
+        self._ll_shape = (m, h,
+                          e)  # after the call: one that raised (e.g. M differing across ranks) sets nothing
         return res.recv_x, res.recv_count, res.handle, ev, hook
 
-    def _ll_dispatch_checks(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+    def _ll_dispatch_checks(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                            round_scale,
                             use_ue8m0, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats):
         """Every argument check of ``low_latency_dispatch``; returns ``(M, H, E)``."""
         m = V.int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
@@ -482,7 +493,8 @@ class Buffer:
                      self.device)
             V.shape("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, (lx,))
         if dispatch_wait_recv_cost_stats is not None:
-            V.tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64, 1, self.device)
+            V.tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64, 1,
+                     self.device)
             V.shape("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, (self.group_size,))
         self._ll_check(m, h, e)
         return m, h, e
@@ -504,7 +516,7 @@ class Buffer:
             sig = ("llc", x.shape, x.dtype, x.is_cuda, topk_idx.shape, topk_idx.dtype, topk_idx.is_cuda,
                    topk_weights.shape, topk_weights.dtype, topk_weights.is_cuda,
                    None if out is None else (out.shape, out.dtype, out.is_cuda),
-                   _signature(combine_wait_recv_cost_stats), m, h, e)
+                   _ts(combine_wait_recv_cost_stats), m, h, e)
         except AttributeError:  # not tensors: the checks say which
             sig = None
         if sig not in self._checked or self._host_checks:
@@ -539,7 +551,8 @@ class Buffer:
             V.tensor("out", out, torch.bfloat16, 2, self.device)
             V.shape("out", out, (t, h))
         if combine_wait_recv_cost_stats is not None:
-            V.tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, 1, self.device)
+            V.tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, 1,
+                     self.device)
             V.shape("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, (self.group_size,))
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
@@ -549,7 +562,8 @@ class Buffer:
         self._ll_check(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         return self._backend.low_latency_zero_copy_buffer(handle)
 
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
         """Reset the low-latency signal state; every rank calls it together."""
         self._check_alive()
         m = V.int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
@@ -590,18 +604,10 @@ class Buffer:
 _NO_EVENT = EventOverlap()  # what a synchronous call returns as its event (holds nothing)
 
 
-def _signature(*args) -> tuple | None:
-    """What the argument checks of a low-latency call depend on: per tensor (shape, dtype, on CUDA), per
-    other argument (type, value). None where something is not hashable (the checks then run, and raise)."""
-    sig = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            sig.append((a.shape, a.dtype, a.is_cuda))
-        elif a is None or isinstance(a, (bool, int, float, Config)):
-            sig.append((type(a), a))
-        else:
-            return None
-    return tuple(sig)
+def _ts(t) -> tuple | None:
+    """A tensor's part of a call signature (shape, dtype, on CUDA): the argument checks depend on no more;
+    None for None. A call whose signature passed the checks before skips them."""
+    return None if t is None else (t.shape, t.dtype, t.is_cuda)
 
 
 def _as_dispatch_handle(handle) -> DispatchHandle:

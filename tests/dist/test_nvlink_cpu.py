@@ -24,9 +24,9 @@ def _setup(ctx, tag, env=None, tune=None):
 
     os.environ.update(env or {})
     cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
-    from epcomm.backends import nvlink
+    from epcomm.backends import nvlink_params
 
-    nvlink.TUNE.update(tune or {})
+    nvlink_params.TUNE.update(tune or {})
     return cpu_nvlink
 
 

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from epcomm import layout
-from epcomm.backends import nvlink as nv
-from epcomm.backends.nvlink import _host_counts
+from epcomm.backends import nvlink_params as nv
+from epcomm.backends.nvlink_params import _host_counts
 
 
 def test_host_counts_match_the_tensor_formulas():

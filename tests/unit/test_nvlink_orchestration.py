@@ -21,6 +21,7 @@ triton = pytest.importorskip("triton")
 
 from epcomm import layout  # noqa: E402
 from epcomm.backends import nvlink as nv  # noqa: E402
+from epcomm.backends import nvlink_params as params  # noqa: E402
 from epcomm.backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs  # noqa: E402
 from epcomm.kernels import ht, ll  # noqa: E402
 from epcomm.testing.cpu_nvlink import cuda_stand_ins  # noqa: E402
@@ -161,31 +162,31 @@ def test_captured_calls_push_with_sms(rig):
     # the gather kernel pushes (after notify: its own block and the push at once), no copy engine
     assert _names(rig.log) == ["_notify_kernel", "_handle_kernel", "_gather_kernel"]
     gather = rig.log[2][2]
-    assert gather["PUSH"] and gather["PUSH_TOPK"] and gather["PUSH_RB"] == nv.TUNE["push_rb"]
-    assert gather["PUSH_BLOCK"] == nv.TUNE["push_block"] and rig.log[2][1] == (rig.b[0].num_sms,)
+    assert gather["PUSH"] and gather["PUSH_TOPK"] and gather["PUSH_RB"] == params.TUNE["push_rb"]
+    assert gather["PUSH_BLOCK"] == params.TUNE["push_block"] and rig.log[2][1] == (rig.b[0].num_sms,)
 
 
 def test_captured_calls_without_fusion_use_the_push_kernel(rig, monkeypatch):
-    monkeypatch.setitem(nv.TUNE, "fused_push", False)
+    monkeypatch.setitem(params.TUNE, "fused_push", False)
     rig.capturing["on"] = True
     rig.b[0].dispatch(_args(worst=R * T))
     names = _names(rig.log)
     assert names == ["_push_kernel", "_notify_kernel", "_handle_kernel", "_gather_kernel"]
     push = rig.log[0][2]
-    assert push["RB"] == nv.TUNE["push_rb"] and push["BLOCK"] == nv.TUNE["push_block"] and push["HAS_TOPK"]
+    assert push["RB"] == params.TUNE["push_rb"] and push["BLOCK"] == params.TUNE["push_block"] and push["HAS_TOPK"]
     assert not rig.log[3][2]["PUSH"]
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 4])
 def test_copy_engine_chunks_raise_the_flag_by_what_they_carry(rig, monkeypatch, chunks):
-    monkeypatch.setitem(nv.TUNE, "ce_chunks", chunks)
+    monkeypatch.setitem(params.TUNE, "ce_chunks", chunks)
     rig.b[0].dispatch(_args())
     sig = [a for n, _, a in rig.log if n == "_ce_signal_kernel"]
     assert [(a["inc"], a["bump"]) for a in sig] == [(4 // chunks, int(i == chunks - 1)) for i in range(chunks)]
 
 
 def test_gather_variant_flag_reaches_the_kernel(rig, monkeypatch):
-    monkeypatch.setitem(nv.TUNE, "gather_one_load", True)
+    monkeypatch.setitem(params.TUNE, "gather_one_load", True)
     rig.b[0].dispatch(_args())
     assert [a for n, _, a in rig.log if n == "_gather_kernel"][0]["ONE_LOAD"] is True
 
@@ -237,8 +238,8 @@ def test_transfer_variable_is_checked(monkeypatch):
 
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_copy_engine_flag_variant_writes_the_value_by_copy(rig, monkeypatch, chunks):
-    monkeypatch.setitem(nv.TUNE, "ce_flag", "copy")
-    monkeypatch.setitem(nv.TUNE, "ce_chunks", chunks)
+    monkeypatch.setitem(params.TUNE, "ce_flag", "copy")
+    monkeypatch.setitem(params.TUNE, "ce_chunks", chunks)
     res = rig.b[0].dispatch(_args())
     names = _names(rig.log)
     assert "_ce_signal_kernel" not in names
@@ -252,10 +253,10 @@ def test_copy_engine_flag_variant_writes_the_value_by_copy(rig, monkeypatch, chu
 
 
 def test_tune_variable(monkeypatch):
-    saved = dict(nv.TUNE)
+    saved = dict(params.TUNE)
     try:
         nv.apply_tune({"push_rb": "4", "fused_push": "false", "ce_flag": "copy"})
-        assert nv.TUNE["push_rb"] == 4 and nv.TUNE["fused_push"] is False and nv.TUNE["ce_flag"] == "copy"
+        assert params.TUNE["push_rb"] == 4 and params.TUNE["fused_push"] is False and params.TUNE["ce_flag"] == "copy"
         from epcomm.backends import nvlink_ll
 
         saved_ll = dict(nvlink_ll.TUNE)
@@ -269,8 +270,8 @@ def test_tune_variable(monkeypatch):
             with pytest.raises(ValueError, match=msg):
                 nv.apply_tune(bad)
     finally:
-        nv.TUNE.clear()
-        nv.TUNE.update(saved)
+        params.TUNE.clear()
+        params.TUNE.update(saved)
     from epcomm import _env
 
     monkeypatch.setenv("EPCOMM_TUNE", " push_rb=16, ce_flag=copy ")
@@ -281,16 +282,16 @@ def test_tune_variable(monkeypatch):
 
 
 def test_synchronised_dispatch_may_use_fewer_copy_engine_chunks(rig, monkeypatch):
-    monkeypatch.setitem(nv.TUNE, "ce_chunks_sync", 1)
+    monkeypatch.setitem(params.TUNE, "ce_chunks_sync", 1)
     rig.b[0].dispatch(_args())  # synchronises: one copy, one flag kernel
     assert [(a["inc"], a["bump"]) for n, _, a in rig.log if n == "_ce_signal_kernel"] == [(4, 1)]
     rig.log.clear()
     rig.b[0].dispatch(_args(worst=R * T))  # no synchronisation: the gather overlaps the chunks
-    assert len([n for n, _, _ in rig.log if n == "_ce_signal_kernel"]) == nv.TUNE["ce_chunks"]
+    assert len([n for n, _, _ in rig.log if n == "_ce_signal_kernel"]) == params.TUNE["ce_chunks"]
 
 
 def test_notify_first_queues_the_exchange_before_the_copies(rig, monkeypatch):
-    monkeypatch.setitem(nv.TUNE, "notify_first", True)
+    monkeypatch.setitem(params.TUNE, "notify_first", True)
     rig.b[0].dispatch(_args())
     names = _names(rig.log)
     assert names[:2] == ["_notify_kernel", "_ce_wait_kernel"] and names.count("_ce_signal_kernel") == 4
@@ -354,7 +355,7 @@ def test_reduce_stages_fit_shared_memory(r_pow2, expected):
 
 
 def test_combine_passes_the_fitted_stages(rig, monkeypatch):
-    monkeypatch.setitem(nv.TUNE, "reduce_stages", 3)
+    monkeypatch.setitem(params.TUNE, "reduce_stages", 3)
     res = rig.b[0].dispatch(_args())
     rig.b[0].combine(res.recv_x, res.handle, res.recv_topk_weights, ())
     launched = [a for n, _, a in rig.log if n == "_reduce_kernel"][0]

@@ -36,8 +36,10 @@ import torch.distributed as dist
 
 from .. import _env
 from ..kernels.launch import Ptr
-from ..layout import DispatchHandle
-from .base import Backend, DispatchArgs, DispatchResult, PeerTimeoutError
+from .base import Backend, PeerTimeoutError
+from .ht_combine import HTCombine
+from .ht_dispatch import HTDispatch
+from .nvlink_transfer import NVLinkTransfer
 from .nvlink_params import (
     C_MAX,
     CRECV,
@@ -46,23 +48,14 @@ from .nvlink_params import (
     DRECV,
     DSEND,
     L_MAX,
-    NC,
     NUM_CTRS,
     T_CPUSH,
     T_DPUSH,
     T_GATHER,
     T_LIST_CAP,
     T_REDUCE,
-    TIMER,
-    TUNE,
     _align,
-    _ce_step,
-    _chunk_rows,
-    _host_counts,
-    _pow2,
     apply_tune,
-    reduce_stages,
-    torch_to_tl,
 )
 
 log = logging.getLogger(__name__)
@@ -70,16 +63,6 @@ log = logging.getLogger(__name__)
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _aligned(*tensors) -> int:
-    """Bit ``i`` set where per-call tensor ``i`` (or None) is not 16-byte aligned: Triton specialises a
-    kernel on its pointers' alignment, so this joins the launch key (kernels/launch.py)."""
-    bits = 0
-    for i, t in enumerate(tensors):
-        if t is not None and type(t) is not Ptr and t.data_ptr() & 15:
-            bits |= 1 << i
-    return bits
 
 
 def availability(buf) -> tuple[bool, str]:
@@ -92,7 +75,8 @@ def availability(buf) -> tuple[bool, str]:
     if torch.cuda.get_device_capability(buf.device)[0] < 8:
         return False, "needs an SM80+ GPU"
     rows: list = [None] * buf.group_size
-    dist.all_gather_object(rows, (zlib.crc32(socket.gethostname().encode()), buf.device.index), group=buf.group)
+    dist.all_gather_object(rows, (zlib.crc32(socket.gethostname().encode()), buf.device.index),
+                           group=buf.group)
     if len({r[0] for r in rows}) != 1:
         return False, "ranks span several hosts"
     devs = [r[1] for r in rows]
@@ -102,7 +86,7 @@ def availability(buf) -> tuple[bool, str]:
     return True, f"all {buf.group_size} ranks on one host with peer access"
 
 
-class NVLinkBackend(Backend):
+class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
     name = "nvlink"
     checks_topk_on_device = True
 
@@ -205,7 +189,7 @@ class NVLinkBackend(Backend):
 
     @contextlib.contextmanager
     def _on(self, stream):
-        """Work queued inside goes on ``stream`` (``torch.cuda.stream`` without its current-device lookups)."""
+        """Work queued inside goes on ``stream`` (``torch.cuda.stream`` without its device lookups)."""
         prev = self._current_stream()
         torch.cuda.set_stream(stream)
         try:
@@ -295,359 +279,17 @@ class NVLinkBackend(Backend):
         r_, no = self.num_ranks, self.notify_out
         return self._view(("notify", lx, c), lambda: tuple(Ptr(v) for v in (
             no[:r_ * r_].view(r_, r_), no[r_ * r_:r_ * r_ + r_ * lx].view(r_, lx),
-            no[r_ * r_ + r_ * L_MAX:r_ * r_ + r_ * L_MAX + r_ * c].view(r_, c), no[r_ * r_ + r_ * L_MAX + r_ * C_MAX:])))
+            no[r_ * r_ + r_ * L_MAX:r_ * r_ + r_ * L_MAX + r_ * c].view(r_, c),
+            no[r_ * r_ + r_ * L_MAX + r_ * C_MAX:])))
 
-    # ------------------------------------------------------------------ dispatch
 
-    def _bulk_dispatch(self, x_words: torch.Tensor, scales, topk, w, lay: dict, is_in: torch.Tensor,
-                       fused: bool = False, synchronised: bool = False, ready=None) -> None:
-        """Send this rank's batch into slot ``me`` of every peer's dispatch staging (by copy engine; or
-        by SMs, where ``fused`` leaves the SM push to the gather kernel: ``_fused_push``). ``ready``: an
-        event recorded on the current stream when the inputs were ready (the copies wait for it, not
-        for work queued after it, such as the notify kernel)."""
-        from ..kernels import ht
 
-        r_, me = self.num_ranks, self.rank
-        if r_ == 1 or (fused and self._fused_push()):
-            return
-        if not self._use_ce():
-            # Rows and their per-token arrays (scales, top-k ids, weights) by SMs, one kernel.
-            grid = (max(1, self.num_sms),)
-            has_s, has_k = scales is not None and scales.numel() > 0, topk is not None and topk.numel() > 0
-            g = scales.shape[1] if has_s else 0
-            k = topk.shape[1] if has_k else 0
-            key = (x_words.shape[1], g, k, _aligned(x_words, scales, topk, w, is_in))
-            self.k["_push_kernel"](key, grid, x_words, x_words.shape[1], x_words.shape[0], r_, me,
-                                   is_in.view(torch.int8), self.p_table, self.flags_off, ht.DDATA.value,
-                                   ht.DCONSUMED.value, lay["dx"], lay["d_slot"], self.p_ctr[DSEND],
-                                   self.p_tk[T_DPUSH], self.p_err, 2, self._timeout_ns,
-                                   scales if has_s else self.p_err, g, topk if has_k else self.p_err,
-                                   w if has_k else self.p_err, k, lay["ds"], lay["dk"], lay["dw"],
-                                   NC=NC, RB=TUNE["push_rb"], BLOCK=TUNE["push_block"],
-                                  HAS_TIMER=TIMER, ELEM=torch_to_tl(x_words.dtype), HAS_SCALES=has_s,
-                                  HAS_TOPK=has_k, G_POW2=_pow2(g), K_POW2=_pow2(k), num_warps=TUNE["push_warps"])
-            return
-        if ready is not None:
-            self.ce_stream.wait_event(ready)
-        else:
-            self.ce_stream.wait_stream(self._current_stream())
-        t = x_words.shape[0]
-        per, step = _chunk_rows(t), _ce_step(synchronised)
-        with self._on(self.ce_stream):
-            self.k["_ce_wait_kernel"](DSEND, (1,), self.p_table, self.flags_off, ht.DCONSUMED.value, r_, me,
-                                      self.p_ctr[DSEND], self.p_err, 2, self._timeout_ns, HAS_TIMER=TIMER)
-            side = [(scales, "ds"), (topk, "dk"), (w, "dw")]
-            for c in range(0, NC, step):
-                lo, hi = min(c * per, t), min((c + step) * per, t)
-                for j in range(r_):
-                    if j == me:
-                        continue
-                    if c == 0:  # the small per-token arrays travel with the first chunk
-                        for arr, key in side:
-                            if arr is not None and arr.numel():
-                                b = arr.numel() * arr.element_size()
-                                self._slot_view(j, lay[key], lay["d_slot"], me, b).copy_(
-                                    arr.reshape(-1).view(torch.uint8))
-                    if hi > lo:
-                        rb = x_words.shape[1] * 4
-                        self._slot_view(j, lay["dx"] + lo * rb, lay["d_slot"], me, (hi - lo) * rb).copy_(
-                            x_words[lo:hi].reshape(-1).view(torch.uint8))
-                self._ce_raise(ht.DDATA, DSEND, step, c + step)
-        for arr in (x_words, scales, topk, w):
-            if arr is not None:
-                arr.record_stream(self.ce_stream)
 
-    def _ce_raise(self, slot: int, ctr: int, inc: int, done: int) -> None:
-        """On the copy-engine stream, behind a chunk's copies: raise every peer's data flag ``slot`` by
-        ``inc`` chunks (``done`` of ``NC`` sent this call; the last advances counter ``ctr``). By a flag
-        kernel (release add), or with ``TUNE["ce_flag"] == "copy"`` by 4-byte copy-engine copies of the
-        new value, queued behind the data copies on the same stream (a variant to test whether the copy
-        engine keeps a flag behind its data under graph replay)."""
-        from ..kernels import ht
 
-        r_, me, last = self.num_ranks, self.rank, int(done == NC)
-        if TUNE["ce_flag"] != "copy":
-            self.k["_ce_signal_kernel"](ctr, (1,), self.p_table, self.flags_off, int(slot), r_, me, self.p_ctr[ctr],
-                                        inc, last)
-            return
-        word = self.flag_words[int(int(slot) == int(ht.CDATA)):][:1]
-        self.k["_ce_flag_value_kernel"](ctr, (1,), self.p_ctr[ctr], word, done, last, NC=NC)
-        src = word.view(torch.uint8)
-        for j in range(r_):
-            if j != me:
-                off = self.flags_off + (int(slot) * r_ + me) * 4
-                self._view(("flag", j, int(slot)), lambda j=j, off=off: self.peers[j][off:off + 4]).copy_(src)
 
-    def _use_ce(self) -> bool:
-        """Bulk bytes by copy engine, unless EPCOMM_HT_TRANSFER=sm or the call is being captured in a CUDA
-        graph (``ce-always``: under capture too, to diagnose). Under graph replay the copy-engine branch
-        (a forked stream: copies, then a flag kernel) let the receiver read the last rows of a chunk
-        before they arrived (tier 3 on nvidia-h200-x2, third session of 2026-11-22: the rows at the
-        end of chunks 0-2 held the previous replay's data, every replay; a stream memory barrier
-        between copy and flag did not change it); SM push was correct there. The fourth session's
-        probe (scripts/ce_graph_probe.py, 512 tokens) saw no stale rows in any copy-engine variant."""
-        if self.transfer == "sm":
-            return False
-        return self.transfer == "ce-always" or not torch.cuda.is_current_stream_capturing()
 
-    def _fused_push(self) -> bool:
-        """A non-cached dispatch without the copy engine pushes inside the gather kernel (its programs
-        push and copy the own block at once, then copy the peers' rows), unless TUNE["fused_push"] is off."""
-        return self.num_ranks > 1 and not self._use_ce() and TUNE["fused_push"]
 
-    def _join_ce(self) -> None:
-        if self.num_ranks > 1 and self._use_ce():
-            self._current_stream().wait_stream(self.ce_stream)
 
-    def _gather(self, x_words, scales, topk, w, lay, counts, is_prefix: bool, n_rows: int, lo_expert: int,
-                lx: int, out_src: torch.Tensor, cached: bool, g: int, k: int, toks: torch.Tensor | None,
-                is_in: torch.Tensor):
-
-        dev = self.device
-        out_x = torch.empty(n_rows, x_words.shape[1], dtype=x_words.dtype, device=dev)
-        out_s = out_k = out_w = None
-        if scales is not None:
-            out_s = torch.empty(n_rows, g, dtype=torch.float32, device=dev)
-        if topk is not None and not cached:
-            out_k = torch.empty(n_rows, k, dtype=torch.int64, device=dev)
-            out_w = torch.empty(n_rows, k, dtype=torch.float32, device=dev)
-        row = x_words.shape[1]
-        stage_x = self._local(lay["dx"], lay["d_slot"], x_words.dtype)
-        stage_s = self._local(lay["ds"], lay["d_slot"], torch.float32)
-        stage_k = self._local(lay["dk"], lay["d_slot"], torch.int64)
-        stage_w = self._local(lay["dw"], lay["d_slot"], torch.float32)
-        dummy_f = stage_s
-        rb = TUNE["gather_rb"]
-        push = not cached and self._fused_push()
-        # with the push every program must be resident at once (at most one per SM: a num_sms above the
-        # GPU's SM count would leave programs waiting on programs that cannot start); the Triton
-        # interpreter (CPU runs) runs programs one after another, so there the fused kernel is one program
-        fused_grid = min(self.num_sms, self.sm_count) if TIMER else 1
-        grid = (max(1, fused_grid if push else min(self.num_sms, (n_rows + rb - 1) // rb)),)
-        has_k = topk is not None and topk.numel() > 0
-        key = (row, g, k, lx, cached, _aligned(x_words, scales, topk, w, counts, is_in))
-        self.k["_gather_kernel"](
-            key, grid,
-            x_words, scales if scales is not None else dummy_f, topk if topk is not None else stage_k,
-            w if w is not None else dummy_f, row, g, k,
-            counts, self.num_ranks, self.rank, self.num_ranks, lo_expert, lx,
-            toks if toks is not None else self.p_nctr,
-            self.p_src_lists, self.src_lists.stride(0), n_rows,
-            stage_x, lay["d_slot"] // x_words.element_size(), stage_s, lay["d_slot"] // 4, stage_k,
-            lay["d_slot"] // 8, stage_w, lay["d_slot"] // 4,
-            out_x, out_s if out_s is not None else dummy_f, g, 1,
-            out_k if out_k is not None else stage_k, out_w if out_w is not None else dummy_f, out_src,
-            self.p_table, self.flags_off, self.p_ctr[DRECV], self.p_tk[T_GATHER], self.p_err, self._timeout_ns,
-            is_in.view(torch.int8) if push else self.p_err, x_words.shape[0], lay["dx"], lay["d_slot"], lay["ds"],
-            lay["dk"], lay["dw"], self.p_ctr[DSEND], self.p_tk[T_DPUSH],
-            PUSH=push, PUSH_RB=TUNE["push_rb"], PUSH_BLOCK=TUNE["push_block"], ELEM=torch_to_tl(x_words.dtype),
-            PUSH_TOPK=push and has_k,
-            CACHED=cached, IS_PREFIX=is_prefix, HAS_SCALES=scales is not None, HAS_TOPK=out_k is not None,
-            NC=NC, RB=rb, BLOCK=TUNE["gather_block"], R_POW2=_pow2(self.num_ranks), K_POW2=_pow2(k), G_POW2=_pow2(g),
-            HAS_TIMER=TIMER, STAGES=TUNE["gather_stages"], ONE_LOAD=TUNE["gather_one_load"],
-            PREFETCH=TUNE["gather_prefetch"],
-            num_warps=TUNE["gather_warps"],
-        )
-        return out_x, out_s, out_k, out_w
-
-    def dispatch(self, a: DispatchArgs) -> DispatchResult:
-
-        self._check_error()
-        r_, me, dev = self.num_ranks, self.rank, self.device
-        t, h = a.x.shape
-        e = a.num_tokens_per_expert.numel()
-        lx = e // r_
-        c = a.num_channels
-        if lx > L_MAX or c > C_MAX:
-            raise ValueError(f"the nvlink backend supports up to {L_MAX} local experts and {C_MAX} channels, "
-                             f"got L={lx}, C={c}")
-        k = a.topk_idx.shape[1] if a.topk_idx is not None else 0
-        g = a.x_scales.shape[1] if a.x_scales is not None else 0
-        x_words = a.x.view(torch.uint8).view(torch.int32) if a.x.element_size() == 1 else a.x.view(torch.int32)
-        lay = self._ht_layout(t, x_words.shape[1] * 4, g, k, h)
-        scales = a.x_scales.contiguous() if a.x_scales is not None else None
-        topk = a.topk_idx.contiguous() if a.topk_idx is not None else None
-        w = a.topk_weights.contiguous() if a.topk_weights is not None else None
-        is_in = a.is_token_in_rank.contiguous()
-        send_head_rel = torch.empty(t, r_, dtype=torch.int32, device=dev)
-        cpm = torch.empty(r_, c, dtype=torch.int32, device=dev)
-        counts, per_expert, chan, toks = self._notify_views(lx, c)
-        per_chan = max((t + c - 1) // c, 1)
-
-        ntpr, ntpe = a.num_tokens_per_rank, a.num_tokens_per_expert
-        key = (lx, c, k, e, _aligned(is_in, ntpr, ntpe, topk))
-
-        def notify():
-            self.k["_notify_kernel"](
-                key, (r_,),
-                is_in.view(torch.int8), t, r_, me, ntpr, ntpe, lx, c, per_chan,
-                self.p_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
-                self.list_off, self.list_parity_bytes, self.list_src_bytes,
-                self.p_nctr, send_head_rel, cpm, counts, per_expert, chan, toks, self.p_src_lists,
-                self.src_lists.stride(0), self.p_err, self._timeout_ns,
-                BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=TIMER,
-                num_warps=TUNE["notify_warps"],
-            )
-
-        bulk = dict(fused=True, synchronised=not a.num_worst_tokens)
-        if TUNE["notify_first"]:
-            # the exchange of counts runs while the host queues the copies (the synchronisation below then
-            # waits less); the copies wait for the inputs only, through an event recorded before notify
-            self._ready_event.record(self._current_stream())
-            notify()
-            self._bulk_dispatch(x_words, scales, topk, w, lay, is_in, ready=self._ready_event, **bulk)
-        else:
-            self._bulk_dispatch(x_words, scales, topk, w, lay, is_in, **bulk)
-            notify()
-        # The handle's tensors need only the notify outputs: their kernel is queued before the
-        # synchronisation, so its launch is not on the host's path between the counts and the gather.
-        rpm = torch.empty(r_, r_, dtype=torch.int32, device=dev)
-        recv_cp = torch.empty(r_, c, dtype=torch.int32, device=dev)
-        send_head = torch.empty(t, r_, dtype=torch.int32, device=dev)
-
-        def handle_kernel():
-            tb = 128
-            self.k["_handle_kernel"](
-                key, (max(1, min(self.num_sms, (t + tb - 1) // tb)),),
-                counts, chan, c, send_head_rel, t, r_, me, rpm, recv_cp, send_head, self.p_err, a.num_worst_tokens,
-                topk if topk is not None else send_head, k, e, CHECK_WORST=bool(a.num_worst_tokens),
-                R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, CHECK_TOPK=topk is not None, K_POW2=_pow2(k), num_warps=4)
-
-        host_col = None
-        bad_id = None
-        if a.num_worst_tokens:
-            # no host synchronisation: expert ids are checked by the handle kernel (error word)
-            n_rows = a.num_worst_tokens
-            lst = []
-            handle_kernel()
-        else:
-            # The contract's one synchronisation: the counts and the error word (with the handle kernel's
-            # check of the expert ids) come back in one copy; after it, a few NumPy operations on the pinned
-            # words (no torch op per value).
-            handle_kernel()
-            dst, src = self._sync_copy
-            dst.copy_(src, non_blocking=True)
-            self._sync_event.record(self._current_stream())
-            self._sync_event.synchronize()
-            vals = self._notify_view
-            word = vals[self.err_at:self.err_at + 4].tolist()
-            if word[0] == 10:
-                # A bad expert id (the layout ignored it): the exchange still completes on every rank, so the
-                # Buffer stays in step; the ValueError comes after it. The error word is cleared.
-                bad_id = word[2]
-                self.err[:4].zero_()
-                self.err_host.zero_()
-            elif word[0]:
-                self._check_error(word)
-            host_col, n_rows, lst = _host_counts(vals, r_, lx, me, a.expert_alignment)
-        out_src = torch.empty(n_rows, dtype=torch.int32, device=dev)
-        out_x, out_s, out_k, out_w = self._gather(x_words, scales, topk, w, lay, counts, False, n_rows, me * lx, lx,
-                                                  out_src, False, g, k, toks, is_in)
-        self._join_ce()
-        if bad_id is not None:
-            # A bad expert id: every rank still finished this exchange (ids out of range were ignored
-            # by the layout), so the Buffer stays in step; report the argument.
-            raise ValueError(f"topk_idx holds expert id {bad_id}, outside [-1, {e}) for num_experts={e}")
-        recv_x = out_x.view(torch.uint8).view(a.x.dtype) if a.x.element_size() == 1 else out_x.view(a.x.dtype)
-        recv_x = recv_x.view(n_rows, h)
-        handle = DispatchHandle(rpm, cpm, recv_cp, out_src, a.is_token_in_rank, send_head)
-        if host_col is not None:
-            # The combine's copy-engine path needs the block bounds on the host (rank_prefix_matrix[:, me]);
-            # keep them on the handle.
-            rpm._epcomm_host_col = host_col
-        return DispatchResult(recv_x, out_s, out_k, out_w, lst, handle)
-
-    def cached_dispatch(self, x, x_scales, handle: DispatchHandle):
-        self._check_error()
-        t, h = x.shape
-        g = x_scales.shape[1] if x_scales is not None else 0
-        x_words = x.view(torch.uint8).view(torch.int32) if x.element_size() == 1 else x.view(torch.int32)
-        lay = self._ht_layout(t, x_words.shape[1] * 4, g, 0, h)
-        scales = x_scales.contiguous() if x_scales is not None else None
-        is_in = handle.is_token_in_rank.contiguous()
-        self._bulk_dispatch(x_words, scales, None, None, lay, is_in)
-        n_rows = handle.recv_src_idx.numel()
-        out_x, out_s, _, _ = self._gather(x_words, scales, None, None, lay, handle.rank_prefix_matrix, True, n_rows,
-                                          0, 0, handle.recv_src_idx, True, g, 0, None, is_in)
-        self._join_ce()
-        recv_x = out_x.view(torch.uint8).view(x.dtype) if x.element_size() == 1 else out_x.view(x.dtype)
-        return recv_x.view(n_rows, h), out_s
-
-    # ------------------------------------------------------------------ combine
-
-    def combine(self, x, handle: DispatchHandle, topk_weights, bias):
-        from ..kernels import ht
-
-        self._check_error()
-        r_, me, dev = self.num_ranks, self.rank, self.device
-        t = handle.is_token_in_rank.shape[0]
-        h = x.shape[1]
-        k = topk_weights.shape[1] if topk_weights is not None else 0
-        lay = self._ht_layout(t, 0, 0, k, h)
-        rpm = handle.rank_prefix_matrix
-        x = x.contiguous()
-        w = topk_weights.contiguous() if topk_weights is not None else None
-        host_prefix = getattr(rpm, "_epcomm_host_col", None)
-        if r_ > 1:
-            if host_prefix is not None and self._use_ce():
-                self.ce_stream.wait_stream(self._current_stream())
-                with self._on(self.ce_stream):
-                    self.k["_ce_wait_kernel"](CSEND, (1,), self.p_table, self.flags_off, ht.CCONSUMED.value, r_, me,
-                                              self.p_ctr[CSEND], self.p_err, 4, self._timeout_ns, HAS_TIMER=TIMER)
-                    col = host_prefix
-                    step = _ce_step()
-                    for c in range(0, NC, step):
-                        for i in range(r_):
-                            if i == me:
-                                continue
-                            start = col[i - 1] if i > 0 else 0
-                            rows = col[i] - start
-                            per = _chunk_rows(rows)
-                            lo, hi = min(c * per, rows), min((c + step) * per, rows)
-                            if hi > lo:
-                                src = x[start + lo:start + hi]
-                                self._slot_view(i, lay["cx"] + lo * h * 2, lay["c_slot"], me, src.numel() * 2).copy_(
-                                    src.reshape(-1).view(torch.uint8))
-                                if w is not None:
-                                    ws = w[start + lo:start + hi]
-                                    self._slot_view(i, lay["cw"] + lo * k * 4, lay["c_slot"], me, ws.numel() * 4).copy_(
-                                        ws.reshape(-1).view(torch.uint8))
-                        self._ce_raise(ht.CDATA, CSEND, step, c + step)
-                x.record_stream(self.ce_stream)
-                if w is not None:
-                    w.record_stream(self.ce_stream)
-            else:
-                xw = x.view(torch.int32)
-                self.k["_combine_push_kernel"](
-                    (h, k, _aligned(xw, w, rpm)), (max(1, self.num_sms),),
-                    xw, w if w is not None else self.p_err, xw.shape[1], k, r_, me, rpm,
-                    self.p_table, self.flags_off, lay["cx"], lay["c_slot"], lay["cw"], lay["c_slot"],
-                    self.p_ctr[CSEND], self.p_tk[T_CPUSH], self.p_err, self._timeout_ns, x.shape[0],
-                    HAS_W=w is not None, NC=NC, RB=TUNE["cpush_rb"], BLOCK=TUNE["cpush_block"], K_POW2=_pow2(k),
-                    HAS_TIMER=TIMER, num_warps=TUNE["cpush_warps"],
-                )
-        out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
-        out_w = torch.empty(t, k, dtype=torch.float32, device=dev) if w is not None else None
-        stage_x = self._local(lay["cx"], lay["c_slot"], torch.bfloat16)
-        stage_w = self._local(lay["cw"], lay["c_slot"], torch.float32)
-        b0 = bias[0] if len(bias) > 0 else out
-        b1 = bias[1] if len(bias) > 1 else out
-        tb = TUNE["reduce_tb"]
-        grid = (max(1, min(self.num_sms, (t + tb - 1) // tb)),)
-        send_head, rpm, b0, b1 = handle.send_head.contiguous(), rpm.contiguous(), b0.contiguous(), b1.contiguous()
-        self.k["_reduce_kernel"](
-            (h, k, _aligned(x, send_head, rpm, w, b0, b1)), grid,
-            x, h, t, r_, me, send_head, rpm, w if w is not None else stage_w, k,
-            x.shape[0],
-            stage_x, lay["c_slot"] // 2, stage_w, lay["c_slot"] // 4,
-            b0, b1, out, out_w if out_w is not None else stage_w,
-            self.p_table, self.flags_off, self.p_ctr[CRECV], self.p_tk[T_REDUCE], self.p_err, self._timeout_ns,
-            HAS_W=w is not None, NUM_BIAS=len(bias), NC=NC, TB=tb, BLOCK=TUNE["reduce_block"], R_POW2=_pow2(r_),
-            K_POW2=_pow2(k), HAS_TIMER=TIMER, STAGES=reduce_stages(_pow2(r_), tb, TUNE["reduce_block"]),
-            num_warps=TUNE["reduce_warps"],
-        )
-        self._join_ce()
-        return out, out_w
 
     # ------------------------------------------------------------------ low-latency
 

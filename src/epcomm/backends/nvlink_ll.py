@@ -127,11 +127,13 @@ class LowLatencyEngine:
         key = (pl.m, pl.h, pl.e, parity, use_fp8, ue8m0)
         out = self._outs.get(key)
         if out is None:
-            r_, dev, lx, rm, h, g = self.nv.num_ranks, self.nv.device, pl.lx, self.nv.num_ranks * pl.m, pl.h, pl.g
+            r_, dev, lx, h, g = self.nv.num_ranks, self.nv.device, pl.lx, pl.h, pl.g
+            rm = r_ * pl.m
             # the receive kernels write the rows as int32 words: allocated as words, viewed as the payload
             words = torch.empty(lx, rm, h // (4 if use_fp8 else 2), dtype=torch.int32, device=dev)
             if use_fp8:
-                sc = torch.empty(lx, (g + 3) // 4 if ue8m0 else g, rm, dtype=torch.int32 if ue8m0 else torch.float32,
+                sc = torch.empty(lx, (g + 3) // 4 if ue8m0 else g, rm,
+                                 dtype=torch.int32 if ue8m0 else torch.float32,
                                  device=dev)
                 recv_x = (words.view(torch.float8_e4m3fn), sc.transpose(1, 2))
             else:
@@ -140,7 +142,8 @@ class LowLatencyEngine:
             recv_range = torch.empty(lx, r_, dtype=torch.int64, device=dev)
             recv_count = torch.empty(lx, dtype=torch.int32, device=dev)
             recv_src._epcomm_ll_parity = parity
-            result = LowLatencyDispatchResult(recv_x, recv_count, LowLatencyHandle(recv_src, recv_range, pl.m, h, pl.e))
+            result = LowLatencyDispatchResult(recv_x, recv_count, LowLatencyHandle(recv_src, recv_range,
+                                              pl.m, h, pl.e))
             out = self._outs[key] = (result, words, sc, recv_src, recv_range, recv_count)
         return out
 
@@ -160,31 +163,34 @@ class LowLatencyEngine:
         c.n_gb = (g + gc - 1) // gc
         c.m = m
         c.fused = TUNE["fused_dispatch"] and not a.hook
-        has_cum, has_wst = a.cumulative_local_expert_recv_stats is not None, a.dispatch_wait_recv_cost_stats is not None
-        c.send_args = (h, g, k, me, r_, lx, e, m, self.p_table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes,
-                       sig, self.p_t[_T_DSEND], self.p_err, mask)
+        has_cum = a.cumulative_local_expert_recv_stats is not None
+        has_wst = a.dispatch_wait_recv_cost_stats is not None
+        c.send_args = (h, g, k, me, r_, lx, e, m, self.p_table, area, lay.dispatch_src_bytes,
+                       lay.dispatch_msg_bytes, sig, self.p_t[_T_DSEND], self.p_err, mask)
         # (out rows, scales, src info, layout range, count) then cum / wait stats (placeholders when absent)
-        c.recv_out = (Ptr(words), Ptr(sc) if sc is not None else Ptr(recv_count), Ptr(recv_src), Ptr(recv_range),
-                      Ptr(recv_count))
+        c.recv_out = (Ptr(words), Ptr(sc) if sc is not None else Ptr(recv_count), Ptr(recv_src),
+                      Ptr(recv_range), Ptr(recv_count))
         c.cum_dummy, c.wst_dummy = Ptr(recv_count), Ptr(recv_range)
         c.recv_tail = (self.p_dlevel[parity],)
         consts = dict(SHRINK=shrink, USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=has_cum, HAS_WAIT=has_wst,
-                      TB=TUNE["recv_tb"], QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"], G_POW2=max(_pow2(g), 4),
-                      HAS_TIMER=TIMER, K_POW2=_pow2(k), LOCAL_TICKET=TUNE["local_ticket"])
+                      TB=TUNE["recv_tb"], QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"],
+                      G_POW2=max(_pow2(g), 4), HAS_TIMER=TIMER, K_POW2=_pow2(k), LOCAL_TICKET=TUNE["local_ticket"])
         if c.fused:
             c.split = TUNE["recv_split"]
             c.n_recv = lx * r_ * c.split
             c.fused_mid = (area + lay.slot_offset,)
             c.fused_end = (self.p_t[_T_DRECV], self.p_t[_T_ROLE], nv._timeout_ns)
             fused_consts = dict(ROUND_SCALE=a.round_scale, GC=gc, R_POW2=_pow2(r_), SHRINK=shrink,
-                                **{k_: v for k_, v in consts.items() if k_ != "SHRINK"}, num_warps=TUNE["send_warps"])
+                                **{k_: v for k_, v in consts.items() if k_ != "SHRINK"},
+                                num_warps=TUNE["send_warps"])
             c.dfused = self.k_dfused.prepared(key, fused_consts)
             return c
-        c.send = self.k_send.prepared(key, dict(USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc, K_POW2=_pow2(k),
-                                                R_POW2=_pow2(r_), SHRINK=shrink, num_warps=TUNE["send_warps"]))
+        c.send = self.k_send.prepared(key, dict(USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc,
+                                                K_POW2=_pow2(k), R_POW2=_pow2(r_), SHRINK=shrink,
+                                                num_warps=TUNE["send_warps"]))
         c.recv_grid = (lx, r_, TUNE["recv_split"])
-        c.recv_head = (self.p_table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig, area + lay.slot_offset,
-                       me, r_, lx, m, h, g, k)
+        c.recv_head = (self.p_table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig,
+                       area + lay.slot_offset, me, r_, lx, m, h, g, k)
         c.recv_end = (self.p_t[_T_DRECV], self.p_err, nv._timeout_ns, mask)
         c.recv = self.k_recv.prepared(key, dict(consts, num_warps=TUNE["recv_warps"]))
         return c
@@ -194,9 +200,9 @@ class LowLatencyEngine:
         t, h = x.shape
         cum, wst = a.cumulative_local_expert_recv_stats, a.dispatch_wait_recv_cost_stats
         # what decides the launches besides the per-call tensors (kernels/launch.py: alignment is specialised)
+        xp, tp = x.data_ptr(), topk.data_ptr()
         key = (a.num_max_dispatch_tokens_per_rank, h, a.num_experts, topk.shape[1], a.parity, a.use_fp8,
-               a.round_scale, a.use_ue8m0, cum is None, wst is None, a.mask is None, a.hook,
-               x.data_ptr() & 15, topk.data_ptr() & 15)
+               a.round_scale, a.use_ue8m0, cum is None, wst is None, a.mask is None, a.hook, xp & 15, tp & 15)
         c = self._dcalls.get(key)
         if c is None:
             c = self._dcalls[key] = self._dispatch_call(a, h, topk.shape[1], key)
@@ -208,7 +214,10 @@ class LowLatencyEngine:
             c.dfused((n_send + c.n_recv,), x, topk, t, *c.send_args, *c.fused_mid, *c.recv_out, *stats,
                      *c.recv_tail, *c.fused_end, c.n_gb, n_send, c.split)
             return c.result, _nothing
-        c.send((max(t, 1), c.n_gb), x, topk, t, *c.send_args)
+        if c.send.fast:  # bound: the addresses, not the tensors (no driver query per pointer)
+            c.send((max(t, 1), c.n_gb), xp, tp, t, *c.send_args)
+        else:
+            c.send((max(t, 1), c.n_gb), x, topk, t, *c.send_args)
 
         def receive() -> None:
             c.recv(c.recv_grid, *c.recv_head, *c.recv_out, *stats, *c.recv_tail, *c.recv_end)
@@ -216,7 +225,7 @@ class LowLatencyEngine:
         return c.result, receive
 
     def _announce(self, m: int) -> None:
-        """Write M in a fixed place of the flag area, so a rank with another M is named, not just timed out."""
+        """Write M in a fixed place of the flag area: a rank with another M is named, not just timed out."""
         nv = self.nv
         r_ = nv.num_ranks
         nv.symm[nv.flags_off + 5 * r_ * 4:nv.flags_off + 6 * r_ * 4].view(torch.int32)[nv.rank].fill_(m)
@@ -240,12 +249,13 @@ class LowLatencyEngine:
         has_wait = a.combine_wait_recv_cost_stats is not None
         cb = TUNE["crecv_block"]
         c = _Call()
-        c.out = None
+        c.out = c.out_p = None
         if a.out is None:
             full = self._couts.get((m, h, parity))
             if full is None:  # like the dispatch outputs: two alternate, one per parity
                 full = self._couts[(m, h, parity)] = torch.empty(m, h, dtype=torch.bfloat16, device=dev)
             c.out = full[:t]
+            c.out_p = Ptr(c.out)
         c.wait_dummy = self.p_levels
         c.fused = TUNE["fused_combine"]
         n_cs, n_cb = (h + cw - 1) // cw, (h + cb - 1) // cb
@@ -254,22 +264,25 @@ class LowLatencyEngine:
             n_w = max(t, 1)
             c.grid = (n_w + r_ * m * n_cs + (max(1, t) * n_cb if c.recv_too else 0),)
             c.mid = (me, r_, m, self.p_table, area + lay.weights_offset, sig, self.p_t[_T_CSEND], mask)
-            c.mid2 = (h, lx, d_area, lay.dispatch_src_bytes, d_area + lay.slot_offset, area + lay.combine_offset, cw,
+            c.mid2 = (h, lx, d_area, lay.dispatch_src_bytes, d_area + lay.slot_offset,
+                      area + lay.combine_offset, cw,
                       self.p_wlevel[parity], self.p_t[_T_CSEND + 1], self.p_err, nv._timeout_ns)
-            c.end = (self.p_clevel[parity], self.p_t[_T_CRECV], self.p_t[_T_CROLE], n_w, n_cs, r_ * m * n_cs, n_cb)
+            c.end = (self.p_clevel[parity], self.p_t[_T_CRECV], self.p_t[_T_CROLE], n_w, n_cs, r_ * m * n_cs,
+                     n_cb)
             c.cfused = self.k_cfused.prepared(key, dict(
                 K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, RBLOCK=blk, HAS_WAIT=has_wait, HAS_TIMER=TIMER,
-                SHRINK=shrink, DO_RECV=c.recv_too, LOCAL_TICKET=TUNE["local_ticket"], num_warps=TUNE["csend_warps"]))
+                SHRINK=shrink, DO_RECV=c.recv_too, LOCAL_TICKET=TUNE["local_ticket"],
+                num_warps=TUNE["csend_warps"]))
         else:
             c.w_grid = (max(t, 1),)
             c.w_args = (me, r_, m, self.p_table, area + lay.weights_offset, sig, self.p_t[_T_CSEND], mask)
             c.weights = self.k_weights.prepared(key, dict(SHRINK=shrink, num_warps=1))
             c.r_grid = (r_ * m, n_cs)
-            c.r_args = (h, k, me, r_, lx, m, self.p_table, d_area, lay.dispatch_src_bytes, area + lay.weights_offset,
-                        d_area + lay.slot_offset, area + lay.combine_offset, sig, cw, self.p_wlevel[parity],
+            c.r_args = (h, k, me, r_, lx, m, self.p_table, d_area, lay.dispatch_src_bytes,
+                        area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset, sig, cw, self.p_wlevel[parity],
                         self.p_t[_T_CSEND + 1], self.p_err, nv._timeout_ns, mask)
-            c.reduce = self.k_reduce.prepared(key, dict(K_POW2=_pow2(k), BLOCK=blk, HAS_TIMER=TIMER, SHRINK=shrink,
-                                                        num_warps=TUNE["csend_warps"]))
+            c.reduce = self.k_reduce.prepared(key, dict(K_POW2=_pow2(k), BLOCK=blk, HAS_TIMER=TIMER,
+                                                        SHRINK=shrink, num_warps=TUNE["csend_warps"]))
         c.cr_grid = (max(1, t), n_cb)
         c.cr_mid = (h, k, me, r_, lx, m, self.p_table, area + lay.combine_offset, sig)
         c.cr_end = (self.p_clevel[parity], self.p_t[_T_CRECV], self.p_err, nv._timeout_ns, mask)
@@ -287,26 +300,30 @@ class LowLatencyEngine:
         t, k = topk.shape
         m, h, e = hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts
         wst = a.combine_wait_recv_cost_stats
+        yp, tp, wp = y.data_ptr(), topk.data_ptr(), w.data_ptr()
         key = (m, h, e, t, k, a.parity, d_parity, a.out is None, wst is None, a.mask is None, a.hook,
-               y.data_ptr() & 15, topk.data_ptr() & 15, w.data_ptr() & 15,
-               a.out.data_ptr() & 15 if a.out is not None else 0)
+               yp & 15, tp & 15, wp & 15, a.out.data_ptr() & 15 if a.out is not None else 0)
         c = self._ccalls.get(key)
         if c is None:
             if len(self._ccalls) > 4096:  # t is part of the key: bounded, in case it takes every value
                 self._ccalls.clear()
             c = self._ccalls[key] = self._combine_call(a, m, h, e, t, k, d_parity, key)
-        out = c.out if a.out is None else a.out
+        out, out_arg = (c.out, c.out_p) if a.out is None else (a.out, a.out)
         wait = wst if wst is not None else c.wait_dummy
+        # a bound launch takes the per-call tensors' addresses (kernels/launch.py, Prepared.fast)
         if c.fused:
-            c.cfused(c.grid, topk, w, t, k, *c.mid, y, *c.mid2, out, wait, *c.end)
+            f = c.cfused.fast
+            c.cfused(c.grid, tp if f else topk, wp if f else w, t, k, *c.mid, yp if f else y, *c.mid2, out_arg, wait,
+                     *c.end)
             if c.recv_too:
                 return out, _nothing
         else:
-            c.weights(c.w_grid, topk, w, t, k, *c.w_args)
-            c.reduce(c.r_grid, y, *c.r_args)
+            f = c.weights.fast
+            c.weights(c.w_grid, tp if f else topk, wp if f else w, t, k, *c.w_args)
+            c.reduce(c.r_grid, yp if c.reduce.fast else y, *c.r_args)
 
         def receive() -> None:
-            c.crecv(c.cr_grid, topk, t, *c.cr_mid, out, wait, *c.cr_end)
+            c.crecv(c.cr_grid, tp if c.crecv.fast else topk, t, *c.cr_mid, out_arg, wait, *c.cr_end)
 
         return out, receive
 
@@ -316,7 +333,8 @@ class LowLatencyEngine:
         if pl.zero_copy is None:  # a view made once per shape
             start = nv.ll_off + pl.lay.zero_copy_offset
             n = pl.lx * nv.num_ranks * pl.m * pl.h * 2
-            pl.zero_copy = nv.symm[start:start + n].view(torch.bfloat16).view(pl.lx, nv.num_ranks * pl.m, pl.h)
+            flat = nv.symm[start:start + n].view(torch.bfloat16)
+            pl.zero_copy = flat.view(pl.lx, nv.num_ranks * pl.m, pl.h)
         return pl.zero_copy
 
     def clean(self) -> None:

@@ -7,10 +7,12 @@ Letters: ``T`` tokens, ``R`` ranks, ``L = E/R`` local experts, ``C`` channels.
 
 from __future__ import annotations
 
+import itertools
 import os
 
-import numpy as np
 import torch
+
+from ..kernels.launch import Ptr
 
 L_MAX = 1024
 C_MAX = 128
@@ -108,19 +110,33 @@ def _pow2(n: int) -> int:
 def _host_counts(vals, r_: int, lx: int, me: int, alignment: int):
     """From the notify output read back at the synchronisation (``counts[R][R]`` then the per-expert
     counts ``[R][L]`` of the rows coming here; a NumPy view of the pinned host copy, or any sequence):
-    the inclusive prefix of ``counts[:, me]`` (the rows from ranks ``0..i``, i.e. ``rank_prefix_matrix[:, me]``),
+    the inclusive prefix of ``counts[:, me]`` (rows from ranks ``0..i``: ``rank_prefix_matrix[:, me]``),
     the rows this rank receives, and the per-expert list rounded up to ``alignment``, as Python ints.
-    A few NumPy operations on the whole arrays, none per value.
+    One conversion to Python ints, then list arithmetic (NumPy's per-call cost is higher at these sizes).
 
     Example: ``_host_counts([3, 1, 2, 4, 1, 0, 2, 2], 2, 2, 1, 2) == ([1, 5], 5, [4, 2])``.
     """
-    v = np.asarray(vals)
-    col = np.cumsum(v[me:r_ * r_:r_])
-    pe = v[r_ * r_:r_ * r_ + r_ * lx].reshape(r_, lx).sum(0)
+    base = r_ * r_
+    v = vals[:base + r_ * lx]
+    v = v.tolist() if hasattr(v, "tolist") else list(v)  # one C call from a NumPy view; then Python ints
+    prefix = list(itertools.accumulate(v[me:base:r_]))
+    if r_ == 1:
+        pe = v[base:base + lx]
+    else:
+        pe = list(map(sum, zip(*(v[base + j * lx:base + (j + 1) * lx] for j in range(r_)))))
     if alignment != 1:
-        pe = (pe + (alignment - 1)) // alignment * alignment
-    prefix = col.tolist()
-    return prefix, prefix[-1], pe.tolist()
+        pe = [(n + alignment - 1) // alignment * alignment for n in pe]
+    return prefix, prefix[-1], pe
+
+
+def _aligned(*tensors) -> int:
+    """Bit ``i`` set where per-call tensor ``i`` (or None) is not 16-byte aligned: Triton specialises a
+    kernel on its pointers' alignment, so this joins the launch key (kernels/launch.py)."""
+    bits = 0
+    for i, t in enumerate(tensors):
+        if t is not None and type(t) is not Ptr and t.data_ptr() & 15:
+            bits |= 1 << i
+    return bits
 
 
 def torch_to_tl(dtype: torch.dtype):

@@ -73,8 +73,9 @@ def profile_op(op: TimedOp, label: str, *, num_sets: int, iters: int, group, dev
     prof = cProfile.Profile()
     host = [run(it, prof.enable, prof.disable) for it in range(iters)]
     text = io.StringIO()
-    text.write(f"{label}: {iters} eager calls under cProfile, host time per call (median, with the profiler's "
-               f"overhead): {sorted(host)[len(host) // 2] * 1e6:.1f} us\n\n")
+    median_us = sorted(host)[len(host) // 2] * 1e6
+    text.write(f"{label}: {iters} eager calls under cProfile, host time per call (median, with the "
+               f"profiler's overhead): {median_us:.1f} us\n\n")
     text.write(host_table(pstats.Stats(prof), iters))
     host_path = out / f"{base}.host.txt"
     host_path.write_text(text.getvalue())

@@ -66,7 +66,8 @@ class _Bound:
         if self.launch is not None:
             # launch(gx, gy, gz, stream, function, cooperative, pdl, global_scratch, profile_scratch,
             #        packed_metadata, launch_metadata, enter_hook, exit_hook, *args): triton 3.4-3.6
-            self.head = (run.launch_cooperative_grid, run.launch_pdl, None, None, self.packed, None, None, None)
+            self.head = (run.launch_cooperative_grid, run.launch_pdl, None, None, self.packed, None, None,
+                         None)
 
 
 def _go(b: _Bound, grid: tuple, stream: int, args: tuple) -> None:
@@ -168,13 +169,16 @@ class Launcher:
 
 
 class Prepared:
-    """``Launcher.prepared``: one key, its constexprs fixed."""
+    """``Launcher.prepared``: one key, its constexprs fixed. Once ``fast`` is True (bound, and not
+    verifying), a caller may pass a per-call tensor's ``data_ptr()`` in its place: the driver then is
+    not asked about that pointer at every launch (the key already fixed its dtype and alignment)."""
 
-    __slots__ = ("launcher", "k", "consts", "b", "get_stream", "dev")
+    __slots__ = ("launcher", "k", "consts", "b", "get_stream", "dev", "fast")
 
     def __init__(self, launcher: Launcher, k: tuple, consts: dict) -> None:
         self.launcher, self.k, self.consts, self.b = launcher, k, consts, None
         self.get_stream = self.dev = None
+        self.fast = False
 
     def __call__(self, grid: tuple, *args) -> None:
         b = self.b
@@ -183,6 +187,7 @@ class Prepared:
             self.b = self.launcher.bound.get(self.k)
             if self.b is not None:
                 self.get_stream, self.dev = self.launcher._get_stream, self.launcher._dev
+                self.fast = not self.launcher.verify
             return
         Launcher.launches += 1
         _go(b, grid, self.get_stream(self.dev), args)

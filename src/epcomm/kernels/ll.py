@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import now_ns, peer_ptr, record_error, signal, ticket_last, ticket_last_n, wait_ge
+from .common import now_ns, peer_ptr, record_error, signal, ticket_last_n, wait_ge
 
 SIG_D = tl.constexpr(0)
 SIG_W = tl.constexpr(1)

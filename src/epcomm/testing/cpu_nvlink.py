@@ -6,7 +6,7 @@ virtual address, so the peer pointers the kernels compute are valid in every pro
 symmetric memory; the kernels run under ``TRITON_INTERPRET=1`` (set before Triton loads: call
 :func:`install` first in a fresh process); CUDA streams, events and pinned memory are stand-ins (the
 interpreter finishes a launch before the next starts, so stream order holds trivially); waits count
-spins instead of nanoseconds (``backends.nvlink.TIMER``).
+spins instead of nanoseconds (``backends.nvlink_params.TIMER``).
 
 What it checks: the host code (layouts, offsets, flag levels across calls, host arithmetic) and the
 kernels' logic with real peers running concurrently. What it cannot: GPU memory ordering, the copy

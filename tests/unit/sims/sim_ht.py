@@ -6,7 +6,7 @@ import epcomm.testing.interp  # noqa: F401  (sets TRITON_INTERPRET=1; must come 
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from epcomm import layout  # noqa: E402
-from epcomm.backends import nvlink as nv  # noqa: E402
+from epcomm.backends import nvlink_params as nv  # noqa: E402
 from epcomm.kernels import ht  # noqa: E402
 from epcomm.testing.inputs import Case, make_topk, make_x, expected_dispatch  # noqa: E402
 from epcomm.testing.compare import assert_bitwise  # noqa: E402
