@@ -1,4 +1,5 @@
-"""Argument checks shared by ``Buffer`` and ``epcomm.ops``: ``TypeError``/``ValueError`` naming the
+"""Argument checks shared by ``Buffer`` and ``epcomm.ops`` (each call's whole set: ``dispatch_args``,
+``ll_dispatch_args``, ``ll_combine_args``): ``TypeError``/``ValueError`` naming the
 argument and the offending value. Shape and dtype checks never synchronise with the GPU; value
 checks (``topk_idx`` range) do, so they are skipped while a CUDA graph is being captured."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .config import MAX_TOPK
+from .layout import DispatchHandle, LowLatencyHandle
 
 
 def is_capturing(device: torch.device) -> bool:
@@ -93,3 +95,118 @@ def dispatch_x(x, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | No
     tensor("x", x, torch.bfloat16, 2, device)
     hidden(x.shape[1], False)
     return x, None
+
+
+def dispatch_args(t: int, r_: int, device, host_checks: bool, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                  is_token_in_rank, num_tokens_per_expert, idx, weights, expert_alignment,
+                  num_worst_tokens) -> int:
+    """The argument checks of a high-throughput dispatch without a handle (``t`` tokens, ``r_`` ranks);
+    expert ids' values only with ``host_checks``. Returns the number of experts."""
+    if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+        missing = [n for n, v in (("num_tokens_per_rank", num_tokens_per_rank),
+                                  ("is_token_in_rank", is_token_in_rank),
+                                  ("num_tokens_per_expert", num_tokens_per_expert)) if v is None]
+        raise ValueError("dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and "
+                         "num_tokens_per_expert (from get_dispatch_layout); got None for "
+                         f"{', '.join(missing)}")
+    if num_tokens_per_rdma_rank is not None:
+        tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, torch.int32, 1, device)
+    tensor("num_tokens_per_rank", num_tokens_per_rank, torch.int32, 1, device)
+    shape("num_tokens_per_rank", num_tokens_per_rank, (r_,))
+    tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2, device)
+    shape("is_token_in_rank", is_token_in_rank, (t, r_))
+    tensor("num_tokens_per_expert", num_tokens_per_expert, torch.int32, 1, device)
+    e = num_tokens_per_expert.numel()
+    num_experts(e, r_)
+    if (idx is None) != (weights is None):
+        raise ValueError("topk_idx and topk_weights must be given together, got "
+                         f"topk_idx={'None' if idx is None else 'a tensor'}, "
+                         f"topk_weights={'None' if weights is None else 'a tensor'}")
+    if idx is not None:
+        topk_idx(idx, t, e, device, check_values=host_checks)
+        topk_weights(weights, idx, device)
+    int_arg("expert_alignment", expert_alignment, 1)
+    int_arg("num_worst_tokens", num_worst_tokens, 0)
+    return e
+
+
+def ll_dispatch_args(r_: int, device, host_checks: bool, x, idx, num_max_dispatch_tokens_per_rank,
+                     n_experts, use_fp8, round_scale, use_ue8m0, cumulative_local_expert_recv_stats,
+                     dispatch_wait_recv_cost_stats) -> tuple[int, int, int]:
+    """The argument checks of ``low_latency_dispatch`` but the buffer's size (``r_`` ranks); returns
+    ``(M, H, E)``."""
+    m = int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+    e = num_experts(n_experts, r_)
+    tensor("x", x, torch.bfloat16, 2, device)
+    t, h = x.shape
+    if t > m:
+        raise ValueError(f"x has {t} tokens, more than num_max_dispatch_tokens_per_rank={m}")
+    hidden(h, bool(use_fp8))
+    topk_idx(idx, t, e, device, check_values=host_checks)
+    if use_ue8m0 and not (use_fp8 and round_scale):
+        raise ValueError(f"use_ue8m0=True needs use_fp8=True and round_scale=True, got use_fp8={use_fp8}, "
+                         f"round_scale={round_scale}")
+    if round_scale and not use_fp8:
+        raise ValueError(f"round_scale=True needs use_fp8=True, got use_fp8={use_fp8}")
+    lx = e // r_
+    if cumulative_local_expert_recv_stats is not None:
+        tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32, 1,
+                 device)
+        shape("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, (lx,))
+    if dispatch_wait_recv_cost_stats is not None:
+        tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64, 1,
+                 device)
+        shape("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, (r_,))
+    return m, h, e
+
+
+def ll_combine_args(r_: int, device, host_checks: bool, x, idx, weights, out,
+                    combine_wait_recv_cost_stats, m: int, h: int, e: int) -> None:
+    """The argument checks of ``low_latency_combine`` but the buffer's size (``m, h, e`` from the handle)."""
+    lx = e // r_
+    tensor("x", x, torch.bfloat16, 3, device)
+    shape("x", x, (lx, r_ * m, h))
+    topk_idx(idx, None, e, device, check_values=host_checks)
+    t = idx.shape[0]
+    if t > m:
+        raise ValueError(f"topk_idx has {t} tokens, more than num_max_dispatch_tokens_per_rank={m}")
+    topk_weights(weights, idx, device)
+    if out is not None:
+        tensor("out", out, torch.bfloat16, 2, device)
+        shape("out", out, (t, h))
+    if combine_wait_recv_cost_stats is not None:
+        tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, 1,
+                 device)
+        shape("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, (r_,))
+
+
+def tensor_signature(t) -> tuple | None:
+    """A tensor's part of a call signature (shape, dtype, on CUDA): the argument checks depend on no more;
+    None for None. A call whose signature passed the checks before skips them."""
+    return None if t is None else (t.shape, t.dtype, t.is_cuda)
+
+
+def as_dispatch_handle(handle) -> DispatchHandle:
+    if isinstance(handle, DispatchHandle):
+        return handle
+    if isinstance(handle, (tuple, list)) and len(handle) == 6:
+        return DispatchHandle(*handle)
+    raise TypeError(f"handle must be the handle dispatch returned, got {type(handle).__name__}")
+
+
+def as_low_latency_handle(handle) -> LowLatencyHandle:
+    if isinstance(handle, LowLatencyHandle):
+        return handle
+    if isinstance(handle, (tuple, list)) and len(handle) == 5:
+        return LowLatencyHandle(*handle)
+    raise TypeError(f"handle must be the handle low_latency_dispatch returned, got {type(handle).__name__}")
+
+
+def tensors_in(obj) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (a tensor, or tuples/lists/NamedTuples of them and other values); lists
+    of plain numbers (e.g. the per-expert counts) are not walked item by item."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)) and obj and not isinstance(obj[0], (int, float)):
+        return [t for o in obj for t in tensors_in(o)]
+    return []

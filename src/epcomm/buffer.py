@@ -24,19 +24,10 @@ from .backends import select_backend
 from .backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from .config import Config
 from .event import EventOverlap
-from .layout import DispatchHandle, LowLatencyHandle
 
 log = logging.getLogger(__name__)
 
 
-def _tensors(obj) -> list[torch.Tensor]:
-    """The tensors in ``obj`` (a tensor, or tuples/lists/NamedTuples of them and other values); lists
-    of plain numbers (e.g. the per-expert counts) are not walked item by item."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)) and obj and not isinstance(obj[0], (int, float)):
-        return [t for o in obj for t in _tensors(o)]
-    return []
 
 
 class Buffer:
@@ -221,16 +212,16 @@ class Buffer:
         self._last_on_current, self._comm_pending = False, True
         with torch.cuda.stream(self._comm_stream):
             result = fn()
-        outs = _tensors(result)
+        outs = V.tensors_in(result)
         for t in outs:
             if t.is_cuda:
                 t.record_stream(compute)
-        for t in _tensors(inputs):
+        for t in V.tensors_in(inputs):
             if t.is_cuda:
                 t.record_stream(self._comm_stream)
         ev = torch.cuda.Event()
         ev.record(self._comm_stream)
-        return result, EventOverlap(ev, tuple(outs) + tuple(_tensors(inputs)))
+        return result, EventOverlap(ev, tuple(outs) + tuple(V.tensors_in(inputs)))
 
     # ------------------------------------------------------------------ high-throughput
 
@@ -281,7 +272,7 @@ class Buffer:
         config = self._config(config, combine=False)
         self._check_nvl_bytes(config, h * data.element_size())
         if handle is not None:
-            handle = _as_dispatch_handle(handle)
+            handle = V.as_dispatch_handle(handle)
             if handle.is_token_in_rank.shape[0] != t:
                 raise ValueError(f"x has {t} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
 
@@ -295,15 +286,16 @@ class Buffer:
         try:
             sig = None
             if type(expert_alignment) is int and type(num_worst_tokens) is int:  # a bool is an int too
-                sig = ("htd", data.shape, data.dtype, data.is_cuda, _ts(scales), _ts(num_tokens_per_rank),
-                       _ts(num_tokens_per_rdma_rank), _ts(is_token_in_rank), _ts(num_tokens_per_expert),
-                       _ts(topk_idx), _ts(topk_weights), expert_alignment, num_worst_tokens, config)
+                ts = V.tensor_signature
+                sig = ("htd", data.shape, data.dtype, data.is_cuda, ts(scales), ts(num_tokens_per_rank),
+                       ts(num_tokens_per_rdma_rank), ts(is_token_in_rank), ts(num_tokens_per_expert), ts(topk_idx),
+                       ts(topk_weights), expert_alignment, num_worst_tokens, config)
         except AttributeError:  # not tensors: the checks say which
             sig = None
         if sig not in self._checked or self._host_checks:  # else these shapes and arguments passed before
-            self._dispatch_checks(t, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                                      num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                                      num_worst_tokens)
+            V.dispatch_args(t, self.group_size, self.device, self._host_checks, num_tokens_per_rank,
+                            num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                            topk_weights, expert_alignment, num_worst_tokens)
             if sig is not None and len(self._checked) < 4096:
                 self._checked.add(sig)
         args = DispatchArgs(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
@@ -314,36 +306,6 @@ class Buffer:
         recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
         return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list, res.handle, ev
 
-    def _dispatch_checks(self, t: int, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                         num_worst_tokens) -> int:
-        """The argument checks of a dispatch without a handle; returns the number of experts."""
-        r_ = self.group_size
-        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
-            missing = [n for n, v in (("num_tokens_per_rank", num_tokens_per_rank),
-                                      ("is_token_in_rank", is_token_in_rank),
-                                      ("num_tokens_per_expert", num_tokens_per_expert)) if v is None]
-            raise ValueError("dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and "
-                             f"num_tokens_per_expert (from get_dispatch_layout); got None for {', '.join(missing)}")
-        if num_tokens_per_rdma_rank is not None:
-            V.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, torch.int32, 1, self.device)
-        V.tensor("num_tokens_per_rank", num_tokens_per_rank, torch.int32, 1, self.device)
-        V.shape("num_tokens_per_rank", num_tokens_per_rank, (r_,))
-        V.tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2, self.device)
-        V.shape("is_token_in_rank", is_token_in_rank, (t, r_))
-        V.tensor("num_tokens_per_expert", num_tokens_per_expert, torch.int32, 1, self.device)
-        e = num_tokens_per_expert.numel()
-        V.num_experts(e, r_)
-        if (topk_idx is None) != (topk_weights is None):
-            raise ValueError("topk_idx and topk_weights must be given together, got "
-                             f"topk_idx={'None' if topk_idx is None else 'a tensor'}, "
-                             f"topk_weights={'None' if topk_weights is None else 'a tensor'}")
-        if topk_idx is not None:
-            V.topk_idx(topk_idx, t, e, self.device, check_values=self._host_checks)
-            V.topk_weights(topk_weights, topk_idx, self.device)
-        V.int_arg("expert_alignment", expert_alignment, 1)
-        V.int_arg("num_worst_tokens", num_worst_tokens, 0)
-        return e
 
     def combine(self, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, bias=None,
                 config: Config | None = None, previous_event=None, async_finish: bool = False,
@@ -351,7 +313,7 @@ class Buffer:
         """High-throughput combine; see API.md. Returns ``(combined_x bf16[T, H],
         combined_topk_weights f32[T, K] or None, event)``."""
         self._check_alive()
-        handle = _as_dispatch_handle(handle)
+        handle = V.as_dispatch_handle(handle)
         V.tensor("x", x, torch.bfloat16, 2, self.device)
         n = handle.recv_src_idx.numel()
         if x.shape[0] != n:
@@ -442,9 +404,10 @@ class Buffer:
             m, e = num_max_dispatch_tokens_per_rank, num_experts
             h = x.shape[1]
         else:
-            m, h, e = self._ll_dispatch_checks(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                               use_fp8,
-                                               round_scale, use_ue8m0, cum, wst)
+            m, h, e = V.ll_dispatch_args(self.group_size, self.device, self._host_checks, x, topk_idx,
+                                         num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                                         use_ue8m0, cum, wst)
+            self._ll_check(m, h, e)
             if sig is not None and len(self._checked) < 4096:
                 self._checked.add(sig)
         if self._ll_shape is not None and self._ll_shape != (m, h, e):
@@ -470,34 +433,6 @@ class Buffer:
                           e)  # after the call: one that raised (e.g. M differing across ranks) sets nothing
         return res.recv_x, res.recv_count, res.handle, ev, hook
 
-    def _ll_dispatch_checks(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                            round_scale,
-                            use_ue8m0, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats):
-        """Every argument check of ``low_latency_dispatch``; returns ``(M, H, E)``."""
-        m = V.int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
-        e = V.num_experts(num_experts, self.group_size)
-        V.tensor("x", x, torch.bfloat16, 2, self.device)
-        t, h = x.shape
-        if t > m:
-            raise ValueError(f"x has {t} tokens, more than num_max_dispatch_tokens_per_rank={m}")
-        V.hidden(h, bool(use_fp8))
-        V.topk_idx(topk_idx, t, e, self.device, check_values=self._host_checks)
-        if use_ue8m0 and not (use_fp8 and round_scale):
-            raise ValueError(f"use_ue8m0=True needs use_fp8=True and round_scale=True, got use_fp8={use_fp8}, "
-                             f"round_scale={round_scale}")
-        if round_scale and not use_fp8:
-            raise ValueError(f"round_scale=True needs use_fp8=True, got use_fp8={use_fp8}")
-        lx = e // self.group_size
-        if cumulative_local_expert_recv_stats is not None:
-            V.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, torch.int32, 1,
-                     self.device)
-            V.shape("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, (lx,))
-        if dispatch_wait_recv_cost_stats is not None:
-            V.tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, torch.int64, 1,
-                     self.device)
-            V.shape("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, (self.group_size,))
-        self._ll_check(m, h, e)
-        return m, h, e
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -507,7 +442,7 @@ class Buffer:
 
         ``use_logfmt`` is accepted for compatibility; the payload always travels as lossless BF16."""
         self._check_alive()
-        handle = _as_low_latency_handle(handle)
+        handle = V.as_low_latency_handle(handle)
         m, h, e = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         if zero_copy:
             self._ll_check(m, h, e)
@@ -516,11 +451,13 @@ class Buffer:
             sig = ("llc", x.shape, x.dtype, x.is_cuda, topk_idx.shape, topk_idx.dtype, topk_idx.is_cuda,
                    topk_weights.shape, topk_weights.dtype, topk_weights.is_cuda,
                    None if out is None else (out.shape, out.dtype, out.is_cuda),
-                   _ts(combine_wait_recv_cost_stats), m, h, e)
+                   V.tensor_signature(combine_wait_recv_cost_stats), m, h, e)
         except AttributeError:  # not tensors: the checks say which
             sig = None
         if sig not in self._checked or self._host_checks:
-            self._ll_combine_checks(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, m, h, e)
+            self._ll_check(m, h, e)
+            V.ll_combine_args(self.group_size, self.device, self._host_checks, x, topk_idx, topk_weights, out,
+                              combine_wait_recv_cost_stats, m, h, e)
             if sig is not None and len(self._checked) < 4096:
                 self._checked.add(sig)
         args = LowLatencyCombineArgs(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats,
@@ -535,30 +472,11 @@ class Buffer:
         receive()
         return res, _NO_EVENT, None
 
-    def _ll_combine_checks(self, x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats, m: int, h: int,
-                           e: int) -> None:
-        """Every argument check of ``low_latency_combine`` (``m, h, e`` from the handle)."""
-        self._ll_check(m, h, e)
-        lx = e // self.group_size
-        V.tensor("x", x, torch.bfloat16, 3, self.device)
-        V.shape("x", x, (lx, self.group_size * m, h))
-        V.topk_idx(topk_idx, None, e, self.device, check_values=self._host_checks)
-        t = topk_idx.shape[0]
-        if t > m:
-            raise ValueError(f"topk_idx has {t} tokens, more than num_max_dispatch_tokens_per_rank={m}")
-        V.topk_weights(topk_weights, topk_idx, self.device)
-        if out is not None:
-            V.tensor("out", out, torch.bfloat16, 2, self.device)
-            V.shape("out", out, (t, h))
-        if combine_wait_recv_cost_stats is not None:
-            V.tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, torch.int64, 1,
-                     self.device)
-            V.shape("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, (self.group_size,))
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
         """``bf16[L, R*M, H]``: write expert outputs here, then call combine with ``zero_copy=True``."""
         self._check_alive()
-        handle = _as_low_latency_handle(handle)
+        handle = V.as_low_latency_handle(handle)
         self._ll_check(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         return self._backend.low_latency_zero_copy_buffer(handle)
 
@@ -604,23 +522,7 @@ class Buffer:
 _NO_EVENT = EventOverlap()  # what a synchronous call returns as its event (holds nothing)
 
 
-def _ts(t) -> tuple | None:
-    """A tensor's part of a call signature (shape, dtype, on CUDA): the argument checks depend on no more;
-    None for None. A call whose signature passed the checks before skips them."""
-    return None if t is None else (t.shape, t.dtype, t.is_cuda)
 
 
-def _as_dispatch_handle(handle) -> DispatchHandle:
-    if isinstance(handle, DispatchHandle):
-        return handle
-    if isinstance(handle, (tuple, list)) and len(handle) == 6:
-        return DispatchHandle(*handle)
-    raise TypeError(f"handle must be the handle dispatch returned, got {type(handle).__name__}")
 
 
-def _as_low_latency_handle(handle) -> LowLatencyHandle:
-    if isinstance(handle, LowLatencyHandle):
-        return handle
-    if isinstance(handle, (tuple, list)) and len(handle) == 5:
-        return LowLatencyHandle(*handle)
-    raise TypeError(f"handle must be the handle low_latency_dispatch returned, got {type(handle).__name__}")

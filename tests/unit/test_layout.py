@@ -288,3 +288,20 @@ def test_low_latency_buffer_layout_regions_do_not_overlap(m, h, r, e):
     assert lay.zero_copy_offset >= lay.parity_offset(1) + lay.parity_bytes
     assert lay.zero_copy_bytes >= (e // r) * r * m * h * 2
     assert lay.total >= lay.zero_copy_offset + lay.zero_copy_bytes
+
+
+def test_reference_pack_round_trip_with_one_row():
+    """One token whose packed row mixes dtypes (bf16 row, fp32 scales, int64 ids): the unpacked parts
+    must come back exactly, though a one-row column slice keeps the packed row's stride (14436 bytes
+    at hidden 7168 once, which view(int64) rejected)."""
+    from epcomm.backends.reference import _pack, _unpack
+
+    for rows in (1, 3):
+        x = torch.randn(rows, 7168).to(torch.bfloat16)
+        s = torch.rand(rows, 56)
+        k = torch.arange(rows * 8, dtype=torch.int64).view(rows, 8)
+        w = torch.rand(rows, 1)
+        parts = _unpack(_pack([x, s, w, k]), [(torch.bfloat16, (7168,)), (torch.float32, (56,)),
+                                              (torch.float32, (1,)), (torch.int64, (8,))])
+        for got, want in zip(parts, (x, s, w, k)):
+            assert torch.equal(got, want)

@@ -58,7 +58,10 @@ def _unpack(buf: torch.Tensor, specs: list[tuple[torch.dtype, tuple[int, ...]]])
         if rows == 0 or width == 0:  # an empty slice keeps its strides, which view(dtype) may reject
             part = torch.empty((0, *shape), dtype=dtype, device=buf.device)
         else:
-            part = buf[:, col:col + width].contiguous().view(dtype).reshape(rows, *shape)
+            # a fresh tensor: .contiguous() keeps a one-row slice's row stride, which view(dtype) rejects
+            part = torch.empty(rows, width, dtype=torch.uint8, device=buf.device)
+            part.copy_(buf[:, col:col + width])
+            part = part.view(dtype).reshape(rows, *shape)
         out.append(part)
         col += width
     return out

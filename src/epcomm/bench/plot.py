@@ -31,6 +31,7 @@ def _panels(rows: list[dict]) -> dict[str, dict[str, list[tuple[int, dict]]]]:
         hook = r.get("phase", "total") != "total"
         title = f"{r['mode'].upper()} {op_label({**r, 'phase': 'total'})}" + (" with recv hook" if hook else "")
         line = f"{r['case']} H{r['hidden']} K{r['topk']} E{r['experts']} / {r['backend']}"
+        line += {"graph": " graph", "events": " eager"}.get(r.get("timing"), "")  # GPUs time both
         line += f" {r['phase']}" if hook else ""
         panels.setdefault(title, {}).setdefault(line, []).append((r["tokens"], r))
     for lines in panels.values():
