@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 
 VARIABLES = {
-    "EPCOMM_BACKEND": "force a backend: reference | nvlink (a forced backend that cannot run raises)",
+    "EPCOMM_BACKEND": "force a backend: reference | nvlink | internode (a forced backend that cannot run raises)",
+    "EPCOMM_GPUS_PER_NODE": "virtual nodes: split the group's ranks into nodes of N consecutive ranks (N divides "
+                            "the group size; a node never spans hosts), so the internode paths run on one "
+                            "host; unset: a node is a host",
     "EPCOMM_TIMEOUT_S": "deadline in seconds for every wait on a peer (default 30 on CPU, 10 on GPU)",
     "EPCOMM_LOG_LEVEL": "log level of the epcomm logger (e.g. INFO to see which backend runs and why)",
     "EPCOMM_HT_TRANSFER": "nvlink high-throughput bulk mover: ce (default: copy engine for eager calls, SMs for calls "
@@ -74,3 +77,70 @@ def as_deep_ep() -> bool:
     from _epcomm_as_deep_ep import switch_on
 
     return switch_on()
+
+
+def gpus_per_node() -> int | None:
+    """``EPCOMM_GPUS_PER_NODE`` as a positive int, or None when unset (a node is then a host)."""
+    v = os.environ.get("EPCOMM_GPUS_PER_NODE", "").strip()
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"EPCOMM_GPUS_PER_NODE must be a positive integer, got {v!r}") from None
+    if n < 1:
+        raise ValueError(f"EPCOMM_GPUS_PER_NODE must be a positive integer, got {v!r}")
+    return n
+
+
+# NVSHMEM's own variables that the internode backend sets, where the user has not, before NVSHMEM
+# initialises (names checked against the NVSHMEM 3.x environment-variable reference; NVSHMEM reads them
+# once, at its initialisation, which torch runs lazily at the first NVSHMEM symmetric allocation).
+# Traffic class and service level are the user's to set (NVSHMEM_IB_TRAFFIC_CLASS, NVSHMEM_IB_SL);
+# ``epcomm env`` reports them with every other NVSHMEM_* variable.
+NVSHMEM_FIXED = {
+    "NVSHMEM_QP_DEPTH": "1024",  # deeper than the work requests a kernel keeps in flight per queue pair
+    "NVSHMEM_MAX_TEAMS": "7",  # the default teams and one more: less GPU memory per PE
+    "NVSHMEM_DISABLE_NVLS": "1",  # no NVLink SHARP resources (epcomm does no NVSHMEM collectives)
+}
+
+
+def has_rdma_nic(sys_root: str = "/sys/class/infiniband") -> bool:
+    """Whether this host shows an InfiniBand/RoCE device (where IBGDA can run)."""
+    try:
+        return bool(os.listdir(sys_root))
+    except OSError:
+        return False
+
+
+def nvshmem_settings(num_qps_per_rank: int, symmetric_bytes: int, rdma_nic: bool | None = None) -> dict:
+    """The NVSHMEM variables a Buffer asks for: ``{name: value}``.
+
+    ``num_qps_per_rank`` -> ``NVSHMEM_IBGDA_NUM_RC_PER_PE`` (queue pairs per peer: traffic spreads
+    over both ports of a dual-port NIC); IBGDA (the GPU posts RDMA itself) where an RDMA NIC exists
+    (``NVSHMEM_IB_ENABLE_IBGDA=1``; without one, NVSHMEM's P2P transport serves one host);
+    ``NVSHMEM_SYMMETRIC_SIZE`` large enough for ``symmetric_bytes`` plus 256 MiB of headroom.
+    """
+    if num_qps_per_rank < 1:
+        raise ValueError(f"num_qps_per_rank must be >= 1, got {num_qps_per_rank}")
+    nic = has_rdma_nic() if rdma_nic is None else rdma_nic
+    out = dict(NVSHMEM_FIXED)
+    out["NVSHMEM_IBGDA_NUM_RC_PER_PE"] = str(num_qps_per_rank)
+    if nic:
+        out["NVSHMEM_IB_ENABLE_IBGDA"] = "1"
+    heap = max(1 << 30, (symmetric_bytes + (256 << 20) + (1 << 21) - 1) // (1 << 21) * (1 << 21))
+    out["NVSHMEM_SYMMETRIC_SIZE"] = str(heap)
+    return out
+
+
+def apply_nvshmem_settings(wanted: dict, environ=os.environ) -> dict:
+    """Set each of ``wanted`` that the user has not set; return ``{name: (value in force, 'epcomm' | 'user')}``.
+    Must run before NVSHMEM initialises (it reads its variables once)."""
+    out = {}
+    for k, v in wanted.items():
+        if k in environ and environ[k] != v:
+            out[k] = (environ[k], "user")
+        else:
+            environ[k] = v
+            out[k] = (v, "epcomm")
+    return out

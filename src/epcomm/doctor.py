@@ -177,6 +177,13 @@ def deep_ep_switch() -> Section:
     return ("deep_ep (EPCOMM_AS_DEEP_EP)", lines)
 
 
+def _gpus_per_node() -> int | None:
+    try:
+        return _env.gpus_per_node()
+    except ValueError:
+        return None  # the internode section reports the error
+
+
 def backend_choice() -> Section:
     """Which backend a Buffer would pick here and why, by the rule of ``epcomm.backends``."""
     from . import backends
@@ -191,6 +198,11 @@ def backend_choice() -> Section:
             verdict = f"{forced} (forced by EPCOMM_BACKEND; raises if it cannot run)"
     elif not torch.cuda.is_available():
         verdict = "reference: the group is not on CUDA (gloo/CPU tensors)"
+    elif (_gpus_per_node() or 1 << 30) < torch.cuda.device_count():
+        from .backends.internode import BUILT, NOT_BUILT
+
+        verdict = ("internode for a group of this host's GPUs (virtual nodes)" if BUILT else
+                   f"reference for a group of this host's GPUs (virtual nodes): {NOT_BUILT}")
     elif package_version("triton") is None:
         verdict = "reference: triton is not installed (pip install 'epcomm[triton]')"
     else:
@@ -208,8 +220,37 @@ def backend_choice() -> Section:
     return ("backend a Buffer would choose", lines)
 
 
+def internode() -> Section:
+    """Virtual nodes, the NVSHMEM settings a Buffer applies before NVSHMEM starts, and whether a group across
+    nodes would run the internode backend here (backends/internode.py)."""
+    from .backends import internode as inter
+
+    lines = []
+    try:
+        n = _env.gpus_per_node()
+    except ValueError as e:
+        n, lines = None, [f"virtual nodes: error: {e}"]
+    if not lines:
+        lines.append(f"virtual nodes: EPCOMM_GPUS_PER_NODE={n}: a group of R ranks forms R/{n} nodes" if n else
+                     "virtual nodes: off (EPCOMM_GPUS_PER_NODE unset: a node is a host)")
+    nic = _env.has_rdma_nic()
+    lines.append("RDMA NIC: " + ("present (/sys/class/infiniband): IBGDA preferred" if nic else
+                                 "none (/sys/class/infiniband empty): NVSHMEM's P2P transport only, one host"))
+    lines.append("NVSHMEM settings a Buffer applies before NVSHMEM starts (num_qps_per_rank=24; a value you set "
+                 "wins):")
+    for k, v in _env.nvshmem_settings(24, 0, nic).items():
+        mine = os.environ.get(k)
+        lines.append(f"  {k}={v}" + (f"  (set here to {mine}: yours is kept)" if mine not in (None, v) else ""))
+    for k in ("NVSHMEM_IB_TRAFFIC_CLASS", "NVSHMEM_IB_SL"):
+        lines.append(f"  {k}={os.environ[k]}  (yours)" if k in os.environ else
+                     f"  {k} (unset: NVSHMEM's default; set it for your RoCE fabric's lossless class)")
+    lines.append("a group across nodes runs: " + ("internode" if inter.BUILT else f"reference: {inter.NOT_BUILT}"))
+    return ("internode (NVSHMEM)", lines)
+
+
 def env_report(probe: bool = False) -> str:
-    sections = [versions(), gpus(), symmetric_memory(probe), variables(), deep_ep_switch(), backend_choice()]
+    sections = [versions(), gpus(), symmetric_memory(probe), variables(), deep_ep_switch(), internode(),
+                backend_choice()]
     out = []
     for title, lines in sections:
         out.append(f"== {title}")

@@ -1,0 +1,130 @@
+"""NVSHMEM device calls for the internode kernels, behind a constexpr switch.
+
+On a GPU (``SIM=False``) each helper calls torch's NVSHMEM Triton bindings
+(``torch.distributed._symmetric_memory._nvshmem_triton``; the kernel that uses them must be wrapped in
+``requires_nvshmem``, see :func:`nvshmem_kernel`). Under the Triton interpreter (``SIM=True``: the CPU
+tests, ``TRITON_INTERPRET=1``) they are simulated with plain loads, stores and atomics into the peers'
+buffers, which the CPU emulation (``testing/cpu_nvlink.py``) maps into every process at the same
+address, so ``ptr_table[pe]`` is peer ``pe``'s symmetric buffer.
+
+Addresses: every helper takes the table of symmetric-buffer bases (``ptr_table: int64[R]``), this
+rank's index ``me``, the target PE and a byte offset into the symmetric buffer. NVSHMEM wants the
+*local* symmetric address of the destination (it translates it to ``pe``'s copy), so on the GPU the
+helpers use ``ptr_table[me] + offset``; the simulation writes ``ptr_table[pe] + offset``. Only
+``ptr_table[me]`` must be valid on a GPU (entries of peers NVSHMEM cannot map may be 0).
+
+Signals are NVSHMEM signal words: ``uint64``, 8-byte aligned, only ever increased by
+``NVSHMEM_SIGNAL_ADD``. :func:`wait_signal` polls the low 32 bits with acquire loads and a deadline
+(``common.wait_ge``: wrapped int32 arithmetic, errors name the phase and the peer), not with
+``signal_wait_until``, which has no deadline.
+
+Ordering, the one guarantee callers build on: :func:`put_signal` makes its data visible at ``pe``
+before the signal moves (NVSHMEM's put-with-signal: one operation, the signal travels after the data
+on the same queue pair). The simulation keeps it: the data's stores, a CTA barrier, then a release
+atomic on the signal (system scope). :func:`quiet` completes every put this program issued (to all
+PEs); a kernel whose *last* program signals for the puts of *all* programs calls :func:`quiet` in
+every program before the ticket (``common.ticket_last_n``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import wait_ge
+
+try:  # the bindings exist only where torch sees Triton and CUDA
+    from torch.distributed._symmetric_memory import _nvshmem_triton as _nv
+
+    _HAVE = hasattr(_nv, "putmem_signal_block")
+except ImportError:  # pragma: no cover - torch without symmetric memory
+    _nv, _HAVE = None, False
+
+SIGNAL_ADD = tl.constexpr(5)  # NVSHMEM_SIGNAL_ADD
+COPY_BLOCK = tl.constexpr(1024)  # bytes per step of the simulated copy
+
+
+def available() -> bool:
+    """Whether torch's NVSHMEM Triton bindings are importable here (a GPU build of torch with Triton)."""
+    return _HAVE
+
+
+def nvshmem_kernel(fn, sim: bool):
+    """``fn`` (a ``@triton.jit`` kernel) as it must be launched: through ``requires_nvshmem`` on a GPU
+    (links libnvshmem_device.bc and initialises the module for NVSHMEM), as it is in the simulation."""
+    if sim:
+        return fn
+    if not _HAVE:
+        raise ImportError("torch's NVSHMEM Triton bindings are unavailable (torch.distributed._symmetric_memory."
+                          "_nvshmem_triton needs a CUDA build of torch with Triton and the nvidia-nvshmem wheel)")
+    return _nv.requires_nvshmem(fn)
+
+
+@triton.jit
+def _sym(ptr_table, rank, offset_bytes):
+    """``uint8*`` at ``offset_bytes`` into rank ``rank``'s symmetric buffer."""
+    return tl.load(ptr_table + rank).to(tl.pointer_type(tl.uint8)) + offset_bytes
+
+
+@triton.jit
+def _copy(dst, src, nbytes):
+    """Byte copy in ``COPY_BLOCK`` steps (the simulation's put)."""
+    cc = tl.arange(0, COPY_BLOCK)
+    for o in range(0, nbytes, COPY_BLOCK):
+        m = (o + cc) < nbytes
+        tl.store(dst + o + cc, tl.load(src + o + cc, mask=m), mask=m)
+
+
+@triton.jit
+def put(ptr_table, me, pe, dst_off, src, nbytes, SIM: tl.constexpr):
+    """Copy ``nbytes`` from local ``src`` (a pointer into this rank's symmetric buffer) to ``dst_off``
+    of ``pe``'s symmetric buffer; block-scoped, returns when ``src`` may be reused (not delivered: see
+    :func:`quiet`)."""
+    s = src.to(tl.pointer_type(tl.uint8))
+    if SIM:
+        _copy(_sym(ptr_table, pe, dst_off), s, nbytes)
+    else:
+        _nv.putmem_block_extern_wrapper(_sym(ptr_table, me, dst_off).to(tl.int64), s.to(tl.int64),
+                                        nbytes + tl.zeros((), tl.int64), pe + tl.zeros((), tl.int32))
+
+
+@triton.jit
+def put_signal(ptr_table, me, pe, dst_off, src, nbytes, sig_off, SIM: tl.constexpr):
+    """:func:`put`, then add 1 to the uint64 signal at ``sig_off`` of ``pe``'s buffer; the data is
+    visible at ``pe`` before the signal moves. ``nbytes`` may be 0 (a bare ordered signal)."""
+    s = src.to(tl.pointer_type(tl.uint8))
+    if SIM:
+        _copy(_sym(ptr_table, pe, dst_off), s, nbytes)
+        tl.debug_barrier()
+        sig = _sym(ptr_table, pe, sig_off).to(tl.pointer_type(tl.int64))
+        tl.atomic_add(sig, 1, sem="release", scope="sys")
+    else:
+        # every scalar as a tensor of the binding's type (a literal or a specialised 1 would be a constexpr)
+        _nv.putmem_signal_block(_sym(ptr_table, me, dst_off), s, nbytes + tl.zeros((), tl.int64),
+                                _sym(ptr_table, me, sig_off), tl.full((), 1, tl.int64),
+                                tl.full((), SIGNAL_ADD, tl.int32), pe + tl.zeros((), tl.int32))
+
+
+@triton.jit
+def quiet(SIM: tl.constexpr):
+    """Every put this program issued is delivered (a no-op in the simulation, whose stores are done)."""
+    if not SIM:
+        _nv.quiet()
+    tl.debug_barrier()
+
+
+@triton.jit
+def fence(SIM: tl.constexpr):
+    """Puts issued before reach each PE before puts issued after (per PE, not across PEs)."""
+    if not SIM:
+        _nv.fence()
+    tl.debug_barrier()
+
+
+@triton.jit
+def wait_signal(ptr_table, me, sig_off, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER: tl.constexpr,
+                mask_ptr=None, SHRINK: tl.constexpr = False):
+    """Wait until this rank's uint64 signal at ``sig_off`` reaches ``target`` (low 32 bits, wrapped;
+    acquire) or the deadline: ``common.wait_ge`` on the signal's low word (little-endian)."""
+    low = _sym(ptr_table, me, sig_off).to(tl.pointer_type(tl.int32))
+    return wait_ge(low, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
