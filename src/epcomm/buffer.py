@@ -24,6 +24,7 @@ from .backends import select_backend
 from .backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from .config import Config
 from .event import EventOverlap
+from .streams import CallStreams
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,9 @@ class Buffer:
     """Dispatch and combine MoE tokens across the ranks of ``group`` (see API.md)."""
 
     num_sms: int = 20
+    # DeepEP's device rule: the current CUDA device whatever the group's backend (deep_ep.Buffer sets it:
+    # vLLM builds its DeepEP Buffers on a gloo group); epcomm's own rule: CUDA where the group moves CUDA
+    _cuda_whatever_the_group = False
 
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
@@ -63,12 +67,13 @@ class Buffer:
             logging.getLogger("epcomm").setLevel(level.upper())
         backend_name = str(dist.get_backend(group)).lower()
         # CUDA where the group moves CUDA tensors: NCCL, or gloo named for CUDA too ("cpu:gloo,cuda:gloo")
-        if ("nccl" in backend_name or "cuda:gloo" in backend_name) and torch.cuda.is_available():
+        cuda_group = "nccl" in backend_name or "cuda:gloo" in backend_name or self._cuda_whatever_the_group
+        if cuda_group and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
         self.timeout_s = _env.timeout_s(10.0 if self.device.type == "cuda" else 30.0)
-        self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._streams = CallStreams(self.device)  # the communication stream and the order of calls
         self._backend, why = select_backend(self)
         # Range checks of expert ids need the values on the host: done here unless the backend checks
         # them on the device (then a bad id raises at its next synchronisation, never a hang or a crash).
@@ -82,9 +87,6 @@ class Buffer:
         self._checked: set = set()  # call signatures (shapes, dtypes, arguments) whose shape/dtype/flag checks passed
         self._nvl_ok: set = set()  # (config, hidden bytes) that fit num_nvl_bytes
         self._default_configs: dict = {}  # (combine, num_sms) -> the default Config
-        # which stream the last call's work went on: the communication stream (asynchronous calls) or the
-        # current one (synchronous calls); see _run
-        self._comm_pending, self._last_on_current = False, False
         self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers
@@ -141,7 +143,7 @@ class Buffer:
 
     def get_comm_stream(self):
         """The communication stream (``None`` on CPU, where everything completes synchronously)."""
-        return self._comm_stream
+        return self._streams.comm
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
@@ -177,51 +179,7 @@ class Buffer:
 
     # ------------------------------------------------------------------ streams and events
 
-    def _sync_stream(self) -> None:
-        """Before work queued on the current stream (a synchronous call): behind an asynchronous call's work
-        on the communication stream, which shares this Buffer's device state (counters, staging)."""
-        if self._comm_pending:
-            torch.cuda.current_stream().wait_stream(self._comm_stream)
-            self._comm_pending = False
-        self._last_on_current = True
 
-    def _run(self, fn: Callable, inputs: list, previous_event: EventOverlap | None, async_finish: bool,
-             allocate_on_comm_stream: bool):
-        """Run ``fn`` on the communication stream after ``previous_event`` (or the current stream)."""
-        if allocate_on_comm_stream and (previous_event is None or not async_finish):
-            raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True, got "
-                             f"previous_event={previous_event!r}, async_finish={async_finish}")
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
-        if self._comm_stream is None:
-            return fn(), EventOverlap()
-        if not async_finish:
-            # A synchronous call: its results are the current stream's when it returns, so its work goes on
-            # the current stream (after previous_event): no stream switch, no record_stream, no join.
-            if previous_event is not None and previous_event.event is not None:
-                torch.cuda.current_stream().wait_event(previous_event.event)
-            self._sync_stream()
-            return fn(), EventOverlap()
-        compute = torch.cuda.current_stream()
-        if previous_event is not None and previous_event.event is not None and not self._last_on_current:
-            self._comm_stream.wait_event(previous_event.event)
-        else:
-            # without an event, or after a call that ran on the current stream (its kernels share this
-            # Buffer's device state with the ones queued now): behind everything queued there
-            self._comm_stream.wait_stream(compute)
-        self._last_on_current, self._comm_pending = False, True
-        with torch.cuda.stream(self._comm_stream):
-            result = fn()
-        outs = V.tensors_in(result)
-        for t in outs:
-            if t.is_cuda:
-                t.record_stream(compute)
-        for t in V.tensors_in(inputs):
-            if t.is_cuda:
-                t.record_stream(self._comm_stream)
-        ev = torch.cuda.Event()
-        ev.record(self._comm_stream)
-        return result, EventOverlap(ev, tuple(outs) + tuple(V.tensors_in(inputs)))
 
     # ------------------------------------------------------------------ high-throughput
 
@@ -236,7 +194,7 @@ class Buffer:
         def fn():
             return layout.dispatch_layout(topk_idx, num_experts, self.group_size)
 
-        (per_rank, per_expert, in_rank), ev = self._run(fn, [topk_idx], previous_event, async_finish,
+        (per_rank, per_expert, in_rank), ev = self._streams.run(fn, [topk_idx], previous_event, async_finish,
                                                          allocate_on_comm_stream)
         return per_rank, None, per_expert, in_rank, ev
 
@@ -279,7 +237,7 @@ class Buffer:
             def cached():
                 return self._backend.cached_dispatch(data, scales, handle)
 
-            (rx, rs), ev = self._run(cached, [data, scales], previous_event, async_finish,
+            (rx, rs), ev = self._streams.run(cached, [data, scales], previous_event, async_finish,
                                      allocate_on_comm_stream)
             return (rx if rs is None else (rx, rs)), None, None, None, None, ev
 
@@ -301,7 +259,7 @@ class Buffer:
         args = DispatchArgs(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                             num_tokens_per_expert, expert_alignment, num_worst_tokens, config.num_channels,
                             config.num_sms)
-        res, ev = self._run(lambda: self._backend.dispatch(args), [data, scales, topk_idx, topk_weights],
+        res, ev = self._streams.run(lambda: self._backend.dispatch(args), [data, scales, topk_idx, topk_weights],
                             previous_event, async_finish, allocate_on_comm_stream)
         recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
         return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list, res.handle, ev
@@ -333,7 +291,7 @@ class Buffer:
         for i, b in enumerate(biases):
             V.tensor(f"bias[{i}]", b, torch.bfloat16, 2, self.device)
             V.shape(f"bias[{i}]", b, (t, x.shape[1]))
-        (out, w), ev = self._run(lambda: self._backend.combine(x, handle, topk_weights, tuple(biases)),
+        (out, w), ev = self._streams.run(lambda: self._backend.combine(x, handle, topk_weights, tuple(biases)),
                                  [x, topk_weights, *biases], previous_event, async_finish,
                                  allocate_on_comm_stream)
         return out, w, ev
@@ -363,8 +321,7 @@ class Buffer:
         if async_finish and return_recv_hook:
             raise ValueError("async_finish=True and return_recv_hook=True are mutually exclusive")
         if return_recv_hook:
-            if self._comm_stream is not None:
-                self._sync_stream()
+            self._streams.sync()
             result, receive = send()
             return result, EventOverlap(), receive
 
@@ -374,10 +331,9 @@ class Buffer:
             return result
 
         if async_finish:
-            result, ev = self._run(both, inputs, None, True, False)
+            result, ev = self._streams.run(both, inputs, None, True, False)
         else:
-            if self._comm_stream is not None:
-                self._sync_stream()
+            self._streams.sync()
             result, ev = both(), EventOverlap()
         return result, ev, None
 
@@ -423,9 +379,7 @@ class Buffer:
             res, ev, hook = self._ll_run(lambda: self._backend.low_latency_dispatch(args), [x, topk_idx],
                                          async_finish, return_recv_hook)
         else:  # the common case, without _ll_run's closures
-            if self._comm_pending:
-                self._sync_stream()
-            self._last_on_current = True
+            self._streams.sync()
             res, receive = self._backend.low_latency_dispatch(args)
             receive()
             ev, hook = _NO_EVENT, None
@@ -465,9 +419,7 @@ class Buffer:
         if async_finish or return_recv_hook:
             return self._ll_run(lambda: self._backend.low_latency_combine(args), [x, topk_idx, topk_weights],
                                 async_finish, return_recv_hook)
-        if self._comm_pending:  # the common case, without _ll_run's closures
-            self._sync_stream()
-        self._last_on_current = True
+        self._streams.sync()  # the common case, without _ll_run's closures
         res, receive = self._backend.low_latency_combine(args)
         receive()
         return res, _NO_EVENT, None

@@ -228,3 +228,24 @@ def raises(exc: type[BaseException], match: str, fn: Callable, *args, **kwargs) 
     """``fn(*args, **kwargs)`` must raise ``exc`` with a message matching ``match``."""
     with pytest.raises(exc, match=match):
         fn(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- clients under EPCOMM_AS_DEEP_EP
+
+
+def run_checks_as_deep_ep(ctx, checks: list[tuple[str, Callable]]) -> dict:
+    """``run_checks`` with the switch on in the rank (``import deep_ep`` gives epcomm)."""
+    return run_checks(ctx, checks, env={**child_env(), "EPCOMM_AS_DEEP_EP": "1"})
+
+
+@pytest.fixture(scope="module")
+def deep_ep_switch():
+    """The switch in this process's environment while a module's ranks start: they are fresh
+    interpreters, and the start-up hook reads it before anything else (restored afterwards)."""
+    old = os.environ.get("EPCOMM_AS_DEEP_EP")
+    os.environ["EPCOMM_AS_DEEP_EP"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("EPCOMM_AS_DEEP_EP", None)
+    else:
+        os.environ["EPCOMM_AS_DEEP_EP"] = old

@@ -74,6 +74,25 @@ def test_bench_small_end_to_end(tmp_path, capsys):
     assert lines[0].startswith("wrote 14 rows")
 
 
+def test_bench_profile_writes_tables_per_operation(tmp_path, capsys):
+    """``epcomm bench --profile DIR`` on CPU ranks: per operation and rank a host table (µs per call,
+    the Buffer's call among its functions) and a torch.profiler table, and the host primitives."""
+    prof = tmp_path / "prof"
+    rc = cli.main(["bench", "--cases", "small", "--mode", "ll", "--world-size", "2", "--device", "cpu",
+                   "--iters", "2", "--warmup", "0", "--sets", "2", "--no-progress", "--profile", str(prof)])
+    assert rc == 0, capsys.readouterr().out
+    host = sorted(prof.glob("*.host.txt"))
+    torch_tables = sorted(prof.glob("*.torch.txt"))
+    # LL small: dispatch, combine, their hook halves (reference), the peer's two; on each of 2 ranks
+    assert len(host) == len(torch_tables) == 2 * (4 + 2), [p.name for p in host]
+    dispatch = (prof / "small_ll_T_32_dispatch-fp8_reference.rank0.host.txt").read_text()
+    assert "host time per call" in dispatch and "with callees us" in dispatch
+    assert "buffer.py" in dispatch and "(low_latency_dispatch)" in dispatch
+    assert "Self CPU" in (prof / "small_ll_T_32_combine-bf16_gloo-a2a.rank1.torch.txt").read_text()
+    primitives = (prof / "host-primitives.rank0.txt").read_text()
+    assert "torch.empty" in primitives and len(primitives.splitlines()) >= 4
+
+
 def test_check_command(capsys):
     assert cli.main(["check", "--device", "cpu"]) == 0
     out = capsys.readouterr().out

@@ -23,7 +23,6 @@ code of theirs is copied: each check calls the API as their DeepEP code paths do
 
 from __future__ import annotations
 
-import os
 
 import harness
 import pytest
@@ -72,7 +71,8 @@ def _deep_ep():
     check(importlib.util.find_spec("deep_ep") is not None, "find_spec('deep_ep') is None with the switch on")
     import deep_ep
 
-    check(deep_ep.Buffer is epcomm.Buffer, f"deep_ep.Buffer is {deep_ep.Buffer!r}, not epcomm's")
+    check(issubclass(deep_ep.Buffer, epcomm.Buffer) and deep_ep.Buffer._cuda_whatever_the_group,
+          f"deep_ep.Buffer is {deep_ep.Buffer!r}, not epcomm's with DeepEP's device rule")
     return deep_ep
 
 
@@ -385,19 +385,11 @@ CHECKS = [("vllm_ht", check_vllm_ht), ("vllm_ll", check_vllm_ll), ("sglang", che
 
 
 def _rank(ctx):
-    return harness.run_checks(ctx, CHECKS, env={**harness.child_env(), "EPCOMM_AS_DEEP_EP": "1"})
+    return harness.run_checks_as_deep_ep(ctx, CHECKS)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _switch_for_the_ranks():
-    """The ranks are fresh interpreters: the switch must be in their environment when they start."""
-    old = os.environ.get("EPCOMM_AS_DEEP_EP")
-    os.environ["EPCOMM_AS_DEEP_EP"] = "1"
-    yield
-    if old is None:
-        os.environ.pop("EPCOMM_AS_DEEP_EP", None)
-    else:
-        os.environ["EPCOMM_AS_DEEP_EP"] = old
+deep_ep_switch = harness.deep_ep_switch  # the fixture, for this module's tests
+pytestmark = pytest.mark.usefixtures("deep_ep_switch")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -88,7 +88,7 @@ if spec is not None:
     from deep_ep import Buffer, Config, EventOverlap, topk_idx_t
     from deep_ep.utils import EventHandle, EventOverlap as EO2, check_nvlink_connections
     out["file"] = deep_ep.__file__
-    out["same"] = (Buffer is epcomm.Buffer and Config is epcomm.Config and EventOverlap is EO2
+    out["same"] = (issubclass(Buffer, epcomm.Buffer) and Config is epcomm.Config and EventOverlap is EO2
                    and deep_ep.buffer.Buffer is Buffer and topk_idx_t is epcomm.topk_idx_t)
     ev = EventOverlap(EventHandle())
     ev.current_stream_wait()

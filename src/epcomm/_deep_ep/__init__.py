@@ -2,7 +2,8 @@
 
 Frameworks written for DeepEP V1 (Megatron-Core, vLLM, SGLang, ...) import ``deep_ep`` and
 ``deep_ep.utils``; with the switch on, ``_epcomm_as_deep_ep.DeepEPFinder`` loads this directory under
-the name ``deep_ep``, so they get epcomm's classes (the very same objects as ``epcomm.Buffer`` etc.).
+the name ``deep_ep``, so they get epcomm's classes (the very same objects as ``epcomm.Config`` etc.;
+``Buffer`` is ``epcomm.Buffer`` with DeepEP's device rule: ``deep_ep.buffer``).
 The names here are the ones DeepEP V1's package exports. DeepEP's ``HybridEPBuffer`` (its hybrid-ep
 branch) is deliberately absent: ``from deep_ep import HybridEPBuffer`` raises ``ImportError``, which
 is how clients detect that it is not there.

@@ -138,6 +138,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         self._sync_copy = (self.notify_host, words[:self.err_at + 4])  # (to, from)
         self._notify_view = self.notify_host.numpy()
         self._streams: dict = {}  # raw CUDA stream -> its torch Stream (_current_stream)
+        self._layouts: dict = {}  # (row bytes, G, K, H) -> _ht_layout's offsets
         self.ce_stream = torch.cuda.Stream(self.device)
         self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
         self._ready_event = torch.cuda.Event()  # TUNE["notify_first"]: the inputs are ready
@@ -230,7 +231,11 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         return int(self.timeout_s * 1e9)
 
     def _ht_layout(self, t_rows: int, row_bytes: int, g: int, k: int, h_comb: int) -> dict:
-        """Offsets (bytes from the start of the symmetric buffer) of the staging slots for this call."""
+        """Offsets (bytes from the start of the symmetric buffer) of the staging slots for this call
+        (computed once per row shape; ``t_rows`` is checked against the slots' capacity)."""
+        lay = self._layouts.get((row_bytes, g, k, h_comb))
+        if lay is not None and t_rows <= lay["cap"]:
+            return lay
         r_ = self.num_ranks
         half = self.nvl_bytes // 2
         d_slot = half // r_ // 256 * 256
@@ -250,10 +255,11 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         ds = d0 + _align(cap * row_bytes, 16)
         dk = ds + _align(cap * g * 4, 16)
         dw = dk + _align(cap * k * 8, 16)
-        return {
+        lay = self._layouts[(row_bytes, g, k, h_comb)] = {
             "cap": cap, "d_slot": d_slot, "c_slot": c_slot, "dx": d0, "ds": ds, "dk": dk, "dw": dw,
             "cx": c0, "cw": c0 + cap * h_comb * 2,
         }
+        return lay
 
     def _slot_view(self, rank: int, off: int, slot_bytes: int, src: int, nbytes: int) -> torch.Tensor:
         start = off + src * slot_bytes

@@ -41,7 +41,7 @@ _DLEVEL, _WLEVEL, _CLEVEL = 0, 2, 4
 _T_DSEND, _T_DRECV, _T_CSEND, _T_CRECV = 4, 5, 6, 8  # _T_CSEND uses two consecutive slots
 _T_ROLE, _T_CROLE = 9, 10  # the fused dispatch's and the fused combine's role tickets
 
-# Launch parameters (scripts/profile_ll.py sweeps them on the device machine).
+# Launch parameters (measure a variant with EPCOMM_TUNE=ll.<key>=<value> epcomm bench).
 TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_block=2048, recv_split=1,
             csend_warps=4, csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024,
             fused_dispatch=False, fused_combine=False, local_ticket=True)

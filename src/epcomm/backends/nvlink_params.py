@@ -19,14 +19,14 @@ C_MAX = 128
 T_LIST_CAP = 32768
 DEFAULT_NVL_BYTES = 256 << 20
 NUM_CTRS = 16
-# launch parameters of the high-throughput kernels (scripts/ht_probe.py sweeps them on the device machine)
+# launch parameters of the high-throughput kernels (a variant: EPCOMM_TUNE=<key>=<value> epcomm bench)
 TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, reduce_tb=16, reduce_block=512,
             reduce_warps=16, reduce_stages=3, notify_block=1024, notify_warps=8, push_rb=16, push_block=1024,
             push_warps=8,
             cpush_rb=8, cpush_block=512, cpush_warps=8,
             gather_one_load=True, ce_chunks=4, fused_push=True, ce_flag="kernel", gather_prefetch=False,
             ce_chunks_sync=0, notify_first=False)
-# (chosen with scripts/ht_probe.py on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
+# (chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
 # 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
 # combine 360 -> 349 us against 8 x 512-word tiles)
 NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
@@ -42,7 +42,7 @@ def reduce_stages(r_pow2: int, tb: int, block: int, stages: int | None = None) -
     """Pipeline depth of the combine's reduce kernel for ``R_POW2`` ranks: ``TUNE["reduce_stages"]``, or 1
     (no pipelining) where its buffers would not fit. The kernel loads ``2 * R_POW2`` tiles of
     ``tb x block`` bf16 per step and keeps ``stages - 1`` steps in flight in shared memory: 3 stages of
-    16 x 512 need 256 KB at 4 ranks, an out-of-resources error at launch. scripts/kernel_bench.py on one
+    16 x 512 need 256 KB at 4 ranks, an out-of-resources error at launch. the since-deleted kernel_bench on one
     H200 (16 x 512 tiles, 24 programs, 4096 tokens): 3 stages best at 2 ranks (165 us against 195 for
     1), 1 stage best at 4 ranks (271 us against 375 for 2) and at 8 (496 us)."""
     s = TUNE["reduce_stages"] if stages is None else stages
@@ -101,10 +101,8 @@ def _align(n: int, a: int = 256) -> int:
 
 
 def _pow2(n: int) -> int:
-    p = 1
-    while p < max(n, 1):
-        p *= 2
-    return p
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``): ``_pow2(5) == 8``, ``_pow2(8) == 8``."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def _host_counts(vals, r_: int, lx: int, me: int, alignment: int):
@@ -139,7 +137,13 @@ def _aligned(*tensors) -> int:
     return bits
 
 
-def torch_to_tl(dtype: torch.dtype):
-    import triton.language as tl
+_TL: dict = {}
 
-    return {torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}[dtype]
+
+def torch_to_tl(dtype: torch.dtype):
+    """The Triton element type of a word dtype (``torch.int32 -> tl.int32``), looked up once."""
+    if not _TL:
+        import triton.language as tl
+
+        _TL.update({torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8})
+    return _TL[dtype]

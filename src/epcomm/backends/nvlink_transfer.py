@@ -120,7 +120,7 @@ class NVLinkTransfer:
         before they arrived (tier 3 on nvidia-h200-x2, third session of 2026-11-22: the rows at the
         end of chunks 0-2 held the previous replay's data, every replay; a stream memory barrier
         between copy and flag did not change it); SM push was correct there. The fourth session's
-        probe (scripts/ce_graph_probe.py, 512 tokens) saw no stale rows in any copy-engine variant."""
+        probe (d36aacd, 512 tokens; BENCHMARKS.md Findings) saw no stale rows in any copy-engine variant."""
         if self.transfer == "sm":
             return False
         return self.transfer == "ce-always" or not torch.cuda.is_current_stream_capturing()

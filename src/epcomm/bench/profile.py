@@ -9,7 +9,10 @@ For every timed operation (after its timing) each rank runs it eagerly again, tw
   written as ``DIR/<case>-<op>-<backend>.rank<r>.torch.txt``.
 
 The profilers' own overhead inflates the absolute host times; the ratios between phases are what
-these files are for. The timed rows (``host us``) are measured without them.
+these files are for. The timed rows (``host us``) are measured without them, and so is
+``DIR/host-primitives.rank<r>.txt``: the cost of each building block of the host path on this machine
+(an allocation, a view, an event synchronisation, a kernel launch through Triton and through
+``kernels/launch.py``), each timed alone.
 """
 
 from __future__ import annotations
@@ -94,3 +97,57 @@ def profile_op(op: TimedOp, label: str, *, num_sets: int, iters: int, group, dev
                           + tp.key_averages().table(sort_by=sort, row_limit=40))
     barrier()
     return [host_path, torch_path]
+
+
+def _per_call_us(fn, n: int = 2000, batches: int = 5) -> float:
+    """Median over ``batches`` of the mean host µs of ``n`` back-to-back calls of ``fn``."""
+    out = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+    return sorted(out)[len(out) // 2]
+
+
+def host_primitives(device: torch.device, out_dir: str | Path, rank: int) -> Path:
+    """What the host path is made of on this machine, each timed alone (no profiler): a CUDA allocation,
+    a view, an event record + synchronisation on an idle stream, and one launch of a small kernel
+    (``ht._ce_flag_value_kernel``, 5 arguments, on scratch memory) through Triton's ``fn[grid](...)``
+    and through ``kernels/launch.py`` (``Launcher``, and ``Prepared`` with an address for its tensor).
+    Written to ``DIR/host-primitives.rank<r>.txt``."""
+    from ..kernels import ht
+    from ..kernels.launch import Launcher, Ptr
+
+    rows = []
+    x = torch.empty(1024, dtype=torch.int32, device=device)
+    rows.append(("torch.empty(1024, int32) on the device", _per_call_us(
+        lambda: torch.empty(1024, dtype=torch.int32, device=device))))
+    rows.append(("tensor.view(dtype) + view(shape)",
+                 _per_call_us(lambda: x.view(torch.float32).view(32, 32))))
+    if device.type == "cuda":
+        ev, s = torch.cuda.Event(), torch.cuda.current_stream()
+
+        def sync():
+            ev.record(s)
+            ev.synchronize()
+        rows.append(("Event.record(stream) + synchronize (idle GPU)", _per_call_us(sync, n=500)))
+        ctr = torch.zeros(1, dtype=torch.int32, device=device)
+        word = torch.zeros(1, dtype=torch.int32, device=device)
+        fn = ht._ce_flag_value_kernel
+        rows.append(("Triton fn[grid](...) launch, 5 arguments", _per_call_us(
+            lambda: fn[(1,)](ctr, word, 3, 0, NC=4), n=500)))
+        lau = Launcher(fn)
+        rows.append(("Launcher(key, grid, ...) launch (tensors)", _per_call_us(
+            lambda: lau(0, (1,), ctr, word, 3, 0, NC=4), n=500)))
+        prep = lau.prepared(1, {"NC": 4})
+        prep((1,), ctr, word, 3, 0)  # binds
+        pc, pw = Ptr(ctr), Ptr(word)
+        rows.append(("Prepared(grid, ...) launch (addresses)",
+                     _per_call_us(lambda: prep((1,), pc, pw, 3, 0), n=500)))
+        torch.cuda.synchronize()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(out_dir) / f"host-primitives.rank{rank}.txt"
+    path.write_text("host µs per call, each alone, back to back (no profiler)\n\n"
+                    + "\n".join(f"{us:8.2f}  {what}" for what, us in rows) + "\n")
+    return path

@@ -22,7 +22,7 @@ from ..testing.launcher import parallel_launch
 from . import report, workloads
 from .cases import BenchCase
 from .peer import measure_copy_engine
-from .profile import profile_op
+from .profile import host_primitives, profile_op
 from .progress import Progress
 from .timing import measure
 
@@ -231,6 +231,8 @@ def bench_worker(ctx, plan: BenchPlan, progress: Progress | None) -> dict:
         progress.set_total(sum(len(c.ops()) * len(bufs[c.mode]) + len(c.peer_ops()) for c in plan.cases))
         progress.show(f"backends: {', '.join(names)}", always=True)
     results = []
+    if plan.profile:
+        host_primitives(ctx.device, plan.profile, ctx.rank)
     for case in plan.cases:
         results += _run_case(ctx, plan, case, bufs[case.mode], progress)
     if progress is not None:

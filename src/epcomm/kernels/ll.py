@@ -459,39 +459,3 @@ def _ll_combine_fused_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, 
 @triton.jit
 def _i64(v):
     return v + tl.zeros((), dtype=tl.int64)
-
-
-COMPILE_CHECKS = []  # filled below for scripts/compile_check.py
-
-
-def _compile_checks():
-    b = {"mask_ptr": "*i32", "ptr_table": "*i64", "area_off": "i64", "sig_off": "i64", "slot_off": "i64", "timeout_ns": "i64",
-         "d_area_off": "i64", "w_off": "i64", "c_off": "i64"}
-    COMPILE_CHECKS.extend([
-        (_ll_dispatch_send_kernel, {**b, "x_ptr": "*bf16", "topk_ptr": "*i64"},
-         dict(USE_FP8=True, ROUND_SCALE=True, GC=16, K_POW2=8, R_POW2=2, SHRINK=True)),
-        (_ll_dispatch_send_kernel, {**b, "x_ptr": "*bf16", "topk_ptr": "*i64"},
-         dict(USE_FP8=False, ROUND_SCALE=False, GC=16, K_POW2=8, R_POW2=2, SHRINK=False)),
-        (_ll_dispatch_recv_kernel, {**b, "out_s": "*i32", "out_range": "*i64", "wait_ptr": "*i64"},
-         dict(SHRINK=True, USE_FP8=True, UE8M0=True, HAS_CUM=True, HAS_WAIT=True, TB=128, QB=4, BLOCK=2048, G_POW2=64,
-              HAS_TIMER=True, K_POW2=8, LOCAL_TICKET=True)),
-        (_ll_dispatch_recv_kernel, {**b, "out_s": "*fp32", "out_range": "*i64", "wait_ptr": "*i64"},
-         dict(SHRINK=False, USE_FP8=False, UE8M0=False, HAS_CUM=False, HAS_WAIT=False, TB=128, QB=4, BLOCK=1024, G_POW2=64,
-              HAS_TIMER=True, K_POW2=8)),
-        (_ll_dispatch_fused_kernel, {**b, "x_ptr": "*bf16", "topk_ptr": "*i64", "out_s": "*fp32",
-                                     "out_range": "*i64", "wait_ptr": "*i64"},
-         dict(USE_FP8=True, ROUND_SCALE=False, GC=8, R_POW2=2, SHRINK=False, UE8M0=False, HAS_CUM=False,
-              HAS_WAIT=False, TB=128, QB=4, BLOCK=2048, G_POW2=64, HAS_TIMER=True, K_POW2=8)),
-        (_ll_combine_weights_kernel, {**b, "topk_ptr": "*i64", "w_ptr": "*fp32"}, dict(SHRINK=True)),
-        (_ll_combine_fused_kernel, {**b, "topk_ptr": "*i64", "w_ptr": "*fp32", "y_ptr": "*bf16", "out_ptr": "*bf16",
-                                    "wait_ptr": "*i64"},
-         dict(K_POW2=8, R_POW2=2, BLOCK=1024, RBLOCK=1024, HAS_WAIT=True, HAS_TIMER=True, SHRINK=True, DO_RECV=True)),
-        (_ll_combine_reduce_kernel, {**b, "y_ptr": "*bf16"}, dict(K_POW2=8, BLOCK=1024, HAS_TIMER=True, SHRINK=True)),
-        (_ll_combine_recv_kernel, {**b, "topk_ptr": "*i64", "out_ptr": "*bf16", "wait_ptr": "*i64"},
-         dict(K_POW2=8, R_POW2=2, BLOCK=1024, HAS_WAIT=True, HAS_TIMER=True, SHRINK=True)),
-        (_ll_combine_recv_kernel, {**b, "topk_ptr": "*i64", "out_ptr": "*bf16", "wait_ptr": "*i64"},
-         dict(K_POW2=8, R_POW2=2, BLOCK=1024, HAS_WAIT=False, HAS_TIMER=True, SHRINK=False, LOCAL_TICKET=True)),
-    ])
-
-
-_compile_checks()
