@@ -21,6 +21,7 @@ from . import _env
 from . import _validate as V
 from . import layout
 from .backends import select_backend
+from .backends.internode import group_nodes
 from .backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs
 from .config import Config
 from .event import EventOverlap
@@ -75,6 +76,10 @@ class Buffer:
         self.timeout_s = _env.timeout_s(10.0 if self.device.type == "cuda" else 30.0)
         self._streams = CallStreams(self.device)  # the communication stream and the order of calls
         self._backend, why = select_backend(self)
+        # ranks per node where the group spans several nodes (hosts, or EPCOMM_GPUS_PER_NODE), else None:
+        # get_dispatch_layout then counts tokens per node (num_tokens_per_rdma_rank), as DeepEP does
+        nodes, _ = group_nodes(group)
+        self._ranks_per_node = self.group_size // len(set(nodes)) if len(set(nodes)) > 1 else None
         # Range checks of expert ids need the values on the host: done here unless the backend checks
         # them on the device (then a bad id raises at its next synchronisation, never a hang or a crash).
         self._host_checks = not getattr(self._backend, "checks_topk_on_device", False)
@@ -185,18 +190,23 @@ class Buffer:
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """``topk_idx int64[T, K]`` → ``(num_tokens_per_rank int32[R], None, num_tokens_per_expert
-        int32[E], is_token_in_rank bool[T, R], event)``. (No per-RDMA-rank counts on one node.)"""
+        """``topk_idx int64[T, K]`` → ``(num_tokens_per_rank int32[R], num_tokens_per_rdma_rank int32[nodes]
+        or None, num_tokens_per_expert int32[E], is_token_in_rank bool[T, R], event)``. The per-node
+        counts exist where the group spans several nodes (hosts, or ``EPCOMM_GPUS_PER_NODE``): None on
+        one node, as in DeepEP."""
         self._check_alive()
         V.num_experts(num_experts, self.group_size)
         V.topk_idx(topk_idx, None, num_experts, self.device, check_values=self._host_checks)
 
         def fn():
-            return layout.dispatch_layout(topk_idx, num_experts, self.group_size)
+            per_rank, per_expert, in_rank = layout.dispatch_layout(topk_idx, num_experts, self.group_size)
+            per_node = None if self._ranks_per_node is None else layout.tokens_per_node(in_rank,
+                                                                                         self._ranks_per_node)
+            return per_rank, per_node, per_expert, in_rank
 
-        (per_rank, per_expert, in_rank), ev = self._streams.run(fn, [topk_idx], previous_event, async_finish,
-                                                         allocate_on_comm_stream)
-        return per_rank, None, per_expert, in_rank, ev
+        (per_rank, per_node, per_expert, in_rank), ev = self._streams.run(fn, [topk_idx], previous_event,
+                                                                           async_finish, allocate_on_comm_stream)
+        return per_rank, per_node, per_expert, in_rank, ev
 
     def _config(self, config, combine: bool) -> Config:
         if config is None:

@@ -59,6 +59,19 @@ class LowLatencyHandle(NamedTuple):
     num_experts: int
 
 
+def tokens_per_node(is_token_in_rank: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
+    """``int32[R / N]``: how many tokens go to at least one rank of each node (node ``n`` holds ranks
+    ``[n*N, (n+1)*N)``, ``N = ranks_per_node``): DeepEP's ``num_tokens_per_rdma_rank``.
+
+    Example: ``is_token_in_rank = [[1, 0, 0, 1], [0, 1, 0, 0], [0, 0, 1, 1]]``, ``N = 2`` -> ``[2, 2]``
+    (token 0 goes to both nodes, token 1 to node 0, token 2 to node 1).
+    """
+    t, r = is_token_in_rank.shape
+    if ranks_per_node < 1 or r % ranks_per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must divide the {r} ranks")
+    return is_token_in_rank.view(t, r // ranks_per_node, ranks_per_node).any(2).sum(0).to(torch.int32)
+
+
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     """``topk_idx int64[T, K]`` → ``(num_tokens_per_rank int32[R], num_tokens_per_expert int32[E],
     is_token_in_rank bool[T, R])``. Each (token, k) entry counts for its expert; a token counts once

@@ -19,6 +19,7 @@ explicitly_destroy / destroy.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import harness
 import pytest
@@ -120,6 +121,27 @@ def check_layout(ctx):
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, lx * ctx.world_size)
     equal(per_rank[0].item(), 2, "two experts of rank 0 in one token")
     equal(per_expert[:2].tolist(), [1, 2], "per expert")
+
+
+def check_layout_per_node(ctx):
+    """Virtual nodes (``EPCOMM_GPUS_PER_NODE``): ``num_tokens_per_rdma_rank`` counts, per node, the
+    tokens that go to at least one of its ranks (brute force); nodes of 2 ranks at 4 ranks, else of 1."""
+    n = 2 if ctx.world_size == 4 else 1
+    if ctx.world_size == 1:
+        raise harness.NotApplicable("one rank is one node: num_tokens_per_rdma_rank is None")
+    os.environ["EPCOMM_GPUS_PER_NODE"] = str(n)
+    try:
+        buf = make_buffer(ctx)
+    finally:
+        del os.environ["EPCOMM_GPUS_PER_NODE"]
+    for name, case in harness.cases(ctx.world_size, HIDDEN).items():
+        idx, _ = make_topk(case, ctx.rank)
+        _, per_node, _, in_rank, _ = buf.get_dispatch_layout(dev(ctx, idx), case.num_experts)
+        want = brute_force_in_rank(idx, case.num_experts, ctx.world_size)
+        nodes = [[t for t in range(want.shape[0]) if bool(want[t, j * n:(j + 1) * n].any())]
+                 for j in range(ctx.world_size // n)]
+        equal(per_node, torch.tensor([len(ts) for ts in nodes], dtype=torch.int32),
+              f"{name}: num_tokens_per_rdma_rank with nodes of {n}")
 
 
 def check_dispatch_bf16(ctx):
@@ -534,6 +556,7 @@ def check_caller_default_dtype(ctx):
 CHECKS = [
     ("buffer_attributes", check_buffer_attributes),
     ("layout", check_layout),
+    ("layout_per_node", check_layout_per_node),
     ("dispatch_bf16", check_dispatch_bf16),
     ("handle_fields", check_handle_fields),
     ("odd_hidden", check_odd_hidden),

@@ -305,3 +305,12 @@ def test_reference_pack_round_trip_with_one_row():
                                               (torch.float32, (1,)), (torch.int64, (8,))])
         for got, want in zip(parts, (x, s, w, k)):
             assert torch.equal(got, want)
+
+
+def test_tokens_per_node_example_and_errors():
+    in_rank = torch.tensor([[1, 0, 0, 1], [0, 1, 0, 0], [0, 0, 1, 1]], dtype=torch.bool)
+    assert layout.tokens_per_node(in_rank, 2).tolist() == [2, 2]
+    assert layout.tokens_per_node(in_rank, 1).tolist() == in_rank.sum(0).tolist()  # a node per rank
+    assert layout.tokens_per_node(in_rank, 4).tolist() == [3]
+    with pytest.raises(ValueError, match="ranks_per_node=3 must divide the 4 ranks"):
+        layout.tokens_per_node(in_rank, 3)
