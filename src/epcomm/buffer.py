@@ -75,11 +75,12 @@ class Buffer:
             self.device = torch.device("cpu")
         self.timeout_s = _env.timeout_s(10.0 if self.device.type == "cuda" else 30.0)
         self._streams = CallStreams(self.device)  # the communication stream and the order of calls
+        # the node of every rank (hosts, or EPCOMM_GPUS_PER_NODE; collective, read once): the backend
+        # selection uses it, and get_dispatch_layout counts tokens per node where there are several
+        self.node_map = group_nodes(group)
+        n_nodes = len(set(self.node_map[0]))
+        self._ranks_per_node = self.group_size // n_nodes if n_nodes > 1 else None
         self._backend, why = select_backend(self)
-        # ranks per node where the group spans several nodes (hosts, or EPCOMM_GPUS_PER_NODE), else None:
-        # get_dispatch_layout then counts tokens per node (num_tokens_per_rdma_rank), as DeepEP does
-        nodes, _ = group_nodes(group)
-        self._ranks_per_node = self.group_size // len(set(nodes)) if len(set(nodes)) > 1 else None
         # Range checks of expert ids need the values on the host: done here unless the backend checks
         # them on the device (then a bad id raises at its next synchronisation, never a hang or a crash).
         self._host_checks = not getattr(self._backend, "checks_topk_on_device", False)

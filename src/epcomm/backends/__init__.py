@@ -36,7 +36,7 @@ def select_backend(buf):
     if forced == "internode" or (forced is None and buf.device.type == "cuda"):
         from . import internode
 
-        nodes, how = internode.group_nodes(buf.group)
+        nodes, how = buf.node_map  # internode.group_nodes, read by the Buffer
         if forced == "internode" or len(set(nodes)) > 1:
             ok, why = internode.availability(buf)
             if ok:

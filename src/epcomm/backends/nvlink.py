@@ -137,7 +137,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         self.notify_host = torch.zeros(self.err_at + 4, dtype=torch.int32, device="cpu").pin_memory()
         self._sync_copy = (self.notify_host, words[:self.err_at + 4])  # (to, from)
         self._notify_view = self.notify_host.numpy()
-        self._streams: dict = {}  # raw CUDA stream -> its torch Stream (_current_stream)
+        self._stream_cache: dict = {}  # raw CUDA stream -> its torch Stream (_current_stream)
         self._layouts: dict = {}  # (row bytes, G, K, H) -> _ht_layout's offsets
         self.ce_stream = torch.cuda.Stream(self.device)
         self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
@@ -183,9 +183,9 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         if _raw_stream is None:  # a CPU build of torch (the tests' stand-ins)
             return torch.cuda.current_stream()
         raw = _raw_stream(self.device.index)
-        s = self._streams.get(raw)
+        s = self._stream_cache.get(raw)
         if s is None:
-            s = self._streams[raw] = torch.cuda.current_stream(self.device)
+            s = self._stream_cache[raw] = torch.cuda.current_stream(self.device)
         return s
 
     @contextlib.contextmanager

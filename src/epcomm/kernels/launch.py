@@ -93,7 +93,7 @@ class Launcher:
         self.interpreted = not hasattr(fn, "device_caches")  # the interpreter's InterpretedFunction
         self.verify = _env.verify_launch()
         self.bound: dict = {}
-        self._stream = None
+        self._get_stream = self._dev = None  # the driver's stream lookup and the device, at the first bind
         self._params = None
 
     def __call__(self, key, grid: tuple, *args, **kw) -> None:
@@ -108,7 +108,7 @@ class Launcher:
             return
         if self.verify:
             self._check(b, args, kw)
-        _go(b, grid, self._stream(), args)
+        _go(b, grid, self._get_stream(self._dev), args)
 
     def prepared(self, key, consts: dict) -> Prepared:
         """A launcher for one key whose constexprs and options (``consts``) are fixed: ``p(grid, *args)``
@@ -123,10 +123,7 @@ class Launcher:
         fn = self.fn
         if self._params is None:
             self._params = list(inspect.signature(fn.fn).parameters.values())
-            dev = driver.active.get_current_device()
-            get = driver.active.get_current_stream
-            self._stream = lambda: get(dev)
-            self._get_stream, self._dev = get, dev
+            self._get_stream, self._dev = driver.active.get_current_stream, driver.active.get_current_device()
         params = self._params
         const_names = {p.name for p in fn.params if p.is_constexpr}
         for name in kw:
