@@ -186,6 +186,12 @@ def tensor_signature(t) -> tuple | None:
     return None if t is None else (t.shape, t.dtype, t.is_cuda)
 
 
+def repeat_signature(t) -> tuple:
+    """What a repeated call must share with the first of its kind, for one tensor argument: shape,
+    dtype, device index, alignment (Triton specialises on it) and contiguity (``Buffer._remember``)."""
+    return t.shape, t.dtype, t.get_device(), t.data_ptr() & 15, t.is_contiguous()
+
+
 def as_dispatch_handle(handle) -> DispatchHandle:
     if isinstance(handle, DispatchHandle):
         return handle

@@ -89,6 +89,59 @@ def test_nvlink_low_latency_on_cpu_processes(env):
     assert parallel_launch(2, _ll, uuid.uuid4().hex[:12], env, backend="gloo", timeout_s=300) == [5, 5]
 
 
+def _ll_repeats(ctx, tag):
+    """Repeated low-latency calls take the Buffer's repeat path (the launches made by the first call of
+    their kind, no checks) and stay right; a call that differs in anything but its tensors' values is
+    checked again."""
+    cpu_nvlink = _setup(ctx, tag)
+    import torch
+
+    from epcomm import Buffer
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    r, m = ctx.world_size, 8
+    case = Case(num_ranks=r, tokens=tuple(5 + i for i in range(r)), hidden=256, num_topk=4, num_experts=4 * r,
+                seed=5)
+    hint = Buffer.get_low_latency_rdma_size_hint(m, case.hidden, r, case.num_experts)
+    ref = Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
+    fast = cpu_nvlink.nvlink_buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
+    firsts = []
+    for name in ("_ll_dispatch_first", "_ll_combine_first"):
+        def counted(*a, _f=getattr(fast, name), _n=name):
+            firsts.append(_n)
+            return _f(*a)
+        setattr(fast, name, counted)
+    for i in range(3):  # new tensors every time, same shapes: the first pair is checked, the rest repeat
+        G.check_ll_case(ref, fast, case, ctx.rank, m, use_fp8=True, seed_shift=i)
+    assert firsts == ["_ll_dispatch_first", "_ll_combine_first"], firsts
+    for i in range(2):  # the hook is part of the kind of call
+        G.check_ll_case(ref, fast, case, ctx.rank, m, use_fp8=True, hook=True, seed_shift=3 + i)
+    assert len(firsts) == 4, firsts
+    x, topk, _ = G.ll_inputs(case, ctx.rank, fast.device)
+    e = case.num_experts
+    try:  # the same shapes in another dtype: checked again, and refused
+        fast.low_latency_dispatch(x.float(), topk, m, e)
+    except (TypeError, ValueError) as err:
+        refused = str(err)
+    else:
+        raise AssertionError("float32 x was accepted")
+    assert "x" in refused and len(firsts) == 5, (refused, firsts)
+    # a non-contiguous x of the same shape: checked, made contiguous, the same rows as its copy
+    xt = x.t().contiguous().t()
+    a = fast.low_latency_dispatch(xt, topk, m, e, use_fp8=False)
+    rows_a = [a[0][l_, :n].clone() for l_, n in enumerate(a[1].tolist())]
+    b = fast.low_latency_dispatch(x, topk, m, e, use_fp8=False)
+    for l_, n in enumerate(b[1].tolist()):
+        assert torch.equal(rows_a[l_].view(torch.int16), b[0][l_, :n].view(torch.int16))
+    assert firsts[5:] == ["_ll_dispatch_first", "_ll_dispatch_first"], firsts
+    return len(firsts)
+
+
+def test_low_latency_repeats_on_cpu_processes():
+    assert parallel_launch(2, _ll_repeats, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [7, 7]
+
+
 def test_three_ranks_on_cpu_processes():
     """Three ranks (non-power-of-two rank loops and masks; found a misaligned staging view and the
     UE8M0 unpack of a one-row expert)."""

@@ -318,7 +318,7 @@ def test_low_latency_fused_dispatch_is_one_launch_without_the_hook(rig, monkeypa
     launch = rig.log[0]
     n_gb = (H // 128 + nvlink_ll.TUNE["send_gc"] - 1) // nvlink_ll.TUNE["send_gc"]
     assert launch[2]["n_send"] == 6 * n_gb and launch[2]["n_gb"] == n_gb
-    assert launch[1] == (6 * n_gb + (E // R) * R * nvlink_ll.TUNE["recv_split"],)
+    assert launch[1] == (6 * n_gb + (E // R) * R * nvlink_ll.TUNE["recv_split"], 1, 1)
     recv()  # nothing left to launch
     assert len(rig.log) == 1
 
@@ -340,7 +340,7 @@ def test_low_latency_fused_combine(rig, monkeypatch, hook):
     assert _names(rig.log) == ["_ll_combine_fused_kernel"]
     a = rig.log[0][2]
     assert a["DO_RECV"] is (not hook) and a["n_w"] == 6 and a["n_red"] == R * m * a["n_cs"]
-    assert rig.log[0][1] == (a["n_w"] + a["n_red"] + (0 if hook else 6 * a["n_cb"]),)
+    assert rig.log[0][1] == (a["n_w"] + a["n_red"] + (0 if hook else 6 * a["n_cb"]), 1, 1)
     recv()  # with the hook, the receive kernel; without, nothing left
     assert _names(rig.log) == ["_ll_combine_fused_kernel"] + (["_ll_combine_recv_kernel"] if hook else [])
 

@@ -128,6 +128,18 @@ class Backend:
     def low_latency_zero_copy_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         raise NotImplementedError
 
+    def low_latency_dispatch_run(self, args: LowLatencyDispatchArgs) -> Callable | None:
+        """Optional: ``run(x, topk_idx, cum, wst) -> (result, receive)``, doing what
+        ``low_latency_dispatch`` does for every later call that differs from ``args`` only in its tensors
+        (same shapes, dtypes, devices, alignment, flags and parity; contiguous). ``Buffer`` keeps it and
+        calls it on such repeats without its checks. None: ``low_latency_dispatch`` every time."""
+        return None
+
+    def low_latency_combine_run(self, args: LowLatencyCombineArgs) -> Callable | None:
+        """Optional, as :meth:`low_latency_dispatch_run`: ``run(x, topk_idx, topk_weights, out, wst) ->
+        (combined, receive)`` for the combines like ``args`` (same handle object)."""
+        return None
+
     def clean_low_latency_buffer(self) -> None:
         """Reset the low-latency signal state (all ranks call it together)."""
 

@@ -314,6 +314,25 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         self._check_error()
         return self._ll_impl().combine(args)
 
+    def low_latency_dispatch_run(self, args):
+        self._check_error()
+        return self._checked_run(self._ll_impl().dispatch_run(args))
+
+    def low_latency_combine_run(self, args):
+        self._check_error()
+        return self._checked_run(self._ll_impl().combine_run(args))
+
+    def _checked_run(self, run):
+        """``run`` after the check of the error word (its host mirror: no torch call)."""
+        err, check = self._err_view, self._check_error
+
+        def checked(*tensors):
+            if err[0]:
+                check()
+            return run(*tensors)
+
+        return checked
+
     def low_latency_zero_copy_buffer(self, handle):
         return self._ll_impl().zero_copy_buffer(handle)
 

@@ -26,11 +26,13 @@ are laid out for one (M, H, E); ``Buffer`` asks for ``clean_low_latency_buffer``
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import layout
 from ..layout import LowLatencyHandle
-from ..kernels.launch import Ptr
+from ..kernels.launch import Direct, Ptr
 from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult
 from .nvlink_params import TIMER, _pow2
 
@@ -147,8 +149,9 @@ class LowLatencyEngine:
             out = self._outs[key] = (result, words, sc, recv_src, recv_range, recv_count)
         return out
 
-    def _dispatch_call(self, a: LowLatencyDispatchArgs, h: int, k: int, key: tuple) -> _Call:
-        """Everything a dispatch of this kind needs but its per-call tensors and token count."""
+    def _dispatch_call(self, a: LowLatencyDispatchArgs, t: int, h: int, k: int, key: tuple) -> _Call:
+        """Everything a dispatch of this kind needs but its per-call tensors: ``c.run(x, topk, cum, wst)``
+        launches it (``x``, ``topk`` contiguous, of the shapes and alignment of the key)."""
         nv = self.nv
         r_, me, m, e = nv.num_ranks, nv.rank, a.num_max_dispatch_tokens_per_rank, a.num_experts
         pl = self._plan(m, h, e)
@@ -158,71 +161,93 @@ class LowLatencyEngine:
         mask = Ptr(a.mask) if shrink else self.p_err
         gc = TUNE["send_gc"]
         c = _Call()
-        c.result, words, sc, recv_src, recv_range, recv_count = self._dispatch_outputs(pl, parity, a.use_fp8,
-                                                                                     a.use_ue8m0)
-        c.n_gb = (g + gc - 1) // gc
+        result, words, sc, recv_src, recv_range, recv_count = self._dispatch_outputs(pl, parity, a.use_fp8,
+                                                                                   a.use_ue8m0)
+        n_gb = (g + gc - 1) // gc
         c.m = m
-        c.fused = TUNE["fused_dispatch"] and not a.hook
+        fused = TUNE["fused_dispatch"] and not a.hook
         has_cum = a.cumulative_local_expert_recv_stats is not None
         has_wst = a.dispatch_wait_recv_cost_stats is not None
-        c.send_args = (h, g, k, me, r_, lx, e, m, self.p_table, area, lay.dispatch_src_bytes,
-                       lay.dispatch_msg_bytes, sig, self.p_t[_T_DSEND], self.p_err, mask)
-        # (out rows, scales, src info, layout range, count) then cum / wait stats (placeholders when absent)
-        c.recv_out = (Ptr(words), Ptr(sc) if sc is not None else Ptr(recv_count), Ptr(recv_src),
-                      Ptr(recv_range), Ptr(recv_count))
-        c.cum_dummy, c.wst_dummy = Ptr(recv_count), Ptr(recv_range)
-        c.recv_tail = (self.p_dlevel[parity],)
+        send_args = (h, g, k, me, r_, lx, e, m, self.p_table, area, lay.dispatch_src_bytes,
+                     lay.dispatch_msg_bytes, sig, self.p_t[_T_DSEND], self.p_err, mask)
+        # (out rows, scales, src info, layout range, count); the stats are holes (placeholders when absent)
+        recv_out = (Ptr(words), Ptr(sc) if sc is not None else Ptr(recv_count), Ptr(recv_src),
+                    Ptr(recv_range), Ptr(recv_count))
+        cum_dummy, wst_dummy = recv_count, recv_range
         consts = dict(SHRINK=shrink, USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=has_cum, HAS_WAIT=has_wst,
                       TB=TUNE["recv_tb"], QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"],
                       G_POW2=max(_pow2(g), 4), HAS_TIMER=TIMER, K_POW2=_pow2(k), LOCAL_TICKET=TUNE["local_ticket"])
-        if c.fused:
-            c.split = TUNE["recv_split"]
-            c.n_recv = lx * r_ * c.split
-            c.fused_mid = (area + lay.slot_offset,)
-            c.fused_end = (self.p_t[_T_DRECV], self.p_t[_T_ROLE], nv._timeout_ns)
+        n_send = max(t, 1) * n_gb
+        if fused:
+            split = TUNE["recv_split"]
             fused_consts = dict(ROUND_SCALE=a.round_scale, GC=gc, R_POW2=_pow2(r_), SHRINK=shrink,
                                 **{k_: v for k_, v in consts.items() if k_ != "SHRINK"},
                                 num_warps=TUNE["send_warps"])
-            c.dfused = self.k_dfused.prepared(key, fused_consts)
+            tmpl = (None, None, t, *send_args, area + lay.slot_offset, *recv_out, None, None,
+                    self.p_dlevel[parity], self.p_t[_T_DRECV], self.p_t[_T_ROLE], nv._timeout_ns, n_gb, n_send,
+                    split)
+            i_stats = 3 + len(send_args) + 1 + len(recv_out)  # x, topk, t, send_args, slot, outputs
+            go = Direct(self.k_dfused.prepared(key, fused_consts), tmpl, (0, 1, i_stats, i_stats + 1))
+            grid = n_send + lx * r_ * split
+
+            def run(x, topk, cum, wst):
+                go(grid, 1, 1, x, topk, cum_dummy if cum is None else cum, wst_dummy if wst is None else wst)
+                return result, _nothing
+
+            c.run = run
             return c
-        c.send = self.k_send.prepared(key, dict(USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc,
-                                                K_POW2=_pow2(k), R_POW2=_pow2(r_), SHRINK=shrink,
-                                                num_warps=TUNE["send_warps"]))
-        c.recv_grid = (lx, r_, TUNE["recv_split"])
-        c.recv_head = (self.p_table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig,
-                       area + lay.slot_offset, me, r_, lx, m, h, g, k)
-        c.recv_end = (self.p_t[_T_DRECV], self.p_err, nv._timeout_ns, mask)
-        c.recv = self.k_recv.prepared(key, dict(consts, num_warps=TUNE["recv_warps"]))
+        send = Direct(self.k_send.prepared(key, dict(USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc,
+                                                     K_POW2=_pow2(k), R_POW2=_pow2(r_), SHRINK=shrink,
+                                                     num_warps=TUNE["send_warps"])),
+                      (None, None, t, *send_args), (0, 1))
+        rx, ry, rz = lx, r_, TUNE["recv_split"]
+        head = (self.p_table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig, area + lay.slot_offset,
+                me, r_, lx, m, h, g, k, *recv_out)
+        recv = Direct(self.k_recv.prepared(key, dict(consts, num_warps=TUNE["recv_warps"])),
+                      (*head, None, None, self.p_dlevel[parity], self.p_t[_T_DRECV], self.p_err, nv._timeout_ns,
+                       mask), (len(head), len(head) + 1))
+        sx = max(t, 1)
+
+        def receive_plain() -> None:
+            recv(rx, ry, rz, cum_dummy, wst_dummy)
+
+        def run(x, topk, cum, wst):
+            send(sx, n_gb, 1, x, topk)
+            if cum is None and wst is None:
+                return result, receive_plain
+            cum = cum_dummy if cum is None else cum
+            wst = wst_dummy if wst is None else wst
+            return result, lambda: recv(rx, ry, rz, cum, wst)
+
+        c.run = run
         return c
+
+    def dispatch_run(self, a: LowLatencyDispatchArgs):
+        """``run(x, topk, cum, wst) -> (result, receive)``: the launches of calls like ``a`` (same
+        shapes, dtypes, flags, parity and alignment; ``x`` and ``topk`` contiguous), made once."""
+        x, topk = a.x, a.topk_idx
+        t, h = x.shape
+        cum, wst = a.cumulative_local_expert_recv_stats, a.dispatch_wait_recv_cost_stats
+        # what decides the launches besides the per-call tensors (kernels/launch.py: alignment is specialised;
+        # the token count only sizes the grid, and the kernels do not specialise on it)
+        key = (a.num_max_dispatch_tokens_per_rank, h, a.num_experts, topk.shape[1], a.parity, a.use_fp8,
+               a.round_scale, a.use_ue8m0, cum is None, wst is None, a.mask is None, a.hook,
+               x.data_ptr() & 15, topk.data_ptr() & 15)
+        c = self._dcalls.get((key, t))
+        if c is None:
+            if len(self._dcalls) > 4096:  # t is part of the key: bounded, in case it takes every value
+                self._dcalls.clear()
+            c = self._dcalls[(key, t)] = self._dispatch_call(a, t, h, topk.shape[1], key)
+        if self._m_word != c.m:
+            self._announce(c.m)
+        return c.run
 
     def dispatch(self, a: LowLatencyDispatchArgs):
         x, topk = a.x.contiguous(), a.topk_idx.contiguous()
-        t, h = x.shape
-        cum, wst = a.cumulative_local_expert_recv_stats, a.dispatch_wait_recv_cost_stats
-        # what decides the launches besides the per-call tensors (kernels/launch.py: alignment is specialised)
-        xp, tp = x.data_ptr(), topk.data_ptr()
-        key = (a.num_max_dispatch_tokens_per_rank, h, a.num_experts, topk.shape[1], a.parity, a.use_fp8,
-               a.round_scale, a.use_ue8m0, cum is None, wst is None, a.mask is None, a.hook, xp & 15, tp & 15)
-        c = self._dcalls.get(key)
-        if c is None:
-            c = self._dcalls[key] = self._dispatch_call(a, h, topk.shape[1], key)
-        if self._m_word != c.m:
-            self._announce(c.m)
-        stats = (cum if cum is not None else c.cum_dummy, wst if wst is not None else c.wst_dummy)
-        if c.fused:
-            n_send = max(t, 1) * c.n_gb
-            c.dfused((n_send + c.n_recv,), x, topk, t, *c.send_args, *c.fused_mid, *c.recv_out, *stats,
-                     *c.recv_tail, *c.fused_end, c.n_gb, n_send, c.split)
-            return c.result, _nothing
-        if c.send.fast:  # bound: the addresses, not the tensors (no driver query per pointer)
-            c.send((max(t, 1), c.n_gb), xp, tp, t, *c.send_args)
-        else:
-            c.send((max(t, 1), c.n_gb), x, topk, t, *c.send_args)
-
-        def receive() -> None:
-            c.recv(c.recv_grid, *c.recv_head, *c.recv_out, *stats, *c.recv_tail, *c.recv_end)
-
-        return c.result, receive
+        if x is not a.x or topk is not a.topk_idx:
+            a = dataclasses.replace(a, x=x, topk_idx=topk)
+        return self.dispatch_run(a)(x, topk, a.cumulative_local_expert_recv_stats,
+                                    a.dispatch_wait_recv_cost_stats)
 
     def _announce(self, m: int) -> None:
         """Write M in a fixed place of the flag area: a rank with another M is named, not just timed out."""
@@ -235,6 +260,8 @@ class LowLatencyEngine:
 
     def _combine_call(self, a: LowLatencyCombineArgs, m: int, h: int, e: int, t: int, k: int, d_parity: int,
                       key: tuple) -> _Call:
+        """Everything a combine of this kind needs but its per-call tensors: ``c.run(y, topk, w, out,
+        wst)`` launches it (``out`` None: the persistent output of this parity)."""
         nv = self.nv
         r_, me, dev = nv.num_ranks, nv.rank, nv.device
         pl = self._plan(m, h, e)
@@ -249,83 +276,91 @@ class LowLatencyEngine:
         has_wait = a.combine_wait_recv_cost_stats is not None
         cb = TUNE["crecv_block"]
         c = _Call()
-        c.out = c.out_p = None
+        own = None
         if a.out is None:
             full = self._couts.get((m, h, parity))
             if full is None:  # like the dispatch outputs: two alternate, one per parity
                 full = self._couts[(m, h, parity)] = torch.empty(m, h, dtype=torch.bfloat16, device=dev)
-            c.out = full[:t]
-            c.out_p = Ptr(c.out)
-        c.wait_dummy = self.p_levels
-        c.fused = TUNE["fused_combine"]
+            own = full[:t]
+        wait_dummy = self.levels
         n_cs, n_cb = (h + cw - 1) // cw, (h + cb - 1) // cb
-        if c.fused:
-            c.recv_too = not a.hook
-            n_w = max(t, 1)
-            c.grid = (n_w + r_ * m * n_cs + (max(1, t) * n_cb if c.recv_too else 0),)
-            c.mid = (me, r_, m, self.p_table, area + lay.weights_offset, sig, self.p_t[_T_CSEND], mask)
-            c.mid2 = (h, lx, d_area, lay.dispatch_src_bytes, d_area + lay.slot_offset,
-                      area + lay.combine_offset, cw,
-                      self.p_wlevel[parity], self.p_t[_T_CSEND + 1], self.p_err, nv._timeout_ns)
-            c.end = (self.p_clevel[parity], self.p_t[_T_CRECV], self.p_t[_T_CROLE], n_w, n_cs, r_ * m * n_cs,
-                     n_cb)
-            c.cfused = self.k_cfused.prepared(key, dict(
+        n_w = max(t, 1)
+        # the per-call tensors are holes: topk, weights, y, then out and the wait statistics
+        w_head = (None, None, t, k, me, r_, m, self.p_table, area + lay.weights_offset, sig, self.p_t[_T_CSEND],
+                  mask)
+        r_tail = (h, lx, d_area, lay.dispatch_src_bytes, d_area + lay.slot_offset, area + lay.combine_offset, cw,
+                  self.p_wlevel[parity], self.p_t[_T_CSEND + 1], self.p_err, nv._timeout_ns)
+        if TUNE["fused_combine"]:
+            recv_too = not a.hook
+            grid = n_w + r_ * m * n_cs + (n_w * n_cb if recv_too else 0)
+            tmpl = (*w_head, None, *r_tail, None, None, self.p_clevel[parity], self.p_t[_T_CRECV],
+                    self.p_t[_T_CROLE], n_w, n_cs, r_ * m * n_cs, n_cb)
+            iy = len(w_head)
+            io = iy + 1 + len(r_tail)
+            fused = Direct(self.k_cfused.prepared(key, dict(
                 K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, RBLOCK=blk, HAS_WAIT=has_wait, HAS_TIMER=TIMER,
-                SHRINK=shrink, DO_RECV=c.recv_too, LOCAL_TICKET=TUNE["local_ticket"],
-                num_warps=TUNE["csend_warps"]))
+                SHRINK=shrink, DO_RECV=recv_too, LOCAL_TICKET=TUNE["local_ticket"],
+                num_warps=TUNE["csend_warps"])), tmpl, (0, 1, iy, io, io + 1))
+
+            def send(y, topk, w, out, wst):
+                fused(grid, 1, 1, topk, w, y, out, wst)
         else:
-            c.w_grid = (max(t, 1),)
-            c.w_args = (me, r_, m, self.p_table, area + lay.weights_offset, sig, self.p_t[_T_CSEND], mask)
-            c.weights = self.k_weights.prepared(key, dict(SHRINK=shrink, num_warps=1))
-            c.r_grid = (r_ * m, n_cs)
-            c.r_args = (h, k, me, r_, lx, m, self.p_table, d_area, lay.dispatch_src_bytes,
-                        area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset, sig, cw, self.p_wlevel[parity],
-                        self.p_t[_T_CSEND + 1], self.p_err, nv._timeout_ns, mask)
-            c.reduce = self.k_reduce.prepared(key, dict(K_POW2=_pow2(k), BLOCK=blk, HAS_TIMER=TIMER,
-                                                        SHRINK=shrink, num_warps=TUNE["csend_warps"]))
-        c.cr_grid = (max(1, t), n_cb)
-        c.cr_mid = (h, k, me, r_, lx, m, self.p_table, area + lay.combine_offset, sig)
-        c.cr_end = (self.p_clevel[parity], self.p_t[_T_CRECV], self.p_err, nv._timeout_ns, mask)
-        c.crecv = self.k_crecv.prepared(key, dict(
+            recv_too = False
+            weights = Direct(self.k_weights.prepared(key, dict(SHRINK=shrink, num_warps=1)), w_head, (0, 1))
+            reduce = Direct(self.k_reduce.prepared(key, dict(K_POW2=_pow2(k), BLOCK=blk, HAS_TIMER=TIMER,
+                                                             SHRINK=shrink, num_warps=TUNE["csend_warps"])),
+                            (None, h, k, me, r_, lx, m, self.p_table, d_area, lay.dispatch_src_bytes,
+                             area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset, sig, cw,
+                             self.p_wlevel[parity], self.p_t[_T_CSEND + 1], self.p_err, nv._timeout_ns, mask), (0,))
+            rx = r_ * m
+
+            def send(y, topk, w, out, wst):
+                weights(n_w, 1, 1, topk, w)
+                reduce(rx, n_cs, 1, y)
+        crecv = Direct(self.k_crecv.prepared(key, dict(
             K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, HAS_WAIT=has_wait, HAS_TIMER=TIMER, SHRINK=shrink,
-            LOCAL_TICKET=TUNE["local_ticket"], num_warps=TUNE["crecv_warps"]))
+            LOCAL_TICKET=TUNE["local_ticket"], num_warps=TUNE["crecv_warps"])),
+            (None, t, h, k, me, r_, lx, m, self.p_table, area + lay.combine_offset, sig, None, None,
+             self.p_clevel[parity], self.p_t[_T_CRECV], self.p_err, nv._timeout_ns, mask), (0, 11, 12))
+
+        def run(y, topk, w, out, wst):
+            if out is None:
+                out = own
+            if wst is None:
+                wst = wait_dummy
+            send(y, topk, w, out, wst)
+            if recv_too:
+                return out, _nothing
+            return out, lambda: crecv(n_w, n_cb, 1, topk, out, wst)
+
+        c.run = run
         return c
 
-    def combine(self, a: LowLatencyCombineArgs):
+    def combine_run(self, a: LowLatencyCombineArgs):
+        """``run(y, topk, w, out, wst) -> (out, receive)``: the launches of combines like ``a`` (same
+        shapes, dtypes, flags, parities and alignment; the tensors contiguous), made once."""
         hd = a.handle
         d_parity = getattr(hd.recv_src_info, "_epcomm_ll_parity", None)
         if d_parity is None:
             raise ValueError("handle must come from this Buffer's low_latency_dispatch (nvlink backend)")
-        y, topk, w = a.x.contiguous(), a.topk_idx.contiguous(), a.topk_weights.contiguous()
+        y, topk, w = a.x, a.topk_idx, a.topk_weights
         t, k = topk.shape
         m, h, e = hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts
-        wst = a.combine_wait_recv_cost_stats
-        yp, tp, wp = y.data_ptr(), topk.data_ptr(), w.data_ptr()
-        key = (m, h, e, t, k, a.parity, d_parity, a.out is None, wst is None, a.mask is None, a.hook,
-               yp & 15, tp & 15, wp & 15, a.out.data_ptr() & 15 if a.out is not None else 0)
+        key = (m, h, e, t, k, a.parity, d_parity, a.out is None, a.combine_wait_recv_cost_stats is None,
+               a.mask is None, a.hook, y.data_ptr() & 15, topk.data_ptr() & 15, w.data_ptr() & 15,
+               a.out.data_ptr() & 15 if a.out is not None else 0)
         c = self._ccalls.get(key)
         if c is None:
             if len(self._ccalls) > 4096:  # t is part of the key: bounded, in case it takes every value
                 self._ccalls.clear()
             c = self._ccalls[key] = self._combine_call(a, m, h, e, t, k, d_parity, key)
-        out, out_arg = (c.out, c.out_p) if a.out is None else (a.out, a.out)
-        wait = wst if wst is not None else c.wait_dummy
-        # a bound launch takes the per-call tensors' addresses (kernels/launch.py, Prepared.fast)
-        if c.fused:
-            f = c.cfused.fast
-            c.cfused(c.grid, tp if f else topk, wp if f else w, t, k, *c.mid, yp if f else y, *c.mid2, out_arg, wait,
-                     *c.end)
-            if c.recv_too:
-                return out, _nothing
-        else:
-            f = c.weights.fast
-            c.weights(c.w_grid, tp if f else topk, wp if f else w, t, k, *c.w_args)
-            c.reduce(c.r_grid, yp if c.reduce.fast else y, *c.r_args)
+        return c.run
 
-        def receive() -> None:
-            c.crecv(c.cr_grid, tp if c.crecv.fast else topk, t, *c.cr_mid, out_arg, wait, *c.cr_end)
-
-        return out, receive
+    def combine(self, a: LowLatencyCombineArgs):
+        y, topk, w = a.x.contiguous(), a.topk_idx.contiguous(), a.topk_weights.contiguous()
+        if y is not a.x or topk is not a.topk_idx or w is not a.topk_weights:
+            a = dataclasses.replace(a, x=y, topk_idx=topk, topk_weights=w)
+        return self.combine_run(a)(y, topk, w, a.out, a.combine_wait_recv_cost_stats)
 
     def zero_copy_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         nv = self.nv

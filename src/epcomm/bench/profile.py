@@ -114,10 +114,11 @@ def host_primitives(device: torch.device, out_dir: str | Path, rank: int) -> Pat
     """What the host path is made of on this machine, each timed alone (no profiler): a CUDA allocation,
     a view, an event record + synchronisation on an idle stream, and one launch of a small kernel
     (``ht._ce_flag_value_kernel``, 5 arguments, on scratch memory) through Triton's ``fn[grid](...)``
-    and through ``kernels/launch.py`` (``Launcher``, and ``Prepared`` with an address for its tensor).
+    and through ``kernels/launch.py`` (``Launcher``, ``Prepared`` with an address for its tensor,
+    ``Direct``, and the C launcher it ends in, alone).
     Written to ``DIR/host-primitives.rank<r>.txt``."""
     from ..kernels import ht
-    from ..kernels.launch import Launcher, Ptr
+    from ..kernels.launch import Direct, Launcher, Ptr
 
     rows = []
     x = torch.empty(1024, dtype=torch.int32, device=device)
@@ -145,6 +146,14 @@ def host_primitives(device: torch.device, out_dir: str | Path, rank: int) -> Pat
         pc, pw = Ptr(ctr), Ptr(word)
         rows.append(("Prepared(grid, ...) launch (addresses)",
                      _per_call_us(lambda: prep((1,), pc, pw, 3, 0), n=500)))
+        go = Direct(prep, (None, pw, 3, 0), (0,))
+        go(1, 1, 1, ctr)  # after it, the direct way
+        rows.append(("Direct(gx, gy, gz, tensor) launch (one per-call tensor)",
+                     _per_call_us(lambda: go(1, 1, 1, ctr), n=500)))
+        launch, args, stream = go.launch, list(go.args), go.get_stream(go.dev)
+        args[go.first] = ctr.data_ptr()
+        rows.append(("Triton's C launcher alone (prebuilt arguments)",
+                     _per_call_us(lambda: launch(1, 1, 1, stream, *args), n=500)))
         torch.cuda.synchronize()
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / f"host-primitives.rank{rank}.txt"

@@ -19,6 +19,10 @@ also runs Triton's binder and raises if the kernel bound to the key is not the o
 passes it to the driver as it is (no ``data_ptr()`` call and no driver query per launch), and Triton's
 binder sees the tensor when a key is bound. Make one per buffer view, once.
 
+:class:`Direct` is one launch of a :class:`Prepared` whose arguments are fixed but for a few per-call
+tensors (the holes): once bound, a call fills the holes with the tensors' addresses and goes straight
+into the C launcher with one prebuilt argument list (the low-latency calls' eager path).
+
 Under the Triton interpreter (CPU runs: ``TRITON_INTERPRET=1``) a launcher calls ``fn[grid]`` as usual.
 """
 
@@ -188,3 +192,46 @@ class Prepared:
             return
         Launcher.launches += 1
         _go(b, grid, self.get_stream(self.dev), args)
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+class Direct:
+    """``go(gx, gy, gz, *tensors)``: ``prepared`` launched with the arguments ``template``, where the
+    positions ``holes`` take ``tensors`` (per-call tensors, in order). Until ``prepared`` is bound, and
+    while verifying (``EPCOMM_VERIFY_LAUNCH``) or under the interpreter, the launch goes through
+    ``prepared`` with the tensors themselves; after, through the C launcher with their addresses.
+
+    Example: ``Direct(p, (None, None, 7, buf), (0, 1))(128, 2, 1, x, topk)`` launches ``p`` on the grid
+    ``(128, 2, 1)`` with ``(x, topk, 7, buf)``."""
+
+    __slots__ = ("p", "template", "holes", "launch", "args", "first", "get_stream", "dev")
+
+    def __init__(self, prepared: Prepared, template: tuple, holes: tuple) -> None:
+        self.p, self.template, self.holes = prepared, tuple(template), tuple(holes)
+        self.launch = None
+
+    def __call__(self, gx: int, gy: int, gz: int, *tensors) -> None:
+        launch = self.launch
+        if launch is not None:
+            a = self.args
+            f = self.first
+            for i, t in zip(self.holes, tensors):
+                a[f + i] = _data_ptr(t)
+            Launcher.launches += 1
+            launch(gx, gy, gz, self.get_stream(self.dev), *a)
+            return
+        args = list(self.template)
+        for i, t in zip(self.holes, tensors):
+            args[i] = t
+        p = self.p
+        p((gx, gy, gz), *args)
+        b = p.b
+        if p.fast and b is not None and b.launch is not None:  # bound: from now on, the direct way
+            head = [b.function, *b.head]
+            self.first = len(head)
+            self.args = head + [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self.template] \
+                + list(b.tail)
+            self.get_stream, self.dev = p.get_stream, p.dev
+            self.launch = b.launch
