@@ -5,6 +5,10 @@
     epcomm bench --cases sweep --mode ht --iters 100
     epcomm env [--probe]              # GPUs, NVLink/peer access, symmetric memory, versions, variables
     epcomm check                      # 2 gloo ranks (or the GPUs): dispatch + combine vs the oracle
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m epcomm check   # bench/check take the world from torchrun
+
+Under torchrun (``RANK``/``WORLD_SIZE`` set) ``bench`` and ``check`` spawn nothing: each process is one
+rank of the launcher's world, and rank 0 prints (a failing rank prints its own failure).
 
 The library logs; this module is the only place that prints.
 """
@@ -83,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=_nonnegative_int, default=None, help="warm-up iterations (default 10 GPU, 3 CPU)")
     b.add_argument("--sets", type=_positive_int, default=4, help="input sets rotated between iterations (default 4)")
     b.add_argument("--world-size", type=_positive_int, default=None,
-                   help="ranks (default: every GPU; 4 gloo processes on CPU)")
+                   help="ranks (default: every GPU; 4 gloo processes on CPU; under torchrun: WORLD_SIZE)")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: GPUs when CUDA is available, else CPU ranks on gloo")
     b.add_argument("--cached", action="store_true",
@@ -109,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="quick self-test: dispatch + combine vs the oracle, PASS/FAIL",
                        description="Launch 2 gloo ranks (or one per GPU), dispatch and combine a small case, "
                        "and verify against epcomm.testing.inputs.expected_dispatch.")
-    c.add_argument("--world-size", type=_positive_int, default=None, help="ranks (default 2 on CPU, every GPU)")
+    c.add_argument("--world-size", type=_positive_int, default=None,
+                   help="ranks (default 2 on CPU, every GPU; under torchrun: WORLD_SIZE)")
     c.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     return p
 
@@ -124,6 +129,18 @@ def _pick_device(choice: str) -> str:
     if choice == "cpu":
         return "cpu"
     return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else "cpu"
+
+
+def _launcher_world(world_size: int | None):
+    """The torchrun world this process belongs to (``None`` when it was not started by a launcher);
+    ``--world-size`` may only repeat its size."""
+    from .testing.launcher import env_world
+
+    world = env_world()
+    if world is not None and world_size not in (None, world.world_size):
+        raise ValueError(f"--world-size {world_size}, but the launcher started WORLD_SIZE={world.world_size} "
+                         "processes: under torchrun the world size is the launcher's")
+    return world
 
 
 def _list_cases(case_sets) -> None:
@@ -149,9 +166,11 @@ def cmd_bench(args) -> int:
     if args.list:
         _list_cases(args.case_sets)
         return 0
+    launched = _launcher_world(args.world_size)
     device = _pick_device(args.device)
     gpu = device == "cuda"
-    world = args.world_size or (torch.cuda.device_count() if gpu else 4)
+    world = launched.world_size if launched else args.world_size or (torch.cuda.device_count() if gpu else 4)
+    speaker = launched is None or launched.rank == 0  # under torchrun rank 0 prints and writes
     names = args.cases or list(DEFAULT_GPU if gpu else DEFAULT_CPU)
     cases = resolve_cases(names, world_size=world, mode=args.mode, tokens=args.tokens, hidden=args.hidden,
                           topk=args.topk, experts=args.experts)
@@ -169,8 +188,12 @@ def cmd_bench(args) -> int:
                      sets=args.sets, num_sms=args.num_sms, graphs=not args.no_graph, cached=args.cached,
                      check=not args.no_check, seed=args.seed,
                      profile=str(Path(args.profile).resolve()) if args.profile else None)
-    progress = Progress(enabled=not args.no_progress)
-    result = run_bench(plan, world_size=world, device=device, progress=progress, timeout_s=args.timeout)
+    progress = Progress(enabled=not args.no_progress and speaker)
+    result = run_bench(plan, world_size=world, device=device, progress=progress, timeout_s=args.timeout,
+                       world=launched)
+    failed = [r for r in result.rows if r["check"] not in ("pass", "skipped")]
+    if not speaker:
+        return 1 if failed else 0
     if args.out:
         path = report.write_jsonl(args.out, result.rows)
         print(f"wrote {len(result.rows)} rows to {path}")
@@ -179,7 +202,6 @@ def cmd_bench(args) -> int:
 
         for p in plot_rows(result.rows, args.plot):
             print(f"wrote {p}")
-    failed = [r for r in result.rows if r["check"] not in ("pass", "skipped")]
     if failed:
         print(f"{len(failed)} rows FAILED their correctness check (see the check column)")
     print(report.render_header(result.env, result.ce_gbps))
@@ -196,9 +218,18 @@ def cmd_env(args) -> int:
 
 def cmd_check(args) -> int:
     from .doctor import run_check
+    from .testing.launcher import from_env
 
-    ok, text = run_check(args.world_size, args.device)
-    print(text)
+    launched = _launcher_world(args.world_size)
+    if launched is None:
+        ok, text = run_check(args.world_size, args.device)
+        print(text)
+        return 0 if ok else 1
+    device = _pick_device(args.device)
+    with from_env(launched):  # run_check's launch joins torchrun's world instead of spawning
+        ok, text = run_check(launched.world_size, device)
+    if launched.rank == 0 or not ok:
+        print(text if launched.rank == 0 else f"rank {launched.rank}: {text}")
     return 0 if ok else 1
 
 

@@ -3,7 +3,10 @@ backend a ``Buffer`` picks and on the reference backend, side by side, in one ru
 
 ``run_bench(plan, ...)`` is the parent's driver: it measures the copy-engine ceiling (two or more
 GPUs), launches the ranks through :func:`epcomm.testing.launcher.parallel_launch`, and merges their
-results into report rows. ``bench_worker`` is what each rank runs.
+results into report rows. ``bench_worker`` is what each rank runs. Under torchrun
+(``run_bench(..., world=env_world())``) every process is one rank already: it joins the launcher's world
+(:func:`epcomm.testing.launcher.env_launch`), rank 0 measures the ceiling first, and every rank gets the
+merged rows.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch.distributed as dist
 
 from ..buffer import Buffer
 from ..testing.gpu_cases import forced_backend
-from ..testing.launcher import parallel_launch
+from ..testing.launcher import EnvWorld, env_launch, parallel_launch
 from . import report, workloads
 from .cases import BenchCase
 from .peer import measure_copy_engine
@@ -241,22 +244,35 @@ def bench_worker(ctx, plan: BenchPlan, progress: Progress | None) -> dict:
             "device": device_info(ctx.device) if ctx.rank == 0 else None}
 
 
+def _bench_worker_sharing_ce(ctx, plan: BenchPlan, progress: Progress | None, ce: float | None) -> dict:
+    """``bench_worker`` under a launcher; rank 0's result also carries its copy-engine ceiling."""
+    return {**bench_worker(ctx, plan, progress), "ce_gbps": ce}
+
+
 def run_bench(plan: BenchPlan, *, world_size: int, device: str = "cpu", progress: Progress | None = None,
-              timeout_s: float = 1800.0, measure_ce: bool = True) -> BenchResult:
-    """Launch ``world_size`` ranks on ``device`` (``"cuda"``: NCCL, one GPU each; ``"cpu"``: gloo)."""
+              timeout_s: float = 1800.0, measure_ce: bool = True, world: EnvWorld | None = None) -> BenchResult:
+    """Launch ``world_size`` ranks on ``device`` (``"cuda"``: NCCL, one GPU each; ``"cpu"``: gloo).
+
+    ``world``: this process is one rank of a launcher's world (torchrun, possibly many nodes): nothing is
+    spawned, ``world_size`` must equal its size, and every rank returns the same rows."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda":
+    if device == "cuda" and world is None:
         n = torch.cuda.device_count()
         if world_size > n:
             raise ValueError(f"world_size={world_size} needs {world_size} GPUs, {n} visible")
     ce = None
-    if device == "cuda" and measure_ce:
+    if device == "cuda" and measure_ce and (world is None or world.rank == 0):
+        # under a launcher rank 0 measures before joining the group: the others wait in its rendezvous
         if progress is not None:
             progress.show("measuring the copy-engine peer bandwidth", always=True)
         ce = measure_copy_engine()
     transport = "nccl" if device == "cuda" else "gloo"
-    out = parallel_launch(world_size, bench_worker, plan, progress, backend=transport, timeout_s=timeout_s)
+    if world is not None:
+        out = env_launch(world, world_size, _bench_worker_sharing_ce, plan, progress, ce, backend=transport)
+        ce = out[0]["ce_gbps"]
+    else:
+        out = parallel_launch(world_size, bench_worker, plan, progress, backend=transport, timeout_s=timeout_s)
     env = report.environment(out[0]["device"], world_size, transport, out[0]["backends"])
     rows = report.merge_ranks([o["results"] for o in out], env=env, iters=plan.iters, warmup=plan.warmup,
                               ce_gbps=ce, cached=plan.cached)

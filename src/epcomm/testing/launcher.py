@@ -12,10 +12,19 @@ places rank r on GPU ``r % device_count`` and joins the ranks through gloo for b
 tensors (``cpu:gloo,cuda:gloo``; NCCL refuses two ranks on one GPU), with torch symmetric memory told
 that ranks may share a device. The ranks' kernels then time-share the GPU: the mode checks
 correctness of the multi-rank paths, its timings mean nothing.
+
+Under ``torchrun`` (one process per rank, on one node or many) nothing is spawned: ``env_world()`` reads
+the world torchrun put in the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``), and ``env_launch(world, world_size, fn, *args)`` joins it
+(``init_method="env://"``), runs ``fn(ctx, *args)`` in this process and returns every rank's result, by
+rank, on every rank (``all_gather_object``). Inside ``with from_env(world):`` a ``parallel_launch`` call
+goes there instead of spawning (how ``epcomm check`` reaches it); outside, ``parallel_launch`` spawns as
+it always did, whatever the environment holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
@@ -49,6 +58,120 @@ class RankContext:
     device: torch.device
     backend: str
     group: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvWorld:
+    """This process's place in a world that a launcher such as ``torchrun`` started."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def env_world(environ: dict | None = None) -> EnvWorld | None:
+    """The world in ``environ`` (default ``os.environ``), or ``None`` where neither ``RANK`` nor
+    ``WORLD_SIZE`` is set. Once either is set, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR`` and ``MASTER_PORT`` must all be, as torchrun sets them (``LOCAL_WORLD_SIZE``
+    defaults to ``WORLD_SIZE``); a missing or malformed one is a ``ValueError`` naming it and its value.
+
+    Example: ``env_world({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})`` is rank 1 of 2, the only rank on its node.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" not in env and "WORLD_SIZE" not in env:
+        return None
+    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise ValueError(f"RANK/WORLD_SIZE are set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                         "not: launch with torchrun (or set all of "
+                         f"{', '.join(TORCHRUN_VARIABLES)}), or unset RANK and WORLD_SIZE to spawn local processes")
+
+    def number(key: str, default: str | None = None, minimum: int = 0) -> int:
+        raw = env.get(key) or default
+        try:
+            v = int(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} must be an integer, got {raw!r}") from None
+        if v < minimum:
+            raise ValueError(f"{key} must be >= {minimum}, got {v}")
+        return v
+
+    world = EnvWorld(rank=number("RANK"), world_size=number("WORLD_SIZE", minimum=1),
+                     local_rank=number("LOCAL_RANK"),
+                     local_world_size=number("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE"), minimum=1),
+                     master_addr=env["MASTER_ADDR"], master_port=number("MASTER_PORT", minimum=1))
+    if world.rank >= world.world_size:
+        raise ValueError(f"RANK must be < WORLD_SIZE={world.world_size}, got {world.rank}")
+    if world.local_rank >= world.local_world_size:
+        raise ValueError(f"LOCAL_RANK must be < LOCAL_WORLD_SIZE={world.local_world_size}, got {world.local_rank}")
+    return world
+
+
+_FROM_ENV: EnvWorld | None = None
+
+
+@contextlib.contextmanager
+def from_env(world: EnvWorld):
+    """Inside the block, ``parallel_launch`` runs on ``world`` in this process (``env_launch``)."""
+    global _FROM_ENV
+    before, _FROM_ENV = _FROM_ENV, world
+    try:
+        yield world
+    finally:
+        _FROM_ENV = before
+
+
+def env_launch(world: EnvWorld, world_size: int, fn: Callable, *args, backend: str | None = None,
+               pg_timeout_s: float = 120.0) -> list:
+    """Run ``fn(ctx, *args)`` as rank ``world.rank`` of the torchrun world; every rank's result, by rank.
+
+    ``backend``: ``"nccl"`` (this rank on ``cuda:LOCAL_RANK``), ``"gloo"`` (CPU tensors), or ``None``
+    (NCCL where CUDA is available). The process group is made here (``env://``) and destroyed before
+    returning unless one already existed, which is then used as the world. An exception in ``fn`` is
+    raised here as ``RankError`` naming this rank; the other ranks learn of it when torchrun stops them.
+    """
+    if world_size != world.world_size:
+        raise ValueError(f"world_size={world_size} but the launcher started WORLD_SIZE={world.world_size} "
+                         "processes: leave the world size to the launcher")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo' under a launcher, got {backend!r}")
+    os.environ.update(SAFE_ENV)
+    kw = {}
+    if backend == "nccl":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if world.local_world_size > n:
+            raise ValueError(f"LOCAL_WORLD_SIZE={world.local_world_size} processes on this node need as many "
+                             f"GPUs for NCCL, {n} visible")
+        torch.cuda.set_device(world.local_rank)
+        device = torch.device("cuda", world.local_rank)
+        kw = {"device_id": device}
+    else:
+        device = torch.device("cpu")
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group(backend, init_method="env://", rank=world.rank, world_size=world.world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s), **kw)
+    try:
+        ctx = RankContext(world.rank, world.world_size, device, backend, dist.group.WORLD)
+        try:
+            out = fn(ctx, *args)
+        except BaseException:  # noqa: BLE001 - re-raised with the rank, as parallel_launch does
+            raise RankError(world.rank, traceback.format_exc()) from None
+        gathered: list = [None] * world.world_size
+        dist.all_gather_object(gathered, out)
+        return gathered
+    finally:
+        if made:
+            dist.destroy_process_group()
 
 
 def share_gpu(world_size: int) -> bool:
@@ -108,9 +231,12 @@ def _worker(rank, world_size, init_file, backend, pg_timeout_s, fn, args, result
 
 def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = None,
                     timeout_s: float = 300.0, pg_timeout_s: float = 120.0) -> list:
-    """Run ``fn(ctx, *args)`` on ``world_size`` fresh processes; return their results by rank."""
+    """Run ``fn(ctx, *args)`` on ``world_size`` fresh processes; return their results by rank.
+    Inside ``with from_env(world):`` it runs on that launcher-made world instead (``env_launch``)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if _FROM_ENV is not None:
+        return env_launch(_FROM_ENV, world_size, fn, *args, backend=backend, pg_timeout_s=pg_timeout_s)
     if backend is None:
         backend = ("nccl" if torch.cuda.is_available()
                    and (torch.cuda.device_count() >= world_size or share_gpu(world_size)) else "gloo")
