@@ -8,6 +8,12 @@
 - ``test_nvshmem_signal_never_overtakes_its_data``: two ranks as two virtual nodes of one GPU
   (``EPCOMM_GPUS_PER_NODE=1``; nvidia-h200-x2): 200 rounds of ping-pong of 4 MiB; the receiver counts
   bytes that were stale when the signal arrived (``testing/nvshmem_order.py``); all must be 0.
+- ``test_internode_low_latency``: the internode backend's low-latency path against the reference on
+  the same NCCL group (nvidia-h200-x2): two virtual nodes of one GPU (the peer through NVSHMEM puts),
+  and one node of two forced with ``EPCOMM_BACKEND=internode`` (the peer by plain stores through
+  NVSHMEM's P2P mapping). BF16, FP8 with plain, power-of-two and UE8M0 scales, the receive hook,
+  zero-copy, out=, a one-token case, CUDA-graph capture and replay, a stress loop. Written 2026-11-25
+  without a two-GPU machine to run it on: not yet run.
 """
 import os
 
@@ -75,3 +81,42 @@ def test_nvshmem_signal_never_overtakes_its_data():
     res = parallel_launch(2, _pingpong, 200, 4 << 20, backend="nccl", timeout_s=300)
     assert res[0][0] == [0, 1]
     assert res[1][1] == [0] * 200, [i for i, b in enumerate(res[1][1]) if b]
+
+
+def _ll_rank(ctx, gpus_per_node, m, hidden, experts, stress):
+    from epcomm.kernels import nvshmem
+
+    if not nvshmem.available():
+        pytest.skip("torch's NVSHMEM Triton bindings are unavailable")
+    os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
+    from epcomm import Buffer
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    r = ctx.world_size
+    hint = Buffer.get_low_latency_rdma_size_hint(m, hidden, r, experts)
+    ref, fast = G.make_buffers(ctx.group, fast="internode", num_rdma_bytes=hint, low_latency_mode=True)
+    assert fast.backend_name == "internode" and fast._backend.ranks_per_node == gpus_per_node
+    case = Case(num_ranks=r, tokens=tuple(max(1, m - 3 * i) for i in range(r)), hidden=hidden, num_topk=8,
+                num_experts=experts, seed=11, hot_expert=5)
+    out = []
+    for kw in (dict(use_fp8=False), dict(use_fp8=True), dict(use_fp8=True, round_scale=True, ue8m0=True),
+               dict(use_fp8=False, hook=True), dict(use_fp8=True, hook=True, zero_copy=True)):
+        out.append(G.check_ll_case(ref, fast, case, ctx.rank, m, **kw))
+    small = Case(num_ranks=r, tokens=(1,) * r, hidden=hidden, num_topk=8, num_experts=experts, seed=12)
+    out.append(G.check_ll_case(ref, fast, small, ctx.rank, m, use_fp8=True))
+    G.check_ll_graph(ref, fast, case, ctx.rank, m, replays=20)
+    secs = G.check_ll_stress(ref, fast, case, ctx.rank, m, iters=stress)
+    return {"cases": len(out), "stress_s": secs}
+
+
+@pytest.mark.skipif(WORLD != 2 or torch.cuda.device_count() < 2, reason="two GPUs: two virtual nodes of one")
+@pytest.mark.parametrize("gpus_per_node", [1, 2], ids=["two-nodes-nvshmem", "one-node-p2p-stores"])
+@pytest.mark.parametrize("m,hidden,experts", [(32, 512, 32), (128, 7168, 288)], ids=["small", "dsv3"])
+def test_internode_low_latency(gpus_per_node, m, hidden, experts):
+    from epcomm.kernels import nvshmem
+
+    if not nvshmem.available():
+        pytest.skip("torch's NVSHMEM Triton bindings are unavailable")
+    res = parallel_launch(2, _ll_rank, gpus_per_node, m, hidden, experts, 100, backend="nccl", timeout_s=300)
+    assert all(r["cases"] == 6 and r["stress_s"] > 0 for r in res), res

@@ -1,35 +1,48 @@
-"""The internode backend (issue 16): nodes, NVSHMEM start-up, and whether the backend can run.
+"""The internode backend (issue 16): nodes, NVSHMEM start-up, whether the backend can run, and the
+backend itself.
 
-What is built: the node map (hosts, or virtual nodes of ``EPCOMM_GPUS_PER_NODE`` ranks), the NVSHMEM
-settings applied before NVSHMEM initialises (``_env.nvshmem_settings``), NVSHMEM symmetric memory
-through torch (:func:`nvshmem_symmetric`), the device-call layer ``kernels/nvshmem.py`` with its
-simulation, and the ordering check ``testing/nvshmem_order.py``.
+What it serves:
+- **low-latency** dispatch and combine over NVSHMEM (``backends/internode_ll.py``, kernels in
+  ``kernels/internode_ll.py`` and ``kernels/ll.py``'s receive side): per-expert messages straight to the
+  destination rank, NVSHMEM puts (staged in this rank's symmetric buffer) to ranks on other nodes,
+  plain stores to ranks of this node when ``allow_nvlink_for_low_latency_mode`` (else NVSHMEM too);
+- **high-throughput** dispatch, cached dispatch and combine through the reference implementation
+  over the group (``ReferenceBackend``: NCCL on GPUs), until the hierarchical kernels (a token crosses
+  the network once per node) exist. :data:`SERVES` says so; ``epcomm env`` and the selection log print it.
 
-What is not built yet: the dispatch and combine kernels over it (hierarchical high-throughput and
-low-latency across nodes). :func:`availability` says so, so the selection rule never picks this
-backend and ``EPCOMM_BACKEND=internode`` raises with that reason: groups that span nodes run the
-reference backend (NCCL) until they exist. docs/internode.md has the design they follow.
+Also here: the node map (hosts, or virtual nodes of ``EPCOMM_GPUS_PER_NODE`` ranks), the NVSHMEM settings
+applied before NVSHMEM initialises (``_env.nvshmem_settings``), NVSHMEM symmetric memory through torch
+(:func:`nvshmem_symmetric`). docs/internode.md has the design and what is tested where.
 
 Letters: ``R`` ranks, ``N`` GPUs per node, ``P = R / N`` nodes.
+
+Symmetric buffer (one NVSHMEM allocation per Buffer)::
+
+    [LL region: num_rdma_bytes, laid out by layout.low_latency_buffer_layout]
+    [signals: 2 parities x 3R uint64][M table: int32[R]][combine staging: num_rdma_bytes / 2]
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import weakref
 import zlib
 
 import torch
 import torch.distributed as dist
 
 from .. import _env
+from .. import _validate as V
+from .base import Backend, PeerTimeoutError
 
 log = logging.getLogger(__name__)
 
-BUILT = False  # the dispatch/combine kernels over NVSHMEM (see the module docstring)
-NOT_BUILT = ("the internode backend's dispatch and combine kernels are not built yet (issue 16: NVSHMEM "
-             "start-up, the device-call layer and its ordering check are); groups across nodes run the "
-             "reference backend")
+BUILT = True  # the low-latency kernels over NVSHMEM (see the module docstring)
+SERVES = ("low-latency over NVSHMEM; high-throughput through the reference implementation over the group "
+          "(the hierarchical kernels are not built yet)")
+NOT_BUILT = "the internode backend's kernels are not built"  # (while BUILT is False; kept for epcomm env)
 
 _applied: dict | None = None  # the NVSHMEM settings in force once applied in this process
 
@@ -107,9 +120,146 @@ def nvshmem_symmetric(nbytes: int, device, group):
     return t, symm_mem.rendezvous(t, group.group_name)
 
 
+def _align(n: int, a: int = 128) -> int:
+    return (n + a - 1) // a * a
+
+
+class InternodeBackend(Backend):
+    """Low-latency over NVSHMEM, high-throughput through the reference implementation (module docstring).
+
+    ``sim``: the kernels run under the Triton interpreter with the NVSHMEM calls simulated (the CPU
+    emulation, ``testing/cpu_internode.py``); default: when ``TRITON_INTERPRET=1``."""
+
+    name = "internode"
+    checks_topk_on_device = True  # the LL send kernel checks expert ids; dispatch() checks on the host
+
+    def __init__(self, buf, sim: bool | None = None):
+        from .reference import ReferenceBackend
+
+        super().__init__(buf.group, buf.rank, buf.group_size, buf.device, buf.timeout_s)
+        self._buf = weakref.ref(buf)
+        self.sim = os.environ.get("TRITON_INTERPRET") == "1" if sim is None else bool(sim)
+        r_ = self.num_ranks
+        nodes, self.nodes_how = buf.node_map
+        self.nodes = list(nodes)
+        self.ranks_per_node = r_ // len(set(nodes))
+        if nodes != [r // self.ranks_per_node for r in range(r_)]:
+            raise ValueError(f"the internode backend needs nodes of consecutive ranks, got node map {nodes}")
+        self.nvl = bool(buf.allow_nvlink_for_low_latency_mode)
+        self.rdma_bytes = _align(buf.num_rdma_bytes)
+        self.ll_off = 0
+        self.sig_off = self.rdma_bytes
+        self.mtab_off = self.sig_off + _align(2 * 3 * r_ * 8)
+        self.cstage_off = self.mtab_off + _align(4 * r_)
+        # the combine staging holds R*M float32 rows, at most one parity's combine area: half the LL region
+        self.cstage_bytes = _align(self.rdma_bytes // 2) if buf.low_latency_mode else 0
+        total = self.cstage_off + self.cstage_bytes
+        if not self.sim:
+            self.nvshmem_settings = prepare_nvshmem(buf.num_qps_per_rank, total)
+        self.symm, self.hdl = nvshmem_symmetric(total, self.device, self.group)
+        self.symm.zero_()
+        ptrs = [int(p) for p in self.hdl.buffer_ptrs]
+        if self.nvl:  # plain stores need the peers of this node mapped (NVSHMEM P2P)
+            node = self.rank // self.ranks_per_node
+            unmapped = [r for r in range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+                        if not ptrs[r]]
+            if unmapped:
+                raise RuntimeError(f"allow_nvlink_for_low_latency_mode=True but NVSHMEM maps no pointer to rank(s) "
+                                   f"{unmapped} of this node; pass allow_nvlink_for_low_latency_mode=False")
+        self.ptr_table = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
+        # error word [code, peer, observed, target, host-mirror address (int64)], as the nvlink backend's
+        self.err_host = torch.zeros(4, dtype=torch.int32, device="cpu").pin_memory()
+        self._err_view = self.err_host.numpy()
+        words = torch.zeros(8, dtype=torch.int32, device=self.device)
+        self.err = words[:6]
+        self.err[4:].view(torch.int64).fill_(self.err_host.data_ptr())
+        self._ref = ReferenceBackend(buf.group, buf.rank, r_, buf.device, buf.timeout_s, buf.num_nvl_bytes, 0)
+        self.nvl_buffer = self._ref.nvl_buffer
+        self.rdma_buffer = self.symm[:buf.num_rdma_bytes]
+        self._ll = None
+        self.sync_and_barrier()
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def timeout_ns(self) -> int:
+        """The kernels' deadline: nanoseconds on a GPU, polls under the interpreter (``testing/cpu_internode``
+        sets ``timeout_s`` to polls / 1e9)."""
+        return int(self.timeout_s * 1e9)
+
+    def sync_and_barrier(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+
+    def check_mirror(self) -> None:
+        """Raise if a kernel recorded an error (read from the host mirror: no device synchronisation)."""
+        if self._err_view[0]:
+            self._check_error(self.err_host.tolist())
+
+    def _check_error(self, word: list[int]) -> None:
+        from ..kernels.common import PHASES
+
+        if word[0] == 10:
+            raise ValueError(f"topk_idx holds expert id {word[2]}, outside [-1, {word[3]}) for num_experts={word[3]} "
+                             "(found on the device; this Buffer is now unusable)")
+        if word[0] == 6:  # every rank's announced M, in this rank's M table (kernels/internode_ll.py)
+            ms = self.symm[self.mtab_off:self.mtab_off + 4 * self.num_ranks].view(torch.int32).tolist()
+            if len({m for m in ms if m}) > 1:  # (0: a rank that has made no low-latency call)
+                raise ValueError("num_max_dispatch_tokens_per_rank differs across ranks: "
+                                 + ", ".join(f"{m} on rank {r}" for r, m in enumerate(ms)))
+        phase = PHASES.get(word[0], f"phase {word[0]}")
+        raise PeerTimeoutError(self.rank, phase, word[1], self.timeout_s,
+                               f"signal {word[2]} < expected {word[3]}; this Buffer is now unusable")
+
+    # ------------------------------------------------------------------ high-throughput: the reference
+
+    def dispatch(self, args):
+        if args.topk_idx is not None:  # Buffer leaves the range check to a backend that checks on the device
+            V.topk_idx(args.topk_idx, None, args.num_tokens_per_expert.numel(), self.device)
+        return self._ref.dispatch(args)
+
+    def cached_dispatch(self, x, x_scales, handle):
+        return self._ref.cached_dispatch(x, x_scales, handle)
+
+    def combine(self, x, handle, topk_weights, bias):
+        return self._ref.combine(x, handle, topk_weights, bias)
+
+    # ------------------------------------------------------------------ low-latency
+
+    def _ll_impl(self):
+        if self._ll is None:
+            from .internode_ll import InternodeLowLatency
+
+            self._ll = InternodeLowLatency(self)
+        return self._ll
+
+    def low_latency_dispatch(self, args):
+        self.check_mirror()
+        return self._ll_impl().dispatch(args)
+
+    def low_latency_combine(self, args):
+        self.check_mirror()
+        return self._ll_impl().combine(args)
+
+    def low_latency_zero_copy_buffer(self, handle):
+        return self._ll_impl().zero_copy_buffer(handle)
+
+    def clean_low_latency_buffer(self) -> None:
+        self._ll_impl().clean()
+
+    def destroy(self) -> None:
+        self.sync_and_barrier()
+        self._ref.destroy()
+        self.nvl_buffer = self.rdma_buffer = None
+        if self._ll is not None:
+            self._ll._plans = {}  # views into the symmetric buffer keep it alive
+        self.symm = self.hdl = None
+
+
 def create(buf):
-    """The backend for ``buf``: not built yet (``availability`` reports it, so this is not reached)."""
-    raise RuntimeError(NOT_BUILT)
+    """The backend for ``buf`` (``availability`` said it can run)."""
+    return InternodeBackend(buf)
 
 
 def availability(buf) -> tuple[bool, str]:
@@ -129,4 +279,4 @@ def availability(buf) -> tuple[bool, str]:
         return False, "needs an SM80+ GPU"
     if not BUILT:
         return False, NOT_BUILT
-    return True, "NVSHMEM is available"
+    return True, f"NVSHMEM is available ({SERVES})"

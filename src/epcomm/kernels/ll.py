@@ -44,6 +44,21 @@ def _e4m3_rne(v):
 
 
 @triton.jit
+def _fp8_cast(v, GC: tl.constexpr, ROUND_SCALE: tl.constexpr):
+    """``v: [GC, 128]`` (bf16) -> (e4m3 ``[GC, 128]``, float32 scales ``[GC]``): per 128 channels
+    ``scale = max(amax, 1e-4) / 448`` (a power of two, rounded up, with ``ROUND_SCALE``)."""
+    vf = v.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(vf), 1), 1e-4)
+    scale = tl.math.div_rn(amax, tl.full((GC,), 448.0, tl.float32))
+    if ROUND_SCALE:
+        bits = scale.to(tl.int32, bitcast=True)
+        up = (bits & 0x7F800000) + tl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
+        scale = up.to(tl.float32, bitcast=True)
+    q = _e4m3_rne(tl.math.div_rn(vf, scale[:, None])).to(tl.float8e4nv)
+    return q, scale
+
+
+@triton.jit
 def _alive(mask_ptr, r, SHRINK: tl.constexpr):
     """1 unless shrink is on and rank ``r`` is masked."""
     if SHRINK:
@@ -96,14 +111,7 @@ def _ll_send(t, b, n_programs, x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
         offs = gg[:, None] * 128 + cc[None, :]
         v = tl.load(x_ptr + t64 * H + offs, mask=gm[:, None], other=0.0)
         if USE_FP8:
-            vf = v.to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(vf), 1), 1e-4)
-            scale = tl.math.div_rn(amax, tl.full((GC,), 448.0, tl.float32))
-            if ROUND_SCALE:
-                bits = scale.to(tl.int32, bitcast=True)
-                up = (bits & 0x7F800000) + tl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
-                scale = up.to(tl.float32, bitcast=True)
-            q = _e4m3_rne(tl.math.div_rn(vf, scale[:, None])).to(tl.float8e4nv)
+            q, scale = _fp8_cast(v, GC, ROUND_SCALE)
         for j in range(0, R):
             nj = tl.sum(tl.where(rr == j, dest, 0), 0) * _alive(mask_ptr, j, SHRINK)
             if nj > 0:
@@ -158,7 +166,7 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
                              SHRINK: tl.constexpr, USE_FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_CUM: tl.constexpr,
                              HAS_WAIT: tl.constexpr, TB: tl.constexpr, QB: tl.constexpr, BLOCK: tl.constexpr,
                              G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr, K_POW2: tl.constexpr,
-                             LOCAL_TICKET: tl.constexpr = False):
+                             LOCAL_TICKET: tl.constexpr = False, SIG_STRIDE: tl.constexpr = 4):
     """Program ``(l, r, s)``: the block of local expert ``l`` (expert ``me*L + l``) that comes from
     source rank ``r``, in token order, after the blocks of sources ``< r`` (their messages are only
     counted); ``s`` of ``S`` programs share the row copies. Program ``s = 0`` records each
@@ -167,7 +175,7 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
              tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), ptr_table, area_off, src_bytes,
              msg_bytes, sig_off, slot_off, me, R, L, M, H, G, K, out_x, out_s, out_src, out_range, out_count,
              cum_ptr, wait_ptr, level_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr, SHRINK, USE_FP8, UE8M0,
-             HAS_CUM, HAS_WAIT, TB, QB, BLOCK, G_POW2, HAS_TIMER, K_POW2, LOCAL_TICKET)
+             HAS_CUM, HAS_WAIT, TB, QB, BLOCK, G_POW2, HAS_TIMER, K_POW2, LOCAL_TICKET, SIG_STRIDE)
 
 
 @triton.jit(do_not_specialize=['T', 'n_send'])
@@ -207,12 +215,14 @@ def _ll_recv(l, r, s, S, n_programs, ptr_table, area_off, src_bytes, msg_bytes, 
              timeout_ns, mask_ptr, SHRINK: tl.constexpr, USE_FP8: tl.constexpr, UE8M0: tl.constexpr,
              HAS_CUM: tl.constexpr, HAS_WAIT: tl.constexpr, TB: tl.constexpr, QB: tl.constexpr,
              BLOCK: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr, K_POW2: tl.constexpr,
-             LOCAL_TICKET: tl.constexpr = False):
-    """The receive kernel's work for its program ``(l, r, s)`` of ``n_programs`` (``S`` per block)."""
+             LOCAL_TICKET: tl.constexpr = False, SIG_STRIDE: tl.constexpr = 4):
+    """The receive kernel's work for its program ``(l, r, s)`` of ``n_programs`` (``S`` per block).
+    ``SIG_STRIDE``: bytes between signal words (4: int32 flags; 8: NVSHMEM's uint64 signals, whose low
+    word is polled)."""
     RM = R * M
     level = tl.load(level_ptr)
     t0 = now_ns(HAS_WAIT & HAS_TIMER)
-    wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_D * R + r) * 4, tl.int32), level + 1, err_ptr, 6, r,
+    wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_D * R + r) * SIG_STRIDE, tl.int32), level + 1, err_ptr, 6, r,
             timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
     if HAS_WAIT:
         if s == 0:
@@ -224,7 +234,7 @@ def _ll_recv(l, r, s, S, n_programs, ptr_table, area_off, src_bytes, msg_bytes, 
     # rows of the sources before r
     begin = tl.zeros((), dtype=tl.int32)
     for r2 in range(0, r):
-        wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_D * R + r2) * 4, tl.int32), level + 1, err_ptr, 6, r2,
+        wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_D * R + r2) * SIG_STRIDE, tl.int32), level + 1, err_ptr, 6, r2,
                 timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
         src2 = peer_ptr(ptr_table, me, area_off + r2 * src_bytes, tl.int32)
         t_r2 = _header_tokens(src2, M, err_ptr, r2, _alive(mask_ptr, r2, SHRINK))
@@ -380,20 +390,22 @@ def _ll_combine_recv_kernel(topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, si
                             clevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
                             K_POW2: tl.constexpr, R_POW2: tl.constexpr, BLOCK: tl.constexpr,
                             HAS_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr, SHRINK: tl.constexpr,
-                            LOCAL_TICKET: tl.constexpr = False):
+                            LOCAL_TICKET: tl.constexpr = False, SIG_STRIDE: tl.constexpr = 4):
     """Program ``(t, c)``: ``out[t, cB:(c+1)B] = Σ_j partial_j[t]`` over the ranks ``j`` holding one of
     token ``t``'s experts, in rank order, float32, rounded once to bf16."""
     _ll_combine_recv(tl.program_id(0), tl.program_id(1), tl.num_programs(0) * tl.num_programs(1), topk_ptr, T, H,
                      K, me, R, L, M, ptr_table, c_off, sig_off, out_ptr, wait_ptr, clevel_ptr, ticket_ptr, err_ptr,
-                     timeout_ns, mask_ptr, K_POW2, R_POW2, BLOCK, HAS_WAIT, HAS_TIMER, SHRINK, LOCAL_TICKET)
+                     timeout_ns, mask_ptr, K_POW2, R_POW2, BLOCK, HAS_WAIT, HAS_TIMER, SHRINK, LOCAL_TICKET,
+                     SIG_STRIDE)
 
 
 @triton.jit
 def _ll_combine_recv(t, cb, n_programs, topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, sig_off, out_ptr, wait_ptr,
                      clevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr, K_POW2: tl.constexpr,
                      R_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_WAIT: tl.constexpr, HAS_TIMER: tl.constexpr,
-                     SHRINK: tl.constexpr, LOCAL_TICKET: tl.constexpr = False):
-    """The combine receive kernel's work for its program ``(t, cb)`` of ``n_programs``."""
+                     SHRINK: tl.constexpr, LOCAL_TICKET: tl.constexpr = False, SIG_STRIDE: tl.constexpr = 4):
+    """The combine receive kernel's work for its program ``(t, cb)`` of ``n_programs`` (``SIG_STRIDE``
+    as in ``_ll_recv``)."""
     level = tl.load(clevel_ptr)
     kk = tl.arange(0, K_POW2)
     rr = tl.arange(0, R_POW2)
@@ -409,7 +421,7 @@ def _ll_combine_recv(t, cb, n_programs, topk_ptr, T, H, K, me, R, L, M, ptr_tabl
         hj = tl.sum(tl.where(rr == j, has, 0), 0)
         if (hj > 0) | (HAS_WAIT & first):
             t0 = now_ns(HAS_WAIT & HAS_TIMER)
-            wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_C * R + j) * 4, tl.int32), level + 1, err_ptr, 7, j,
+            wait_ge(peer_ptr(ptr_table, me, sig_off + (SIG_C * R + j) * SIG_STRIDE, tl.int32), level + 1, err_ptr, 7, j,
                     timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
             if HAS_WAIT:
                 if first:

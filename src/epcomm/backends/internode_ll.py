@@ -1,0 +1,235 @@
+"""Low-latency mode of the internode backend: per-expert messages straight to the destination rank,
+across nodes through NVSHMEM puts, inside a node through plain stores (``allow_nvlink_for_low_latency_mode``).
+
+Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``,
+``M`` max tokens per rank, ``N`` ranks per node.
+
+The kernels: the send side is ``kernels/internode_ll.py`` (dispatch send, combine weights, combine
+reduce: stores to direct ranks, NVSHMEM puts of staged bytes to the others), the receive side is
+``kernels/ll.py``'s, unchanged but for ``SIG_STRIDE=8`` (NVSHMEM's uint64 signal words); the receive
+kernels read local memory only. Buffer regions (``backends/internode.py``): the LL region laid out by
+``layout.low_latency_buffer_layout`` (as nvlink; its int32 signal area is unused), then per parity
+``3R`` uint64 signal words, the M table, the combine staging.
+
+A call: dispatch = send kernel, then (at once, or in ``hook()``) receive kernel; combine = weights
+kernel, reduce kernel, then the receive kernel. Results are fresh tensors per call; the receive areas
+alternate by parity as in nvlink (at most two low-latency calls in flight). Launches go through
+``kernels/launch.Launcher`` per call (no per-kind plan yet: the host path is not tuned).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import layout
+from ..kernels.launch import Launcher, Ptr
+from ..layout import LowLatencyHandle
+from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult
+
+# local counters (int32): dispatch-receive level [2], combine weight level [2], combine-receive level [2]
+_DLEVEL, _WLEVEL, _CLEVEL = 0, 2, 4
+# ticket slots
+_T_DSEND, _T_DRECV, _T_WEIGHTS, _T_REDUCE, _T_CRECV = 0, 1, 2, 3, 4
+
+# Launch parameters (the nvlink LL engine's defaults; not measured over NVSHMEM yet).
+TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_block=2048, csend_warps=4,
+            csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class _Plan:
+    """One ``(M, H, E)``: the layout and the offsets of both parities' areas and signal words."""
+
+    def __init__(self, be, m: int, h: int, e: int, lay) -> None:
+        r_ = be.num_ranks
+        self.m, self.h, self.e, self.lay = m, h, e, lay
+        self.lx = e // r_
+        self.g = (h + 127) // 128
+        self.area = [be.ll_off + lay.parity_offset(p) for p in (0, 1)]
+        self.sig = [be.sig_off + p * 3 * r_ * 8 for p in (0, 1)]
+        self.zero_copy = None
+
+
+class InternodeLowLatency:
+    """The low-latency engine over an ``InternodeBackend`` ``be`` (its symmetric buffer, pointer table,
+    error word, node size and switches)."""
+
+    def __init__(self, be) -> None:
+        from ..kernels import internode_ll as il
+        from ..kernels import ll, nvshmem
+
+        self.be = be
+        dev = be.device
+        self.levels = torch.zeros(8, dtype=torch.int32, device=dev)
+        self.tickets = torch.zeros(8, dtype=torch.int32, device=dev)
+        lv, tk = self.levels, self.tickets
+        self.p_table, self.p_err = Ptr(be.ptr_table), Ptr(be.err)
+        self.p_dlevel = [Ptr(lv[_DLEVEL + p:]) for p in (0, 1)]
+        self.p_wlevel = [Ptr(lv[_WLEVEL + p:]) for p in (0, 1)]
+        self.p_clevel = [Ptr(lv[_CLEVEL + p:]) for p in (0, 1)]
+        self.p_t = [Ptr(tk[i:]) for i in range(5)]
+        sim = be.sim
+        # the send side calls NVSHMEM: launched through requires_nvshmem on a GPU (nvshmem.nvshmem_kernel)
+        self.k_send = Launcher(nvshmem.nvshmem_kernel(il._il_dispatch_send_kernel, sim))
+        self.k_weights = Launcher(nvshmem.nvshmem_kernel(il._il_weights_kernel, sim))
+        self.k_reduce = Launcher(nvshmem.nvshmem_kernel(il._il_reduce_kernel, sim))
+        self.k_announce = Launcher(nvshmem.nvshmem_kernel(il._il_announce_kernel, sim))
+        self.k_recv = Launcher(ll._ll_dispatch_recv_kernel)
+        self.k_crecv = Launcher(ll._ll_combine_recv_kernel)
+        self._plans: dict = {}
+        self._m_word = None  # the M last announced
+
+    @property
+    def _common(self) -> dict:
+        be = self.be
+        return dict(HAS_TIMER=not be.sim)
+
+    def _plan(self, m: int, h: int, e: int) -> _Plan:
+        p = self._plans.get((m, h, e))
+        if p is None:
+            be = self.be
+            lay = layout.low_latency_buffer_layout(m, h, be.num_ranks, e)
+            if lay.total > be.rdma_bytes:
+                raise ValueError(f"num_rdma_bytes={be.rdma_bytes} is too small: M={m}, H={h}, E={e} need "
+                                 f"{lay.total} (Buffer.get_low_latency_rdma_size_hint)")
+            assert be.num_ranks * m * h * 4 <= be.cstage_bytes, "combine staging smaller than one parity"
+            p = self._plans[(m, h, e)] = _Plan(be, m, h, e, lay)
+        return p
+
+    def _announce(self, m: int) -> None:
+        be = self.be
+        self.k_announce(("announce",), (1,), self.p_table, be.rank, be.num_ranks, be.ranks_per_node, be.mtab_off,
+                        m, NVL=be.nvl, SIM=be.sim)
+        self._m_word = m
+
+    # ------------------------------------------------------------------ dispatch
+
+    def dispatch(self, a: LowLatencyDispatchArgs):
+        """Send now; returns ``(result, receive)``: ``receive()`` launches the receive kernel."""
+        be = self.be
+        x, topk = a.x.contiguous(), a.topk_idx.contiguous()
+        t, h = x.shape
+        k = topk.shape[1]
+        m, e = a.num_max_dispatch_tokens_per_rank, a.num_experts
+        pl = self._plan(m, h, e)
+        if self._m_word != m:
+            self._announce(m)
+        r_, me, dev = be.num_ranks, be.rank, be.device
+        lay, lx, g, parity = pl.lay, pl.lx, pl.g, a.parity
+        area, sig = pl.area[parity], pl.sig[parity]
+        shrink = a.mask is not None
+        mask = a.mask if shrink else self.p_err
+        rm = r_ * m
+        # the receive kernel writes rows as int32 words: allocated as words, viewed as the payload
+        words = torch.empty(lx, rm, h // (4 if a.use_fp8 else 2), dtype=torch.int32, device=dev)
+        sc = None
+        if a.use_fp8:
+            sc = torch.empty(lx, (g + 3) // 4 if a.use_ue8m0 else g, rm,
+                             dtype=torch.int32 if a.use_ue8m0 else torch.float32, device=dev)
+            recv_x = (words.view(torch.float8_e4m3fn), sc.transpose(1, 2))
+        else:
+            recv_x = words.view(torch.bfloat16)
+        recv_src = torch.empty(lx, rm, dtype=torch.int32, device=dev)
+        recv_range = torch.empty(lx, r_, dtype=torch.int64, device=dev)
+        recv_count = torch.empty(lx, dtype=torch.int32, device=dev)
+        recv_src._epcomm_ll_parity = parity  # which area holds this dispatch's slots (combine reads them)
+        result = LowLatencyDispatchResult(recv_x, recv_count, LowLatencyHandle(recv_src, recv_range, m, h, e))
+        gc = TUNE["send_gc"]
+        n_gb = (g + gc - 1) // gc
+        key = (m, h, e, k, parity, a.use_fp8, a.round_scale, shrink)
+        self.k_send(key, (max(t, 1), n_gb), x, topk, t, h, g, k, me, r_, lx, e, m, be.ranks_per_node, self.p_table,
+                    area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig, self.p_t[_T_DSEND], self.p_err, mask,
+                    USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc, R_POW2=_pow2(r_), SHRINK=shrink,
+                    NVL=be.nvl, SIM=be.sim, num_warps=TUNE["send_warps"])
+        cum, wst = a.cumulative_local_expert_recv_stats, a.dispatch_wait_recv_cost_stats
+        consts = dict(SHRINK=shrink, USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=cum is not None,
+                      HAS_WAIT=wst is not None, TB=TUNE["recv_tb"], QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"],
+                      G_POW2=max(_pow2(g), 4), K_POW2=_pow2(k), LOCAL_TICKET=True, SIG_STRIDE=8,
+                      num_warps=TUNE["recv_warps"], **self._common)
+        # (kernels/launch.py: the key fixes what Triton specialises on; per-call tensors' alignment too)
+        rkey = key + (a.use_ue8m0, cum is None or cum.data_ptr() & 15, wst is None or wst.data_ptr() & 15)
+
+        def receive() -> None:
+            self.k_recv(rkey, (lx, r_, 1), self.p_table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig,
+                        area + lay.slot_offset, me, r_, lx, m, h, g, k, words, recv_count if sc is None else sc,
+                        recv_src, recv_range, recv_count, recv_count if cum is None else cum,
+                        recv_range if wst is None else wst, self.p_dlevel[parity], self.p_t[_T_DRECV], self.p_err,
+                        be.timeout_ns, mask, **consts)
+            be.check_mirror()
+
+        be.check_mirror()
+        return result, receive
+
+    # ------------------------------------------------------------------ combine
+
+    def combine(self, a: LowLatencyCombineArgs):
+        """Send (weights, then the partial sums) now; returns ``(out, receive)``."""
+        be = self.be
+        hd = a.handle
+        d_parity = getattr(hd.recv_src_info, "_epcomm_ll_parity", None)
+        if d_parity is None:
+            raise ValueError("handle must come from this Buffer's low_latency_dispatch (internode backend)")
+        y, topk, w = a.x.contiguous(), a.topk_idx.contiguous(), a.topk_weights.contiguous()
+        if y is not a.x or topk is not a.topk_idx or w is not a.topk_weights:
+            a = dataclasses.replace(a, x=y, topk_idx=topk, topk_weights=w)
+        t, k = topk.shape
+        m, h, e = hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts
+        pl = self._plan(m, h, e)
+        r_, me, dev = be.num_ranks, be.rank, be.device
+        lay, lx, parity = pl.lay, pl.lx, a.parity
+        d_area, area, sig = pl.area[d_parity], pl.area[parity], pl.sig[parity]
+        shrink = a.mask is not None
+        mask = a.mask if shrink else self.p_err
+        blk = TUNE["csend_block"]
+        splits = max(1, min((h + blk - 1) // blk, TUNE["csend_programs"] // (r_ * m)))
+        cw = ((h + splits - 1) // splits + blk - 1) // blk * blk
+        n_cs = (h + cw - 1) // cw
+        cb = TUNE["crecv_block"]
+        n_cb = (h + cb - 1) // cb
+        out = a.out if a.out is not None else torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+        wst = a.combine_wait_recv_cost_stats
+        key = (m, h, e, k, parity, d_parity, shrink)
+        n_w = max(t, 1)
+        self.k_weights(key, (n_w,), topk, w, t, k, me, r_, m, be.ranks_per_node, self.p_table,
+                       area + lay.weights_offset, sig, self.p_t[_T_WEIGHTS], mask, SHRINK=shrink, NVL=be.nvl,
+                       SIM=be.sim, num_warps=1)
+        self.k_reduce(key, (r_ * m, n_cs), y, h, k, me, r_, lx, m, be.ranks_per_node, self.p_table, d_area,
+                      lay.dispatch_src_bytes, area + lay.weights_offset, d_area + lay.slot_offset,
+                      area + lay.combine_offset, be.cstage_off, sig, cw, self.p_wlevel[parity], self.p_t[_T_REDUCE],
+                      self.p_err, be.timeout_ns, mask, K_POW2=_pow2(k), BLOCK=blk, SHRINK=shrink, NVL=be.nvl,
+                      SIM=be.sim, num_warps=TUNE["csend_warps"], **self._common)
+        consts = dict(K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, HAS_WAIT=wst is not None, SHRINK=shrink,
+                      LOCAL_TICKET=True, SIG_STRIDE=8, num_warps=TUNE["crecv_warps"], **self._common)
+        rkey = key + (topk.data_ptr() & 15, out.data_ptr() & 15, wst is None or wst.data_ptr() & 15)
+
+        def receive() -> None:
+            self.k_crecv(rkey, (n_w, n_cb), topk, t, h, k, me, r_, lx, m, self.p_table, area + lay.combine_offset,
+                         sig, out, self.levels if wst is None else wst, self.p_clevel[parity],
+                         self.p_t[_T_CRECV], self.p_err, be.timeout_ns, mask, **consts)
+            be.check_mirror()
+
+        be.check_mirror()
+        return out, receive
+
+    def zero_copy_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        be = self.be
+        pl = self._plan(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        if pl.zero_copy is None:
+            start = be.ll_off + pl.lay.zero_copy_offset
+            n = pl.lx * be.num_ranks * pl.m * pl.h * 2
+            pl.zero_copy = be.symm[start:start + n].view(torch.bfloat16).view(pl.lx, be.num_ranks * pl.m, pl.h)
+        return pl.zero_copy
+
+    def clean(self) -> None:
+        """Zero the LL region, the signal words and the levels; every rank calls it together."""
+        be = self.be
+        be.sync_and_barrier()
+        be.symm[be.ll_off:be.mtab_off].zero_()
+        self.levels.zero_()
+        self.tickets.zero_()
+        be.sync_and_barrier()

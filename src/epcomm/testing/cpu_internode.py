@@ -1,0 +1,26 @@
+"""The internode backend on CPU processes: its host code and its Triton kernels under the interpreter,
+the NVSHMEM device calls simulated (``kernels/nvshmem.py``, ``SIM=True``), every rank's symmetric
+buffer mapped into every process (``testing/cpu_nvlink.py``: call its ``install`` first in a fresh
+process). Virtual nodes (``EPCOMM_GPUS_PER_NODE``) decide which peers are on another node, i.e. which
+writes go through the simulated NVSHMEM puts and which through plain stores.
+
+What it checks: the host code (layouts, offsets, signal levels across calls, parities), the kernels'
+logic with real peers running concurrently, the split between NVSHMEM and direct peers. What it
+cannot: NVSHMEM itself (transport, ordering on a real network: tier 3), GPU memory ordering, timing.
+"""
+
+from __future__ import annotations
+
+
+def internode_buffer(group, spins: float = 2e5, **kw):
+    """A ``Buffer`` on ``group`` (gloo) whose backend is the internode backend, simulated; a wait gives
+    up after ``spins`` polls (the deadline error then names the phase and the peer)."""
+    from .. import Buffer
+    from ..backends.internode import InternodeBackend
+
+    buf = Buffer(group, **kw)
+    buf._backend.destroy()
+    buf._backend = InternodeBackend(buf, sim=True)
+    buf._backend.timeout_s = spins / 1e9  # the interpreter's waits count polls (timeout_ns of them)
+    buf._host_checks = False
+    return buf

@@ -1,0 +1,204 @@
+"""Tier 2: the internode backend's low-latency path — its host code and its Triton kernels under the
+interpreter, the NVSHMEM device calls simulated — on CPU processes in virtual nodes
+(``EPCOMM_GPUS_PER_NODE``), against the reference backend (``epcomm.testing.cpu_internode``).
+
+- Two nodes of one rank: every peer through (simulated) NVSHMEM puts. BF16 with the statistics and
+  ``out=``; FP8 with round_scale and UE8M0, the receive hook and zero-copy; ``async_finish``; an expert
+  id out of range found on the device.
+- Four ranks in two nodes of two: peers of the node by plain stores (allow_nvlink_for_low_latency_mode),
+  the others through NVSHMEM; one node of two with allow_nvlink_for_low_latency_mode=False: the node's
+  peer through NVSHMEM too.
+- Errors: M differing across ranks is named; a rank that never arrives gives the deadline error (rank
+  and phase); with shrink the absent rank is masked at the deadline and the call carries on.
+
+Dispatch bitwise (FP8 within one e4m3 step, as the nvlink checks), combine within the BF16 budget
+(``gpu_cases.check_ll_case``). NVSHMEM itself (its transports, ordering on a network) is tier 3's
+(``tests/gpu/test_internode_nvshmem.py``). Shapes are tiny: the interpreter runs every program in Python.
+"""
+import importlib.util
+import os
+import uuid
+
+import pytest
+
+from epcomm.testing.launcher import parallel_launch
+
+# (not importorskip: the ranks must set TRITON_INTERPRET before anything imports Triton)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+
+M = 8
+
+
+def _setup(ctx, tag, gpus_per_node):
+    os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
+    from epcomm.testing import cpu_nvlink
+
+    cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
+    from epcomm.testing import cpu_internode
+
+    return cpu_internode
+
+
+def _case(ctx, hidden=256, seed=3, tokens=6):
+    from epcomm.testing.inputs import Case
+
+    r = ctx.world_size
+    return Case(num_ranks=r, tokens=tuple(max(1, tokens - i) for i in range(r)), hidden=hidden, num_topk=4,
+                num_experts=4 * r, seed=seed)
+
+
+def _buffers(ctx, cpu_internode, case, **kw):
+    from epcomm import Buffer
+
+    hint = Buffer.get_low_latency_rdma_size_hint(M, case.hidden, ctx.world_size, case.num_experts)
+    ref = Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
+    fast = cpu_internode.internode_buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True, **kw)
+    assert fast.backend_name == "internode" and ref.backend_name == "reference"
+    return ref, fast
+
+
+def _async_check(ref, fast, case, rank):
+    """async_finish on dispatch and combine (the events are waited on before the results are read)."""
+    import torch
+
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.compare import assert_bitwise, assert_within_budget
+
+    e = case.num_experts
+    x, topk, w = G.ll_inputs(case, rank, "cpu", seed_shift=7)
+    rr = ref.low_latency_dispatch(x, topk, M, e, use_fp8=False)
+    fr = fast.low_latency_dispatch(x, topk, M, e, use_fp8=False, async_finish=True)
+    assert fr[4] is None
+    fr[3].current_stream_wait()
+    assert_bitwise(fr[1], rr[1], "async recv_count")
+    for l_, n in enumerate(rr[1].tolist()):
+        assert_bitwise(fr[0][l_, :n], rr[0][l_, :n], f"async recv_x[{l_}]")
+        assert_bitwise(fr[2].recv_src_info[l_, :n], rr[2].recv_src_info[l_, :n], f"async recv_src_info[{l_}]")
+    y = torch.zeros_like(rr[0])
+    for l_, n in enumerate(rr[1].tolist()):
+        y[l_, :n] = (rr[0][l_, :n].float() * (1 + l_ / 8)).to(torch.bfloat16)
+    ro, _, _ = ref.low_latency_combine(y, topk, w, rr[2])
+    ro_abs, _, _ = ref.low_latency_combine(y.abs(), topk, w.abs(), rr[2])
+    out = torch.empty_like(ro)
+    fo, ev, hook = fast.low_latency_combine(y, topk, w, fr[2], async_finish=True, out=out)
+    assert hook is None and fo.data_ptr() == out.data_ptr()
+    ev.current_stream_wait()
+    assert_within_budget(fo, ro.double(), ro_abs.double(), case.num_topk + case.num_ranks, "async combine",
+                         extra_rel=2.0 ** -8)
+
+
+def _two_nodes(ctx, tag):
+    cpu_internode = _setup(ctx, tag, 1)
+    from epcomm.backends import internode_ll
+    from epcomm.testing import gpu_cases as G
+
+    internode_ll.TUNE["send_gc"] = 1  # one send program per 128 channels: rows go in several puts
+    case = _case(ctx)
+    ref, fast = _buffers(ctx, cpu_internode, case)
+    be = fast._backend
+    assert (be.ranks_per_node, be.nodes) == (1, [0, 1])  # every peer on another node: NVSHMEM puts
+    done = []
+    for i, kw in enumerate([dict(use_fp8=False),
+                            dict(use_fp8=True, round_scale=True, ue8m0=True, hook=True),
+                            dict(use_fp8=True, zero_copy=True, hook=True)]):
+        G.check_ll_case(ref, fast, case, ctx.rank, M, seed_shift=i, **kw)
+        done.append(i)
+    _async_check(ref, fast, case, ctx.rank)
+    done.append("async")
+    # an expert id out of range on rank 0: found by the send kernel, raised by that call on rank 0
+    x, topk, _ = G.ll_inputs(case, ctx.rank, "cpu", seed_shift=9)
+    if ctx.rank == 0:
+        topk[1, 2] = case.num_experts + 5
+    try:
+        fast.low_latency_dispatch(x, topk, M, case.num_experts, use_fp8=False)
+        done.append("bad id: none")
+    except ValueError as err:
+        done.append(f"bad id: {err}")
+    return done
+
+
+def _mixed_nodes(ctx, tag, gpus_per_node, nvl, kw):
+    cpu_internode = _setup(ctx, tag, gpus_per_node)
+    from epcomm.testing import gpu_cases as G
+
+    case = _case(ctx, hidden=128, seed=11, tokens=4)
+    ref, fast = _buffers(ctx, cpu_internode, case, allow_nvlink_for_low_latency_mode=nvl)
+    assert fast._backend.ranks_per_node == gpus_per_node and fast._backend.nvl == nvl
+    G.check_ll_case(ref, fast, case, ctx.rank, M, **kw)
+    return "ok"
+
+
+def _faults(ctx, tag):
+    """M differing across ranks (both ranks), then rank 1 leaves: rank 0's dispatch gives the deadline
+    error naming rank 1 and the phase; with shrink, rank 0 masks rank 1 at the deadline and carries on."""
+    cpu_internode = _setup(ctx, tag, 1)
+    import torch
+
+    from epcomm.backends.base import PeerTimeoutError
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.compare import assert_within_budget
+
+    from epcomm import Buffer
+
+    case = _case(ctx, hidden=128, seed=6)
+    e, r = case.num_experts, ctx.world_size
+    hint = Buffer.get_low_latency_rdma_size_hint(16, case.hidden, r, e)
+    kw = dict(spins=1e3, num_rdma_bytes=hint, low_latency_mode=True)
+    differs, plain, shrink = (cpu_internode.internode_buffer(ctx.group, **kw),
+                              cpu_internode.internode_buffer(ctx.group, **kw),
+                              cpu_internode.internode_buffer(ctx.group, enable_shrink=True, **kw))
+    x, topk, w = G.ll_inputs(case, ctx.rank, "cpu")
+    seen = []
+    try:
+        differs.low_latency_dispatch(x, topk, 8 if ctx.rank == 0 else 16, e)
+        seen.append("m differs: none")
+    except ValueError as err:
+        seen.append(str(err))
+    torch.distributed.barrier(group=ctx.group)
+    if ctx.rank == 1:
+        return seen  # never calls again
+    try:
+        plain.low_latency_dispatch(x, topk, 8, e)
+        seen.append("timeout: none")
+    except PeerTimeoutError as err:
+        seen.append(str(err))
+    rx, cnt, handle, _, _ = shrink.low_latency_dispatch(x, topk, 8, e, use_fp8=False)
+    out, _, _ = shrink.low_latency_combine(rx, topk, w, handle)
+    status = torch.zeros(r, dtype=torch.int32)
+    shrink.low_latency_query_mask_buffer(status)
+    lx = e // r
+    mine = (topk >= 0) & (topk < lx)  # experts on rank 0: only its own tokens arrive
+    assert torch.equal(cnt, torch.bincount(topk[mine], minlength=lx).to(torch.int32)), cnt
+    assert_within_budget(out, x.double() * (w.double() * mine.double()).sum(1, keepdim=True),
+                         x.double().abs() * (w.double().abs() * mine.double()).sum(1, keepdim=True),
+                         2 * case.num_topk, "combine without the masked rank", extra_rel=2.0 ** -8)
+    seen.append(status.tolist())
+    return seen
+
+
+def test_internode_low_latency_two_virtual_nodes():
+    res = parallel_launch(2, _two_nodes, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
+    for r, done in enumerate(res):
+        assert done[:4] == [0, 1, 2, "async"], done
+    assert res[0][4] == "bad id: topk_idx holds expert id 13, outside [-1, 8) for num_experts=8 (found on the " \
+                        "device; this Buffer is now unusable)", res[0]
+    assert res[1][4] == "bad id: none", res[1]
+
+
+@pytest.mark.parametrize("world,gpus_per_node,nvl,kw", [
+    (4, 2, True, dict(use_fp8=True, hook=True)),  # same-node peers by stores, the other node by NVSHMEM
+    (2, 2, False, dict(use_fp8=False, zero_copy=True)),  # one node, its peer through NVSHMEM too
+], ids=["4-ranks-2-nodes-nvlink", "one-node-nvshmem-only"])
+def test_internode_low_latency_mixed_nodes(world, gpus_per_node, nvl, kw):
+    res = parallel_launch(world, _mixed_nodes, uuid.uuid4().hex[:12], gpus_per_node, nvl, kw, backend="gloo",
+                          timeout_s=300)
+    assert res == ["ok"] * world
+
+
+def test_internode_low_latency_faults():
+    res = parallel_launch(2, _faults, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
+    for seen in res:
+        assert seen[0] == "num_max_dispatch_tokens_per_rank differs across ranks: 8 on rank 0, 16 on rank 1", seen
+    timeout = res[0][1]
+    assert "rank 1" in timeout and "low_latency_dispatch/receive" in timeout, timeout
+    assert res[0][2] == [0, 1], res[0]  # rank 1 masked
