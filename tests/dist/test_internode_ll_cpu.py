@@ -4,7 +4,8 @@ interpreter, the NVSHMEM device calls simulated — on CPU processes in virtual 
 
 - Two nodes of one rank: every peer through (simulated) NVSHMEM puts. BF16 with the statistics and
   ``out=``; FP8 with round_scale and UE8M0, the receive hook and zero-copy; ``async_finish``; an expert
-  id out of range found on the device.
+  id out of range found on the device. High-throughput calls (BF16, FP8, cached), which the backend
+  serves through the reference implementation, and their expert-id check.
 - Four ranks in two nodes of two: peers of the node by plain stores (allow_nvlink_for_low_latency_mode),
   the others through NVSHMEM; one node of two with allow_nvlink_for_low_latency_mode=False: the node's
   peer through NVSHMEM too.
@@ -105,6 +106,19 @@ def _two_nodes(ctx, tag):
         done.append(i)
     _async_check(ref, fast, case, ctx.rank)
     done.append("async")
+    # high-throughput calls: served by the reference implementation over the group (docs/internode.md)
+    for fp8 in (False, True):
+        G.check_ht_case(ref, fast, case, ctx.rank, fp8)
+    if ctx.rank == 0:  # the range check is the backend's (Buffer leaves it to a backend that checks)
+        xin, _, topk, w = G.device_inputs(case, ctx.rank, "cpu")
+        topk[0, 0] = -3
+        try:
+            G._dispatch(fast, xin, topk, w, case.num_experts)
+            done.append("ht bad id: none")
+        except ValueError as err:
+            done.append(f"ht bad id: {err}")
+    else:
+        done.append("ht bad id: not called")
     # an expert id out of range on rank 0: found by the send kernel, raised by that call on rank 0
     x, topk, _ = G.ll_inputs(case, ctx.rank, "cpu", seed_shift=9)
     if ctx.rank == 0:
@@ -180,9 +194,10 @@ def test_internode_low_latency_two_virtual_nodes():
     res = parallel_launch(2, _two_nodes, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
     for r, done in enumerate(res):
         assert done[:4] == [0, 1, 2, "async"], done
-    assert res[0][4] == "bad id: topk_idx holds expert id 13, outside [-1, 8) for num_experts=8 (found on the " \
+    assert res[0][4] == "ht bad id: topk_idx holds expert id -3, outside [-1, 8) for num_experts=8", res[0]
+    assert res[0][5] == "bad id: topk_idx holds expert id 13, outside [-1, 8) for num_experts=8 (found on the " \
                         "device; this Buffer is now unusable)", res[0]
-    assert res[1][4] == "bad id: none", res[1]
+    assert res[1][4:] == ["ht bad id: not called", "bad id: none"], res[1]
 
 
 @pytest.mark.parametrize("world,gpus_per_node,nvl,kw", [
