@@ -1,10 +1,12 @@
-"""The ``epcomm`` command line: ``bench``, ``env``, ``check``.
+"""The ``epcomm`` command line: ``bench``, ``env``, ``check``, ``model``.
 
     epcomm bench                      # CPU: small + sweep-small on 4 gloo ranks; GPUs: the DSv3 cases
     epcomm bench --cases ht-dsv3 --num-sms 24 --out bench.jsonl --plot plots/
     epcomm bench --cases sweep --mode ht --iters 100
     epcomm env [--probe]              # GPUs, NVLink/peer access, symmetric memory, versions, variables
     epcomm check                      # 2 gloo ranks (or the GPUs): dispatch + combine vs the oracle
+    epcomm model --ep 8,16,32,64,128,256 --plot model.png      # predicted times against EP size (docs/model.md)
+    epcomm model --check --out benchmarks/model/check.jsonl    # the model against DeepEP's published tables
     torchrun --nnodes 2 --nproc-per-node 8 ... -m epcomm check   # bench/check take the world from torchrun
 
 Under torchrun (``RANK``/``WORLD_SIZE`` set) ``bench`` and ``check`` spawn nothing: each process is one
@@ -61,10 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cases import CASE_SETS, DEFAULT_CPU, DEFAULT_GPU, case_names
 
     p = argparse.ArgumentParser(prog="epcomm", description="epcomm: MoE dispatch/combine across GPUs "
-                                "(a DeepEP-compatible Buffer). Subcommands: bench, env, check.")
+                                "(a DeepEP-compatible Buffer). Subcommands: bench, env, check, model.")
     p.add_argument("--log-level", default=None,
                    help="log level for epcomm's loggers (default: EPCOMM_LOG_LEVEL or WARNING)")
-    sub = p.add_subparsers(dest="command", metavar="{bench,env,check}")
+    sub = p.add_subparsers(dest="command", metavar="{bench,env,check,model}")
 
     b = sub.add_parser("bench", help="time dispatch/combine on every path, side by side with the reference",
                        description="Time dispatch/combine on the backend a Buffer picks and on the reference "
@@ -116,7 +118,73 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--world-size", type=_positive_int, default=None,
                    help="ranks (default 2 on CPU, every GPU; under torchrun: WORLD_SIZE)")
     c.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    _model_parser(sub)
     return p
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
+    return v
+
+
+def _nonnegative_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}")
+    return v
+
+
+def _model_parser(sub) -> None:
+    from .model import PRESETS, Links
+
+    d = Links()
+    m = sub.add_parser("model", help="predict dispatch/combine times at EP 8-256 from link figures and routing",
+                       description="A cost model (docs/model.md): HT hierarchical (one network copy per token and "
+                       "node, then NVLink) and LL direct (one message per selection), from byte counts, link rates "
+                       "and latencies. Prints the assumptions and a table of predicted time against EP size.")
+    m.add_argument("--ep", type=_int_list, default=[8, 16, 32, 64, 128, 256], help="EP sizes (default 8..256)")
+    m.add_argument("--mode", choices=("ht", "ll", "both"), default="both")
+    m.add_argument("--tokens", type=_positive_int, default=None, help="tokens per rank (default: HT 4096, LL 128)")
+    m.add_argument("--hidden", type=_positive_int, default=7168)
+    m.add_argument("--topk", type=_positive_int, default=8)
+    m.add_argument("--experts", type=_positive_int, default=256)
+    m.add_argument("--dtype", choices=("fp8", "bf16"), default="fp8", help="dispatch payload (combine is bf16)")
+    m.add_argument("--routing", default="node-limited", metavar="uniform|node-limited|FILE.pt",
+                   help="uniform (exact), node-limited (DeepSeek-V3's top --topk-groups nodes, sampled), or a "
+                   "torch.save'd int64 [T, K] / [R, T, K] tensor of expert ids (default node-limited)")
+    m.add_argument("--topk-groups", type=_positive_int, default=4, help="nodes per token, node-limited (default 4)")
+    m.add_argument("--source-rank", type=_nonnegative_int, default=0, help="the rank a [T, K] file's ids come from")
+    m.add_argument("--samples", type=_positive_int, default=8192, help="tokens sampled for node-limited routing")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--preset", choices=sorted(PRESETS), default="h800-cx7",
+                   help="link figures to start from (default h800-cx7: DeepEP's published machine)")
+    for name, what in (("nvlink-gbps", "NVLink GB/s per GPU per direction"), ("nic-gbps", "network GB/s per GPU"),
+                       ("nvlink-efficiency", "fraction of the NVLink peak reached"),
+                       ("nic-efficiency", "fraction of the network peak reached"),
+                       ("nvlink-latency-us", "one-way NVLink latency"), ("nic-latency-us", "one-way network latency"),
+                       ("launch-us", "per kernel launch"), ("hbm-gbps", "local copy GB/s (read + write)")):
+        m.add_argument(f"--{name}", type=_nonnegative_float if name.endswith("-us") else _positive_float, default=None,
+                       help=f"{what} (h800-cx7: {getattr(d, name.replace('-', '_')):g})")
+    m.add_argument("--gpus-per-node", type=_positive_int, default=None, help=f"(h800-cx7: {d.gpus_per_node})")
+    m.add_argument("--qps-per-peer", type=_positive_int, default=None, help=f"queue pairs per peer ({d.qps_per_peer})")
+    m.add_argument("--nic-ports", type=_positive_int, default=None, help=f"ports per NIC ({d.nic_ports})")
+    m.add_argument("--uncached", action="store_true", help="HT dispatch with the count exchange (default: cached)")
+    m.add_argument("--ll-messages", choices=("expert", "rank"), default="expert",
+                   help="LL: one message per (token, expert) as DeepEP, or per (token, rank) as epcomm's nvlink")
+    m.add_argument("--ll-kernels", type=_positive_int, default=1, help="launches per LL call (DeepEP 1, epcomm 2)")
+    m.add_argument("--no-nvlink-ll", action="store_true", help="LL: same-node peers through the network too")
+    m.add_argument("--check", action="store_true",
+                   help="instead: the model against DeepEP's published tables and our measured rows, with errors")
+    m.add_argument("--out", default=None, metavar="PATH", help="write the rows to PATH (.jsonl or .csv)")
+    m.add_argument("--plot", default=None, metavar="PNG", help="plot predicted time against EP size (matplotlib)")
 
 
 def _pick_device(choice: str) -> str:
@@ -233,6 +301,62 @@ def cmd_check(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_model(args) -> int:
+    import dataclasses
+
+    from . import model
+
+    if args.plot:  # fail before the work, not after it
+        from .bench.plot import _matplotlib
+
+        _matplotlib()
+    if args.check:
+        rows = model.check_rows(samples=args.samples, seed=args.seed)
+        print(f"links: {', '.join(f'{k}: {v}' for k, v in model.PRESETS.items())}")
+        print(f"calibrated from the rows marked so: {model.calibrate(args.samples, args.seed)}")
+        print(model.render_check(rows))
+        checks = [abs(r["error"]) for r in rows if r["role"] == "check" and r["machine"] == "h800-cx7"]
+        print(f"DeepEP V1 published rows not used for calibration: {len(checks)}, mean |error| "
+              f"{100 * sum(checks) / len(checks):.1f}%, max {100 * max(checks):.1f}%")
+        if args.out:
+            print(f"wrote {len(rows)} rows to {model.write_rows(args.out, rows)}")
+        if args.plot:
+            links = model.PRESETS["h800-cx7"]
+            ht, ll = model.Workload(tokens=4096), model.Workload(tokens=128)
+            eps = [8, 16, 32, 64, 128, 256]  # routed as the published rows were: HT node-limited, LL uniform
+            sweep = (model.sweep(links, ht, None, eps, "node-limited", samples=args.samples, seed=args.seed)
+                     + model.sweep(links, None, ll, eps, "uniform"))
+            notes = model.assumptions(links, ht, ll, "HT node-limited (each token's best 4 nodes, fewer where "
+                                      "there are fewer; DeepEP's internode test), LL uniform (its low-latency test)")
+            print(f"wrote {model.plot(sweep, args.plot, notes, rows)}")
+        return 0
+    overrides = {k: getattr(args, k) for k in ("nvlink_gbps", "nic_gbps", "nvlink_efficiency", "nic_efficiency",
+                                               "nvlink_latency_us", "nic_latency_us", "launch_us", "hbm_gbps",
+                                               "gpus_per_node", "qps_per_peer", "nic_ports")
+                 if getattr(args, k) is not None}
+    links = dataclasses.replace(model.PRESETS[args.preset], **overrides)
+    common = {"hidden": args.hidden, "topk": args.topk, "experts": args.experts, "dtype": args.dtype,
+              "cached": not args.uncached, "messages": args.ll_messages, "nvlink_ll": not args.no_nvlink_ll,
+              "ll_kernels": args.ll_kernels}
+    ht = model.Workload(tokens=args.tokens or 4096, **common) if args.mode in ("ht", "both") else None
+    ll = model.Workload(tokens=args.tokens or 128, **common) if args.mode in ("ll", "both") else None
+    rows = model.sweep(links, ht, ll, args.ep, args.routing, topk_groups=args.topk_groups, samples=args.samples,
+                       seed=args.seed, source_rank=args.source_rank)
+    routing = {"uniform": "uniform (exact)", "node-limited": f"node-limited: each token's best {args.topk_groups} "
+               f"nodes (fewer where there are fewer), {args.samples} sampled tokens, seed {args.seed}"}.get(
+        args.routing, f"file {args.routing}, ids of rank {args.source_rank} (or of every rank)")
+    notes = model.assumptions(links, ht, ll, routing)
+    for r in rows:
+        r["assumptions"] = notes
+    print("\n".join(f"# {n}" for n in notes))
+    print(model.render_table(rows))
+    if args.out:
+        print(f"wrote {len(rows)} rows to {model.write_rows(args.out, rows)}")
+    if args.plot:
+        print(f"wrote {model.plot(rows, args.plot, notes)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -241,10 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"bench": cmd_bench, "env": cmd_env, "check": cmd_check}[args.command]
+    handler = {"bench": cmd_bench, "env": cmd_env, "check": cmd_check, "model": cmd_model}[args.command]
     try:
         return handler(args)
-    except (ValueError, ImportError) as e:
+    except (ValueError, TypeError, ImportError) as e:
         print(f"epcomm {args.command}: error: {e}", file=sys.stderr)
         return 2
 
