@@ -181,9 +181,9 @@ def ll_combine_args(r_: int, device, host_checks: bool, x, idx, weights, out,
 
 
 def tensor_signature(t) -> tuple | None:
-    """A tensor's part of a call signature (shape, dtype, on CUDA): the argument checks depend on no more;
-    None for None. A call whose signature passed the checks before skips them."""
-    return None if t is None else (t.shape, t.dtype, t.is_cuda)
+    """A tensor's part of a call signature (shape, dtype, device index): the argument checks depend on no
+    more; None for None. A call whose signature passed the checks before skips them."""
+    return None if t is None else (t.shape, t.dtype, t.get_device())
 
 
 def repeat_signature(t) -> tuple:

@@ -258,7 +258,7 @@ class Buffer:
             sig = None
             if type(expert_alignment) is int and type(num_worst_tokens) is int:  # a bool is an int too
                 ts = V.tensor_signature
-                sig = ("htd", data.shape, data.dtype, data.is_cuda, ts(scales), ts(num_tokens_per_rank),
+                sig = ("htd", data.shape, data.dtype, data.get_device(), ts(scales), ts(num_tokens_per_rank),
                        ts(num_tokens_per_rdma_rank), ts(is_token_in_rank), ts(num_tokens_per_expert), ts(topk_idx),
                        ts(topk_weights), expert_alignment, num_worst_tokens, config)
         except AttributeError:  # not tensors: the checks say which
@@ -285,25 +285,36 @@ class Buffer:
         combined_topk_weights f32[T, K] or None, event)``."""
         self._check_alive()
         handle = V.as_dispatch_handle(handle)
-        V.tensor("x", x, torch.bfloat16, 2, self.device)
         n = handle.recv_src_idx.numel()
+        t = handle.is_token_in_rank.shape[0]
+        biases = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
+        try:  # shapes, dtypes and devices that passed before skip their checks (the row counts never do)
+            w = topk_weights
+            sig = ("htc", x.shape[1:], x.dtype, x.get_device(),
+                   None if w is None else (w.shape[1:], w.dtype, w.get_device()), t, config,
+                   tuple(V.tensor_signature(b) for b in biases))
+        except AttributeError:  # not tensors: the checks say which
+            sig = None
+        if sig not in self._checked:
+            V.tensor("x", x, torch.bfloat16, 2, self.device)
+            V.hidden(x.shape[1], False)
+            if topk_weights is not None:
+                V.tensor("topk_weights", topk_weights, torch.float32, 2, self.device)
+            if len(biases) > 2:
+                raise ValueError(f"bias takes one or two tensors, got {len(biases)}")
+            for i, b in enumerate(biases):
+                if b is not None:
+                    V.tensor(f"bias[{i}]", b, torch.bfloat16, 2, self.device)
+                    V.shape(f"bias[{i}]", b, (t, x.shape[1]))
+            if sig is not None and len(self._checked) < 4096:
+                self._checked.add(sig)
         if x.shape[0] != n:
             raise ValueError(f"x must have the {n} rows dispatch returned, got shape {tuple(x.shape)}")
-        V.hidden(x.shape[1], False)
-        t = handle.is_token_in_rank.shape[0]
+        if topk_weights is not None and topk_weights.shape[0] != n:
+            raise ValueError(f"topk_weights must have {n} rows, got shape {tuple(topk_weights.shape)}")
         config = self._config(config, combine=True)
         self._check_nvl_bytes(config, x.shape[1] * x.element_size())
-        if topk_weights is not None:
-            V.tensor("topk_weights", topk_weights, torch.float32, 2, self.device)
-            if topk_weights.shape[0] != n:
-                raise ValueError(f"topk_weights must have {n} rows, got shape {tuple(topk_weights.shape)}")
-        biases = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
-        if len(biases) > 2:
-            raise ValueError(f"bias takes one or two tensors, got {len(biases)}")
         biases = tuple(b for b in biases if b is not None)  # DeepEP accepts (bias_0, None)
-        for i, b in enumerate(biases):
-            V.tensor(f"bias[{i}]", b, torch.bfloat16, 2, self.device)
-            V.shape(f"bias[{i}]", b, (t, x.shape[1]))
         (out, w), ev = self._streams.run(lambda: self._backend.combine(x, handle, topk_weights, tuple(biases)),
                                  [x, topk_weights, *biases], previous_event, async_finish,
                                  allocate_on_comm_stream)

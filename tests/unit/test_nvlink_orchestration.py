@@ -163,7 +163,7 @@ def test_captured_calls_push_with_sms(rig):
     assert _names(rig.log) == ["_notify_kernel", "_handle_kernel", "_gather_kernel"]
     gather = rig.log[2][2]
     assert gather["PUSH"] and gather["PUSH_TOPK"] and gather["PUSH_RB"] == params.TUNE["push_rb"]
-    assert gather["PUSH_BLOCK"] == params.TUNE["push_block"] and rig.log[2][1] == (rig.b[0].num_sms,)
+    assert gather["PUSH_BLOCK"] == params.TUNE["push_block"] and rig.log[2][1] == (rig.b[0].num_sms, 1, 1)
 
 
 def test_captured_calls_without_fusion_use_the_push_kernel(rig, monkeypatch):
@@ -213,7 +213,7 @@ def test_fused_push_grid_is_at_most_one_program_per_sm(rig):
     rig.capturing["on"] = True
     rig.b[0]._buf = lambda: types.SimpleNamespace(num_sms=256)  # Config.num_sms allows 256; the GPU has 132
     rig.b[0].dispatch(_args(worst=R * T))
-    assert [g for n, g, _ in rig.log if n == "_gather_kernel"] == [(132,)]
+    assert [g for n, g, _ in rig.log if n == "_gather_kernel"] == [(132, 1, 1)]
 
 
 def test_ce_always_uses_the_copy_engine_under_capture(rig):

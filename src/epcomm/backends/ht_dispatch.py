@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.launch import Direct
 from ..layout import DispatchHandle
 from .base import DispatchArgs, DispatchResult
 from .nvlink_params import (
@@ -37,6 +38,33 @@ from .nvlink_params import (
 
 
 class HTDispatch:
+    def _gather_launch(self, key, x_words, lay: dict, g: int, k: int, lx: int, lo_expert: int, cached: bool,
+                       is_prefix: bool, push: bool, has_k: bool, has_scales: bool, has_topk_out: bool):
+        """The receive (gather) kernel's launch for dispatches of one kind (``key``), everything but the
+        per-call tensors and counts fixed (``kernels/launch.Direct``): ``go(gx, gy, gz, x, scales, topk,
+        w, counts, toks, rows, out_x, out_s, out_k, out_w, out_src, is_in, tokens)``; with the
+        placeholders for absent float and top-k arguments."""
+        row, d_slot = x_words.shape[1], lay["d_slot"]
+        stage_x = self._local(lay["dx"], d_slot, x_words.dtype)
+        stage_s = self._local(lay["ds"], d_slot, torch.float32)
+        stage_k = self._local(lay["dk"], d_slot, torch.int64)
+        stage_w = self._local(lay["dw"], d_slot, torch.float32)
+        r_ = self.num_ranks
+        p = self.k["_gather_kernel"].prepared(key, dict(
+            PUSH=push, PUSH_RB=TUNE["push_rb"], PUSH_BLOCK=TUNE["push_block"], ELEM=torch_to_tl(x_words.dtype),
+            PUSH_TOPK=push and has_k, CACHED=cached, IS_PREFIX=is_prefix, HAS_SCALES=has_scales,
+            HAS_TOPK=has_topk_out, NC=NC, RB=TUNE["gather_rb"], BLOCK=TUNE["gather_block"], R_POW2=_pow2(r_),
+            K_POW2=_pow2(k), G_POW2=_pow2(g), HAS_TIMER=TIMER, STAGES=TUNE["gather_stages"],
+            ONE_LOAD=TUNE["gather_one_load"], PREFETCH=TUNE["gather_prefetch"], num_warps=TUNE["gather_warps"]))
+        tmpl = (None, None, None, None, row, g, k, None, r_, self.rank, r_, lo_expert, lx, None,
+                self.p_src_lists, self.src_lists.stride(0), None,
+                stage_x, d_slot // x_words.element_size(), stage_s, d_slot // 4, stage_k, d_slot // 8, stage_w,
+                d_slot // 4, None, None, g, 1, None, None, None,
+                self.p_table, self.flags_off, self.p_ctr[DRECV], self.p_tk[T_GATHER], self.p_err, self._timeout_ns,
+                None, None, lay["dx"], d_slot, lay["ds"], lay["dk"], lay["dw"], self.p_ctr[DSEND], self.p_tk[T_DPUSH])
+        holes = (0, 1, 2, 3, 7, 13, 16, 25, 26, 29, 30, 31, 38, 39)
+        return Direct(p, tmpl, holes), stage_s, stage_k
+
     def _gather(self, x_words, scales, topk, w, lay, counts, is_prefix: bool, n_rows: int, lo_expert: int,
                 lx: int, out_src: torch.Tensor, cached: bool, g: int, k: int, toks: torch.Tensor | None,
                 is_in: torch.Tensor):
@@ -49,47 +77,30 @@ class HTDispatch:
         if topk is not None and not cached:
             out_k = torch.empty(n_rows, k, dtype=torch.int64, device=dev)
             out_w = torch.empty(n_rows, k, dtype=torch.float32, device=dev)
-        row = x_words.shape[1]
-        stage_x = self._local(lay["dx"], lay["d_slot"], x_words.dtype)
-        stage_s = self._local(lay["ds"], lay["d_slot"], torch.float32)
-        stage_k = self._local(lay["dk"], lay["d_slot"], torch.int64)
-        stage_w = self._local(lay["dw"], lay["d_slot"], torch.float32)
-        dummy_f = stage_s
-        rb = TUNE["gather_rb"]
         push = not cached and self._fused_push()
+        has_k = topk is not None and topk.numel() > 0
+        key = (x_words.shape[1], g, k, lx, lo_expert, cached, is_prefix, push, has_k, scales is None, topk is None,
+               x_words.dtype, lay["dx"], lay["d_slot"], lay["ds"], lay["dk"], lay["dw"],
+               _aligned(x_words, scales, topk, w, counts, is_in))
+        go = self._gather_launches.get(key)
+        if go is None:
+            if len(self._gather_launches) > 4096:
+                self._gather_launches.clear()
+            go = self._gather_launches[key] = self._gather_launch(
+                key, x_words, lay, g, k, lx, lo_expert, cached, is_prefix, push, has_k, scales is not None,
+                out_k is not None)
+        go, dummy_f, stage_k = go
+        rb = TUNE["gather_rb"]
         # with the push every program must be resident at once (at most one per SM: a num_sms above the
         # GPU's SM count would leave programs waiting on programs that cannot start); the Triton
         # interpreter (CPU runs) runs programs one after another, so there the fused kernel is one program
         fused_grid = min(self.num_sms, self.sm_count) if TIMER else 1
-        grid = (max(1, fused_grid if push else min(self.num_sms, (n_rows + rb - 1) // rb)),)
-        has_k = topk is not None and topk.numel() > 0
-        key = (row, g, k, lx, cached, _aligned(x_words, scales, topk, w, counts, is_in))
-        self.k["_gather_kernel"](
-            key, grid,
-            x_words, scales if scales is not None else dummy_f, topk if topk is not None else stage_k,
-            w if w is not None else dummy_f, row, g, k,
-            counts, self.num_ranks, self.rank, self.num_ranks, lo_expert, lx,
-            toks if toks is not None else self.p_nctr,
-            self.p_src_lists, self.src_lists.stride(0), n_rows,
-            stage_x, lay["d_slot"] // x_words.element_size(), stage_s, lay["d_slot"] // 4, stage_k,
-            lay["d_slot"] // 8, stage_w, lay["d_slot"] // 4,
-            out_x, out_s if out_s is not None else dummy_f, g, 1,
-            out_k if out_k is not None else stage_k, out_w if out_w is not None else dummy_f, out_src,
-            self.p_table, self.flags_off, self.p_ctr[DRECV], self.p_tk[T_GATHER], self.p_err,
-            self._timeout_ns,
-            is_in.view(torch.int8) if push else self.p_err, x_words.shape[0], lay["dx"], lay["d_slot"],
-            lay["ds"],
-            lay["dk"], lay["dw"], self.p_ctr[DSEND], self.p_tk[T_DPUSH],
-            PUSH=push, PUSH_RB=TUNE["push_rb"], PUSH_BLOCK=TUNE["push_block"],
-            ELEM=torch_to_tl(x_words.dtype),
-            PUSH_TOPK=push and has_k,
-            CACHED=cached, IS_PREFIX=is_prefix, HAS_SCALES=scales is not None, HAS_TOPK=out_k is not None,
-            NC=NC, RB=rb, BLOCK=TUNE["gather_block"], R_POW2=_pow2(self.num_ranks), K_POW2=_pow2(k),
-            G_POW2=_pow2(g),
-            HAS_TIMER=TIMER, STAGES=TUNE["gather_stages"], ONE_LOAD=TUNE["gather_one_load"],
-            PREFETCH=TUNE["gather_prefetch"],
-            num_warps=TUNE["gather_warps"],
-        )
+        grid = max(1, fused_grid if push else min(self.num_sms, (n_rows + rb - 1) // rb))
+        go(grid, 1, 1, x_words, scales if scales is not None else dummy_f, topk if topk is not None else stage_k,
+           w if w is not None else dummy_f, counts, toks if toks is not None else self.p_nctr, n_rows, out_x,
+           out_s if out_s is not None else dummy_f, out_k if out_k is not None else stage_k,
+           out_w if out_w is not None else dummy_f, out_src, is_in.view(torch.int8) if push else self.p_err,
+           x_words.shape[0])
         return out_x, out_s, out_k, out_w
 
     def dispatch(self, a: DispatchArgs) -> DispatchResult:

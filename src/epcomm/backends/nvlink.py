@@ -139,6 +139,8 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         self._notify_view = self.notify_host.numpy()
         self._stream_cache: dict = {}  # raw CUDA stream -> its torch Stream (_current_stream)
         self._layouts: dict = {}  # (row bytes, G, K, H) -> _ht_layout's offsets
+        self._gather_launches: dict = {}  # dispatch kind -> its gather launch (ht_dispatch._gather_launch)
+        self._reduce_launches: dict = {}  # combine kind -> its receive launch (ht_combine._reduce_launch)
         self.ce_stream = torch.cuda.Stream(self.device)
         self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
         self._ready_event = torch.cuda.Event()  # TUNE["notify_first"]: the inputs are ready

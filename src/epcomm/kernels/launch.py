@@ -199,7 +199,7 @@ _data_ptr = torch.Tensor.data_ptr
 
 class Direct:
     """``go(gx, gy, gz, *tensors)``: ``prepared`` launched with the arguments ``template``, where the
-    positions ``holes`` take ``tensors`` (per-call tensors, in order). Until ``prepared`` is bound, and
+    positions ``holes`` take ``tensors`` (per-call tensors, or plain ``int`` scalars, in order). Until ``prepared`` is bound, and
     while verifying (``EPCOMM_VERIFY_LAUNCH``) or under the interpreter, the launch goes through
     ``prepared`` with the tensors themselves; after, through the C launcher with their addresses.
 
@@ -218,7 +218,7 @@ class Direct:
             a = self.args
             f = self.first
             for i, t in zip(self.holes, tensors):
-                a[f + i] = _data_ptr(t)
+                a[f + i] = t if isinstance(t, int) else _data_ptr(t)  # an int, or a Ptr
             Launcher.launches += 1
             launch(gx, gy, gz, self.get_stream(self.dev), *a)
             return
