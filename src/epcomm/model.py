@@ -179,7 +179,7 @@ def stats_from_ids(topk_idx, ranks: int, gpus_per_node: int, experts: int, sourc
     import torch
 
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"topk_idx must be an int64 tensor, got {getattr(topk_idx, 'dtype', type(topk_idx))}")
+        raise TypeError(f"topk_idx must be an int64 (or int32) tensor, got {getattr(topk_idx, 'dtype', type(topk_idx))}")
     if topk_idx.dim() == 2:
         if not 0 <= source_rank < ranks:
             raise ValueError(f"source_rank must be in [0, {ranks}), got {source_rank}")
@@ -333,7 +333,10 @@ def routing_stats(kind: str, ranks: int, links: Links, work: Workload, *, topk_g
         raise ValueError(f"routing must be 'uniform', 'node-limited' or a file of expert ids, got {kind!r}")
     import torch
 
-    ids = torch.load(path, weights_only=True)
+    try:
+        ids = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the user's input error
+        raise ValueError(f"routing file {str(path)!r} is not a saved tensor of expert ids: {e}") from None
     return stats_from_ids(ids, ranks, g, work.experts, source_rank, source=f"file {path.name}")
 
 

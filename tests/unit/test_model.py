@@ -112,7 +112,7 @@ def test_calibration_reproduces_the_defaults_and_the_checks_hold():
     assert ep32["published_us"] == pytest.approx(4096 * 7392 * 3.62 / 58e3, rel=0.01)
 
 
-def test_bad_input_names_the_argument():
+def test_bad_input_names_the_argument(tmp_path):
     with pytest.raises(ValueError, match="nic_gbps must be > 0 GB/s, got 0"):
         m.Links(nic_gbps=0)
     with pytest.raises(ValueError, match=r"nvlink_efficiency must be in \(0, 1\], got 1.5"):
@@ -125,7 +125,7 @@ def test_bad_input_names_the_argument():
         m.Workload(tokens=1, hidden=100)
     with pytest.raises(ValueError, match="ranks=12 must be a multiple of gpus_per_node=8"):
         m.uniform_stats(12, 8, 96, 8)
-    with pytest.raises(TypeError, match="topk_idx must be an int64 tensor"):
+    with pytest.raises(TypeError, match=r"topk_idx must be an int64 \(or int32\) tensor, got torch.float32"):
         m.stats_from_ids(torch.zeros(2, 2), 2, 1, 4)
     with pytest.raises(ValueError, match=r"topk_idx must be \[T, K\] or \[R=2, T, K\], got shape \(3, 2, 2\)"):
         m.stats_from_ids(torch.zeros(3, 2, 2, dtype=torch.int64), 2, 1, 4)
@@ -133,6 +133,10 @@ def test_bad_input_names_the_argument():
         m.stats_from_ids(torch.tensor([[0, 4]]), 2, 1, 4)
     with pytest.raises(ValueError, match="routing must be 'uniform', 'node-limited' or a file"):
         m.routing_stats("zipf", 8, m.Links(), m.Workload(tokens=1))
+    bad = tmp_path / "ids.pt"
+    bad.write_text("not a tensor")
+    with pytest.raises(ValueError, match="routing file .*ids.pt' is not a saved tensor of expert ids"):
+        m.routing_stats(str(bad), 8, m.Links(), m.Workload(tokens=1))
     with pytest.raises(ValueError, match="mode must be 'ht' or 'll'"):
         m.predict(m.Links(), m.Workload(tokens=1), m.uniform_stats(8, 8, 256, 8), "xx", "dispatch")
     with pytest.raises(ValueError, match=r"--out must end in .jsonl or .csv, got 'rows.txt'"):
