@@ -12,8 +12,11 @@
   the same NCCL group (nvidia-h200-x2): two virtual nodes of one GPU (the peer through NVSHMEM puts),
   and one node of two forced with ``EPCOMM_BACKEND=internode`` (the peer by plain stores through
   NVSHMEM's P2P mapping). BF16, FP8 with plain, power-of-two and UE8M0 scales, the receive hook,
-  zero-copy, out=, a one-token case, CUDA-graph capture and replay, a stress loop. Written 2026-11-25
-  without a two-GPU machine to run it on: not yet run.
+  zero-copy, out=, a one-token case, CUDA-graph capture and replay, a stress loop.
+- ``test_internode_high_throughput``: the hierarchical high-throughput path against the reference, the
+  same two layouts: BF16 and FP8 dispatch bitwise with the handle, cached dispatch, num_worst_tokens,
+  combine with bias and weights within the budget, async events.
+The last two were written 2026-11-25 without a two-GPU machine to run them on: not yet run.
 """
 import os
 
@@ -120,3 +123,31 @@ def test_internode_low_latency(gpus_per_node, m, hidden, experts):
         pytest.skip("torch's NVSHMEM Triton bindings are unavailable")
     res = parallel_launch(2, _ll_rank, gpus_per_node, m, hidden, experts, 100, backend="nccl", timeout_s=300)
     assert all(r["cases"] == 6 and r["stress_s"] > 0 for r in res), res
+
+
+def _ht_rank(ctx, gpus_per_node):
+    os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    r = ctx.world_size
+    ref, fast = G.make_buffers(ctx.group, fast="internode", num_nvl_bytes=1 << 30)
+    assert fast.backend_name == "internode" and fast._backend.ranks_per_node == gpus_per_node
+    out = []
+    for case in (Case(num_ranks=r, tokens=(512, 300), hidden=7168, num_topk=8, num_experts=64, seed=1),
+                 Case(num_ranks=r, tokens=(0, 77), hidden=2048, num_topk=4, num_experts=16, seed=2, hot_expert=3)):
+        for fp8 in (False, True):
+            out.append(G.check_ht_case(ref, fast, case, ctx.rank, fp8, with_bias=not fp8))
+        out.append(G.check_ht_case(ref, fast, case, ctx.rank, False, worst=sum(case.tokens)))
+    G.check_ht_async(ref, fast, case, ctx.rank)
+    return len(out)
+
+
+@pytest.mark.skipif(WORLD != 2 or torch.cuda.device_count() < 2, reason="two GPUs: two virtual nodes of one")
+@pytest.mark.parametrize("gpus_per_node", [1, 2], ids=["two-nodes-nvshmem", "one-node-p2p-stores"])
+def test_internode_high_throughput(gpus_per_node):
+    from epcomm.kernels import nvshmem
+
+    if not nvshmem.available():
+        pytest.skip("torch's NVSHMEM Triton bindings are unavailable")
+    assert parallel_launch(2, _ht_rank, gpus_per_node, backend="nccl", timeout_s=300) == [6, 6]

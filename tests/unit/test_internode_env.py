@@ -61,6 +61,6 @@ def test_epcomm_env_reports_the_internode_settings(monkeypatch):
     assert "EPCOMM_GPUS_PER_NODE=1" in text and "NVSHMEM_IB_SL=3  (yours)" in text
     assert "NVSHMEM_IBGDA_NUM_RC_PER_PE=24" in text
     assert "a group across nodes runs: internode where NVSHMEM comes up (else reference): low-latency over " \
-           "NVSHMEM; high-throughput through the reference implementation over the group" in text
+           "NVSHMEM; high-throughput hierarchical over NVSHMEM and NVLink" in text
     monkeypatch.setenv("EPCOMM_GPUS_PER_NODE", "zero")
     assert "virtual nodes: error: EPCOMM_GPUS_PER_NODE must be a positive integer" in "\n".join(doctor.internode()[1])

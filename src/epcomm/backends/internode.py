@@ -6,9 +6,10 @@ What it serves:
   ``kernels/internode_ll.py`` and ``kernels/ll.py``'s receive side): per-expert messages straight to the
   destination rank, NVSHMEM puts (staged in this rank's symmetric buffer) to ranks on other nodes,
   plain stores to ranks of this node when ``allow_nvlink_for_low_latency_mode`` (else NVSHMEM too);
-- **high-throughput** dispatch, cached dispatch and combine through the reference implementation
-  over the group (``ReferenceBackend``: NCCL on GPUs), until the hierarchical kernels (a token crosses
-  the network once per node) exist. :data:`SERVES` says so; ``epcomm env`` and the selection log print it.
+- **high-throughput** dispatch, cached dispatch and combine, hierarchical (``backends/internode_ht.py``,
+  ``kernels/internode_ht.py``): a token crosses the network at most once per destination node, to the
+  rank with the sender's local index there, which forwards it over NVLink; combine reduces in the node
+  first. Its layout exchange is one ``all_gather`` over the group (the call's host synchronisation).
 
 Also here: the node map (hosts, or virtual nodes of ``EPCOMM_GPUS_PER_NODE`` ranks), the NVSHMEM settings
 applied before NVSHMEM initialises (``_env.nvshmem_settings``), NVSHMEM symmetric memory through torch
@@ -19,7 +20,8 @@ Letters: ``R`` ranks, ``N`` GPUs per node, ``P = R / N`` nodes.
 Symmetric buffer (one NVSHMEM allocation per Buffer)::
 
     [LL region: num_rdma_bytes, laid out by layout.low_latency_buffer_layout]
-    [signals: 2 parities x 3R uint64][M table: int32[R]][combine staging: num_rdma_bytes / 2]
+    [LL signals: 2 parities x 3R uint64][M table: int32[R]][LL combine staging: num_rdma_bytes / 2]
+    [HT region: num_nvl_bytes (+ num_rdma_bytes outside low-latency mode), 64 MiB if both are 0]
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ from .base import Backend, PeerTimeoutError
 log = logging.getLogger(__name__)
 
 BUILT = True  # the low-latency kernels over NVSHMEM (see the module docstring)
-SERVES = ("low-latency over NVSHMEM; high-throughput through the reference implementation over the group "
-          "(the hierarchical kernels are not built yet)")
+SERVES = ("low-latency over NVSHMEM; high-throughput hierarchical over NVSHMEM and NVLink (layout exchange "
+          "through torch.distributed)")
 NOT_BUILT = "the internode backend's kernels are not built"  # (while BUILT is False; kept for epcomm env)
 
+DEFAULT_HT_BYTES = 64 << 20  # the high-throughput region when the Buffer names no bytes for it
 _applied: dict | None = None  # the NVSHMEM settings in force once applied in this process
 
 
@@ -125,7 +128,7 @@ def _align(n: int, a: int = 128) -> int:
 
 
 class InternodeBackend(Backend):
-    """Low-latency over NVSHMEM, high-throughput through the reference implementation (module docstring).
+    """Low-latency and hierarchical high-throughput over NVSHMEM (module docstring).
 
     ``sim``: the kernels run under the Triton interpreter with the NVSHMEM calls simulated (the CPU
     emulation, ``testing/cpu_internode.py``); default: when ``TRITON_INTERPRET=1``."""
@@ -153,19 +156,22 @@ class InternodeBackend(Backend):
         self.cstage_off = self.mtab_off + _align(4 * r_)
         # the combine staging holds R*M float32 rows, at most one parity's combine area: half the LL region
         self.cstage_bytes = _align(self.rdma_bytes // 2) if buf.low_latency_mode else 0
-        total = self.cstage_off + self.cstage_bytes
+        self.ht_off = self.cstage_off + self.cstage_bytes
+        ht = buf.num_nvl_bytes + (0 if buf.low_latency_mode else buf.num_rdma_bytes)
+        self.ht_bytes = _align(ht or DEFAULT_HT_BYTES)
+        total = self.ht_off + self.ht_bytes
         if not self.sim:
             self.nvshmem_settings = prepare_nvshmem(buf.num_qps_per_rank, total)
         self.symm, self.hdl = nvshmem_symmetric(total, self.device, self.group)
         self.symm.zero_()
         ptrs = [int(p) for p in self.hdl.buffer_ptrs]
-        if self.nvl:  # plain stores need the peers of this node mapped (NVSHMEM P2P)
-            node = self.rank // self.ranks_per_node
-            unmapped = [r for r in range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
-                        if not ptrs[r]]
-            if unmapped:
-                raise RuntimeError(f"allow_nvlink_for_low_latency_mode=True but NVSHMEM maps no pointer to rank(s) "
-                                   f"{unmapped} of this node; pass allow_nvlink_for_low_latency_mode=False")
+        # plain stores to the ranks of this node (the HT forward and combine, the LL path with
+        # allow_nvlink_for_low_latency_mode) need them mapped: NVSHMEM's P2P pointers
+        node = self.rank // self.ranks_per_node
+        unmapped = [r for r in range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node) if not ptrs[r]]
+        if unmapped:
+            raise RuntimeError(f"NVSHMEM maps no pointer to rank(s) {unmapped} of this node: the internode backend "
+                               "needs peer (NVLink/P2P) access inside a node")
         self.ptr_table = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
         # error word [code, peer, observed, target, host-mirror address (int64)], as the nvlink backend's
         self.err_host = torch.zeros(4, dtype=torch.int32, device="cpu").pin_memory()
@@ -173,10 +179,12 @@ class InternodeBackend(Backend):
         words = torch.zeros(8, dtype=torch.int32, device=self.device)
         self.err = words[:6]
         self.err[4:].view(torch.int64).fill_(self.err_host.data_ptr())
+        # the reference's collectives (with their deadlines) carry the HT layout exchange; its local buffer
+        # is get_local_buffer_tensor's (the HT region is the kernels' staging, not the user's)
         self._ref = ReferenceBackend(buf.group, buf.rank, r_, buf.device, buf.timeout_s, buf.num_nvl_bytes, 0)
         self.nvl_buffer = self._ref.nvl_buffer
         self.rdma_buffer = self.symm[:buf.num_rdma_bytes]
-        self._ll = None
+        self._ll = self._ht = None
         self.sync_and_barrier()
 
     # ------------------------------------------------------------------ helpers
@@ -212,18 +220,28 @@ class InternodeBackend(Backend):
         raise PeerTimeoutError(self.rank, phase, word[1], self.timeout_s,
                                f"signal {word[2]} < expected {word[3]}; this Buffer is now unusable")
 
-    # ------------------------------------------------------------------ high-throughput: the reference
+    # ------------------------------------------------------------------ high-throughput (hierarchical)
+
+    def _ht_impl(self):
+        if self._ht is None:
+            from .internode_ht import InternodeHighThroughput
+
+            self._ht = InternodeHighThroughput(self)
+        return self._ht
 
     def dispatch(self, args):
+        self.check_mirror()
         if args.topk_idx is not None:  # Buffer leaves the range check to a backend that checks on the device
             V.topk_idx(args.topk_idx, None, args.num_tokens_per_expert.numel(), self.device)
-        return self._ref.dispatch(args)
+        return self._ht_impl().dispatch(args)
 
     def cached_dispatch(self, x, x_scales, handle):
-        return self._ref.cached_dispatch(x, x_scales, handle)
+        self.check_mirror()
+        return self._ht_impl().cached_dispatch(x, x_scales, handle)
 
     def combine(self, x, handle, topk_weights, bias):
-        return self._ref.combine(x, handle, topk_weights, bias)
+        self.check_mirror()
+        return self._ht_impl().combine(x, handle, topk_weights, bias)
 
     # ------------------------------------------------------------------ low-latency
 

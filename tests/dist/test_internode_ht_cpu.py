@@ -1,0 +1,119 @@
+"""Tier 2: the internode backend's hierarchical high-throughput path — host code and Triton kernels under
+the interpreter, the NVSHMEM device calls simulated — on CPU processes in virtual nodes
+(``EPCOMM_GPUS_PER_NODE``), against the reference backend (``epcomm.testing.cpu_internode``).
+
+- Two nodes of one rank (every transfer between ranks crosses the simulated network): BF16 and FP8
+  dispatch bitwise with top-k ids and weights, the handle, cached dispatch, ``num_worst_tokens``,
+  combine (with bias) and its weights within the budget, a rank that sends nothing and a hot expert.
+- Four ranks in two nodes of two: BF16 and FP8, and the hierarchy itself: each token crosses to a
+  node at most once (messages per node = ``num_tokens_per_rdma_rank`` from ``get_dispatch_layout``,
+  fewer than the (token, rank) pairs when a token has two ranks in one node), forwarded in the node.
+- A relay that never forwards gives the deadline error naming the rank and the phase.
+
+NVSHMEM itself is tier 3's (``tests/gpu/test_internode_nvshmem.py``). Shapes are tiny: the interpreter
+runs every program in Python.
+"""
+import importlib.util
+import os
+import uuid
+
+import pytest
+
+from epcomm.testing.launcher import parallel_launch
+
+# (not importorskip: the ranks must set TRITON_INTERPRET before anything imports Triton)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+
+
+def _ht(ctx, tag, gpus_per_node):
+    os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
+    from epcomm.testing import cpu_nvlink
+
+    cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
+    import torch
+
+    from epcomm import Buffer
+    from epcomm.testing import cpu_internode
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    r = ctx.world_size
+    ref = Buffer(ctx.group)
+    fast = cpu_internode.internode_buffer(ctx.group, num_nvl_bytes=32 << 20)
+    assert fast.backend_name == "internode" and fast._backend.ranks_per_node == gpus_per_node
+    cases = [Case(num_ranks=r, tokens=tuple(5 + 3 * i for i in range(r)), hidden=128, num_topk=4,
+                  num_experts=4 * r, seed=1),
+             Case(num_ranks=r, tokens=tuple(0 if i == 0 else 7 for i in range(r)), hidden=256, num_topk=2,
+                  num_experts=2 * r, hot_expert=1, seed=2)]
+    checks = [(cases[0], False, 0), (cases[0], True, 0)]  # (case, FP8, num_worst_tokens)
+    if r == 2:
+        checks += [(cases[0], False, sum(cases[0].tokens) + 3), (cases[1], False, 0)]
+    sent = []
+    for case, fp8, worst in checks:
+        G.check_ht_case(ref, fast, case, ctx.rank, fp8, worst=worst, with_bias=not fp8 and not worst)
+        # the hierarchy: one message per (token, destination node)
+        npos = fast._backend._ht.last_npos
+        _, per_node, _, in_rank, _ = fast.get_dispatch_layout(G.device_inputs(case, ctx.rank, "cpu")[2],
+                                                              case.num_experts)
+        sent.append(((npos >= 0).sum(0).tolist(), per_node.tolist(), int(in_rank.sum())))
+    if r > 2:
+        return sent
+    # combines in a row on one handle (the combine areas alternate, the markers tell calls apart)
+    case = cases[0]
+    xin, x, topk, w = G.device_inputs(case, ctx.rank, "cpu")
+    res = G._dispatch(fast, xin, topk, w, case.num_experts)
+    outs = [fast.combine(res[0], res[4], topk_weights=res[2])[0] for _ in range(3)]
+    assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs)
+    return sent
+
+
+def test_internode_high_throughput_two_virtual_nodes():
+    res = parallel_launch(2, _ht, uuid.uuid4().hex[:12], 1, backend="gloo", timeout_s=300)
+    for sent in res:
+        for per_node_sent, per_node_layout, pairs in sent:
+            assert per_node_sent == per_node_layout, sent  # nodes of one rank: one message per (token, rank)
+
+
+def test_internode_high_throughput_four_ranks_in_two_nodes():
+    res = parallel_launch(4, _ht, uuid.uuid4().hex[:12], 2, backend="gloo", timeout_s=300)
+    fewer = 0
+    for sent in res:
+        for per_node_sent, per_node_layout, pairs in sent:
+            assert per_node_sent == per_node_layout, sent
+            fewer += sum(per_node_sent) < pairs
+    assert fewer > 0, "no token went to two ranks of one node: the case does not show the hierarchy"
+
+
+def _absent_relay(ctx, tag):
+    """Rank 1 joins the layout exchange of a dispatch but never runs its kernels: rank 0's receive
+    waits for its forward (rank 1 is rank 0's relay on node 1, and node 1's rank) and gives up."""
+    os.environ["EPCOMM_GPUS_PER_NODE"] = "1"
+    from epcomm.testing import cpu_nvlink
+
+    cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
+    from epcomm.backends.base import PeerTimeoutError
+    from epcomm.testing import cpu_internode
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    fast = cpu_internode.internode_buffer(ctx.group, spins=1e3, num_nvl_bytes=32 << 20)
+    case = Case(num_ranks=2, tokens=(4, 4), hidden=128, num_topk=2, num_experts=4, seed=3)
+    xin, x, topk, w = G.device_inputs(case, ctx.rank, "cpu")
+    if ctx.rank == 1:
+        ht = fast._backend._ht_impl()
+        ht._move = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("rank 1 stops after the notify"))
+        try:
+            G._dispatch(fast, xin, topk, w, case.num_experts)
+        except RuntimeError as e:
+            return str(e)
+    try:
+        G._dispatch(fast, xin, topk, w, case.num_experts)
+    except PeerTimeoutError as e:
+        return str(e)
+    return "no error"
+
+
+def test_internode_high_throughput_deadline():
+    res = parallel_launch(2, _absent_relay, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
+    assert res[1] == "rank 1 stops after the notify"
+    assert "rank 1" in res[0] and "dispatch/receive-data" in res[0], res[0]
