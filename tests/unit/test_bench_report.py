@@ -13,7 +13,8 @@ from epcomm.bench.cases import BenchCase
 CASE = dataclasses.asdict(BenchCase("small", "ht", 64, 256, 4, 16))
 ENV = {"date": "2026-11-21T00:00:00+00:00", "device": "cpu", "gpu_count": 0, "driver": None, "cuda": None,
        "nccl": None, "torch": "2.x", "triton": None, "epcomm": "0.1.0", "git_sha": "abc", "git_dirty": False,
-       "python": "3.11", "world_size": 2, "transport": "gloo", "backends": ["nvlink", "reference"], "epcomm_env": {}}
+       "python": "3.11", "world_size": 2, "transport": "gloo", "backends": ["nvlink", "reference"], "epcomm_env": {},
+       "launch": "local processes"}
 
 
 def result(backend, median, *, lb=1000, kb=500, check="pass", phase="total", p10=None, p90=None,
@@ -132,3 +133,12 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
     with pytest.raises(ImportError, match=r"pip install 'epcomm\[plot\]'"):
         plot.plot_rows([{"x": 1}], "unused")
+
+
+def test_rows_say_how_the_ranks_were_started():
+    assert report.launch_description({}) == "local processes"
+    assert report.launch_description({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}) == "torchrun: 2 host(s) x 8 rank(s)"
+    assert report.launch_description({"WORLD_SIZE": "2"}) == "torchrun: 1 host(s) x 2 rank(s)"
+    head = report.render_header(dict(ENV, launch="torchrun: 2 host(s) x 8 rank(s)"), None)
+    assert "2 ranks on gloo (torchrun: 2 host(s) x 8 rank(s))" in head.splitlines()[0]
+    assert "torchrun" not in report.render_header(ENV, None)

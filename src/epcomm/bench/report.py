@@ -38,7 +38,7 @@ ROW_FIELDS = (
     "check", "timed_check", "env",
 )
 ENV_FIELDS = ("date", "device", "gpu_count", "driver", "cuda", "nccl", "torch", "triton", "epcomm", "git_sha",
-              "git_dirty", "python", "world_size", "transport", "backends", "epcomm_env")
+              "git_dirty", "python", "world_size", "transport", "backends", "epcomm_env", "launch")
 
 
 def _timed_check(rs: list[dict]) -> str:
@@ -149,8 +149,26 @@ def environment(device_info: dict, world_size: int, transport: str, backends: li
         "backends": backends,
         # the epcomm variables set for this run (EPCOMM_HT_TRANSFER, EPCOMM_TUNE, ...): what ran
         "epcomm_env": epcomm_variables(),
+        "launch": launch_description(),
     }
     return env
+
+
+def launch_description(environ: dict | None = None) -> str:
+    """How the ranks were started: ``"torchrun: <hosts> host(s) x <n> rank(s)"`` where torchrun's
+    ``WORLD_SIZE``/``LOCAL_WORLD_SIZE`` are set, else ``"local processes"`` (bench spawned them).
+
+    Example: ``launch_description({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}) ==
+    "torchrun: 2 host(s) x 8 rank(s)"``."""
+    e = os.environ if environ is None else environ
+    world, local = e.get("WORLD_SIZE"), e.get("LOCAL_WORLD_SIZE") or e.get("WORLD_SIZE")
+    if not world:
+        return "local processes"
+    try:
+        w, l_ = int(world), int(local)
+        return f"torchrun: {w // l_ if l_ else '?'} host(s) x {l_} rank(s)"
+    except ValueError:
+        return f"torchrun: WORLD_SIZE={world!r} LOCAL_WORLD_SIZE={local!r}"
 
 
 def _key(r: dict) -> tuple:
@@ -309,8 +327,9 @@ def render_header(env: dict, ce_gbps: float | None) -> str:
     """Two or three lines naming the device, versions and date above the table."""
     dev = env["device"] + (f" x{env['gpu_count']}" if env.get("gpu_count") else "")
     lines = [
-        (f"epcomm bench | {dev} | {env['world_size']} ranks on {env['transport']} | backends: "
-         f"{', '.join(env['backends'])}"),
+        (f"epcomm bench | {dev} | {env['world_size']} ranks on {env['transport']}"
+         + (f" ({env['launch']})" if str(env.get("launch", "")).startswith("torchrun") else "")
+         + f" | backends: {', '.join(env['backends'])}"),
         f"torch {env['torch']} | triton {env['triton'] or 'absent'} | epcomm {env['epcomm']} "
         f"(git {(env.get('git_sha') or 'unknown')[:12]}{'+dirty' if env.get('git_dirty') else ''}) | "
         + (f"driver {env['driver']} | cuda {env['cuda']} | nccl {env['nccl']} | " if env.get("gpu_count") else "")
