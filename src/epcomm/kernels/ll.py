@@ -109,7 +109,8 @@ def _ll_send(t, b, n_programs, x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
         cc = tl.arange(0, 128)
         gm = gg < G
         offs = gg[:, None] * 128 + cc[None, :]
-        v = tl.load(x_ptr + t64 * H + offs, mask=gm[:, None], other=0.0)
+        om = gm[:, None] & (offs < H)  # (BF16 rows need not be whole groups of 128: H % 8 == 0)
+        v = tl.load(x_ptr + t64 * H + offs, mask=om, other=0.0)
         if USE_FP8:
             q, scale = _fp8_cast(v, GC, ROUND_SCALE)
         for j in range(0, R):
@@ -121,7 +122,7 @@ def _ll_send(t, b, n_programs, x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M,
                     tl.store(base.to(tl.pointer_type(tl.float8e4nv)) + offs, q, mask=gm[:, None])
                     tl.store((base + H).to(tl.pointer_type(tl.float32)) + gg, scale, mask=gm)
                 else:
-                    tl.store(base.to(tl.pointer_type(tl.bfloat16)) + offs, v, mask=gm[:, None])
+                    tl.store(base.to(tl.pointer_type(tl.bfloat16)) + offs, v, mask=om)
     if ticket_last_n(ticket_ptr, n_programs):
         for j in range(0, R):
             if _alive(mask_ptr, j, SHRINK) != 0:
