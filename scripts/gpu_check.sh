@@ -13,6 +13,10 @@
 #                   and a torch.profiler table, under $OUT/profile/
 #   shared [WORLD]  tier 3 with WORLD ranks (default 2) time-sharing the GPUs (EPCOMM_TEST_SHARE_GPU=1):
 #                   for single-GPU kinds; correctness of the multi-rank paths only, no timing (~5 min at 2)
+#   shared-nvshmem  the internode tier 3 (tests/gpu/test_internode_nvshmem.py) with 2 ranks on one GPU:
+#                   NVSHMEM takes two PEs per GPU only under MPS with each process's
+#                   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE <= 50 (else "not supported with limited MPG"), so
+#                   this mode starts a private MPS daemon (its own pipe directory) and stops it after (~9 min)
 # Every mode prints the GPUs and versions first and exits non-zero if a step failed.
 # Extra arguments: PYTEST_ARGS (tests, shared: e.g. "-k graph"), BENCH_ARGS (bench, profile: e.g.
 # "--mode ll"), EPCOMM_TUNE / EPCOMM_HT_TRANSFER to measure a variant (recorded in every JSONL row).
@@ -22,8 +26,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
 OUT="${OUT:-/tmp/epcomm-out}"; mkdir -p "$OUT"
 mode="${1:-}"
-case "$mode" in tests|bench|figures|profile|shared) ;;
-  *) sed -n '2,18p' "$0"; exit 2 ;;
+case "$mode" in tests|bench|figures|profile|shared|shared-nvshmem) ;;
+  *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
@@ -42,6 +46,16 @@ if [[ "$mode" == shared ]]; then
   export EPCOMM_TEST_SHARE_GPU=1 EPCOMM_TEST_WORLD="${2:-2}"
   timeout 560 "${pytest[@]}" tests/gpu ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tier3-shared$EPCOMM_TEST_WORLD.log" \
     | tail -30 || rc=1
+fi
+
+if [[ "$mode" == shared-nvshmem ]]; then
+  export EPCOMM_TEST_SHARE_GPU=1 EPCOMM_TEST_WORLD=2 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/epcomm-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/epcomm-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "could not start an MPS daemon"; exit 1; }
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  timeout 560 "${pytest[@]}" tests/gpu/test_internode_nvshmem.py ${PYTEST_ARGS:-} 2>&1 \
+    | tee "$OUT/tier3-internode-mps.log" | tail -30 || rc=1
 fi
 
 if [[ "$mode" == bench ]]; then

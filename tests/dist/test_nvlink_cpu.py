@@ -160,9 +160,9 @@ def test_three_ranks_on_cpu_processes():
     res = parallel_launch(3, _ht, uuid.uuid4().hex[:12], {"EPCOMM_TUNE": "ce_flag=copy"}, {}, backend="gloo",
                           timeout_s=300)
     assert all(len(r) == 6 for r in res)
-    assert parallel_launch(3, _ll, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [5, 5, 5]
+    assert parallel_launch(3, _ll, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [6, 6, 6]
     assert parallel_launch(3, _ll, uuid.uuid4().hex[:12], {"EPCOMM_TUNE": "ll.fused_dispatch=1,ll.fused_combine=1"},
-                           backend="gloo", timeout_s=300) == [5, 5, 5]
+                           backend="gloo", timeout_s=300) == [6, 6, 6]
 
 
 def _absent(ctx, tag):
