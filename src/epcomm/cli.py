@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hidden", type=_positive_int, default=None, help="hidden size (a multiple of 128)")
     b.add_argument("--topk", type=_positive_int, default=None, help="experts per token")
     b.add_argument("--experts", type=_positive_int, default=None, help="experts in total (divisible by ranks)")
-    b.add_argument("--backend", choices=("auto", "reference", "nvlink"), default="auto",
+    b.add_argument("--backend", choices=("auto", "reference", "nvlink", "internode"), default="auto",
                    help="backend to time (default: what Buffer picks); the reference is always timed too")
     b.add_argument("--num-sms", type=_positive_int, default=None, help="Buffer.set_num_sms (even)")
     b.add_argument("--iters", type=_positive_int, default=None, help="timed iterations (default 50 GPU, 20 CPU)")

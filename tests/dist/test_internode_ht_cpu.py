@@ -64,6 +64,19 @@ def _ht(ctx, tag, gpus_per_node):
     res = G._dispatch(fast, xin, topk, w, case.num_experts)
     outs = [fast.combine(res[0], res[4], topk_weights=res[2])[0] for _ in range(3)]
     assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs)
+    # high_throughput_bytes is what these calls needed (the largest BF16 case), to the byte; far less
+    # is a ValueError naming the size
+    from epcomm.backends.internode_ht import high_throughput_bytes
+    need = max(high_throughput_bytes(max(c.tokens), c.hidden, c.num_topk, r, gpus_per_node, round_mib=False)
+               for c in {c for c, _, _ in checks})
+    assert fast._backend._ht.peak_bytes == need, (fast._backend._ht.peak_bytes, need)
+    small = cpu_internode.internode_buffer(ctx.group, num_nvl_bytes=64 << 10)
+    try:
+        G._dispatch(small, xin, topk, w, case.num_experts)
+    except ValueError as e:
+        assert "num_nvl_bytes=65536 is too small" in str(e), e
+    else:
+        raise AssertionError("a 64 KiB buffer took the dispatch")
     return sent
 
 

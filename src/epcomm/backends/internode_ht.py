@@ -46,6 +46,39 @@ def _align(n: int, a: int = 128) -> int:
     return (n + a - 1) // a * a
 
 
+def _dispatch_areas(tm: int, w: int, mw: int, r_: int, p_: int) -> tuple[int, int, int]:
+    """Offsets in a dispatch area (relative to its start) of the node slots and the rank slots, and
+    the bytes it needs: the staged messages ``[tm, mw]``, one slot per node, one per rank (words)."""
+    rdma = _align(tm * mw * 4)
+    nvl = rdma + _align(p_ * tm * mw * 4)
+    return rdma, nvl, nvl + r_ * tm * w * 4
+
+
+def _combine_areas(tm: int, cw: int, fw: int, n_: int, p_: int) -> tuple[int, int, int]:
+    """Offsets in a combine area of the relay's staging and the final partials, and the bytes it
+    needs: a slot of ``[tm, cw]`` per rank, then ``[tm, fw]`` per node twice (words)."""
+    stage = _align(p_ * n_ * tm * cw * 4)
+    fin = stage + _align(p_ * tm * fw * 4)
+    return stage, fin, fin + p_ * tm * fw * 4
+
+
+def high_throughput_bytes(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ranks_per_node: int,
+                          round_mib: bool = True) -> int:
+    """The high-throughput buffer (``num_nvl_bytes``, plus ``num_rdma_bytes`` outside low-latency
+    mode) this path needs for batches of up to ``num_tokens`` per rank: four areas (dispatch and
+    combine, two parities each), each the larger of a BF16 dispatch with top-k (the staged rows, one
+    slot per node, one per rank of the node) and a combine (a slot per rank, two per node), plus the
+    signals. Rounded up to MiB unless ``round_mib`` is false; nodes of one rank need the most. Example: 4096 tokens of 7168 with
+    top-8 at 2 ranks in nodes of 1 -> 2244 MiB (the combine's float32 partials are the larger part)."""
+    r_, n_ = num_ranks, ranks_per_node
+    p_, tm = r_ // n_, max(1, num_tokens)
+    w = (2 * hidden + 12 * num_topk + 4 + 3) // 4  # x, topk_idx (int64), weights, token index
+    dispatch = _dispatch_areas(tm, w, w + r_, r_, p_)[2]
+    combine = _combine_areas(tm, (2 * hidden + 3) // 4 + num_topk + 1, hidden + num_topk + 1, n_, p_)[2]
+    need = 4 * max(dispatch, combine) + 2 * _align((2 * p_ + 2 * n_) * 8)
+    return (need + (1 << 20) - 1) >> 20 << 20 if round_mib else need
+
+
 def _go(launcher: Launcher, name: str, grid: tuple, *args, **consts) -> None:
     """Launch with a key that fixes what Triton specialises integer arguments on (1, divisible by 16,
     64-bit): the offsets and sizes here change with the call's shapes (kernels/launch.py)."""
@@ -98,8 +131,10 @@ class InternodeHighThroughput:
         self.areas = [start + q * self.area_bytes for q in range(4)]  # dispatch p0, p1, combine p0, p1
         self.d_calls = 0
         self.c_calls = 0
+        self.peak_bytes = 0
 
     def _need(self, need: int, what: str) -> None:
+        self.peak_bytes = max(self.peak_bytes, 4 * need + 2 * self.sig_stride)  # what this rank has needed
         if need > self.area_bytes:
             buf = self.be._buf()
             raise ValueError(f"num_nvl_bytes={buf.num_nvl_bytes if buf else '?'} is too small for this {what}: the "
@@ -128,11 +163,11 @@ class InternodeHighThroughput:
         self.d_calls += 1
         base, sig = self.areas[parity], self.sig[parity]
         stage_off = base
-        rdma_off = base + _align(tm * mw * 4)
+        rdma_rel, nvl_rel, need = _dispatch_areas(tm, w, mw, r_, p_)
+        rdma_off, nvl_off = base + rdma_rel, base + nvl_rel
         slot_words = tm * mw
-        nvl_off = rdma_off + _align(p_ * tm * mw * 4)
         nvl_slot_words = tm * w
-        self._need(nvl_off + r_ * tm * w * 4 - base, "dispatch")
+        self._need(need, "dispatch")
         timer = self._timer
         _go(self.k_send, "send", (max(t, 1),), msg, npos, t, mw, me, n_, p_, self.p_table, stage_off, rdma_off,
                     slot_words, sig, self.p_t[_T_SEND], BLOCK=_BLOCK, SIM=be.sim)
@@ -269,10 +304,10 @@ class InternodeHighThroughput:
         base, sig = self.areas[2 + parity], self.sig[parity]
         rel_off = base
         rel_slot_words = tm * cw
-        stage_off = rel_off + _align(p_ * n_ * tm * cw * 4)
+        stage_rel, fin_rel, need = _combine_areas(tm, cw, fw, n_, p_)
+        stage_off, fin_off = base + stage_rel, base + fin_rel
         fin_slot_words = tm * fw
-        fin_off = stage_off + _align(p_ * tm * fw * 4)
-        self._need(fin_off + p_ * tm * fw * 4 - base, "combine")
+        self._need(need, "combine")
         timer = self._timer
         _go(self.k_csend, "csend", (max(n, 1),), rows.contiguous(), src_rank, src_tok, n, cw, call_id, me, n_, p_,
                      self.p_table, rel_off, rel_slot_words, sig, self.p_t[_T_CSEND], BLOCK=_BLOCK)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..buffer import Buffer
 from ..testing.gpu_cases import forced_backend
-from ..testing.launcher import EnvWorld, env_launch, parallel_launch
+from ..testing.launcher import EnvWorld, env_launch, parallel_launch, share_gpu
 from . import report, workloads
 from .cases import BenchCase
 from .peer import measure_copy_engine
@@ -31,7 +31,7 @@ from .timing import measure
 
 log = logging.getLogger(__name__)
 
-BACKEND_CHOICES = ("auto", "reference", "nvlink")
+BACKEND_CHOICES = ("auto", "reference", "nvlink", "internode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +85,13 @@ def ht_nvl_bytes(case: BenchCase, num_ranks: int) -> int:
     return (max(hint, staging) + (1 << 20) - 1) // (1 << 20) * (1 << 20)
 
 
-def _buffer_kwargs(mode: str, cases: list[BenchCase], num_ranks: int) -> dict:
+def _buffer_kwargs(mode: str, cases: list[BenchCase], num_ranks: int, backend: str = "auto") -> dict:
     if mode == "ht":
-        return {"num_nvl_bytes": max(ht_nvl_bytes(c, num_ranks) for c in cases)}
+        nvl = max(ht_nvl_bytes(c, num_ranks) for c in cases)
+        if backend == "internode":  # the hierarchical path's areas (nodes of one rank: the most it needs)
+            from ..backends.internode_ht import high_throughput_bytes
+            nvl = max([nvl] + [high_throughput_bytes(c.tokens, c.hidden, c.topk, num_ranks, 1) for c in cases])
+        return {"num_nvl_bytes": nvl}
     rdma = max(Buffer.get_low_latency_rdma_size_hint(c.tokens, c.hidden, num_ranks, c.experts) for c in cases)
     return {"num_rdma_bytes": rdma, "low_latency_mode": True}
 
@@ -100,7 +104,7 @@ def make_buffers(group, num_ranks: int, plan: BenchPlan) -> dict[str, dict[str, 
         cases = [c for c in plan.cases if c.mode == mode]
         if not cases:
             continue
-        kw = _buffer_kwargs(mode, cases, num_ranks)
+        kw = _buffer_kwargs(mode, cases, num_ranks, plan.backend)
         with _forced_backend(None if plan.backend == "auto" else plan.backend):
             fast = Buffer(group, **kw)
         bufs = {fast.backend_name: fast}
@@ -257,12 +261,16 @@ def run_bench(plan: BenchPlan, *, world_size: int, device: str = "cpu", progress
     spawned, ``world_size`` must equal its size, and every rank returns the same rows."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda" and world is None:
+    # EPCOMM_TEST_SHARE_GPU=1 with fewer GPUs than ranks: the ranks time-share the GPUs (the tests'
+    # shared mode, joined through gloo); the rows say so, and there is no copy-engine peer to measure
+    shared = device == "cuda" and world is None and share_gpu(world_size)
+    if device == "cuda" and world is None and not shared:
         n = torch.cuda.device_count()
         if world_size > n:
-            raise ValueError(f"world_size={world_size} needs {world_size} GPUs, {n} visible")
+            raise ValueError(f"world_size={world_size} needs {world_size} GPUs, {n} visible "
+                             "(EPCOMM_TEST_SHARE_GPU=1 lets ranks share them, for correctness only)")
     ce = None
-    if device == "cuda" and measure_ce and (world is None or world.rank == 0):
+    if device == "cuda" and measure_ce and not shared and (world is None or world.rank == 0):
         # under a launcher rank 0 measures before joining the group: the others wait in its rendezvous
         if progress is not None:
             progress.show("measuring the copy-engine peer bandwidth", always=True)
@@ -273,7 +281,9 @@ def run_bench(plan: BenchPlan, *, world_size: int, device: str = "cpu", progress
         ce = out[0]["ce_gbps"]
     else:
         out = parallel_launch(world_size, bench_worker, plan, progress, backend=transport, timeout_s=timeout_s)
-    env = report.environment(out[0]["device"], world_size, transport, out[0]["backends"])
+    env = report.environment(out[0]["device"], world_size,
+                             f"gloo, {world_size} ranks sharing {torch.cuda.device_count()} GPU(s)" if shared
+                             else transport, out[0]["backends"])
     rows = report.merge_ranks([o["results"] for o in out], env=env, iters=plan.iters, warmup=plan.warmup,
                               ce_gbps=ce, cached=plan.cached)
     return BenchResult(rows, env, ce)
