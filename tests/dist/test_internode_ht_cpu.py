@@ -77,6 +77,18 @@ def _ht(ctx, tag, gpus_per_node):
         assert "num_nvl_bytes=65536 is too small" in str(e), e
     else:
         raise AssertionError("a 64 KiB buffer took the dispatch")
+    # num_tokens_per_rank that disagrees with is_token_in_rank on rank 1 only: found in the layout
+    # exchange, so both ranks raise (none is left waiting for the other's rows)
+    per_rank, _, per_expert, in_rank, _ = fast.get_dispatch_layout(topk, case.num_experts)
+    if ctx.rank == 1:
+        per_rank = per_rank + 1
+    try:
+        fast.dispatch(xin, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                      num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w)
+    except ValueError as e:
+        assert "does not match is_token_in_rank" in str(e) and ("(on rank 1)" in str(e)) == (ctx.rank == 0), e
+    else:
+        raise AssertionError("a wrong num_tokens_per_rank was accepted")
     return sent
 
 

@@ -96,10 +96,12 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 class _Info:
     """What a handle's later calls (cached dispatch, combine) need of its dispatch's layout exchange."""
 
-    def __init__(self, tokens: list[int], node_cnt: torch.Tensor, tm: int) -> None:
+    def __init__(self, tokens: list[int], node_cnt: torch.Tensor, tm: int, counts: torch.Tensor) -> None:
         self.tokens = tokens  # T of every rank
         self.node_cnt = node_cnt  # [R, P]: tokens rank s sends to node b
         self.tm = tm
+        self.counts = counts  # [R, R] int64 on the host: tokens rank s sends to rank d (no device read later)
+        self.src_rank: torch.Tensor | None = None  # combine's source rank per received row, made once
 
 
 class InternodeHighThroughput:
@@ -199,23 +201,26 @@ class InternodeHighThroughput:
         c = a.num_channels
         is_in = a.is_token_in_rank.contiguous()
         counts_here = is_in.sum(0, dtype=torch.int64)
-        if not torch.equal(counts_here.cpu(), a.num_tokens_per_rank.to(torch.int64).cpu()):
-            raise ValueError(f"num_tokens_per_rank={a.num_tokens_per_rank.tolist()} does not match "
-                             f"is_token_in_rank, which sends {counts_here.tolist()} tokens per rank")
         cpm = layout.channel_prefix_matrix(is_in, c)
         to_node = is_in.view(t, p_, n_).any(2).sum(0, dtype=torch.int64)  # [P]
         extra = torch.zeros(r_, 2, dtype=torch.int64, device=dev)
         extra[:, 0] = t
         extra[::n_, 1] = to_node  # tokens to node b in the row of rank b*N
         meta = torch.cat([counts_here.view(r_, 1), cpm.to(torch.int64),
-                          a.num_tokens_per_expert.to(torch.int64).view(r_, lx), extra], dim=1)
-        g = be._ref._all_gather(meta, "dispatch/notify").cpu()  # [src, dst, 1 + C + L + 2]: the host sync
+                          a.num_tokens_per_expert.to(torch.int64).view(r_, lx), extra,
+                          a.num_tokens_per_rank.to(torch.int64).view(r_, 1)], dim=1)
+        g = be._ref._all_gather(meta, "dispatch/notify").cpu()  # [src, dst, 1 + C + L + 3]: the host sync
         counts = g[:, :, 0]
+        bad = (counts != g[:, :, -1]).any(1).nonzero().flatten().tolist()
+        if bad:  # every rank sees every rank's pair, so all of them raise, and none waits on a peer
+            s_ = bad[0]
+            raise ValueError(f"num_tokens_per_rank={g[s_, :, -1].tolist()} does not match is_token_in_rank, which "
+                             f"sends {counts[s_].tolist()} tokens per rank" + ("" if s_ == me else f" (on rank {s_})"))
         rank_prefix = layout.rank_prefix_matrix(counts)
         recv_cp = layout.recv_channel_prefix_matrix(rank_prefix, g[:, me, 1:1 + c], me)
         per_expert = layout.align_up(g[:, me, 1 + c:1 + c + lx].sum(0), a.expert_alignment)
         tokens = g[:, 0, 1 + c + lx].tolist()
-        info = _Info(tokens, g[:, ::n_, 2 + c + lx], max(1, max(tokens)))
+        info = _Info(tokens, g[:, ::n_, 2 + c + lx], max(1, max(tokens)), counts)
         n = int(counts[:, me].sum())
         if a.num_worst_tokens:
             recv_per_rank = counts.sum(0).tolist()
@@ -262,16 +267,11 @@ class InternodeHighThroughput:
             raise ValueError("handle must come from this Buffer's dispatch (internode backend)")
         return info
 
-    @staticmethod
-    def _counts(handle: DispatchHandle) -> torch.Tensor:
-        prefix = handle.rank_prefix_matrix.to(torch.int64).cpu()
-        return torch.cat([prefix[:1], prefix[1:] - prefix[:-1]], dim=0)
-
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle):
         info = self._info(handle)
         parts = [x] + ([x_scales] if x_scales is not None else [])
         recv = self._move(_pack(parts).view(torch.int32), handle.is_token_in_rank.contiguous(),
-                          self._counts(handle), info).view(torch.uint8)
+                          info.counts, info).view(torch.uint8)
         specs = [(x.dtype, (x.shape[1],))] + ([(torch.float32, (x_scales.shape[1],))] if x_scales is not None else [])
         fields = _unpack(recv, specs)
         rows = handle.recv_src_idx.numel()
@@ -286,7 +286,7 @@ class InternodeHighThroughput:
         info = self._info(handle)
         r_, me, n_, p_ = be.num_ranks, be.rank, be.ranks_per_node, self.p_nodes
         dev = x.device
-        counts = self._counts(handle)
+        counts = info.counts
         n = int(counts[:, me].sum())
         t = handle.is_token_in_rank.shape[0]
         h = x.shape[1]
@@ -296,7 +296,9 @@ class InternodeHighThroughput:
         cw = rows.shape[1] + 1
         fw = h + k + 1
         tm = info.tm
-        src_rank = torch.repeat_interleave(torch.arange(r_, dtype=torch.int32), counts[:, me]).to(dev)
+        if info.src_rank is None:  # once per handle: later combines on it reuse the device tensor
+            info.src_rank = torch.repeat_interleave(torch.arange(r_, dtype=torch.int32), counts[:, me]).to(dev)
+        src_rank = info.src_rank
         src_tok = handle.recv_src_idx[:n].to(torch.int32).contiguous()
         parity = self.c_calls % 2
         self.c_calls += 1
