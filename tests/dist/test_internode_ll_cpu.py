@@ -2,8 +2,8 @@
 interpreter, the NVSHMEM device calls simulated — on CPU processes in virtual nodes
 (``EPCOMM_GPUS_PER_NODE``), against the reference backend (``epcomm.testing.cpu_internode``).
 
-- Two nodes of one rank: every peer through (simulated) NVSHMEM puts. BF16 with the statistics and
-  ``out=``; FP8 with round_scale and UE8M0, the receive hook and zero-copy; ``async_finish``; an expert
+- Two nodes of one rank: every peer through (simulated) NVSHMEM puts. Repeats of a kind of call
+  through Buffer's repeat path; BF16 with the statistics and ``out=``; FP8 with round_scale and UE8M0, the receive hook and zero-copy; ``async_finish``; an expert
   id out of range found on the device; the high-throughput dispatch's expert-id check.
 - Four ranks in two nodes of two: peers of the node by plain stores (allow_nvlink_for_low_latency_mode),
   the others through NVSHMEM; one node of two with allow_nvlink_for_low_latency_mode=False: the node's
@@ -98,6 +98,16 @@ def _two_nodes(ctx, tag):
     be = fast._backend
     assert (be.ranks_per_node, be.nodes) == (1, [0, 1])  # every peer on another node: NVSHMEM puts
     done = []
+    # repeats of one kind of call take Buffer's repeat path (the launches planned by the first call)
+    firsts = []
+    for name in ("_ll_dispatch_first", "_ll_combine_first"):
+        def counted(*a, _f=getattr(fast, name), _n=name):
+            firsts.append(_n)
+            return _f(*a)
+        setattr(fast, name, counted)
+    for i in range(3):
+        G.check_ll_case(ref, fast, case, ctx.rank, M, use_fp8=True, seed_shift=20 + i)
+    assert firsts == ["_ll_dispatch_first", "_ll_combine_first"], firsts
     for i, kw in enumerate([dict(use_fp8=False),
                             dict(use_fp8=True, round_scale=True, ue8m0=True, hook=True),
                             dict(use_fp8=True, zero_copy=True, hook=True)]):

@@ -405,3 +405,20 @@ def test_launches_and_host_synchronisations_per_call(rig, monkeypatch):
     (out, recv), launches, n_sync = per_call(
         b.low_latency_combine, LowLatencyCombineArgs(y, topk, torch.rand(6, K), res.handle, None, None, 1, None))
     assert (launches, n_sync) == (2, 0) and per_call(recv)[1:] == (1, 0)
+
+
+def test_launcher_binds_an_nvshmem_kernel_through_its_jit_function():
+    """torch's ``requires_nvshmem`` hands back a wrapper (``jit_func``, ``extern_libs``): the launcher
+    binds the kernel itself and passes the extern libraries on every launch through Triton, so the
+    NVSHMEM kernels take the bound path like the others."""
+    from epcomm.kernels.launch import Launcher
+
+    class Wrapper:  # the shape of torch's GridCallableWithExtern
+        def __init__(self, jit_func, extern_libs):
+            self.jit_func, self.extern_libs = jit_func, extern_libs
+
+    libs = {"libnvshmem_device": "/nowhere/libnvshmem_device.bc"}
+    lw = Launcher(Wrapper(ll._ll_dispatch_send_kernel, libs))
+    assert lw.fn is ll._ll_dispatch_send_kernel and lw.extra == {"extern_libs": libs}
+    assert lw.name == Launcher(ll._ll_dispatch_send_kernel).name
+    assert Launcher(ll._ll_dispatch_send_kernel).extra == {}

@@ -260,6 +260,25 @@ class InternodeBackend(Backend):
         self.check_mirror()
         return self._ll_impl().combine(args)
 
+    def low_latency_dispatch_run(self, args):
+        self.check_mirror()
+        return self._checked_run(self._ll_impl().dispatch_run(args))
+
+    def low_latency_combine_run(self, args):
+        self.check_mirror()
+        return self._checked_run(self._ll_impl().combine_run(args))
+
+    def _checked_run(self, run):
+        """``run`` (Buffer's repeat path) after the check of the error word's host mirror."""
+        err, check = self._err_view, self.check_mirror
+
+        def checked(*tensors):
+            if err[0]:
+                check()
+            return run(*tensors)
+
+        return checked
+
     def low_latency_zero_copy_buffer(self, handle):
         return self._ll_impl().zero_copy_buffer(handle)
 

@@ -12,9 +12,11 @@ kernels read local memory only. Buffer regions (``backends/internode.py``): the 
 ``3R`` uint64 signal words, the M table, the combine staging.
 
 A call: dispatch = send kernel, then (at once, or in ``hook()``) receive kernel; combine = weights
-kernel, reduce kernel, then the receive kernel. Results are fresh tensors per call; the receive areas
-alternate by parity as in nvlink (at most two low-latency calls in flight). Launches go through
-``kernels/launch.Launcher`` per call (no per-kind plan yet: the host path is not tuned).
+kernel, reduce kernel, then the receive kernel. As in nvlink, each kind of call (shapes, dtypes, flags,
+parity, alignment) is planned once (``_dispatch_call``, ``_combine_call``): its launches are
+``kernels/launch.Direct`` with every fixed argument in place, and its outputs are two persistent sets
+that alternate by parity, like the receive areas (results of at most two low-latency calls are alive
+at once). ``dispatch_run`` / ``combine_run`` hand the plan to ``Buffer``'s repeat path.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import dataclasses
 import torch
 
 from .. import layout
-from ..kernels.launch import Launcher, Ptr
+from ..kernels.launch import Direct, Launcher, Ptr
 from ..layout import LowLatencyHandle
 from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult
 
@@ -55,6 +57,10 @@ class _Plan:
         self.zero_copy = None
 
 
+class _Call:
+    """The launches and fixed arguments of one kind of low-latency call, made on its first occurrence."""
+
+
 class InternodeLowLatency:
     """The low-latency engine over an ``InternodeBackend`` ``be`` (its symmetric buffer, pointer table,
     error word, node size and switches)."""
@@ -83,6 +89,10 @@ class InternodeLowLatency:
         self.k_crecv = Launcher(ll._ll_combine_recv_kernel)
         self._plans: dict = {}
         self._m_word = None  # the M last announced
+        self._dcalls: dict = {}  # (kind, T) -> _Call
+        self._ccalls: dict = {}
+        self._outs: dict = {}  # (M, H, E, parity, fp8, ue8m0) -> that parity's dispatch outputs
+        self._couts: dict = {}  # (M, H, parity) -> that parity's combine output (M rows)
 
     @property
     def _common(self) -> dict:
@@ -109,112 +119,205 @@ class InternodeLowLatency:
 
     # ------------------------------------------------------------------ dispatch
 
-    def dispatch(self, a: LowLatencyDispatchArgs):
-        """Send now; returns ``(result, receive)``: ``receive()`` launches the receive kernel."""
+    def _dispatch_outputs(self, pl: _Plan, parity: int, use_fp8: bool, ue8m0: bool):
+        """The outputs of a dispatch on ``parity``, allocated once (two sets alternate call by call)."""
+        key = (pl.m, pl.h, pl.e, parity, use_fp8, ue8m0)
+        out = self._outs.get(key)
+        if out is None:
+            be = self.be
+            r_, dev, lx, h, g = be.num_ranks, be.device, pl.lx, pl.h, pl.g
+            rm = r_ * pl.m
+            # the receive kernel writes rows as int32 words: allocated as words, viewed as the payload
+            words = torch.empty(lx, rm, h // (4 if use_fp8 else 2), dtype=torch.int32, device=dev)
+            sc = None
+            if use_fp8:
+                sc = torch.empty(lx, (g + 3) // 4 if ue8m0 else g, rm,
+                                 dtype=torch.int32 if ue8m0 else torch.float32, device=dev)
+                recv_x = (words.view(torch.float8_e4m3fn), sc.transpose(1, 2))
+            else:
+                recv_x = words.view(torch.bfloat16)
+            recv_src = torch.empty(lx, rm, dtype=torch.int32, device=dev)
+            recv_range = torch.empty(lx, r_, dtype=torch.int64, device=dev)
+            recv_count = torch.empty(lx, dtype=torch.int32, device=dev)
+            recv_src._epcomm_ll_parity = parity  # which area holds this dispatch's slots (combine reads them)
+            result = LowLatencyDispatchResult(recv_x, recv_count, LowLatencyHandle(recv_src, recv_range, pl.m, h,
+                                                                                   pl.e))
+            out = self._outs[key] = (result, words, sc, recv_src, recv_range, recv_count)
+        return out
+
+    def _dispatch_call(self, a: LowLatencyDispatchArgs, t: int, h: int, k: int, key: tuple) -> _Call:
+        """Everything a dispatch of this kind needs but its per-call tensors: ``c.run(x, topk, cum, wst)``
+        sends and returns ``(result, receive)``."""
         be = self.be
-        x, topk = a.x.contiguous(), a.topk_idx.contiguous()
-        t, h = x.shape
-        k = topk.shape[1]
-        m, e = a.num_max_dispatch_tokens_per_rank, a.num_experts
+        r_, me, m, e = be.num_ranks, be.rank, a.num_max_dispatch_tokens_per_rank, a.num_experts
         pl = self._plan(m, h, e)
-        if self._m_word != m:
-            self._announce(m)
-        r_, me, dev = be.num_ranks, be.rank, be.device
         lay, lx, g, parity = pl.lay, pl.lx, pl.g, a.parity
         area, sig = pl.area[parity], pl.sig[parity]
         shrink = a.mask is not None
-        mask = a.mask if shrink else self.p_err
-        rm = r_ * m
-        # the receive kernel writes rows as int32 words: allocated as words, viewed as the payload
-        words = torch.empty(lx, rm, h // (4 if a.use_fp8 else 2), dtype=torch.int32, device=dev)
-        sc = None
-        if a.use_fp8:
-            sc = torch.empty(lx, (g + 3) // 4 if a.use_ue8m0 else g, rm,
-                             dtype=torch.int32 if a.use_ue8m0 else torch.float32, device=dev)
-            recv_x = (words.view(torch.float8_e4m3fn), sc.transpose(1, 2))
-        else:
-            recv_x = words.view(torch.bfloat16)
-        recv_src = torch.empty(lx, rm, dtype=torch.int32, device=dev)
-        recv_range = torch.empty(lx, r_, dtype=torch.int64, device=dev)
-        recv_count = torch.empty(lx, dtype=torch.int32, device=dev)
-        recv_src._epcomm_ll_parity = parity  # which area holds this dispatch's slots (combine reads them)
-        result = LowLatencyDispatchResult(recv_x, recv_count, LowLatencyHandle(recv_src, recv_range, m, h, e))
+        mask = Ptr(a.mask) if shrink else self.p_err
+        result, words, sc, recv_src, recv_range, recv_count = self._dispatch_outputs(pl, parity, a.use_fp8,
+                                                                                   a.use_ue8m0)
         gc = TUNE["send_gc"]
         n_gb = (g + gc - 1) // gc
-        key = (m, h, e, k, parity, a.use_fp8, a.round_scale, shrink)
-        self.k_send(key, (max(t, 1), n_gb), x, topk, t, h, g, k, me, r_, lx, e, m, be.ranks_per_node, self.p_table,
-                    area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig, self.p_t[_T_DSEND], self.p_err, mask,
-                    USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc, R_POW2=_pow2(r_), SHRINK=shrink,
-                    NVL=be.nvl, SIM=be.sim, num_warps=TUNE["send_warps"])
+        send = Direct(self.k_send.prepared(key, dict(
+            USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc, R_POW2=_pow2(r_), SHRINK=shrink, NVL=be.nvl,
+            SIM=be.sim, num_warps=TUNE["send_warps"])),
+            (None, None, t, h, g, k, me, r_, lx, e, m, be.ranks_per_node, self.p_table, area,
+             lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig, self.p_t[_T_DSEND], self.p_err, mask), (0, 1))
+        has_cum = a.cumulative_local_expert_recv_stats is not None
+        has_wst = a.dispatch_wait_recv_cost_stats is not None
+        consts = dict(SHRINK=shrink, USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=has_cum, HAS_WAIT=has_wst,
+                      TB=TUNE["recv_tb"], QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"], G_POW2=max(_pow2(g), 4),
+                      K_POW2=_pow2(k), LOCAL_TICKET=True, SIG_STRIDE=8, num_warps=TUNE["recv_warps"],
+                      **self._common)
+        head = (self.p_table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig, area + lay.slot_offset,
+                me, r_, lx, m, h, g, k, Ptr(words), Ptr(recv_count if sc is None else sc), Ptr(recv_src),
+                Ptr(recv_range), Ptr(recv_count))
+        recv = Direct(self.k_recv.prepared(key, consts),
+                      (*head, None, None, self.p_dlevel[parity], self.p_t[_T_DRECV], self.p_err, be.timeout_ns,
+                       mask), (len(head), len(head) + 1))
+        cum_dummy, wst_dummy = recv_count, recv_range
+        sx, check = max(t, 1), be.check_mirror
+
+        def receive_plain() -> None:
+            recv(lx, r_, 1, cum_dummy, wst_dummy)
+            check()
+
+        def run(x, topk, cum, wst):
+            send(sx, n_gb, 1, x, topk)
+            if cum is None and wst is None:
+                return result, receive_plain
+            cum = cum_dummy if cum is None else cum
+            wst = wst_dummy if wst is None else wst
+
+            def receive() -> None:
+                recv(lx, r_, 1, cum, wst)
+                check()
+
+            return result, receive
+
+        c = _Call()
+        c.m, c.run = m, run
+        return c
+
+    def dispatch_run(self, a: LowLatencyDispatchArgs):
+        """``run(x, topk, cum, wst) -> (result, receive)``: the launches of dispatches like ``a`` (same
+        shapes, dtypes, flags, parity and alignment; ``x`` and ``topk`` contiguous), made once."""
+        x, topk = a.x, a.topk_idx
+        t, h = x.shape
         cum, wst = a.cumulative_local_expert_recv_stats, a.dispatch_wait_recv_cost_stats
-        consts = dict(SHRINK=shrink, USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=cum is not None,
-                      HAS_WAIT=wst is not None, TB=TUNE["recv_tb"], QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"],
-                      G_POW2=max(_pow2(g), 4), K_POW2=_pow2(k), LOCAL_TICKET=True, SIG_STRIDE=8,
-                      num_warps=TUNE["recv_warps"], **self._common)
-        # (kernels/launch.py: the key fixes what Triton specialises on; per-call tensors' alignment too)
-        rkey = key + (a.use_ue8m0, cum is None or cum.data_ptr() & 15, wst is None or wst.data_ptr() & 15)
+        # (kernels/launch.py: alignment is specialised; the token count sizes the grid only)
+        key = (a.num_max_dispatch_tokens_per_rank, h, a.num_experts, topk.shape[1], a.parity, a.use_fp8,
+               a.round_scale, a.use_ue8m0, cum is None, wst is None, a.mask is None,
+               cum is None or cum.data_ptr() & 15, wst is None or wst.data_ptr() & 15,
+               x.data_ptr() & 15, topk.data_ptr() & 15)
+        c = self._dcalls.get((key, t))
+        if c is None:
+            if len(self._dcalls) > 4096:  # t is part of the key: bounded, in case it takes every value
+                self._dcalls.clear()
+            c = self._dcalls[(key, t)] = self._dispatch_call(a, t, h, topk.shape[1], key)
+        if self._m_word != c.m:
+            self._announce(c.m)
+        return c.run
 
-        def receive() -> None:
-            self.k_recv(rkey, (lx, r_, 1), self.p_table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig,
-                        area + lay.slot_offset, me, r_, lx, m, h, g, k, words, recv_count if sc is None else sc,
-                        recv_src, recv_range, recv_count, recv_count if cum is None else cum,
-                        recv_range if wst is None else wst, self.p_dlevel[parity], self.p_t[_T_DRECV], self.p_err,
-                        be.timeout_ns, mask, **consts)
-            be.check_mirror()
-
-        be.check_mirror()
-        return result, receive
+    def dispatch(self, a: LowLatencyDispatchArgs):
+        """Send now; returns ``(result, receive)``: ``receive()`` launches the receive kernel."""
+        x, topk = a.x.contiguous(), a.topk_idx.contiguous()
+        if x is not a.x or topk is not a.topk_idx:
+            a = dataclasses.replace(a, x=x, topk_idx=topk)
+        res = self.dispatch_run(a)(x, topk, a.cumulative_local_expert_recv_stats, a.dispatch_wait_recv_cost_stats)
+        self.be.check_mirror()
+        return res
 
     # ------------------------------------------------------------------ combine
 
-    def combine(self, a: LowLatencyCombineArgs):
-        """Send (weights, then the partial sums) now; returns ``(out, receive)``."""
+    def _combine_call(self, a: LowLatencyCombineArgs, m: int, h: int, e: int, t: int, k: int, d_parity: int,
+                      key: tuple) -> _Call:
+        """Everything a combine of this kind needs but its per-call tensors: ``c.run(y, topk, w, out, wst)``
+        sends (weights, then the partial sums) and returns ``(out, receive)``."""
         be = self.be
-        hd = a.handle
-        d_parity = getattr(hd.recv_src_info, "_epcomm_ll_parity", None)
-        if d_parity is None:
-            raise ValueError("handle must come from this Buffer's low_latency_dispatch (internode backend)")
-        y, topk, w = a.x.contiguous(), a.topk_idx.contiguous(), a.topk_weights.contiguous()
-        if y is not a.x or topk is not a.topk_idx or w is not a.topk_weights:
-            a = dataclasses.replace(a, x=y, topk_idx=topk, topk_weights=w)
-        t, k = topk.shape
-        m, h, e = hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts
-        pl = self._plan(m, h, e)
         r_, me, dev = be.num_ranks, be.rank, be.device
+        pl = self._plan(m, h, e)
         lay, lx, parity = pl.lay, pl.lx, a.parity
         d_area, area, sig = pl.area[d_parity], pl.area[parity], pl.sig[parity]
         shrink = a.mask is not None
-        mask = a.mask if shrink else self.p_err
+        mask = Ptr(a.mask) if shrink else self.p_err
         blk = TUNE["csend_block"]
         splits = max(1, min((h + blk - 1) // blk, TUNE["csend_programs"] // (r_ * m)))
         cw = ((h + splits - 1) // splits + blk - 1) // blk * blk
         n_cs = (h + cw - 1) // cw
         cb = TUNE["crecv_block"]
         n_cb = (h + cb - 1) // cb
-        out = a.out if a.out is not None else torch.empty(t, h, dtype=torch.bfloat16, device=dev)
-        wst = a.combine_wait_recv_cost_stats
-        key = (m, h, e, k, parity, d_parity, shrink)
+        own = None
+        if a.out is None:
+            full = self._couts.get((m, h, parity))
+            if full is None:  # like the dispatch outputs: two alternate, one per parity
+                full = self._couts[(m, h, parity)] = torch.empty(m, h, dtype=torch.bfloat16, device=dev)
+            own = full[:t]
         n_w = max(t, 1)
-        self.k_weights(key, (n_w,), topk, w, t, k, me, r_, m, be.ranks_per_node, self.p_table,
-                       area + lay.weights_offset, sig, self.p_t[_T_WEIGHTS], mask, SHRINK=shrink, NVL=be.nvl,
-                       SIM=be.sim, num_warps=1)
-        self.k_reduce(key, (r_ * m, n_cs), y, h, k, me, r_, lx, m, be.ranks_per_node, self.p_table, d_area,
-                      lay.dispatch_src_bytes, area + lay.weights_offset, d_area + lay.slot_offset,
-                      area + lay.combine_offset, be.cstage_off, sig, cw, self.p_wlevel[parity], self.p_t[_T_REDUCE],
-                      self.p_err, be.timeout_ns, mask, K_POW2=_pow2(k), BLOCK=blk, SHRINK=shrink, NVL=be.nvl,
-                      SIM=be.sim, num_warps=TUNE["csend_warps"], **self._common)
-        consts = dict(K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, HAS_WAIT=wst is not None, SHRINK=shrink,
-                      LOCAL_TICKET=True, SIG_STRIDE=8, num_warps=TUNE["crecv_warps"], **self._common)
-        rkey = key + (topk.data_ptr() & 15, out.data_ptr() & 15, wst is None or wst.data_ptr() & 15)
+        weights = Direct(self.k_weights.prepared(key, dict(SHRINK=shrink, NVL=be.nvl, SIM=be.sim, num_warps=1)),
+                         (None, None, t, k, me, r_, m, be.ranks_per_node, self.p_table, area + lay.weights_offset,
+                          sig, self.p_t[_T_WEIGHTS], mask), (0, 1))
+        reduce = Direct(self.k_reduce.prepared(key, dict(
+            K_POW2=_pow2(k), BLOCK=blk, SHRINK=shrink, NVL=be.nvl, SIM=be.sim, num_warps=TUNE["csend_warps"],
+            **self._common)),
+            (None, h, k, me, r_, lx, m, be.ranks_per_node, self.p_table, d_area, lay.dispatch_src_bytes,
+             area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset, be.cstage_off, sig, cw,
+             self.p_wlevel[parity], self.p_t[_T_REDUCE], self.p_err, be.timeout_ns, mask), (0,))
+        crecv = Direct(self.k_crecv.prepared(key, dict(
+            K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, HAS_WAIT=a.combine_wait_recv_cost_stats is not None,
+            SHRINK=shrink, LOCAL_TICKET=True, SIG_STRIDE=8, num_warps=TUNE["crecv_warps"], **self._common)),
+            (None, t, h, k, me, r_, lx, m, self.p_table, area + lay.combine_offset, sig, None, None,
+             self.p_clevel[parity], self.p_t[_T_CRECV], self.p_err, be.timeout_ns, mask), (0, 11, 12))
+        wait_dummy, rx, check = self.levels, r_ * m, be.check_mirror
 
-        def receive() -> None:
-            self.k_crecv(rkey, (n_w, n_cb), topk, t, h, k, me, r_, lx, m, self.p_table, area + lay.combine_offset,
-                         sig, out, self.levels if wst is None else wst, self.p_clevel[parity],
-                         self.p_t[_T_CRECV], self.p_err, be.timeout_ns, mask, **consts)
-            be.check_mirror()
+        def run(y, topk, w, out, wst):
+            if out is None:
+                out = own
+            if wst is None:
+                wst = wait_dummy
+            weights(n_w, 1, 1, topk, w)
+            reduce(rx, n_cs, 1, y)
 
-        be.check_mirror()
-        return out, receive
+            def receive() -> None:
+                crecv(n_w, n_cb, 1, topk, out, wst)
+                check()
+
+            return out, receive
+
+        c = _Call()
+        c.run = run
+        return c
+
+    def combine_run(self, a: LowLatencyCombineArgs):
+        """``run(y, topk, w, out, wst) -> (out, receive)``: the launches of combines like ``a`` (same
+        shapes, dtypes, flags, parities and alignment; the tensors contiguous), made once."""
+        hd = a.handle
+        d_parity = getattr(hd.recv_src_info, "_epcomm_ll_parity", None)
+        if d_parity is None:
+            raise ValueError("handle must come from this Buffer's low_latency_dispatch (internode backend)")
+        y, topk, w = a.x, a.topk_idx, a.topk_weights
+        t, k = topk.shape
+        m, h, e = hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts
+        wst = a.combine_wait_recv_cost_stats
+        key = (m, h, e, t, k, a.parity, d_parity, a.out is None, wst is None, a.mask is None,
+               y.data_ptr() & 15, topk.data_ptr() & 15, w.data_ptr() & 15,
+               a.out.data_ptr() & 15 if a.out is not None else 0, wst is None or wst.data_ptr() & 15)
+        c = self._ccalls.get(key)
+        if c is None:
+            if len(self._ccalls) > 4096:  # t is part of the key: bounded, in case it takes every value
+                self._ccalls.clear()
+            c = self._ccalls[key] = self._combine_call(a, m, h, e, t, k, d_parity, key)
+        return c.run
+
+    def combine(self, a: LowLatencyCombineArgs):
+        """Send (weights, then the partial sums) now; returns ``(out, receive)``."""
+        y, topk, w = a.x.contiguous(), a.topk_idx.contiguous(), a.topk_weights.contiguous()
+        if y is not a.x or topk is not a.topk_idx or w is not a.topk_weights:
+            a = dataclasses.replace(a, x=y, topk_idx=topk, topk_weights=w)
+        res = self.combine_run(a)(y, topk, w, a.out, a.combine_wait_recv_cost_stats)
+        self.be.check_mirror()
+        return res
 
     def zero_copy_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         be = self.be

@@ -92,6 +92,12 @@ class Launcher:
     launches = 0
 
     def __init__(self, fn) -> None:
+        # torch's requires_nvshmem wraps a kernel (GridCallableWithExtern) so that Triton links NVSHMEM's
+        # device library (extern_libs) and initialises the module once it is compiled (a post-compile
+        # hook): bound here through the kernel itself with those extern_libs, then launched as any other
+        self.extra = {"extern_libs": fn.extern_libs} if hasattr(fn, "jit_func") and hasattr(fn, "extern_libs") \
+            else {}
+        fn = fn.jit_func if self.extra else fn
         self.fn = fn
         self.name = getattr(getattr(fn, "fn", fn), "__name__", repr(fn))
         self.interpreted = not hasattr(fn, "device_caches")  # the interpreter's InterpretedFunction
@@ -103,7 +109,7 @@ class Launcher:
     def __call__(self, key, grid: tuple, *args, **kw) -> None:
         Launcher.launches += 1
         if self.interpreted:
-            self.fn[grid](*_tensors(args), **kw)
+            self.fn[grid](*_tensors(args), **kw, **self.extra)
             return
         k = (key, *kw.values())
         b = self.bound.get(k)
@@ -142,7 +148,7 @@ class Launcher:
                 tail.append(p.default)
             else:
                 raise TypeError(f"{self.name}: missing argument {p.name!r}")
-        kernel = fn.run(*_tensors(args), grid=grid, warmup=False, **kw)  # compiles if new, and launches
+        kernel = fn.run(*_tensors(args), grid=grid, warmup=False, **kw, **self.extra)  # compiles if new; launches
         if hasattr(kernel, "result"):
             kernel = kernel.result()
         self.bound[k] = _Bound(kernel, tuple(t.value if hasattr(t, "value") else t for t in tail),
@@ -156,7 +162,7 @@ class Launcher:
         from triton.runtime.jit import compute_cache_key
 
         _, key_cache, _, _, binder = self.fn.device_caches[driver.active.get_current_device()]
-        opts = dict(kw)  # as JITFunction.run completes them
+        opts = dict(kw, **self.extra)  # as JITFunction.run completes them
         opts["debug"] = opts.get("debug", self.fn.debug) or knobs.runtime.debug
         opts["instrumentation_mode"] = knobs.compilation.instrumentation_mode
         _, spec, options = binder(*_tensors(args), **opts)
