@@ -80,9 +80,11 @@ def high_throughput_bytes(num_tokens: int, hidden: int, num_topk: int, num_ranks
 
 
 def _go(launcher: Launcher, name: str, grid: tuple, *args, **consts) -> None:
-    """Launch with a key that fixes what Triton specialises integer arguments on (1, divisible by 16,
-    64-bit): the offsets and sizes here change with the call's shapes (kernels/launch.py)."""
-    key = (name,) + tuple((a == 1, a % 16 == 0, a >= 1 << 31) if type(a) is int else None for a in args)
+    """Launch with a key that fixes what Triton specialises on: integer arguments (1, divisible by 16,
+    64-bit; the offsets and sizes here change with the call's shapes) and per-call tensors' 16-byte
+    alignment (a slice of a fresh tensor need not be aligned; kernels/launch.py)."""
+    key = (name,) + tuple((a == 1, a % 16 == 0, a >= 1 << 31) if type(a) is int
+                          else a.data_ptr() & 15 == 0 if type(a) is torch.Tensor else None for a in args)
     launcher(key, grid, *args, **consts)
 
 
