@@ -90,6 +90,18 @@ class LowLatencyCombineArgs:
     hook: bool = False                   # return_recv_hook (as in LowLatencyDispatchArgs)
 
 
+def checked_run(run: Callable, err_view, check: Callable[[], None]) -> Callable:
+    """``run`` (a backend's ``low_latency_*_run``) behind the check of its error word's host mirror
+    ``err_view`` (a numpy view: no torch call per repeat); ``check()`` raises what it holds."""
+
+    def checked(*tensors):
+        if err_view[0]:
+            check()
+        return run(*tensors)
+
+    return checked
+
+
 class Backend:
     """Transport interface. Every method runs on the current stream (``Buffer`` picks it).
 

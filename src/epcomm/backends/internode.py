@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .. import _env
 from .. import _validate as V
-from .base import Backend, PeerTimeoutError
+from .base import Backend, PeerTimeoutError, checked_run
 
 log = logging.getLogger(__name__)
 
@@ -262,22 +262,11 @@ class InternodeBackend(Backend):
 
     def low_latency_dispatch_run(self, args):
         self.check_mirror()
-        return self._checked_run(self._ll_impl().dispatch_run(args))
+        return checked_run(self._ll_impl().dispatch_run(args), self._err_view, self.check_mirror)
 
     def low_latency_combine_run(self, args):
         self.check_mirror()
-        return self._checked_run(self._ll_impl().combine_run(args))
-
-    def _checked_run(self, run):
-        """``run`` (Buffer's repeat path) after the check of the error word's host mirror."""
-        err, check = self._err_view, self.check_mirror
-
-        def checked(*tensors):
-            if err[0]:
-                check()
-            return run(*tensors)
-
-        return checked
+        return checked_run(self._ll_impl().combine_run(args), self._err_view, self.check_mirror)
 
     def low_latency_zero_copy_buffer(self, handle):
         return self._ll_impl().zero_copy_buffer(handle)

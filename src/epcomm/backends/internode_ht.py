@@ -30,7 +30,7 @@ from .. import layout
 from ..kernels.launch import Launcher, Ptr
 from ..layout import DispatchHandle
 from .base import DispatchArgs, DispatchResult
-from .reference import _pack, _pad_rows, _unpack
+from .reference import _pack, _pad_rows, _unpack, check_worst, pack_dispatch_rows, unpack_dispatch_rows
 
 _BLOCK = 1024
 # levels (int32, per parity): forward (waits D_RDMA), gather (D_FWD), relay (C_REL), final (C_FIN)
@@ -68,8 +68,9 @@ def high_throughput_bytes(num_tokens: int, hidden: int, num_topk: int, num_ranks
     mode) this path needs for batches of up to ``num_tokens`` per rank: four areas (dispatch and
     combine, two parities each), each the larger of a BF16 dispatch with top-k (the staged rows, one
     slot per node, one per rank of the node) and a combine (a slot per rank, two per node), plus the
-    signals. Rounded up to MiB unless ``round_mib`` is false; nodes of one rank need the most. Example: 4096 tokens of 7168 with
-    top-8 at 2 ranks in nodes of 1 -> 2244 MiB (the combine's float32 partials are the larger part)."""
+    signals. Rounded up to MiB unless ``round_mib`` is false; nodes of one rank need the most.
+    Example: 4096 tokens of 7168 with top-8 at 2 ranks in nodes of 1 -> 2244 MiB (the combine's
+    float32 partials are the larger part)."""
     r_, n_ = num_ranks, ranks_per_node
     p_, tm = r_ // n_, max(1, num_tokens)
     w = (2 * hidden + 12 * num_topk + 4 + 3) // 4  # x, topk_idx (int64), weights, token index
@@ -216,46 +217,19 @@ class InternodeHighThroughput:
         bad = (counts != g[:, :, -1]).any(1).nonzero().flatten().tolist()
         if bad:  # every rank sees every rank's pair, so all of them raise, and none waits on a peer
             s_ = bad[0]
-            raise ValueError(f"num_tokens_per_rank={g[s_, :, -1].tolist()} does not match is_token_in_rank, which "
-                             f"sends {counts[s_].tolist()} tokens per rank" + ("" if s_ == me else f" (on rank {s_})"))
+            raise ValueError(f"num_tokens_per_rank={g[s_, :, -1].tolist()} does not match is_token_in_rank, "
+                             f"which sends {counts[s_].tolist()} tokens per rank"
+                             + ("" if s_ == me else f" (on rank {s_})"))
         rank_prefix = layout.rank_prefix_matrix(counts)
         recv_cp = layout.recv_channel_prefix_matrix(rank_prefix, g[:, me, 1:1 + c], me)
         per_expert = layout.align_up(g[:, me, 1 + c:1 + c + lx].sum(0), a.expert_alignment)
         tokens = g[:, 0, 1 + c + lx].tolist()
         info = _Info(tokens, g[:, ::n_, 2 + c + lx], max(1, max(tokens)), counts)
         n = int(counts[:, me].sum())
-        if a.num_worst_tokens:
-            recv_per_rank = counts.sum(0).tolist()
-            over = [j for j in range(r_) if recv_per_rank[j] > a.num_worst_tokens]
-            if over:
-                raise ValueError(f"num_worst_tokens={a.num_worst_tokens} is smaller than the "
-                                 f"{recv_per_rank[over[0]]} tokens rank {over[0]} receives")
-        parts = [a.x] + ([a.x_scales] if a.x_scales is not None else [])
-        if a.topk_idx is not None:
-            parts += [a.topk_idx, a.topk_weights]
-        parts.append(torch.arange(t, dtype=torch.int32, device=dev).view(t, 1))
-        packed = _pack(parts)
-        recv = self._move(packed.view(torch.int32), is_in, counts, info).view(torch.uint8)
-        specs = [(a.x.dtype, (a.x.shape[1],))]
-        if a.x_scales is not None:
-            specs.append((torch.float32, (a.x_scales.shape[1],)))
-        if a.topk_idx is not None:
-            k = a.topk_idx.shape[1]
-            specs += [(torch.int64, (k,)), (torch.float32, (k,))]
-        specs.append((torch.int32, (1,)))
-        fields = _unpack(recv, specs)
-        recv_x = fields.pop(0)
-        recv_scales = fields.pop(0) if a.x_scales is not None else None
-        recv_topk_idx = recv_topk_weights = None
-        if a.topk_idx is not None:
-            recv_topk_idx, recv_topk_weights = layout.local_topk(fields.pop(0), fields.pop(0), me, lx)
-        recv_src_idx = fields.pop(0).view(-1)
-        rows = a.num_worst_tokens or n
-        recv_x = _pad_rows(recv_x, rows, 0)
-        recv_scales = _pad_rows(recv_scales, rows, 0)
-        recv_topk_idx = _pad_rows(recv_topk_idx, rows, -1)
-        recv_topk_weights = _pad_rows(recv_topk_weights, rows, 0)
-        recv_src_idx = _pad_rows(recv_src_idx, rows, -1)
+        check_worst(counts, a.num_worst_tokens)
+        recv = self._move(pack_dispatch_rows(a).view(torch.int32), is_in, counts, info).view(torch.uint8)
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = unpack_dispatch_rows(
+            recv, a, me, lx, a.num_worst_tokens or n)
         recv_src_idx._epcomm_ht = info
         handle = DispatchHandle(rank_prefix.to(dev), cpm.to(dev), recv_cp.to(dev), recv_src_idx, is_in,
                                 layout.send_head(is_in, rank_prefix.to(dev), me))

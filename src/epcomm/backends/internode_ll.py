@@ -14,21 +14,19 @@ kernels read local memory only. Buffer regions (``backends/internode.py``): the 
 A call: dispatch = send kernel, then (at once, or in ``hook()``) receive kernel; combine = weights
 kernel, reduce kernel, then the receive kernel. As in nvlink, each kind of call (shapes, dtypes, flags,
 parity, alignment) is planned once (``_dispatch_call``, ``_combine_call``): its launches are
-``kernels/launch.Direct`` with every fixed argument in place, and its outputs are two persistent sets
-that alternate by parity, like the receive areas (results of at most two low-latency calls are alive
-at once). ``dispatch_run`` / ``combine_run`` hand the plan to ``Buffer``'s repeat path.
+``kernels/launch.Direct`` with every fixed argument in place; the kinds, the persistent outputs and
+the repeat path's ``dispatch_run`` / ``combine_run`` are ``ll_calls.LowLatencyCalls``', shared with nvlink.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
 from .. import layout
 from ..kernels.launch import Direct, Launcher, Ptr
 from ..layout import LowLatencyHandle
-from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult
+from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs
+from .ll_calls import LowLatencyCalls, _Call
 
 # local counters (int32): dispatch-receive level [2], combine weight level [2], combine-receive level [2]
 _DLEVEL, _WLEVEL, _CLEVEL = 0, 2, 4
@@ -57,13 +55,11 @@ class _Plan:
         self.zero_copy = None
 
 
-class _Call:
-    """The launches and fixed arguments of one kind of low-latency call, made on its first occurrence."""
-
-
-class InternodeLowLatency:
+class InternodeLowLatency(LowLatencyCalls):
     """The low-latency engine over an ``InternodeBackend`` ``be`` (its symmetric buffer, pointer table,
     error word, node size and switches)."""
+
+    backend_name = "internode"
 
     def __init__(self, be) -> None:
         from ..kernels import internode_ll as il
@@ -88,11 +84,10 @@ class InternodeLowLatency:
         self.k_recv = Launcher(ll._ll_dispatch_recv_kernel)
         self.k_crecv = Launcher(ll._ll_combine_recv_kernel)
         self._plans: dict = {}
-        self._m_word = None  # the M last announced
-        self._dcalls: dict = {}  # (kind, T) -> _Call
-        self._ccalls: dict = {}
-        self._outs: dict = {}  # (M, H, E, parity, fp8, ue8m0) -> that parity's dispatch outputs
-        self._couts: dict = {}  # (M, H, parity) -> that parity's combine output (M rows)
+        self._init_calls(be.num_ranks, dev)  # ll_calls: the kinds of call, the outputs, M announced
+
+    def _after_send(self) -> None:
+        self.be.check_mirror()
 
     @property
     def _common(self) -> dict:
@@ -118,32 +113,6 @@ class InternodeLowLatency:
         self._m_word = m
 
     # ------------------------------------------------------------------ dispatch
-
-    def _dispatch_outputs(self, pl: _Plan, parity: int, use_fp8: bool, ue8m0: bool):
-        """The outputs of a dispatch on ``parity``, allocated once (two sets alternate call by call)."""
-        key = (pl.m, pl.h, pl.e, parity, use_fp8, ue8m0)
-        out = self._outs.get(key)
-        if out is None:
-            be = self.be
-            r_, dev, lx, h, g = be.num_ranks, be.device, pl.lx, pl.h, pl.g
-            rm = r_ * pl.m
-            # the receive kernel writes rows as int32 words: allocated as words, viewed as the payload
-            words = torch.empty(lx, rm, h // (4 if use_fp8 else 2), dtype=torch.int32, device=dev)
-            sc = None
-            if use_fp8:
-                sc = torch.empty(lx, (g + 3) // 4 if ue8m0 else g, rm,
-                                 dtype=torch.int32 if ue8m0 else torch.float32, device=dev)
-                recv_x = (words.view(torch.float8_e4m3fn), sc.transpose(1, 2))
-            else:
-                recv_x = words.view(torch.bfloat16)
-            recv_src = torch.empty(lx, rm, dtype=torch.int32, device=dev)
-            recv_range = torch.empty(lx, r_, dtype=torch.int64, device=dev)
-            recv_count = torch.empty(lx, dtype=torch.int32, device=dev)
-            recv_src._epcomm_ll_parity = parity  # which area holds this dispatch's slots (combine reads them)
-            result = LowLatencyDispatchResult(recv_x, recv_count, LowLatencyHandle(recv_src, recv_range, pl.m, h,
-                                                                                   pl.e))
-            out = self._outs[key] = (result, words, sc, recv_src, recv_range, recv_count)
-        return out
 
     def _dispatch_call(self, a: LowLatencyDispatchArgs, t: int, h: int, k: int, key: tuple) -> _Call:
         """Everything a dispatch of this kind needs but its per-call tensors: ``c.run(x, topk, cum, wst)``
@@ -200,35 +169,6 @@ class InternodeLowLatency:
         c.m, c.run = m, run
         return c
 
-    def dispatch_run(self, a: LowLatencyDispatchArgs):
-        """``run(x, topk, cum, wst) -> (result, receive)``: the launches of dispatches like ``a`` (same
-        shapes, dtypes, flags, parity and alignment; ``x`` and ``topk`` contiguous), made once."""
-        x, topk = a.x, a.topk_idx
-        t, h = x.shape
-        cum, wst = a.cumulative_local_expert_recv_stats, a.dispatch_wait_recv_cost_stats
-        # (kernels/launch.py: alignment is specialised; the token count sizes the grid only)
-        key = (a.num_max_dispatch_tokens_per_rank, h, a.num_experts, topk.shape[1], a.parity, a.use_fp8,
-               a.round_scale, a.use_ue8m0, cum is None, wst is None, a.mask is None,
-               cum is None or cum.data_ptr() & 15, wst is None or wst.data_ptr() & 15,
-               x.data_ptr() & 15, topk.data_ptr() & 15)
-        c = self._dcalls.get((key, t))
-        if c is None:
-            if len(self._dcalls) > 4096:  # t is part of the key: bounded, in case it takes every value
-                self._dcalls.clear()
-            c = self._dcalls[(key, t)] = self._dispatch_call(a, t, h, topk.shape[1], key)
-        if self._m_word != c.m:
-            self._announce(c.m)
-        return c.run
-
-    def dispatch(self, a: LowLatencyDispatchArgs):
-        """Send now; returns ``(result, receive)``: ``receive()`` launches the receive kernel."""
-        x, topk = a.x.contiguous(), a.topk_idx.contiguous()
-        if x is not a.x or topk is not a.topk_idx:
-            a = dataclasses.replace(a, x=x, topk_idx=topk)
-        res = self.dispatch_run(a)(x, topk, a.cumulative_local_expert_recv_stats, a.dispatch_wait_recv_cost_stats)
-        self.be.check_mirror()
-        return res
-
     # ------------------------------------------------------------------ combine
 
     def _combine_call(self, a: LowLatencyCombineArgs, m: int, h: int, e: int, t: int, k: int, d_parity: int,
@@ -236,7 +176,7 @@ class InternodeLowLatency:
         """Everything a combine of this kind needs but its per-call tensors: ``c.run(y, topk, w, out, wst)``
         sends (weights, then the partial sums) and returns ``(out, receive)``."""
         be = self.be
-        r_, me, dev = be.num_ranks, be.rank, be.device
+        r_, me = be.num_ranks, be.rank
         pl = self._plan(m, h, e)
         lay, lx, parity = pl.lay, pl.lx, a.parity
         d_area, area, sig = pl.area[d_parity], pl.area[parity], pl.sig[parity]
@@ -248,12 +188,7 @@ class InternodeLowLatency:
         n_cs = (h + cw - 1) // cw
         cb = TUNE["crecv_block"]
         n_cb = (h + cb - 1) // cb
-        own = None
-        if a.out is None:
-            full = self._couts.get((m, h, parity))
-            if full is None:  # like the dispatch outputs: two alternate, one per parity
-                full = self._couts[(m, h, parity)] = torch.empty(m, h, dtype=torch.bfloat16, device=dev)
-            own = full[:t]
+        own = self._combine_output(m, h, parity, t) if a.out is None else None
         n_w = max(t, 1)
         weights = Direct(self.k_weights.prepared(key, dict(SHRINK=shrink, NVL=be.nvl, SIM=be.sim, num_warps=1)),
                          (None, None, t, k, me, r_, m, be.ranks_per_node, self.p_table, area + lay.weights_offset,
@@ -288,36 +223,6 @@ class InternodeLowLatency:
         c = _Call()
         c.run = run
         return c
-
-    def combine_run(self, a: LowLatencyCombineArgs):
-        """``run(y, topk, w, out, wst) -> (out, receive)``: the launches of combines like ``a`` (same
-        shapes, dtypes, flags, parities and alignment; the tensors contiguous), made once."""
-        hd = a.handle
-        d_parity = getattr(hd.recv_src_info, "_epcomm_ll_parity", None)
-        if d_parity is None:
-            raise ValueError("handle must come from this Buffer's low_latency_dispatch (internode backend)")
-        y, topk, w = a.x, a.topk_idx, a.topk_weights
-        t, k = topk.shape
-        m, h, e = hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts
-        wst = a.combine_wait_recv_cost_stats
-        key = (m, h, e, t, k, a.parity, d_parity, a.out is None, wst is None, a.mask is None,
-               y.data_ptr() & 15, topk.data_ptr() & 15, w.data_ptr() & 15,
-               a.out.data_ptr() & 15 if a.out is not None else 0, wst is None or wst.data_ptr() & 15)
-        c = self._ccalls.get(key)
-        if c is None:
-            if len(self._ccalls) > 4096:  # t is part of the key: bounded, in case it takes every value
-                self._ccalls.clear()
-            c = self._ccalls[key] = self._combine_call(a, m, h, e, t, k, d_parity, key)
-        return c.run
-
-    def combine(self, a: LowLatencyCombineArgs):
-        """Send (weights, then the partial sums) now; returns ``(out, receive)``."""
-        y, topk, w = a.x.contiguous(), a.topk_idx.contiguous(), a.topk_weights.contiguous()
-        if y is not a.x or topk is not a.topk_idx or w is not a.topk_weights:
-            a = dataclasses.replace(a, x=y, topk_idx=topk, topk_weights=w)
-        res = self.combine_run(a)(y, topk, w, a.out, a.combine_wait_recv_cost_stats)
-        self.be.check_mirror()
-        return res
 
     def zero_copy_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         be = self.be

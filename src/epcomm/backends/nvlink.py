@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .. import _env
 from ..kernels.launch import Ptr
-from .base import Backend, PeerTimeoutError
+from .base import Backend, PeerTimeoutError, checked_run
 from .ht_combine import HTCombine
 from .ht_dispatch import HTDispatch
 from .nvlink_transfer import NVLinkTransfer
@@ -318,22 +318,11 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
 
     def low_latency_dispatch_run(self, args):
         self._check_error()
-        return self._checked_run(self._ll_impl().dispatch_run(args))
+        return checked_run(self._ll_impl().dispatch_run(args), self._err_view, self._check_error)
 
     def low_latency_combine_run(self, args):
         self._check_error()
-        return self._checked_run(self._ll_impl().combine_run(args))
-
-    def _checked_run(self, run):
-        """``run`` after the check of the error word (its host mirror: no torch call)."""
-        err, check = self._err_view, self._check_error
-
-        def checked(*tensors):
-            if err[0]:
-                check()
-            return run(*tensors)
-
-        return checked
+        return checked_run(self._ll_impl().combine_run(args), self._err_view, self._check_error)
 
     def low_latency_zero_copy_buffer(self, handle):
         return self._ll_impl().zero_copy_buffer(handle)

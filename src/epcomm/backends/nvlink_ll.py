@@ -26,14 +26,13 @@ are laid out for one (M, H, E); ``Buffer`` asks for ``clean_low_latency_buffer``
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .. import layout
-from ..layout import LowLatencyHandle
 from ..kernels.launch import Direct, Ptr
-from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult
+from ..layout import LowLatencyHandle
+from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs
+from .ll_calls import LowLatencyCalls, _Call
 from .nvlink_params import TIMER, _pow2
 
 # local counters (int32 device memory): dispatch-receive level [2], combine weight level [2],
@@ -60,11 +59,6 @@ def _nothing() -> None:
     """The hook of a call that already received (one fused launch)."""
 
 
-class _Call:
-    """The launchers and fixed arguments of one kind of low-latency call (``LowLatencyEngine._dispatch_call``,
-    ``_combine_call``), made on its first occurrence."""
-
-
 class _Plan:
     """What a low-latency call of one ``(M, H, E)`` needs besides its tensors, computed once: the
     layout, the offsets of both parities' areas and the kernels' integer arguments."""
@@ -79,7 +73,9 @@ class _Plan:
         self.zero_copy = None  # the zero-copy combine buffer's view (zero_copy_buffer)
 
 
-class LowLatencyEngine:
+class LowLatencyEngine(LowLatencyCalls):
+    backend_name = "nvlink"
+
     def __init__(self, nv):
         from ..kernels import ll
         from ..kernels.launch import Launcher
@@ -88,12 +84,8 @@ class LowLatencyEngine:
         self.levels = torch.zeros(8, dtype=torch.int32, device=nv.device)
         self.tickets = torch.zeros(16, dtype=torch.int32, device=nv.device)
         self.sms = torch.cuda.get_device_properties(nv.device).multi_processor_count
-        self._m_word = None  # the M last announced in the flag area (written when it changes)
+        self._init_calls(nv.num_ranks, nv.device)  # ll_calls: the kinds of call, the outputs, M announced
         self._plans: dict = {}
-        self._dcalls: dict = {}  # key -> _Call (dispatch)
-        self._ccalls: dict = {}  # key -> _Call (combine)
-        self._outs: dict = {}  # (M, H, E, parity, fp8, ue8m0) -> the dispatch outputs of that parity
-        self._couts: dict = {}  # (M, H, parity) -> the combine output of that parity (M rows)
         # persistent buffers as addresses, made once (a slice is a torch call per launch otherwise)
         lv, tk = self.levels, self.tickets
         self.p_table, self.p_err = Ptr(nv.ptr_table), Ptr(nv.err)
@@ -122,32 +114,6 @@ class LowLatencyEngine:
         return p
 
     # ------------------------------------------------------------------ dispatch
-
-    def _dispatch_outputs(self, pl: _Plan, parity: int, use_fp8: bool, ue8m0: bool):
-        """The outputs of a dispatch on ``parity``, allocated once: like the receive areas, two sets
-        alternate call by call (results of at most two low-latency calls are alive at once)."""
-        key = (pl.m, pl.h, pl.e, parity, use_fp8, ue8m0)
-        out = self._outs.get(key)
-        if out is None:
-            r_, dev, lx, h, g = self.nv.num_ranks, self.nv.device, pl.lx, pl.h, pl.g
-            rm = r_ * pl.m
-            # the receive kernels write the rows as int32 words: allocated as words, viewed as the payload
-            words = torch.empty(lx, rm, h // (4 if use_fp8 else 2), dtype=torch.int32, device=dev)
-            if use_fp8:
-                sc = torch.empty(lx, (g + 3) // 4 if ue8m0 else g, rm,
-                                 dtype=torch.int32 if ue8m0 else torch.float32,
-                                 device=dev)
-                recv_x = (words.view(torch.float8_e4m3fn), sc.transpose(1, 2))
-            else:
-                sc, recv_x = None, words.view(torch.bfloat16)
-            recv_src = torch.empty(lx, rm, dtype=torch.int32, device=dev)
-            recv_range = torch.empty(lx, r_, dtype=torch.int64, device=dev)
-            recv_count = torch.empty(lx, dtype=torch.int32, device=dev)
-            recv_src._epcomm_ll_parity = parity
-            result = LowLatencyDispatchResult(recv_x, recv_count, LowLatencyHandle(recv_src, recv_range,
-                                              pl.m, h, pl.e))
-            out = self._outs[key] = (result, words, sc, recv_src, recv_range, recv_count)
-        return out
 
     def _dispatch_call(self, a: LowLatencyDispatchArgs, t: int, h: int, k: int, key: tuple) -> _Call:
         """Everything a dispatch of this kind needs but its per-call tensors: ``c.run(x, topk, cum, wst)``
@@ -222,33 +188,6 @@ class LowLatencyEngine:
         c.run = run
         return c
 
-    def dispatch_run(self, a: LowLatencyDispatchArgs):
-        """``run(x, topk, cum, wst) -> (result, receive)``: the launches of calls like ``a`` (same
-        shapes, dtypes, flags, parity and alignment; ``x`` and ``topk`` contiguous), made once."""
-        x, topk = a.x, a.topk_idx
-        t, h = x.shape
-        cum, wst = a.cumulative_local_expert_recv_stats, a.dispatch_wait_recv_cost_stats
-        # what decides the launches besides the per-call tensors (kernels/launch.py: alignment is specialised;
-        # the token count only sizes the grid, and the kernels do not specialise on it)
-        key = (a.num_max_dispatch_tokens_per_rank, h, a.num_experts, topk.shape[1], a.parity, a.use_fp8,
-               a.round_scale, a.use_ue8m0, cum is None, wst is None, a.mask is None, a.hook,
-               x.data_ptr() & 15, topk.data_ptr() & 15)
-        c = self._dcalls.get((key, t))
-        if c is None:
-            if len(self._dcalls) > 4096:  # t is part of the key: bounded, in case it takes every value
-                self._dcalls.clear()
-            c = self._dcalls[(key, t)] = self._dispatch_call(a, t, h, topk.shape[1], key)
-        if self._m_word != c.m:
-            self._announce(c.m)
-        return c.run
-
-    def dispatch(self, a: LowLatencyDispatchArgs):
-        x, topk = a.x.contiguous(), a.topk_idx.contiguous()
-        if x is not a.x or topk is not a.topk_idx:
-            a = dataclasses.replace(a, x=x, topk_idx=topk)
-        return self.dispatch_run(a)(x, topk, a.cumulative_local_expert_recv_stats,
-                                    a.dispatch_wait_recv_cost_stats)
-
     def _announce(self, m: int) -> None:
         """Write M in a fixed place of the flag area: a rank with another M is named, not just timed out."""
         nv = self.nv
@@ -263,7 +202,7 @@ class LowLatencyEngine:
         """Everything a combine of this kind needs but its per-call tensors: ``c.run(y, topk, w, out,
         wst)`` launches it (``out`` None: the persistent output of this parity)."""
         nv = self.nv
-        r_, me, dev = nv.num_ranks, nv.rank, nv.device
+        r_, me = nv.num_ranks, nv.rank
         pl = self._plan(m, h, e)
         lay, lx, parity = pl.lay, pl.lx, a.parity
         d_area = pl.area[d_parity]
@@ -276,12 +215,7 @@ class LowLatencyEngine:
         has_wait = a.combine_wait_recv_cost_stats is not None
         cb = TUNE["crecv_block"]
         c = _Call()
-        own = None
-        if a.out is None:
-            full = self._couts.get((m, h, parity))
-            if full is None:  # like the dispatch outputs: two alternate, one per parity
-                full = self._couts[(m, h, parity)] = torch.empty(m, h, dtype=torch.bfloat16, device=dev)
-            own = full[:t]
+        own = self._combine_output(m, h, parity, t) if a.out is None else None
         wait_dummy = self.levels
         n_cs, n_cb = (h + cw - 1) // cw, (h + cb - 1) // cb
         n_w = max(t, 1)
@@ -335,32 +269,6 @@ class LowLatencyEngine:
 
         c.run = run
         return c
-
-    def combine_run(self, a: LowLatencyCombineArgs):
-        """``run(y, topk, w, out, wst) -> (out, receive)``: the launches of combines like ``a`` (same
-        shapes, dtypes, flags, parities and alignment; the tensors contiguous), made once."""
-        hd = a.handle
-        d_parity = getattr(hd.recv_src_info, "_epcomm_ll_parity", None)
-        if d_parity is None:
-            raise ValueError("handle must come from this Buffer's low_latency_dispatch (nvlink backend)")
-        y, topk, w = a.x, a.topk_idx, a.topk_weights
-        t, k = topk.shape
-        m, h, e = hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts
-        key = (m, h, e, t, k, a.parity, d_parity, a.out is None, a.combine_wait_recv_cost_stats is None,
-               a.mask is None, a.hook, y.data_ptr() & 15, topk.data_ptr() & 15, w.data_ptr() & 15,
-               a.out.data_ptr() & 15 if a.out is not None else 0)
-        c = self._ccalls.get(key)
-        if c is None:
-            if len(self._ccalls) > 4096:  # t is part of the key: bounded, in case it takes every value
-                self._ccalls.clear()
-            c = self._ccalls[key] = self._combine_call(a, m, h, e, t, k, d_parity, key)
-        return c.run
-
-    def combine(self, a: LowLatencyCombineArgs):
-        y, topk, w = a.x.contiguous(), a.topk_idx.contiguous(), a.topk_weights.contiguous()
-        if y is not a.x or topk is not a.topk_idx or w is not a.topk_weights:
-            a = dataclasses.replace(a, x=y, topk_idx=topk, topk_weights=w)
-        return self.combine_run(a)(y, topk, w, a.out, a.combine_wait_recv_cost_stats)
 
     def zero_copy_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         nv = self.nv

@@ -156,7 +156,6 @@ class ReferenceBackend(Backend):
 
     def dispatch(self, a: DispatchArgs) -> DispatchResult:
         r_, me = self.num_ranks, self.rank
-        t = a.x.shape[0]
         e = a.num_tokens_per_expert.numel()
         lx = e // r_
         c = a.num_channels
@@ -177,43 +176,13 @@ class ReferenceBackend(Backend):
         per_expert = layout.align_up(g[:, me, 1 + c:].sum(0), a.expert_alignment)
         send_counts, recv_counts = counts[me].tolist(), counts[:, me].tolist()
         n = sum(recv_counts)
-        if a.num_worst_tokens:
-            # Every rank knows every rank's receive count here, so all raise together (no rank is left
-            # waiting in the payload exchange for one that gave up).
-            recv_per_rank = counts.sum(0).tolist()
-            over = [j for j in range(r_) if recv_per_rank[j] > a.num_worst_tokens]
-            if over:
-                raise ValueError(f"num_worst_tokens={a.num_worst_tokens} is smaller than the "
-                                 f"{recv_per_rank[over[0]]} tokens rank {over[0]} receives")
-
-        parts = [a.x] + ([a.x_scales] if a.x_scales is not None else [])
-        if a.topk_idx is not None:
-            parts += [a.topk_idx, a.topk_weights]
-        parts.append(torch.arange(t, dtype=torch.int32, device=a.x.device).view(t, 1))
+        # Every rank knows every rank's receive count here, so all raise together (no rank is left
+        # waiting in the payload exchange for one that gave up).
+        check_worst(counts, a.num_worst_tokens)
         order = layout.send_order(is_in)
-        recv = self._all_to_all(_pack(parts)[order], send_counts, recv_counts, "dispatch/payload")
-
-        specs = [(a.x.dtype, (a.x.shape[1],))]
-        if a.x_scales is not None:
-            specs.append((torch.float32, (a.x_scales.shape[1],)))
-        if a.topk_idx is not None:
-            k = a.topk_idx.shape[1]
-            specs += [(torch.int64, (k,)), (torch.float32, (k,))]
-        specs.append((torch.int32, (1,)))
-        fields = _unpack(recv, specs)
-        recv_x = fields.pop(0)
-        recv_scales = fields.pop(0) if a.x_scales is not None else None
-        recv_topk_idx = recv_topk_weights = None
-        if a.topk_idx is not None:
-            recv_topk_idx, recv_topk_weights = layout.local_topk(fields.pop(0), fields.pop(0), me, lx)
-        recv_src_idx = fields.pop(0).view(-1)
-
-        rows = a.num_worst_tokens or n
-        recv_x = _pad_rows(recv_x, rows, 0)
-        recv_scales = _pad_rows(recv_scales, rows, 0)
-        recv_topk_idx = _pad_rows(recv_topk_idx, rows, -1)
-        recv_topk_weights = _pad_rows(recv_topk_weights, rows, 0)
-        recv_src_idx = _pad_rows(recv_src_idx, rows, -1)
+        recv = self._all_to_all(pack_dispatch_rows(a)[order], send_counts, recv_counts, "dispatch/payload")
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = unpack_dispatch_rows(
+            recv, a, me, lx, a.num_worst_tokens or n)
         dev = a.x.device
         handle = DispatchHandle(
             rank_prefix.to(dev), cpm.to(dev), recv_cp.to(dev), recv_src_idx, is_in,
@@ -396,6 +365,50 @@ class ReferenceBackend(Backend):
 
     def destroy(self) -> None:
         self.nvl_buffer = self.rdma_buffer = None
+
+
+def check_worst(counts: torch.Tensor, num_worst_tokens: int) -> None:
+    """Raise if a rank receives more than ``num_worst_tokens`` rows (``counts [src, dst]`` on the host;
+    0: no padding asked for)."""
+    if num_worst_tokens:
+        recv_per_rank = counts.sum(0).tolist()
+        over = [j for j in range(len(recv_per_rank)) if recv_per_rank[j] > num_worst_tokens]
+        if over:
+            raise ValueError(f"num_worst_tokens={num_worst_tokens} is smaller than the "
+                             f"{recv_per_rank[over[0]]} tokens rank {over[0]} receives")
+
+
+def pack_dispatch_rows(a: DispatchArgs) -> torch.Tensor:
+    """A dispatch's rows as bytes ``uint8 [T, row]``: x, its scales, top-k ids and weights, the token
+    index (what the receiver unpacks with :func:`unpack_dispatch_rows`)."""
+    t = a.x.shape[0]
+    parts = [a.x] + ([a.x_scales] if a.x_scales is not None else [])
+    if a.topk_idx is not None:
+        parts += [a.topk_idx, a.topk_weights]
+    parts.append(torch.arange(t, dtype=torch.int32, device=a.x.device).view(t, 1))
+    return _pack(parts)
+
+
+def unpack_dispatch_rows(recv: torch.Tensor, a: DispatchArgs, me: int, lx: int, rows: int):
+    """Received rows of :func:`pack_dispatch_rows` (``uint8 [n, row]``) -> ``(recv_x, recv_scales,
+    recv_topk_idx, recv_topk_weights, recv_src_idx)``: ids made local to rank ``me`` (``lx`` experts
+    per rank), each padded to ``rows`` rows (num_worst_tokens)."""
+    specs = [(a.x.dtype, (a.x.shape[1],))]
+    if a.x_scales is not None:
+        specs.append((torch.float32, (a.x_scales.shape[1],)))
+    if a.topk_idx is not None:
+        k = a.topk_idx.shape[1]
+        specs += [(torch.int64, (k,)), (torch.float32, (k,))]
+    specs.append((torch.int32, (1,)))
+    fields = _unpack(recv, specs)
+    recv_x = fields.pop(0)
+    recv_scales = fields.pop(0) if a.x_scales is not None else None
+    recv_topk_idx = recv_topk_weights = None
+    if a.topk_idx is not None:
+        recv_topk_idx, recv_topk_weights = layout.local_topk(fields.pop(0), fields.pop(0), me, lx)
+    recv_src_idx = fields.pop(0).view(-1)
+    return (_pad_rows(recv_x, rows, 0), _pad_rows(recv_scales, rows, 0), _pad_rows(recv_topk_idx, rows, -1),
+            _pad_rows(recv_topk_weights, rows, 0), _pad_rows(recv_src_idx, rows, -1))
 
 
 def _pad_rows(t: torch.Tensor | None, rows: int, fill: int) -> torch.Tensor | None:

@@ -1,0 +1,145 @@
+"""What both low-latency engines (``nvlink_ll.LowLatencyEngine``, ``internode_ll.InternodeLowLatency``)
+keep per kind of call, so a repeat costs a key lookup and its launches.
+
+A kind of call is everything that decides its launches besides the per-call tensors: shapes, dtypes,
+flags, parities, and the 16-byte alignment of every per-call tensor (Triton specialises pointers on
+it; ``kernels/launch.py``). The first call of a kind builds a ``_Call`` through the engine's
+``_dispatch_call`` / ``_combine_call``; ``dispatch_run`` / ``combine_run`` hand its ``run`` to
+``Buffer``'s repeat path. Outputs are two persistent sets that alternate by parity, like the receive
+areas (results of at most two low-latency calls are alive at once).
+
+An engine sets ``backend_name``, calls ``_init_calls(num_ranks, device)``, and provides ``_plan``,
+``_dispatch_call``, ``_combine_call`` and ``_announce`` (M in the place where a peer with another M is
+named); ``_after_send`` runs after an unplanned call's send (default: nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..layout import LowLatencyHandle
+from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult
+
+_MAX_KINDS = 4096  # the token count is part of a dispatch's kind: bounded, in case it takes every value
+
+
+class _Call:
+    """The launches and fixed arguments of one kind of low-latency call, made on its first occurrence."""
+
+
+def _align(t: torch.Tensor | None):
+    """A per-call tensor's part of the key: its 16-byte alignment (True where absent)."""
+    return t is None or t.data_ptr() & 15
+
+
+class LowLatencyCalls:
+    backend_name = "?"
+
+    def _init_calls(self, num_ranks: int, device: torch.device) -> None:
+        self._ranks, self._device = num_ranks, device
+        self._m_word = None  # the M last announced (written when it changes)
+        self._dcalls: dict = {}  # (kind, T) -> _Call (dispatch)
+        self._ccalls: dict = {}  # kind -> _Call (combine)
+        self._outs: dict = {}  # (M, H, E, parity, fp8, ue8m0) -> the dispatch outputs of that parity
+        self._couts: dict = {}  # (M, H, parity) -> the combine output of that parity (M rows)
+
+    def _after_send(self) -> None:
+        """Runs after the send of a call that did not come through the repeat path."""
+
+    # ------------------------------------------------------------------ outputs
+
+    def _dispatch_outputs(self, pl, parity: int, use_fp8: bool, ue8m0: bool):
+        """The outputs of a dispatch on ``parity``, allocated once: two sets alternate call by call."""
+        key = (pl.m, pl.h, pl.e, parity, use_fp8, ue8m0)
+        out = self._outs.get(key)
+        if out is None:
+            r_, dev, lx, h, g = self._ranks, self._device, pl.lx, pl.h, pl.g
+            rm = r_ * pl.m
+            # the receive kernels write the rows as int32 words: allocated as words, viewed as the payload
+            words = torch.empty(lx, rm, h // (4 if use_fp8 else 2), dtype=torch.int32, device=dev)
+            if use_fp8:
+                sc = torch.empty(lx, (g + 3) // 4 if ue8m0 else g, rm,
+                                 dtype=torch.int32 if ue8m0 else torch.float32, device=dev)
+                recv_x = (words.view(torch.float8_e4m3fn), sc.transpose(1, 2))
+            else:
+                sc, recv_x = None, words.view(torch.bfloat16)
+            recv_src = torch.empty(lx, rm, dtype=torch.int32, device=dev)
+            recv_range = torch.empty(lx, r_, dtype=torch.int64, device=dev)
+            recv_count = torch.empty(lx, dtype=torch.int32, device=dev)
+            recv_src._epcomm_ll_parity = parity  # which area holds this dispatch's slots (combine reads them)
+            result = LowLatencyDispatchResult(recv_x, recv_count, LowLatencyHandle(recv_src, recv_range,
+                                              pl.m, h, pl.e))
+            out = self._outs[key] = (result, words, sc, recv_src, recv_range, recv_count)
+        return out
+
+    def _combine_output(self, m: int, h: int, parity: int, t: int) -> torch.Tensor:
+        """The first ``t`` rows of the combine output of ``parity`` (like the dispatch outputs: two
+        alternate, one per parity)."""
+        full = self._couts.get((m, h, parity))
+        if full is None:
+            full = self._couts[(m, h, parity)] = torch.empty(m, h, dtype=torch.bfloat16, device=self._device)
+        return full[:t]
+
+    # ------------------------------------------------------------------ dispatch
+
+    def dispatch_run(self, a: LowLatencyDispatchArgs):
+        """``run(x, topk, cum, wst) -> (result, receive)``: the launches of dispatches like ``a`` (same
+        shapes, dtypes, flags, parity and alignment; ``x`` and ``topk`` contiguous), made once."""
+        x, topk = a.x, a.topk_idx
+        t, h = x.shape
+        cum, wst = a.cumulative_local_expert_recv_stats, a.dispatch_wait_recv_cost_stats
+        # (the token count only sizes the grids: the kernels do not specialise on it)
+        key = (a.num_max_dispatch_tokens_per_rank, h, a.num_experts, topk.shape[1], a.parity, a.use_fp8,
+               a.round_scale, a.use_ue8m0, cum is None, wst is None, a.mask is None, a.hook,
+               _align(x), _align(topk), _align(cum), _align(wst))
+        c = self._dcalls.get((key, t))
+        if c is None:
+            if len(self._dcalls) > _MAX_KINDS:
+                self._dcalls.clear()
+            c = self._dcalls[(key, t)] = self._dispatch_call(a, t, h, topk.shape[1], key)
+        if self._m_word != c.m:
+            self._announce(c.m)
+        return c.run
+
+    def dispatch(self, a: LowLatencyDispatchArgs):
+        """Send now; returns ``(result, receive)``: ``receive()`` launches the receive side."""
+        x, topk = a.x.contiguous(), a.topk_idx.contiguous()
+        if x is not a.x or topk is not a.topk_idx:
+            a = dataclasses.replace(a, x=x, topk_idx=topk)
+        res = self.dispatch_run(a)(x, topk, a.cumulative_local_expert_recv_stats, a.dispatch_wait_recv_cost_stats)
+        self._after_send()
+        return res
+
+    # ------------------------------------------------------------------ combine
+
+    def combine_run(self, a: LowLatencyCombineArgs):
+        """``run(y, topk, w, out, wst) -> (out, receive)``: the launches of combines like ``a`` (same
+        shapes, dtypes, flags, parities and alignment; the tensors contiguous), made once."""
+        hd = a.handle
+        d_parity = getattr(hd.recv_src_info, "_epcomm_ll_parity", None)
+        if d_parity is None:
+            raise ValueError(f"handle must come from this Buffer's low_latency_dispatch ({self.backend_name} "
+                             "backend)")
+        y, topk, w = a.x, a.topk_idx, a.topk_weights
+        t, k = topk.shape
+        m, h, e = hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts
+        wst = a.combine_wait_recv_cost_stats
+        key = (m, h, e, t, k, a.parity, d_parity, a.out is None, wst is None, a.mask is None, a.hook,
+               _align(y), _align(topk), _align(w), _align(a.out), _align(wst))
+        c = self._ccalls.get(key)
+        if c is None:
+            if len(self._ccalls) > _MAX_KINDS:
+                self._ccalls.clear()
+            c = self._ccalls[key] = self._combine_call(a, m, h, e, t, k, d_parity, key)
+        return c.run
+
+    def combine(self, a: LowLatencyCombineArgs):
+        """Send now; returns ``(out, receive)``."""
+        y, topk, w = a.x.contiguous(), a.topk_idx.contiguous(), a.topk_weights.contiguous()
+        if y is not a.x or topk is not a.topk_idx or w is not a.topk_weights:
+            a = dataclasses.replace(a, x=y, topk_idx=topk, topk_weights=w)
+        res = self.combine_run(a)(y, topk, w, a.out, a.combine_wait_recv_cost_stats)
+        self._after_send()
+        return res
