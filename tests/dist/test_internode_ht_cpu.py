@@ -4,7 +4,9 @@ the interpreter, the NVSHMEM device calls simulated — on CPU processes in virt
 
 - Two nodes of one rank (every transfer between ranks crosses the simulated network): BF16 and FP8
   dispatch bitwise with top-k ids and weights, the handle, cached dispatch, ``num_worst_tokens``,
-  combine (with bias) and its weights within the budget, a rank that sends nothing and a hot expert.
+  combine (with bias) and its weights within the budget, a rank that sends nothing and a hot expert;
+  the device-side checks of calls with ``num_worst_tokens`` (no host synchronisation): a wrong
+  ``num_tokens_per_rank`` and too few ``num_worst_tokens``, raised by that call or the next.
 - Four ranks in two nodes of two: BF16 and FP8, and the hierarchy itself: each token crosses to a
   node at most once (messages per node = ``num_tokens_per_rdma_rank`` from ``get_dispatch_layout``,
   fewer than the (token, rank) pairs when a token has two ranks in one node), forwarded in the node.
@@ -89,6 +91,26 @@ def _ht(ctx, tag, gpus_per_node):
         assert "does not match is_token_in_rank" in str(e) and ("(on rank 1)" in str(e)) == (ctx.rank == 0), e
     else:
         raise AssertionError("a wrong num_tokens_per_rank was accepted")
+    # with num_worst_tokens nothing comes back to the host (capturable): the exchange kernel checks the
+    # counts on the device, and the call raises once it sees the error word's host mirror (on a GPU: that
+    # call or the next), on both ranks, naming rank 1
+    try:
+        fast.dispatch(xin, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                      topk_idx=topk, topk_weights=w, num_worst_tokens=sum(case.tokens))
+        G._dispatch(fast, xin, topk, w, case.num_experts)
+    except ValueError as e:
+        assert "num_tokens_per_rank on rank 1 says" in str(e) and "found on the device" in str(e), e
+    else:
+        raise AssertionError("a wrong num_tokens_per_rank was accepted with num_worst_tokens")
+    # too few num_worst_tokens: error 9 on the rank that receives more, at its next call
+    few = cpu_internode.internode_buffer(ctx.group, num_nvl_bytes=32 << 20)
+    try:
+        G._dispatch(few, xin, topk, w, case.num_experts, num_worst_tokens=2)
+        G._dispatch(few, xin, topk, w, case.num_experts)
+    except RuntimeError as e:
+        assert "num_worst_tokens=2 but" in str(e), e
+    else:
+        raise AssertionError("num_worst_tokens=2 was accepted")
     return sent
 
 

@@ -149,6 +149,9 @@ def _ht_rank(ctx, gpus_per_node):
             out.append(G.check_ht_case(ref, fast, case, ctx.rank, fp8, with_bias=not fp8))
         out.append(G.check_ht_case(ref, fast, case, ctx.rank, False, worst=sum(case.tokens)))
     G.check_ht_async(ref, fast, case, ctx.rank)
+    # num_worst_tokens: no host synchronisation, so dispatch + combine are captured in a CUDA graph
+    G.check_ht_graph(ref, fast, Case(num_ranks=r, tokens=(256, 200), hidden=7168, num_topk=8, num_experts=64,
+                                     seed=3), ctx.rank, worst=456, replays=10)
     return len(out)
 
 

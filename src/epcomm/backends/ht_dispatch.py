@@ -162,7 +162,7 @@ class HTDispatch:
             tb = 128
             self.k["_handle_kernel"](
                 key, (max(1, min(self.num_sms, (t + tb - 1) // tb)),),
-                counts, chan, c, send_head_rel, t, r_, me, rpm, recv_cp, send_head, self.p_err,
+                counts, r_, chan, c, c, send_head_rel, t, r_, me, rpm, recv_cp, send_head, self.p_err,
                 a.num_worst_tokens,
                 topk if topk is not None else send_head, k, e, CHECK_WORST=bool(a.num_worst_tokens),
                 R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, CHECK_TOPK=topk is not None, K_POW2=_pow2(k),

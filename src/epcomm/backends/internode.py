@@ -9,7 +9,8 @@ What it serves:
 - **high-throughput** dispatch, cached dispatch and combine, hierarchical (``backends/internode_ht.py``,
   ``kernels/internode_ht.py``): a token crosses the network at most once per destination node, to the
   rank with the sender's local index there, which forwards it over NVLink; combine reduces in the node
-  first. Its layout exchange is one ``all_gather`` over the group (the call's host synchronisation).
+  first. Its layout exchange is a kernel of NVSHMEM puts (then one host synchronisation, none with
+  ``num_worst_tokens``: those calls are CUDA-graph capturable).
 
 Also here: the node map (hosts, or virtual nodes of ``EPCOMM_GPUS_PER_NODE`` ranks), the NVSHMEM settings
 applied before NVSHMEM initialises (``_env.nvshmem_settings``), NVSHMEM symmetric memory through torch
@@ -21,7 +22,12 @@ Symmetric buffer (one NVSHMEM allocation per Buffer)::
 
     [LL region: num_rdma_bytes, laid out by layout.low_latency_buffer_layout]
     [LL signals: 2 parities x 3R uint64][M table: int32[R]][LL combine staging: num_rdma_bytes / 2]
+    [HT layout exchange: 2 parities x R uint64 signals, staging R x S int32, 2 parities x R x S int32]
     [HT region: num_nvl_bytes (+ num_rdma_bytes outside low-latency mode), 64 MiB if both are 0]
+
+``S`` (:func:`notify_words`) holds one rank's layout row for another: its counts per rank, its
+``num_tokens_per_rank``, its token count, its counts per node, its channel prefix and its expert counts for
+that rank; sized for the most channels and local experts (``C_MAX``, ``L_MAX``), under 6 MiB at 256 ranks.
 """
 
 from __future__ import annotations
@@ -36,14 +42,12 @@ import torch
 import torch.distributed as dist
 
 from .. import _env
-from .. import _validate as V
 from .base import Backend, PeerTimeoutError, checked_run
 
 log = logging.getLogger(__name__)
 
 BUILT = True  # the low-latency kernels over NVSHMEM (see the module docstring)
-SERVES = ("low-latency over NVSHMEM; high-throughput hierarchical over NVSHMEM and NVLink (layout exchange "
-          "through torch.distributed)")
+SERVES = "low-latency over NVSHMEM; high-throughput hierarchical over NVSHMEM and NVLink"
 NOT_BUILT = "the internode backend's kernels are not built"  # (while BUILT is False; kept for epcomm env)
 
 DEFAULT_HT_BYTES = 64 << 20  # the high-throughput region when the Buffer names no bytes for it
@@ -127,6 +131,13 @@ def _align(n: int, a: int = 128) -> int:
     return (n + a - 1) // a * a
 
 
+def notify_words(num_ranks: int, nodes: int) -> int:
+    """Words (int32) of one rank's layout row for another (module docstring), a multiple of 4."""
+    from .nvlink_params import C_MAX, L_MAX
+
+    return (2 * num_ranks + 1 + nodes + C_MAX + L_MAX + 3) // 4 * 4
+
+
 class InternodeBackend(Backend):
     """Low-latency and hierarchical high-throughput over NVSHMEM (module docstring).
 
@@ -134,7 +145,7 @@ class InternodeBackend(Backend):
     emulation, ``testing/cpu_internode.py``); default: when ``TRITON_INTERPRET=1``."""
 
     name = "internode"
-    checks_topk_on_device = True  # the LL send kernel checks expert ids; dispatch() checks on the host
+    checks_topk_on_device = True  # the LL send kernel and the HT handle kernel check the expert ids
 
     def __init__(self, buf, sim: bool | None = None):
         from .reference import ReferenceBackend
@@ -156,7 +167,10 @@ class InternodeBackend(Backend):
         self.cstage_off = self.mtab_off + _align(4 * r_)
         # the combine staging holds R*M float32 rows, at most one parity's combine area: half the LL region
         self.cstage_bytes = _align(self.rdma_bytes // 2) if buf.low_latency_mode else 0
-        self.ht_off = self.cstage_off + self.cstage_bytes
+        self.notify_off = self.cstage_off + self.cstage_bytes
+        self.notify_s = notify_words(r_, r_ // self.ranks_per_node)
+        self.notify_bytes = _align(2 * r_ * 8) + 3 * _align(r_ * self.notify_s * 4)
+        self.ht_off = self.notify_off + self.notify_bytes
         ht = buf.num_nvl_bytes + (0 if buf.low_latency_mode else buf.num_rdma_bytes)
         self.ht_bytes = _align(ht or DEFAULT_HT_BYTES)
         total = self.ht_off + self.ht_bytes
@@ -179,8 +193,8 @@ class InternodeBackend(Backend):
         words = torch.zeros(8, dtype=torch.int32, device=self.device)
         self.err = words[:6]
         self.err[4:].view(torch.int64).fill_(self.err_host.data_ptr())
-        # the reference's collectives (with their deadlines) carry the HT layout exchange; its local buffer
-        # is get_local_buffer_tensor's (the HT region is the kernels' staging, not the user's)
+        # the reference backend's local buffer is get_local_buffer_tensor's (the HT region is the kernels'
+        # staging, not the user's)
         self._ref = ReferenceBackend(buf.group, buf.rank, r_, buf.device, buf.timeout_s, buf.num_nvl_bytes, 0)
         self.nvl_buffer = self._ref.nvl_buffer
         self.rdma_buffer = self.symm[:buf.num_rdma_bytes]
@@ -211,6 +225,12 @@ class InternodeBackend(Backend):
         if word[0] == 10:
             raise ValueError(f"topk_idx holds expert id {word[2]}, outside [-1, {word[3]}) for num_experts={word[3]} "
                              "(found on the device; this Buffer is now unusable)")
+        if word[0] == 9:
+            raise RuntimeError(f"epcomm rank {self.rank}: num_worst_tokens={word[3]} but {word[2]} tokens arrived; "
+                               "raise num_worst_tokens (this Buffer is now unusable)")
+        if word[0] == 11:
+            raise ValueError(f"num_tokens_per_rank on rank {word[1]} says {word[2]} tokens for a rank to which its "
+                             f"is_token_in_rank sends {word[3]} (found on the device; this Buffer is now unusable)")
         if word[0] == 6:  # every rank's announced M, in this rank's M table (kernels/internode_ll.py)
             ms = self.symm[self.mtab_off:self.mtab_off + 4 * self.num_ranks].view(torch.int32).tolist()
             if len({m for m in ms if m}) > 1:  # (0: a rank that has made no low-latency call)
@@ -230,9 +250,7 @@ class InternodeBackend(Backend):
         return self._ht
 
     def dispatch(self, args):
-        self.check_mirror()
-        if args.topk_idx is not None:  # Buffer leaves the range check to a backend that checks on the device
-            V.topk_idx(args.topk_idx, None, args.num_tokens_per_expert.numel(), self.device)
+        self.check_mirror()  # (expert ids: checked on the device, internode_ht.py)
         return self._ht_impl().dispatch(args)
 
     def cached_dispatch(self, x, x_scales, handle):

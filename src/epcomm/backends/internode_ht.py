@@ -6,10 +6,15 @@ crosses back.
 Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``, ``C``
 channels, ``N`` ranks per node, ``P = R/N`` nodes, ``TM`` the most tokens any rank dispatches.
 
-The host part: the layout exchange (``notify``: counts per rank, channel prefixes, per-expert counts,
-each rank's token count and per-node counts) is one ``all_gather`` over the group, as the reference
-backend's, and is the call's one host synchronisation; the handle is computed from it as the reference
-computes it, so it is identical. The payload travels as opaque rows: the reference's packing
+The layout exchange (``_hn_notify``): every rank's row for every other (its counts per rank, its
+``num_tokens_per_rank``, its token count, its messages per node, its channel prefix and expert counts for
+that rank), NVSHMEM puts with signals into a small region of its own (``InternodeBackend.notify_off``).
+The handle's tensors come from the rows in one kernel (the nvlink backend's ``_handle_kernel``, which also
+checks the expert ids), bit-identical to the reference's. Then the call's one host synchronisation
+copies the rows back (counts, the per-expert list, the checks that raise on every rank); with
+``num_worst_tokens`` there is none: the slots are sized by the areas (``_worst_tm``), every kernel loops
+over the rows its device-side counts give, the checks record in the error word, and dispatch + combine
+can be captured in a CUDA graph. The payload travels as opaque rows: the reference's packing
 (``x | scales | topk_idx | weights | source index``), each followed for the relays by its position in
 every rank's block, so ``recv_x`` and the rest are unpacked exactly as the reference unpacks them.
 Cached dispatch replays the layout stored with the handle (``recv_src_idx._epcomm_ht``).
@@ -17,9 +22,11 @@ Cached dispatch replays the layout stored with the handle (``recv_src_idx._epcom
 HT region of the symmetric buffer (``InternodeBackend.ht_off``, ``ht_bytes``): 2 parities of signal
 words, then four equal areas: dispatch parity 0 and 1 (staging ``TM`` messages, RDMA receive ``P x TM``
 messages, NVL receive ``R x TM`` rows), combine parity 0 and 1 (relay ``P x N x TM`` rows, staging and
-final ``P x TM`` partial sums). Parities alternate per call (dispatch and combine counted apart); the
-signal words are counters, so no area needs resetting. ``num_worst_tokens`` pads as the reference does
-(the notify still synchronises with the host: these calls are not capturable in a CUDA graph here).
+final ``P x TM`` partial sums). Parities alternate per call (dispatch and combine counted apart) on the
+host; the signal words are counters and a combine's rows carry the device's count of combines as their
+marker, so no area needs resetting and a replayed graph finds no stale rows. A graph replays its
+calls' parities; each dispatch's exchange orders it after every rank's previous calls, so a graph
+holding a dispatch is safe, but one that replays combines alone (no dispatch between) is not.
 """
 
 from __future__ import annotations
@@ -30,12 +37,14 @@ from .. import layout
 from ..kernels.launch import Launcher, Ptr
 from ..layout import DispatchHandle
 from .base import DispatchArgs, DispatchResult
-from .reference import _pack, _pad_rows, _unpack, check_worst, pack_dispatch_rows, unpack_dispatch_rows
+from .reference import _pack, _unpack, pack_dispatch_rows, unpack_dispatch_rows
 
 _BLOCK = 1024
+_PROGRAMS = 1024  # programs per source node of the forward and the relay (4x that for the gather and send),
+# each looping over its rows: a captured call's grid is fixed, so it cannot follow the rows that arrive
 # levels (int32, per parity): forward (waits D_RDMA), gather (D_FWD), relay (C_REL), final (C_FIN)
 _L_FWD, _L_GATHER, _L_RELAY, _L_FINAL = 0, 2, 4, 6
-_T_SEND, _T_FWD, _T_GATHER, _T_CSEND, _T_RELAY, _T_FINAL = range(6)
+_T_SEND, _T_FWD, _T_GATHER, _T_CSEND, _T_RELAY, _T_FINAL, _T_NOTIFY = range(7)
 
 
 def _pow2(n: int) -> int:
@@ -97,37 +106,52 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 class _Info:
-    """What a handle's later calls (cached dispatch, combine) need of its dispatch's layout exchange."""
+    """What a handle's later calls (cached dispatch, combine) need of its dispatch's layout exchange, kept
+    on the device (a captured call has no host copy of it): ``side [R, 1 + P]`` every rank's token count
+    and its messages per node; ``rel [T, R]`` each token's row in each rank's block from here; ``tm``
+    the rows of every slot."""
 
-    def __init__(self, tokens: list[int], node_cnt: torch.Tensor, tm: int, counts: torch.Tensor) -> None:
-        self.tokens = tokens  # T of every rank
-        self.node_cnt = node_cnt  # [R, P]: tokens rank s sends to node b
+    def __init__(self, side: torch.Tensor, rel: torch.Tensor, tm: int, worst: bool) -> None:
+        self.side = side
+        self.rel = rel
         self.tm = tm
-        self.counts = counts  # [R, R] int64 on the host: tokens rank s sends to rank d (no device read later)
-        self.src_rank: torch.Tensor | None = None  # combine's source rank per received row, made once
+        self.worst = worst  # slots sized by the areas (num_worst_tokens), not by the calls' tokens
 
 
 class InternodeHighThroughput:
     def __init__(self, be) -> None:
         from ..kernels import internode_ht as ih
         from ..kernels import nvshmem
+        from ..kernels.ht_notify import _handle_kernel
 
         self.be = be
         r_, n_ = be.num_ranks, be.ranks_per_node
         self.p_nodes = r_ // n_
         dev = be.device
-        self.levels = torch.zeros(8, dtype=torch.int32, device=dev)
+        self.levels = torch.zeros(10, dtype=torch.int32, device=dev)
         self.tickets = torch.zeros(8, dtype=torch.int32, device=dev)
         self.p_table, self.p_err = Ptr(be.ptr_table), Ptr(be.err)
-        self.p_lv = [Ptr(self.levels[i:]) for i in range(8)]
-        self.p_t = [Ptr(self.tickets[i:]) for i in range(6)]
+        self.p_lv = [Ptr(self.levels[i:]) for i in range(10)]
+        self.p_t = [Ptr(self.tickets[i:]) for i in range(7)]
         sim = be.sim
+        self.k_notify = Launcher(nvshmem.nvshmem_kernel(ih._hn_notify_kernel, sim))
+        self.k_handle = Launcher(_handle_kernel)
         self.k_send = Launcher(nvshmem.nvshmem_kernel(ih._hd_send_kernel, sim))
         self.k_fwd = Launcher(ih._hd_forward_kernel)
         self.k_gather = Launcher(ih._hd_gather_kernel)
         self.k_csend = Launcher(ih._hc_send_kernel)
         self.k_relay = Launcher(nvshmem.nvshmem_kernel(ih._hc_relay_kernel, sim))
         self.k_final = Launcher(ih._hc_final_kernel)
+        # the layout exchange's region (InternodeBackend: signals, staging, two receive parities) and the
+        # private copy of the rows received (what the handle kernel and the host read)
+        self.s_words = be.notify_s
+        self.nsig = be.notify_off
+        self.n_stage_off = be.notify_off + _align(2 * r_ * 8)
+        self.n_recv_stride = _align(r_ * self.s_words * 4)
+        self.n_recv_off = self.n_stage_off + self.n_recv_stride
+        self.n_stage = be.symm[self.n_stage_off:self.n_stage_off + r_ * self.s_words * 4].view(torch.int32).view(
+            r_, self.s_words)
+        self.n_rows = torch.zeros(r_, self.s_words, dtype=torch.int32, device=dev)
         sig_words = 2 * self.p_nodes + 2 * n_
         self.sig_stride = _align(sig_words * 8)
         self.sig = [be.ht_off + p * self.sig_stride for p in (0, 1)]
@@ -137,14 +161,37 @@ class InternodeHighThroughput:
         self.d_calls = 0
         self.c_calls = 0
         self.peak_bytes = 0
+        self._caps: dict = {}
 
-    def _need(self, need: int, what: str) -> None:
-        self.peak_bytes = max(self.peak_bytes, 4 * need + 2 * self.sig_stride)  # what this rank has needed
+    def _need(self, need: int, what: str, record: bool = True) -> None:
+        if record:
+            self.peak_bytes = max(self.peak_bytes, 4 * need + 2 * self.sig_stride)  # what this rank has needed
         if need > self.area_bytes:
             buf = self.be._buf()
             raise ValueError(f"num_nvl_bytes={buf.num_nvl_bytes if buf else '?'} is too small for this {what}: the "
                              f"internode backend needs {4 * need + 2 * self.sig_stride} bytes of high-throughput "
                              "buffer (num_nvl_bytes, plus num_rdma_bytes outside low-latency mode)")
+
+    def _worst_tm(self, w: int, h: int, k: int) -> int:
+        """The slots' rows for calls with ``num_worst_tokens`` (no host copy of the token counts): as many
+        as the areas hold, for the dispatch (``w`` words per row) and its combine (BF16 ``h``, ``k``
+        weights); the same on every rank (equal buffers). Example: 2 ranks in nodes of 1, 32 MiB
+        buffer, H = 128, K = 4 -> 3129 rows (BF16 with top-k: 77 words a row)."""
+        key = (w, h, k)
+        tm = self._caps.get(key)
+        if tm is None:
+            r_, n_, p_ = self.be.num_ranks, self.be.ranks_per_node, self.p_nodes
+            cw, fw = (2 * h + 3) // 4 + k + 1, h + k + 1
+
+            def need(x):
+                return max(_dispatch_areas(x, w, w + r_, r_, p_)[2], _combine_areas(x, cw, fw, n_, p_)[2])
+
+            lo, hi = 0, self.area_bytes // 4 + 1  # need(lo) fits, need(hi) does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if need(mid) <= self.area_bytes else (lo, mid)
+            tm = self._caps[key] = lo
+        return tm
 
     @property
     def _timer(self) -> bool:
@@ -152,16 +199,41 @@ class InternodeHighThroughput:
 
     # ------------------------------------------------------------------ dispatch
 
-    def _move(self, words: torch.Tensor, is_in: torch.Tensor, counts: torch.Tensor, info: _Info) -> torch.Tensor:
+    def _exchange(self, a: DispatchArgs, is_in: torch.Tensor, cpm: torch.Tensor, check: bool):
+        """The layout exchange: this rank's row for every rank (counts per rank, ``num_tokens_per_rank``,
+        token count, messages per node, the channel prefix and the expert counts for that rank) staged by
+        torch ops and put by ``_hn_notify``; returns every rank's row for this one, ``[R, S]`` int32 (a
+        private tensor the next exchange overwrites)."""
+        be = self.be
+        r_, n_, p_ = be.num_ranks, be.ranks_per_node, self.p_nodes
+        t, c = is_in.shape[0], cpm.shape[1]
+        lx = a.num_tokens_per_expert.numel() // r_
+        st = self.n_stage
+        st[:, :r_] = is_in.sum(0, dtype=torch.int32)
+        st[:, r_:2 * r_] = a.num_tokens_per_rank
+        st[:, 2 * r_] = t
+        st[:, 2 * r_ + 1:2 * r_ + 1 + p_] = is_in.view(t, p_, n_).any(2).sum(0, dtype=torch.int32)
+        c0 = 2 * r_ + 1 + p_
+        st[:, c0:c0 + c] = cpm
+        st[:, c0 + c:c0 + c + lx] = a.num_tokens_per_expert.view(r_, lx)
+        _go(self.k_notify, "notify", (r_,), be.rank, r_, self.s_words, c0 + c + lx, self.p_table, self.n_stage_off,
+            self.n_recv_off, self.n_recv_stride, self.nsig, self.n_rows, self.p_lv[8], self.p_t[_T_NOTIFY],
+            self.p_err, be.timeout_ns, BLOCK=_BLOCK, CHECK=check, HAS_TIMER=self._timer, SIM=be.sim)
+        return self.n_rows
+
+    def _move(self, words: torch.Tensor, is_in: torch.Tensor, info: _Info, rows: int, rpm: torch.Tensor,
+              neg: tuple[int, int, int]) -> torch.Tensor:
         """The payload rows ``words [T, W]`` (int32) to the ranks ``is_in`` names, through the relays:
-        returns this rank's received rows ``[n, W]`` in (source rank, token) order."""
+        returns this rank's received rows ``[rows, W]`` in (source rank, token) order (``rpm``: the rank
+        prefix matrix); rows past those that arrived are zeros, -1 in words ``neg[0]:neg[1]`` and ``neg[2]``
+        (the padding of ``num_worst_tokens``, as the reference's)."""
         be = self.be
         r_, me, n_, p_ = be.num_ranks, be.rank, be.ranks_per_node, self.p_nodes
-        dev = be.device
+        dev = words.device
         t, w = words.shape
         tm = info.tm
         mw = w + r_
-        msg = torch.cat([words, _positions(is_in)], dim=1).contiguous()
+        msg = torch.cat([words, info.rel], dim=1)
         npos = _positions(is_in.view(t, p_, n_).any(2)).contiguous()
         self.last_npos = npos  # [T, P]: each token's row for each node (-1: not sent there); the tests read it
         parity = self.d_calls % 2
@@ -172,68 +244,97 @@ class InternodeHighThroughput:
         rdma_off, nvl_off = base + rdma_rel, base + nvl_rel
         slot_words = tm * mw
         nvl_slot_words = tm * w
-        self._need(need, "dispatch")
+        self._need(need, "dispatch", record=not info.worst)
         timer = self._timer
         _go(self.k_send, "send", (max(t, 1),), msg, npos, t, mw, me, n_, p_, self.p_table, stage_off, rdma_off,
-                    slot_words, sig, self.p_t[_T_SEND], BLOCK=_BLOCK, SIM=be.sim)
-        i = me % n_
-        b = me // n_
-        cnt = info.node_cnt[[a * n_ + i for a in range(p_)], b].to(torch.int32)
-        _go(self.k_fwd, "fwd", (p_, max(1, int(cnt.max()))), cnt.to(dev), w, mw, me, n_, p_, r_, self.p_table,
-                   rdma_off, slot_words, nvl_off, nvl_slot_words, sig, self.p_lv[_L_FWD + parity], self.p_t[_T_FWD],
-                   self.p_err, be.timeout_ns, BLOCK=_BLOCK, HAS_TIMER=timer)
-        recv_counts = counts[:, me].tolist()
-        n = sum(recv_counts)
-        offs = [torch.arange(c_, dtype=torch.int64) * w + (nvl_off // 4 + s * nvl_slot_words)
-                for s, c_ in enumerate(recv_counts)]
-        off = torch.cat(offs).to(dev) if n else torch.zeros(1, dtype=torch.int64, device=dev)
-        out = torch.empty(n, w, dtype=torch.int32, device=dev)
-        _go(self.k_gather, "gather", (max(n, 1),), off, n, out, w, me, n_, p_, self.p_table, sig,
-                      self.p_lv[_L_GATHER + parity], self.p_t[_T_GATHER], self.p_err, be.timeout_ns, BLOCK=_BLOCK,
-                      HAS_TIMER=timer)
+            slot_words, sig, self.p_t[_T_SEND], BLOCK=_BLOCK, SIM=be.sim)
+        i, b = me % n_, me // n_
+        side = info.side
+        _go(self.k_fwd, "fwd", (p_, max(1, min(tm, _PROGRAMS))), side[i:, 1 + b:], n_ * side.stride(0), w, mw, me,
+            n_, p_, r_, self.p_table, rdma_off, slot_words, nvl_off, nvl_slot_words, sig, self.p_lv[_L_FWD + parity],
+            self.p_t[_T_FWD], self.p_err, be.timeout_ns, BLOCK=_BLOCK, HAS_TIMER=timer)
+        out = torch.empty(rows, w, dtype=torch.int32, device=dev)
+        _go(self.k_gather, "gather", (max(1, min(rows, 4 * _PROGRAMS)),), rpm[:, me:], r_, rows, out, w, me, n_,
+            p_, r_, nvl_off // 4, nvl_slot_words, self.p_table, sig, self.p_lv[_L_GATHER + parity],
+            self.p_t[_T_GATHER], self.p_err, be.timeout_ns, *neg, BLOCK=_BLOCK, R_POW2=_pow2(r_), HAS_TIMER=timer)
         be.check_mirror()
         return out
 
     def dispatch(self, a: DispatchArgs) -> DispatchResult:
+        from .nvlink_params import C_MAX, L_MAX
+
         be = self.be
-        r_, me, n_, p_ = be.num_ranks, be.rank, be.ranks_per_node, self.p_nodes
+        r_, me, p_ = be.num_ranks, be.rank, self.p_nodes
         dev = a.x.device
-        t = a.x.shape[0]
+        t, h = a.x.shape
         e = a.num_tokens_per_expert.numel()
         lx = e // r_
         c = a.num_channels
+        if lx > L_MAX or c > C_MAX:
+            raise ValueError(f"the internode backend supports up to {L_MAX} local experts and {C_MAX} channels, "
+                             f"got L={lx}, C={c}")
+        worst = a.num_worst_tokens
+        k = a.topk_idx.shape[1] if a.topk_idx is not None else 0
+        words = pack_dispatch_rows(a).view(torch.int32)
+        w = words.shape[1]
+        if worst:
+            tm = self._worst_tm(w, h, k)
+            if t > tm:  # (before the exchange: the other ranks then stop at its deadline, naming this one)
+                raise ValueError(f"num_nvl_bytes={be.ht_bytes} holds {tm} tokens of this shape per rank with "
+                                 f"num_worst_tokens, got {t} (internode_ht.high_throughput_bytes)")
         is_in = a.is_token_in_rank.contiguous()
-        counts_here = is_in.sum(0, dtype=torch.int64)
         cpm = layout.channel_prefix_matrix(is_in, c)
-        to_node = is_in.view(t, p_, n_).any(2).sum(0, dtype=torch.int64)  # [P]
-        extra = torch.zeros(r_, 2, dtype=torch.int64, device=dev)
-        extra[:, 0] = t
-        extra[::n_, 1] = to_node  # tokens to node b in the row of rank b*N
-        meta = torch.cat([counts_here.view(r_, 1), cpm.to(torch.int64),
-                          a.num_tokens_per_expert.to(torch.int64).view(r_, lx), extra,
-                          a.num_tokens_per_rank.to(torch.int64).view(r_, 1)], dim=1)
-        g = be._ref._all_gather(meta, "dispatch/notify").cpu()  # [src, dst, 1 + C + L + 3]: the host sync
-        counts = g[:, :, 0]
-        bad = (counts != g[:, :, -1]).any(1).nonzero().flatten().tolist()
-        if bad:  # every rank sees every rank's pair, so all of them raise, and none waits on a peer
-            s_ = bad[0]
-            raise ValueError(f"num_tokens_per_rank={g[s_, :, -1].tolist()} does not match is_token_in_rank, "
-                             f"which sends {counts[s_].tolist()} tokens per rank"
-                             + ("" if s_ == me else f" (on rank {s_})"))
-        rank_prefix = layout.rank_prefix_matrix(counts)
-        recv_cp = layout.recv_channel_prefix_matrix(rank_prefix, g[:, me, 1:1 + c], me)
-        per_expert = layout.align_up(g[:, me, 1 + c:1 + c + lx].sum(0), a.expert_alignment)
-        tokens = g[:, 0, 1 + c + lx].tolist()
-        info = _Info(tokens, g[:, ::n_, 2 + c + lx], max(1, max(tokens)), counts)
-        n = int(counts[:, me].sum())
-        check_worst(counts, a.num_worst_tokens)
-        recv = self._move(pack_dispatch_rows(a).view(torch.int32), is_in, counts, info).view(torch.uint8)
+        g = self._exchange(a, is_in, cpm, check=bool(worst))
+        rel = _positions(is_in)
+        s_ = self.s_words
+        rpm = torch.empty(r_, r_, dtype=torch.int32, device=dev)
+        recv_cp = torch.empty(r_, c, dtype=torch.int32, device=dev)
+        send_head = torch.empty(t, r_, dtype=torch.int32, device=dev)
+        tb = 128
+        topk = a.topk_idx.contiguous() if a.topk_idx is not None else None
+        # the handle's tensors from the exchanged rows in one launch (the nvlink backend's kernel), which also
+        # checks the expert ids and, with num_worst_tokens, the rows arriving
+        _go(self.k_handle, "handle", (max(1, min(64, (t + tb - 1) // tb)),), g, s_, g[:, 2 * r_ + 1 + p_:], s_, c,
+            rel, t, r_, me, rpm, recv_cp, send_head, self.p_err, worst, topk if topk is not None else send_head, k, e,
+            CHECK_WORST=bool(worst), R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, CHECK_TOPK=topk is not None,
+            K_POW2=_pow2(k), num_warps=4)
+        side = g[:, 2 * r_:2 * r_ + 1 + p_].clone()
+        bad_id = None
+        lst: list = []
+        if worst:
+            rows = worst
+        else:
+            gh = g.to("cpu", copy=True)  # the call's one host synchronisation
+            word = be.err_host.tolist()
+            if word[0] == 10:
+                # a bad expert id (the layout ignored it): every rank still completes this call, so the Buffer
+                # stays in step; the ValueError comes after it (the error word is cleared)
+                bad_id = word[2]
+                be.err[:4].zero_()
+                be.err_host.zero_()
+            elif word[0]:
+                be._check_error(word)
+            counts = gh[:, :r_]
+            said = gh[:, r_:2 * r_]
+            bad = (counts != said).any(1).nonzero().flatten().tolist()
+            if bad:  # every rank sees every rank's pair, so all of them raise, and none waits on a peer
+                s0 = bad[0]
+                raise ValueError(f"num_tokens_per_rank={said[s0].tolist()} does not match is_token_in_rank, "
+                                 f"which sends {counts[s0].tolist()} tokens per rank"
+                                 + ("" if s0 == me else f" (on rank {s0})"))
+            tm = max(1, int(gh[:, 2 * r_].max()))
+            rows = int(counts[:, me].sum())
+            c0 = 2 * r_ + 1 + p_ + c
+            lst = layout.align_up(gh[:, c0:c0 + lx].sum(0), a.expert_alignment).tolist()
+        info = _Info(side, rel, tm, bool(worst))
+        ids = w - 1 - 3 * k  # the top-k ids' first word (x | scales | ids (int64) | weights | token index)
+        recv = self._move(words, is_in, info, rows, rpm, (ids, ids + 2 * k, w - 1)).view(torch.uint8)
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = unpack_dispatch_rows(
-            recv, a, me, lx, a.num_worst_tokens or n)
+            recv, a, me, lx, rows)
+        if bad_id is not None:
+            raise ValueError(f"topk_idx holds expert id {bad_id}, outside [-1, {e}) for num_experts={e}")
         recv_src_idx._epcomm_ht = info
-        handle = DispatchHandle(rank_prefix.to(dev), cpm.to(dev), recv_cp.to(dev), recv_src_idx, is_in,
-                                layout.send_head(is_in, rank_prefix.to(dev), me))
-        lst = [] if a.num_worst_tokens else per_expert.tolist()
+        handle = DispatchHandle(rpm, cpm, recv_cp, recv_src_idx, a.is_token_in_rank, send_head)
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, lst, handle)
 
     @staticmethod
@@ -246,14 +347,13 @@ class InternodeHighThroughput:
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle):
         info = self._info(handle)
         parts = [x] + ([x_scales] if x_scales is not None else [])
-        recv = self._move(_pack(parts).view(torch.int32), handle.is_token_in_rank.contiguous(),
-                          info.counts, info).view(torch.uint8)
+        words = _pack(parts).view(torch.int32)
+        rows = handle.recv_src_idx.numel()
+        recv = self._move(words, handle.is_token_in_rank.contiguous(), info, rows, handle.rank_prefix_matrix,
+                          (0, 0, -1)).view(torch.uint8)
         specs = [(x.dtype, (x.shape[1],))] + ([(torch.float32, (x_scales.shape[1],))] if x_scales is not None else [])
         fields = _unpack(recv, specs)
-        rows = handle.recv_src_idx.numel()
-        recv_x = _pad_rows(fields[0], rows, 0)
-        recv_scales = _pad_rows(fields[1], rows, 0) if x_scales is not None else None
-        return recv_x, recv_scales
+        return fields[0], (fields[1] if x_scales is not None else None)
 
     # ------------------------------------------------------------------ combine
 
@@ -262,44 +362,42 @@ class InternodeHighThroughput:
         info = self._info(handle)
         r_, me, n_, p_ = be.num_ranks, be.rank, be.ranks_per_node, self.p_nodes
         dev = x.device
-        counts = info.counts
-        n = int(counts[:, me].sum())
+        rows = handle.recv_src_idx.numel()
         t = handle.is_token_in_rank.shape[0]
         h = x.shape[1]
         k = topk_weights.shape[1] if topk_weights is not None else 0
-        parts = [x[:n]] + ([topk_weights[:n]] if topk_weights is not None else [])
-        rows = _pack(parts).view(torch.int32)  # [n, H/2 + K]
-        cw = rows.shape[1] + 1
+        parts = [x[:rows]] + ([topk_weights[:rows]] if topk_weights is not None else [])
+        packed = _pack(parts).view(torch.int32)  # [rows, H/2 + K]
+        cw = packed.shape[1] + 1
         fw = h + k + 1
         tm = info.tm
-        if info.src_rank is None:  # once per handle: later combines on it reuse the device tensor
-            info.src_rank = torch.repeat_interleave(torch.arange(r_, dtype=torch.int32), counts[:, me]).to(dev)
-        src_rank = info.src_rank
-        src_tok = handle.recv_src_idx[:n].to(torch.int32).contiguous()
+        src_tok = handle.recv_src_idx
+        if src_tok.dtype != torch.int32 or not src_tok.is_contiguous():
+            src_tok = src_tok.to(torch.int32).contiguous()
         parity = self.c_calls % 2
         self.c_calls += 1
-        call_id = self.c_calls
         base, sig = self.areas[2 + parity], self.sig[parity]
         rel_off = base
         rel_slot_words = tm * cw
         stage_rel, fin_rel, need = _combine_areas(tm, cw, fw, n_, p_)
         stage_off, fin_off = base + stage_rel, base + fin_rel
         fin_slot_words = tm * fw
-        self._need(need, "combine")
+        self._need(need, "combine", record=not info.worst)
         timer = self._timer
-        _go(self.k_csend, "csend", (max(n, 1),), rows.contiguous(), src_rank, src_tok, n, cw, call_id, me, n_, p_,
-                     self.p_table, rel_off, rel_slot_words, sig, self.p_t[_T_CSEND], BLOCK=_BLOCK)
-        tok = torch.tensor(info.tokens, dtype=torch.int32, device=dev)
-        _go(self.k_relay, "relay", (p_, tm), tok, h, k, cw, fw, call_id, me, n_, p_, self.p_table, rel_off,
-                     rel_slot_words, stage_off, fin_off, fin_slot_words, sig, self.p_lv[_L_RELAY + parity],
-                     self.p_t[_T_RELAY], self.p_err, be.timeout_ns, BLOCK=_BLOCK, K_POW2=_pow2(max(k, 1)),
-                     HAS_TIMER=timer, SIM=be.sim)
+        _go(self.k_csend, "csend", (max(1, min(rows, 4 * _PROGRAMS)),), packed.contiguous(),
+            handle.rank_prefix_matrix[:, me:], r_, src_tok, rows, cw, self.p_lv[9], me, n_, p_, r_, self.p_table, rel_off,
+            rel_slot_words, sig, self.p_t[_T_CSEND], BLOCK=_BLOCK, R_POW2=_pow2(r_))
+        side = info.side
+        _go(self.k_relay, "relay", (p_, max(1, min(tm, _PROGRAMS))), side, side.stride(0), h, k, cw, fw, self.p_lv[9],
+            me, n_, p_, self.p_table, rel_off, rel_slot_words, stage_off, fin_off, fin_slot_words, sig,
+            self.p_lv[_L_RELAY + parity], self.p_t[_T_RELAY], self.p_err, be.timeout_ns, BLOCK=_BLOCK,
+            K_POW2=_pow2(max(k, 1)), HAS_TIMER=timer, SIM=be.sim)
         out = torch.empty(t, h, dtype=torch.float32, device=dev)
         w_out = torch.empty(t, k, dtype=torch.float32, device=dev) if topk_weights is not None else None
-        _go(self.k_final, "final", (max(t, 1),), out, w_out if w_out is not None else out, t, h, k, fw, call_id,
-                     me, n_, p_, self.p_table, fin_off, fin_slot_words, sig, self.p_lv[_L_FINAL + parity],
-                     self.p_t[_T_FINAL], self.p_err, be.timeout_ns, BLOCK=_BLOCK, K_POW2=_pow2(max(k, 1)),
-                     HAS_W=w_out is not None, HAS_TIMER=timer)
+        _go(self.k_final, "final", (max(t, 1),), out, w_out if w_out is not None else out, t, h, k, fw, self.p_lv[9],
+            me, n_, p_, self.p_table, fin_off, fin_slot_words, sig, self.p_lv[_L_FINAL + parity],
+            self.p_t[_T_FINAL], self.p_err, be.timeout_ns, BLOCK=_BLOCK, K_POW2=_pow2(max(k, 1)),
+            HAS_W=w_out is not None, HAS_TIMER=timer)
         be.check_mirror()
         for b_ in bias:
             out += b_.float()

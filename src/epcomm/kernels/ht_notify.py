@@ -87,13 +87,14 @@ def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
 
 
 @triton.jit(do_not_specialize=['T', 'num_worst'])
-def _handle_kernel(counts_ptr, chan_ptr, C, rel_ptr, T, R, me, rpm_ptr, rcp_ptr, send_head_ptr, err_ptr,
+def _handle_kernel(counts_ptr, CS, chan_ptr, CHS, C, rel_ptr, T, R, me, rpm_ptr, rcp_ptr, send_head_ptr, err_ptr,
                    num_worst, topk_ptr, K, E, CHECK_WORST: tl.constexpr, R_POW2: tl.constexpr,
                    C_POW2: tl.constexpr, TB: tl.constexpr, CHECK_TOPK: tl.constexpr = False,
                    K_POW2: tl.constexpr = 1):
     """The dispatch handle's tensors from the notify outputs, in one launch (they were ~17 torch ops):
 
-    - ``rpm = cumsum(counts, 0)`` (``counts[i][j]``: tokens rank ``i`` sends to rank ``j``);
+    - ``rpm = cumsum(counts, 0)`` (``counts[i][j]``: tokens rank ``i`` sends to rank ``j``; row stride
+      ``CS``, as ``chan``'s is ``CHS``: the internode backend reads both out of its layout exchange);
     - ``recv_channel_prefix[i][c] = rpm[i-1][me] + chan[i][c-1]`` (``chan``: source ``i``'s inclusive
       channel prefix for this rank; 0 for ``i = 0`` / ``c = 0``), as ``layout.recv_channel_prefix_matrix``;
     - ``send_head[t][j] = rel[t][j] + rpm[me-1][j]`` where ``rel >= 0`` (else ``rel``), rows split over
@@ -106,7 +107,7 @@ def _handle_kernel(counts_ptr, chan_ptr, C, rel_ptr, T, R, me, rpm_ptr, rcp_ptr,
     P = tl.num_programs(0)
     ri = tl.arange(0, R_POW2)
     m2 = (ri[:, None] < R) & (ri[None, :] < R)
-    cnt = tl.load(counts_ptr + ri[:, None] * R + ri[None, :], mask=m2, other=0)
+    cnt = tl.load(counts_ptr + ri[:, None] * CS + ri[None, :], mask=m2, other=0)
     rpm = tl.cumsum(cnt, 0)
     if pid == 0:
         tl.store(rpm_ptr + ri[:, None] * R + ri[None, :], rpm, mask=m2)
@@ -114,7 +115,7 @@ def _handle_kernel(counts_ptr, chan_ptr, C, rel_ptr, T, R, me, rpm_ptr, rcp_ptr,
         col_cnt = tl.sum(tl.where(ri[None, :] == me, cnt, 0), 1)
         cc = tl.arange(0, C_POW2)
         mc = (ri[:, None] < R) & (cc[None, :] < C)
-        prev = tl.load(chan_ptr + ri[:, None] * C + cc[None, :] - 1, mask=mc & (cc[None, :] > 0), other=0)
+        prev = tl.load(chan_ptr + ri[:, None] * CHS + cc[None, :] - 1, mask=mc & (cc[None, :] > 0), other=0)
         tl.store(rcp_ptr + ri[:, None] * C + cc[None, :], (col_incl - col_cnt)[:, None] + prev, mask=mc)
         if CHECK_WORST:
             n = tl.max(tl.where(ri < R, col_incl, 0), 0)  # rpm[R-1][me]: every row arriving here

@@ -8,6 +8,8 @@ Letters: ``T`` tokens of a rank, ``TM`` the most tokens any rank has (every area
 ``N`` ranks per node, ``P = R/N`` nodes, rank ``s = a*N + i`` (node ``a``, local index ``i``).
 Rows are opaque int32 words (the payload is packed on the host, ``backends/internode_ht.py``).
 
+0. ``_hn_notify``: the layout exchange (its docstring).
+
 Dispatch (``W`` words per payload row, messages of ``W + R`` words: the row, then for every rank the
 row's position in that rank's block from this source, or -1):
 1. ``_hd_send`` at source ``s``: stage message ``t`` in its own buffer; put it to relay ``(b, i)``'s
@@ -16,9 +18,14 @@ row's position in that rank's block from this source, or -1):
 2. ``_hd_forward`` at relay ``(b, i)``: for source node ``a``, row ``q``: store the row into the NVL
    area of each rank ``(b, j)`` that wants it, slot ``s``, at its position; signal them (``D_FWD[i]``).
 3. ``_hd_gather`` at receiver: after every relay of its node signalled, rows in (source rank, token)
-   order into one ``[n, W]`` tensor (the host unpacks it as the reference backend does).
+   order into one ``[rows, W]`` tensor (the host unpacks it as the reference backend does), padding
+   past the rows that arrived.
 
-Combine (``CW = H/2 + K + 1`` words: bf16 row, float32 weights, a marker = the combine's call id):
+Grids are fixed by the host's shapes (a captured call's cannot follow the counts): programs loop over
+the rows their device-side counts give.
+
+Combine (``CW = H/2 + K + 1`` words: bf16 row, float32 weights, a marker = the device's count of
+combines + 1, which ``_hc_final`` advances):
 4. ``_hc_send`` at receiver ``(b, j)``: row ``q`` (source ``s = (a, i)``, token ``t``) into relay
    ``(b, i)``'s relay area, slot ``(a, j)``, row ``t``, with the marker; signal the node's relays.
 5. ``_hc_relay`` at ``(b, i)``: for ``(a, t)``: Σ over ``j`` of the marked rows in float32 (and the
@@ -35,7 +42,7 @@ import triton
 import triton.language as tl
 
 from . import nvshmem as nv
-from .common import peer_ptr, signal, ticket_last_n, wait_ge
+from .common import peer_ptr, record_error, signal, ticket_last_n, wait_ge
 
 
 @triton.jit
@@ -56,6 +63,49 @@ def _wait(ptr_table, me, sig_off, idx, target, err_ptr, phase, peer, timeout_ns,
     """Wait for this rank's uint64 signal ``idx`` (low word) to reach ``target``."""
     wait_ge(peer_ptr(ptr_table, me, sig_off + idx * 8, tl.int32), target, err_ptr, phase, peer, timeout_ns,
             HAS_TIMER)
+
+
+@triton.jit
+def _hn_notify_kernel(me, R, S, SU, ptr_table, stage_off, recv_off, recv_stride, nsig_off, out_ptr, level_ptr,
+                      ticket_ptr, err_ptr, timeout_ns, BLOCK: tl.constexpr, CHECK: tl.constexpr,
+                      HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
+    """The layout exchange. Program ``d``: this rank's row for rank ``d`` (``S`` words, the first ``SU``
+    used, staged at ``stage_off`` by the host's torch ops) to ``d``'s receive area, slot ``me``, with
+    ``d``'s signal word ``me`` (one NVSHMEM put-with-signal; a store and a release where ``d`` is this
+    rank); then it waits for rank ``d``'s row here and copies it to ``out[d]`` (a private tensor: what
+    the later kernels and the host read). With ``CHECK`` (no host synchronisation follows:
+    ``num_worst_tokens``), rank ``d``'s ``num_tokens_per_rank`` (words ``R..2R``) is checked against
+    its counts (words ``0..R``): error 11 names it.
+
+    The receive area alternates between two parities by the device's count of exchanges (``level``),
+    so a replayed CUDA graph alternates too: a rank writes parity ``q`` of call ``c + 2`` only after
+    every rank has put its row of call ``c + 1``, which each does after it used its rows of call ``c``.
+    Signals are counters (one word per source), compared with the count."""
+    d = tl.program_id(0)
+    level = tl.load(level_ptr)
+    area = recv_off + (level % 2) * recv_stride
+    src = peer_ptr(ptr_table, me, stage_off + d.to(tl.int64) * S * 4, tl.int32)
+    dst_off = area + me * S * 4
+    if d == me:
+        _copy_words(peer_ptr(ptr_table, me, dst_off, tl.int32), src, SU, BLOCK)
+        signal(_sig(ptr_table, me, nsig_off, me), 1)
+    else:
+        nv.put_signal(ptr_table, me, d, dst_off, src, SU * 4, nsig_off + me * 8, SIM)
+    nv.quiet(SIM)
+    _wait(ptr_table, me, nsig_off, d, level + 1, err_ptr, 1, d, timeout_ns, HAS_TIMER)
+    row = peer_ptr(ptr_table, me, area + d * S * 4, tl.int32)
+    _copy_words(out_ptr + d * S, row, SU, BLOCK)
+    if CHECK:
+        cc = tl.arange(0, BLOCK)
+        for c0 in range(0, R, BLOCK):
+            m = (c0 + cc) < R
+            cnt = tl.load(row + c0 + cc, mask=m, other=0)
+            said = tl.load(row + R + c0 + cc, mask=m, other=0)
+            if tl.sum((cnt != said).to(tl.int32), 0) > 0:
+                j = tl.min(tl.where(cnt != said, c0 + cc, 1 << 30), 0)
+                record_error(err_ptr, 11, d, tl.load(row + R + j), tl.load(row + j))
+    if ticket_last_n(ticket_ptr, R):
+        tl.store(level_ptr, level + 1)
 
 
 @triton.jit(do_not_specialize=['T'])
@@ -92,82 +142,122 @@ def _hd_send_kernel(msg_ptr, npos_ptr, T, MW, me, N, P, ptr_table, stage_off, rd
 
 
 @triton.jit
-def _hd_forward_kernel(cnt_ptr, W, MW, me, N, P, R, ptr_table, rdma_off, slot_words, nvl_off, nvl_slot_words,
-                       sig_off, level_ptr, ticket_ptr, err_ptr, timeout_ns, BLOCK: tl.constexpr,
+def _hd_forward_kernel(cnt_ptr, cnt_stride, W, MW, me, N, P, R, ptr_table, rdma_off, slot_words, nvl_off,
+                       nvl_slot_words, sig_off, level_ptr, ticket_ptr, err_ptr, timeout_ns, BLOCK: tl.constexpr,
                        HAS_TIMER: tl.constexpr):
-    """Relay program ``(a, q)``: row ``q`` from source node ``a`` to the ranks of this node that want it."""
+    """Relay program ``(a, g)``: rows ``q = g, g + G, ...`` below ``cnt[a * cnt_stride]`` (the messages
+    source node ``a`` sent here) to the ranks of this node that want them."""
     a = tl.program_id(0)
-    q = tl.program_id(1)
+    g = tl.program_id(1)
+    G = tl.num_programs(1)
     b = me // N
     i = me % N
     level = tl.load(level_ptr)
-    if q < tl.load(cnt_ptr + a):
+    cnt = tl.load(cnt_ptr + a * cnt_stride)
+    if g < cnt:
         _wait(ptr_table, me, sig_off, a, level + 1, err_ptr, 3, a * N + i, timeout_ns, HAS_TIMER)
-        msg = peer_ptr(ptr_table, me, rdma_off + (a * slot_words + q.to(tl.int64) * MW) * 4, tl.int32)
-        s = a * N + i
+    s = a * N + i
+    for q in range(g, cnt, G):
+        q64 = q + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
+        msg = peer_ptr(ptr_table, me, rdma_off + (a * slot_words + q64 * MW) * 4, tl.int32)
         for j in range(N):
             pos = tl.load(msg + W + b * N + j)
             if pos >= 0:
                 dst = peer_ptr(ptr_table, b * N + j, nvl_off + (s * nvl_slot_words + pos.to(tl.int64) * W) * 4,
                                tl.int32)
                 _copy_words(dst, msg, W, BLOCK)
-    if ticket_last_n(ticket_ptr, tl.num_programs(0) * tl.num_programs(1)):
+    if ticket_last_n(ticket_ptr, tl.num_programs(0) * G):
         tl.store(level_ptr, level + 1)
         for j in range(N):
             signal(_sig(ptr_table, b * N + j, sig_off, P + i), 1)
 
 
 @triton.jit
-def _hd_gather_kernel(off_ptr, n, out_ptr, W, me, N, P, ptr_table, sig_off, level_ptr, ticket_ptr, err_ptr,
-                      timeout_ns, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """Program ``q``: after every relay of this node forwarded, ``out[q] = NVL area word offset off[q]``."""
-    q = tl.program_id(0)
+def _source_of(col, rr, q):
+    """``(s, first row of s)`` for received row ``q``: ``col`` is the inclusive prefix over source ranks of
+    the rows this rank receives (``rank_prefix_matrix[:, me]``, padded with a large value)."""
+    s = tl.sum((col <= q).to(tl.int32), 0)
+    return s, tl.max(tl.where(rr < s, col, 0), 0)
+
+
+@triton.jit
+def _hd_gather_kernel(col_ptr, col_stride, rows, out_ptr, W, me, N, P, R, nvl_word_off, nvl_slot_words,
+                      ptr_table, sig_off, level_ptr, ticket_ptr, err_ptr, timeout_ns, neg_lo, neg_hi, neg_last,
+                      BLOCK: tl.constexpr, R_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Program ``g``: after every relay of this node forwarded, rows ``q = g, g + G, ... < rows``:
+    ``out[q]`` = row ``q - first(s)`` of source ``s``'s NVL slot (``_source_of``); past the rows that
+    arrived (the padding of ``num_worst_tokens``) zeros, but -1 in words ``neg_lo..neg_hi`` and ``neg_last``
+    (the top-k ids and the token index, padded with -1 as the reference pads them)."""
+    g = tl.program_id(0)
+    G = tl.num_programs(0)
     b = me // N
     level = tl.load(level_ptr)
     for i2 in range(N):
         _wait(ptr_table, me, sig_off, P + i2, level + 1, err_ptr, 3, b * N + i2, timeout_ns, HAS_TIMER)
-    if q < n:
-        src = peer_ptr(ptr_table, me, tl.load(off_ptr + q) * 4, tl.int32)
-        _copy_words(out_ptr + q.to(tl.int64) * W, src, W, BLOCK)
-    if ticket_last_n(ticket_ptr, tl.num_programs(0)):
+    rr = tl.arange(0, R_POW2)
+    col = tl.load(col_ptr + rr * col_stride, mask=rr < R, other=2147483647)
+    n = tl.load(col_ptr + (R - 1) * col_stride)
+    cc = tl.arange(0, BLOCK)
+    for q in range(g, rows, G):
+        dst = out_ptr + (q + tl.zeros((), tl.int64)) * W
+        if q < n:
+            s, first = _source_of(col, rr, q)
+            src = peer_ptr(ptr_table, me, (nvl_word_off + s * nvl_slot_words + (q - first).to(tl.int64) * W) * 4,
+                           tl.int32)
+            _copy_words(dst, src, W, BLOCK)
+        else:
+            for c0 in range(0, W, BLOCK):
+                c = c0 + cc
+                neg = ((c >= neg_lo) & (c < neg_hi)) | (c == neg_last)
+                tl.store(dst + c, tl.where(neg, -1, 0).to(tl.int32), mask=c < W)
+    if ticket_last_n(ticket_ptr, G):
         tl.store(level_ptr, level + 1)
 
 
-@triton.jit(do_not_specialize=['n', 'call_id'])
-def _hc_send_kernel(rows_ptr, src_rank_ptr, src_tok_ptr, n, CW, call_id, me, N, P, ptr_table, rel_off,
-                    rel_slot_words, sig_off, ticket_ptr, BLOCK: tl.constexpr):
-    """Program ``q``: received row ``q`` (``CW - 1`` words) and the marker to its source's relay here."""
-    q = tl.program_id(0)
+@triton.jit(do_not_specialize=['rows'])
+def _hc_send_kernel(rows_ptr, col_ptr, col_stride, src_tok_ptr, rows, CW, cid_ptr, me, N, P, R, ptr_table, rel_off,
+                    rel_slot_words, sig_off, ticket_ptr, BLOCK: tl.constexpr, R_POW2: tl.constexpr):
+    """Program ``g``: received rows ``q = g, g + G, ...`` that arrived (``CW - 1`` words each) and the marker
+    to their source's relay here; the source from ``col`` (``_source_of``), the token from ``src_tok``."""
+    g = tl.program_id(0)
+    G = tl.num_programs(0)
     b = me // N
     j = me % N
-    if q < n:
-        s = tl.load(src_rank_ptr + q)
+    call_id = tl.load(cid_ptr) + 1  # this combine's marker: the device's count of combines, + 1
+    rr = tl.arange(0, R_POW2)
+    col = tl.load(col_ptr + rr * col_stride, mask=rr < R, other=2147483647)
+    n = tl.minimum(tl.load(col_ptr + (R - 1) * col_stride), rows)
+    for q in range(g, n, G):
+        s, _ = _source_of(col, rr, q)
         t = tl.load(src_tok_ptr + q).to(tl.int64)
         a = s // N
         i = s % N
         dst = peer_ptr(ptr_table, b * N + i, rel_off + ((a * N + j) * rel_slot_words + t * CW) * 4, tl.int32)
-        _copy_words(dst, rows_ptr + q.to(tl.int64) * (CW - 1), CW - 1, BLOCK)
+        _copy_words(dst, rows_ptr + (q + tl.zeros((), tl.int64)) * (CW - 1), CW - 1, BLOCK)
         tl.store(dst + CW - 1, call_id)
-    if ticket_last_n(ticket_ptr, tl.num_programs(0)):
+    if ticket_last_n(ticket_ptr, G):
         for i2 in range(N):
             signal(_sig(ptr_table, b * N + i2, sig_off, P + N + j), 1)
 
 
-@triton.jit(do_not_specialize=['call_id'])
-def _hc_relay_kernel(tok_ptr, H, K, CW, FW, call_id, me, N, P, ptr_table, rel_off, rel_slot_words, stage_off,
-                     fin_off, fin_slot_words, sig_off, level_ptr, ticket_ptr, err_ptr, timeout_ns,
+@triton.jit
+def _hc_relay_kernel(tok_ptr, tok_stride, H, K, CW, FW, cid_ptr, me, N, P, ptr_table, rel_off, rel_slot_words,
+                     stage_off, fin_off, fin_slot_words, sig_off, level_ptr, ticket_ptr, err_ptr, timeout_ns,
                      BLOCK: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
-    """Program ``(a, t)``: Σ over this node's ranks of their rows for token ``t`` of ``(a, i)``, in float32,
-    with the weights; put (stored where ``a`` is this node) to ``(a, i)``'s final area, slot ``b``."""
+    """Program ``(a, g)``, for tokens ``t = g, g + G, ...`` of ``(a, i)`` (``tok[(a * N + i) * tok_stride]`` of
+    them): Σ over this node's ranks of their rows for ``t``, in float32, with the weights; put (stored
+    where ``a`` is this node) to ``(a, i)``'s final area, slot ``b``."""
     a = tl.program_id(0)
-    t = tl.program_id(1)
+    g = tl.program_id(1)
+    G = tl.num_programs(1)
     b = me // N
     i = me % N
+    call_id = tl.load(cid_ptr) + 1
     level = tl.load(level_ptr)
     for j2 in range(N):
         _wait(ptr_table, me, sig_off, P + N + j2, level + 1, err_ptr, 5, b * N + j2, timeout_ns, HAS_TIMER)
-    t64 = t.to(tl.int64)
-    if t < tl.load(tok_ptr + a * N + i):
+    for t in range(g, tl.load(tok_ptr + (a * N + i) * tok_stride), G):
+        t64 = t + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
         HW = H // 2
         stage = peer_ptr(ptr_table, me, stage_off + (a * fin_slot_words + t64 * FW) * 4, tl.float32)
         present = tl.zeros((), tl.int32)
@@ -214,13 +304,14 @@ def _hc_relay_kernel(tok_ptr, H, K, CW, FW, call_id, me, N, P, ptr_table, rel_of
         nv.quiet(SIM)
 
 
-@triton.jit(do_not_specialize=['T', 'call_id'])
-def _hc_final_kernel(out_ptr, wout_ptr, T, H, K, FW, call_id, me, N, P, ptr_table, fin_off, fin_slot_words,
+@triton.jit(do_not_specialize=['T'])
+def _hc_final_kernel(out_ptr, wout_ptr, T, H, K, FW, cid_ptr, me, N, P, ptr_table, fin_off, fin_slot_words,
                      sig_off, level_ptr, ticket_ptr, err_ptr, timeout_ns, BLOCK: tl.constexpr,
                      K_POW2: tl.constexpr, HAS_W: tl.constexpr, HAS_TIMER: tl.constexpr):
     """Program ``t``: ``out[t] = Σ_b partial_b[t]`` over the nodes whose partial carries this call's
     marker, in node order, float32 (and the weights)."""
     t = tl.program_id(0)
+    call_id = tl.load(cid_ptr) + 1
     level = tl.load(level_ptr)
     i = me % N
     for b in range(P):
@@ -247,3 +338,4 @@ def _hc_final_kernel(out_ptr, wout_ptr, T, H, K, FW, call_id, me, N, P, ptr_tabl
             tl.store(wout_ptr + t64 * K + kk, wacc, mask=km)
     if ticket_last_n(ticket_ptr, tl.num_programs(0)):
         tl.store(level_ptr, level + 1)
+        tl.store(cid_ptr, call_id)  # (the last kernel of the combine on this rank counts it)

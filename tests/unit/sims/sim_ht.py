@@ -134,7 +134,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
         rpm = torch.empty(R, R, dtype=torch.int32)
         rcp = torch.empty(R, C, dtype=torch.int32)
         sh = torch.empty(T[me], R, dtype=torch.int32)
-        ht._handle_kernel[(2,)](s["counts"], s["chan"], C, s["shr"], T[me], R, me, rpm, rcp, sh, s["err"], worst,
+        ht._handle_kernel[(2,)](s["counts"], R, s["chan"], C, C, s["shr"], T[me], R, me, rpm, rcp, sh, s["err"], worst,
                                 s["topk"], K, E, CHECK_WORST=bool(worst), R_POW2=4, C_POW2=_p2(C), TB=2,
                                 CHECK_TOPK=bool(worst), K_POW2=_p2(K))
         assert s["err"][0] == 0, s["err"]
@@ -145,14 +145,14 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
         assert_bitwise(sh, layout.send_head(s["in_rank"], rpm_ref, me), "send_head")
         if worst and n:  # one row fewer allowed than arrived: error 9 with (observed, bound)
             err = torch.zeros(6, dtype=torch.int32)
-            ht._handle_kernel[(1,)](s["counts"], s["chan"], C, s["shr"], T[me], R, me, rpm, rcp, sh, err, n - 1,
+            ht._handle_kernel[(1,)](s["counts"], R, s["chan"], C, C, s["shr"], T[me], R, me, rpm, rcp, sh, err, n - 1,
                                     s["topk"], K, E, CHECK_WORST=True, R_POW2=4, C_POW2=_p2(C), TB=2)
             assert err[:4].tolist() == [9, -1, n, n - 1], err
         if worst and T[me]:  # an expert id out of range in the last tile: error 10 with the id and E
             for bad in (E + 3, -4):
                 err, topk = torch.zeros(6, dtype=torch.int32), s["topk"].clone()
                 topk[T[me] - 1, K - 1] = bad
-                ht._handle_kernel[(2,)](s["counts"], s["chan"], C, s["shr"], T[me], R, me, rpm, rcp, sh, err,
+                ht._handle_kernel[(2,)](s["counts"], R, s["chan"], C, C, s["shr"], T[me], R, me, rpm, rcp, sh, err,
                                         worst, topk, K, E, CHECK_WORST=True, R_POW2=4, C_POW2=_p2(C), TB=2,
                                         CHECK_TOPK=True, K_POW2=_p2(K))
                 assert err[:4].tolist() == [10, -1, bad, E], err
