@@ -19,7 +19,9 @@
   zero-copy, out=, a one-token case, CUDA-graph capture and replay, a stress loop.
 - ``test_internode_high_throughput``: the hierarchical high-throughput path against the reference, the
   same two layouts: BF16 and FP8 dispatch bitwise with the handle, cached dispatch, num_worst_tokens,
-  combine with bias and weights within the budget, async events.
+  combine with bias and weights within the budget, async events; dispatch + combine with
+  num_worst_tokens captured in a CUDA graph and replayed on new inputs, and three combines alone, each in its
+  graph, replayed in turn 8 times back to back (its areas alternate by the device's count of combines).
 All eight passed on one H100 in the MPS shared mode (2026-11-25; ~8.5 min): the NVSHMEM puts and
 signals between the two processes then stay on one GPU (NVSHMEM's P2P transport), so this checks the
 kernels' protocol and results, not a link's timing. Two GPUs (nvidia-h200-x2) not yet run.
@@ -152,6 +154,9 @@ def _ht_rank(ctx, gpus_per_node):
     # num_worst_tokens: no host synchronisation, so dispatch + combine are captured in a CUDA graph
     G.check_ht_graph(ref, fast, Case(num_ranks=r, tokens=(256, 200), hidden=7168, num_topk=8, num_experts=64,
                                      seed=3), ctx.rank, worst=456, replays=10)
+    # a combine alone in a graph, replayed back to back (its areas alternate by the device's count)
+    G.check_ht_combine_graph(ref, fast, [Case(num_ranks=r, tokens=(300, 180), hidden=2048, num_topk=8,
+                                              num_experts=64, seed=4 + i) for i in range(3)], ctx.rank)
     return len(out)
 
 

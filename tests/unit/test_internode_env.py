@@ -64,3 +64,21 @@ def test_epcomm_env_reports_the_internode_settings(monkeypatch):
            "NVSHMEM; high-throughput hierarchical over NVSHMEM and NVLink" in text
     monkeypatch.setenv("EPCOMM_GPUS_PER_NODE", "zero")
     assert "virtual nodes: error: EPCOMM_GPUS_PER_NODE must be a positive integer" in "\n".join(doctor.internode()[1])
+
+
+def test_ht_launch_key_tells_level_word_alignments_apart():
+    """The HT engine's launch key fixes what Triton specialises on; a level word (a ``Ptr`` into the
+    levels tensor, chosen by the call's parity) is 16-byte aligned or not, so the key must say which
+    (tier 3 with EPCOMM_VERIFY_LAUNCH=1 caught a key that did not)."""
+    import torch
+
+    from epcomm.backends.internode_ht import _go
+    from epcomm.kernels.launch import Ptr
+
+    levels = torch.zeros(16, dtype=torch.int32)
+    keys = []
+    launcher = lambda key, grid, *args, **kw: keys.append(key)  # noqa: E731
+    for i in range(2):
+        _go(launcher, "relay", (1,), levels, 7, Ptr(levels[i:]))
+    assert keys[0][1:3] == keys[1][1:3] == (levels.data_ptr() & 15 == 0, (False, False, False))
+    assert keys[0][3] != keys[1][3]

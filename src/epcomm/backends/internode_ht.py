@@ -22,11 +22,11 @@ Cached dispatch replays the layout stored with the handle (``recv_src_idx._epcom
 HT region of the symmetric buffer (``InternodeBackend.ht_off``, ``ht_bytes``): 2 parities of signal
 words, then four equal areas: dispatch parity 0 and 1 (staging ``TM`` messages, RDMA receive ``P x TM``
 messages, NVL receive ``R x TM`` rows), combine parity 0 and 1 (relay ``P x N x TM`` rows, staging and
-final ``P x TM`` partial sums). Parities alternate per call (dispatch and combine counted apart) on the
-host; the signal words are counters and a combine's rows carry the device's count of combines as their
-marker, so no area needs resetting and a replayed graph finds no stale rows. A graph replays its
-calls' parities; each dispatch's exchange orders it after every rank's previous calls, so a graph
-holding a dispatch is safe, but one that replays combines alone (no dispatch between) is not.
+final ``P x TM`` partial sums). Parities alternate per call: a dispatch's on the host (a graph replays
+the captured one; each dispatch's exchange orders it after every rank's previous calls, so that is
+safe), a combine's on the device by its count of combines (kernels/internode_ht.py says why a graph
+of combines alone is then safe). The signal words are counters and a combine's rows carry that count
+as their marker, so no area needs resetting and a replayed graph finds no stale rows.
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ def _go(launcher: Launcher, name: str, grid: tuple, *args, **consts) -> None:
     64-bit; the offsets and sizes here change with the call's shapes) and per-call tensors' 16-byte
     alignment (a slice of a fresh tensor need not be aligned; kernels/launch.py)."""
     key = (name,) + tuple((a == 1, a % 16 == 0, a >= 1 << 31) if type(a) is int
+                          else a & 15 == 0 if type(a) is Ptr  # a level word's address: alignment varies
                           else a.data_ptr() & 15 == 0 if type(a) is torch.Tensor else None for a in args)
     launcher(key, grid, *args, **consts)
 
@@ -159,7 +160,6 @@ class InternodeHighThroughput:
         self.area_bytes = (be.ht_bytes - 2 * self.sig_stride) // 4 // 128 * 128
         self.areas = [start + q * self.area_bytes for q in range(4)]  # dispatch p0, p1, combine p0, p1
         self.d_calls = 0
-        self.c_calls = 0
         self.peak_bytes = 0
         self._caps: dict = {}
 
@@ -374,9 +374,9 @@ class InternodeHighThroughput:
         src_tok = handle.recv_src_idx
         if src_tok.dtype != torch.int32 or not src_tok.is_contiguous():
             src_tok = src_tok.to(torch.int32).contiguous()
-        parity = self.c_calls % 2
-        self.c_calls += 1
-        base, sig = self.areas[2 + parity], self.sig[parity]
+        # parity 0's offsets: the kernels add the parity's (the device's count of combines, mod 2)
+        base, sig = self.areas[2], self.sig[0]
+        par_bytes, sig_par = self.areas[3] - self.areas[2], self.sig[1] - self.sig[0]
         rel_off = base
         rel_slot_words = tm * cw
         stage_rel, fin_rel, need = _combine_areas(tm, cw, fw, n_, p_)
@@ -386,16 +386,16 @@ class InternodeHighThroughput:
         timer = self._timer
         _go(self.k_csend, "csend", (max(1, min(rows, 4 * _PROGRAMS)),), packed.contiguous(),
             handle.rank_prefix_matrix[:, me:], r_, src_tok, rows, cw, self.p_lv[9], me, n_, p_, r_, self.p_table, rel_off,
-            rel_slot_words, sig, self.p_t[_T_CSEND], BLOCK=_BLOCK, R_POW2=_pow2(r_))
+            rel_slot_words, sig, par_bytes, sig_par, self.p_t[_T_CSEND], BLOCK=_BLOCK, R_POW2=_pow2(r_))
         side = info.side
         _go(self.k_relay, "relay", (p_, max(1, min(tm, _PROGRAMS))), side, side.stride(0), h, k, cw, fw, self.p_lv[9],
-            me, n_, p_, self.p_table, rel_off, rel_slot_words, stage_off, fin_off, fin_slot_words, sig,
-            self.p_lv[_L_RELAY + parity], self.p_t[_T_RELAY], self.p_err, be.timeout_ns, BLOCK=_BLOCK,
+            me, n_, p_, self.p_table, rel_off, rel_slot_words, stage_off, fin_off, fin_slot_words, sig, par_bytes,
+            sig_par, self.p_lv[_L_RELAY], self.p_t[_T_RELAY], self.p_err, be.timeout_ns, BLOCK=_BLOCK,
             K_POW2=_pow2(max(k, 1)), HAS_TIMER=timer, SIM=be.sim)
         out = torch.empty(t, h, dtype=torch.float32, device=dev)
         w_out = torch.empty(t, k, dtype=torch.float32, device=dev) if topk_weights is not None else None
         _go(self.k_final, "final", (max(t, 1),), out, w_out if w_out is not None else out, t, h, k, fw, self.p_lv[9],
-            me, n_, p_, self.p_table, fin_off, fin_slot_words, sig, self.p_lv[_L_FINAL + parity],
+            me, n_, p_, self.p_table, fin_off, fin_slot_words, sig, par_bytes, sig_par, self.p_lv[_L_FINAL],
             self.p_t[_T_FINAL], self.p_err, be.timeout_ns, BLOCK=_BLOCK, K_POW2=_pow2(max(k, 1)),
             HAS_W=w_out is not None, HAS_TIMER=timer)
         be.check_mirror()

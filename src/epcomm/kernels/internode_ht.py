@@ -32,6 +32,12 @@ combines + 1, which ``_hc_final`` advances):
    weights); staged and put to ``s = (a, i)``'s final area, slot ``b``, row ``t`` with the marker; signal.
 6. ``_hc_final`` at ``s``: Σ over nodes of the marked partial sums, in node order, float32.
 
+A combine's parity (its areas, signal words and levels: ``par_bytes`` and ``sig_par`` from parity 0's)
+is the device's count of combines modulo 2, so a CUDA graph of combines alone alternates too: a rank
+writes parity ``q`` of combine ``c + 2`` only after its ``_hc_final`` of ``c + 1``, which waits on relays
+that waited on every rank's ``_hc_send`` of ``c + 1``, each issued after that rank read parity ``q`` of
+combine ``c``.
+
 Signals (uint64 words, only increased by one per call), per parity at ``sig_off``: ``D_RDMA[P]`` (word
 ``a``), ``D_FWD[N]`` (``P + i``), ``C_REL[N]`` (``P + N + j``), ``C_FIN[P]`` (``P + 2N + b``); every waiting kernel keeps the level it expects next in local memory.
 """
@@ -216,7 +222,8 @@ def _hd_gather_kernel(col_ptr, col_stride, rows, out_ptr, W, me, N, P, R, nvl_wo
 
 @triton.jit(do_not_specialize=['rows'])
 def _hc_send_kernel(rows_ptr, col_ptr, col_stride, src_tok_ptr, rows, CW, cid_ptr, me, N, P, R, ptr_table, rel_off,
-                    rel_slot_words, sig_off, ticket_ptr, BLOCK: tl.constexpr, R_POW2: tl.constexpr):
+                    rel_slot_words, sig_off, par_bytes, sig_par, ticket_ptr, BLOCK: tl.constexpr,
+                    R_POW2: tl.constexpr):
     """Program ``g``: received rows ``q = g, g + G, ...`` that arrived (``CW - 1`` words each) and the marker
     to their source's relay here; the source from ``col`` (``_source_of``), the token from ``src_tok``."""
     g = tl.program_id(0)
@@ -224,6 +231,9 @@ def _hc_send_kernel(rows_ptr, col_ptr, col_stride, src_tok_ptr, rows, CW, cid_pt
     b = me // N
     j = me % N
     call_id = tl.load(cid_ptr) + 1  # this combine's marker: the device's count of combines, + 1
+    par = ((call_id - 1) % 2).to(tl.int64)  # (offsets past 2 GiB)
+    rel_off += par * par_bytes
+    sig_off += par * sig_par
     rr = tl.arange(0, R_POW2)
     col = tl.load(col_ptr + rr * col_stride, mask=rr < R, other=2147483647)
     n = tl.minimum(tl.load(col_ptr + (R - 1) * col_stride), rows)
@@ -242,7 +252,8 @@ def _hc_send_kernel(rows_ptr, col_ptr, col_stride, src_tok_ptr, rows, CW, cid_pt
 
 @triton.jit
 def _hc_relay_kernel(tok_ptr, tok_stride, H, K, CW, FW, cid_ptr, me, N, P, ptr_table, rel_off, rel_slot_words,
-                     stage_off, fin_off, fin_slot_words, sig_off, level_ptr, ticket_ptr, err_ptr, timeout_ns,
+                     stage_off, fin_off, fin_slot_words, sig_off, par_bytes, sig_par, level_ptr, ticket_ptr, err_ptr,
+                     timeout_ns,
                      BLOCK: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
     """Program ``(a, g)``, for tokens ``t = g, g + G, ...`` of ``(a, i)`` (``tok[(a * N + i) * tok_stride]`` of
     them): Σ over this node's ranks of their rows for ``t``, in float32, with the weights; put (stored
@@ -253,6 +264,12 @@ def _hc_relay_kernel(tok_ptr, tok_stride, H, K, CW, FW, cid_ptr, me, N, P, ptr_t
     b = me // N
     i = me % N
     call_id = tl.load(cid_ptr) + 1
+    par = ((call_id - 1) % 2).to(tl.int64)  # (offsets past 2 GiB)
+    rel_off += par * par_bytes
+    stage_off += par * par_bytes
+    fin_off += par * par_bytes
+    sig_off += par * sig_par
+    level_ptr += par
     level = tl.load(level_ptr)
     for j2 in range(N):
         _wait(ptr_table, me, sig_off, P + N + j2, level + 1, err_ptr, 5, b * N + j2, timeout_ns, HAS_TIMER)
@@ -306,12 +323,16 @@ def _hc_relay_kernel(tok_ptr, tok_stride, H, K, CW, FW, cid_ptr, me, N, P, ptr_t
 
 @triton.jit(do_not_specialize=['T'])
 def _hc_final_kernel(out_ptr, wout_ptr, T, H, K, FW, cid_ptr, me, N, P, ptr_table, fin_off, fin_slot_words,
-                     sig_off, level_ptr, ticket_ptr, err_ptr, timeout_ns, BLOCK: tl.constexpr,
+                     sig_off, par_bytes, sig_par, level_ptr, ticket_ptr, err_ptr, timeout_ns, BLOCK: tl.constexpr,
                      K_POW2: tl.constexpr, HAS_W: tl.constexpr, HAS_TIMER: tl.constexpr):
     """Program ``t``: ``out[t] = Σ_b partial_b[t]`` over the nodes whose partial carries this call's
     marker, in node order, float32 (and the weights)."""
     t = tl.program_id(0)
     call_id = tl.load(cid_ptr) + 1
+    par = ((call_id - 1) % 2).to(tl.int64)  # (offsets past 2 GiB)
+    fin_off += par * par_bytes
+    sig_off += par * sig_par
+    level_ptr += par
     level = tl.load(level_ptr)
     i = me % N
     for b in range(P):

@@ -226,6 +226,57 @@ def check_ht_graph(ref: Buffer, fast: Buffer, case: Case, rank: int, worst: int,
         raise AssertionError(f"{len(failures)} of {replays} graph replays failed:\n" + "\n".join(failures))
 
 
+def check_ht_combine_graph(ref: Buffer, fast: Buffer, cases: list[Case], rank: int, rounds: int = 8) -> None:
+    """One combine alone per case (on an eager dispatch's handle), each captured in its own CUDA graph, as
+    ``epcomm bench`` times them; the graphs replayed in turn ``rounds`` times, back to back, no
+    synchronisation between: ranks drift apart, so a replay must not overwrite what a slower rank
+    still reads, nor take another call's rows for its own. Each replay adds its output into its case's
+    accumulator (captured too), which must end at ``rounds`` times the reference's combine."""
+    dev = fast.device
+    runs = []
+    for case in cases:
+        xin, _, topk, w = device_inputs(case, rank, dev)
+        fr = _dispatch(fast, xin, topk, w, case.num_experts)
+        runs.append((case, xin, topk, w, fr[0].clone(), fr[4]))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _, _, _, _, y, h in runs:  # warm up outside the capture
+            fast.combine(y, h)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graphs = []
+    _progress(rank, "combine graphs: capture")
+    for _, xin, _, _, y, h in runs:
+        acc = torch.zeros(xin.shape, dtype=torch.float32, device=dev)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            comb, _, _ = fast.combine(y, h)
+            acc.add_(comb.float())
+        graphs.append((g, acc, comb.dtype))
+    torch.distributed.barrier()
+    _progress(rank, f"combine graphs: {rounds} rounds of {len(graphs)}")
+    for _ in range(rounds):
+        for g, _, _ in graphs:
+            g.replay()
+    torch.cuda.synchronize()
+    # replays of one combine give the same BF16 values, whose float32 sum (``rounds`` a power of two) is
+    # exact: the mean is that BF16 combine, held to the dtype's budget; one bad replay moves it
+    assert rounds & (rounds - 1) == 0, rounds
+    failures = []
+    for (case, xin, topk, w, _, _), (_, acc, dtype) in zip(runs, graphs):
+        rr = _dispatch(ref, xin, topk, w, case.num_experts)
+        ro, _, _ = ref.combine(rr[0], rr[4])
+        abs_sum = ref.combine(rr[0].abs(), rr[4])[0].double()
+        try:
+            assert_within_budget((acc / rounds).to(dtype), ro.double(), abs_sum, ref.group_size + 2,
+                                 f"{rounds} rounds of combine-only graph replays {case}")
+        except AssertionError as err:
+            failures.append(str(err))
+    if failures:
+        raise AssertionError("\n".join(failures))
+
+
 def check_ht_stress(fast: Buffer, ref: Buffer, rank: int, num_ranks: int, iters: int, seed: int = 5) -> float:
     """``iters`` dispatch + combine pairs with changing routings and sizes; every 50th checked fully."""
     dev = fast.device
