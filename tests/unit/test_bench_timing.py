@@ -149,6 +149,36 @@ def test_gpu_control_flow_graph_or_fallback(monkeypatch, fail_capture):
         assert resets == [1]
 
 
+def test_captured_steps_keep_what_their_graphs_read(monkeypatch):
+    """A graph reads the tensors its step's closure holds (a combine's handle and input), so the
+    replays keep the steps alive once the eager plans are gone: freed, that memory went to other
+    tensors and the internode combine's graph replays read garbage (H100, MPS, 2026-11-25)."""
+    import gc
+    import weakref
+
+    _FakeCuda(False).install(monkeypatch)
+
+    class Held:  # stands for the handle a step closes over
+        pass
+
+    refs = []
+
+    def build(s):
+        held = Held()
+        refs.append(weakref.ref(held))
+
+        def step():
+            return [type(held).__name__]  # a new output, as a combine's (it reads the handle, returns new tensors)
+        return [], [step]
+
+    plans = timing.capture_graphs([build(s) for s in range(2)])
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    del plans
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 def test_reference_ops_are_not_captured(monkeypatch):
     fake = _FakeCuda(False)
     fake.install(monkeypatch)

@@ -158,10 +158,11 @@ def fail_text(e: AssertionError) -> str:
 class _Replay:
     """A captured step: calling it replays the graph and returns what the step returned at capture
     (its output tensors, which every replay rewrites), so a replayed step can be checked like an
-    eager one."""
+    eager one. It holds the step too: the graph reads what the step's closure holds (a combine's
+    handle and input), which must outlive it (freed, the allocator hands that memory to others)."""
 
-    def __init__(self, graph, out) -> None:
-        self.graph, self.out = graph, out
+    def __init__(self, graph, out, step) -> None:
+        self.graph, self.out, self.step = graph, out, step
 
     def __call__(self):
         self.graph.replay()
@@ -191,7 +192,7 @@ def capture_graphs(plans: list[tuple[list[Step], list[Step]]]) -> list[tuple[lis
             # thread_local: calls from other threads (NCCL's watchdog) cannot invalidate the capture
             with torch.cuda.graph(g, capture_error_mode="thread_local"):
                 result = step()
-            replays.append(_Replay(g, result))
+            replays.append(_Replay(g, result, step))
         out.append((replays[:len(prep)], replays[len(prep):]))
     torch.cuda.synchronize()
     return out
