@@ -17,6 +17,10 @@
 #                   NVSHMEM takes two PEs per GPU only under MPS with each process's
 #                   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE <= 50 (else "not supported with limited MPG"), so
 #                   this mode starts a private MPS daemon (its own pipe directory) and stops it after (~9 min)
+#   bench-nvshmem   epcomm bench --backend internode, then --backend nvlink, 2 ranks on one GPU under the
+#                   same private MPS daemon (virtual nodes of one GPU): ht-dsv3 and ll-dsv3-288, 24 SMs,
+#                   12 iterations; JSONL in $OUT/bench-mps-<backend>.jsonl (~5 min); BENCH_BACKENDS and
+#                   BENCH_CASES narrow it
 # Every mode prints the GPUs and versions first and exits non-zero if a step failed.
 # Extra arguments: PYTEST_ARGS (tests, shared: e.g. "-k graph"), BENCH_ARGS (bench, profile: e.g.
 # "--mode ll"), EPCOMM_TUNE / EPCOMM_HT_TRANSFER to measure a variant (recorded in every JSONL row).
@@ -26,7 +30,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
 OUT="${OUT:-/tmp/epcomm-out}"; mkdir -p "$OUT"
 mode="${1:-}"
-case "$mode" in tests|bench|figures|profile|shared|shared-nvshmem) ;;
+case "$mode" in tests|bench|figures|profile|shared|shared-nvshmem|bench-nvshmem) ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
@@ -48,12 +52,23 @@ if [[ "$mode" == shared ]]; then
     | tail -30 || rc=1
 fi
 
-if [[ "$mode" == shared-nvshmem ]]; then
+if [[ "$mode" == shared-nvshmem || "$mode" == bench-nvshmem ]]; then
   export EPCOMM_TEST_SHARE_GPU=1 EPCOMM_TEST_WORLD=2 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/epcomm-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/epcomm-mps/log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d || { echo "could not start an MPS daemon"; exit 1; }
   trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
+
+if [[ "$mode" == bench-nvshmem ]]; then
+  for b in ${BENCH_BACKENDS:-internode nvlink}; do
+    EPCOMM_GPUS_PER_NODE=1 timeout 270 "${bench[@]}" --world-size 2 --backend $b --cases ${BENCH_CASES:-ht-dsv3,ll-dsv3-288} --num-sms 24 \
+      --iters 12 ${BENCH_ARGS:-} --out "$OUT/bench-mps-$b.jsonl" 2>&1 | tee "$OUT/bench-mps-$b.log" \
+      | tail -25 || rc=1
+  done
+fi
+
+if [[ "$mode" == shared-nvshmem ]]; then
   timeout 560 "${pytest[@]}" tests/gpu/test_internode_nvshmem.py ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/tier3-internode-mps.log" | tail -30 || rc=1
 fi
