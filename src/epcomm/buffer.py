@@ -248,7 +248,7 @@ class Buffer:
                 raise ValueError(f"x has {t} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
 
             def cached():
-                return self._backend.cached_dispatch(data, scales, handle)
+                return self._backend.cached_dispatch(data, scales, handle, config.num_max_rdma_chunked_send_tokens)
 
             (rx, rs), ev = self._streams.run(cached, [data, scales], previous_event, async_finish,
                                      allocate_on_comm_stream)
@@ -271,7 +271,7 @@ class Buffer:
                 self._checked.add(sig)
         args = DispatchArgs(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                             num_tokens_per_expert, expert_alignment, num_worst_tokens, config.num_channels,
-                            config.num_sms)
+                            config.num_sms, config.num_max_rdma_chunked_send_tokens)
         res, ev = self._streams.run(lambda: self._backend.dispatch(args), [data, scales, topk_idx, topk_weights],
                             previous_event, async_finish, allocate_on_comm_stream)
         recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
@@ -315,7 +315,8 @@ class Buffer:
         config = self._config(config, combine=True)
         self._check_nvl_bytes(config, x.shape[1] * x.element_size())
         biases = tuple(b for b in biases if b is not None)  # DeepEP accepts (bias_0, None)
-        (out, w), ev = self._streams.run(lambda: self._backend.combine(x, handle, topk_weights, tuple(biases)),
+        chunk = config.num_max_rdma_chunked_send_tokens
+        (out, w), ev = self._streams.run(lambda: self._backend.combine(x, handle, topk_weights, tuple(biases), chunk),
                                  [x, topk_weights, *biases], previous_event, async_finish,
                                  allocate_on_comm_stream)
         return out, w, ev

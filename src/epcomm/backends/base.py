@@ -42,6 +42,7 @@ class DispatchArgs:
     num_worst_tokens: int
     num_channels: int
     num_sms: int
+    rdma_chunk: int = 0                  # Config.num_max_rdma_chunked_send_tokens (0: the backend's choice)
 
 
 class DispatchResult(NamedTuple):
@@ -121,12 +122,15 @@ class Backend:
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         raise NotImplementedError
 
-    def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle):
-        """Returns ``(recv_x, recv_x_scales)`` laid out as the dispatch that made ``handle``."""
+    def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle,
+                        rdma_chunk: int = 0):
+        """Returns ``(recv_x, recv_x_scales)`` laid out as the dispatch that made ``handle``.
+        ``rdma_chunk``: the config's ``num_max_rdma_chunked_send_tokens`` (backends that send over the
+        network use it; 0: their own choice)."""
         raise NotImplementedError
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
-                bias: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                bias: tuple[torch.Tensor, ...], rdma_chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
     def low_latency_dispatch(

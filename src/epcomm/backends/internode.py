@@ -253,13 +253,13 @@ class InternodeBackend(Backend):
         self.check_mirror()  # (expert ids: checked on the device, internode_ht.py)
         return self._ht_impl().dispatch(args)
 
-    def cached_dispatch(self, x, x_scales, handle):
+    def cached_dispatch(self, x, x_scales, handle, rdma_chunk: int = 0):
         self.check_mirror()
-        return self._ht_impl().cached_dispatch(x, x_scales, handle)
+        return self._ht_impl().cached_dispatch(x, x_scales, handle, rdma_chunk)
 
-    def combine(self, x, handle, topk_weights, bias):
+    def combine(self, x, handle, topk_weights, bias, rdma_chunk: int = 0):
         self.check_mirror()
-        return self._ht_impl().combine(x, handle, topk_weights, bias)
+        return self._ht_impl().combine(x, handle, topk_weights, bias, rdma_chunk)
 
     # ------------------------------------------------------------------ low-latency
 

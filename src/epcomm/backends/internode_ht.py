@@ -51,6 +51,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def _chunk(rdma_chunk: int) -> int:
+    """Tokens per put across nodes: ``Config.num_max_rdma_chunked_send_tokens`` (the dispatch's for the
+    dispatch, the combine's for the combine); 0 (a backend called without a config) puts one token a put."""
+    return max(1, int(rdma_chunk))
+
+
 def _align(n: int, a: int = 128) -> int:
     return (n + a - 1) // a * a
 
@@ -222,7 +228,7 @@ class InternodeHighThroughput:
         return self.n_rows
 
     def _move(self, words: torch.Tensor, is_in: torch.Tensor, info: _Info, rows: int, rpm: torch.Tensor,
-              neg: tuple[int, int, int]) -> torch.Tensor:
+              neg: tuple[int, int, int], chunk: int) -> torch.Tensor:
         """The payload rows ``words [T, W]`` (int32) to the ranks ``is_in`` names, through the relays:
         returns this rank's received rows ``[rows, W]`` in (source rank, token) order (``rpm``: the rank
         prefix matrix); rows past those that arrived are zeros, -1 in words ``neg[0]:neg[1]`` and ``neg[2]``
@@ -246,8 +252,9 @@ class InternodeHighThroughput:
         nvl_slot_words = tm * w
         self._need(need, "dispatch", record=not info.worst)
         timer = self._timer
-        _go(self.k_send, "send", (max(t, 1),), msg, npos, t, mw, me, n_, p_, self.p_table, stage_off, rdma_off,
-            slot_words, sig, self.p_t[_T_SEND], BLOCK=_BLOCK, SIM=be.sim)
+        ch = _chunk(chunk)
+        _go(self.k_send, "send", (max(1, -(-t // ch)),), msg, npos, t, mw, ch, me, n_, p_, self.p_table, stage_off,
+            rdma_off, slot_words, sig, self.p_t[_T_SEND], BLOCK=_BLOCK, CH_POW2=_pow2(ch), SIM=be.sim)
         i, b = me % n_, me // n_
         side = info.side
         _go(self.k_fwd, "fwd", (p_, max(1, min(tm, _PROGRAMS))), side[i:, 1 + b:], n_ * side.stride(0), w, mw, me,
@@ -328,7 +335,7 @@ class InternodeHighThroughput:
             lst = layout.align_up(gh[:, c0:c0 + lx].sum(0), a.expert_alignment).tolist()
         info = _Info(side, rel, tm, bool(worst))
         ids = w - 1 - 3 * k  # the top-k ids' first word (x | scales | ids (int64) | weights | token index)
-        recv = self._move(words, is_in, info, rows, rpm, (ids, ids + 2 * k, w - 1)).view(torch.uint8)
+        recv = self._move(words, is_in, info, rows, rpm, (ids, ids + 2 * k, w - 1), a.rdma_chunk).view(torch.uint8)
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = unpack_dispatch_rows(
             recv, a, me, lx, rows)
         if bad_id is not None:
@@ -344,20 +351,20 @@ class InternodeHighThroughput:
             raise ValueError("handle must come from this Buffer's dispatch (internode backend)")
         return info
 
-    def cached_dispatch(self, x, x_scales, handle: DispatchHandle):
+    def cached_dispatch(self, x, x_scales, handle: DispatchHandle, rdma_chunk: int = 0):
         info = self._info(handle)
         parts = [x] + ([x_scales] if x_scales is not None else [])
         words = _pack(parts).view(torch.int32)
         rows = handle.recv_src_idx.numel()
         recv = self._move(words, handle.is_token_in_rank.contiguous(), info, rows, handle.rank_prefix_matrix,
-                          (0, 0, -1)).view(torch.uint8)
+                          (0, 0, -1), rdma_chunk).view(torch.uint8)
         specs = [(x.dtype, (x.shape[1],))] + ([(torch.float32, (x_scales.shape[1],))] if x_scales is not None else [])
         fields = _unpack(recv, specs)
         return fields[0], (fields[1] if x_scales is not None else None)
 
     # ------------------------------------------------------------------ combine
 
-    def combine(self, x, handle: DispatchHandle, topk_weights, bias):
+    def combine(self, x, handle: DispatchHandle, topk_weights, bias, rdma_chunk: int = 0):
         be = self.be
         info = self._info(handle)
         r_, me, n_, p_ = be.num_ranks, be.rank, be.ranks_per_node, self.p_nodes
@@ -388,8 +395,9 @@ class InternodeHighThroughput:
             handle.rank_prefix_matrix[:, me:], r_, src_tok, rows, cw, self.p_lv[9], me, n_, p_, r_, self.p_table, rel_off,
             rel_slot_words, sig, par_bytes, sig_par, self.p_t[_T_CSEND], BLOCK=_BLOCK, R_POW2=_pow2(r_))
         side = info.side
-        _go(self.k_relay, "relay", (p_, max(1, min(tm, _PROGRAMS))), side, side.stride(0), h, k, cw, fw, self.p_lv[9],
-            me, n_, p_, self.p_table, rel_off, rel_slot_words, stage_off, fin_off, fin_slot_words, sig, par_bytes,
+        ch = _chunk(rdma_chunk)
+        _go(self.k_relay, "relay", (p_, max(1, min(-(-tm // ch), _PROGRAMS))), side, side.stride(0), h, k, cw, fw, ch,
+            self.p_lv[9], me, n_, p_, self.p_table, rel_off, rel_slot_words, stage_off, fin_off, fin_slot_words, sig, par_bytes,
             sig_par, self.p_lv[_L_RELAY], self.p_t[_T_RELAY], self.p_err, be.timeout_ns, BLOCK=_BLOCK,
             K_POW2=_pow2(max(k, 1)), HAS_TIMER=timer, SIM=be.sim)
         out = torch.empty(t, h, dtype=torch.float32, device=dev)

@@ -12,9 +12,10 @@ Rows are opaque int32 words (the payload is packed on the host, ``backends/inter
 
 Dispatch (``W`` words per payload row, messages of ``W + R`` words: the row, then for every rank the
 row's position in that rank's block from this source, or -1):
-1. ``_hd_send`` at source ``s``: stage message ``t`` in its own buffer; put it to relay ``(b, i)``'s
-   RDMA area, slot ``a``, row ``npos[t, b]`` (its position among the tokens for node ``b``) for every
-   node ``b`` it goes to (a store when ``b == a``: the relay is ``s``); signal each relay (``D_RDMA[a]``).
+1. ``_hd_send`` at source ``s``, a chunk of ``CH`` tokens a program: stage their messages in its own
+   buffer; put them to relay ``(b, i)``'s RDMA area, slot ``a``, rows ``npos[t, b]`` (their positions
+   among the tokens for node ``b``) for every node ``b`` they go to, one put per run of consecutive
+   tokens (a store when ``b == a``: the relay is ``s``); signal each relay (``D_RDMA[a]``).
 2. ``_hd_forward`` at relay ``(b, i)``: for source node ``a``, row ``q``: store the row into the NVL
    area of each rank ``(b, j)`` that wants it, slot ``s``, at its position; signal them (``D_FWD[i]``).
 3. ``_hd_gather`` at receiver: after every relay of its node signalled, rows in (source rank, token)
@@ -29,7 +30,8 @@ combines + 1, which ``_hc_final`` advances):
 4. ``_hc_send`` at receiver ``(b, j)``: row ``q`` (source ``s = (a, i)``, token ``t``) into relay
    ``(b, i)``'s relay area, slot ``(a, j)``, row ``t``, with the marker; signal the node's relays.
 5. ``_hc_relay`` at ``(b, i)``: for ``(a, t)``: Σ over ``j`` of the marked rows in float32 (and the
-   weights); staged and put to ``s = (a, i)``'s final area, slot ``b``, row ``t`` with the marker; signal.
+   weights), staged with the marker; a chunk of ``CH`` consecutive tokens put at once to
+   ``s = (a, i)``'s final area, slot ``b``, rows ``t...``; signal.
 6. ``_hc_final`` at ``s``: Σ over nodes of the marked partial sums, in node order, float32.
 
 A combine's parity (its areas, signal words and levels: ``par_bytes`` and ``sig_par`` from parity 0's)
@@ -115,26 +117,37 @@ def _hn_notify_kernel(me, R, S, SU, ptr_table, stage_off, recv_off, recv_stride,
 
 
 @triton.jit(do_not_specialize=['T'])
-def _hd_send_kernel(msg_ptr, npos_ptr, T, MW, me, N, P, ptr_table, stage_off, rdma_off, slot_words, sig_off,
-                    ticket_ptr, BLOCK: tl.constexpr, SIM: tl.constexpr):
-    """Program ``t``: message ``t`` (``MW`` words) staged here, then to the relay of every node it goes to."""
-    t = tl.program_id(0)
+def _hd_send_kernel(msg_ptr, npos_ptr, T, MW, CH, me, N, P, ptr_table, stage_off, rdma_off, slot_words, sig_off,
+                    ticket_ptr, BLOCK: tl.constexpr, CH_POW2: tl.constexpr, SIM: tl.constexpr):
+    """Program ``c``: messages ``t = c*CH ...`` (a chunk of up to ``CH`` tokens, ``MW`` words each) staged
+    here, then to the relay of every node they go to: one put per run of consecutive tokens that go
+    there (their rows there are consecutive too), so at most ``CH`` rows a put (DeepEP's
+    ``num_max_rdma_chunked_send_tokens``)."""
+    c = tl.program_id(0)
     a = me // N
     i = me % N
-    if t < T:
-        t64 = t.to(tl.int64)
-        stage = peer_ptr(ptr_table, me, stage_off + t64 * MW * 4, tl.int32)
-        _copy_words(stage, msg_ptr + t64 * MW, MW, BLOCK)
+    t0 = c.to(tl.int64) * CH
+    n = tl.minimum(T - t0, CH)
+    if n > 0:
+        stage = peer_ptr(ptr_table, me, stage_off + t0 * MW * 4, tl.int32)
+        _copy_words(stage, msg_ptr + t0 * MW, n * MW, BLOCK)
         tl.debug_barrier()
+        uu = tl.arange(0, CH_POW2)
         for b in range(P):
-            q = tl.load(npos_ptr + t64 * P + b)
-            if q >= 0:
-                relay = b * N + i
-                off = rdma_off + (a * slot_words + q.to(tl.int64) * MW) * 4
-                if b == a:  # this rank is its own node's relay
-                    _copy_words(peer_ptr(ptr_table, me, off, tl.int32), stage, MW, BLOCK)
-                else:
-                    nv.put(ptr_table, me, relay, off, stage, MW * 4, SIM)
+            qs = tl.load(npos_ptr + (t0 + uu) * P + b, mask=uu < n, other=-1)
+            relay = b * N + i
+            for u in range(0, n):
+                q = tl.load(npos_ptr + (t0 + u) * P + b)
+                u_ = u + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
+                prev = tl.load(npos_ptr + (t0 + u_ - 1) * P + b, mask=u_ > 0, other=-1)
+                if (q >= 0) & (prev < 0):  # a run of tokens for node b starts at u: it ends at the next gap
+                    end = tl.min(tl.where((uu > u_) & (qs < 0), uu.to(tl.int64), n), 0)
+                    src = stage + u_ * MW
+                    off = rdma_off + (a * slot_words + q.to(tl.int64) * MW) * 4
+                    if b == a:  # this rank is its own node's relay
+                        _copy_words(peer_ptr(ptr_table, me, off, tl.int32), src, (end - u_) * MW, BLOCK)
+                    else:
+                        nv.put(ptr_table, me, relay, off, src, (end - u_) * MW * 4, SIM)
     nv.quiet(SIM)
     if ticket_last_n(ticket_ptr, tl.num_programs(0)):
         for b in range(P):
@@ -251,13 +264,16 @@ def _hc_send_kernel(rows_ptr, col_ptr, col_stride, src_tok_ptr, rows, CW, cid_pt
 
 
 @triton.jit
-def _hc_relay_kernel(tok_ptr, tok_stride, H, K, CW, FW, cid_ptr, me, N, P, ptr_table, rel_off, rel_slot_words,
+def _hc_relay_kernel(tok_ptr, tok_stride, H, K, CW, FW, CH, cid_ptr, me, N, P, ptr_table, rel_off, rel_slot_words,
                      stage_off, fin_off, fin_slot_words, sig_off, par_bytes, sig_par, level_ptr, ticket_ptr, err_ptr,
-                     timeout_ns,
-                     BLOCK: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
-    """Program ``(a, g)``, for tokens ``t = g, g + G, ...`` of ``(a, i)`` (``tok[(a * N + i) * tok_stride]`` of
-    them): Σ over this node's ranks of their rows for ``t``, in float32, with the weights; put (stored
-    where ``a`` is this node) to ``(a, i)``'s final area, slot ``b``."""
+                     timeout_ns, BLOCK: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
+                     SIM: tl.constexpr):
+    """Program ``(a, g)``, for chunks ``c = g, g + G, ...`` of ``CH`` tokens of ``(a, i)``
+    (``tok[(a * N + i) * tok_stride]`` of them): for each token, Σ over this node's ranks of their rows
+    for it, in float32, with the weights, staged; then the chunk's staged rows in one put (stored where
+    ``a`` is this node) to ``(a, i)``'s final area, slot ``b`` (DeepEP's
+    ``num_max_rdma_chunked_send_tokens`` of the combine). A token no row came for keeps its stale staged
+    row, whose old marker ``_hc_final`` skips."""
     a = tl.program_id(0)
     g = tl.program_id(1)
     G = tl.num_programs(1)
@@ -273,42 +289,47 @@ def _hc_relay_kernel(tok_ptr, tok_stride, H, K, CW, FW, cid_ptr, me, N, P, ptr_t
     level = tl.load(level_ptr)
     for j2 in range(N):
         _wait(ptr_table, me, sig_off, P + N + j2, level + 1, err_ptr, 5, b * N + j2, timeout_ns, HAS_TIMER)
-    for t in range(g, tl.load(tok_ptr + (a * N + i) * tok_stride), G):
-        t64 = t + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
-        HW = H // 2
-        stage = peer_ptr(ptr_table, me, stage_off + (a * fin_slot_words + t64 * FW) * 4, tl.float32)
-        present = tl.zeros((), tl.int32)
-        for j in range(N):
-            row = peer_ptr(ptr_table, me, rel_off + ((a * N + j) * rel_slot_words + t64 * CW) * 4, tl.int32)
-            present += (tl.load(row + CW - 1) == call_id).to(tl.int32)
-        if present > 0:
-            cc = tl.arange(0, BLOCK)
-            for c0 in range(0, H, BLOCK):
-                cm = (c0 + cc) < H
-                acc = tl.zeros((BLOCK,), tl.float32)
+    cnt = tl.load(tok_ptr + (a * N + i) * tok_stride)
+    HW = H // 2
+    for c in range(g, (cnt + CH - 1) // CH, G):
+        t0 = (c + tl.zeros((), tl.int64)) * CH  # (a loop index: a Python int under the interpreter)
+        n = tl.minimum(cnt - t0, CH)
+        for u in range(0, n):
+            t64 = t0 + u
+            stage = peer_ptr(ptr_table, me, stage_off + (a * fin_slot_words + t64 * FW) * 4, tl.float32)
+            present = tl.zeros((), tl.int32)
+            for j in range(N):
+                row = peer_ptr(ptr_table, me, rel_off + ((a * N + j) * rel_slot_words + t64 * CW) * 4, tl.int32)
+                present += (tl.load(row + CW - 1) == call_id).to(tl.int32)
+            if present > 0:
+                cc = tl.arange(0, BLOCK)
+                for c0 in range(0, H, BLOCK):
+                    cm = (c0 + cc) < H
+                    acc = tl.zeros((BLOCK,), tl.float32)
+                    for j in range(N):
+                        row = peer_ptr(ptr_table, me, rel_off + ((a * N + j) * rel_slot_words + t64 * CW) * 4,
+                                       tl.int32)
+                        if tl.load(row + CW - 1) == call_id:
+                            v = tl.load(row.to(tl.pointer_type(tl.bfloat16)) + c0 + cc, mask=cm, other=0.0)
+                            acc += v.to(tl.float32)
+                    tl.store(stage + c0 + cc, acc, mask=cm)
+                kk = tl.arange(0, K_POW2)
+                km = kk < K
+                wacc = tl.zeros((K_POW2,), tl.float32)
                 for j in range(N):
                     row = peer_ptr(ptr_table, me, rel_off + ((a * N + j) * rel_slot_words + t64 * CW) * 4,
                                    tl.int32)
                     if tl.load(row + CW - 1) == call_id:
-                        v = tl.load(row.to(tl.pointer_type(tl.bfloat16)) + c0 + cc, mask=cm, other=0.0)
-                        acc += v.to(tl.float32)
-                tl.store(stage + c0 + cc, acc, mask=cm)
-            kk = tl.arange(0, K_POW2)
-            km = kk < K
-            wacc = tl.zeros((K_POW2,), tl.float32)
-            for j in range(N):
-                row = peer_ptr(ptr_table, me, rel_off + ((a * N + j) * rel_slot_words + t64 * CW) * 4, tl.int32)
-                if tl.load(row + CW - 1) == call_id:
-                    wacc += tl.load(row.to(tl.pointer_type(tl.float32)) + HW + kk, mask=km, other=0.0)
-            tl.store(stage + H + kk, wacc, mask=km)
-            tl.store(stage.to(tl.pointer_type(tl.int32)) + FW - 1, call_id)
-            tl.debug_barrier()
-            off = fin_off + (b * fin_slot_words + t64 * FW) * 4
-            if a == b:  # the source is this rank
-                _copy_words(peer_ptr(ptr_table, me, off, tl.int32), stage.to(tl.pointer_type(tl.int32)), FW,
-                            BLOCK)
-            else:
-                nv.put(ptr_table, me, a * N + i, off, stage, FW * 4, SIM)
+                        wacc += tl.load(row.to(tl.pointer_type(tl.float32)) + HW + kk, mask=km, other=0.0)
+                tl.store(stage + H + kk, wacc, mask=km)
+                tl.store(stage.to(tl.pointer_type(tl.int32)) + FW - 1, call_id)
+        tl.debug_barrier()
+        first = peer_ptr(ptr_table, me, stage_off + (a * fin_slot_words + t0 * FW) * 4, tl.int32)
+        off = fin_off + (b * fin_slot_words + t0 * FW) * 4
+        if a == b:  # the source is this rank
+            _copy_words(peer_ptr(ptr_table, me, off, tl.int32), first, n * FW, BLOCK)
+        else:
+            nv.put(ptr_table, me, a * N + i, off, first, n * FW * 4, SIM)
     nv.quiet(SIM)
     if ticket_last_n(ticket_ptr, tl.num_programs(0) * tl.num_programs(1)):
         tl.store(level_ptr, level + 1)

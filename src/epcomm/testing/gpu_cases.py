@@ -74,14 +74,16 @@ def _combine_check(out, ref_out, ref: Buffer, y: torch.Tensor, handle, what: str
 
 
 def check_ht_case(ref: Buffer, fast: Buffer, case: Case, rank: int, fp8: bool, worst: int = 0,
-                  with_bias: bool = False) -> dict:
+                  with_bias: bool = False, configs: tuple | None = None) -> dict:
+    """``configs``: ``(dispatch, combine)`` Configs for ``fast``'s calls (else its defaults)."""
     dev = fast.device
+    dcfg, ccfg = configs or (None, None)
     xin, x, topk, w = device_inputs(case, rank, dev, fp8)
     e = case.num_experts
     rr = _dispatch(ref, xin, topk, w, e, num_worst_tokens=worst)
-    fr = _dispatch(fast, xin, topk, w, e, num_worst_tokens=worst)
+    fr = _dispatch(fast, xin, topk, w, e, num_worst_tokens=worst, config=dcfg)
     n = int(rr[4].rank_prefix_matrix[-1, rank])
-    tag = f"{case} fp8={fp8} worst={worst} rank={rank}"
+    tag = f"{case} fp8={fp8} worst={worst} rank={rank}" + (f" configs={configs}" if configs else "")
     assert_bitwise(_rows(fr[0])[:n], _rows(rr[0])[:n], f"recv_x {tag}")
     if fp8:
         assert_bitwise(fr[0][1][:n], rr[0][1][:n], f"recv scales {tag}")
@@ -104,13 +106,13 @@ def check_ht_case(ref: Buffer, fast: Buffer, case: Case, rank: int, fp8: bool, w
         bias = (torch.randn(x.shape, generator=gb, device=dev).to(torch.bfloat16),
                 torch.randn(x.shape, generator=gb, device=dev).to(torch.bfloat16))
     ro, rw, _ = ref.combine(y, rr[4], topk_weights=rr[2], bias=bias)
-    fo, fw, _ = fast.combine(y, fr[4], topk_weights=fr[2], bias=bias)
+    fo, fw, _ = fast.combine(y, fr[4], topk_weights=fr[2], bias=bias, config=ccfg)
     _combine_check(fo, ro, ref, y, rr[4], f"combine {tag}", bias)
     assert_within_budget(fw, rw.double(), rw.double().abs(), case.num_ranks, f"combined weights {tag}")
     bitwise = bool(torch.equal(fo.view(torch.int16), ro.view(torch.int16)))
     # cached dispatch
     cr = ref.dispatch(xin, handle=rr[4])
-    cf = fast.dispatch(xin, handle=fr[4])
+    cf = fast.dispatch(xin, handle=fr[4], config=dcfg)
     assert cf[1] is None and cf[4] is None
     assert_bitwise(_rows(cf[0])[:n], _rows(cr[0])[:n], f"cached recv_x {tag}")
     return {"n": n, "combine_bitwise": bitwise}
