@@ -71,3 +71,20 @@ def test_case_validates_itself():
         BenchCase("x", "mid", 1, 128, 1, 2)
     with pytest.raises(ValueError, match="tokens"):
         BenchCase("x", "ht", 0, 128, 1, 2)
+
+
+def test_sms_column_says_what_the_kernels_take(monkeypatch):
+    """The SMs column: the config's num_sms only where the kernels honour it (nvlink high-throughput);
+    the low-latency kernels and the internode high-throughput ones reach every SM."""
+    import types
+
+    import torch
+
+    from epcomm import Buffer
+    from epcomm.bench import runner
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert runner._sms("nvlink", gpu, "ht") == Buffer.num_sms
+    assert runner._sms("internode", gpu, "ht") == runner._sms("nvlink", gpu, "ll") == "all 132"
+    assert runner._sms("reference", gpu, "ht") == "nccl" and runner._sms("reference", cpu, "ht") == "gloo"
