@@ -239,7 +239,6 @@ class InternodeHighThroughput:
         t, w = words.shape
         tm = info.tm
         mw = w + r_
-        msg = torch.cat([words, info.rel], dim=1)
         npos = _positions(is_in.view(t, p_, n_).any(2)).contiguous()
         self.last_npos = npos  # [T, P]: each token's row for each node (-1: not sent there); the tests read it
         parity = self.d_calls % 2
@@ -253,8 +252,9 @@ class InternodeHighThroughput:
         self._need(need, "dispatch", record=not info.worst)
         timer = self._timer
         ch = _chunk(chunk)
-        _go(self.k_send, "send", (max(1, -(-t // ch)),), msg, npos, t, mw, ch, me, n_, p_, self.p_table, stage_off,
-            rdma_off, slot_words, sig, self.p_t[_T_SEND], BLOCK=_BLOCK, CH_POW2=_pow2(ch), SIM=be.sim)
+        _go(self.k_send, "send", (max(1, -(-t // ch)),), words.contiguous(), info.rel.contiguous(), npos, t, w, r_, ch,
+            me, n_, p_, self.p_table, stage_off, rdma_off, slot_words, sig, self.p_t[_T_SEND], BLOCK=_BLOCK,
+            CH_POW2=_pow2(ch), SIM=be.sim)
         i, b = me % n_, me // n_
         side = info.side
         _go(self.k_fwd, "fwd", (p_, max(1, min(tm, _PROGRAMS))), side[i:, 1 + b:], n_ * side.stride(0), w, mw, me,

@@ -117,20 +117,25 @@ def _hn_notify_kernel(me, R, S, SU, ptr_table, stage_off, recv_off, recv_stride,
 
 
 @triton.jit(do_not_specialize=['T'])
-def _hd_send_kernel(msg_ptr, npos_ptr, T, MW, CH, me, N, P, ptr_table, stage_off, rdma_off, slot_words, sig_off,
-                    ticket_ptr, BLOCK: tl.constexpr, CH_POW2: tl.constexpr, SIM: tl.constexpr):
-    """Program ``c``: messages ``t = c*CH ...`` (a chunk of up to ``CH`` tokens, ``MW`` words each) staged
-    here, then to the relay of every node they go to: one put per run of consecutive tokens that go
-    there (their rows there are consecutive too), so at most ``CH`` rows a put (DeepEP's
-    ``num_max_rdma_chunked_send_tokens``)."""
+def _hd_send_kernel(words_ptr, rel_ptr, npos_ptr, T, W, R, CH, me, N, P, ptr_table, stage_off, rdma_off, slot_words,
+                    sig_off, ticket_ptr, BLOCK: tl.constexpr, CH_POW2: tl.constexpr, SIM: tl.constexpr):
+    """Program ``c``: messages ``t = c*CH ...`` (a chunk of up to ``CH`` tokens; a message is the row's
+    ``W`` words from ``words``, then its ``R`` positions from ``rel``) staged here, then to the relay of
+    every node they go to: one put per run of consecutive tokens that go there (their rows there are
+    consecutive too), so at most ``CH`` rows a put (DeepEP's ``num_max_rdma_chunked_send_tokens``)."""
     c = tl.program_id(0)
     a = me // N
     i = me % N
+    MW = W + R
     t0 = c.to(tl.int64) * CH
     n = tl.minimum(T - t0, CH)
     if n > 0:
         stage = peer_ptr(ptr_table, me, stage_off + t0 * MW * 4, tl.int32)
-        _copy_words(stage, msg_ptr + t0 * MW, n * MW, BLOCK)
+        for u in range(0, n):
+            t64 = t0 + u
+            row = stage + (t64 - t0) * MW
+            _copy_words(row, words_ptr + t64 * W, W, BLOCK)
+            _copy_words(row + W, rel_ptr + t64 * R, R, BLOCK)
         tl.debug_barrier()
         uu = tl.arange(0, CH_POW2)
         for b in range(P):
