@@ -22,9 +22,12 @@
   combine with bias and weights within the budget, async events; dispatch + combine with
   num_worst_tokens captured in a CUDA graph and replayed on new inputs, and three combines alone, each in its
   graph, replayed in turn 8 times back to back (its areas alternate by the device's count of combines).
-All eight passed on one H100 in the MPS shared mode (2026-11-25; ~8.5 min): the NVSHMEM puts and
-signals between the two processes then stay on one GPU (NVSHMEM's P2P transport), so this checks the
-kernels' protocol and results, not a link's timing. Two GPUs (nvidia-h200-x2) not yet run.
+All eight passed on one H100 in the MPS shared mode (2026-11-25; ~8.5 min; the high-throughput ones
+again at e92bfdd with EPCOMM_VERIFY_LAUNCH=1, with one combine-only graph; the three-graph version of
+that check ran there outside pytest): the NVSHMEM puts and signals between the two processes then stay
+on one GPU (NVSHMEM's P2P transport), so this checks the kernels' protocol and results, not a link's
+timing. The RDMA chunking (d7be3fa) and the send kernel's staging (86535ef) came after, tier 2 only.
+Two GPUs (nvidia-h200-x2) not yet run.
 """
 import os
 

@@ -6,9 +6,11 @@ crosses back.
 Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``, ``C``
 channels, ``N`` ranks per node, ``P = R/N`` nodes, ``TM`` the most tokens any rank dispatches.
 
-The layout exchange (``_hn_notify``): every rank's row for every other (its counts per rank, its
-``num_tokens_per_rank``, its token count, its messages per node, its channel prefix and expert counts for
-that rank), NVSHMEM puts with signals into a small region of its own (``InternodeBackend.notify_off``).
+The layout exchange: ``_hn_prep`` computes the call's layout from ``is_token_in_rank`` in one launch
+(each token's row for every rank and node, the channel prefix) and stages every rank's row for every
+other (its counts per rank, its ``num_tokens_per_rank``, its token count, its messages per node, its
+channel prefix and expert counts for that rank); ``_hn_notify`` puts them, NVSHMEM puts with signals into
+a small region of its own (``InternodeBackend.notify_off``).
 The handle's tensors come from the rows in one kernel (the nvlink backend's ``_handle_kernel``, which also
 checks the expert ids), bit-identical to the reference's. Then the call's one host synchronisation
 copies the rows back (counts, the per-expert list, the checks that raise on every rank); with
@@ -105,22 +107,17 @@ def _go(launcher: Launcher, name: str, grid: tuple, *args, **consts) -> None:
     launcher(key, grid, *args, **consts)
 
 
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    """``int32`` like ``mask [T, X]``: the row's index among the set rows of its column, -1 where unset.
-    Example: ``[[1, 0], [1, 1], [0, 1]] -> [[0, -1], [1, 0], [-1, 1]]``."""
-    m = mask.to(torch.int32)
-    return torch.where(mask, m.cumsum(0, dtype=torch.int32) - 1, torch.full_like(m, -1))
-
-
 class _Info:
     """What a handle's later calls (cached dispatch, combine) need of its dispatch's layout exchange, kept
     on the device (a captured call has no host copy of it): ``side [R, 1 + P]`` every rank's token count
-    and its messages per node; ``rel [T, R]`` each token's row in each rank's block from here; ``tm``
-    the rows of every slot."""
+    and its messages per node; ``rel [T, R]`` each token's row in each rank's block from here; ``npos
+    [T, P]`` its row among the messages for each node (-1: not sent there); ``tm`` the rows of every
+    slot."""
 
-    def __init__(self, side: torch.Tensor, rel: torch.Tensor, tm: int, worst: bool) -> None:
+    def __init__(self, side: torch.Tensor, rel: torch.Tensor, npos: torch.Tensor, tm: int, worst: bool) -> None:
         self.side = side
         self.rel = rel
+        self.npos = npos
         self.tm = tm
         self.worst = worst  # slots sized by the areas (num_worst_tokens), not by the calls' tokens
 
@@ -143,6 +140,7 @@ class InternodeHighThroughput:
         sim = be.sim
         self.k_notify = Launcher(nvshmem.nvshmem_kernel(ih._hn_notify_kernel, sim))
         self.k_handle = Launcher(_handle_kernel)
+        self.k_prep = Launcher(ih._hn_prep_kernel)
         self.k_send = Launcher(nvshmem.nvshmem_kernel(ih._hd_send_kernel, sim))
         self.k_fwd = Launcher(ih._hd_forward_kernel)
         self.k_gather = Launcher(ih._hd_gather_kernel)
@@ -205,31 +203,34 @@ class InternodeHighThroughput:
 
     # ------------------------------------------------------------------ dispatch
 
-    def _exchange(self, a: DispatchArgs, is_in: torch.Tensor, cpm: torch.Tensor, check: bool):
-        """The layout exchange: this rank's row for every rank (counts per rank, ``num_tokens_per_rank``,
-        token count, messages per node, the channel prefix and the expert counts for that rank) staged by
-        torch ops and put by ``_hn_notify``; returns every rank's row for this one, ``[R, S]`` int32 (a
-        private tensor the next exchange overwrites)."""
+    def _exchange(self, a: DispatchArgs, is_in: torch.Tensor, check: bool):
+        """The layout exchange: ``_hn_prep`` computes this call's layout from ``is_in`` and stages this rank's
+        row for every rank (counts per rank, ``num_tokens_per_rank``, token count, messages per node, the
+        channel prefix and the expert counts for that rank), ``_hn_notify`` puts the rows. Returns every
+        rank's row for this one (``[R, S]`` int32, a private tensor the next exchange overwrites), ``rel
+        [T, R]``, ``npos [T, P]`` and the channel prefix matrix ``[R, C]``."""
         be = self.be
         r_, n_, p_ = be.num_ranks, be.ranks_per_node, self.p_nodes
-        t, c = is_in.shape[0], cpm.shape[1]
+        t, c = is_in.shape[0], a.num_channels
         lx = a.num_tokens_per_expert.numel() // r_
-        st = self.n_stage
-        st[:, :r_] = is_in.sum(0, dtype=torch.int32)
-        st[:, r_:2 * r_] = a.num_tokens_per_rank
-        st[:, 2 * r_] = t
-        st[:, 2 * r_ + 1:2 * r_ + 1 + p_] = is_in.view(t, p_, n_).any(2).sum(0, dtype=torch.int32)
-        c0 = 2 * r_ + 1 + p_
-        st[:, c0:c0 + c] = cpm
-        st[:, c0 + c:c0 + c + lx] = a.num_tokens_per_expert.view(r_, lx)
-        _go(self.k_notify, "notify", (r_,), be.rank, r_, self.s_words, c0 + c + lx, self.p_table, self.n_stage_off,
-            self.n_recv_off, self.n_recv_stride, self.nsig, self.n_rows, self.p_lv[8], self.p_t[_T_NOTIFY],
-            self.p_err, be.timeout_ns, BLOCK=_BLOCK, CHECK=check, HAS_TIMER=self._timer, SIM=be.sim)
-        return self.n_rows
+        dev = is_in.device
+        rel = torch.empty(t, r_, dtype=torch.int32, device=dev)
+        npos = torch.empty(t, p_, dtype=torch.int32, device=dev)
+        cpm = torch.empty(r_, c, dtype=torch.int32, device=dev)
+        ntpr = a.num_tokens_per_rank.to(torch.int32)
+        ntpe = a.num_tokens_per_expert.to(torch.int32)
+        _go(self.k_prep, "prep", (r_,), is_in.view(torch.int8), t, r_, n_, c, max((t + c - 1) // c, 1), ntpr, ntpe, lx,
+            self.n_stage, self.s_words, rel, npos, cpm, BLOCK=_BLOCK, R_POW2=_pow2(r_))
+        _go(self.k_notify, "notify", (r_,), be.rank, r_, self.s_words, 2 * r_ + 1 + p_ + c + lx, self.p_table,
+            self.n_stage_off, self.n_recv_off, self.n_recv_stride, self.nsig, self.n_rows, self.p_lv[8],
+            self.p_t[_T_NOTIFY], self.p_err, be.timeout_ns, BLOCK=_BLOCK, CHECK=check, HAS_TIMER=self._timer,
+            SIM=be.sim)
+        return self.n_rows, rel, npos, cpm
 
-    def _move(self, words: torch.Tensor, is_in: torch.Tensor, info: _Info, rows: int, rpm: torch.Tensor,
-              neg: tuple[int, int, int], chunk: int) -> torch.Tensor:
-        """The payload rows ``words [T, W]`` (int32) to the ranks ``is_in`` names, through the relays:
+    def _move(self, words: torch.Tensor, info: _Info, rows: int, rpm: torch.Tensor, neg: tuple[int, int, int],
+              chunk: int) -> torch.Tensor:
+        """The payload rows ``words [T, W]`` (int32) to the ranks the handle's layout (``info``) names, through
+        the relays:
         returns this rank's received rows ``[rows, W]`` in (source rank, token) order (``rpm``: the rank
         prefix matrix); rows past those that arrived are zeros, -1 in words ``neg[0]:neg[1]`` and ``neg[2]``
         (the padding of ``num_worst_tokens``, as the reference's)."""
@@ -239,7 +240,7 @@ class InternodeHighThroughput:
         t, w = words.shape
         tm = info.tm
         mw = w + r_
-        npos = _positions(is_in.view(t, p_, n_).any(2)).contiguous()
+        npos = info.npos
         self.last_npos = npos  # [T, P]: each token's row for each node (-1: not sent there); the tests read it
         parity = self.d_calls % 2
         self.d_calls += 1
@@ -290,9 +291,7 @@ class InternodeHighThroughput:
                 raise ValueError(f"num_nvl_bytes={be.ht_bytes} holds {tm} tokens of this shape per rank with "
                                  f"num_worst_tokens, got {t} (internode_ht.high_throughput_bytes)")
         is_in = a.is_token_in_rank.contiguous()
-        cpm = layout.channel_prefix_matrix(is_in, c)
-        g = self._exchange(a, is_in, cpm, check=bool(worst))
-        rel = _positions(is_in)
+        g, rel, npos, cpm = self._exchange(a, is_in, check=bool(worst))
         s_ = self.s_words
         rpm = torch.empty(r_, r_, dtype=torch.int32, device=dev)
         recv_cp = torch.empty(r_, c, dtype=torch.int32, device=dev)
@@ -333,9 +332,9 @@ class InternodeHighThroughput:
             rows = int(counts[:, me].sum())
             c0 = 2 * r_ + 1 + p_ + c
             lst = layout.align_up(gh[:, c0:c0 + lx].sum(0), a.expert_alignment).tolist()
-        info = _Info(side, rel, tm, bool(worst))
+        info = _Info(side, rel, npos, tm, bool(worst))
         ids = w - 1 - 3 * k  # the top-k ids' first word (x | scales | ids (int64) | weights | token index)
-        recv = self._move(words, is_in, info, rows, rpm, (ids, ids + 2 * k, w - 1), a.rdma_chunk).view(torch.uint8)
+        recv = self._move(words, info, rows, rpm, (ids, ids + 2 * k, w - 1), a.rdma_chunk).view(torch.uint8)
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = unpack_dispatch_rows(
             recv, a, me, lx, rows)
         if bad_id is not None:
@@ -356,8 +355,7 @@ class InternodeHighThroughput:
         parts = [x] + ([x_scales] if x_scales is not None else [])
         words = _pack(parts).view(torch.int32)
         rows = handle.recv_src_idx.numel()
-        recv = self._move(words, handle.is_token_in_rank.contiguous(), info, rows, handle.rank_prefix_matrix,
-                          (0, 0, -1), rdma_chunk).view(torch.uint8)
+        recv = self._move(words, info, rows, handle.rank_prefix_matrix, (0, 0, -1), rdma_chunk).view(torch.uint8)
         specs = [(x.dtype, (x.shape[1],))] + ([(torch.float32, (x_scales.shape[1],))] if x_scales is not None else [])
         fields = _unpack(recv, specs)
         return fields[0], (fields[1] if x_scales is not None else None)

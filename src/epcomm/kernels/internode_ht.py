@@ -8,7 +8,8 @@ Letters: ``T`` tokens of a rank, ``TM`` the most tokens any rank has (every area
 ``N`` ranks per node, ``P = R/N`` nodes, rank ``s = a*N + i`` (node ``a``, local index ``i``).
 Rows are opaque int32 words (the payload is packed on the host, ``backends/internode_ht.py``).
 
-0. ``_hn_notify``: the layout exchange (its docstring).
+0. ``_hn_prep`` (the layout from ``is_token_in_rank``, staged) and ``_hn_notify`` (the exchange): their
+   docstrings.
 
 Dispatch (``W`` words per payload row, messages of ``W + R`` words: the row, then for every rank the
 row's position in that rank's block from this source, or -1):
@@ -73,12 +74,66 @@ def _wait(ptr_table, me, sig_off, idx, target, err_ptr, phase, peer, timeout_ns,
             HAS_TIMER)
 
 
+@triton.jit(do_not_specialize=['T', 'per_chan'])
+def _hn_prep_kernel(is_in_ptr, T, R, N, C, per_chan, ntpr_ptr, ntpe_ptr, L, stage_ptr, S, rel_ptr, npos_ptr, cpm_ptr,
+                    BLOCK: tl.constexpr, R_POW2: tl.constexpr):
+    """The layout of a dispatch from ``is_token_in_rank`` (``is_in [T, R]``, one byte a flag), program ``j``
+    for rank ``j``: ``rel[:, j]`` (each token's row among those for ``j``, -1 where not), ``cpm[j]``
+    (the channel prefix: channel ``c`` holds tokens ``[c*per_chan, (c+1)*per_chan)``; past the tokens,
+    the total), and for ``j = b*N`` node ``b``'s ``npos[:, b]`` (the same among the tokens for any rank
+    of ``b``); the exchange rows into ``stage [R, S]``: in every row the count for ``j``, its
+    ``num_tokens_per_rank[j]`` and node ``b``'s count; in row ``j`` the token count, ``cpm[j]`` and the
+    expert counts of ``j``. Example: ``is_in[:, j] = [1, 0, 1]`` -> ``rel[:, j] = [0, -1, 1]``, count 2."""
+    j = tl.program_id(0)
+    P = R // N
+    dd = tl.arange(0, R_POW2)
+    dm = dd < R
+    c0 = 2 * R + 1 + P
+    row = stage_ptr + j * S
+    running = tl.zeros((), tl.int32)
+    for b0 in range(0, T, BLOCK):
+        offs = b0 + tl.arange(0, BLOCK)
+        m = offs < T
+        f = tl.load(is_in_ptr + offs.to(tl.int64) * R + j, mask=m, other=0).to(tl.int32)
+        cs = tl.cumsum(f, 0)
+        tl.store(rel_ptr + offs.to(tl.int64) * R + j, tl.where(f != 0, running + cs - f, -1), mask=m)
+        ends = m & (((offs + 1) % per_chan == 0) | (offs == T - 1))
+        ch = offs // per_chan
+        tl.store(cpm_ptr + j * C + ch, running + cs, mask=ends)
+        tl.store(row + c0 + ch, running + cs, mask=ends)
+        running += tl.sum(f, 0)
+    for q0 in range(0, C, BLOCK):
+        cc = q0 + tl.arange(0, BLOCK)
+        past = (cc < C) & (cc * per_chan >= T)
+        tl.store(cpm_ptr + j * C + cc, tl.zeros_like(cc) + running, mask=past)
+        tl.store(row + c0 + cc, tl.zeros_like(cc) + running, mask=past)
+    tl.store(stage_ptr + dd * S + j, tl.zeros_like(dd) + running, mask=dm)
+    tl.store(stage_ptr + dd * S + R + j, tl.zeros_like(dd) + tl.load(ntpr_ptr + j), mask=dm)
+    tl.store(row + 2 * R, T)
+    for l0 in range(0, L, BLOCK):
+        ll = l0 + tl.arange(0, BLOCK)
+        tl.store(row + c0 + C + ll, tl.load(ntpe_ptr + j * L + ll, mask=ll < L, other=0), mask=ll < L)
+    if j % N == 0:
+        b = j // N
+        run2 = tl.zeros((), tl.int32)
+        for b0 in range(0, T, BLOCK):
+            offs = b0 + tl.arange(0, BLOCK)
+            m = offs < T
+            g = tl.zeros((BLOCK,), tl.int32)
+            for k in range(N):
+                g = g | tl.load(is_in_ptr + offs.to(tl.int64) * R + b * N + k, mask=m, other=0).to(tl.int32)
+            cs = tl.cumsum(g, 0)
+            tl.store(npos_ptr + offs.to(tl.int64) * P + b, tl.where(g != 0, run2 + cs - g, -1), mask=m)
+            run2 += tl.sum(g, 0)
+        tl.store(stage_ptr + dd * S + 2 * R + 1 + b, tl.zeros_like(dd) + run2, mask=dm)
+
+
 @triton.jit
 def _hn_notify_kernel(me, R, S, SU, ptr_table, stage_off, recv_off, recv_stride, nsig_off, out_ptr, level_ptr,
                       ticket_ptr, err_ptr, timeout_ns, BLOCK: tl.constexpr, CHECK: tl.constexpr,
                       HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
     """The layout exchange. Program ``d``: this rank's row for rank ``d`` (``S`` words, the first ``SU``
-    used, staged at ``stage_off`` by the host's torch ops) to ``d``'s receive area, slot ``me``, with
+    used, staged at ``stage_off`` by ``_hn_prep``) to ``d``'s receive area, slot ``me``, with
     ``d``'s signal word ``me`` (one NVSHMEM put-with-signal; a store and a release where ``d`` is this
     rank); then it waits for rank ``d``'s row here and copies it to ``out[d]`` (a private tensor: what
     the later kernels and the host read). With ``CHECK`` (no host synchronisation follows:
