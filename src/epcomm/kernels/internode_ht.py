@@ -28,12 +28,13 @@ the rows their device-side counts give.
 
 Combine (``CW = H/2 + K + 1`` words: bf16 row, float32 weights, a marker = the device's count of
 combines + 1, which ``_hc_final`` advances):
-4. ``_hc_send`` at receiver ``(b, j)``: row ``q`` (source ``s = (a, i)``, token ``t``) into relay
+4. ``_hc_send`` at receiver ``(b, j)``: row ``q`` of ``x`` and the weights (source ``s = (a, i)``, token ``t``) into relay
    ``(b, i)``'s relay area, slot ``(a, j)``, row ``t``, with the marker; signal the node's relays.
 5. ``_hc_relay`` at ``(b, i)``: for ``(a, t)``: Σ over ``j`` of the marked rows in float32 (and the
    weights), staged with the marker; a chunk of ``CH`` consecutive tokens put at once to
    ``s = (a, i)``'s final area, slot ``b``, rows ``t...``; signal.
-6. ``_hc_final`` at ``s``: Σ over nodes of the marked partial sums, in node order, float32.
+6. ``_hc_final`` at ``s``: Σ over nodes of the marked partial sums, in node order, float32, then the
+   biases, rounded once to BF16.
 
 A combine's parity (its areas, signal words and levels: ``par_bytes`` and ``sig_par`` from parity 0's)
 is the device's count of combines modulo 2, so a CUDA graph of combines alone alternates too: a rank
@@ -294,11 +295,12 @@ def _hd_gather_kernel(col_ptr, col_stride, rows, out_ptr, W, me, N, P, R, nvl_wo
 
 
 @triton.jit(do_not_specialize=['rows'])
-def _hc_send_kernel(rows_ptr, col_ptr, col_stride, src_tok_ptr, rows, CW, cid_ptr, me, N, P, R, ptr_table, rel_off,
-                    rel_slot_words, sig_off, par_bytes, sig_par, ticket_ptr, BLOCK: tl.constexpr,
+def _hc_send_kernel(x_ptr, w_ptr, HW, K, col_ptr, col_stride, src_tok_ptr, rows, CW, cid_ptr, me, N, P, R, ptr_table,
+                    rel_off, rel_slot_words, sig_off, par_bytes, sig_par, ticket_ptr, BLOCK: tl.constexpr,
                     R_POW2: tl.constexpr):
-    """Program ``g``: received rows ``q = g, g + G, ...`` that arrived (``CW - 1`` words each) and the marker
-    to their source's relay here; the source from ``col`` (``_source_of``), the token from ``src_tok``."""
+    """Program ``g``: received rows ``q = g, g + G, ...`` that arrived, each ``x[q]`` (``HW`` words of BF16
+    pairs), ``w[q]`` (``K`` float32 words) and the marker (``CW = HW + K + 1`` words), to their source's
+    relay here; the source from ``col`` (``_source_of``), the token from ``src_tok``."""
     g = tl.program_id(0)
     G = tl.num_programs(0)
     b = me // N
@@ -316,7 +318,9 @@ def _hc_send_kernel(rows_ptr, col_ptr, col_stride, src_tok_ptr, rows, CW, cid_pt
         a = s // N
         i = s % N
         dst = peer_ptr(ptr_table, b * N + i, rel_off + ((a * N + j) * rel_slot_words + t * CW) * 4, tl.int32)
-        _copy_words(dst, rows_ptr + (q + tl.zeros((), tl.int64)) * (CW - 1), CW - 1, BLOCK)
+        q64 = q + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
+        _copy_words(dst, x_ptr + q64 * HW, HW, BLOCK)
+        _copy_words(dst + HW, w_ptr + q64 * K, K, BLOCK)
         tl.store(dst + CW - 1, call_id)
     if ticket_last_n(ticket_ptr, G):
         for i2 in range(N):
@@ -403,11 +407,13 @@ def _hc_relay_kernel(tok_ptr, tok_stride, H, K, CW, FW, CH, cid_ptr, me, N, P, p
 
 
 @triton.jit(do_not_specialize=['T'])
-def _hc_final_kernel(out_ptr, wout_ptr, T, H, K, FW, cid_ptr, me, N, P, ptr_table, fin_off, fin_slot_words,
-                     sig_off, par_bytes, sig_par, level_ptr, ticket_ptr, err_ptr, timeout_ns, BLOCK: tl.constexpr,
-                     K_POW2: tl.constexpr, HAS_W: tl.constexpr, HAS_TIMER: tl.constexpr):
+def _hc_final_kernel(out_ptr, wout_ptr, b0_ptr, b1_ptr, T, H, K, FW, cid_ptr, me, N, P, ptr_table, fin_off,
+                     fin_slot_words, sig_off, par_bytes, sig_par, level_ptr, ticket_ptr, err_ptr, timeout_ns,
+                     BLOCK: tl.constexpr, K_POW2: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr,
+                     HAS_TIMER: tl.constexpr):
     """Program ``t``: ``out[t] = Σ_b partial_b[t]`` over the nodes whose partial carries this call's
-    marker, in node order, float32 (and the weights)."""
+    marker, in node order, float32, plus the ``NB`` (0-2) BF16 biases in order, rounded once to BF16
+    (and the weights, float32)."""
     t = tl.program_id(0)
     call_id = tl.load(cid_ptr) + 1
     par = ((call_id - 1) % 2).to(tl.int64)  # (offsets past 2 GiB)
@@ -428,7 +434,11 @@ def _hc_final_kernel(out_ptr, wout_ptr, T, H, K, FW, cid_ptr, me, N, P, ptr_tabl
                 part = peer_ptr(ptr_table, me, fin_off + (b * fin_slot_words + t64 * FW) * 4, tl.float32)
                 if tl.load(part.to(tl.pointer_type(tl.int32)) + FW - 1) == call_id:
                     acc += tl.load(part + c0 + cc, mask=cm, other=0.0)
-            tl.store(out_ptr + t64 * H + c0 + cc, acc, mask=cm)
+            if NB > 0:
+                acc += tl.load(b0_ptr + t64 * H + c0 + cc, mask=cm, other=0.0).to(tl.float32)
+            if NB > 1:
+                acc += tl.load(b1_ptr + t64 * H + c0 + cc, mask=cm, other=0.0).to(tl.float32)
+            tl.store(out_ptr + t64 * H + c0 + cc, acc.to(tl.bfloat16), mask=cm)
         if HAS_W:
             kk = tl.arange(0, K_POW2)
             km = kk < K
