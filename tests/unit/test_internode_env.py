@@ -80,5 +80,5 @@ def test_ht_launch_key_tells_level_word_alignments_apart():
     launcher = lambda key, grid, *args, **kw: keys.append(key)  # noqa: E731
     for i in range(2):
         _go(launcher, "relay", (1,), levels, 7, Ptr(levels[i:]))
-    assert keys[0][1:3] == keys[1][1:3] == (levels.data_ptr() & 15 == 0, (False, False, False))
+    assert keys[0][1:3] == keys[1][1:3] == ((torch.int32, levels.data_ptr() & 15 == 0), (False, False, False))
     assert keys[0][3] != keys[1][3]

@@ -16,9 +16,10 @@ checks the expert ids), bit-identical to the reference's. Then the call's one ho
 copies the rows back (counts, the per-expert list, the checks that raise on every rank); with
 ``num_worst_tokens`` there is none: the slots are sized by the areas (``_worst_tm``), every kernel loops
 over the rows its device-side counts give, the checks record in the error word, and dispatch + combine
-can be captured in a CUDA graph. The payload travels as opaque rows: the reference's packing
-(``x | scales | topk_idx | weights | source index``), each followed for the relays by its position in
-every rank's block, so ``recv_x`` and the rest are unpacked exactly as the reference unpacks them.
+can be captured in a CUDA graph. The payload travels as rows of int32 words the send kernel packs from
+the inputs (``x | scales | topk_idx (int64) | weights | source index``, each followed for the relays by
+its position in every rank's block) and the gather unpacks into the outputs, with the ids made local
+and the padding as the reference's: no torch packing on either side.
 Cached dispatch replays the layout stored with the handle (``recv_src_idx._epcomm_ht``).
 
 HT region of the symmetric buffer (``InternodeBackend.ht_off``, ``ht_bytes``): 2 parities of signal
@@ -39,7 +40,6 @@ from .. import layout
 from ..kernels.launch import Launcher, Ptr
 from ..layout import DispatchHandle
 from .base import DispatchArgs, DispatchResult
-from .reference import _pack, _unpack, pack_dispatch_rows, unpack_dispatch_rows
 
 _BLOCK = 1024
 _PROGRAMS = 1024  # programs per source node of the forward and the relay (4x that for the gather and send),
@@ -99,11 +99,11 @@ def high_throughput_bytes(num_tokens: int, hidden: int, num_topk: int, num_ranks
 
 def _go(launcher: Launcher, name: str, grid: tuple, *args, **consts) -> None:
     """Launch with a key that fixes what Triton specialises on: integer arguments (1, divisible by 16,
-    64-bit; the offsets and sizes here change with the call's shapes) and per-call tensors' 16-byte
-    alignment (a slice of a fresh tensor need not be aligned; kernels/launch.py)."""
+    64-bit; the offsets and sizes here change with the call's shapes) and per-call tensors' dtype and
+    16-byte alignment (a slice of a fresh tensor need not be aligned; kernels/launch.py)."""
     key = (name,) + tuple((a == 1, a % 16 == 0, a >= 1 << 31) if type(a) is int
                           else a & 15 == 0 if type(a) is Ptr  # a level word's address: alignment varies
-                          else a.data_ptr() & 15 == 0 if type(a) is torch.Tensor else None for a in args)
+                          else (a.dtype, a.data_ptr() & 15 == 0) if type(a) is torch.Tensor else None for a in args)
     launcher(key, grid, *args, **consts)
 
 
@@ -166,6 +166,7 @@ class InternodeHighThroughput:
         self.d_calls = 0
         self.peak_bytes = 0
         self._caps: dict = {}
+        self._dummies: dict = {}
 
     def _need(self, need: int, what: str, record: bool = True) -> None:
         if record:
@@ -227,17 +228,35 @@ class InternodeHighThroughput:
             SIM=be.sim)
         return self.n_rows, rel, npos, cpm
 
-    def _move(self, words: torch.Tensor, info: _Info, rows: int, rpm: torch.Tensor, neg: tuple[int, int, int],
-              chunk: int) -> torch.Tensor:
-        """The payload rows ``words [T, W]`` (int32) to the ranks the handle's layout (``info``) names, through
-        the relays:
-        returns this rank's received rows ``[rows, W]`` in (source rank, token) order (``rpm``: the rank
-        prefix matrix); rows past those that arrived are zeros, -1 in words ``neg[0]:neg[1]`` and ``neg[2]``
-        (the padding of ``num_worst_tokens``, as the reference's)."""
+    def _dummy(self, dtype: torch.dtype) -> torch.Tensor:
+        """A one-element tensor standing for an absent input or output (never read or written)."""
+        d = self._dummies.get(dtype)
+        if d is None:
+            d = self._dummies[dtype] = torch.zeros(1, dtype=dtype, device=self.be.device)
+        return d
+
+    def _move(self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
+              topk_weights: torch.Tensor | None, src: bool, info: _Info, rows: int, rpm: torch.Tensor, chunk: int,
+              lx: int = 1):
+        """Tokens ``x [T, H]`` (their scales, top-k ids and weights, and where ``src`` their index) to the ranks
+        the handle's layout (``info``) names, through the relays; the send kernel packs each message from
+        them, the gather unpacks what arrived. Returns ``(recv_x, recv_scales, recv_topk_idx,
+        recv_topk_weights, recv_src_idx)`` (None where there was no input), ``rows`` rows in (source rank,
+        token) order (``rpm``: the rank prefix matrix), the ids made local (``lx`` experts a rank); rows past those that arrived
+        padded as the reference pads them (``num_worst_tokens``)."""
         be = self.be
         r_, me, n_, p_ = be.num_ranks, be.rank, be.ranks_per_node, self.p_nodes
-        dev = words.device
-        t, w = words.shape
+        dev = x.device
+        t, h = x.shape
+        i32 = self._dummy(torch.int32)
+        xw = x.contiguous().view(torch.int32)  # [T, XW]: every input as int32 words (rows of 16-byte multiples)
+        g = scales.shape[1] if scales is not None else 0
+        k = topk_idx.shape[1] if topk_idx is not None else 0
+        sw = scales.contiguous().view(torch.int32) if scales is not None else i32
+        idw = topk_idx.contiguous().view(torch.int32) if topk_idx is not None else i32
+        ww = topk_weights.contiguous().view(torch.int32) if topk_idx is not None else i32
+        nsrc = int(src)
+        w = xw.shape[1] + g + 3 * k + nsrc
         tm = info.tm
         mw = w + r_
         npos = info.npos
@@ -253,20 +272,28 @@ class InternodeHighThroughput:
         self._need(need, "dispatch", record=not info.worst)
         timer = self._timer
         ch = _chunk(chunk)
-        _go(self.k_send, "send", (max(1, -(-t // ch)),), words.contiguous(), info.rel.contiguous(), npos, t, w, r_, ch,
-            me, n_, p_, self.p_table, stage_off, rdma_off, slot_words, sig, self.p_t[_T_SEND], BLOCK=_BLOCK,
-            CH_POW2=_pow2(ch), SIM=be.sim)
+        _go(self.k_send, "send", (max(1, -(-t // ch)),), xw, sw, idw, ww, info.rel.contiguous(), npos, t, xw.shape[1],
+            g, k, nsrc, r_, ch, me, n_, p_, self.p_table, stage_off, rdma_off, slot_words, sig, self.p_t[_T_SEND],
+            BLOCK=_BLOCK, CH_POW2=_pow2(ch), SIM=be.sim)
         i, b = me % n_, me // n_
         side = info.side
         _go(self.k_fwd, "fwd", (p_, max(1, min(tm, _PROGRAMS))), side[i:, 1 + b:], n_ * side.stride(0), w, mw, me,
             n_, p_, r_, self.p_table, rdma_off, slot_words, nvl_off, nvl_slot_words, sig, self.p_lv[_L_FWD + parity],
             self.p_t[_T_FWD], self.p_err, be.timeout_ns, BLOCK=_BLOCK, HAS_TIMER=timer)
-        out = torch.empty(rows, w, dtype=torch.int32, device=dev)
-        _go(self.k_gather, "gather", (max(1, min(rows, 4 * _PROGRAMS)),), rpm[:, me:], r_, rows, out, w, me, n_,
-            p_, r_, nvl_off // 4, nvl_slot_words, self.p_table, sig, self.p_lv[_L_GATHER + parity],
-            self.p_t[_T_GATHER], self.p_err, be.timeout_ns, *neg, BLOCK=_BLOCK, R_POW2=_pow2(r_), HAS_TIMER=timer)
+        recv_x = torch.empty(rows, h, dtype=x.dtype, device=dev)
+        recv_s = torch.empty(rows, g, dtype=torch.float32, device=dev) if scales is not None else None
+        recv_id = torch.empty(rows, k, dtype=torch.int64, device=dev) if topk_idx is not None else None
+        recv_w = torch.empty(rows, k, dtype=torch.float32, device=dev) if topk_idx is not None else None
+        recv_src = torch.empty(rows, dtype=torch.int32, device=dev) if src else None
+        _go(self.k_gather, "gather", (max(1, min(rows, 4 * _PROGRAMS)),), rpm[:, me:], r_, rows,
+            recv_x.view(torch.int32), recv_s.view(torch.int32) if recv_s is not None else i32,
+            recv_id if recv_id is not None else self._dummy(torch.int64),
+            recv_w if recv_w is not None else self._dummy(torch.float32), recv_src if src else i32,
+            xw.shape[1], g, k, nsrc, me * lx, lx, me, n_, p_, r_, nvl_off // 4, nvl_slot_words, self.p_table, sig,
+            self.p_lv[_L_GATHER + parity], self.p_t[_T_GATHER], self.p_err, be.timeout_ns, BLOCK=_BLOCK,
+            R_POW2=_pow2(r_), K_POW2=_pow2(max(k, 1)), HAS_TIMER=timer)
         be.check_mirror()
-        return out
+        return recv_x, recv_s, recv_id, recv_w, recv_src
 
     def dispatch(self, a: DispatchArgs) -> DispatchResult:
         from .nvlink_params import C_MAX, L_MAX
@@ -283,8 +310,8 @@ class InternodeHighThroughput:
                              f"got L={lx}, C={c}")
         worst = a.num_worst_tokens
         k = a.topk_idx.shape[1] if a.topk_idx is not None else 0
-        words = pack_dispatch_rows(a).view(torch.int32)
-        w = words.shape[1]
+        g_ = a.x_scales.shape[1] if a.x_scales is not None else 0
+        w = h * a.x.element_size() // 4 + g_ + 3 * k + 1  # a row's words: x, scales, ids (int64), weights, index
         if worst:
             tm = self._worst_tm(w, h, k)
             if t > tm:  # (before the exchange: the other ranks then stop at its deadline, naming this one)
@@ -333,10 +360,8 @@ class InternodeHighThroughput:
             c0 = 2 * r_ + 1 + p_ + c
             lst = layout.align_up(gh[:, c0:c0 + lx].sum(0), a.expert_alignment).tolist()
         info = _Info(side, rel, npos, tm, bool(worst))
-        ids = w - 1 - 3 * k  # the top-k ids' first word (x | scales | ids (int64) | weights | token index)
-        recv = self._move(words, info, rows, rpm, (ids, ids + 2 * k, w - 1), a.rdma_chunk).view(torch.uint8)
-        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = unpack_dispatch_rows(
-            recv, a, me, lx, rows)
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = self._move(
+            a.x, a.x_scales, a.topk_idx, a.topk_weights, True, info, rows, rpm, a.rdma_chunk, lx)
         if bad_id is not None:
             raise ValueError(f"topk_idx holds expert id {bad_id}, outside [-1, {e}) for num_experts={e}")
         recv_src_idx._epcomm_ht = info
@@ -352,13 +377,10 @@ class InternodeHighThroughput:
 
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle, rdma_chunk: int = 0):
         info = self._info(handle)
-        parts = [x] + ([x_scales] if x_scales is not None else [])
-        words = _pack(parts).view(torch.int32)
         rows = handle.recv_src_idx.numel()
-        recv = self._move(words, info, rows, handle.rank_prefix_matrix, (0, 0, -1), rdma_chunk).view(torch.uint8)
-        specs = [(x.dtype, (x.shape[1],))] + ([(torch.float32, (x_scales.shape[1],))] if x_scales is not None else [])
-        fields = _unpack(recv, specs)
-        return fields[0], (fields[1] if x_scales is not None else None)
+        recv_x, recv_s, _, _, _ = self._move(x, x_scales, None, None, False, info, rows, handle.rank_prefix_matrix,
+                                             rdma_chunk)
+        return recv_x, recv_s
 
     # ------------------------------------------------------------------ combine
 

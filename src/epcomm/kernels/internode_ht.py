@@ -6,7 +6,7 @@ and node back.
 
 Letters: ``T`` tokens of a rank, ``TM`` the most tokens any rank has (every area's rows), ``R`` ranks,
 ``N`` ranks per node, ``P = R/N`` nodes, rank ``s = a*N + i`` (node ``a``, local index ``i``).
-Rows are opaque int32 words (the payload is packed on the host, ``backends/internode_ht.py``).
+Rows are int32 words: ``_hd_send`` packs a message from the inputs, ``_hd_gather`` unpacks it into the outputs.
 
 0. ``_hn_prep`` (the layout from ``is_token_in_rank``, staged) and ``_hn_notify`` (the exchange): their
    docstrings.
@@ -20,8 +20,8 @@ row's position in that rank's block from this source, or -1):
 2. ``_hd_forward`` at relay ``(b, i)``: for source node ``a``, row ``q``: store the row into the NVL
    area of each rank ``(b, j)`` that wants it, slot ``s``, at its position; signal them (``D_FWD[i]``).
 3. ``_hd_gather`` at receiver: after every relay of its node signalled, rows in (source rank, token)
-   order into one ``[rows, W]`` tensor (the host unpacks it as the reference backend does), padding
-   past the rows that arrived.
+   order into the outputs (``recv_x``, scales, local top-k ids and weights, token index: what the
+   reference backend returns), padding past the rows that arrived.
 
 Grids are fixed by the host's shapes (a captured call's cannot follow the counts): programs loop over
 the rows their device-side counts give.
@@ -173,15 +173,19 @@ def _hn_notify_kernel(me, R, S, SU, ptr_table, stage_off, recv_off, recv_stride,
 
 
 @triton.jit(do_not_specialize=['T'])
-def _hd_send_kernel(words_ptr, rel_ptr, npos_ptr, T, W, R, CH, me, N, P, ptr_table, stage_off, rdma_off, slot_words,
-                    sig_off, ticket_ptr, BLOCK: tl.constexpr, CH_POW2: tl.constexpr, SIM: tl.constexpr):
-    """Program ``c``: messages ``t = c*CH ...`` (a chunk of up to ``CH`` tokens; a message is the row's
-    ``W`` words from ``words``, then its ``R`` positions from ``rel``) staged here, then to the relay of
-    every node they go to: one put per run of consecutive tokens that go there (their rows there are
-    consecutive too), so at most ``CH`` rows a put (DeepEP's ``num_max_rdma_chunked_send_tokens``)."""
+def _hd_send_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, T, XW, G, K, NSRC, R, CH, me, N, P, ptr_table,
+                    stage_off, rdma_off, slot_words, sig_off, ticket_ptr, BLOCK: tl.constexpr, CH_POW2: tl.constexpr,
+                    SIM: tl.constexpr):
+    """Program ``c``: messages ``t = c*CH ...`` (a chunk of up to ``CH`` tokens) staged here, then to the
+    relay of every node they go to: one put per run of consecutive tokens that go there (their rows
+    there are consecutive too), so at most ``CH`` rows a put (DeepEP's ``num_max_rdma_chunked_send_tokens``).
+    A message (``W + R`` words, all int32 views): ``x[t]`` (``XW``), its scales (``G``), top-k ids
+    (``2K``: int64), weights (``K``), ``t`` itself where ``NSRC`` (1; 0 in a cached dispatch), then its
+    ``R`` positions ``rel[t]``."""
     c = tl.program_id(0)
     a = me // N
     i = me % N
+    W = XW + G + 3 * K + NSRC
     MW = W + R
     t0 = c.to(tl.int64) * CH
     n = tl.minimum(T - t0, CH)
@@ -190,7 +194,12 @@ def _hd_send_kernel(words_ptr, rel_ptr, npos_ptr, T, W, R, CH, me, N, P, ptr_tab
         for u in range(0, n):
             t64 = t0 + u
             row = stage + (t64 - t0) * MW
-            _copy_words(row, words_ptr + t64 * W, W, BLOCK)
+            _copy_words(row, x_ptr + t64 * XW, XW, BLOCK)
+            _copy_words(row + XW, s_ptr + t64 * G, G, BLOCK)
+            _copy_words(row + XW + G, id_ptr + t64 * 2 * K, 2 * K, BLOCK)
+            _copy_words(row + XW + G + 2 * K, w_ptr + t64 * K, K, BLOCK)
+            if NSRC > 0:
+                tl.store(row + XW + G + 3 * K, t64.to(tl.int32))
             _copy_words(row + W, rel_ptr + t64 * R, R, BLOCK)
         tl.debug_barrier()
         uu = tl.arange(0, CH_POW2)
@@ -261,16 +270,20 @@ def _source_of(col, rr, q):
 
 
 @triton.jit
-def _hd_gather_kernel(col_ptr, col_stride, rows, out_ptr, W, me, N, P, R, nvl_word_off, nvl_slot_words,
-                      ptr_table, sig_off, level_ptr, ticket_ptr, err_ptr, timeout_ns, neg_lo, neg_hi, neg_last,
-                      BLOCK: tl.constexpr, R_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """Program ``g``: after every relay of this node forwarded, rows ``q = g, g + G, ... < rows``:
-    ``out[q]`` = row ``q - first(s)`` of source ``s``'s NVL slot (``_source_of``); past the rows that
-    arrived (the padding of ``num_worst_tokens``) zeros, but -1 in words ``neg_lo..neg_hi`` and ``neg_last``
-    (the top-k ids and the token index, padded with -1 as the reference pads them)."""
+def _hd_gather_kernel(col_ptr, col_stride, rows, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, XW, G, K, NSRC, lo, LX,
+                      me, N, P, R, nvl_word_off, nvl_slot_words, ptr_table, sig_off, level_ptr, ticket_ptr, err_ptr,
+                      timeout_ns, BLOCK: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr,
+                      HAS_TIMER: tl.constexpr):
+    """Program ``g``: after every relay of this node forwarded, rows ``q = g, g + G, ... < rows``: row
+    ``q - first(s)`` of source ``s``'s NVL slot (``_source_of``) into the outputs (int32 views): ``rx[q]``
+    (``XW`` words), ``rs[q]`` (``G``), where ``K``: ``rid[q]`` (int64) the top-k ids made local (``id - lo``
+    for ids in ``[lo, lo + LX)``, else -1) and ``rw[q]`` the weights (0 where the id is not local), where
+    ``NSRC``: ``rsrc[q]`` the source's token index. Past the rows that arrived (the padding of
+    ``num_worst_tokens``): zeros, -1 for the ids and the token index, as the reference pads them."""
     g = tl.program_id(0)
-    G = tl.num_programs(0)
+    GP = tl.num_programs(0)
     b = me // N
+    W = XW + G + 3 * K + NSRC
     level = tl.load(level_ptr)
     for i2 in range(N):
         _wait(ptr_table, me, sig_off, P + i2, level + 1, err_ptr, 3, b * N + i2, timeout_ns, HAS_TIMER)
@@ -278,19 +291,36 @@ def _hd_gather_kernel(col_ptr, col_stride, rows, out_ptr, W, me, N, P, R, nvl_wo
     col = tl.load(col_ptr + rr * col_stride, mask=rr < R, other=2147483647)
     n = tl.load(col_ptr + (R - 1) * col_stride)
     cc = tl.arange(0, BLOCK)
-    for q in range(g, rows, G):
-        dst = out_ptr + (q + tl.zeros((), tl.int64)) * W
+    kk = tl.arange(0, K_POW2)
+    km = kk < K
+    for q in range(g, rows, GP):
+        q64 = q + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
         if q < n:
             s, first = _source_of(col, rr, q)
-            src = peer_ptr(ptr_table, me, (nvl_word_off + s * nvl_slot_words + (q - first).to(tl.int64) * W) * 4,
-                           tl.int32)
-            _copy_words(dst, src, W, BLOCK)
+            src = peer_ptr(ptr_table, me, (nvl_word_off + s * nvl_slot_words + (q64 - first) * W) * 4, tl.int32)
+            _copy_words(rx_ptr + q64 * XW, src, XW, BLOCK)
+            _copy_words(rs_ptr + q64 * G, src + XW, G, BLOCK)
+            if K > 0:
+                ids = src + XW + G + 2 * kk  # int64 as two int32 words (a row need not be 8-byte aligned)
+                e = (tl.load(ids + 1, mask=km, other=0).to(tl.int64) << 32) | \
+                    (tl.load(ids, mask=km, other=0).to(tl.int64) & 0xFFFFFFFF)
+                here = (e >= lo) & (e < lo + LX)
+                tl.store(rid_ptr + q64 * K + kk, tl.where(here, e - lo, -1), mask=km)
+                wt = tl.load(src + XW + G + 2 * K + kk, mask=km, other=0).to(tl.float32, bitcast=True)
+                tl.store(rw_ptr + q64 * K + kk, tl.where(here, wt, 0.0), mask=km)
+            if NSRC > 0:
+                tl.store(rsrc_ptr + q64, tl.load(src + XW + G + 3 * K))
         else:
-            for c0 in range(0, W, BLOCK):
-                c = c0 + cc
-                neg = ((c >= neg_lo) & (c < neg_hi)) | (c == neg_last)
-                tl.store(dst + c, tl.where(neg, -1, 0).to(tl.int32), mask=c < W)
-    if ticket_last_n(ticket_ptr, G):
+            for c0 in range(0, XW, BLOCK):
+                tl.store(rx_ptr + q64 * XW + c0 + cc, tl.zeros((BLOCK,), tl.int32), mask=(c0 + cc) < XW)
+            for c0 in range(0, G, BLOCK):
+                tl.store(rs_ptr + q64 * G + c0 + cc, tl.zeros((BLOCK,), tl.int32), mask=(c0 + cc) < G)
+            if K > 0:
+                tl.store(rid_ptr + q64 * K + kk, tl.full((K_POW2,), -1, tl.int64), mask=km)
+                tl.store(rw_ptr + q64 * K + kk, tl.zeros((K_POW2,), tl.float32), mask=km)
+            if NSRC > 0:
+                tl.store(rsrc_ptr + q64, -1)
+    if ticket_last_n(ticket_ptr, GP):
         tl.store(level_ptr, level + 1)
 
 
