@@ -1,7 +1,8 @@
 """Tier 1: the Triton kernels' logic on CPU. sims/sim_ht.py and sims/sim_ll.py (beside this file) run every
 high-throughput and low-latency kernel under the Triton interpreter with 1-3 simulated ranks (peer
 buffers are CPU tensors) and compare with oracles: dispatch bitwise, combine within the budget,
-shrink; sims/sim_internode_prep.py the internode layout kernel against torch formulas. Each runs in its own process (TRITON_INTERPRET must be set before Triton loads). Skipped
+shrink; sims/sim_internode_prep.py the internode layout kernel against torch formulas;
+sims/compile_internode_ht.py compiles the internode high-throughput kernels for sm_90 (no GPU needed). Each runs in its own process (TRITON_INTERPRET must be set before Triton loads). Skipped
 where Triton is not installed (it comes with the ``test`` extra)."""
 import os
 import subprocess
@@ -16,9 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SIMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sims")
 
 
-@pytest.mark.parametrize("script", ["sim_ht.py", "sim_ll.py", "sim_internode_prep.py"])
+@pytest.mark.parametrize("script", ["sim_ht.py", "sim_ll.py", "sim_internode_prep.py", "compile_internode_ht.py"])
 def test_kernels_under_the_interpreter(script):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+    if script.startswith("compile"):
+        env.pop("TRITON_INTERPRET", None)  # Triton's compiler itself, for sm_90
     proc = subprocess.run([sys.executable, os.path.join(SIMS, script)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
