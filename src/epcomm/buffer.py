@@ -248,7 +248,7 @@ class Buffer:
                 raise ValueError(f"x has {t} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
 
             def cached():
-                return self._backend.cached_dispatch(data, scales, handle, config.num_max_rdma_chunked_send_tokens)
+                return self._backend.cached_dispatch(data, scales, handle, config)
 
             (rx, rs), ev = self._streams.run(cached, [data, scales], previous_event, async_finish,
                                      allocate_on_comm_stream)
@@ -315,8 +315,7 @@ class Buffer:
         config = self._config(config, combine=True)
         self._check_nvl_bytes(config, x.shape[1] * x.element_size())
         biases = tuple(b for b in biases if b is not None)  # DeepEP accepts (bias_0, None)
-        chunk = config.num_max_rdma_chunked_send_tokens
-        (out, w), ev = self._streams.run(lambda: self._backend.combine(x, handle, topk_weights, tuple(biases), chunk),
+        (out, w), ev = self._streams.run(lambda: self._backend.combine(x, handle, topk_weights, tuple(biases), config),
                                  [x, topk_weights, *biases], previous_event, async_finish,
                                  allocate_on_comm_stream)
         return out, w, ev

@@ -1,7 +1,8 @@
 """Tuning configuration for the high-throughput kernels (DeepEP's ``Config``).
 
 ``Config(24, 8, 256)`` (DeepEP's positional form) and keyword use both work. ``num_sms`` is honoured
-by the nvlink backend; ``num_max_rdma_chunked_send_tokens`` by the internode backend (tokens per put
+by the high-throughput kernels of both fast backends (at most that many programs, so SMs, per kernel
+that moves tokens); ``num_max_rdma_chunked_send_tokens`` by the internode backend (tokens per put
 across nodes: the dispatch config's for the dispatch, the combine config's for the combine's partial
 sums). The receive fields size DeepEP's ring buffers; epcomm stages whole batches, so they serve the
 size hints and the checks, as do the NVL send fields.

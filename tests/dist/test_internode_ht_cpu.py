@@ -11,7 +11,8 @@ the interpreter, the NVSHMEM device calls simulated — on CPU processes in virt
   node at most once (messages per node = ``num_tokens_per_rdma_rank`` from ``get_dispatch_layout``,
   fewer than the (token, rank) pairs when a token has two ranks in one node), forwarded in the node.
 - ``Config``'s RDMA chunk (tokens per put across nodes), dispatch's and combine's: 1, and 3 and 2 (chunks
-  that split a rank's tokens unevenly), BF16 with bias and FP8 with ``num_worst_tokens``.
+  that split a rank's tokens unevenly) with ``num_sms=2`` (two programs a kernel, looping), BF16 with
+  bias and FP8 with ``num_worst_tokens``.
 - A relay that never forwards gives the deadline error naming the rank and the phase.
 
 NVSHMEM itself is tier 3's (``tests/gpu/test_internode_nvshmem.py``). Shapes are tiny: the interpreter
@@ -60,14 +61,19 @@ def _ht(ctx, tag, gpus_per_node):
         _, per_node, _, in_rank, _ = fast.get_dispatch_layout(G.device_inputs(case, ctx.rank, "cpu")[2],
                                                               case.num_experts)
         sent.append(((npos >= 0).sum(0).tolist(), per_node.tolist(), int(in_rank.sum())))
-    # Config's RDMA chunk (tokens per put across nodes; dispatch and combine apart): one token a put, and
-    # chunks that split the batch unevenly (the defaults above: 16 and 8, one chunk here)
+    # Config's RDMA chunk (tokens per put across nodes; dispatch and combine apart) and num_sms (programs
+    # per kernel): one token a put, and chunks that split the batch unevenly with two programs looping
+    # over them (the defaults above: chunks of 16 and 8, 20 programs, one pass here)
     from epcomm import Config
-    for d_chunk, c_chunk in ((1, 1), (3, 2)):
-        cfgs = (Config(Buffer.num_sms, 6, 256, d_chunk, 128), Config(Buffer.num_sms, 6, 256, c_chunk, 128))
-        G.check_ht_case(ref, fast, cases[0], ctx.rank, False, with_bias=True, configs=cfgs)
+    # (fresh seeds: rows a kernel failed to write would otherwise still hold an earlier call's equal rows)
+    import dataclasses
+    for it, (sms, d_chunk, c_chunk) in enumerate(((Buffer.num_sms, 1, 1), (2, 3, 2))):
+        cfgs = (Config(sms, 6, 256, d_chunk, 128), Config(sms, 6, 256, c_chunk, 128))
+        G.check_ht_case(ref, fast, dataclasses.replace(cases[0], seed=20 + it), ctx.rank, False, with_bias=True,
+                        configs=cfgs)
         if r == 2:
-            G.check_ht_case(ref, fast, cases[0], ctx.rank, True, worst=sum(cases[0].tokens) + 3, configs=cfgs)
+            G.check_ht_case(ref, fast, dataclasses.replace(cases[0], seed=30 + it), ctx.rank, True,
+                            worst=sum(cases[0].tokens) + 3, configs=cfgs)
     if r > 2:
         return sent
     # combines in a row on one handle (the combine areas alternate, the markers tell calls apart)

@@ -74,8 +74,8 @@ def test_case_validates_itself():
 
 
 def test_sms_column_says_what_the_kernels_take(monkeypatch):
-    """The SMs column: the config's num_sms only where the kernels honour it (nvlink high-throughput);
-    the low-latency kernels and the internode high-throughput ones reach every SM."""
+    """The SMs column: the config's num_sms where the kernels honour it (high-throughput, nvlink and
+    internode); the low-latency kernels reach every SM."""
     import types
 
     import torch
@@ -85,6 +85,6 @@ def test_sms_column_says_what_the_kernels_take(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert runner._sms("nvlink", gpu, "ht") == Buffer.num_sms
-    assert runner._sms("internode", gpu, "ht") == runner._sms("nvlink", gpu, "ll") == "all 132"
+    assert runner._sms("nvlink", gpu, "ht") == runner._sms("internode", gpu, "ht") == Buffer.num_sms
+    assert runner._sms("internode", gpu, "ll") == runner._sms("nvlink", gpu, "ll") == "all 132"
     assert runner._sms("reference", gpu, "ht") == "nccl" and runner._sms("reference", cpu, "ht") == "gloo"

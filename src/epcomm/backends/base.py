@@ -11,6 +11,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ..config import Config
 from ..layout import DispatchHandle, LowLatencyHandle
 
 
@@ -123,14 +124,13 @@ class Backend:
         raise NotImplementedError
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle,
-                        rdma_chunk: int = 0):
-        """Returns ``(recv_x, recv_x_scales)`` laid out as the dispatch that made ``handle``.
-        ``rdma_chunk``: the config's ``num_max_rdma_chunked_send_tokens`` (backends that send over the
-        network use it; 0: their own choice)."""
+                        config: Config | None = None):
+        """Returns ``(recv_x, recv_x_scales)`` laid out as the dispatch that made ``handle``. ``config``: the
+        call's (None: the backend's choice)."""
         raise NotImplementedError
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
-                bias: tuple[torch.Tensor, ...], rdma_chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                bias: tuple[torch.Tensor, ...], config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
     def low_latency_dispatch(

@@ -36,7 +36,7 @@ class HTCombine:
                 self.p_table, self.flags_off, self.p_ctr[CRECV], self.p_tk[T_REDUCE], self.p_err, self._timeout_ns)
         return Direct(p, tmpl, (0, 5, 6, 7, 9, 14, 15, 16, 17)), stage_w.tensor
 
-    def combine(self, x, handle: DispatchHandle, topk_weights, bias, rdma_chunk: int = 0):
+    def combine(self, x, handle: DispatchHandle, topk_weights, bias, config=None):
         self._check_error()
         r_, me, dev = self.num_ranks, self.rank, self.device
         t = handle.is_token_in_rank.shape[0]

@@ -213,7 +213,7 @@ class HTDispatch:
             rpm._epcomm_host_col = host_col
         return DispatchResult(recv_x, out_s, out_k, out_w, lst, handle)
 
-    def cached_dispatch(self, x, x_scales, handle: DispatchHandle, rdma_chunk: int = 0):
+    def cached_dispatch(self, x, x_scales, handle: DispatchHandle, config=None):
         self._check_error()
         t, h = x.shape
         g = x_scales.shape[1] if x_scales is not None else 0

@@ -253,13 +253,13 @@ class InternodeBackend(Backend):
         self.check_mirror()  # (expert ids: checked on the device, internode_ht.py)
         return self._ht_impl().dispatch(args)
 
-    def cached_dispatch(self, x, x_scales, handle, rdma_chunk: int = 0):
+    def cached_dispatch(self, x, x_scales, handle, config=None):
         self.check_mirror()
-        return self._ht_impl().cached_dispatch(x, x_scales, handle, rdma_chunk)
+        return self._ht_impl().cached_dispatch(x, x_scales, handle, config)
 
-    def combine(self, x, handle, topk_weights, bias, rdma_chunk: int = 0):
+    def combine(self, x, handle, topk_weights, bias, config=None):
         self.check_mirror()
-        return self._ht_impl().combine(x, handle, topk_weights, bias, rdma_chunk)
+        return self._ht_impl().combine(x, handle, topk_weights, bias, config)
 
     # ------------------------------------------------------------------ low-latency
 

@@ -42,8 +42,8 @@ from ..layout import DispatchHandle
 from .base import DispatchArgs, DispatchResult
 
 _BLOCK = 1024
-_PROGRAMS = 1024  # programs per source node of the forward and the relay (4x that for the gather and send),
-# each looping over its rows: a captured call's grid is fixed, so it cannot follow the rows that arrive
+# Data-moving kernels take Config.num_sms programs (fewer where there are fewer rows), each looping over
+# its rows: a captured call's grid is fixed, so it cannot follow the rows that arrive
 # levels (int32, per parity): forward (waits D_RDMA), gather (D_FWD), relay (C_REL), final (C_FIN)
 _L_FWD, _L_GATHER, _L_RELAY, _L_FINAL = 0, 2, 4, 6
 _T_SEND, _T_FWD, _T_GATHER, _T_CSEND, _T_RELAY, _T_FINAL, _T_NOTIFY = range(7)
@@ -53,10 +53,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _chunk(rdma_chunk: int) -> int:
-    """Tokens per put across nodes: ``Config.num_max_rdma_chunked_send_tokens`` (the dispatch's for the
-    dispatch, the combine's for the combine); 0 (a backend called without a config) puts one token a put."""
-    return max(1, int(rdma_chunk))
+def _knobs(config) -> tuple[int, int]:
+    """``(programs, tokens per put)`` of a call: ``Config.num_sms`` (every data-moving kernel takes at most
+    that many programs, so at most that many SMs) and ``num_max_rdma_chunked_send_tokens`` (tokens per put
+    across nodes); a call without a config (a backend called directly) takes DeepEP's default 20 SMs and
+    one token a put."""
+    if config is None:
+        return 20, 1
+    return max(1, config.num_sms), max(1, config.num_max_rdma_chunked_send_tokens)
 
 
 def _align(n: int, a: int = 128) -> int:
@@ -236,13 +240,14 @@ class InternodeHighThroughput:
         return d
 
     def _move(self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
-              topk_weights: torch.Tensor | None, src: bool, info: _Info, rows: int, rpm: torch.Tensor, chunk: int,
-              lx: int = 1):
+              topk_weights: torch.Tensor | None, src: bool, info: _Info, rows: int, rpm: torch.Tensor,
+              knobs: tuple[int, int], lx: int = 1):
         """Tokens ``x [T, H]`` (their scales, top-k ids and weights, and where ``src`` their index) to the ranks
         the handle's layout (``info``) names, through the relays; the send kernel packs each message from
         them, the gather unpacks what arrived. Returns ``(recv_x, recv_scales, recv_topk_idx,
         recv_topk_weights, recv_src_idx)`` (None where there was no input), ``rows`` rows in (source rank,
-        token) order (``rpm``: the rank prefix matrix), the ids made local (``lx`` experts a rank); rows past those that arrived
+        token) order (``rpm``: the rank prefix matrix), the ids made local (``lx`` experts a rank); rows
+        past those that arrived
         padded as the reference pads them (``num_worst_tokens``)."""
         be = self.be
         r_, me, n_, p_ = be.num_ranks, be.rank, be.ranks_per_node, self.p_nodes
@@ -271,13 +276,13 @@ class InternodeHighThroughput:
         nvl_slot_words = tm * w
         self._need(need, "dispatch", record=not info.worst)
         timer = self._timer
-        ch = _chunk(chunk)
-        _go(self.k_send, "send", (max(1, -(-t // ch)),), xw, sw, idw, ww, info.rel.contiguous(), npos, t, xw.shape[1],
-            g, k, nsrc, r_, ch, me, n_, p_, self.p_table, stage_off, rdma_off, slot_words, sig, self.p_t[_T_SEND],
-            BLOCK=_BLOCK, CH_POW2=_pow2(ch), SIM=be.sim)
+        sms, ch = knobs
+        _go(self.k_send, "send", (max(1, min(-(-t // ch), sms)),), xw, sw, idw, ww, info.rel.contiguous(), npos, t,
+            xw.shape[1], g, k, nsrc, r_, ch, me, n_, p_, self.p_table, stage_off, rdma_off, slot_words, sig,
+            self.p_t[_T_SEND], BLOCK=_BLOCK, CH_POW2=_pow2(ch), SIM=be.sim)
         i, b = me % n_, me // n_
         side = info.side
-        _go(self.k_fwd, "fwd", (p_, max(1, min(tm, _PROGRAMS))), side[i:, 1 + b:], n_ * side.stride(0), w, mw, me,
+        _go(self.k_fwd, "fwd", (max(1, min(tm, sms)),), side[i:, 1 + b:], n_ * side.stride(0), w, mw, me,
             n_, p_, r_, self.p_table, rdma_off, slot_words, nvl_off, nvl_slot_words, sig, self.p_lv[_L_FWD + parity],
             self.p_t[_T_FWD], self.p_err, be.timeout_ns, BLOCK=_BLOCK, HAS_TIMER=timer)
         recv_x = torch.empty(rows, h, dtype=x.dtype, device=dev)
@@ -285,7 +290,7 @@ class InternodeHighThroughput:
         recv_id = torch.empty(rows, k, dtype=torch.int64, device=dev) if topk_idx is not None else None
         recv_w = torch.empty(rows, k, dtype=torch.float32, device=dev) if topk_idx is not None else None
         recv_src = torch.empty(rows, dtype=torch.int32, device=dev) if src else None
-        _go(self.k_gather, "gather", (max(1, min(rows, 4 * _PROGRAMS)),), rpm[:, me:], r_, rows,
+        _go(self.k_gather, "gather", (max(1, min(rows, sms)),), rpm[:, me:], r_, rows,
             recv_x.view(torch.int32), recv_s.view(torch.int32) if recv_s is not None else i32,
             recv_id if recv_id is not None else self._dummy(torch.int64),
             recv_w if recv_w is not None else self._dummy(torch.float32), recv_src if src else i32,
@@ -361,7 +366,8 @@ class InternodeHighThroughput:
             lst = layout.align_up(gh[:, c0:c0 + lx].sum(0), a.expert_alignment).tolist()
         info = _Info(side, rel, npos, tm, bool(worst))
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = self._move(
-            a.x, a.x_scales, a.topk_idx, a.topk_weights, True, info, rows, rpm, a.rdma_chunk, lx)
+            a.x, a.x_scales, a.topk_idx, a.topk_weights, True, info, rows, rpm,
+            (max(1, a.num_sms), max(1, a.rdma_chunk)), lx)
         if bad_id is not None:
             raise ValueError(f"topk_idx holds expert id {bad_id}, outside [-1, {e}) for num_experts={e}")
         recv_src_idx._epcomm_ht = info
@@ -375,16 +381,16 @@ class InternodeHighThroughput:
             raise ValueError("handle must come from this Buffer's dispatch (internode backend)")
         return info
 
-    def cached_dispatch(self, x, x_scales, handle: DispatchHandle, rdma_chunk: int = 0):
+    def cached_dispatch(self, x, x_scales, handle: DispatchHandle, config=None):
         info = self._info(handle)
         rows = handle.recv_src_idx.numel()
         recv_x, recv_s, _, _, _ = self._move(x, x_scales, None, None, False, info, rows, handle.rank_prefix_matrix,
-                                             rdma_chunk)
+                                             _knobs(config))
         return recv_x, recv_s
 
     # ------------------------------------------------------------------ combine
 
-    def combine(self, x, handle: DispatchHandle, topk_weights, bias, rdma_chunk: int = 0):
+    def combine(self, x, handle: DispatchHandle, topk_weights, bias, config=None):
         be = self.be
         info = self._info(handle)
         r_, me, n_, p_ = be.num_ranks, be.rank, be.ranks_per_node, self.p_nodes
@@ -411,20 +417,20 @@ class InternodeHighThroughput:
         fin_slot_words = tm * fw
         self._need(need, "combine", record=not info.worst)
         timer = self._timer
-        _go(self.k_csend, "csend", (max(1, min(rows, 4 * _PROGRAMS)),), xw, ww, h // 2, k,
-            handle.rank_prefix_matrix[:, me:], r_, src_tok, rows, cw, self.p_lv[9], me, n_, p_, r_, self.p_table, rel_off,
-            rel_slot_words, sig, par_bytes, sig_par, self.p_t[_T_CSEND], BLOCK=_BLOCK, R_POW2=_pow2(r_))
+        sms, ch = _knobs(config)
+        _go(self.k_csend, "csend", (max(1, min(rows, sms)),), xw, ww, h // 2, k,
+            handle.rank_prefix_matrix[:, me:], r_, src_tok, rows, cw, self.p_lv[9], me, n_, p_, r_, self.p_table,
+            rel_off, rel_slot_words, sig, par_bytes, sig_par, self.p_t[_T_CSEND], BLOCK=_BLOCK, R_POW2=_pow2(r_))
         side = info.side
-        ch = _chunk(rdma_chunk)
-        _go(self.k_relay, "relay", (p_, max(1, min(-(-tm // ch), _PROGRAMS))), side, side.stride(0), h, k, cw, fw, ch,
-            self.p_lv[9], me, n_, p_, self.p_table, rel_off, rel_slot_words, stage_off, fin_off, fin_slot_words, sig, par_bytes,
-            sig_par, self.p_lv[_L_RELAY], self.p_t[_T_RELAY], self.p_err, be.timeout_ns, BLOCK=_BLOCK,
+        _go(self.k_relay, "relay", (max(1, min(-(-tm // ch), sms)),), side, side.stride(0), h, k, cw, fw, ch,
+            self.p_lv[9], me, n_, p_, self.p_table, rel_off, rel_slot_words, stage_off, fin_off, fin_slot_words, sig,
+            par_bytes, sig_par, self.p_lv[_L_RELAY], self.p_t[_T_RELAY], self.p_err, be.timeout_ns, BLOCK=_BLOCK,
             K_POW2=_pow2(max(k, 1)), HAS_TIMER=timer, SIM=be.sim)
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         w_out = torch.empty(t, k, dtype=torch.float32, device=dev) if topk_weights is not None else None
         bs = [b_.contiguous() for b_ in bias]  # the biases, added in the kernel as the reference adds them
-        _go(self.k_final, "final", (max(t, 1),), out, w_out if w_out is not None else out, *(bs + [out, out])[:2], t, h,
-            k, fw, self.p_lv[9],
+        _go(self.k_final, "final", (max(1, min(t, sms)),), out, w_out if w_out is not None else out,
+            *(bs + [out, out])[:2], t, h, k, fw, self.p_lv[9],
             me, n_, p_, self.p_table, fin_off, fin_slot_words, sig, par_bytes, sig_par, self.p_lv[_L_FINAL],
             self.p_t[_T_FINAL], self.p_err, be.timeout_ns, BLOCK=_BLOCK, K_POW2=_pow2(max(k, 1)),
             HAS_W=w_out is not None, NB=len(bs), HAS_TIMER=timer)

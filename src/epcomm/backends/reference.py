@@ -196,7 +196,7 @@ class ReferenceBackend(Backend):
         prefix = handle.rank_prefix_matrix.to(torch.int64).cpu()
         return torch.cat([prefix[:1], prefix[1:] - prefix[:-1]], dim=0)
 
-    def cached_dispatch(self, x, x_scales, handle: DispatchHandle, rdma_chunk: int = 0):
+    def cached_dispatch(self, x, x_scales, handle: DispatchHandle, config=None):
         counts = self._counts_from_handle(handle)
         me = self.rank
         parts = [x] + ([x_scales] if x_scales is not None else [])
@@ -210,7 +210,7 @@ class ReferenceBackend(Backend):
         recv_scales = _pad_rows(fields[1], rows, 0) if x_scales is not None else None
         return recv_x, recv_scales
 
-    def combine(self, x, handle: DispatchHandle, topk_weights, bias, rdma_chunk: int = 0):
+    def combine(self, x, handle: DispatchHandle, topk_weights, bias, config=None):
         counts = self._counts_from_handle(handle)
         me = self.rank
         n = int(counts[:, me].sum())

@@ -140,9 +140,8 @@ def peer_name(device: torch.device) -> str:
 def _sms(name: str, device: torch.device, mode: str = "ht"):
     if name == "reference" or name.endswith("-a2a"):
         return "nccl" if device.type == "cuda" else "gloo"
-    if (mode == "ll" or name == "internode") and device.type == "cuda":
-        # the low-latency kernels and the internode high-throughput ones are not bounded by num_sms:
-        # their grids reach every SM
+    if mode == "ll" and device.type == "cuda":
+        # the low-latency kernels are not bounded by num_sms: their grids reach every SM
         return f"all {torch.cuda.get_device_properties(device).multi_processor_count}"
     return Buffer.num_sms
 

@@ -28,7 +28,8 @@ the rows their device-side counts give.
 
 Combine (``CW = H/2 + K + 1`` words: bf16 row, float32 weights, a marker = the device's count of
 combines + 1, which ``_hc_final`` advances):
-4. ``_hc_send`` at receiver ``(b, j)``: row ``q`` of ``x`` and the weights (source ``s = (a, i)``, token ``t``) into relay
+4. ``_hc_send`` at receiver ``(b, j)``: row ``q`` of ``x`` and the weights (source ``s = (a, i)``,
+   token ``t``) into relay
    ``(b, i)``'s relay area, slot ``(a, j)``, row ``t``, with the marker; signal the node's relays.
 5. ``_hc_relay`` at ``(b, i)``: for ``(a, t)``: Σ over ``j`` of the marked rows in float32 (and the
    weights), staged with the marker; a chunk of ``CH`` consecutive tokens put at once to
@@ -176,20 +177,22 @@ def _hn_notify_kernel(me, R, S, SU, ptr_table, stage_off, recv_off, recv_stride,
 def _hd_send_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, T, XW, G, K, NSRC, R, CH, me, N, P, ptr_table,
                     stage_off, rdma_off, slot_words, sig_off, ticket_ptr, BLOCK: tl.constexpr, CH_POW2: tl.constexpr,
                     SIM: tl.constexpr):
-    """Program ``c``: messages ``t = c*CH ...`` (a chunk of up to ``CH`` tokens) staged here, then to the
-    relay of every node they go to: one put per run of consecutive tokens that go there (their rows
-    there are consecutive too), so at most ``CH`` rows a put (DeepEP's ``num_max_rdma_chunked_send_tokens``).
+    """Program ``p``: chunks ``c = p, p + programs, ...``; chunk ``c``'s messages ``t = c*CH ...`` (up to
+    ``CH`` tokens) staged here, then to the relay of every node they go to: one put per run of
+    consecutive tokens that go there (their rows there are consecutive too), so at most ``CH`` rows a
+    put (DeepEP's ``num_max_rdma_chunked_send_tokens``).
     A message (``W + R`` words, all int32 views): ``x[t]`` (``XW``), its scales (``G``), top-k ids
     (``2K``: int64), weights (``K``), ``t`` itself where ``NSRC`` (1; 0 in a cached dispatch), then its
     ``R`` positions ``rel[t]``."""
-    c = tl.program_id(0)
+    GP = tl.num_programs(0)
     a = me // N
     i = me % N
     W = XW + G + 3 * K + NSRC
     MW = W + R
-    t0 = c.to(tl.int64) * CH
-    n = tl.minimum(T - t0, CH)
-    if n > 0:
+    uu = tl.arange(0, CH_POW2)
+    for c in range(tl.program_id(0), (T + CH - 1) // CH, GP):
+        t0 = (c + tl.zeros((), tl.int64)) * CH  # (a loop index: a Python int under the interpreter)
+        n = tl.minimum(T - t0, CH)
         stage = peer_ptr(ptr_table, me, stage_off + t0 * MW * 4, tl.int32)
         for u in range(0, n):
             t64 = t0 + u
@@ -202,7 +205,6 @@ def _hd_send_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, T, XW, G, K,
                 tl.store(row + XW + G + 3 * K, t64.to(tl.int32))
             _copy_words(row + W, rel_ptr + t64 * R, R, BLOCK)
         tl.debug_barrier()
-        uu = tl.arange(0, CH_POW2)
         for b in range(P):
             qs = tl.load(npos_ptr + (t0 + uu) * P + b, mask=uu < n, other=-1)
             relay = b * N + i
@@ -219,7 +221,7 @@ def _hd_send_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, T, XW, G, K,
                     else:
                         nv.put(ptr_table, me, relay, off, src, (end - u_) * MW * 4, SIM)
     nv.quiet(SIM)
-    if ticket_last_n(ticket_ptr, tl.num_programs(0)):
+    if ticket_last_n(ticket_ptr, GP):
         for b in range(P):
             relay = b * N + i
             if b == a:
@@ -234,28 +236,28 @@ def _hd_send_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, T, XW, G, K,
 def _hd_forward_kernel(cnt_ptr, cnt_stride, W, MW, me, N, P, R, ptr_table, rdma_off, slot_words, nvl_off,
                        nvl_slot_words, sig_off, level_ptr, ticket_ptr, err_ptr, timeout_ns, BLOCK: tl.constexpr,
                        HAS_TIMER: tl.constexpr):
-    """Relay program ``(a, g)``: rows ``q = g, g + G, ...`` below ``cnt[a * cnt_stride]`` (the messages
-    source node ``a`` sent here) to the ranks of this node that want them."""
-    a = tl.program_id(0)
-    g = tl.program_id(1)
-    G = tl.num_programs(1)
+    """Relay program ``g`` of ``G``: for every source node ``a``, rows ``q = g, g + G, ...`` below
+    ``cnt[a * cnt_stride]`` (the messages node ``a`` sent here) to the ranks of this node that want them."""
+    g = tl.program_id(0)
+    G = tl.num_programs(0)
     b = me // N
     i = me % N
     level = tl.load(level_ptr)
-    cnt = tl.load(cnt_ptr + a * cnt_stride)
-    if g < cnt:
-        _wait(ptr_table, me, sig_off, a, level + 1, err_ptr, 3, a * N + i, timeout_ns, HAS_TIMER)
-    s = a * N + i
-    for q in range(g, cnt, G):
-        q64 = q + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
-        msg = peer_ptr(ptr_table, me, rdma_off + (a * slot_words + q64 * MW) * 4, tl.int32)
-        for j in range(N):
-            pos = tl.load(msg + W + b * N + j)
-            if pos >= 0:
-                dst = peer_ptr(ptr_table, b * N + j, nvl_off + (s * nvl_slot_words + pos.to(tl.int64) * W) * 4,
-                               tl.int32)
-                _copy_words(dst, msg, W, BLOCK)
-    if ticket_last_n(ticket_ptr, tl.num_programs(0) * G):
+    for a in range(P):
+        cnt = tl.load(cnt_ptr + a * cnt_stride)
+        if g < cnt:
+            _wait(ptr_table, me, sig_off, a, level + 1, err_ptr, 3, a * N + i, timeout_ns, HAS_TIMER)
+        s = a * N + i
+        for q in range(g, cnt, G):
+            q64 = q + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
+            msg = peer_ptr(ptr_table, me, rdma_off + (a * slot_words + q64 * MW) * 4, tl.int32)
+            for j in range(N):
+                pos = tl.load(msg + W + b * N + j)
+                if pos >= 0:
+                    dst = peer_ptr(ptr_table, b * N + j,
+                                   nvl_off + (s * nvl_slot_words + pos.to(tl.int64) * W) * 4, tl.int32)
+                    _copy_words(dst, msg, W, BLOCK)
+    if ticket_last_n(ticket_ptr, G):
         tl.store(level_ptr, level + 1)
         for j in range(N):
             signal(_sig(ptr_table, b * N + j, sig_off, P + i), 1)
@@ -362,15 +364,14 @@ def _hc_relay_kernel(tok_ptr, tok_stride, H, K, CW, FW, CH, cid_ptr, me, N, P, p
                      stage_off, fin_off, fin_slot_words, sig_off, par_bytes, sig_par, level_ptr, ticket_ptr, err_ptr,
                      timeout_ns, BLOCK: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
                      SIM: tl.constexpr):
-    """Program ``(a, g)``, for chunks ``c = g, g + G, ...`` of ``CH`` tokens of ``(a, i)``
-    (``tok[(a * N + i) * tok_stride]`` of them): for each token, Σ over this node's ranks of their rows
+    """Program ``g`` of ``G``, for every source node ``a``: chunks ``c = g, g + G, ...`` of ``CH`` tokens of
+    ``(a, i)`` (``tok[(a * N + i) * tok_stride]`` of them): for each token, Σ over this node's ranks of their rows
     for it, in float32, with the weights, staged; then the chunk's staged rows in one put (stored where
     ``a`` is this node) to ``(a, i)``'s final area, slot ``b`` (DeepEP's
     ``num_max_rdma_chunked_send_tokens`` of the combine). A token no row came for keeps its stale staged
     row, whose old marker ``_hc_final`` skips."""
-    a = tl.program_id(0)
-    g = tl.program_id(1)
-    G = tl.num_programs(1)
+    g = tl.program_id(0)
+    G = tl.num_programs(0)
     b = me // N
     i = me % N
     call_id = tl.load(cid_ptr) + 1
@@ -383,49 +384,50 @@ def _hc_relay_kernel(tok_ptr, tok_stride, H, K, CW, FW, CH, cid_ptr, me, N, P, p
     level = tl.load(level_ptr)
     for j2 in range(N):
         _wait(ptr_table, me, sig_off, P + N + j2, level + 1, err_ptr, 5, b * N + j2, timeout_ns, HAS_TIMER)
-    cnt = tl.load(tok_ptr + (a * N + i) * tok_stride)
     HW = H // 2
-    for c in range(g, (cnt + CH - 1) // CH, G):
-        t0 = (c + tl.zeros((), tl.int64)) * CH  # (a loop index: a Python int under the interpreter)
-        n = tl.minimum(cnt - t0, CH)
-        for u in range(0, n):
-            t64 = t0 + u
-            stage = peer_ptr(ptr_table, me, stage_off + (a * fin_slot_words + t64 * FW) * 4, tl.float32)
-            present = tl.zeros((), tl.int32)
-            for j in range(N):
-                row = peer_ptr(ptr_table, me, rel_off + ((a * N + j) * rel_slot_words + t64 * CW) * 4, tl.int32)
-                present += (tl.load(row + CW - 1) == call_id).to(tl.int32)
-            if present > 0:
-                cc = tl.arange(0, BLOCK)
-                for c0 in range(0, H, BLOCK):
-                    cm = (c0 + cc) < H
-                    acc = tl.zeros((BLOCK,), tl.float32)
+    for a in range(P):
+        cnt = tl.load(tok_ptr + (a * N + i) * tok_stride)
+        for c in range(g, (cnt + CH - 1) // CH, G):
+            t0 = (c + tl.zeros((), tl.int64)) * CH  # (a loop index: a Python int under the interpreter)
+            n = tl.minimum(cnt - t0, CH)
+            for u in range(0, n):
+                t64 = t0 + u
+                stage = peer_ptr(ptr_table, me, stage_off + (a * fin_slot_words + t64 * FW) * 4, tl.float32)
+                present = tl.zeros((), tl.int32)
+                for j in range(N):
+                    row = peer_ptr(ptr_table, me, rel_off + ((a * N + j) * rel_slot_words + t64 * CW) * 4, tl.int32)
+                    present += (tl.load(row + CW - 1) == call_id).to(tl.int32)
+                if present > 0:
+                    cc = tl.arange(0, BLOCK)
+                    for c0 in range(0, H, BLOCK):
+                        cm = (c0 + cc) < H
+                        acc = tl.zeros((BLOCK,), tl.float32)
+                        for j in range(N):
+                            row = peer_ptr(ptr_table, me, rel_off + ((a * N + j) * rel_slot_words + t64 * CW) * 4,
+                                           tl.int32)
+                            if tl.load(row + CW - 1) == call_id:
+                                v = tl.load(row.to(tl.pointer_type(tl.bfloat16)) + c0 + cc, mask=cm, other=0.0)
+                                acc += v.to(tl.float32)
+                        tl.store(stage + c0 + cc, acc, mask=cm)
+                    kk = tl.arange(0, K_POW2)
+                    km = kk < K
+                    wacc = tl.zeros((K_POW2,), tl.float32)
                     for j in range(N):
                         row = peer_ptr(ptr_table, me, rel_off + ((a * N + j) * rel_slot_words + t64 * CW) * 4,
                                        tl.int32)
                         if tl.load(row + CW - 1) == call_id:
-                            v = tl.load(row.to(tl.pointer_type(tl.bfloat16)) + c0 + cc, mask=cm, other=0.0)
-                            acc += v.to(tl.float32)
-                    tl.store(stage + c0 + cc, acc, mask=cm)
-                kk = tl.arange(0, K_POW2)
-                km = kk < K
-                wacc = tl.zeros((K_POW2,), tl.float32)
-                for j in range(N):
-                    row = peer_ptr(ptr_table, me, rel_off + ((a * N + j) * rel_slot_words + t64 * CW) * 4,
-                                   tl.int32)
-                    if tl.load(row + CW - 1) == call_id:
-                        wacc += tl.load(row.to(tl.pointer_type(tl.float32)) + HW + kk, mask=km, other=0.0)
-                tl.store(stage + H + kk, wacc, mask=km)
-                tl.store(stage.to(tl.pointer_type(tl.int32)) + FW - 1, call_id)
-        tl.debug_barrier()
-        first = peer_ptr(ptr_table, me, stage_off + (a * fin_slot_words + t0 * FW) * 4, tl.int32)
-        off = fin_off + (b * fin_slot_words + t0 * FW) * 4
-        if a == b:  # the source is this rank
-            _copy_words(peer_ptr(ptr_table, me, off, tl.int32), first, n * FW, BLOCK)
-        else:
-            nv.put(ptr_table, me, a * N + i, off, first, n * FW * 4, SIM)
+                            wacc += tl.load(row.to(tl.pointer_type(tl.float32)) + HW + kk, mask=km, other=0.0)
+                    tl.store(stage + H + kk, wacc, mask=km)
+                    tl.store(stage.to(tl.pointer_type(tl.int32)) + FW - 1, call_id)
+            tl.debug_barrier()
+            first = peer_ptr(ptr_table, me, stage_off + (a * fin_slot_words + t0 * FW) * 4, tl.int32)
+            off = fin_off + (b * fin_slot_words + t0 * FW) * 4
+            if a == b:  # the source is this rank
+                _copy_words(peer_ptr(ptr_table, me, off, tl.int32), first, n * FW, BLOCK)
+            else:
+                nv.put(ptr_table, me, a * N + i, off, first, n * FW * 4, SIM)
     nv.quiet(SIM)
-    if ticket_last_n(ticket_ptr, tl.num_programs(0) * tl.num_programs(1)):
+    if ticket_last_n(ticket_ptr, G):
         tl.store(level_ptr, level + 1)
         for a2 in range(P):
             if a2 == b:
@@ -441,10 +443,12 @@ def _hc_final_kernel(out_ptr, wout_ptr, b0_ptr, b1_ptr, T, H, K, FW, cid_ptr, me
                      fin_slot_words, sig_off, par_bytes, sig_par, level_ptr, ticket_ptr, err_ptr, timeout_ns,
                      BLOCK: tl.constexpr, K_POW2: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr,
                      HAS_TIMER: tl.constexpr):
-    """Program ``t``: ``out[t] = Σ_b partial_b[t]`` over the nodes whose partial carries this call's
-    marker, in node order, float32, plus the ``NB`` (0-2) BF16 biases in order, rounded once to BF16
+    """Program ``g`` of ``G``, tokens ``t = g, g + G, ...``: ``out[t] = Σ_b partial_b[t]`` over the nodes
+    whose partial carries this call's marker, in node order, float32, plus the ``NB`` (0-2) BF16 biases
+    in order, rounded once to BF16
     (and the weights, float32)."""
-    t = tl.program_id(0)
+    g = tl.program_id(0)
+    G = tl.num_programs(0)
     call_id = tl.load(cid_ptr) + 1
     par = ((call_id - 1) % 2).to(tl.int64)  # (offsets past 2 GiB)
     fin_off += par * par_bytes
@@ -454,8 +458,8 @@ def _hc_final_kernel(out_ptr, wout_ptr, b0_ptr, b1_ptr, T, H, K, FW, cid_ptr, me
     i = me % N
     for b in range(P):
         _wait(ptr_table, me, sig_off, P + 2 * N + b, level + 1, err_ptr, 5, b * N + i, timeout_ns, HAS_TIMER)
-    if t < T:
-        t64 = t.to(tl.int64)
+    for t in range(g, T, G):
+        t64 = t + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
         cc = tl.arange(0, BLOCK)
         for c0 in range(0, H, BLOCK):
             cm = (c0 + cc) < H
@@ -478,6 +482,6 @@ def _hc_final_kernel(out_ptr, wout_ptr, b0_ptr, b1_ptr, T, H, K, FW, cid_ptr, me
                 if tl.load(part.to(tl.pointer_type(tl.int32)) + FW - 1) == call_id:
                     wacc += tl.load(part + H + kk, mask=km, other=0.0)
             tl.store(wout_ptr + t64 * K + kk, wacc, mask=km)
-    if ticket_last_n(ticket_ptr, tl.num_programs(0)):
+    if ticket_last_n(ticket_ptr, G):
         tl.store(level_ptr, level + 1)
         tl.store(cid_ptr, call_id)  # (the last kernel of the combine on this rank counts it)

@@ -75,12 +75,13 @@ def _combine_check(out, ref_out, ref: Buffer, y: torch.Tensor, handle, what: str
 
 def check_ht_case(ref: Buffer, fast: Buffer, case: Case, rank: int, fp8: bool, worst: int = 0,
                   with_bias: bool = False, configs: tuple | None = None) -> dict:
-    """``configs``: ``(dispatch, combine)`` Configs for ``fast``'s calls (else its defaults)."""
+    """``configs``: ``(dispatch, combine)`` Configs for ``fast``'s calls (else its defaults); the dispatch's
+    for the reference's dispatch too (its channels shape the handle)."""
     dev = fast.device
     dcfg, ccfg = configs or (None, None)
     xin, x, topk, w = device_inputs(case, rank, dev, fp8)
     e = case.num_experts
-    rr = _dispatch(ref, xin, topk, w, e, num_worst_tokens=worst)
+    rr = _dispatch(ref, xin, topk, w, e, num_worst_tokens=worst, config=dcfg)  # (its channels: the handle's)
     fr = _dispatch(fast, xin, topk, w, e, num_worst_tokens=worst, config=dcfg)
     n = int(rr[4].rank_prefix_matrix[-1, rank])
     tag = f"{case} fp8={fp8} worst={worst} rank={rank}" + (f" configs={configs}" if configs else "")
