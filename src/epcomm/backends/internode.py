@@ -153,6 +153,13 @@ class InternodeBackend(Backend):
         super().__init__(buf.group, buf.rank, buf.group_size, buf.device, buf.timeout_s)
         self._buf = weakref.ref(buf)
         self.sim = os.environ.get("TRITON_INTERPRET") == "1" if sim is None else bool(sim)
+        from . import internode_ht, internode_ll
+        from .nvlink_params import apply_tune
+
+        # EPCOMM_TUNE keys of this backend: "iht.<key>" (high-throughput), "ill.<key>" (low-latency)
+        over = _env.tune()
+        apply_tune({k[4:]: v for k, v in over.items() if k.startswith("iht.")}, internode_ht.TUNE, "iht.")
+        apply_tune({k[4:]: v for k, v in over.items() if k.startswith("ill.")}, internode_ll.TUNE, "ill.")
         r_ = self.num_ranks
         nodes, self.nodes_how = buf.node_map
         self.nodes = list(nodes)

@@ -46,6 +46,10 @@ _BLOCK = 1024
 # its rows: a captured call's grid is fixed, so it cannot follow the rows that arrive
 # levels (int32, per parity): forward (waits D_RDMA), gather (D_FWD), relay (C_REL), final (C_FIN)
 _L_FWD, _L_GATHER, _L_RELAY, _L_FINAL = 0, 2, 4, 6
+# Warps a program of each kernel that moves tokens (EPCOMM_TUNE=iht.<key>=<n>): with at most num_sms
+# programs a kernel, wide ones, as the nvlink engine's measured copy kernels (8-16); not measured over
+# NVSHMEM yet.
+TUNE = dict(send_warps=8, fwd_warps=8, gather_warps=16, csend_warps=8, relay_warps=16, final_warps=16)
 _T_SEND, _T_FWD, _T_GATHER, _T_CSEND, _T_RELAY, _T_FINAL, _T_NOTIFY = range(7)
 
 
@@ -279,12 +283,12 @@ class InternodeHighThroughput:
         sms, ch = knobs
         _go(self.k_send, "send", (max(1, min(-(-t // ch), sms)),), xw, sw, idw, ww, info.rel.contiguous(), npos, t,
             xw.shape[1], g, k, nsrc, r_, ch, me, n_, p_, self.p_table, stage_off, rdma_off, slot_words, sig,
-            self.p_t[_T_SEND], BLOCK=_BLOCK, CH_POW2=_pow2(ch), SIM=be.sim)
+            self.p_t[_T_SEND], BLOCK=_BLOCK, CH_POW2=_pow2(ch), SIM=be.sim, num_warps=TUNE["send_warps"])
         i, b = me % n_, me // n_
         side = info.side
         _go(self.k_fwd, "fwd", (max(1, min(tm, sms)),), side[i:, 1 + b:], n_ * side.stride(0), w, mw, me,
             n_, p_, r_, self.p_table, rdma_off, slot_words, nvl_off, nvl_slot_words, sig, self.p_lv[_L_FWD + parity],
-            self.p_t[_T_FWD], self.p_err, be.timeout_ns, BLOCK=_BLOCK, HAS_TIMER=timer)
+            self.p_t[_T_FWD], self.p_err, be.timeout_ns, BLOCK=_BLOCK, HAS_TIMER=timer, num_warps=TUNE["fwd_warps"])
         recv_x = torch.empty(rows, h, dtype=x.dtype, device=dev)
         recv_s = torch.empty(rows, g, dtype=torch.float32, device=dev) if scales is not None else None
         recv_id = torch.empty(rows, k, dtype=torch.int64, device=dev) if topk_idx is not None else None
@@ -296,7 +300,7 @@ class InternodeHighThroughput:
             recv_w if recv_w is not None else self._dummy(torch.float32), recv_src if src else i32,
             xw.shape[1], g, k, nsrc, me * lx, lx, me, n_, p_, r_, nvl_off // 4, nvl_slot_words, self.p_table, sig,
             self.p_lv[_L_GATHER + parity], self.p_t[_T_GATHER], self.p_err, be.timeout_ns, BLOCK=_BLOCK,
-            R_POW2=_pow2(r_), K_POW2=_pow2(max(k, 1)), HAS_TIMER=timer)
+            R_POW2=_pow2(r_), K_POW2=_pow2(max(k, 1)), HAS_TIMER=timer, num_warps=TUNE["gather_warps"])
         be.check_mirror()
         return recv_x, recv_s, recv_id, recv_w, recv_src
 
@@ -420,12 +424,13 @@ class InternodeHighThroughput:
         sms, ch = _knobs(config)
         _go(self.k_csend, "csend", (max(1, min(rows, sms)),), xw, ww, h // 2, k,
             handle.rank_prefix_matrix[:, me:], r_, src_tok, rows, cw, self.p_lv[9], me, n_, p_, r_, self.p_table,
-            rel_off, rel_slot_words, sig, par_bytes, sig_par, self.p_t[_T_CSEND], BLOCK=_BLOCK, R_POW2=_pow2(r_))
+            rel_off, rel_slot_words, sig, par_bytes, sig_par, self.p_t[_T_CSEND], BLOCK=_BLOCK, R_POW2=_pow2(r_),
+            num_warps=TUNE["csend_warps"])
         side = info.side
         _go(self.k_relay, "relay", (max(1, min(-(-tm // ch), sms)),), side, side.stride(0), h, k, cw, fw, ch,
             self.p_lv[9], me, n_, p_, self.p_table, rel_off, rel_slot_words, stage_off, fin_off, fin_slot_words, sig,
             par_bytes, sig_par, self.p_lv[_L_RELAY], self.p_t[_T_RELAY], self.p_err, be.timeout_ns, BLOCK=_BLOCK,
-            K_POW2=_pow2(max(k, 1)), HAS_TIMER=timer, SIM=be.sim)
+            K_POW2=_pow2(max(k, 1)), HAS_TIMER=timer, SIM=be.sim, num_warps=TUNE["relay_warps"])
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         w_out = torch.empty(t, k, dtype=torch.float32, device=dev) if topk_weights is not None else None
         bs = [b_.contiguous() for b_ in bias]  # the biases, added in the kernel as the reference adds them
@@ -433,6 +438,6 @@ class InternodeHighThroughput:
             *(bs + [out, out])[:2], t, h, k, fw, self.p_lv[9],
             me, n_, p_, self.p_table, fin_off, fin_slot_words, sig, par_bytes, sig_par, self.p_lv[_L_FINAL],
             self.p_t[_T_FINAL], self.p_err, be.timeout_ns, BLOCK=_BLOCK, K_POW2=_pow2(max(k, 1)),
-            HAS_W=w_out is not None, NB=len(bs), HAS_TIMER=timer)
+            HAS_W=w_out is not None, NB=len(bs), HAS_TIMER=timer, num_warps=TUNE["final_warps"])
         be.check_mirror()
         return out, w_out

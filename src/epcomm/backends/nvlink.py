@@ -149,7 +149,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         self.transfer = _env.ht_transfer()  # "ce" (copy engine eagerly), "sm" or "ce-always"
         from . import nvlink_ll
 
-        over = _env.tune()
+        over = {k: v for k, v in _env.tune().items() if not k.startswith(("iht.", "ill."))}  # (internode's)
         apply_tune({k: v for k, v in over.items() if not k.startswith("ll.")})
         apply_tune({k[3:]: v for k, v in over.items() if k.startswith("ll.")}, nvlink_ll.TUNE, "ll.")
         self.flag_words = torch.zeros(2, dtype=torch.int32, device=self.device)  # TUNE["ce_flag"] == "copy"

@@ -30,15 +30,17 @@ I64 = {"ptr_table": "*i64", "timeout_ns": "i64", "stage_off": "i64", "rdma_off":
        "recv_off": "i64"}
 
 
-def compile_one(fn, types: dict, consts: dict) -> int:
+def compile_one(fn, types: dict, consts: dict, warps: int = 4) -> int:
     params = list(inspect.signature(fn.fn).parameters)
     sig = {p: "constexpr" if p in consts else types.get(p, "*i32" if p.endswith("_ptr") else "i32") for p in params}
     src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in consts.items()})
-    kernel = triton.compile(src, target=TARGET)
+    kernel = triton.compile(src, target=TARGET, options={"num_warps": warps})
     return len(kernel.asm["cubin"])
 
 
 def main() -> None:
+    from epcomm.backends.internode_ht import TUNE
+
     cases = [
         (ih._hn_prep_kernel, {"is_in_ptr": "*i8"}, dict(BLOCK=1024, R_POW2=8)),
         (ih._hn_notify_kernel, I64, dict(BLOCK=1024, CHECK=True, HAS_TIMER=True, SIM=True)),
@@ -51,8 +53,12 @@ def main() -> None:
         (ih._hc_final_kernel, dict(I64, out_ptr="*bf16", wout_ptr="*fp32", b0_ptr="*bf16", b1_ptr="*bf16"),
          dict(BLOCK=1024, K_POW2=8, HAS_W=True, NB=2, HAS_TIMER=True)),
     ]
+    warps = {"_hd_send_kernel": "send", "_hd_forward_kernel": "fwd", "_hd_gather_kernel": "gather",
+             "_hc_send_kernel": "csend", "_hc_relay_kernel": "relay", "_hc_final_kernel": "final"}
     for fn, types, consts in cases:
-        print("ok", fn.fn.__name__, compile_one(fn, types, consts), "bytes of cubin")
+        name = fn.fn.__name__
+        w = TUNE[warps[name] + "_warps"] if name in warps else 4  # as the backend launches them
+        print("ok", name, compile_one(fn, types, consts, w), "bytes of cubin,", w, "warps")
 
 
 if __name__ == "__main__":
