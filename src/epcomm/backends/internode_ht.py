@@ -228,9 +228,10 @@ class InternodeHighThroughput:
         cpm = torch.empty(r_, c, dtype=torch.int32, device=dev)
         ntpr = a.num_tokens_per_rank.to(torch.int32)
         ntpe = a.num_tokens_per_expert.to(torch.int32)
-        _go(self.k_prep, "prep", (r_,), is_in.view(torch.int8), t, r_, n_, c, max((t + c - 1) // c, 1), ntpr, ntpe, lx,
-            self.n_stage, self.s_words, rel, npos, cpm, BLOCK=_BLOCK, R_POW2=_pow2(r_))
-        _go(self.k_notify, "notify", (r_,), be.rank, r_, self.s_words, 2 * r_ + 1 + p_ + c + lx, self.p_table,
+        sms = max(1, a.num_sms)
+        _go(self.k_prep, "prep", (min(r_, sms),), is_in.view(torch.int8), t, r_, n_, c, max((t + c - 1) // c, 1),
+            ntpr, ntpe, lx, self.n_stage, self.s_words, rel, npos, cpm, BLOCK=_BLOCK, R_POW2=_pow2(r_))
+        _go(self.k_notify, "notify", (min(r_, sms),), be.rank, r_, self.s_words, 2 * r_ + 1 + p_ + c + lx, self.p_table,
             self.n_stage_off, self.n_recv_off, self.n_recv_stride, self.nsig, self.n_rows, self.p_lv[8],
             self.p_t[_T_NOTIFY], self.p_err, be.timeout_ns, BLOCK=_BLOCK, CHECK=check, HAS_TIMER=self._timer,
             SIM=be.sim)
@@ -328,6 +329,7 @@ class InternodeHighThroughput:
                                  f"num_worst_tokens, got {t} (internode_ht.high_throughput_bytes)")
         is_in = a.is_token_in_rank.contiguous()
         g, rel, npos, cpm = self._exchange(a, is_in, check=bool(worst))
+        sms = max(1, a.num_sms)
         s_ = self.s_words
         rpm = torch.empty(r_, r_, dtype=torch.int32, device=dev)
         recv_cp = torch.empty(r_, c, dtype=torch.int32, device=dev)
@@ -336,8 +338,9 @@ class InternodeHighThroughput:
         topk = a.topk_idx.contiguous() if a.topk_idx is not None else None
         # the handle's tensors from the exchanged rows in one launch (the nvlink backend's kernel), which also
         # checks the expert ids and, with num_worst_tokens, the rows arriving
-        _go(self.k_handle, "handle", (max(1, min(64, (t + tb - 1) // tb)),), g, s_, g[:, 2 * r_ + 1 + p_:], s_, c,
-            rel, t, r_, me, rpm, recv_cp, send_head, self.p_err, worst, topk if topk is not None else send_head, k, e,
+        _go(self.k_handle, "handle", (max(1, min(64, sms, (t + tb - 1) // tb)),), g, s_, g[:, 2 * r_ + 1 + p_:], s_,
+            c, rel, t, r_, me, rpm, recv_cp, send_head, self.p_err, worst, topk if topk is not None else send_head, k,
+            e,
             CHECK_WORST=bool(worst), R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, CHECK_TOPK=topk is not None,
             K_POW2=_pow2(k), num_warps=4)
         side = g[:, 2 * r_:2 * r_ + 1 + p_].clone()

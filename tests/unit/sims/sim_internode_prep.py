@@ -2,7 +2,7 @@
 TRITON_INTERPRET=1 on CPU against torch formulas: ``rel`` and ``npos`` (each token's row among the set
 rows of a rank's / a node's column), the channel prefix matrix (``layout.channel_prefix_matrix``) and
 the staged exchange rows, bitwise, for ranks in nodes of 1-4, no tokens, fewer tokens than channels and
-several blocks of tokens. Run by ``tests/unit/test_kernel_sims.py``; alone:
+several blocks of tokens, fewer programs than ranks. Run by ``tests/unit/test_kernel_sims.py``; alone:
 ``PYTHONPATH=src python tests/unit/sims/sim_internode_prep.py``."""
 import epcomm.testing.interp  # noqa: F401  (sets TRITON_INTERPRET=1; must come before triton)
 import torch  # noqa: E402
@@ -19,7 +19,7 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, m.cumsum(0, dtype=torch.int32) - 1, torch.full_like(m, -1))
 
 
-def run(T, R, N, C, L, block, seed):
+def run(T, R, N, C, L, block, seed, programs=None):
     g = torch.Generator().manual_seed(seed)
     is_in = torch.rand(T, R, generator=g) < 0.4
     if T:
@@ -32,9 +32,9 @@ def run(T, R, N, C, L, block, seed):
     rel = torch.full((T, R), -9, dtype=torch.int32)
     npos = torch.full((T, P), -9, dtype=torch.int32)
     cpm = torch.full((R, C), -9, dtype=torch.int32)
-    _hn_prep_kernel[(R,)](is_in.view(torch.int8), T, R, N, C, max((T + C - 1) // C, 1), ntpr, ntpe, L, stage, S,
-                          rel, npos, cpm, BLOCK=block, R_POW2=1 << max(0, R - 1).bit_length())
-    what = f"T={T} R={R} N={N} C={C} block={block}"
+    _hn_prep_kernel[(programs or R,)](is_in.view(torch.int8), T, R, N, C, max((T + C - 1) // C, 1), ntpr, ntpe, L,
+                                      stage, S, rel, npos, cpm, BLOCK=block, R_POW2=1 << max(0, R - 1).bit_length())
+    what = f"T={T} R={R} N={N} C={C} block={block} programs={programs or R}"
     assert_bitwise(rel, positions(is_in), f"rel {what}")
     node = is_in.view(T, P, N).any(2)
     assert_bitwise(npos, positions(node), f"npos {what}")
@@ -58,3 +58,4 @@ if __name__ == "__main__":
     run(T=3, R=4, N=4, C=8, L=1, block=16, seed=3)      # one node; fewer tokens than channels
     run(T=0, R=2, N=1, C=3, L=2, block=16, seed=4)      # no tokens
     run(T=100, R=8, N=4, C=5, L=4, block=32, seed=5)    # channels of 20 across blocks of 32
+    run(T=60, R=8, N=2, C=4, L=2, block=16, seed=6, programs=3)  # fewer programs than ranks (num_sms)
