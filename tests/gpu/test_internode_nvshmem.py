@@ -27,7 +27,7 @@ again at e92bfdd with EPCOMM_VERIFY_LAUNCH=1, with one combine-only graph; the t
 that check ran there outside pytest): the NVSHMEM puts and signals between the two processes then stay
 on one GPU (NVSHMEM's P2P transport), so this checks the kernels' protocol and results, not a link's
 timing. The RDMA chunking, the layout kernel, the kernels' own packing and the num_sms bound
-(d7be3fa..0c1ecf2) came after: tier 2 and an sm_90 compile only.
+(d7be3fa..4426a33) came after: tier 2 and an sm_90 compile only.
 Two GPUs (nvidia-h200-x2) not yet run.
 """
 import os
