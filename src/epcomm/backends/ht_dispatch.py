@@ -19,7 +19,7 @@ import torch
 
 from ..kernels.launch import Direct
 from ..layout import DispatchHandle
-from .base import DispatchArgs, DispatchResult
+from .base import DispatchArgs, DispatchResult, bad_expert_id
 from .nvlink_params import (
     C_MAX,
     DRECV,
@@ -185,15 +185,7 @@ class HTDispatch:
             self._sync_event.record(self._current_stream())
             self._sync_event.synchronize()
             vals = self._notify_view
-            word = vals[self.err_at:self.err_at + 4].tolist()
-            if word[0] == 10:
-                # A bad expert id (the layout ignored it): the exchange still completes on every rank, so the
-                # Buffer stays in step; the ValueError comes after it. The error word is cleared.
-                bad_id = word[2]
-                self.err[:4].zero_()
-                self.err_host.zero_()
-            elif word[0]:
-                self._check_error(word)
+            bad_id = bad_expert_id(self, vals[self.err_at:self.err_at + 4].tolist())
             host_col, n_rows, lst = _host_counts(vals, r_, lx, me, a.expert_alignment)
         out_src = torch.empty(n_rows, dtype=torch.int32, device=dev)
         out_x, out_s, out_k, out_w = self._gather(x_words, scales, topk, w, lay, counts, False, n_rows,

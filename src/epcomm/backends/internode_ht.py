@@ -39,7 +39,7 @@ import torch
 from .. import layout
 from ..kernels.launch import Launcher, Ptr
 from ..layout import DispatchHandle
-from .base import DispatchArgs, DispatchResult
+from .base import DispatchArgs, DispatchResult, bad_expert_id
 
 _BLOCK = 1024
 # Data-moving kernels take Config.num_sms programs (fewer where there are fewer rows), each looping over
@@ -212,10 +212,11 @@ class InternodeHighThroughput:
 
     # ------------------------------------------------------------------ dispatch
 
-    def _exchange(self, a: DispatchArgs, is_in: torch.Tensor, check: bool):
+    def _exchange(self, a: DispatchArgs, is_in: torch.Tensor, check: bool, sms: int):
         """The layout exchange: ``_hn_prep`` computes this call's layout from ``is_in`` and stages this rank's
         row for every rank (counts per rank, ``num_tokens_per_rank``, token count, messages per node, the
-        channel prefix and the expert counts for that rank), ``_hn_notify`` puts the rows. Returns every
+        channel prefix and the expert counts for that rank), ``_hn_notify`` puts the rows (``sms`` programs at
+        most). Returns every
         rank's row for this one (``[R, S]`` int32, a private tensor the next exchange overwrites), ``rel
         [T, R]``, ``npos [T, P]`` and the channel prefix matrix ``[R, C]``."""
         be = self.be
@@ -228,7 +229,6 @@ class InternodeHighThroughput:
         cpm = torch.empty(r_, c, dtype=torch.int32, device=dev)
         ntpr = a.num_tokens_per_rank.to(torch.int32)
         ntpe = a.num_tokens_per_expert.to(torch.int32)
-        sms = max(1, a.num_sms)
         _go(self.k_prep, "prep", (min(r_, sms),), is_in.view(torch.int8), t, r_, n_, c, max((t + c - 1) // c, 1),
             ntpr, ntpe, lx, self.n_stage, self.s_words, rel, npos, cpm, BLOCK=_BLOCK, R_POW2=_pow2(r_))
         _go(self.k_notify, "notify", (min(r_, sms),), be.rank, r_, self.s_words, 2 * r_ + 1 + p_ + c + lx, self.p_table,
@@ -328,8 +328,9 @@ class InternodeHighThroughput:
                 raise ValueError(f"num_nvl_bytes={be.ht_bytes} holds {tm} tokens of this shape per rank with "
                                  f"num_worst_tokens, got {t} (internode_ht.high_throughput_bytes)")
         is_in = a.is_token_in_rank.contiguous()
-        g, rel, npos, cpm = self._exchange(a, is_in, check=bool(worst))
-        sms = max(1, a.num_sms)
+        knobs = (max(1, a.num_sms), max(1, a.rdma_chunk))  # (as _knobs gives them for a Config)
+        sms = knobs[0]
+        g, rel, npos, cpm = self._exchange(a, is_in, bool(worst), sms)
         s_ = self.s_words
         rpm = torch.empty(r_, r_, dtype=torch.int32, device=dev)
         recv_cp = torch.empty(r_, c, dtype=torch.int32, device=dev)
@@ -340,8 +341,7 @@ class InternodeHighThroughput:
         # checks the expert ids and, with num_worst_tokens, the rows arriving
         _go(self.k_handle, "handle", (max(1, min(64, sms, (t + tb - 1) // tb)),), g, s_, g[:, 2 * r_ + 1 + p_:], s_,
             c, rel, t, r_, me, rpm, recv_cp, send_head, self.p_err, worst, topk if topk is not None else send_head, k,
-            e,
-            CHECK_WORST=bool(worst), R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, CHECK_TOPK=topk is not None,
+            e, CHECK_WORST=bool(worst), R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, CHECK_TOPK=topk is not None,
             K_POW2=_pow2(k), num_warps=4)
         side = g[:, 2 * r_:2 * r_ + 1 + p_].clone()
         bad_id = None
@@ -350,15 +350,7 @@ class InternodeHighThroughput:
             rows = worst
         else:
             gh = g.to("cpu", copy=True)  # the call's one host synchronisation
-            word = be.err_host.tolist()
-            if word[0] == 10:
-                # a bad expert id (the layout ignored it): every rank still completes this call, so the Buffer
-                # stays in step; the ValueError comes after it (the error word is cleared)
-                bad_id = word[2]
-                be.err[:4].zero_()
-                be.err_host.zero_()
-            elif word[0]:
-                be._check_error(word)
+            bad_id = bad_expert_id(be, be.err_host.tolist())
             counts = gh[:, :r_]
             said = gh[:, r_:2 * r_]
             bad = (counts != said).any(1).nonzero().flatten().tolist()
@@ -373,8 +365,7 @@ class InternodeHighThroughput:
             lst = layout.align_up(gh[:, c0:c0 + lx].sum(0), a.expert_alignment).tolist()
         info = _Info(side, rel, npos, tm, bool(worst))
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = self._move(
-            a.x, a.x_scales, a.topk_idx, a.topk_weights, True, info, rows, rpm,
-            (max(1, a.num_sms), max(1, a.rdma_chunk)), lx)
+            a.x, a.x_scales, a.topk_idx, a.topk_weights, True, info, rows, rpm, knobs, lx)
         if bad_id is not None:
             raise ValueError(f"topk_idx holds expert id {bad_id}, outside [-1, {e}) for num_experts={e}")
         recv_src_idx._epcomm_ht = info

@@ -236,26 +236,22 @@ def check_ht_combine_graph(ref: Buffer, fast: Buffer, cases: list[Case], rank: i
     still reads, nor take another call's rows for its own. Each replay adds its output into its case's
     accumulator (captured too), which must end at ``rounds`` times the reference's combine."""
     dev = fast.device
-    runs = []
+    runs, graphs = [], []
+    _progress(rank, "combine graphs: capture")
     for case in cases:
         xin, _, topk, w = device_inputs(case, rank, dev)
         fr = _dispatch(fast, xin, topk, w, case.num_experts)
-        runs.append((case, xin, topk, w, fr[0].clone(), fr[4]))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _, _, _, _, y, h in runs:  # warm up outside the capture
-            fast.combine(y, h)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graphs = []
-    _progress(rank, "combine graphs: capture")
-    for _, xin, _, _, y, h in runs:
+        y, h = fr[0].clone(), fr[4]
         acc = torch.zeros(xin.shape, dtype=torch.float32, device=dev)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            comb, _, _ = fast.combine(y, h)
+
+        def step(y=y, h=h, acc=acc):
+            comb = fast.combine(y, h)[0]
             acc.add_(comb.float())
+            return comb
+
+        g, comb = capture(step, warmup=2)
+        acc.zero_()  # (the warm-up calls added to it)
+        runs.append((case, xin, topk, w, y, h))  # (the graph reads y and h at every replay: kept alive)
         graphs.append((g, acc, comb.dtype))
     torch.distributed.barrier()
     _progress(rank, f"combine graphs: {rounds} rounds of {len(graphs)}")
