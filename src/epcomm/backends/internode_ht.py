@@ -46,10 +46,13 @@ _BLOCK = 1024
 # its rows: a captured call's grid is fixed, so it cannot follow the rows that arrive
 # levels (int32, per parity): forward (waits D_RDMA), gather (D_FWD), relay (C_REL), final (C_FIN)
 _L_FWD, _L_GATHER, _L_RELAY, _L_FINAL = 0, 2, 4, 6
-# Warps a program of each kernel that moves tokens (EPCOMM_TUNE=iht.<key>=<n>): with at most num_sms
-# programs a kernel, wide ones, as the nvlink engine's measured copy kernels (8-16); not measured over
-# NVSHMEM yet.
-TUNE = dict(send_warps=8, fwd_warps=8, gather_warps=16, csend_warps=8, relay_warps=16, final_warps=16)
+# Launch parameters of the kernels that move tokens (EPCOMM_TUNE=iht.<key>=<n>): warps a program, rows a
+# step (``*_rb``) and words a row a step (``*_block``). With at most num_sms programs a kernel, each step
+# moves a tile of rows (64 KB for the copies, as the nvlink engine's measured copy kernels) so that
+# enough bytes are in flight per SM; a row a step (4 KB) measured ~4 GB/s a program (H100, MPS, 2026-11-25).
+TUNE = dict(send_warps=8, send_rb=16, send_block=1024, fwd_warps=8, fwd_rb=16, fwd_block=1024,
+            gather_warps=16, gather_rb=16, gather_block=1024, csend_warps=8, csend_rb=16, csend_block=1024,
+            relay_warps=16, relay_rb=16, relay_block=512, final_warps=16, final_rb=16, final_block=512)
 _T_SEND, _T_FWD, _T_GATHER, _T_CSEND, _T_RELAY, _T_FINAL, _T_NOTIFY = range(7)
 
 
@@ -282,26 +285,32 @@ class InternodeHighThroughput:
         self._need(need, "dispatch", record=not info.worst)
         timer = self._timer
         sms, ch = knobs
-        _go(self.k_send, "send", (max(1, min(-(-t // ch), sms)),), xw, sw, idw, ww, info.rel.contiguous(), npos, t,
+        rb = TUNE["send_rb"]
+        _go(self.k_send, "send", (max(1, min(-(-t // rb), sms)),), xw, sw, idw, ww, info.rel.contiguous(), npos, t,
             xw.shape[1], g, k, nsrc, r_, ch, me, n_, p_, self.p_table, stage_off, rdma_off, slot_words, sig,
-            self.p_t[_T_SEND], BLOCK=_BLOCK, CH_POW2=_pow2(ch), SIM=be.sim, num_warps=TUNE["send_warps"])
+            self.p_t[_T_SEND], BLOCK=TUNE["send_block"], RB=rb, S_POW2=_pow2(max(g, 2 * k, r_, 1)), SIM=be.sim,
+            num_warps=TUNE["send_warps"])
         i, b = me % n_, me // n_
         side = info.side
-        _go(self.k_fwd, "fwd", (max(1, min(tm, sms)),), side[i:, 1 + b:], n_ * side.stride(0), w, mw, me,
+        rb = TUNE["fwd_rb"]
+        _go(self.k_fwd, "fwd", (max(1, min(-(-tm // rb), sms)),), side[i:, 1 + b:], n_ * side.stride(0), w, mw, me,
             n_, p_, r_, self.p_table, rdma_off, slot_words, nvl_off, nvl_slot_words, sig, self.p_lv[_L_FWD + parity],
-            self.p_t[_T_FWD], self.p_err, be.timeout_ns, BLOCK=_BLOCK, HAS_TIMER=timer, num_warps=TUNE["fwd_warps"])
+            self.p_t[_T_FWD], self.p_err, be.timeout_ns, BLOCK=TUNE["fwd_block"], RB=rb, N_POW2=_pow2(n_),
+            HAS_TIMER=timer, num_warps=TUNE["fwd_warps"])
         recv_x = torch.empty(rows, h, dtype=x.dtype, device=dev)
         recv_s = torch.empty(rows, g, dtype=torch.float32, device=dev) if scales is not None else None
         recv_id = torch.empty(rows, k, dtype=torch.int64, device=dev) if topk_idx is not None else None
         recv_w = torch.empty(rows, k, dtype=torch.float32, device=dev) if topk_idx is not None else None
         recv_src = torch.empty(rows, dtype=torch.int32, device=dev) if src else None
-        _go(self.k_gather, "gather", (max(1, min(rows, sms)),), rpm[:, me:], r_, rows,
+        rb = TUNE["gather_rb"]
+        _go(self.k_gather, "gather", (max(1, min(-(-rows // rb), sms)),), rpm[:, me:], r_, rows,
             recv_x.view(torch.int32), recv_s.view(torch.int32) if recv_s is not None else i32,
             recv_id if recv_id is not None else self._dummy(torch.int64),
             recv_w if recv_w is not None else self._dummy(torch.float32), recv_src if src else i32,
             xw.shape[1], g, k, nsrc, me * lx, lx, me, n_, p_, r_, nvl_off // 4, nvl_slot_words, self.p_table, sig,
-            self.p_lv[_L_GATHER + parity], self.p_t[_T_GATHER], self.p_err, be.timeout_ns, BLOCK=_BLOCK,
-            R_POW2=_pow2(r_), K_POW2=_pow2(max(k, 1)), HAS_TIMER=timer, num_warps=TUNE["gather_warps"])
+            self.p_lv[_L_GATHER + parity], self.p_t[_T_GATHER], self.p_err, be.timeout_ns, BLOCK=TUNE["gather_block"],
+            RB=rb, R_POW2=_pow2(r_), K_POW2=_pow2(max(k, 1)), G_POW2=_pow2(max(g, 1)), HAS_TIMER=timer,
+            num_warps=TUNE["gather_warps"])
         be.check_mirror()
         return recv_x, recv_s, recv_id, recv_w, recv_src
 
@@ -416,22 +425,26 @@ class InternodeHighThroughput:
         self._need(need, "combine", record=not info.worst)
         timer = self._timer
         sms, ch = _knobs(config)
-        _go(self.k_csend, "csend", (max(1, min(rows, sms)),), xw, ww, h // 2, k,
+        rb = TUNE["csend_rb"]
+        _go(self.k_csend, "csend", (max(1, min(-(-rows // rb), sms)),), xw, ww, h // 2, k,
             handle.rank_prefix_matrix[:, me:], r_, src_tok, rows, cw, self.p_lv[9], me, n_, p_, r_, self.p_table,
-            rel_off, rel_slot_words, sig, par_bytes, sig_par, self.p_t[_T_CSEND], BLOCK=_BLOCK, R_POW2=_pow2(r_),
-            num_warps=TUNE["csend_warps"])
+            rel_off, rel_slot_words, sig, par_bytes, sig_par, self.p_t[_T_CSEND], BLOCK=TUNE["csend_block"], RB=rb,
+            R_POW2=_pow2(r_), K_POW2=_pow2(max(k, 1)), num_warps=TUNE["csend_warps"])
         side = info.side
-        _go(self.k_relay, "relay", (max(1, min(-(-tm // ch), sms)),), side, side.stride(0), h, k, cw, fw, ch,
+        rb = TUNE["relay_rb"]
+        _go(self.k_relay, "relay", (max(1, min(-(-tm // rb), sms)),), side, side.stride(0), h, k, cw, fw, ch,
             self.p_lv[9], me, n_, p_, self.p_table, rel_off, rel_slot_words, stage_off, fin_off, fin_slot_words, sig,
-            par_bytes, sig_par, self.p_lv[_L_RELAY], self.p_t[_T_RELAY], self.p_err, be.timeout_ns, BLOCK=_BLOCK,
-            K_POW2=_pow2(max(k, 1)), HAS_TIMER=timer, SIM=be.sim, num_warps=TUNE["relay_warps"])
+            par_bytes, sig_par, self.p_lv[_L_RELAY], self.p_t[_T_RELAY], self.p_err, be.timeout_ns,
+            BLOCK=TUNE["relay_block"], RB=rb, N_POW2=_pow2(n_), K_POW2=_pow2(max(k, 1)), HAS_TIMER=timer, SIM=be.sim,
+            num_warps=TUNE["relay_warps"])
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         w_out = torch.empty(t, k, dtype=torch.float32, device=dev) if topk_weights is not None else None
         bs = [b_.contiguous() for b_ in bias]  # the biases, added in the kernel as the reference adds them
-        _go(self.k_final, "final", (max(1, min(t, sms)),), out, w_out if w_out is not None else out,
+        rb = TUNE["final_rb"]
+        _go(self.k_final, "final", (max(1, min(-(-t // rb), sms)),), out, w_out if w_out is not None else out,
             *(bs + [out, out])[:2], t, h, k, fw, self.p_lv[9],
             me, n_, p_, self.p_table, fin_off, fin_slot_words, sig, par_bytes, sig_par, self.p_lv[_L_FINAL],
-            self.p_t[_T_FINAL], self.p_err, be.timeout_ns, BLOCK=_BLOCK, K_POW2=_pow2(max(k, 1)),
-            HAS_W=w_out is not None, NB=len(bs), HAS_TIMER=timer, num_warps=TUNE["final_warps"])
+            self.p_t[_T_FINAL], self.p_err, be.timeout_ns, BLOCK=TUNE["final_block"], RB=rb, P_POW2=_pow2(p_),
+            K_POW2=_pow2(max(k, 1)), HAS_W=w_out is not None, NB=len(bs), HAS_TIMER=timer, num_warps=TUNE["final_warps"])
         be.check_mirror()
         return out, w_out

@@ -178,14 +178,33 @@ def _hn_notify_kernel(me, R, S, SU, ptr_table, stage_off, recv_off, recv_stride,
         tl.store(level_ptr, level + 1)
 
 
+@triton.jit
+def _copy_rows(dst, src, ld_ok, st_ok, n, BLOCK: tl.constexpr):
+    """Rows of ``n`` int32 words, ``dst[r] <- src[r]`` (``[RB]`` row pointers) where ``st_ok``, zeros where
+    not ``ld_ok``: a tile of ``RB x BLOCK`` words a step, so that many loads are in flight at once (a
+    row a step, 4 KB, left a program latency-bound at ~4 GB/s)."""
+    cc = tl.arange(0, BLOCK)
+    for c0 in range(0, n, BLOCK):
+        cm = (c0 + cc)[None, :] < n
+        v = tl.load(src[:, None] + c0 + cc[None, :], mask=ld_ok[:, None] & cm, other=0)
+        tl.store(dst[:, None] + c0 + cc[None, :], v, mask=st_ok[:, None] & cm)
+
+
+@triton.jit
+def _col(tile, idx, j):
+    """Column ``j`` of an integer ``[RB, M]`` tile (``idx`` = ``arange(M)``), in registers."""
+    return tl.sum(tl.where(idx[None, :] == j, tile, 0), 1)
+
+
 @triton.jit(do_not_specialize=['T'])
 def _hd_send_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, T, XW, G, K, NSRC, R, CH, me, N, P, ptr_table,
-                    stage_off, rdma_off, slot_words, sig_off, ticket_ptr, BLOCK: tl.constexpr, CH_POW2: tl.constexpr,
-                    SIM: tl.constexpr):
-    """Program ``p``: chunks ``c = p, p + programs, ...``; chunk ``c``'s messages ``t = c*CH ...`` (up to
-    ``CH`` tokens) staged here, then to the relay of every node they go to: one put per run of
-    consecutive tokens that go there (their rows there are consecutive too), so at most ``CH`` rows a
-    put (DeepEP's ``num_max_rdma_chunked_send_tokens``).
+                    stage_off, rdma_off, slot_words, sig_off, ticket_ptr, BLOCK: tl.constexpr, RB: tl.constexpr,
+                    S_POW2: tl.constexpr, SIM: tl.constexpr):
+    """Program ``p``: blocks of ``RB`` tokens ``t0 = p*RB, (p + programs)*RB, ...``; a block's messages staged
+    here as tiles, then to the relay of every node they go to: one put per run of consecutive tokens that
+    go there (their rows there are consecutive too), a run cut where a token index is a multiple of
+    ``CH`` and at the block's end, so at most ``CH`` rows a put (DeepEP's
+    ``num_max_rdma_chunked_send_tokens``); this node's own relay (this rank) by a tile copy.
     A message (``W + R`` words, all int32 views): ``x[t]`` (``XW``), its scales (``G``), top-k ids
     (``2K``: int64), weights (``K``), ``t`` itself where ``NSRC`` (1; 0 in a cached dispatch), then its
     ``R`` positions ``rel[t]``."""
@@ -194,37 +213,38 @@ def _hd_send_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, T, XW, G, K,
     i = me % N
     W = XW + G + 3 * K + NSRC
     MW = W + R
-    uu = tl.arange(0, CH_POW2)
-    for c in range(tl.program_id(0), (T + CH - 1) // CH, GP):
-        t0 = (c + tl.zeros((), tl.int64)) * CH  # (a loop index: a Python int under the interpreter)
-        n = tl.minimum(T - t0, CH)
-        stage = peer_ptr(ptr_table, me, stage_off + t0 * MW * 4, tl.int32)
-        for u in range(0, n):
-            t64 = t0 + u
-            row = stage + (t64 - t0) * MW
-            _copy_words(row, x_ptr + t64 * XW, XW, BLOCK)
-            _copy_words(row + XW, s_ptr + t64 * G, G, BLOCK)
-            _copy_words(row + XW + G, id_ptr + t64 * 2 * K, 2 * K, BLOCK)
-            _copy_words(row + XW + G + 2 * K, w_ptr + t64 * K, K, BLOCK)
-            if NSRC > 0:
-                tl.store(row + XW + G + 3 * K, t64.to(tl.int32))
-            _copy_words(row + W, rel_ptr + t64 * R, R, BLOCK)
+    uu = tl.arange(0, RB)
+    stage = peer_ptr(ptr_table, me, stage_off, tl.int32)
+    for t0 in range(tl.program_id(0) * RB, T, GP * RB):
+        tt = t0 + uu.to(tl.int64)
+        ok = tt < T
+        row = stage + tt * MW
+        _copy_rows(row, x_ptr + tt * XW, ok, ok, XW, BLOCK)
+        _copy_rows(row + XW, s_ptr + tt * G, ok, ok, G, S_POW2)
+        _copy_rows(row + XW + G, id_ptr + tt * (2 * K), ok, ok, 2 * K, S_POW2)
+        _copy_rows(row + XW + G + 2 * K, w_ptr + tt * K, ok, ok, K, S_POW2)
+        if NSRC > 0:
+            tl.store(row + XW + G + 3 * K, tt.to(tl.int32), mask=ok)
+        _copy_rows(row + W, rel_ptr + tt * R, ok, ok, R, S_POW2)
         tl.debug_barrier()
+        n = tl.minimum(T - t0, RB)
         for b in range(P):
-            qs = tl.load(npos_ptr + (t0 + uu) * P + b, mask=uu < n, other=-1)
-            relay = b * N + i
-            for u in range(0, n):
-                q = tl.load(npos_ptr + (t0 + u) * P + b)
-                u_ = u + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
-                prev = tl.load(npos_ptr + (t0 + u_ - 1) * P + b, mask=u_ > 0, other=-1)
-                if (q >= 0) & (prev < 0):  # a run of tokens for node b starts at u: it ends at the next gap
-                    end = tl.min(tl.where((uu > u_) & (qs < 0), uu.to(tl.int64), n), 0)
-                    src = stage + u_ * MW
-                    off = rdma_off + (a * slot_words + q.to(tl.int64) * MW) * 4
-                    if b == a:  # this rank is its own node's relay
-                        _copy_words(peer_ptr(ptr_table, me, off, tl.int32), src, (end - u_) * MW, BLOCK)
-                    else:
-                        nv.put(ptr_table, me, relay, off, src, (end - u_) * MW * 4, SIM)
+            qs = tl.load(npos_ptr + tt * P + b, mask=ok, other=-1)
+            if b == a:  # this rank is its own node's relay
+                mine = peer_ptr(ptr_table, me, rdma_off, tl.int32) + (a * slot_words + qs.to(tl.int64) * MW)
+                _copy_rows(mine, row, ok & (qs >= 0), ok & (qs >= 0), MW, BLOCK)
+            else:
+                prev = tl.load(npos_ptr + (tt - 1) * P + b, mask=ok & (uu > 0), other=-1)
+                cut = (tt % CH) == 0
+                start = (qs >= 0) & ((prev < 0) | cut)
+                brk = (qs < 0) | cut
+                for u in range(0, n):
+                    if tl.sum((start & (uu == u)).to(tl.int32), 0) > 0:
+                        q = tl.sum(tl.where(uu == u, qs, 0), 0)
+                        end = tl.min(tl.where((uu > u) & brk, uu, n), 0)
+                        u64 = t0 + u + tl.zeros((), tl.int64)  # (loop indices: Python ints under the interpreter)
+                        off = rdma_off + (a * slot_words + q.to(tl.int64) * MW) * 4
+                        nv.put(ptr_table, me, b * N + i, off, stage + u64 * MW, (end - u) * MW * 4, SIM)
     nv.quiet(SIM)
     if ticket_last_n(ticket_ptr, GP):
         for b in range(P):
@@ -240,28 +260,37 @@ def _hd_send_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, T, XW, G, K,
 @triton.jit
 def _hd_forward_kernel(cnt_ptr, cnt_stride, W, MW, me, N, P, R, ptr_table, rdma_off, slot_words, nvl_off,
                        nvl_slot_words, sig_off, level_ptr, ticket_ptr, err_ptr, timeout_ns, BLOCK: tl.constexpr,
-                       HAS_TIMER: tl.constexpr):
-    """Relay program ``g`` of ``G``: for every source node ``a``, rows ``q = g, g + G, ...`` below
-    ``cnt[a * cnt_stride]`` (the messages node ``a`` sent here) to the ranks of this node that want them."""
+                       RB: tl.constexpr, N_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Relay program ``g`` of ``G``: for every source node ``a``, blocks of ``RB`` rows ``q0 = g*RB, (g + G)*RB,
+    ...`` below ``cnt[a * cnt_stride]`` (the messages node ``a`` sent here), each tile read once and stored
+    to the ranks of this node that want its rows."""
     g = tl.program_id(0)
     G = tl.num_programs(0)
     b = me // N
     i = me % N
     level = tl.load(level_ptr)
+    uu = tl.arange(0, RB)
+    nn = tl.arange(0, N_POW2)
+    cc = tl.arange(0, BLOCK)
+    rdma = peer_ptr(ptr_table, me, rdma_off, tl.int32)
     for a in range(P):
         cnt = tl.load(cnt_ptr + a * cnt_stride)
-        if g < cnt:
+        if g * RB < cnt:
             _wait(ptr_table, me, sig_off, a, level + 1, err_ptr, 3, a * N + i, timeout_ns, HAS_TIMER)
-        s = a * N + i
-        for q in range(g, cnt, G):
-            q64 = q + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
-            msg = peer_ptr(ptr_table, me, rdma_off + (a * slot_words + q64 * MW) * 4, tl.int32)
-            for j in range(N):
-                pos = tl.load(msg + W + b * N + j)
-                if pos >= 0:
-                    dst = peer_ptr(ptr_table, b * N + j,
-                                   nvl_off + (s * nvl_slot_words + pos.to(tl.int64) * W) * 4, tl.int32)
-                    _copy_words(dst, msg, W, BLOCK)
+        s64 = a * N + i + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
+        for q0 in range(g * RB, cnt, G * RB):
+            qq = q0 + uu.to(tl.int64)
+            ok = qq < cnt
+            msg = rdma + (a * slot_words + qq * MW)
+            pos = tl.load(msg[:, None] + W + b * N + nn[None, :], mask=ok[:, None] & (nn[None, :] < N), other=-1)
+            for c0 in range(0, W, BLOCK):
+                cm = (c0 + cc)[None, :] < W
+                v = tl.load(msg[:, None] + c0 + cc[None, :], mask=ok[:, None] & cm)
+                for j in range(N):
+                    pj = _col(pos, nn, j)
+                    dst = peer_ptr(ptr_table, b * N + j, nvl_off, tl.int32) + (s64 * nvl_slot_words +
+                                                                                pj.to(tl.int64) * W)
+                    tl.store(dst[:, None] + c0 + cc[None, :], v, mask=(pj >= 0)[:, None] & cm)
     if ticket_last_n(ticket_ptr, G):
         tl.store(level_ptr, level + 1)
         for j in range(N):
@@ -269,19 +298,19 @@ def _hd_forward_kernel(cnt_ptr, cnt_stride, W, MW, me, N, P, R, ptr_table, rdma_
 
 
 @triton.jit
-def _source_of(col, rr, q):
-    """``(s, first row of s)`` for received row ``q``: ``col`` is the inclusive prefix over source ranks of
-    the rows this rank receives (``rank_prefix_matrix[:, me]``, padded with a large value)."""
-    s = tl.sum((col <= q).to(tl.int32), 0)
-    return s, tl.max(tl.where(rr < s, col, 0), 0)
+def _source_of(col, rr, qq):
+    """``(s, first row of s)`` for received rows ``qq`` (``[RB]``): ``col`` is the inclusive prefix over
+    source ranks of the rows this rank receives (``rank_prefix_matrix[:, me]``, padded with a large value)."""
+    s = tl.sum((col[None, :] <= qq[:, None]).to(tl.int32), 1)
+    return s, tl.max(tl.where(rr[None, :] < s[:, None], col[None, :], 0), 1)
 
 
 @triton.jit
 def _hd_gather_kernel(col_ptr, col_stride, rows, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, XW, G, K, NSRC, lo, LX,
                       me, N, P, R, nvl_word_off, nvl_slot_words, ptr_table, sig_off, level_ptr, ticket_ptr, err_ptr,
-                      timeout_ns, BLOCK: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr,
-                      HAS_TIMER: tl.constexpr):
-    """Program ``g``: after every relay of this node forwarded, rows ``q = g, g + G, ... < rows``: row
+                      timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr,
+                      G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Program ``g``: after every relay of this node forwarded, blocks of ``RB`` rows ``q < rows``: row
     ``q - first(s)`` of source ``s``'s NVL slot (``_source_of``) into the outputs (int32 views): ``rx[q]``
     (``XW`` words), ``rs[q]`` (``G``), where ``K``: ``rid[q]`` (int64) the top-k ids made local (``id - lo``
     for ids in ``[lo, lo + LX)``, else -1) and ``rw[q]`` the weights (0 where the id is not local), where
@@ -297,36 +326,30 @@ def _hd_gather_kernel(col_ptr, col_stride, rows, rx_ptr, rs_ptr, rid_ptr, rw_ptr
     rr = tl.arange(0, R_POW2)
     col = tl.load(col_ptr + rr * col_stride, mask=rr < R, other=2147483647)
     n = tl.load(col_ptr + (R - 1) * col_stride)
-    cc = tl.arange(0, BLOCK)
+    uu = tl.arange(0, RB)
     kk = tl.arange(0, K_POW2)
-    km = kk < K
-    for q in range(g, rows, GP):
-        q64 = q + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
-        if q < n:
-            s, first = _source_of(col, rr, q)
-            src = peer_ptr(ptr_table, me, (nvl_word_off + s * nvl_slot_words + (q64 - first) * W) * 4, tl.int32)
-            _copy_words(rx_ptr + q64 * XW, src, XW, BLOCK)
-            _copy_words(rs_ptr + q64 * G, src + XW, G, BLOCK)
-            if K > 0:
-                ids = src + XW + G + 2 * kk  # int64 as two int32 words (a row need not be 8-byte aligned)
-                e = (tl.load(ids + 1, mask=km, other=0).to(tl.int64) << 32) | \
-                    (tl.load(ids, mask=km, other=0).to(tl.int64) & 0xFFFFFFFF)
-                here = (e >= lo) & (e < lo + LX)
-                tl.store(rid_ptr + q64 * K + kk, tl.where(here, e - lo, -1), mask=km)
-                wt = tl.load(src + XW + G + 2 * K + kk, mask=km, other=0).to(tl.float32, bitcast=True)
-                tl.store(rw_ptr + q64 * K + kk, tl.where(here, wt, 0.0), mask=km)
-            if NSRC > 0:
-                tl.store(rsrc_ptr + q64, tl.load(src + XW + G + 3 * K))
-        else:
-            for c0 in range(0, XW, BLOCK):
-                tl.store(rx_ptr + q64 * XW + c0 + cc, tl.zeros((BLOCK,), tl.int32), mask=(c0 + cc) < XW)
-            for c0 in range(0, G, BLOCK):
-                tl.store(rs_ptr + q64 * G + c0 + cc, tl.zeros((BLOCK,), tl.int32), mask=(c0 + cc) < G)
-            if K > 0:
-                tl.store(rid_ptr + q64 * K + kk, tl.full((K_POW2,), -1, tl.int64), mask=km)
-                tl.store(rw_ptr + q64 * K + kk, tl.zeros((K_POW2,), tl.float32), mask=km)
-            if NSRC > 0:
-                tl.store(rsrc_ptr + q64, -1)
+    km = kk[None, :] < K
+    nvl = peer_ptr(ptr_table, me, nvl_word_off * 4, tl.int32)
+    for q0 in range(g * RB, rows, GP * RB):
+        qq = q0 + uu.to(tl.int64)
+        inb = qq < rows
+        got = qq < n
+        s, first = _source_of(col, rr, qq)
+        src = nvl + (s.to(tl.int64) * nvl_slot_words + (qq - first) * W)
+        _copy_rows(rx_ptr + qq * XW, src, got, inb, XW, BLOCK)
+        _copy_rows(rs_ptr + qq * G, src + XW, got, inb, G, G_POW2)
+        if K > 0:
+            m2 = got[:, None] & km
+            ids = src[:, None] + XW + G + 2 * kk[None, :]  # int64 as two int32 words (rows need not be 8-aligned)
+            e = (tl.load(ids + 1, mask=m2, other=0).to(tl.int64) << 32) | \
+                (tl.load(ids, mask=m2, other=0).to(tl.int64) & 0xFFFFFFFF)
+            here = m2 & (e >= lo) & (e < lo + LX)
+            tl.store(rid_ptr + qq[:, None] * K + kk[None, :], tl.where(here, e - lo, -1), mask=inb[:, None] & km)
+            wt = tl.load(src[:, None] + XW + G + 2 * K + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
+            tl.store(rw_ptr + qq[:, None] * K + kk[None, :], tl.where(here, wt, 0.0), mask=inb[:, None] & km)
+        if NSRC > 0:
+            tok = tl.load(src + XW + G + 3 * K, mask=got, other=-1)
+            tl.store(rsrc_ptr + qq, tl.where(got, tok, -1), mask=inb)
     if ticket_last_n(ticket_ptr, GP):
         tl.store(level_ptr, level + 1)
 
@@ -334,8 +357,8 @@ def _hd_gather_kernel(col_ptr, col_stride, rows, rx_ptr, rs_ptr, rid_ptr, rw_ptr
 @triton.jit(do_not_specialize=['rows'])
 def _hc_send_kernel(x_ptr, w_ptr, HW, K, col_ptr, col_stride, src_tok_ptr, rows, CW, cid_ptr, me, N, P, R, ptr_table,
                     rel_off, rel_slot_words, sig_off, par_bytes, sig_par, ticket_ptr, BLOCK: tl.constexpr,
-                    R_POW2: tl.constexpr):
-    """Program ``g``: received rows ``q = g, g + G, ...`` that arrived, each ``x[q]`` (``HW`` words of BF16
+                    RB: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr):
+    """Program ``g``: blocks of ``RB`` received rows ``q`` that arrived, each ``x[q]`` (``HW`` words of BF16
     pairs), ``w[q]`` (``K`` float32 words) and the marker (``CW = HW + K + 1`` words), to their source's
     relay here; the source from ``col`` (``_source_of``), the token from ``src_tok``."""
     g = tl.program_id(0)
@@ -349,16 +372,19 @@ def _hc_send_kernel(x_ptr, w_ptr, HW, K, col_ptr, col_stride, src_tok_ptr, rows,
     rr = tl.arange(0, R_POW2)
     col = tl.load(col_ptr + rr * col_stride, mask=rr < R, other=2147483647)
     n = tl.minimum(tl.load(col_ptr + (R - 1) * col_stride), rows)
-    for q in range(g, n, G):
-        s, _ = _source_of(col, rr, q)
-        t = tl.load(src_tok_ptr + q).to(tl.int64)
+    uu = tl.arange(0, RB)
+    for q0 in range(g * RB, n, G * RB):
+        qq = q0 + uu.to(tl.int64)
+        ok = qq < n
+        s, _ = _source_of(col, rr, qq)
+        t = tl.load(src_tok_ptr + qq, mask=ok, other=0).to(tl.int64)
         a = s // N
-        i = s % N
-        dst = peer_ptr(ptr_table, b * N + i, rel_off + ((a * N + j) * rel_slot_words + t * CW) * 4, tl.int32)
-        q64 = q + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
-        _copy_words(dst, x_ptr + q64 * HW, HW, BLOCK)
-        _copy_words(dst + HW, w_ptr + q64 * K, K, BLOCK)
-        tl.store(dst + CW - 1, call_id)
+        i = s % N  # (rows past n: a rank of this node all the same, never written)
+        dst = peer_ptr(ptr_table, b * N + i, rel_off + ((a * N + j).to(tl.int64) * rel_slot_words + t * CW) * 4,
+                       tl.int32)
+        _copy_rows(dst, x_ptr + qq * HW, ok, ok, HW, BLOCK)
+        _copy_rows(dst + HW, w_ptr + qq * K, ok, ok, K, K_POW2)
+        tl.store(dst + CW - 1, tl.zeros((RB,), tl.int32) + call_id, mask=ok)
     if ticket_last_n(ticket_ptr, G):
         for i2 in range(N):
             signal(_sig(ptr_table, b * N + i2, sig_off, P + N + j), 1)
@@ -367,14 +393,14 @@ def _hc_send_kernel(x_ptr, w_ptr, HW, K, col_ptr, col_stride, src_tok_ptr, rows,
 @triton.jit
 def _hc_relay_kernel(tok_ptr, tok_stride, H, K, CW, FW, CH, cid_ptr, me, N, P, ptr_table, rel_off, rel_slot_words,
                      stage_off, fin_off, fin_slot_words, sig_off, par_bytes, sig_par, level_ptr, ticket_ptr, err_ptr,
-                     timeout_ns, BLOCK: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
-                     SIM: tl.constexpr):
-    """Program ``g`` of ``G``, for every source node ``a``: chunks ``c = g, g + G, ...`` of ``CH`` tokens of
-    ``(a, i)`` (``tok[(a * N + i) * tok_stride]`` of them): for each token, Σ over this node's ranks of their rows
-    for it, in float32, with the weights, staged; then the chunk's staged rows in one put (stored where
-    ``a`` is this node) to ``(a, i)``'s final area, slot ``b`` (DeepEP's
-    ``num_max_rdma_chunked_send_tokens`` of the combine). A token no row came for keeps its stale staged
-    row, whose old marker ``_hc_final`` skips."""
+                     timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, N_POW2: tl.constexpr, K_POW2: tl.constexpr,
+                     HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
+    """Program ``g`` of ``G``, for every source node ``a``: blocks of ``RB`` tokens of ``(a, i)``
+    (``tok[(a * N + i) * tok_stride]`` of them): for each token, Σ over this node's ranks of their marked
+    rows for it, in float32 in rank order, with the weights, staged as a tile; then the block's staged rows
+    to ``(a, i)``'s final area, slot ``b``, one put per piece of at most ``CH`` tokens (cut at multiples of
+    ``CH``: DeepEP's ``num_max_rdma_chunked_send_tokens`` of the combine), a tile copy where ``a`` is this
+    node. A token no row came for keeps its stale staged row, whose old marker ``_hc_final`` skips."""
     g = tl.program_id(0)
     G = tl.num_programs(0)
     b = me // N
@@ -390,47 +416,50 @@ def _hc_relay_kernel(tok_ptr, tok_stride, H, K, CW, FW, CH, cid_ptr, me, N, P, p
     for j2 in range(N):
         _wait(ptr_table, me, sig_off, P + N + j2, level + 1, err_ptr, 5, b * N + j2, timeout_ns, HAS_TIMER)
     HW = H // 2
+    uu = tl.arange(0, RB)
+    nn = tl.arange(0, N_POW2)
+    cc = tl.arange(0, BLOCK)
+    kk = tl.arange(0, K_POW2)
+    km = kk[None, :] < K
+    rel = peer_ptr(ptr_table, me, rel_off, tl.int32)
+    stg = peer_ptr(ptr_table, me, stage_off, tl.int32)
     for a in range(P):
         cnt = tl.load(tok_ptr + (a * N + i) * tok_stride)
-        for c in range(g, (cnt + CH - 1) // CH, G):
-            t0 = (c + tl.zeros((), tl.int64)) * CH  # (a loop index: a Python int under the interpreter)
-            n = tl.minimum(cnt - t0, CH)
-            for u in range(0, n):
-                t64 = t0 + u
-                stage = peer_ptr(ptr_table, me, stage_off + (a * fin_slot_words + t64 * FW) * 4, tl.float32)
-                present = tl.zeros((), tl.int32)
+        a64 = a + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
+        for t0 in range(g * RB, cnt, G * RB):
+            tt = t0 + uu.to(tl.int64)
+            ok = tt < cnt
+            roff = (a64 * N + nn[None, :]) * rel_slot_words + tt[:, None] * CW  # [RB, N]: (a, j)'s row for tt
+            mk = (tl.load(rel + roff + CW - 1, mask=ok[:, None] & (nn[None, :] < N), other=0) == call_id).to(tl.int32)
+            present = tl.max(mk, 1) > 0
+            stage = stg + (a64 * fin_slot_words + tt * FW)
+            stage_f = stage.to(tl.pointer_type(tl.float32))
+            for c0 in range(0, H, BLOCK):
+                cm = (c0 + cc)[None, :] < H
+                acc = tl.zeros((RB, BLOCK), tl.float32)
                 for j in range(N):
-                    row = peer_ptr(ptr_table, me, rel_off + ((a * N + j) * rel_slot_words + t64 * CW) * 4, tl.int32)
-                    present += (tl.load(row + CW - 1) == call_id).to(tl.int32)
-                if present > 0:
-                    cc = tl.arange(0, BLOCK)
-                    for c0 in range(0, H, BLOCK):
-                        cm = (c0 + cc) < H
-                        acc = tl.zeros((BLOCK,), tl.float32)
-                        for j in range(N):
-                            row = peer_ptr(ptr_table, me, rel_off + ((a * N + j) * rel_slot_words + t64 * CW) * 4,
-                                           tl.int32)
-                            if tl.load(row + CW - 1) == call_id:
-                                v = tl.load(row.to(tl.pointer_type(tl.bfloat16)) + c0 + cc, mask=cm, other=0.0)
-                                acc += v.to(tl.float32)
-                        tl.store(stage + c0 + cc, acc, mask=cm)
-                    kk = tl.arange(0, K_POW2)
-                    km = kk < K
-                    wacc = tl.zeros((K_POW2,), tl.float32)
-                    for j in range(N):
-                        row = peer_ptr(ptr_table, me, rel_off + ((a * N + j) * rel_slot_words + t64 * CW) * 4,
-                                       tl.int32)
-                        if tl.load(row + CW - 1) == call_id:
-                            wacc += tl.load(row.to(tl.pointer_type(tl.float32)) + HW + kk, mask=km, other=0.0)
-                    tl.store(stage + H + kk, wacc, mask=km)
-                    tl.store(stage.to(tl.pointer_type(tl.int32)) + FW - 1, call_id)
+                    row = (rel + _col(roff, nn, j)).to(tl.pointer_type(tl.bfloat16))
+                    v = tl.load(row[:, None] + c0 + cc[None, :], mask=(_col(mk, nn, j) > 0)[:, None] & cm, other=0.0)
+                    acc += v.to(tl.float32)
+                tl.store(stage_f[:, None] + c0 + cc[None, :], acc, mask=present[:, None] & cm)
+            wacc = tl.zeros((RB, K_POW2), tl.float32)
+            for j in range(N):
+                row = (rel + _col(roff, nn, j)).to(tl.pointer_type(tl.float32))
+                wacc += tl.load(row[:, None] + HW + kk[None, :], mask=(_col(mk, nn, j) > 0)[:, None] & km, other=0.0)
+            tl.store(stage_f[:, None] + H + kk[None, :], wacc, mask=present[:, None] & km)
+            tl.store(stage + FW - 1, tl.zeros((RB,), tl.int32) + call_id, mask=present)
             tl.debug_barrier()
-            first = peer_ptr(ptr_table, me, stage_off + (a * fin_slot_words + t0 * FW) * 4, tl.int32)
-            off = fin_off + (b * fin_slot_words + t0 * FW) * 4
             if a == b:  # the source is this rank
-                _copy_words(peer_ptr(ptr_table, me, off, tl.int32), first, n * FW, BLOCK)
+                mine = peer_ptr(ptr_table, me, fin_off, tl.int32) + (b * fin_slot_words + tt * FW)
+                _copy_rows(mine, stage, ok, ok, FW, BLOCK)
             else:
-                nv.put(ptr_table, me, a * N + i, off, first, n * FW * 4, SIM)
+                end = tl.minimum(t0 + RB, cnt)
+                p0 = t0 + tl.zeros((), tl.int64)
+                while p0 < end:
+                    p1 = tl.minimum((p0 // CH + 1) * CH, end)
+                    nv.put(ptr_table, me, a * N + i, fin_off + (b * fin_slot_words + p0 * FW) * 4,
+                           stg + (a64 * fin_slot_words + p0 * FW), (p1 - p0) * FW * 4, SIM)
+                    p0 = p1
     nv.quiet(SIM)
     if ticket_last_n(ticket_ptr, G):
         tl.store(level_ptr, level + 1)
@@ -446,12 +475,11 @@ def _hc_relay_kernel(tok_ptr, tok_stride, H, K, CW, FW, CH, cid_ptr, me, N, P, p
 @triton.jit(do_not_specialize=['T'])
 def _hc_final_kernel(out_ptr, wout_ptr, b0_ptr, b1_ptr, T, H, K, FW, cid_ptr, me, N, P, ptr_table, fin_off,
                      fin_slot_words, sig_off, par_bytes, sig_par, level_ptr, ticket_ptr, err_ptr, timeout_ns,
-                     BLOCK: tl.constexpr, K_POW2: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr,
-                     HAS_TIMER: tl.constexpr):
-    """Program ``g`` of ``G``, tokens ``t = g, g + G, ...``: ``out[t] = Σ_b partial_b[t]`` over the nodes
-    whose partial carries this call's marker, in node order, float32, plus the ``NB`` (0-2) BF16 biases
-    in order, rounded once to BF16
-    (and the weights, float32)."""
+                     BLOCK: tl.constexpr, RB: tl.constexpr, P_POW2: tl.constexpr, K_POW2: tl.constexpr,
+                     HAS_W: tl.constexpr, NB: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Program ``g`` of ``G``, blocks of ``RB`` tokens: ``out[t] = Σ_b partial_b[t]`` over the nodes whose
+    partial carries this call's marker, in node order, float32, plus the ``NB`` (0-2) BF16 biases in
+    order, rounded once to BF16 (and the weights, float32)."""
     g = tl.program_id(0)
     G = tl.num_programs(0)
     call_id = tl.load(cid_ptr) + 1
@@ -463,30 +491,35 @@ def _hc_final_kernel(out_ptr, wout_ptr, b0_ptr, b1_ptr, T, H, K, FW, cid_ptr, me
     i = me % N
     for b in range(P):
         _wait(ptr_table, me, sig_off, P + 2 * N + b, level + 1, err_ptr, 5, b * N + i, timeout_ns, HAS_TIMER)
-    for t in range(g, T, G):
-        t64 = t + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
-        cc = tl.arange(0, BLOCK)
+    uu = tl.arange(0, RB)
+    pp = tl.arange(0, P_POW2)
+    cc = tl.arange(0, BLOCK)
+    kk = tl.arange(0, K_POW2)
+    km = kk[None, :] < K
+    fin = peer_ptr(ptr_table, me, fin_off, tl.int32)
+    for t0 in range(g * RB, T, G * RB):
+        tt = t0 + uu.to(tl.int64)
+        ok = tt < T
+        poff = pp[None, :].to(tl.int64) * fin_slot_words + tt[:, None] * FW  # [RB, P]: node b's partial for tt
+        mk = (tl.load(fin + poff + FW - 1, mask=ok[:, None] & (pp[None, :] < P), other=0) == call_id).to(tl.int32)
         for c0 in range(0, H, BLOCK):
-            cm = (c0 + cc) < H
-            acc = tl.zeros((BLOCK,), tl.float32)
+            cm = (c0 + cc)[None, :] < H
+            acc = tl.zeros((RB, BLOCK), tl.float32)
             for b in range(P):
-                part = peer_ptr(ptr_table, me, fin_off + (b * fin_slot_words + t64 * FW) * 4, tl.float32)
-                if tl.load(part.to(tl.pointer_type(tl.int32)) + FW - 1) == call_id:
-                    acc += tl.load(part + c0 + cc, mask=cm, other=0.0)
+                part = (fin + _col(poff, pp, b)).to(tl.pointer_type(tl.float32))
+                acc += tl.load(part[:, None] + c0 + cc[None, :], mask=(_col(mk, pp, b) > 0)[:, None] & cm, other=0.0)
+            o = tt[:, None] * H + c0 + cc[None, :]
             if NB > 0:
-                acc += tl.load(b0_ptr + t64 * H + c0 + cc, mask=cm, other=0.0).to(tl.float32)
+                acc += tl.load(b0_ptr + o, mask=ok[:, None] & cm, other=0.0).to(tl.float32)
             if NB > 1:
-                acc += tl.load(b1_ptr + t64 * H + c0 + cc, mask=cm, other=0.0).to(tl.float32)
-            tl.store(out_ptr + t64 * H + c0 + cc, acc.to(tl.bfloat16), mask=cm)
+                acc += tl.load(b1_ptr + o, mask=ok[:, None] & cm, other=0.0).to(tl.float32)
+            tl.store(out_ptr + o, acc.to(tl.bfloat16), mask=ok[:, None] & cm)
         if HAS_W:
-            kk = tl.arange(0, K_POW2)
-            km = kk < K
-            wacc = tl.zeros((K_POW2,), tl.float32)
+            wacc = tl.zeros((RB, K_POW2), tl.float32)
             for b in range(P):
-                part = peer_ptr(ptr_table, me, fin_off + (b * fin_slot_words + t64 * FW) * 4, tl.float32)
-                if tl.load(part.to(tl.pointer_type(tl.int32)) + FW - 1) == call_id:
-                    wacc += tl.load(part + H + kk, mask=km, other=0.0)
-            tl.store(wout_ptr + t64 * K + kk, wacc, mask=km)
+                part = (fin + _col(poff, pp, b)).to(tl.pointer_type(tl.float32))
+                wacc += tl.load(part[:, None] + H + kk[None, :], mask=(_col(mk, pp, b) > 0)[:, None] & km, other=0.0)
+            tl.store(wout_ptr + tt[:, None] * K + kk[None, :], wacc, mask=ok[:, None] & km)
     if ticket_last_n(ticket_ptr, G):
         tl.store(level_ptr, level + 1)
         tl.store(cid_ptr, call_id)  # (the last kernel of the combine on this rank counts it)

@@ -41,17 +41,20 @@ def compile_one(fn, types: dict, consts: dict, warps: int = 4) -> int:
 def main() -> None:
     from epcomm.backends.internode_ht import TUNE
 
+    T = TUNE
+
     cases = [
         (ih._hn_prep_kernel, {"is_in_ptr": "*i8"}, dict(BLOCK=1024, R_POW2=8)),
         (ih._hn_notify_kernel, I64, dict(BLOCK=1024, CHECK=True, HAS_TIMER=True, SIM=True)),
-        (ih._hd_send_kernel, I64, dict(BLOCK=1024, CH_POW2=16, SIM=True)),
-        (ih._hd_forward_kernel, I64, dict(BLOCK=1024, HAS_TIMER=True)),
+        (ih._hd_send_kernel, I64, dict(BLOCK=T["send_block"], RB=T["send_rb"], S_POW2=64, SIM=True)),
+        (ih._hd_forward_kernel, I64, dict(BLOCK=T["fwd_block"], RB=T["fwd_rb"], N_POW2=2, HAS_TIMER=True)),
         (ih._hd_gather_kernel, dict(I64, rid_ptr="*i64", rw_ptr="*fp32"),
-         dict(BLOCK=1024, R_POW2=8, K_POW2=8, HAS_TIMER=True)),
-        (ih._hc_send_kernel, I64, dict(BLOCK=1024, R_POW2=8)),
-        (ih._hc_relay_kernel, I64, dict(BLOCK=1024, K_POW2=8, HAS_TIMER=True, SIM=True)),
+         dict(BLOCK=T["gather_block"], RB=T["gather_rb"], R_POW2=8, K_POW2=8, G_POW2=64, HAS_TIMER=True)),
+        (ih._hc_send_kernel, I64, dict(BLOCK=T["csend_block"], RB=T["csend_rb"], R_POW2=8, K_POW2=8)),
+        (ih._hc_relay_kernel, I64, dict(BLOCK=T["relay_block"], RB=T["relay_rb"], N_POW2=2, K_POW2=8,
+                                        HAS_TIMER=True, SIM=True)),
         (ih._hc_final_kernel, dict(I64, out_ptr="*bf16", wout_ptr="*fp32", b0_ptr="*bf16", b1_ptr="*bf16"),
-         dict(BLOCK=1024, K_POW2=8, HAS_W=True, NB=2, HAS_TIMER=True)),
+         dict(BLOCK=T["final_block"], RB=T["final_rb"], P_POW2=4, K_POW2=8, HAS_W=True, NB=2, HAS_TIMER=True)),
     ]
     warps = {"_hd_send_kernel": "send", "_hd_forward_kernel": "fwd", "_hd_gather_kernel": "gather",
              "_hc_send_kernel": "csend", "_hc_relay_kernel": "relay", "_hc_final_kernel": "final"}
