@@ -49,8 +49,11 @@ _L_FWD, _L_GATHER, _L_RELAY, _L_FINAL = 0, 2, 4, 6
 # Launch parameters of the kernels that move tokens (EPCOMM_TUNE=iht.<key>=<n>): warps a program, rows a
 # step (``*_rb``) and words a row a step (``*_block``). With at most num_sms programs a kernel, each step
 # moves a tile of rows (64 KB for the copies, as the nvlink engine's measured copy kernels) so that
-# enough bytes are in flight per SM; a row a step (4 KB) measured ~4 GB/s a program (H100, MPS, 2026-11-25).
-TUNE = dict(send_warps=8, send_rb=16, send_block=1024, fwd_warps=8, fwd_rb=16, fwd_block=1024,
+# enough bytes are in flight per SM. Measured on H100, 2 virtual nodes under MPS, DSv3, 24 SMs
+# (2026-11-25, graph replays): a row a step (4 KB) ran ~4 GB/s a program (dispatch FP8 2191 us, combine
+# 4213 us); tiles of 16 rows: 792 / 1803 us; 16 warps for send and forward: dispatch FP8 660 us; 32-row
+# tiles were slower (999 / 4081 us), and so was a 1024-word relay/final tile (combine 1868 us).
+TUNE = dict(send_warps=16, send_rb=16, send_block=1024, fwd_warps=16, fwd_rb=16, fwd_block=1024,
             gather_warps=16, gather_rb=16, gather_block=1024, csend_warps=8, csend_rb=16, csend_block=1024,
             relay_warps=16, relay_rb=16, relay_block=512, final_warps=16, final_rb=16, final_block=512)
 _T_SEND, _T_FWD, _T_GATHER, _T_CSEND, _T_RELAY, _T_FINAL, _T_NOTIFY = range(7)
