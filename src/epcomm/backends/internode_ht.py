@@ -93,6 +93,14 @@ def _combine_areas(tm: int, cw: int, fw: int, n_: int, p_: int) -> tuple[int, in
     return stage, fin, fin + p_ * tm * fw * 4
 
 
+def _combine_words(h: int, k: int, n_: int) -> tuple[int, int]:
+    """Words of a combine's relay row (BF16 ``x``, ``k`` weights, marker) and of its partial sum: float32
+    (``h`` words, the weights, marker), or the relay row itself in nodes of one rank (``_hc_relay``'s
+    ``DIRECT``: a sum of one row, sent as BF16)."""
+    cw = (2 * h + 3) // 4 + k + 1
+    return cw, cw if n_ == 1 else h + k + 1
+
+
 def high_throughput_bytes(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ranks_per_node: int,
                           round_mib: bool = True) -> int:
     """The high-throughput buffer (``num_nvl_bytes``, plus ``num_rdma_bytes`` outside low-latency
@@ -100,13 +108,13 @@ def high_throughput_bytes(num_tokens: int, hidden: int, num_topk: int, num_ranks
     combine, two parities each), each the larger of a BF16 dispatch with top-k (the staged rows, one
     slot per node, one per rank of the node) and a combine (a slot per rank, two per node), plus the
     signals. Rounded up to MiB unless ``round_mib`` is false; nodes of one rank need the most.
-    Example: 4096 tokens of 7168 with top-8 at 2 ranks in nodes of 1 -> 2244 MiB (the combine's
-    float32 partials are the larger part)."""
+    Example: 4096 tokens of 7168 with top-8 at 2 ranks in nodes of 1 -> 1348 MiB (the combine is the
+    larger part)."""
     r_, n_ = num_ranks, ranks_per_node
     p_, tm = r_ // n_, max(1, num_tokens)
     w = (2 * hidden + 12 * num_topk + 4 + 3) // 4  # x, topk_idx (int64), weights, token index
     dispatch = _dispatch_areas(tm, w, w + r_, r_, p_)[2]
-    combine = _combine_areas(tm, (2 * hidden + 3) // 4 + num_topk + 1, hidden + num_topk + 1, n_, p_)[2]
+    combine = _combine_areas(tm, *_combine_words(hidden, num_topk, n_), n_, p_)[2]
     need = 4 * max(dispatch, combine) + 2 * _align((2 * p_ + 2 * n_) * 8)
     return (need + (1 << 20) - 1) >> 20 << 20 if round_mib else need
 
@@ -200,7 +208,7 @@ class InternodeHighThroughput:
         tm = self._caps.get(key)
         if tm is None:
             r_, n_, p_ = self.be.num_ranks, self.be.ranks_per_node, self.p_nodes
-            cw, fw = (2 * h + 3) // 4 + k + 1, h + k + 1
+            cw, fw = _combine_words(h, k, n_)
 
             def need(x):
                 return max(_dispatch_areas(x, w, w + r_, r_, p_)[2], _combine_areas(x, cw, fw, n_, p_)[2])
@@ -411,8 +419,8 @@ class InternodeHighThroughput:
         k = topk_weights.shape[1] if topk_weights is not None else 0
         xw = x[:rows].contiguous().view(torch.int32)  # [rows, H/2]: BF16 pairs
         ww = topk_weights[:rows].contiguous().view(torch.int32) if topk_weights is not None else xw
-        cw = h // 2 + k + 1
-        fw = h + k + 1
+        cw, fw = _combine_words(h, k, n_)
+        direct = n_ == 1  # one rank a node: the relay sends BF16 rows as they are (_hc_relay's DIRECT)
         tm = info.tm
         src_tok = handle.recv_src_idx
         if src_tok.dtype != torch.int32 or not src_tok.is_contiguous():
@@ -438,8 +446,8 @@ class InternodeHighThroughput:
         _go(self.k_relay, "relay", (max(1, min(-(-tm // rb), sms)),), side, side.stride(0), h, k, cw, fw, ch,
             self.p_lv[9], me, n_, p_, self.p_table, rel_off, rel_slot_words, stage_off, fin_off, fin_slot_words, sig,
             par_bytes, sig_par, self.p_lv[_L_RELAY], self.p_t[_T_RELAY], self.p_err, be.timeout_ns,
-            BLOCK=TUNE["relay_block"], RB=rb, N_POW2=_pow2(n_), K_POW2=_pow2(max(k, 1)), HAS_TIMER=timer, SIM=be.sim,
-            num_warps=TUNE["relay_warps"])
+            BLOCK=TUNE["relay_block"], RB=rb, N_POW2=_pow2(n_), K_POW2=_pow2(max(k, 1)), DIRECT=direct,
+            HAS_TIMER=timer, SIM=be.sim, num_warps=TUNE["relay_warps"])
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         w_out = torch.empty(t, k, dtype=torch.float32, device=dev) if topk_weights is not None else None
         bs = [b_.contiguous() for b_ in bias]  # the biases, added in the kernel as the reference adds them
@@ -448,6 +456,7 @@ class InternodeHighThroughput:
             *(bs + [out, out])[:2], t, h, k, fw, self.p_lv[9],
             me, n_, p_, self.p_table, fin_off, fin_slot_words, sig, par_bytes, sig_par, self.p_lv[_L_FINAL],
             self.p_t[_T_FINAL], self.p_err, be.timeout_ns, BLOCK=TUNE["final_block"], RB=rb, P_POW2=_pow2(p_),
-            K_POW2=_pow2(max(k, 1)), HAS_W=w_out is not None, NB=len(bs), HAS_TIMER=timer, num_warps=TUNE["final_warps"])
+            K_POW2=_pow2(max(k, 1)), HAS_W=w_out is not None, PBF16=direct, NB=len(bs), HAS_TIMER=timer,
+            num_warps=TUNE["final_warps"])
         be.check_mirror()
         return out, w_out

@@ -51,10 +51,11 @@ def main() -> None:
         (ih._hd_gather_kernel, dict(I64, rid_ptr="*i64", rw_ptr="*fp32"),
          dict(BLOCK=T["gather_block"], RB=T["gather_rb"], R_POW2=8, K_POW2=8, G_POW2=64, HAS_TIMER=True)),
         (ih._hc_send_kernel, I64, dict(BLOCK=T["csend_block"], RB=T["csend_rb"], R_POW2=8, K_POW2=8)),
-        (ih._hc_relay_kernel, I64, dict(BLOCK=T["relay_block"], RB=T["relay_rb"], N_POW2=2, K_POW2=8,
-                                        HAS_TIMER=True, SIM=True)),
-        (ih._hc_final_kernel, dict(I64, out_ptr="*bf16", wout_ptr="*fp32", b0_ptr="*bf16", b1_ptr="*bf16"),
-         dict(BLOCK=T["final_block"], RB=T["final_rb"], P_POW2=4, K_POW2=8, HAS_W=True, NB=2, HAS_TIMER=True)),
+        *[(ih._hc_relay_kernel, I64, dict(BLOCK=T["relay_block"], RB=T["relay_rb"], N_POW2=2, K_POW2=8,
+                                          DIRECT=d, HAS_TIMER=True, SIM=True)) for d in (False, True)],
+        *[(ih._hc_final_kernel, dict(I64, out_ptr="*bf16", wout_ptr="*fp32", b0_ptr="*bf16", b1_ptr="*bf16"),
+           dict(BLOCK=T["final_block"], RB=T["final_rb"], P_POW2=4, K_POW2=8, HAS_W=True, NB=2, PBF16=d,
+                HAS_TIMER=True)) for d in (False, True)],
     ]
     warps = {"_hd_send_kernel": "send", "_hd_forward_kernel": "fwd", "_hd_gather_kernel": "gather",
              "_hc_send_kernel": "csend", "_hc_relay_kernel": "relay", "_hc_final_kernel": "final"}
