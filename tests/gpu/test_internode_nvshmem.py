@@ -23,11 +23,11 @@
   num_worst_tokens captured in a CUDA graph and replayed on new inputs, and three combines alone, each in its
   graph, replayed in turn 8 times back to back (its areas alternate by the device's count of combines).
 All eight passed on one H100 in the MPS shared mode (2026-11-25; ~8.5 min; the high-throughput ones
-again at e92bfdd with EPCOMM_VERIFY_LAUNCH=1, with one combine-only graph; the three-graph version of
-that check ran there outside pytest): the NVSHMEM puts and signals between the two processes then stay
-on one GPU (NVSHMEM's P2P transport), so this checks the kernels' protocol and results, not a link's
-timing. The RDMA chunking, the layout kernel, the kernels' own packing and the num_sms bound
-(d7be3fa..4426a33) came after: tier 2 and an sm_90 compile only.
+again at e92bfdd with EPCOMM_VERIFY_LAUNCH=1): the NVSHMEM puts and signals between the two processes
+then stay on one GPU (NVSHMEM's P2P transport), so this checks the kernels' protocol and results, not a
+link's timing. With EPCOMM_VERIFY_LAUNCH=1: at b5fe931 (RDMA chunks, the layout kernel, the kernels'
+own packing, num_sms) all eight (the last alone, past the script's 560 s cap), and at 1a994b5 (tiled
+kernels, BF16 relay rows in nodes of one) both high-throughput tests, the three-graph combine check included.
 Two GPUs (nvidia-h200-x2) not yet run.
 """
 import os
