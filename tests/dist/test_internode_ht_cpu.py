@@ -13,7 +13,7 @@ the interpreter, the NVSHMEM device calls simulated — on CPU processes in virt
 - ``Config``'s RDMA chunk (tokens per put across nodes), dispatch's and combine's: 1, and 3 and 2 (chunks
   that split a rank's tokens unevenly) with ``num_sms=2`` (two programs a kernel, looping), BF16 with
   bias and FP8 with ``num_worst_tokens``.
-- A relay that never forwards gives the deadline error naming the rank and the phase.
+- A rank that never sends gives the deadline error naming the rank and the phase.
 
 NVSHMEM itself is tier 3's (``tests/gpu/test_internode_nvshmem.py``). Shapes are tiny: the interpreter
 runs every program in Python.
@@ -149,7 +149,8 @@ def test_internode_high_throughput_four_ranks_in_two_nodes():
 
 def _absent_relay(ctx, tag):
     """Rank 1 joins the layout exchange of a dispatch but never runs its kernels: rank 0's receive
-    waits for its forward (rank 1 is rank 0's relay on node 1, and node 1's rank) and gives up."""
+    waits for its send (in nodes of one rank the gather reads what node 1's rank put, nothing is
+    forwarded) and gives up."""
     os.environ["EPCOMM_GPUS_PER_NODE"] = "1"
     from epcomm.testing import cpu_nvlink
 

@@ -79,10 +79,12 @@ def _align(n: int, a: int = 128) -> int:
 
 def _dispatch_areas(tm: int, w: int, mw: int, r_: int, p_: int) -> tuple[int, int, int]:
     """Offsets in a dispatch area (relative to its start) of the node slots and the rank slots, and
-    the bytes it needs: the staged messages ``[tm, mw]``, one slot per node, one per rank (words)."""
+    the bytes it needs: the staged messages ``[tm, mw]``, one slot per node, one per rank (words).
+    In nodes of one rank (``r_ == p_``) there are no rank slots: the gather reads the node slots
+    (nothing to forward)."""
     rdma = _align(tm * mw * 4)
     nvl = rdma + _align(p_ * tm * mw * 4)
-    return rdma, nvl, nvl + r_ * tm * w * 4
+    return rdma, nvl, nvl + (r_ * tm * w * 4 if r_ > p_ else 0)
 
 
 def _combine_areas(tm: int, cw: int, fw: int, n_: int, p_: int) -> tuple[int, int, int]:
@@ -303,11 +305,13 @@ class InternodeHighThroughput:
             num_warps=TUNE["send_warps"])
         i, b = me % n_, me // n_
         side = info.side
-        rb = TUNE["fwd_rb"]
-        _go(self.k_fwd, "fwd", (max(1, min(-(-tm // rb), sms)),), side[i:, 1 + b:], n_ * side.stride(0), w, mw, me,
-            n_, p_, r_, self.p_table, rdma_off, slot_words, nvl_off, nvl_slot_words, sig, self.p_lv[_L_FWD + parity],
-            self.p_t[_T_FWD], self.p_err, be.timeout_ns, BLOCK=TUNE["fwd_block"], RB=rb, N_POW2=_pow2(n_),
-            HAS_TIMER=timer, num_warps=TUNE["fwd_warps"])
+        direct = n_ == 1  # one rank a node: the gather reads the node slots, nothing to forward
+        if not direct:
+            rb = TUNE["fwd_rb"]
+            _go(self.k_fwd, "fwd", (max(1, min(-(-tm // rb), sms)),), side[i:, 1 + b:], n_ * side.stride(0), w, mw,
+                me, n_, p_, r_, self.p_table, rdma_off, slot_words, nvl_off, nvl_slot_words, sig,
+                self.p_lv[_L_FWD + parity], self.p_t[_T_FWD], self.p_err, be.timeout_ns, BLOCK=TUNE["fwd_block"],
+                RB=rb, N_POW2=_pow2(n_), HAS_TIMER=timer, num_warps=TUNE["fwd_warps"])
         recv_x = torch.empty(rows, h, dtype=x.dtype, device=dev)
         recv_s = torch.empty(rows, g, dtype=torch.float32, device=dev) if scales is not None else None
         recv_id = torch.empty(rows, k, dtype=torch.int64, device=dev) if topk_idx is not None else None
@@ -318,9 +322,10 @@ class InternodeHighThroughput:
             recv_x.view(torch.int32), recv_s.view(torch.int32) if recv_s is not None else i32,
             recv_id if recv_id is not None else self._dummy(torch.int64),
             recv_w if recv_w is not None else self._dummy(torch.float32), recv_src if src else i32,
-            xw.shape[1], g, k, nsrc, me * lx, lx, me, n_, p_, r_, nvl_off // 4, nvl_slot_words, self.p_table, sig,
+            xw.shape[1], g, k, nsrc, me * lx, lx, me, n_, p_, r_, (rdma_off if direct else nvl_off) // 4,
+            slot_words if direct else nvl_slot_words, mw if direct else w, self.p_table, sig,
             self.p_lv[_L_GATHER + parity], self.p_t[_T_GATHER], self.p_err, be.timeout_ns, BLOCK=TUNE["gather_block"],
-            RB=rb, R_POW2=_pow2(r_), K_POW2=_pow2(max(k, 1)), G_POW2=_pow2(max(g, 1)), HAS_TIMER=timer,
+            RB=rb, R_POW2=_pow2(r_), K_POW2=_pow2(max(k, 1)), G_POW2=_pow2(max(g, 1)), DIRECT=direct, HAS_TIMER=timer,
             num_warps=TUNE["gather_warps"])
         be.check_mirror()
         return recv_x, recv_s, recv_id, recv_w, recv_src

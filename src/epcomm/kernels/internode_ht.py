@@ -13,12 +13,13 @@ Rows are int32 words: ``_hd_send`` packs a message from the inputs, ``_hd_gather
 
 Dispatch (``W`` words per payload row, messages of ``W + R`` words: the row, then for every rank the
 row's position in that rank's block from this source, or -1):
-1. ``_hd_send`` at source ``s``, a chunk of ``CH`` tokens a program: stage their messages in its own
+1. ``_hd_send`` at source ``s``, blocks of ``RB`` tokens a program: stage their messages in its own
    buffer; put them to relay ``(b, i)``'s RDMA area, slot ``a``, rows ``npos[t, b]`` (their positions
-   among the tokens for node ``b``) for every node ``b`` they go to, one put per run of consecutive
-   tokens (a store when ``b == a``: the relay is ``s``); signal each relay (``D_RDMA[a]``).
+   among the tokens for node ``b``) for every node ``b`` they go to, one put per run of at most ``CH``
+   consecutive tokens (a store when ``b == a``: the relay is ``s``); signal each relay (``D_RDMA[a]``).
 2. ``_hd_forward`` at relay ``(b, i)``: for source node ``a``, row ``q``: store the row into the NVL
    area of each rank ``(b, j)`` that wants it, slot ``s``, at its position; signal them (``D_FWD[i]``).
+   Not launched in nodes of one rank: the gather reads the node slots (``DIRECT``).
 3. ``_hd_gather`` at receiver: after every relay of its node signalled, rows in (source rank, token)
    order into the outputs (``recv_x``, scales, local top-k ids and weights, token index: what the
    reference backend returns), padding past the rows that arrived.
@@ -34,6 +35,7 @@ combines + 1, which ``_hc_final`` advances):
 5. ``_hc_relay`` at ``(b, i)``: for ``(a, t)``: Σ over ``j`` of the marked rows in float32 (and the
    weights), staged with the marker; a chunk of ``CH`` consecutive tokens put at once to
    ``s = (a, i)``'s final area, slot ``b``, rows ``t...``; signal.
+   In nodes of one rank the relay rows go as they are, BF16 (``DIRECT``; the final kernel's ``PBF16``).
 6. ``_hc_final`` at ``s``: Σ over nodes of the marked partial sums, in node order, float32, then the
    biases, rounded once to BF16.
 
@@ -44,7 +46,8 @@ that waited on every rank's ``_hc_send`` of ``c + 1``, each issued after that ra
 combine ``c``.
 
 Signals (uint64 words, only increased by one per call), per parity at ``sig_off``: ``D_RDMA[P]`` (word
-``a``), ``D_FWD[N]`` (``P + i``), ``C_REL[N]`` (``P + N + j``), ``C_FIN[P]`` (``P + 2N + b``); every waiting kernel keeps the level it expects next in local memory.
+``a``), ``D_FWD[N]`` (``P + i``), ``C_REL[N]`` (``P + N + j``), ``C_FIN[P]`` (``P + 2N + b``); every
+waiting kernel keeps the level it expects next in local memory.
 """
 
 from __future__ import annotations
@@ -307,22 +310,29 @@ def _source_of(col, rr, qq):
 
 @triton.jit
 def _hd_gather_kernel(col_ptr, col_stride, rows, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, XW, G, K, NSRC, lo, LX,
-                      me, N, P, R, nvl_word_off, nvl_slot_words, ptr_table, sig_off, level_ptr, ticket_ptr, err_ptr,
-                      timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr,
-                      G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+                      me, N, P, R, nvl_word_off, nvl_slot_words, row_words, ptr_table, sig_off, level_ptr, ticket_ptr,
+                      err_ptr, timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, R_POW2: tl.constexpr,
+                      K_POW2: tl.constexpr, G_POW2: tl.constexpr, DIRECT: tl.constexpr, HAS_TIMER: tl.constexpr):
     """Program ``g``: after every relay of this node forwarded, blocks of ``RB`` rows ``q < rows``: row
     ``q - first(s)`` of source ``s``'s NVL slot (``_source_of``) into the outputs (int32 views): ``rx[q]``
     (``XW`` words), ``rs[q]`` (``G``), where ``K``: ``rid[q]`` (int64) the top-k ids made local (``id - lo``
     for ids in ``[lo, lo + LX)``, else -1) and ``rw[q]`` the weights (0 where the id is not local), where
     ``NSRC``: ``rsrc[q]`` the source's token index. Past the rows that arrived (the padding of
-    ``num_worst_tokens``): zeros, -1 for the ids and the token index, as the reference pads them."""
+    ``num_worst_tokens``): zeros, -1 for the ids and the token index, as the reference pads them.
+    Slots at word ``nvl_word_off``, ``nvl_slot_words`` apart, rows ``row_words`` apart. ``DIRECT`` (one
+    rank a node, nothing forwarded): they are the node slots, whose rows for this rank are in the same
+    order (a node's tokens are this rank's), and it waits for every node's send (``D_RDMA``) instead of
+    its node's relays (``D_FWD``)."""
     g = tl.program_id(0)
     GP = tl.num_programs(0)
     b = me // N
-    W = XW + G + 3 * K + NSRC
     level = tl.load(level_ptr)
-    for i2 in range(N):
-        _wait(ptr_table, me, sig_off, P + i2, level + 1, err_ptr, 3, b * N + i2, timeout_ns, HAS_TIMER)
+    if DIRECT:
+        for a in range(P):
+            _wait(ptr_table, me, sig_off, a, level + 1, err_ptr, 3, a, timeout_ns, HAS_TIMER)
+    else:
+        for i2 in range(N):
+            _wait(ptr_table, me, sig_off, P + i2, level + 1, err_ptr, 3, b * N + i2, timeout_ns, HAS_TIMER)
     rr = tl.arange(0, R_POW2)
     col = tl.load(col_ptr + rr * col_stride, mask=rr < R, other=2147483647)
     n = tl.load(col_ptr + (R - 1) * col_stride)
@@ -335,7 +345,7 @@ def _hd_gather_kernel(col_ptr, col_stride, rows, rx_ptr, rs_ptr, rid_ptr, rw_ptr
         inb = qq < rows
         got = qq < n
         s, first = _source_of(col, rr, qq)
-        src = nvl + (s.to(tl.int64) * nvl_slot_words + (qq - first) * W)
+        src = nvl + (s.to(tl.int64) * nvl_slot_words + (qq - first) * row_words)
         _copy_rows(rx_ptr + qq * XW, src, got, inb, XW, BLOCK)
         _copy_rows(rs_ptr + qq * G, src + XW, got, inb, G, G_POW2)
         if K > 0:
