@@ -28,6 +28,7 @@ then stay on one GPU (NVSHMEM's P2P transport), so this checks the kernels' prot
 link's timing. With EPCOMM_VERIFY_LAUNCH=1: at b5fe931 (RDMA chunks, the layout kernel, the kernels'
 own packing, num_sms) all eight (the last alone, past the script's 560 s cap), and at 1a994b5 (tiled
 kernels, BF16 relay rows in nodes of one) both high-throughput tests, the three-graph combine check included.
+f4f3c03 (no forward in nodes of one rank) came after: tier 2 and an sm_90 compile only.
 Two GPUs (nvidia-h200-x2) not yet run.
 """
 import os
