@@ -63,17 +63,22 @@ def _ht(ctx, tag, gpus_per_node):
         sent.append(((npos >= 0).sum(0).tolist(), per_node.tolist(), int(in_rank.sum())))
     # Config's RDMA chunk (tokens per put across nodes; dispatch and combine apart) and num_sms (programs
     # per kernel): one token a put, and chunks that split the batch unevenly with two programs looping
-    # over them (the defaults above: chunks of 16 and 8, 20 programs, one pass here)
+    # over them (the defaults above: chunks of 16 and 8, 20 programs, one pass here). The second runs
+    # 33+ tokens a rank: more than one block of TUNE's 16 rows a program, so each of the 2 programs loops
+    # over blocks, and runs are cut both at multiples of the chunk and at block ends (16, 32: not multiples of 3)
     from epcomm import Config
+    from epcomm.backends.internode_ht import TUNE
+    assert TUNE["send_rb"] == TUNE["relay_rb"] == TUNE["gather_rb"] == 16  # (what the sizes below assume)
     # (fresh seeds: rows a kernel failed to write would otherwise still hold an earlier call's equal rows)
     import dataclasses
     for it, (sms, d_chunk, c_chunk) in enumerate(((Buffer.num_sms, 1, 1), (2, 3, 2))):
         cfgs = (Config(sms, 6, 256, d_chunk, 128), Config(sms, 6, 256, c_chunk, 128))
-        G.check_ht_case(ref, fast, dataclasses.replace(cases[0], seed=20 + it), ctx.rank, False, with_bias=True,
+        big = dataclasses.replace(cases[0], tokens=tuple(33 + 5 * i for i in range(r))) if it else cases[0]
+        G.check_ht_case(ref, fast, dataclasses.replace(big, seed=20 + it), ctx.rank, False, with_bias=True,
                         configs=cfgs)
         if r == 2:
-            G.check_ht_case(ref, fast, dataclasses.replace(cases[0], seed=30 + it), ctx.rank, True,
-                            worst=sum(cases[0].tokens) + 3, configs=cfgs)
+            G.check_ht_case(ref, fast, dataclasses.replace(big, seed=30 + it), ctx.rank, True,
+                            worst=sum(big.tokens) + 3, configs=cfgs)
     if r > 2:
         return sent
     # combines in a row on one handle (the combine areas alternate, the markers tell calls apart)
@@ -82,11 +87,11 @@ def _ht(ctx, tag, gpus_per_node):
     res = G._dispatch(fast, xin, topk, w, case.num_experts)
     outs = [fast.combine(res[0], res[4], topk_weights=res[2])[0] for _ in range(3)]
     assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs)
-    # high_throughput_bytes is what these calls needed (the largest BF16 case), to the byte; far less
+    # high_throughput_bytes is what these calls needed (the largest BF16 case, big), to the byte; far less
     # is a ValueError naming the size
     from epcomm.backends.internode_ht import high_throughput_bytes
     need = max(high_throughput_bytes(max(c.tokens), c.hidden, c.num_topk, r, gpus_per_node, round_mib=False)
-               for c in {c for c, _, _ in checks})
+               for c in {c for c, _, _ in checks} | {big})
     assert fast._backend._ht.peak_bytes == need, (fast._backend._ht.peak_bytes, need)
     small = cpu_internode.internode_buffer(ctx.group, num_nvl_bytes=64 << 10)
     try:
@@ -135,6 +140,14 @@ def test_internode_high_throughput_two_virtual_nodes():
     for sent in res:
         for per_node_sent, per_node_layout, pairs in sent:
             assert per_node_sent == per_node_layout, sent  # nodes of one rank: one message per (token, rank)
+
+
+def test_internode_high_throughput_four_nodes_of_one():
+    """Four nodes of one rank: nothing forwarded, the relay's rows go as BF16, three remote nodes a rank."""
+    res = parallel_launch(4, _ht, uuid.uuid4().hex[:12], 1, backend="gloo", timeout_s=300)
+    for sent in res:
+        for per_node_sent, per_node_layout, pairs in sent:
+            assert per_node_sent == per_node_layout, sent
 
 
 def test_internode_high_throughput_four_ranks_in_two_nodes():
