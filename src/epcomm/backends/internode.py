@@ -7,10 +7,10 @@ What it serves:
   destination rank, NVSHMEM puts (staged in this rank's symmetric buffer) to ranks on other nodes,
   plain stores to ranks of this node when ``allow_nvlink_for_low_latency_mode`` (else NVSHMEM too);
 - **high-throughput** dispatch, cached dispatch and combine, hierarchical (``backends/internode_ht.py``,
-  ``kernels/internode_ht.py``): a token crosses the network at most once per destination node, to the
-  rank with the sender's local index there, which forwards it over NVLink; combine reduces in the node
-  first. Its layout exchange is a kernel of NVSHMEM puts (then one host synchronisation, none with
-  ``num_worst_tokens``: those calls are CUDA-graph capturable).
+  ``kernels/internode_ht.py``, ``internode_ht_combine.py``): a token crosses the network at most once
+  per destination node, to the rank with the sender's local index there, which forwards it over NVLink;
+  combine reduces in the node first. Its layout exchange is a kernel of NVSHMEM puts (then one host
+  synchronisation, none with ``num_worst_tokens``: those calls are CUDA-graph capturable).
 
 Also here: the node map (hosts, or virtual nodes of ``EPCOMM_GPUS_PER_NODE`` ranks), the NVSHMEM settings
 applied before NVSHMEM initialises (``_env.nvshmem_settings``), NVSHMEM symmetric memory through torch

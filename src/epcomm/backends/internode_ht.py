@@ -1,7 +1,7 @@
-"""High-throughput mode of the internode backend, hierarchical (kernels/internode_ht.py): a token crosses
-the network at most once per destination node, to the rank with the sender's local index there, which
-forwards it over NVLink; combine reduces in the node first, then one partial sum per token and node
-crosses back.
+"""High-throughput mode of the internode backend, hierarchical (kernels/internode_ht.py and
+internode_ht_combine.py): a token crosses the network at most once per destination node, to the rank
+with the sender's local index there, which forwards it over NVLink; combine reduces in the node first,
+then one partial sum per token and node crosses back.
 
 Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``, ``C``
 channels, ``N`` ranks per node, ``P = R/N`` nodes, ``TM`` the most tokens any rank dispatches.
@@ -27,7 +27,7 @@ words, then four equal areas: dispatch parity 0 and 1 (staging ``TM`` messages, 
 messages, NVL receive ``R x TM`` rows), combine parity 0 and 1 (relay ``P x N x TM`` rows, staging and
 final ``P x TM`` partial sums). Parities alternate per call: a dispatch's on the host (a graph replays
 the captured one; each dispatch's exchange orders it after every rank's previous calls, so that is
-safe), a combine's on the device by its count of combines (kernels/internode_ht.py says why a graph
+safe), a combine's on the device by its count of combines (kernels/internode_ht_combine.py says why a graph
 of combines alone is then safe). The signal words are counters and a combine's rows carry that count
 as their marker, so no area needs resetting and a replayed graph finds no stale rows.
 """
@@ -149,12 +149,16 @@ class _Info:
 class InternodeHighThroughput:
     def __init__(self, be) -> None:
         from ..kernels import internode_ht as ih
+        from ..kernels import internode_ht_combine as ihc
         from ..kernels import nvshmem
         from ..kernels.ht_notify import _handle_kernel
 
         self.be = be
         r_, n_ = be.num_ranks, be.ranks_per_node
         self.p_nodes = r_ // n_
+        # nodes of one rank: nothing to forward (the gather reads the node slots) and the relay's rows are
+        # already the partial sums (sent as BF16); the kernels' DIRECT
+        self.direct = n_ == 1
         dev = be.device
         self.levels = torch.zeros(10, dtype=torch.int32, device=dev)
         self.tickets = torch.zeros(8, dtype=torch.int32, device=dev)
@@ -168,9 +172,9 @@ class InternodeHighThroughput:
         self.k_send = Launcher(nvshmem.nvshmem_kernel(ih._hd_send_kernel, sim))
         self.k_fwd = Launcher(ih._hd_forward_kernel)
         self.k_gather = Launcher(ih._hd_gather_kernel)
-        self.k_csend = Launcher(ih._hc_send_kernel)
-        self.k_relay = Launcher(nvshmem.nvshmem_kernel(ih._hc_relay_kernel, sim))
-        self.k_final = Launcher(ih._hc_final_kernel)
+        self.k_csend = Launcher(ihc._hc_send_kernel)
+        self.k_relay = Launcher(nvshmem.nvshmem_kernel(ihc._hc_relay_kernel, sim))
+        self.k_final = Launcher(ihc._hc_final_kernel)
         # the layout exchange's region (InternodeBackend: signals, staging, two receive parities) and the
         # private copy of the rows received (what the handle kernel and the host read)
         self.s_words = be.notify_s
@@ -305,7 +309,7 @@ class InternodeHighThroughput:
             num_warps=TUNE["send_warps"])
         i, b = me % n_, me // n_
         side = info.side
-        direct = n_ == 1  # one rank a node: the gather reads the node slots, nothing to forward
+        direct = self.direct
         if not direct:
             rb = TUNE["fwd_rb"]
             _go(self.k_fwd, "fwd", (max(1, min(-(-tm // rb), sms)),), side[i:, 1 + b:], n_ * side.stride(0), w, mw,
@@ -425,7 +429,7 @@ class InternodeHighThroughput:
         xw = x[:rows].contiguous().view(torch.int32)  # [rows, H/2]: BF16 pairs
         ww = topk_weights[:rows].contiguous().view(torch.int32) if topk_weights is not None else xw
         cw, fw = _combine_words(h, k, n_)
-        direct = n_ == 1  # one rank a node: the relay sends BF16 rows as they are (_hc_relay's DIRECT)
+        direct = self.direct
         tm = info.tm
         src_tok = handle.recv_src_idx
         if src_tok.dtype != torch.int32 or not src_tok.is_contiguous():

@@ -22,6 +22,7 @@ for _name in ("putmem_signal_block", "quiet", "fence", "putmem_block_extern_wrap
         setattr(_nvmod, _name, _stand_in)
 
 from epcomm.kernels import internode_ht as ih  # noqa: E402
+from epcomm.kernels import internode_ht_combine as ihc  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 # argument types as the backend passes them: offsets past 2 GiB are 64-bit, the rest int32 words
@@ -51,10 +52,10 @@ def main() -> None:
         *[(ih._hd_gather_kernel, dict(I64, rid_ptr="*i64", rw_ptr="*fp32"),
            dict(BLOCK=T["gather_block"], RB=T["gather_rb"], R_POW2=8, K_POW2=8, G_POW2=64, DIRECT=d,
                 HAS_TIMER=True)) for d in (False, True)],
-        (ih._hc_send_kernel, I64, dict(BLOCK=T["csend_block"], RB=T["csend_rb"], R_POW2=8, K_POW2=8)),
-        *[(ih._hc_relay_kernel, I64, dict(BLOCK=T["relay_block"], RB=T["relay_rb"], N_POW2=2, K_POW2=8,
+        (ihc._hc_send_kernel, I64, dict(BLOCK=T["csend_block"], RB=T["csend_rb"], R_POW2=8, K_POW2=8)),
+        *[(ihc._hc_relay_kernel, I64, dict(BLOCK=T["relay_block"], RB=T["relay_rb"], N_POW2=2, K_POW2=8,
                                           DIRECT=d, HAS_TIMER=True, SIM=True)) for d in (False, True)],
-        *[(ih._hc_final_kernel, dict(I64, out_ptr="*bf16", wout_ptr="*fp32", b0_ptr="*bf16", b1_ptr="*bf16"),
+        *[(ihc._hc_final_kernel, dict(I64, out_ptr="*bf16", wout_ptr="*fp32", b0_ptr="*bf16", b1_ptr="*bf16"),
            dict(BLOCK=T["final_block"], RB=T["final_rb"], P_POW2=4, K_POW2=8, HAS_W=True, NB=2, PBF16=d,
                 HAS_TIMER=True)) for d in (False, True)],
     ]
