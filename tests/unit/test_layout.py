@@ -1,6 +1,6 @@
 """Tier 1 (no process group): the routing math of ``epcomm.layout`` and the reference backend's
 ``_block_rows`` against hand-worked examples. Every expected value below is written out by hand
-from the definitions in API.md / the docstrings, not computed by the code under test.
+from the definitions in docs/api.md and the docstrings, not computed by the code under test.
 
 Covers: dispatch_layout, send_order, channel_ranges, channel_prefix_matrix, rank_prefix_matrix,
 recv_channel_prefix_matrix, send_head, local_topk, align_up, low_latency_sends, layout_range
