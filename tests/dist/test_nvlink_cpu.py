@@ -89,8 +89,8 @@ def _ll(ctx, tag, env=None):
     return len(out)
 
 
-@pytest.mark.parametrize("env", [{}, {"EPCOMM_TUNE": "ll.fused_dispatch=1,ll.fused_combine=1,ll.local_ticket=0"}],
-                         ids=["separate-kernels", "fused"])
+@pytest.mark.parametrize("env", [{}, {"EPCOMM_TUNE": "ll.fused_dispatch=0,ll.fused_combine=0,ll.local_ticket=0"}],
+                         ids=["one-kernel-per-op", "separate-kernels"])
 def test_nvlink_low_latency_on_cpu_processes(env):
     assert parallel_launch(2, _ll, uuid.uuid4().hex[:12], env, backend="gloo", timeout_s=300) == [6, 6]
 
@@ -157,7 +157,7 @@ def test_three_ranks_on_cpu_processes():
     res = parallel_launch(3, _ht, uuid.uuid4().hex[:12], {"EPCOMM_HT_TRANSFER": "sm"}, {}, backend="gloo",
                           timeout_s=300)
     assert all(len(r) == 6 for r in res)
-    # (copy-engine flags by copy and the fused LL kernels, both off by default, run at 2 ranks only)
+    # (copy-engine flags by copy, off by default, and the LL roles as separate kernels run at 2 ranks only)
     assert parallel_launch(3, _ll, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [6, 6, 6]
 
 

@@ -192,7 +192,12 @@ def test_gather_variant_flag_reaches_the_kernel(rig, monkeypatch):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_low_latency_dispatch_and_combine(rig, fp8):
+def test_low_latency_dispatch_and_combine_split(rig, monkeypatch, fp8):
+    """With the roles as separate kernels (TUNE fused_* off)."""
+    from epcomm.backends import nvlink_ll
+
+    monkeypatch.setitem(nvlink_ll.TUNE, "fused_dispatch", False)
+    monkeypatch.setitem(nvlink_ll.TUNE, "fused_combine", False)
     b = rig.b[0]
     m = 8
     x = torch.randn(6, H).to(torch.bfloat16)
@@ -299,32 +304,34 @@ def test_notify_first_queues_the_exchange_before_the_copies(rig, monkeypatch):
 
 
 @pytest.mark.parametrize("hook", [False, True])
-def test_low_latency_fused_dispatch_is_one_launch_without_the_hook(rig, monkeypatch, hook):
+def test_low_latency_dispatch_is_one_kernel(rig, hook):
     from epcomm.backends import nvlink_ll
 
-    monkeypatch.setitem(nvlink_ll.TUNE, "fused_dispatch", True)
-    b, m = rig.b[0], 8
+    b, m = rig.b[0], 8  # the default: one kernel per operation
     x = torch.randn(6, H).to(torch.bfloat16)
     topk = torch.randint(-1, E, (6, K), generator=torch.Generator().manual_seed(2))
     res, recv = b.low_latency_dispatch(LowLatencyDispatchArgs(x, topk, m, E, True, False, False, None, None, 0, None,
                                                               hook=hook))
     names = _names(rig.log)
-    if hook:  # the hook must receive later: the two kernels as before
-        assert names == ["_ll_dispatch_send_kernel"]
-        recv()
-        assert _names(rig.log) == ["_ll_dispatch_send_kernel", "_ll_dispatch_recv_kernel"]
-        return
-    assert names == ["_ll_dispatch_fused_kernel"]
-    launch = rig.log[0]
     n_gb = (H // 128 + nvlink_ll.TUNE["send_gc"] - 1) // nvlink_ll.TUNE["send_gc"]
+    n_recv = (E // R) * R * nvlink_ll.TUNE["recv_split"]
+    if hook:  # the hook receives later: the same kernel, first every program a sender, then a receiver
+        assert names == ["_ll_dispatch_kernel"]
+        assert rig.log[0][2]["n_send"] == 6 * n_gb and rig.log[0][1] == (6 * n_gb, 1, 1)
+        recv()
+        assert _names(rig.log) == ["_ll_dispatch_kernel"] * 2
+        assert rig.log[1][2]["n_send"] == 0 and rig.log[1][1] == (n_recv, 1, 1)
+        return
+    assert names == ["_ll_dispatch_kernel"]
+    launch = rig.log[0]
     assert launch[2]["n_send"] == 6 * n_gb and launch[2]["n_gb"] == n_gb
-    assert launch[1] == (6 * n_gb + (E // R) * R * nvlink_ll.TUNE["recv_split"], 1, 1)
+    assert launch[1] == (6 * n_gb + n_recv, 1, 1)
     recv()  # nothing left to launch
     assert len(rig.log) == 1
 
 
 @pytest.mark.parametrize("hook", [False, True])
-def test_low_latency_fused_combine(rig, monkeypatch, hook):
+def test_low_latency_combine_is_one_kernel(rig, hook):
     from epcomm.backends import nvlink_ll
 
     b, m = rig.b[0], 8
@@ -333,16 +340,18 @@ def test_low_latency_fused_combine(rig, monkeypatch, hook):
     res, recv = b.low_latency_dispatch(LowLatencyDispatchArgs(x, topk, m, E, True, False, False, None, None, 0, None))
     recv()
     rig.log.clear()
-    monkeypatch.setitem(nvlink_ll.TUNE, "fused_combine", True)
     y = torch.randn(E // R, R * m, H).to(torch.bfloat16)
     out, recv = b.low_latency_combine(LowLatencyCombineArgs(y, topk, torch.rand(6, K), res.handle, None, None, 1, None,
                                                             hook=hook))
-    assert _names(rig.log) == ["_ll_combine_fused_kernel"]
+    assert _names(rig.log) == ["_ll_combine_kernel"]
     a = rig.log[0][2]
     assert a["DO_RECV"] is (not hook) and a["n_w"] == 6 and a["n_red"] == R * m * a["n_cs"]
     assert rig.log[0][1] == (a["n_w"] + a["n_red"] + (0 if hook else 6 * a["n_cb"]), 1, 1)
-    recv()  # with the hook, the receive kernel; without, nothing left
-    assert _names(rig.log) == ["_ll_combine_fused_kernel"] + (["_ll_combine_recv_kernel"] if hook else [])
+    recv()  # with the hook, the same kernel with receive roles only; without, nothing left
+    assert _names(rig.log) == ["_ll_combine_kernel"] * (2 if hook else 1)
+    if hook:
+        r = rig.log[1][2]
+        assert r["DO_RECV"] is True and r["n_w"] == 0 and r["n_red"] == 0 and rig.log[1][1] == (6 * a["n_cb"], 1, 1)
 
 
 @pytest.mark.parametrize("r_pow2, expected", [(1, 3), (2, 3), (4, 1), (8, 1)])
@@ -394,17 +403,21 @@ def test_launches_and_host_synchronisations_per_call(rig, monkeypatch):
     assert (launches, n_sync) == (3, 0)
     assert per_call(b.combine, res.recv_x, res.handle, None, ())[1:] == (2, 0)
     rig.capturing["on"] = False
-    # low-latency: two launches per call, three for a combine; never a synchronisation
+    # low-latency: one launch per call without the hook; with it, one now and one in hook(); never a
+    # synchronisation
     m = 8
     x = torch.randn(6, H).to(torch.bfloat16)
     topk = torch.randint(-1, E, (6, K), generator=torch.Generator().manual_seed(2))
-    (res, recv), launches, n_sync = per_call(
-        b.low_latency_dispatch, LowLatencyDispatchArgs(x, topk, m, E, True, False, False, None, None, 0, None))
-    assert (launches, n_sync) == (1, 0) and per_call(recv)[1:] == (1, 0)
-    y = torch.randn(E // R, R * m, H).to(torch.bfloat16)
-    (out, recv), launches, n_sync = per_call(
-        b.low_latency_combine, LowLatencyCombineArgs(y, topk, torch.rand(6, K), res.handle, None, None, 1, None))
-    assert (launches, n_sync) == (2, 0) and per_call(recv)[1:] == (1, 0)
+    for hook in (False, True):
+        (res, recv), launches, n_sync = per_call(
+            b.low_latency_dispatch, LowLatencyDispatchArgs(x, topk, m, E, True, False, False, None, None, 0, None,
+                                                           hook=hook))
+        assert (launches, n_sync) == (1, 0) and per_call(recv)[1:] == (int(hook), 0)
+        y = torch.randn(E // R, R * m, H).to(torch.bfloat16)
+        (out, recv), launches, n_sync = per_call(
+            b.low_latency_combine, LowLatencyCombineArgs(y, topk, torch.rand(6, K), res.handle, None, None, 1, None,
+                                                         hook=hook))
+        assert (launches, n_sync) == (1, 0) and per_call(recv)[1:] == (int(hook), 0)
 
 
 def test_launcher_binds_an_nvshmem_kernel_through_its_jit_function():

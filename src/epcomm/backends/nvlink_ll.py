@@ -10,11 +10,14 @@ rank holding one of the token's experts, ids to every rank) and a receive kernel
 Combine: a weights kernel (each owner pushes its (expert id, weight) pairs to every rank), a reduce
 kernel (program per (source token, channel split): ``Σ_k w·y`` in float32 over the experts held
 here, so each token crosses the link once per rank) and a receive kernel (program per (token,
-channel block): the partial sums of the ranks holding its experts, in rank order). Without the
-hook the kernels run back to back (or, with ``TUNE["fused_dispatch"]`` / ``TUNE["fused_combine"]``,
-as one launch whose programs take the kernels' roles in order); with ``return_recv_hook`` the call
-launches the send side and returns, and ``hook()`` launches the receive kernel, so no kernel stays
-resident in between.
+channel block): the partial sums of the ranks holding its experts, in rank order). By default each
+operation is one kernel whose programs take those roles in order (``_ll_dispatch_kernel``,
+``_ll_combine_kernel``): without the hook one launch does the whole operation; with
+``return_recv_hook`` the call launches the same kernel with only the send roles and returns, and
+``hook()`` launches it again with only the receive roles, so no kernel stays resident in between. A
+profile therefore shows one kernel name per operation, whose time covers all of it (DeepEP's own
+LL test finds its kernels by the substrings ``dispatch`` and ``combine``). ``TUNE["fused_dispatch"]``
+/ ``TUNE["fused_combine"]`` off launch the roles as separate kernels instead.
 Every grid is sized by the shape, not by ``num_sms``; waits are per program, on the flags of the
 ranks that program needs.
 
@@ -45,12 +48,12 @@ _T_ROLE, _T_CROLE = 9, 10  # the fused dispatch's and the fused combine's role t
 # Launch parameters (measure a variant with EPCOMM_TUNE=ll.<key>=<value> epcomm bench).
 TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_block=2048, recv_split=1,
             csend_warps=4, csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024,
-            fused_dispatch=False, fused_combine=False, local_ticket=True)
-# fused_dispatch: without the hook, send and receive in one launch (kernels/ll.py
-# _ll_dispatch_fused_kernel; send_warps for both roles); fused_combine: weights and reduce in one launch,
-# with the receive too when there is no hook (_ll_combine_fused_kernel; csend_warps); both off until
-# measured on a GPU; local_ticket: the receive kernels count their programs with a relaxed GPU-scope
-# ticket (their last program only stores the next expected level) instead of a system-scope acq_rel one
+            fused_dispatch=True, fused_combine=True, local_ticket=True)
+# fused_dispatch / fused_combine: one kernel per operation, its programs taking the roles (see the module
+# docstring; send_warps / csend_warps for every role); off: separate send and receive kernels, which
+# DeepEP's LL timing cannot attribute to one operation; local_ticket: the receive kernels count their
+# programs with a relaxed GPU-scope ticket (their last program only stores the next expected level)
+# instead of a system-scope acq_rel one
 # (one H200, one rank, 128 tokens, graph replays, same run: dispatch receive 12.9 -> 12.1 us, combine
 # receive 8.7 -> 8.0 us; 1 token: 7.4 -> 7.2, 5.9 -> 5.5 us)
 
@@ -97,11 +100,11 @@ class LowLatencyEngine(LowLatencyCalls):
                                               _T_CROLE)}
         self.k_send = Launcher(ll._ll_dispatch_send_kernel)
         self.k_recv = Launcher(ll._ll_dispatch_recv_kernel)
-        self.k_dfused = Launcher(ll._ll_dispatch_fused_kernel)
+        self.k_dfused = Launcher(ll._ll_dispatch_kernel)
         self.k_weights = Launcher(ll._ll_combine_weights_kernel)
         self.k_reduce = Launcher(ll._ll_combine_reduce_kernel)
         self.k_crecv = Launcher(ll._ll_combine_recv_kernel)
-        self.k_cfused = Launcher(ll._ll_combine_fused_kernel)
+        self.k_cfused = Launcher(ll._ll_combine_kernel)
 
     def _plan(self, m: int, h: int, e: int) -> _Plan:
         p = self._plans.get((m, h, e))
@@ -131,7 +134,7 @@ class LowLatencyEngine(LowLatencyCalls):
                                                                                    a.use_ue8m0)
         n_gb = (g + gc - 1) // gc
         c.m = m
-        fused = TUNE["fused_dispatch"] and not a.hook
+        fused = TUNE["fused_dispatch"]
         has_cum = a.cumulative_local_expert_recv_stats is not None
         has_wst = a.dispatch_wait_recv_cost_stats is not None
         send_args = (h, g, k, me, r_, lx, e, m, self.p_table, area, lay.dispatch_src_bytes,
@@ -153,12 +156,29 @@ class LowLatencyEngine(LowLatencyCalls):
                     self.p_dlevel[parity], self.p_t[_T_DRECV], self.p_t[_T_ROLE], nv._timeout_ns, n_gb, n_send,
                     split)
             i_stats = 3 + len(send_args) + 1 + len(recv_out)  # x, topk, t, send_args, slot, outputs
-            go = Direct(self.k_dfused.prepared(key, fused_consts), tmpl, (0, 1, i_stats, i_stats + 1))
-            grid = n_send + lx * r_ * split
+            holes = (0, 1, i_stats, i_stats + 1)
+            prep = self.k_dfused.prepared(key, fused_consts)
+            go = Direct(prep, tmpl, holes)
+            n_recv = lx * r_ * split
+            if not a.hook:
+                grid = n_send + n_recv
+
+                def run(x, topk, cum, wst):
+                    go(grid, 1, 1, x, topk, cum_dummy if cum is None else cum, wst_dummy if wst is None else wst)
+                    return result, _nothing
+
+                c.run = run
+                return c
+            # the hook: the same kernel twice, every program a sender, then (hook()) every one a receiver
+            # (n_send is not specialised on: one compiled kernel, one name in a profile)
+            i_nsend = len(tmpl) - 2
+            go_recv = Direct(prep, (*tmpl[:i_nsend], 0, split), holes)
 
             def run(x, topk, cum, wst):
-                go(grid, 1, 1, x, topk, cum_dummy if cum is None else cum, wst_dummy if wst is None else wst)
-                return result, _nothing
+                go(n_send, 1, 1, x, topk, cum_dummy, wst_dummy)
+                cum = cum_dummy if cum is None else cum
+                wst = wst_dummy if wst is None else wst
+                return result, lambda: go_recv(n_recv, 1, 1, x, topk, cum, wst)
 
             c.run = run
             return c
@@ -216,6 +236,7 @@ class LowLatencyEngine(LowLatencyCalls):
         cb = TUNE["crecv_block"]
         c = _Call()
         own = self._combine_output(m, h, parity, t) if a.out is None else None
+        fused_recv = None
         wait_dummy = self.levels
         n_cs, n_cb = (h + cw - 1) // cw, (h + cb - 1) // cb
         n_w = max(t, 1)
@@ -226,15 +247,20 @@ class LowLatencyEngine(LowLatencyCalls):
                   self.p_wlevel[parity], self.p_t[_T_CSEND + 1], self.p_err, nv._timeout_ns)
         if TUNE["fused_combine"]:
             recv_too = not a.hook
-            grid = n_w + r_ * m * n_cs + (n_w * n_cb if recv_too else 0)
+            n_red = r_ * m * n_cs
+            grid = n_w + n_red + (n_w * n_cb if recv_too else 0)
             tmpl = (*w_head, None, *r_tail, None, None, self.p_clevel[parity], self.p_t[_T_CRECV],
-                    self.p_t[_T_CROLE], n_w, n_cs, r_ * m * n_cs, n_cb)
+                    self.p_t[_T_CROLE], n_w, n_cs, n_red, n_cb)
             iy = len(w_head)
             io = iy + 1 + len(r_tail)
-            fused = Direct(self.k_cfused.prepared(key, dict(
-                K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, RBLOCK=blk, HAS_WAIT=has_wait, HAS_TIMER=TIMER,
-                SHRINK=shrink, DO_RECV=recv_too, LOCAL_TICKET=TUNE["local_ticket"],
-                num_warps=TUNE["csend_warps"])), tmpl, (0, 1, iy, io, io + 1))
+            holes = (0, 1, iy, io, io + 1)
+            cconsts = dict(K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, RBLOCK=blk, HAS_WAIT=has_wait,
+                           HAS_TIMER=TIMER, SHRINK=shrink, DO_RECV=recv_too, LOCAL_TICKET=TUNE["local_ticket"],
+                           num_warps=TUNE["csend_warps"])
+            fused = Direct(self.k_cfused.prepared(key, cconsts), tmpl, holes)
+            if a.hook:  # hook(): the same kernel, every program a receiver (no weights or reduce roles)
+                fused_recv = Direct(self.k_cfused.prepared((key, "recv"), dict(cconsts, DO_RECV=True)),
+                                    (*tmpl[:-4], 0, n_cs, 0, n_cb), holes)
 
             def send(y, topk, w, out, wst):
                 fused(grid, 1, 1, topk, w, y, out, wst)
@@ -265,6 +291,8 @@ class LowLatencyEngine(LowLatencyCalls):
             send(y, topk, w, out, wst)
             if recv_too:
                 return out, _nothing
+            if fused_recv is not None:
+                return out, lambda: fused_recv(n_w * n_cb, 1, 1, topk, w, y, out, wst)
             return out, lambda: crecv(n_w, n_cb, 1, topk, out, wst)
 
         c.run = run

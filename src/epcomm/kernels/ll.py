@@ -180,7 +180,7 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
 
 
 @triton.jit(do_not_specialize=['T', 'n_send'])
-def _ll_dispatch_fused_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M, ptr_table, area_off, src_bytes,
+def _ll_dispatch_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M, ptr_table, area_off, src_bytes,
                               msg_bytes, sig_off, send_ticket_ptr, err_ptr, mask_ptr, slot_off,
                               out_x, out_s, out_src, out_range, out_count, cum_ptr, wait_ptr,
                               level_ptr, recv_ticket_ptr, role_ptr, timeout_ns, n_gb, n_send, S,
@@ -437,7 +437,7 @@ def _ll_combine_recv(t, cb, n_programs, topk_ptr, T, H, K, me, R, L, M, ptr_tabl
 
 
 @triton.jit(do_not_specialize=['T', 'n_w'])
-def _ll_combine_fused_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, wticket_ptr, mask_ptr,
+def _ll_combine_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, wticket_ptr, mask_ptr,
                              y_ptr, H, L, d_area_off, src_bytes, slot_off, c_off, CW, wlevel_ptr, rticket_ptr,
                              err_ptr, timeout_ns, out_ptr, wait_ptr, clevel_ptr, cticket_ptr, role_ptr,
                              n_w, n_cs, n_red, n_cb, K_POW2: tl.constexpr, R_POW2: tl.constexpr,
@@ -448,7 +448,7 @@ def _ll_combine_fused_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, 
     the reduce kernel's (``n_cs`` channel splits per source token), and with ``DO_RECV`` (no hook)
     the rest the receive kernel's (``n_cb`` channel blocks per token). Roles go by a ticket taken at
     the start, in that order: a program gets a role that waits on other GPUs only once every role
-    before it is held by a running program (see ``_ll_dispatch_fused_kernel``)."""
+    before it is held by a running program (see ``_ll_dispatch_kernel``)."""
     n_all = tl.num_programs(0)
     role = tl.atomic_add(role_ptr, 1)
     if role == n_all - 1:
