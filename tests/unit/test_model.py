@@ -7,12 +7,16 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from epcomm import cli
 from epcomm import model as m
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def test_uniform_stats_worked_example():
@@ -103,10 +107,21 @@ def test_calibration_reproduces_the_defaults_and_the_checks_hold():
     for r in rows:
         if r["role"] != "check":
             assert abs(r["error"]) < 1e-3, r  # the calibration rows are met
-        elif r["machine"] == "h800-cx7":
-            assert abs(r["error"]) < 0.25, r  # DeepEP's published rows, none used for calibration
-        else:
+        elif r["machine"] != "h800-cx7":
             assert r["error"] < 0, r  # at 2 ranks on H200 both implementations are slower than the link floor
+    # DeepEP's published rows not used for calibration: the errors docs/model.md states, to its rounding
+    # (0.05 points; the routing is seeded, so nothing else moves them)
+    doc = (DOCS / "model.md").read_text()
+    said = re.search(r"HT mean \|error\| ([\d.]+) % \(max ([\d.]+) %\), LL ([\d.]+) % \(max ([\d.]+) %\)", doc)
+    assert said, "docs/model.md no longer states the model's errors in the form this test reads"
+    stated = dict(zip(("ht_mean", "ht_max", "ll_mean", "ll_max"), (float(v) / 100 for v in said.groups())))
+    for mode in ("ht", "ll"):
+        err = [r["error"] for r in rows if (r["machine"], r["mode"], r["role"]) == ("h800-cx7", mode, "check")]
+        assert len(err) == {"ht": 6, "ll": 12}[mode]
+        assert sum(map(abs, err)) / len(err) == pytest.approx(stated[f"{mode}_mean"], abs=5e-4), (mode, err)
+        assert max(map(abs, err)) == pytest.approx(stated[f"{mode}_max"], abs=5e-4), (mode, err)
+    # "LL is predicted 5-24 % fast, every row"
+    assert all(r["error"] < 0 for r in rows if (r["machine"], r["mode"]) == ("h800-cx7", "ll")), rows
     # DeepEP's HT bandwidth converts back to time with the same byte count the prediction uses
     ep32 = next(r for r in rows if (r["mode"], r["op"], r["ep"]) == ("ht", "dispatch", 32))
     assert ep32["published_us"] == pytest.approx(4096 * 7392 * 3.62 / 58e3, rel=0.01)

@@ -1,6 +1,6 @@
-"""A cost model for dispatch and combine at scale (issue 16, item 7): the time of one call, predicted
-from byte counts, link rates and latencies, at any EP size. ``epcomm model`` prints it; docs/model.md
-checks it against DeepEP's published tables and our own measurements.
+"""The cost model itself: links, workloads, routing statistics, and ``predict`` (the time of one call
+from byte counts, link rates and latencies, at any EP size). ``model.check`` holds the published and
+measured rows it is checked against, ``model.report`` its tables, files and plot.
 
 Letters: ``T`` tokens per rank, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks (the EP size),
 ``G`` GPUs per node, ``N = R / G`` nodes, ``L = E / R`` experts per rank.
@@ -19,19 +19,15 @@ The paths modelled (every rank alike: it sends and receives the average of the r
   NVLink) + one-way latency + the local copy (dispatch) or reduction (combine) at HBM speed``.
 
 A leg's time is ``bytes / (peak GB/s * efficiency)``. The two efficiencies are the model's only
-calibrated constants (``calibrate()``): the NVLink one from DeepEP's intranode EP8 dispatch row, the
+calibrated constants (``model.check.calibrate``): the NVLink one from DeepEP's intranode EP8 dispatch row, the
 network one from its internode EP64 dispatch row; every other row checks the model (docs/model.md).
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import json
 import math
-import textwrap
 from pathlib import Path
-from typing import NamedTuple
 
 DTYPES = ("bf16", "fp8")
 
@@ -47,8 +43,8 @@ class Links:
     nic_efficiency: float = 0.895     # calibrated: calibrate()["nic_efficiency"]
     nvlink_latency_us: float = 1.2    # one way: half the 2.4 µs flag round trip measured on 2xH200
     nic_latency_us: float = 3.0       # one way GPU-initiated RDMA write and its signal, one switch: assumed
-    launch_us: float = 3.0            # per kernel on a stream or in a graph (2-3 µs measured, DESIGN.md)
-    hbm_gbps: float = 2760.0          # local copy, read + write counted (measured on H200, DESIGN.md)
+    launch_us: float = 3.0            # per kernel in a CUDA graph (2-3 µs profiled on nvidia-h200-x2)
+    hbm_gbps: float = 2760.0          # local copy, read + write counted (an H200 copy, measured)
     qps_per_peer: int = 24            # queue pairs per peer (Buffer's num_qps_per_rank)
     nic_ports: int = 1                # ports per NIC; QPs sit on ports round-robin
 
@@ -78,8 +74,9 @@ class Links:
 
 PRESETS = {
     "h800-cx7": Links(),
-    # 2xH200 on one host (nvidia-h200-x2): the copy-engine ceiling measured there (386 GB/s per direction,
-    # DESIGN.md) as NVLink's achievable peak; no RDMA NIC, so the network figures are never used at R <= 2
+    # 2xH200 on one host (nvidia-h200-x2): the copy-engine ceiling measured there (ce_gbps 385.7 in
+    # benchmarks/2026-11-22/h200x2-0653-ht-dsv3.jsonl) as NVLink's achievable peak; no RDMA NIC, so the
+    # network figures are never used at R <= 2
     "h200-x2": Links(nvlink_gbps=386.0, gpus_per_node=2),
 }
 
@@ -357,201 +354,3 @@ def sweep(links: Links, ht: Workload | None, ll: Workload | None, eps: list[int]
                              "hidden": work.hidden, "topk": work.topk, "experts": work.experts,
                              "routing": stats.source})
     return rows
-
-
-# ----------------------------------------------------------------------------- checking the model
-
-DEEPEP_SOURCE = ("deepseek-ai/DeepEP docs/legacy.md (V1 performance) at commit 0297fc8; the same tables in its README "
-                 "at 0aaa674, whose news lines date them after PRs #130 (HT, 2025-04-22) and #173 (LL uses NVLink, "
-                 "2025-06-05)")
-EPCOMM_SOURCE = "BENCHMARKS.md, nvidia-h200-x2 2-rank tables (benchmarks/2026-11-22/h200x2-0653-ht-dsv3.jsonl, -0701-ll)"
-DEEPEP_H200_SOURCE = "DESIGN.md: DeepEP V1 1.2.1 built from source, its own tests on nvidia-h200-x2, 2026-11-21"
-
-class Reference(NamedTuple):
-    """A published or measured figure the model is checked against. HT figures from DeepEP's README are its
-    "bottleneck bandwidth" (GB/s of ``Prediction.deepep_bytes``); the others are µs per call."""
-
-    who: str
-    machine: str              # a PRESETS key
-    mode: str
-    op: str
-    ep: int
-    tokens: int
-    experts: int
-    value: float
-    unit: str                 # "GB/s" | "us"
-    routing: str              # how the publisher routed: "uniform" | "node-limited"
-    workload: dict            # Workload fields other than tokens and experts
-
-
-REFERENCE_ROWS = [
-    *[Reference("DeepEP V1", "h800-cx7", "ht", op, ep, 4096, 256, v, "GB/s", "uniform" if ep == 8 else "node-limited",
-                {}) for ep, d, c in ((8, 153, 158), (16, 43, 43), (32, 58, 57), (64, 51, 50))
-      for op, v in (("dispatch", d), ("combine", c))],
-    *[Reference("DeepEP V1", "h800-cx7", "ll", op, ep, 128, 256, v, "us", "uniform", {"ll_kernels": 1})
-      for ep, d, c in ((8, 77, 114), (16, 118, 195), (32, 155, 273), (64, 173, 314), (128, 192, 369),
-                       (256, 194, 360)) for op, v in (("dispatch", d), ("combine", c))],
-    # epcomm (CUDA-graph replays; HT dispatch with its layout, num_worst_tokens; LL one message per rank)
-    *[Reference("epcomm", "h200-x2", "ht", op, 2, 4096, 256, v, "us", "uniform", {"dtype": dt, "cached": False})
-      for op, dt, v in (("dispatch", "bf16", 370.2), ("dispatch", "fp8", 293.2), ("combine", "bf16", 348.9))],
-    *[Reference("epcomm", "h200-x2", "ll", op, 2, t, 256, v, "us", "uniform", {"messages": "rank", "ll_kernels": 2})
-      for t, op, v in ((128, "dispatch", 26.7), (128, "combine", 44.6), (1, "dispatch", 17.2), (1, "combine", 21.8))],
-    *[Reference("DeepEP V1", "h200-x2", "ht", op, 2, 4096, 256, v, "us", "uniform", {"dtype": dt})
-      for op, dt, v in (("dispatch", "bf16", 344.0), ("dispatch", "fp8", 244.0), ("combine", "bf16", 400.0))],
-    *[Reference("DeepEP V1", "h200-x2", "ll", op, 2, 128, 288, v, "us", "uniform", {"ll_kernels": 1})
-      for op, v in (("dispatch", 29.0), ("combine", 39.0))],
-]
-# the rows that set the two efficiencies (calibrate); every other row is a check
-CALIBRATION = {("DeepEP V1", "h800-cx7", "ht", "dispatch", 8): "nvlink_efficiency",
-               ("DeepEP V1", "h800-cx7", "ht", "dispatch", 64): "nic_efficiency"}
-
-
-def _role(ref: Reference) -> str:
-    return CALIBRATION.get((ref.who, ref.machine, ref.mode, ref.op, ref.ep), "check")
-
-
-def _reference_case(ref: Reference, links: Links, samples: int, seed: int):
-    work = Workload(tokens=ref.tokens, experts=ref.experts, **ref.workload)
-    stats = routing_stats(ref.routing, ref.ep, links, work, samples=samples, seed=seed)
-    pred = predict(links, work, stats, ref.mode, ref.op)
-    published_us = ref.value if ref.unit == "us" else pred.deepep_bytes / ref.value / 1e3
-    return work, stats, pred, published_us
-
-
-def calibrate(samples: int = 8192, seed: int = 0) -> dict[str, float]:
-    """The two efficiencies that make the CALIBRATION rows exact, everything else at its default: each solves
-    ``published = leg bytes / (peak * eff) + the rest`` for its leg."""
-    out = {}
-    links = PRESETS["h800-cx7"]
-    for ref in REFERENCE_ROWS:
-        key = _role(ref)
-        if key == "check":
-            continue
-        _, _, p, published_us = _reference_case(ref, links, samples, seed)
-        leg = "nvlink" if key == "nvlink_efficiency" else "nic"
-        nbytes = p.nvlink_bytes if leg == "nvlink" else p.nic_bytes * links.port_factor()
-        rest = p.time_us - max(p.nic_us, p.nvlink_us)
-        out[key] = nbytes / (getattr(links, f"{leg}_gbps") * (published_us - rest)) / 1e3
-    return out
-
-
-def check_rows(links_by_machine: dict[str, Links] | None = None, samples: int = 8192, seed: int = 0) -> list[dict]:
-    """Every reference row with its prediction and the error ``predicted / published - 1``."""
-    links_by_machine = links_by_machine or PRESETS
-    rows = []
-    for ref in REFERENCE_ROWS:
-        work, stats, p, published_us = _reference_case(ref, links_by_machine[ref.machine], samples, seed)
-        source = {"DeepEP V1": DEEPEP_SOURCE if ref.machine == "h800-cx7" else DEEPEP_H200_SOURCE,
-                  "epcomm": EPCOMM_SOURCE}[ref.who]
-        rows.append({
-            "who": ref.who, "machine": ref.machine, "mode": ref.mode, "op": ref.op, "dtype": p.dtype, "ep": ref.ep,
-            "nodes": p.nodes, "tokens": ref.tokens, "experts": ref.experts, "routing": stats.source,
-            "published": ref.value, "unit": ref.unit, "published_us": published_us, "predicted_us": p.time_us,
-            "error": p.time_us / published_us - 1, "bottleneck": p.bottleneck, "nic_us": p.nic_us,
-            "nvlink_us": p.nvlink_us, "local_us": p.local_us, "fixed_us": p.fixed_us, "role": _role(ref),
-            "source": source, "workload": dataclasses.asdict(work)})
-    return rows
-
-
-# ----------------------------------------------------------------------------- output
-
-def assumptions(links: Links, ht: Workload | None, ll: Workload | None, routing: str) -> list[str]:
-    """Every assumption behind a table, in words (printed above it and stored with the rows)."""
-    out = [
-        (f"links per GPU: NVLink {links.nvlink_gbps:g} GB/s x efficiency {links.nvlink_efficiency:g}, network "
-         f"{links.nic_gbps:g} GB/s x efficiency {links.nic_efficiency:g} (both calibrated, docs/model.md), "
-         f"{links.gpus_per_node} GPUs per node"),
-        (f"latencies: NVLink {links.nvlink_latency_us:g} us, network {links.nic_latency_us:g} us one way; "
-         f"{links.launch_us:g} us per kernel launch; local copies at {links.hbm_gbps:g} GB/s"),
-        (f"queue pairs: {links.qps_per_peer} per peer on {links.nic_ports} NIC port(s), round-robin: the network "
-         f"runs at 1/{links.port_factor():g} of its rate"),
-        (f"routing: {routing}; every rank sends and receives the average (no hot rank, no congestion, "
-         "no NIC message-rate limit)")]
-    if ht is not None:
-        out.append(f"HT: {ht.tokens} tokens/rank, hidden {ht.hidden}, top-{ht.topk} of {ht.experts} experts, dispatch "
-                   f"{ht.dtype}, combine bf16; hierarchical (one network copy per token and node, to the same local "
-                   f"index, then NVLink); legs pipelined (max of the two) + {ht.ht_kernels} launches + latencies"
-                   + ("; cached handle (no count exchange)" if ht.cached else "; with the count exchange"))
-    if ll is not None:
-        out.append(f"LL: {ll.tokens} tokens/rank, one message per (token, {ll.messages}) of row + 16 B header, "
-                   f"dispatch {ll.dtype}; same-node peers over " + ("NVLink" if ll.nvlink_ll else "the network")
-                   + f"; {ll.ll_kernels} launch(es), one-way latency, the local copy or reduction after the legs")
-    return out
-
-
-def _text_table(head: tuple, body: list[tuple]) -> str:
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    lines = [head, tuple("-" * w for w in widths), *body]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
-
-
-def render_table(rows: list[dict]) -> str:
-    """A fixed-width text table of ``sweep`` rows."""
-    return _text_table(
-        ("mode", "op", "dtype", "EP", "nodes", "time us", "network us", "NVLink us", "local us", "fixed us",
-         "bound by", "DeepEP GB/s"),
-        [(r["mode"], r["op"], r["dtype"], str(r["ranks"]), str(r["nodes"]),
-          *(f"{r[k]:.1f}" for k in ("time_us", "nic_us", "nvlink_us", "local_us", "fixed_us")), r["bottleneck"],
-          f"{r['deepep_gbps']:.1f}") for r in rows])
-
-
-def render_check(rows: list[dict]) -> str:
-    """A fixed-width text table of ``check_rows``."""
-    return _text_table(
-        ("who", "machine", "mode", "op", "dtype", "EP", "tokens", "published", "published us", "predicted us",
-         "error", "bound by", "role"),
-        [(r["who"], r["machine"], r["mode"], r["op"], r["dtype"], str(r["ep"]), str(r["tokens"]),
-          f"{r['published']:g} {r['unit']}", f"{r['published_us']:.1f}", f"{r['predicted_us']:.1f}",
-          f"{100 * r['error']:+.1f}%", r["bottleneck"], r["role"]) for r in rows])
-
-
-def write_rows(path: str | Path, rows: list[dict]) -> Path:
-    """``.jsonl``: one JSON object per row; ``.csv``: the flat columns (nested values as JSON)."""
-    p = Path(path)
-    if p.suffix not in (".jsonl", ".csv"):
-        raise ValueError(f"--out must end in .jsonl or .csv, got {str(path)!r}")
-    p.parent.mkdir(parents=True, exist_ok=True)
-    with p.open("w", newline="") as f:
-        if p.suffix == ".jsonl":
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        else:
-            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-            w.writeheader()
-            w.writerows({k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in r.items()} for r in rows)
-    return p
-
-
-def plot(rows: list[dict], path: str | Path, notes: list[str], check: list[dict] | None = None) -> Path:
-    """A PNG of predicted time against EP size (log-log), one panel per mode, with the published points of
-    ``check`` rows on the same machine where given, and the assumptions written under it (needs matplotlib)."""
-    from .bench.plot import _matplotlib
-
-    Figure, FigureCanvasAgg = _matplotlib()
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    fig = Figure(figsize=(6.0 * len(modes), 5.4 + 0.3 * len(notes)), layout="constrained")
-    FigureCanvasAgg(fig)
-    for i, mode in enumerate(modes):
-        ax = fig.add_subplot(1, len(modes), i + 1)
-        for j, op in enumerate(("dispatch", "combine")):
-            pts = sorted((r["ranks"], r["time_us"], r["dtype"]) for r in rows if r["mode"] == mode and r["op"] == op)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{j}",
-                        label=f"{op} {pts[0][2]} (model)")
-            pub = sorted((c["ep"], c["published_us"]) for c in check or ()
-                         if c["mode"] == mode and c["op"] == op and c["machine"] == "h800-cx7")
-            if pub:
-                ax.plot([p[0] for p in pub], [p[1] for p in pub], marker="x", linestyle="none", color=f"C{j}",
-                        markersize=9, label=f"{op}: DeepEP V1 published")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("EP size (ranks)")
-        ax.set_ylabel("time per call (us)")
-        ax.set_title(f"{mode.upper()}: predicted time against EP size", fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    wrapped = [line for n in notes for line in textwrap.wrap(n, 40 * len(modes) + 60)]
-    fig.suptitle("epcomm model\n" + "\n".join(wrapped), fontsize=7, ha="left", x=0.01)
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    return p
