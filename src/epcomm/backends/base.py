@@ -118,6 +118,40 @@ def bad_expert_id(be, word: list) -> int | None:
     return None
 
 
+def raise_error_word(be, word: list, announced_ms: Callable[[], list] | None = None, waited: str = "flag") -> None:
+    """Raise what a kernel recorded in the error word ``word = [code, peer, observed, target]`` of backend
+    ``be`` (its ``rank`` and ``timeout_s`` name the error); nothing if ``code`` is 0.
+
+    Codes: 10 a bad expert id (``observed``; ``target`` is num_experts), 9 more tokens arrived than
+    ``num_worst_tokens`` (``observed`` > ``target``), 11 a rank's ``num_tokens_per_rank`` disagrees with
+    its ``is_token_in_rank``, any other a wait that passed its deadline (``kernels.common.PHASES``).
+    A low-latency receive that timed out (6) first asks ``announced_ms()`` for every rank's
+    ``num_max_dispatch_tokens_per_rank`` (0: a rank that has made no low-latency call): ranks that
+    disagree are the cause, named as such. ``waited``: what the deadline was waiting on ("flag",
+    "signal"), for the message."""
+    code = word[0]
+    if not code:
+        return
+    if code == 10:
+        raise ValueError(f"topk_idx holds expert id {word[2]}, outside [-1, {word[3]}) for num_experts={word[3]} "
+                         "(found on the device; this Buffer is now unusable)")
+    if code == 9:
+        raise RuntimeError(f"epcomm rank {be.rank}: num_worst_tokens={word[3]} but {word[2]} tokens arrived; "
+                           "raise num_worst_tokens (this Buffer is now unusable)")
+    if code == 11:
+        raise ValueError(f"num_tokens_per_rank on rank {word[1]} says {word[2]} tokens for a rank to which its "
+                         f"is_token_in_rank sends {word[3]} (found on the device; this Buffer is now unusable)")
+    if code == 6 and announced_ms is not None:
+        ms = announced_ms()
+        if len({m for m in ms if m}) > 1:
+            raise ValueError("num_max_dispatch_tokens_per_rank differs across ranks: "
+                             + ", ".join(f"{m} on rank {r}" for r, m in enumerate(ms)))
+    from ..kernels.common import PHASES
+
+    raise PeerTimeoutError(be.rank, PHASES.get(code, f"phase {code}"), word[1], be.timeout_s,
+                           f"{waited} {word[2]} < expected {word[3]}; this Buffer is now unusable")
+
+
 class Backend:
     """Transport interface. Every method runs on the current stream (``Buffer`` picks it).
 
@@ -169,6 +203,14 @@ class Backend:
         """Optional, as :meth:`low_latency_dispatch_run`: ``run(x, topk_idx, topk_weights, out, wst) ->
         (combined, receive)`` for the combines like ``args`` (same handle object)."""
         return None
+
+    def return_rows(self, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: str) -> torch.Tensor:
+        """``ElasticBuffer``'s combine transport (DeepEP V2's API): row ``i`` of ``rows uint8[n, W]`` goes to
+        rank ``dst[i] // slots`` at slot ``dst[i] % slots`` (``-1``: nowhere); returns ``uint8[R, slots, W]``,
+        block ``r`` from rank ``r``. Default: one fixed-split ``all_to_all_single`` (``v2_rows.py``)."""
+        from .v2_rows import return_rows
+
+        return return_rows(self, rows, dst, slots, phase)
 
     def clean_low_latency_buffer(self) -> None:
         """Reset the low-latency signal state (all ranks call it together)."""

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _env
-from .base import Backend, PeerTimeoutError, checked_run
+from .base import Backend, checked_run, raise_error_word
 
 log = logging.getLogger(__name__)
 
@@ -227,25 +227,10 @@ class InternodeBackend(Backend):
             self._check_error(self.err_host.tolist())
 
     def _check_error(self, word: list[int]) -> None:
-        from ..kernels.common import PHASES
-
-        if word[0] == 10:
-            raise ValueError(f"topk_idx holds expert id {word[2]}, outside [-1, {word[3]}) for num_experts={word[3]} "
-                             "(found on the device; this Buffer is now unusable)")
-        if word[0] == 9:
-            raise RuntimeError(f"epcomm rank {self.rank}: num_worst_tokens={word[3]} but {word[2]} tokens arrived; "
-                               "raise num_worst_tokens (this Buffer is now unusable)")
-        if word[0] == 11:
-            raise ValueError(f"num_tokens_per_rank on rank {word[1]} says {word[2]} tokens for a rank to which its "
-                             f"is_token_in_rank sends {word[3]} (found on the device; this Buffer is now unusable)")
-        if word[0] == 6:  # every rank's announced M, in this rank's M table (kernels/internode_ll.py)
-            ms = self.symm[self.mtab_off:self.mtab_off + 4 * self.num_ranks].view(torch.int32).tolist()
-            if len({m for m in ms if m}) > 1:  # (0: a rank that has made no low-latency call)
-                raise ValueError("num_max_dispatch_tokens_per_rank differs across ranks: "
-                                 + ", ".join(f"{m} on rank {r}" for r, m in enumerate(ms)))
-        phase = PHASES.get(word[0], f"phase {word[0]}")
-        raise PeerTimeoutError(self.rank, phase, word[1], self.timeout_s,
-                               f"signal {word[2]} < expected {word[3]}; this Buffer is now unusable")
+        """Raise what the error word ``word`` holds (``base.raise_error_word``); the ranks' announced M are
+        in this rank's M table (kernels/internode_ll.py)."""
+        raise_error_word(self, word, lambda: self.symm[self.mtab_off:self.mtab_off + 4 * self.num_ranks]
+                         .view(torch.int32).tolist(), "signal")
 
     # ------------------------------------------------------------------ high-throughput (hierarchical)
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .. import _env
 from ..kernels.launch import Ptr
-from .base import Backend, PeerTimeoutError, checked_run
+from .base import Backend, checked_run, raise_error_word
 from .ht_combine import HTCombine
 from .ht_dispatch import HTDispatch
 from .nvlink_transfer import NVLinkTransfer
@@ -202,31 +202,18 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
 
     def _check_error(self, word: list[int] | None = None) -> None:
         """Raise if a kernel recorded an error (``word``: a fresh copy of the error word; default: the
-        host mirror, which the recording kernel wrote)."""
+        host mirror, which the recording kernel wrote). ``base.raise_error_word`` says what each code means."""
         if word is None:
             if not self._err_view[0]:  # the host mirror, as a NumPy view: no torch call per check
                 return
             word = self.err_host.tolist()
-        from ..kernels.common import PHASES
+        raise_error_word(self, word, self._announced_ms, "flag")
 
-        if word[0] == 10:
-            raise ValueError(f"topk_idx holds expert id {word[2]}, outside [-1, {word[3]}) for num_experts={word[3]} "
-                             "(found on the device; this Buffer is now unusable)")
-        if word[0] == 6:
-            # each rank announces its M in word `rank` of its own flag area (nvlink_ll.py)
-            off = self.flags_off + 5 * self.num_ranks * 4
-            ms = [int(self.peers[r][off + 4 * r:off + 4 * r + 4].view(torch.int32).item())
-                  for r in range(self.num_ranks)]
-            if len(set(ms)) > 1:
-                raise ValueError("num_max_dispatch_tokens_per_rank differs across ranks: "
-                                 + ", ".join(f"{m} on rank {r}" for r, m in enumerate(ms)))
-        if word[0] == 9:
-            raise RuntimeError(f"epcomm rank {self.rank}: num_worst_tokens={word[3]} but {word[2]} tokens arrived; "
-                               "raise num_worst_tokens (this Buffer is now unusable)")
-        if word[0]:
-            phase = PHASES.get(word[0], f"phase {word[0]}")
-            raise PeerTimeoutError(self.rank, phase, word[1], self.timeout_s,
-                                   f"flag {word[2]} < expected {word[3]}; this Buffer is now unusable")
+    def _announced_ms(self) -> list[int]:
+        """Every rank's low-latency M: each rank announces it in word ``rank`` of its own flag area
+        (nvlink_ll.py)."""
+        off = self.flags_off + 5 * self.num_ranks * 4
+        return [int(self.peers[r][off + 4 * r:off + 4 * r + 4].view(torch.int32).item()) for r in range(self.num_ranks)]
 
     @property
     def _timeout_ns(self) -> int:

@@ -1,0 +1,61 @@
+"""Tier 1: ``backends.base.raise_error_word``, the one reading of the kernels' error word
+``[code, peer, observed, target]`` that the nvlink and internode backends share, and
+``bad_expert_id``, the high-throughput dispatch's reading of it at its host synchronisation."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from epcomm.backends.base import PeerTimeoutError, bad_expert_id, raise_error_word
+
+
+def _be(rank=1, timeout_s=2.5):
+    return types.SimpleNamespace(rank=rank, timeout_s=timeout_s)
+
+
+def test_no_error_raises_nothing():
+    raise_error_word(_be(), [0, 0, 0, 0], lambda: pytest.fail("M asked for without an error"))
+
+
+def test_input_errors_name_their_values():
+    with pytest.raises(ValueError, match=r"expert id 17, outside \[-1, 16\) for num_experts=16"):
+        raise_error_word(_be(), [10, 0, 17, 16])
+    with pytest.raises(RuntimeError, match="epcomm rank 1: num_worst_tokens=8 but 9 tokens arrived"):
+        raise_error_word(_be(), [9, 0, 9, 8])
+    with pytest.raises(ValueError, match="num_tokens_per_rank on rank 3 says 5 tokens for a rank to which its "
+                                         "is_token_in_rank sends 4"):
+        raise_error_word(_be(), [11, 3, 5, 4])
+
+
+def test_a_timeout_names_the_phase_the_peer_and_what_it_waited_for():
+    with pytest.raises(PeerTimeoutError, match=r"epcomm rank 1: combine/receive-data waited 2.5 s for rank 0 .*"
+                                               r"signal 3 < expected 4") as e:
+        raise_error_word(_be(), [5, 0, 3, 4], waited="signal")
+    assert (e.value.rank, e.value.phase) == (0, "combine/receive-data")
+    with pytest.raises(PeerTimeoutError, match="phase 42 .*flag 1 < expected 2"):
+        raise_error_word(_be(), [42, 2, 1, 2])
+
+
+def test_a_low_latency_timeout_blames_differing_m_first():
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank differs across ranks: 8 on rank 0, "
+                                         "0 on rank 1, 16 on rank 2"):
+        raise_error_word(_be(), [6, 2, 0, 1], lambda: [8, 0, 16])
+    # the same M everywhere (0: a rank that made no low-latency call): the timeout itself
+    with pytest.raises(PeerTimeoutError, match="low_latency_dispatch/receive waited 2.5 s for rank 2"):
+        raise_error_word(_be(), [6, 2, 0, 1], lambda: [8, 0, 8])
+    with pytest.raises(PeerTimeoutError, match="low_latency_dispatch/receive"):  # no M to read
+        raise_error_word(_be(), [6, 2, 0, 1])
+
+
+def test_bad_expert_id_is_returned_once_and_cleared():
+    be = _be()
+    be.err, be.err_host = torch.tensor([10, 0, 17, 16, 7, 7], dtype=torch.int32), torch.tensor([10, 0, 17, 16])
+    be._check_error = lambda word: raise_error_word(be, word)
+    assert bad_expert_id(be, [10, 0, 17, 16]) == 17
+    assert be.err.tolist() == [0, 0, 0, 0, 7, 7] and be.err_host.tolist() == [0, 0, 0, 0]  # the mirror address stays
+    assert bad_expert_id(be, [0, 0, 0, 0]) is None
+    with pytest.raises(PeerTimeoutError):
+        bad_expert_id(be, [3, 1, 0, 1])
