@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import layout
 from ..kernels.launch import Direct, Launcher, Ptr
 from ..layout import LowLatencyHandle
 from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs
-from .ll_calls import LowLatencyCalls, _Call
+from .ll_calls import LowLatencyCalls, Plan, _Call, get_plan
 
 # local counters (int32): dispatch-receive level [2], combine weight level [2], combine-receive level [2]
 _DLEVEL, _WLEVEL, _CLEVEL = 0, 2, 4
@@ -40,19 +39,6 @@ TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_
 
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
-
-
-class _Plan:
-    """One ``(M, H, E)``: the layout and the offsets of both parities' areas and signal words."""
-
-    def __init__(self, be, m: int, h: int, e: int, lay) -> None:
-        r_ = be.num_ranks
-        self.m, self.h, self.e, self.lay = m, h, e, lay
-        self.lx = e // r_
-        self.g = (h + 127) // 128
-        self.area = [be.ll_off + lay.parity_offset(p) for p in (0, 1)]
-        self.sig = [be.sig_off + p * 3 * r_ * 8 for p in (0, 1)]
-        self.zero_copy = None
 
 
 class InternodeLowLatency(LowLatencyCalls):
@@ -94,16 +80,9 @@ class InternodeLowLatency(LowLatencyCalls):
         be = self.be
         return dict(HAS_TIMER=not be.sim)
 
-    def _plan(self, m: int, h: int, e: int) -> _Plan:
-        p = self._plans.get((m, h, e))
-        if p is None:
-            be = self.be
-            lay = layout.low_latency_buffer_layout(m, h, be.num_ranks, e)
-            if lay.total > be.rdma_bytes:
-                raise ValueError(f"num_rdma_bytes={be.rdma_bytes} is too small: M={m}, H={h}, E={e} need "
-                                 f"{lay.total} (Buffer.get_low_latency_rdma_size_hint)")
-            assert be.num_ranks * m * h * 4 <= be.cstage_bytes, "combine staging smaller than one parity"
-            p = self._plans[(m, h, e)] = _Plan(be, m, h, e, lay)
+    def _plan(self, m: int, h: int, e: int) -> Plan:
+        p = get_plan(self._plans, self.be, m, h, e, self.be.sig_off)  # signal words at the backend's sig_off
+        assert self.be.num_ranks * m * h * 4 <= self.be.cstage_bytes, "combine staging smaller than one parity"
         return p
 
     def _announce(self, m: int) -> None:

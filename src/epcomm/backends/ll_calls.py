@@ -8,8 +8,8 @@ it; ``kernels/launch.py``). The first call of a kind builds a ``_Call`` through 
 ``Buffer``'s repeat path. Outputs are two persistent sets that alternate by parity, like the receive
 areas (results of at most two low-latency calls are alive at once).
 
-An engine sets ``backend_name``, calls ``_init_calls(num_ranks, device)``, and provides ``_plan``,
-``_dispatch_call``, ``_combine_call`` and ``_announce`` (M in the place where a peer with another M is
+An engine sets ``backend_name``, calls ``_init_calls(num_ranks, device)``, and provides ``_plan`` (a
+``Plan`` per ``(M, H, E)``, from ``get_plan``), ``_dispatch_call``, ``_combine_call`` and ``_announce`` (M in the place where a peer with another M is
 named); ``_after_send`` runs after an unplanned call's send (default: nothing).
 """
 
@@ -19,10 +19,42 @@ import dataclasses
 
 import torch
 
+from .. import layout
 from ..layout import LowLatencyHandle
 from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult
 
 _MAX_KINDS = 4096  # the token count is part of a dispatch's kind: bounded, in case it takes every value
+
+
+class Plan:
+    """What a low-latency call of one ``(M, H, E)`` needs besides its tensors, computed once: the layout,
+    the offsets of both parities' areas and signal words, and the kernels' integer arguments.
+
+    ``be``: the backend (``num_ranks``, ``ll_off``: where the low-latency region starts in its symmetric
+    buffer). Signal words sit in each parity's area (``layout``'s ``signal_offset``), or, with
+    ``sig_base``, in both parities' ``3R`` uint64 words from there (the internode backend)."""
+
+    def __init__(self, be, m: int, h: int, e: int, lay, sig_base: int | None = None) -> None:
+        r_ = be.num_ranks
+        self.m, self.h, self.e, self.lay = m, h, e, lay
+        self.lx = e // r_
+        self.g = (h + 127) // 128
+        self.area = [be.ll_off + lay.parity_offset(p) for p in (0, 1)]
+        self.sig = ([a + lay.signal_offset for a in self.area] if sig_base is None
+                    else [sig_base + p * 3 * r_ * 8 for p in (0, 1)])
+        self.zero_copy = None  # the zero-copy combine buffer's view (the engine's zero_copy_buffer)
+
+
+def get_plan(plans: dict, be, m: int, h: int, e: int, sig_base: int | None = None) -> Plan:
+    """``plans[(m, h, e)]``, made on first use after checking that ``be.rdma_bytes`` holds its layout."""
+    p = plans.get((m, h, e))
+    if p is None:
+        lay = layout.low_latency_buffer_layout(m, h, be.num_ranks, e)
+        if lay.total > be.rdma_bytes:
+            raise ValueError(f"num_rdma_bytes={be.rdma_bytes} is too small: M={m}, H={h}, E={e} need "
+                             f"{lay.total} (Buffer.get_low_latency_rdma_size_hint)")
+        p = plans[(m, h, e)] = Plan(be, m, h, e, lay, sig_base)
+    return p
 
 
 class _Call:

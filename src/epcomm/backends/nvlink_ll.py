@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import layout
 from ..kernels.launch import Direct, Ptr
 from ..layout import LowLatencyHandle
 from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs
-from .ll_calls import LowLatencyCalls, _Call
+from .ll_calls import LowLatencyCalls, Plan, _Call, get_plan
 from .nvlink_params import TIMER, _pow2
 
 # local counters (int32 device memory): dispatch-receive level [2], combine weight level [2],
@@ -60,20 +59,6 @@ TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_
 
 def _nothing() -> None:
     """The hook of a call that already received (one fused launch)."""
-
-
-class _Plan:
-    """What a low-latency call of one ``(M, H, E)`` needs besides its tensors, computed once: the
-    layout, the offsets of both parities' areas and the kernels' integer arguments."""
-
-    def __init__(self, nv, m: int, h: int, e: int, lay) -> None:
-        r_ = nv.num_ranks
-        self.m, self.h, self.e, self.lay = m, h, e, lay
-        self.lx = e // r_
-        self.g = (h + 127) // 128
-        self.area = [nv.ll_off + lay.parity_offset(p) for p in (0, 1)]
-        self.sig = [a + lay.signal_offset for a in self.area]
-        self.zero_copy = None  # the zero-copy combine buffer's view (zero_copy_buffer)
 
 
 class LowLatencyEngine(LowLatencyCalls):
@@ -106,15 +91,8 @@ class LowLatencyEngine(LowLatencyCalls):
         self.k_crecv = Launcher(ll._ll_combine_recv_kernel)
         self.k_cfused = Launcher(ll._ll_combine_kernel)
 
-    def _plan(self, m: int, h: int, e: int) -> _Plan:
-        p = self._plans.get((m, h, e))
-        if p is None:
-            lay = layout.low_latency_buffer_layout(m, h, self.nv.num_ranks, e)
-            if lay.total > self.nv.rdma_bytes:
-                raise ValueError(f"num_rdma_bytes={self.nv.rdma_bytes} is too small: M={m}, H={h}, E={e} need "
-                                 f"{lay.total} (Buffer.get_low_latency_rdma_size_hint)")
-            p = self._plans[(m, h, e)] = _Plan(self.nv, m, h, e, lay)
-        return p
+    def _plan(self, m: int, h: int, e: int) -> Plan:
+        return get_plan(self._plans, self.nv, m, h, e)  # signal words inside each parity's area
 
     # ------------------------------------------------------------------ dispatch
 
