@@ -25,11 +25,12 @@ PACKAGE = "epcomm"
 LAYERS = {
     # 0, bottom: pure torch math, configuration, argument checks, the environment
     "epcomm._env": 0, "epcomm.config": 0, "epcomm.event": 0, "epcomm.layout": 0, "epcomm.quant": 0,
-    "epcomm._validate": 0, "epcomm.streams": 0,
+    "epcomm._validate": 0, "epcomm.streams": 0, "epcomm.elastic_layout": 0,
     "epcomm.kernels": 1,
     "epcomm.backends": 2,
     # 3: the Buffer and the API over it
     "epcomm.buffer": 3, "epcomm.buffer_ll": 3, "epcomm.ops": 3, "epcomm": 3, "epcomm._deep_ep": 3,
+    "epcomm.elastic": 3, "epcomm.elastic_engine": 3,
     # 4: tools beside the stack
     "epcomm.testing": 4, "epcomm.bench": 4, "epcomm.cli": 4, "epcomm.doctor": 4, "epcomm.__main__": 4,
     "epcomm.model": 4,

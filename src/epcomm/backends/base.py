@@ -152,6 +152,29 @@ def raise_error_word(be, word: list, announced_ms: Callable[[], list] | None = N
                            f"{waited} {word[2]} < expected {word[3]}; this Buffer is now unusable")
 
 
+def wait_work(be, work, phase: str, poll: bool) -> None:
+    """Wait for the ``torch.distributed`` work ``work`` within ``be.timeout_s``; past it raise
+    ``PeerTimeoutError`` naming ``phase``. ``poll``: NCCL work, which completes on the GPU (polled, so the
+    host never blocks forever); else gloo's ``wait(timeout)``."""
+    import datetime
+    import time
+
+    if poll:
+        deadline = time.monotonic() + be.timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(be.rank, phase, None, be.timeout_s)
+            time.sleep(0)
+        work.wait()
+        return
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=be.timeout_s))
+    except RuntimeError as e:
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise PeerTimeoutError(be.rank, phase, None, be.timeout_s, str(e).splitlines()[0]) from None
+        raise
+
+
 class Backend:
     """Transport interface. Every method runs on the current stream (``Buffer`` picks it).
 
@@ -206,11 +229,28 @@ class Backend:
 
     def return_rows(self, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: str) -> torch.Tensor:
         """``ElasticBuffer``'s combine transport (DeepEP V2's API): row ``i`` of ``rows uint8[n, W]`` goes to
-        rank ``dst[i] // slots`` at slot ``dst[i] % slots`` (``-1``: nowhere); returns ``uint8[R, slots, W]``,
-        block ``r`` from rank ``r``. Default: one fixed-split ``all_to_all_single`` (``v2_rows.py``)."""
-        from .v2_rows import return_rows
+        rank ``dst[i] // slots``, slot ``dst[i] % slots`` (``dst int64[n]``, ``-1``: nowhere). Returns
+        ``uint8[R, slots, W]``, block ``r`` from rank ``r`` (slots nobody wrote: unspecified bytes).
 
-        return return_rows(self, rows, dst, slots, phase)
+        Default: one ``all_to_all_single`` of equal splits over the group. Its shapes depend on ``slots``
+        only, never on the routing: no host wait, capturable on NCCL. A backend may override it."""
+        import torch.distributed as dist
+
+        r_, dev, w = self.num_ranks, rows.device, rows.shape[1]
+        send = torch.empty(r_ * slots + 1, w, dtype=torch.uint8, device=dev)
+        send.index_copy_(0, torch.where(dst >= 0, dst, torch.full_like(dst, r_ * slots)), rows)
+        send = send[:r_ * slots]
+        if r_ == 1:
+            return send.view(1, slots, w)
+        staged = dev.type == "cuda" and "nccl" not in str(dist.get_backend(self.group)).lower()
+        src = send.cpu() if staged else send
+        recv = torch.empty_like(src)
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            dist.all_to_all_single(recv, src, group=self.group)  # NCCL under capture: no host wait
+        else:
+            work = dist.all_to_all_single(recv, src, group=self.group, async_op=True)
+            wait_work(self, work, phase, poll=dev.type == "cuda" and not staged)
+        return recv.to(dev).view(r_, slots, w)
 
     def clean_low_latency_buffer(self) -> None:
         """Reset the low-latency signal state (all ranks call it together)."""

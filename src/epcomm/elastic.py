@@ -1,0 +1,499 @@
+"""``ElasticBuffer`` and ``EPHandle``: DeepEP V2's API (v2.1.0) as a second front door to epcomm's engine.
+
+``ElasticBuffer`` holds a ``Buffer`` as its engine (the same backend selection, backends, streams and
+events) and adds only the V2 surface: argument checks, sizing and the call sequence; the V2 steps
+themselves are in ``elastic_engine.py`` and the layout math in ``elastic_layout.py``. docs/v2.md says
+what differs from DeepEP.
+
+Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``LE = E/R``,
+``M`` = ``num_max_tokens_per_rank``, ``N`` contiguous rows, ``X`` expanded rows, ``P`` scale packs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from . import _env
+from . import _validate as V
+from . import elastic_engine as engine
+from . import elastic_layout as EL
+from .event import EventHandle, EventOverlap
+
+log = logging.getLogger(__name__)
+
+topk_idx_t = torch.int64  # DeepEP's top-k index dtype (int64 unless DeepEP is built otherwise)
+
+
+class EPHandle:
+    """What a dispatch returns for its cached replays and its combine (DeepEP's fields; a plain object).
+
+    - ``do_expand``, ``num_experts``, ``expert_alignment``, ``num_max_tokens_per_rank``, ``num_sms``.
+    - ``topk_idx int64[T, K]``: a copy (``do_handle_copy``) or the caller's tensor.
+    - ``num_recv_tokens``: ``N`` exact with CPU sync, else ``R*M``; ``num_expanded_tokens``: ``X`` likewise.
+    - ``num_recv_tokens_per_expert_list``: aligned counts per local expert (CPU sync), else ``[]``.
+    - ``psum_num_recv_tokens_per_scaleup_rank int32[R]``: inclusive prefix of rows per source rank.
+    - ``psum_num_recv_tokens_per_expert int32[LE]``: contiguous: inclusive prefix of aligned counts;
+      expanded: aligned start plus real count.
+    - ``num_unaligned_recv_tokens_per_expert int32[LE]``: real counts.
+    - ``recv_src_metadata int32[N, K+2]``: column 0 ``src_rank*M + src_token`` (``-1`` for padding
+      rows), column 1 private, columns 2.. the expanded row of each lane (``-1``; contiguous: ``-1``).
+    - ``dst_buffer_slot_idx int32[T, K]``: ``rank*M + row`` where each lane's token landed, or ``-1``.
+    - ``token_metadata_at_forward``, ``channel_linked_list``: None (DeepEP's hybrid mode only).
+    """
+
+    def __init__(self, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
+                 num_sms: int, topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
+                 num_recv_tokens_per_expert_list: list, psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
+                 psum_num_recv_tokens_per_expert: torch.Tensor, num_unaligned_recv_tokens_per_expert: torch.Tensor,
+                 recv_src_metadata: torch.Tensor, dst_buffer_slot_idx: torch.Tensor,
+                 token_metadata_at_forward: torch.Tensor | None = None,
+                 channel_linked_list: torch.Tensor | None = None):
+        self.do_expand = do_expand
+        self.num_experts = num_experts
+        self.expert_alignment = expert_alignment
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_sms = num_sms
+        self.topk_idx = topk_idx
+        self.num_recv_tokens = num_recv_tokens
+        self.num_expanded_tokens = num_expanded_tokens
+        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
+        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
+        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
+        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
+        self.recv_src_metadata = recv_src_metadata
+        self.dst_buffer_slot_idx = dst_buffer_slot_idx
+        self.token_metadata_at_forward = token_metadata_at_forward
+        self.channel_linked_list = channel_linked_list
+        self.cached_recv_src_metadata_before_sort = None
+        self._state: engine.DispatchState | None = None  # set by ElasticBuffer.dispatch
+        self._owner = None  # the ElasticBuffer that made it
+
+    def __repr__(self) -> str:
+        return (f"EPHandle(do_expand={self.do_expand}, num_experts={self.num_experts}, "
+                f"expert_alignment={self.expert_alignment}, num_max_tokens_per_rank={self.num_max_tokens_per_rank}, "
+                f"num_recv_tokens={self.num_recv_tokens})")
+
+
+def _flag(name: str, v) -> bool:
+    if not isinstance(v, (bool, int)) or isinstance(v, int) and not isinstance(v, bool) and v not in (0, 1):
+        raise TypeError(f"{name} must be a bool, got {v!r}")
+    return bool(v)
+
+
+def _event(name: str, ev):
+    if ev is None or isinstance(ev, EventHandle):
+        return ev
+    if isinstance(ev, EventOverlap):  # DeepEP wants the raw EventHandle; an EventOverlap is harmless here
+        return ev.event if isinstance(ev.event, EventHandle) or ev.event is None else _Recorded(ev.event)
+    raise TypeError(f"{name} must be an EventHandle (ElasticBuffer.capture()), got {type(ev).__name__}")
+
+
+class _Recorded:
+    """A ``torch.cuda.Event`` behind ``EventHandle``'s interface."""
+
+    def __init__(self, ev):
+        self.event = ev
+
+    def current_stream_wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+    def wait(self, stream=None) -> None:
+        self.event.wait(stream)
+
+
+class ElasticBuffer:
+    """DeepEP V2's ``ElasticBuffer`` over epcomm's engine (see the module docstring and docs/v2.md)."""
+
+    # the engine's class (``deep_ep.ElasticBuffer`` uses ``deep_ep.Buffer``'s device rule)
+    _engine_cls = None
+
+    def __init__(self, group, num_bytes: int | None = None, num_cpu_bytes: int = 0, num_max_tokens_per_rank: int = 0,
+                 hidden: int = 0, num_topk: int = 0, use_fp8_dispatch: bool = False, deterministic: bool = False,
+                 allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
+                 prefer_overlap_with_compute: bool = True, sl_idx: int = 3, num_allocated_qps: int = 0,
+                 num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
+                 **legacy):
+        # pre-release DeepGEMM spelled the timeouts gpu_timeout_secs / cpu_timeout_secs: both are accepted
+        for old, new in (("gpu_timeout_secs", "num_gpu_timeout_secs"), ("cpu_timeout_secs", "num_cpu_timeout_secs")):
+            if old in legacy:
+                if new == "num_gpu_timeout_secs":
+                    num_gpu_timeout_secs = legacy.pop(old)
+                else:
+                    num_cpu_timeout_secs = legacy.pop(old)
+        if legacy:
+            raise TypeError(f"ElasticBuffer() got unexpected keyword argument(s) {sorted(legacy)}")
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+        V.int_arg("num_cpu_bytes", num_cpu_bytes, 0)
+        m = V.int_arg("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
+        h = V.int_arg("hidden", hidden, 0)
+        k = V.int_arg("num_topk", num_topk, 0)
+        if k > EL.MAX_TOPK:
+            raise ValueError(f"num_topk must be <= {EL.MAX_TOPK}, got {k}")
+        V.int_arg("sl_idx", sl_idx, 0)
+        V.int_arg("num_allocated_qps", num_allocated_qps, 0)
+        for name, v in (("num_cpu_timeout_secs", num_cpu_timeout_secs), ("num_gpu_timeout_secs", num_gpu_timeout_secs)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        if num_bytes is not None:
+            V.int_arg("num_bytes", num_bytes, 0)
+            if num_bytes % EL.ALIGNMENT:
+                raise ValueError(f"num_bytes must be a multiple of 2 MiB ({EL.ALIGNMENT}), got {num_bytes}")
+        if num_cpu_bytes:
+            if num_bytes is None:
+                raise ValueError(f"num_cpu_bytes={num_cpu_bytes} needs num_bytes")
+            if num_cpu_bytes % EL.ALIGNMENT or num_cpu_bytes > num_bytes:
+                raise ValueError(f"num_cpu_bytes must be a multiple of 2 MiB and <= num_bytes={num_bytes}, "
+                                 f"got {num_cpu_bytes}")
+        self.group = group
+        self.rank_idx = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        if self.num_ranks > EL.MAX_RANKS:
+            raise ValueError(f"at most {EL.MAX_RANKS} ranks are supported, the group has {self.num_ranks}")
+        self.allow_hybrid_mode = _flag("allow_hybrid_mode", allow_hybrid_mode)
+        self.allow_multiple_reduction = _flag("allow_multiple_reduction", allow_multiple_reduction)
+        self.prefer_overlap_with_compute = _flag("prefer_overlap_with_compute", prefer_overlap_with_compute)
+        self.deterministic = _flag("deterministic", deterministic)  # rows are always in routing order
+        self.explicitly_destroy = _flag("explicitly_destroy", explicitly_destroy)
+        self.use_fp8_dispatch = _flag("use_fp8_dispatch", use_fp8_dispatch)
+        self.num_max_tokens_per_rank = m
+        self.hidden, self.num_topk = h, k
+        self.sl_idx = sl_idx
+        self.num_cpu_timeout_secs, self.num_gpu_timeout_secs = num_cpu_timeout_secs, num_gpu_timeout_secs
+        # a direct layout on every topology: rows grouped by source rank (docs/v2.md)
+        self.num_allocated_qps = num_allocated_qps or 17
+
+        from .buffer import Buffer
+
+        cls = self._engine_cls or Buffer
+        staging = EL.staging_bytes(self.num_ranks, m, h, k) if m and h else (num_bytes or 0)
+        # the engine: one Buffer, whose backend (reference, nvlink, internode) moves every byte;
+        # num_allocated_qps is its num_qps_per_rank (NVSHMEM's RC connections per peer on internode)
+        self._engine = cls(group, num_nvl_bytes=staging, num_qps_per_rank=num_allocated_qps or 24,
+                           explicitly_destroy=True)
+        self._backend = self._engine._backend
+        if _env.timeout_s(None) is None:  # EPCOMM_TIMEOUT_S, where set, wins
+            self._backend.timeout_s = float(num_gpu_timeout_secs if self._engine.device.type == "cuda"
+                                            else num_cpu_timeout_secs)
+        self._host_checks = self._engine._host_checks
+        self.device = self._engine.device
+        nodes = self._engine.node_map[0]
+        self.num_rdma_ranks = len(set(nodes))
+        self.num_nvlink_ranks = self.num_ranks // self.num_rdma_ranks
+        self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
+        self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
+        self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
+        # sized as DeepEP sizes it (BF16 whatever use_fp8_dispatch: an FP8-sized buffer then takes BF16 too)
+        self.num_bytes = num_bytes if num_bytes is not None else self._size_for(m, h, k, False)
+        self.num_cpu_bytes = num_cpu_bytes
+        self.nccl_comm_handle = None
+        self.runtime = self._engine
+        self._destroyed = False
+        self._sms_cache: dict = {}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=group)
+        log.info("epcomm rank %d: ElasticBuffer on backend %s, %d bytes", self.rank_idx, self._backend.name,
+                 self.num_bytes)
+
+    # ------------------------------------------------------------------ sizes and helpers
+
+    def _size_for(self, m: int, h: int, k: int, fp8: bool) -> int:
+        return EL.buffer_bytes(self.num_ranks, self.num_nvlink_ranks, m, h, k, fp8, 1, self.allow_multiple_reduction)
+
+    @staticmethod
+    def get_buffer_size_hint(group, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
+                             use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
+                             allow_multiple_reduction: bool = True) -> int:
+        """``num_bytes`` for these MoE settings (2 MiB-aligned; DeepEP's formula for the direct layout).
+        Collective: every rank of ``group`` calls it (it learns the nodes of the group)."""
+        from .backends.internode import group_nodes
+
+        V.int_arg("num_max_tokens_per_rank", num_max_tokens_per_rank, 0)
+        V.int_arg("hidden", hidden, 0)
+        V.int_arg("num_topk", num_topk, 0)
+        r = dist.get_world_size(group)
+        nodes = len(set(group_nodes(group)[0]))
+        return EL.buffer_bytes(r, r // nodes, num_max_tokens_per_rank, hidden, num_topk, bool(use_fp8_dispatch), 1,
+                               bool(allow_multiple_reduction))
+
+    def get_physical_domain_size(self) -> tuple[int, int]:
+        """``(nodes, ranks a node)`` of the group (hosts, or ``EPCOMM_GPUS_PER_NODE``)."""
+        return self.num_rdma_ranks, self.num_nvlink_ranks
+
+    def get_logical_domain_size(self) -> tuple[int, int]:
+        """``(1, R)``: epcomm lays rows out as DeepEP's direct mode on every topology (docs/v2.md)."""
+        return 1, self.num_ranks
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
+                                rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
+                                sm_write_gbs: float = 50) -> int:
+        """SMs for the dispatch and combine kernels (``elastic_layout.theoretical_num_sms``); on CPU, the
+        number a V1 ``Buffer`` uses (20). Cached per arguments."""
+        key = (num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs, sm_write_gbs)
+        got = self._sms_cache.get(key)
+        if got is None:
+            got = self._sms_cache[key] = self._num_sms(*key)
+        return got
+
+    def _num_sms(self, num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs, sm_write_gbs):
+        V.num_experts(num_experts, self.num_ranks)
+        V.int_arg("num_topk", num_topk, 1)
+        if num_scaleout_topk:
+            raise ValueError(f"num_scaleout_topk must be 0 (as in DeepEP), got {num_scaleout_topk}")
+        if self.device.type != "cuda":
+            return 20
+        props = torch.cuda.get_device_properties(self.device)
+        if not nvlink_gbs:  # NVLink 4 (SM90: 450 GB/s a direction), NVLink 3 before it; 90% of it
+            nvlink_gbs = (450.0 if props.major >= 9 else 300.0) * 0.9
+        return EL.theoretical_num_sms(self.num_ranks, num_experts, num_topk, props.multi_processor_count,
+                                      self.prefer_overlap_with_compute, nvlink_gbs, sm_read_gbs, sm_write_gbs)
+
+    def get_theoretical_num_qps(self, num_sms: int) -> int:
+        V.int_arg("num_sms", num_sms, 1)
+        return EL.theoretical_num_qps(num_sms, False, self.num_allocated_qps)
+
+    @staticmethod
+    def capture() -> EventHandle:
+        """An ``EventHandle`` recorded on the current stream (``previous_event=``)."""
+        return EventHandle()
+
+    def get_comm_stream(self):
+        """The communication stream (None on CPU, where every call completes synchronously)."""
+        return self._engine.get_comm_stream()
+
+    def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
+        """Every rank of the group meets here (a ``torch.distributed`` barrier; ``with_cpu_sync``: the device
+        is synchronised before and after)."""
+        self._check_alive()
+        if with_cpu_sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        if with_cpu_sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def destroy(self) -> None:
+        """Release the engine's buffers (for buffers made with ``explicitly_destroy=True``); collective."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("destroy() is for ElasticBuffers made with explicitly_destroy=True")
+        if self._destroyed:
+            return
+        self.barrier(with_cpu_sync=True)
+        self._engine.destroy()
+        self._destroyed = True
+        self.runtime = None
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this ElasticBuffer was destroyed")
+
+    def _run(self, fn, inputs, previous_event, async_with_compute_stream: bool):
+        """``fn()`` on the current stream, or with ``async_with_compute_stream`` on the communication stream
+        after ``previous_event`` (else after the current stream); returns ``(result, EventOverlap)``."""
+        streams = self._engine._streams
+        if streams.comm is None:
+            return fn(), EventOverlap()
+        if not async_with_compute_stream:
+            if previous_event is not None:
+                previous_event.current_stream_wait()
+            streams.sync()
+            return fn(), EventOverlap()
+        prev = None if previous_event is None else EventOverlap(previous_event)
+        return streams.run(fn, inputs, prev, True, False)
+
+    # ------------------------------------------------------------------ dispatch and combine
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None,
+                 num_experts=None, num_max_tokens_per_rank=None, expert_alignment=None, num_sms: int = 0,
+                 num_qps: int = 0, previous_event=None, previous_event_before_epilogue=None,
+                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False, handle=None,
+                 do_handle_copy: bool = True, do_cpu_sync=None, do_expand: bool = False,
+                 do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
+        """Send each token to the ranks of its experts. ``x``: ``[T, H]`` (BF16) or ``(x, sf)`` (FP8 with
+        ``sf [T, P]`` of 4-byte packs, fp32 or int32, moved as they are). Returns ``(recv_x, recv_topk_idx,
+        recv_topk_weights, EPHandle, EventOverlap)``: contiguous ``recv_x [N, H]``, ``recv_topk_idx
+        int64[N, K]`` (local ids, -1 elsewhere), ``recv_topk_weights f32[N, K]`` (local lanes, 0 elsewhere);
+        expanded (``do_expand``) ``recv_x [X, H]``, ``recv_topk_idx`` None, ``recv_topk_weights f32[X]``.
+        Without CPU sync ``N = R*M`` and ``X`` is the worst case; the handle's prefix sums say which rows
+        are real. See docs/v2.md."""
+        self._check_alive()
+        data, sf = (x if isinstance(x, (tuple, list)) else (x, None))
+        if isinstance(x, (tuple, list)) and len(x) != 2:
+            raise ValueError(f"x as a tuple must be (x, sf), got {len(x)} items")
+        V.tensor("x", data, data.dtype if isinstance(data, torch.Tensor) else torch.bfloat16, 2, self.device)
+        t, h = data.shape
+        if sf is not None:
+            if not isinstance(sf, torch.Tensor) or sf.element_size() != 4:
+                raise TypeError(f"sf must be a tensor of 4-byte scale packs (fp32 or int32), got "
+                                f"{getattr(sf, 'dtype', type(sf).__name__)}")
+            V.tensor("sf", sf, sf.dtype, 2, self.device)
+            if sf.shape[0] != t:
+                raise ValueError(f"sf must have the {t} rows of x, got shape {tuple(sf.shape)}")
+        do_expand = _flag("do_expand", do_expand)
+        do_zero_padding = _flag("do_zero_padding", do_zero_padding)
+        async_ = _flag("async_with_compute_stream", async_with_compute_stream)
+        alloc = _flag("allocate_on_comm_stream", allocate_on_comm_stream)
+        tma = _flag("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
+        if do_zero_padding and not do_expand:
+            raise ValueError("do_zero_padding=True needs do_expand=True")
+        prev, before = self._events(previous_event, previous_event_before_epilogue, alloc)
+        self._sms_qps(num_sms, num_qps)
+        if handle is not None:
+            return self._cached(handle, data, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
+                                num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, do_cpu_sync,
+                                do_expand, do_zero_padding, tma, prev, before, async_)
+        e = V.num_experts(num_experts, self.num_ranks) if num_experts is not None else None
+        if e is None:
+            raise ValueError("num_experts is required without a handle, got None")
+        if e > EL.MAX_EXPERTS or e // self.num_ranks > EL.MAX_LOCAL_EXPERTS:
+            raise ValueError(f"num_experts={e} exceeds the limits ({EL.MAX_EXPERTS} experts, "
+                             f"{EL.MAX_LOCAL_EXPERTS} a rank)")
+        m = self._tokens_arg(num_max_tokens_per_rank, t)
+        a = 1 if expert_alignment is None else V.int_arg("expert_alignment", expert_alignment, 1)
+        sync = True if do_cpu_sync is None else _flag("do_cpu_sync", do_cpu_sync)
+        if topk_idx is None:
+            raise ValueError("topk_idx is required without a handle, got None")
+        V.topk_idx(topk_idx, t, e, self.device, check_values=self._host_checks)
+        k = topk_idx.shape[1]
+        if k < 1:
+            raise ValueError(f"topk_idx must have 1 to {EL.MAX_TOPK} columns, got shape {tuple(topk_idx.shape)}")
+        if self._host_checks and k > 1 and t and not V.is_capturing(self.device):
+            s = torch.sort(topk_idx, 1).values
+            dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(1)
+            if bool(dup.any()):
+                row = int(dup.nonzero()[0, 0])
+                raise ValueError(f"topk_idx repeats an expert within token {row}: {topk_idx[row].tolist()}")
+        if topk_weights is not None:
+            V.topk_weights(topk_weights, topk_idx, self.device)
+        cum = cumulative_local_expert_recv_stats
+        if cum is not None:
+            V.tensor("cumulative_local_expert_recv_stats", cum, torch.int32, 1, self.device)
+            V.shape("cumulative_local_expert_recv_stats", cum, (e // self.num_ranks,))
+        self._check_fits(m, h, k, sf is not None)
+        sms = num_sms or self.get_theoretical_num_sms(e, k)
+
+        def fn():
+            return engine.dispatch(self, data, sf, topk_idx, topk_weights, e, m, a, sms, do_expand, sync,
+                                   do_zero_padding, tma, cum, _flag("do_handle_copy", do_handle_copy), before)
+
+        (rx, rsf, ridx, rw, fields, state), ev = self._run(fn, [data, sf, topk_idx, topk_weights], prev, async_)
+        hd = EPHandle(do_expand, e, a, m, sms, **fields)
+        hd._state, hd._owner = state, self
+        return (rx if rsf is None else (rx, rsf)), ridx, rw, hd, ev
+
+    def _cached(self, hd, data, sf, topk_idx, topk_weights, cum, num_experts, m, a, num_sms, do_cpu_sync, do_expand,
+                zero_pad, tma, prev, before, async_):
+        if not isinstance(hd, EPHandle) or hd._state is None:
+            raise TypeError(f"handle must be the EPHandle a dispatch returned, got {type(hd).__name__}")
+        if hd._owner is not self:
+            raise ValueError("handle was made by another ElasticBuffer")
+        if topk_idx is not None:
+            raise ValueError("topk_idx must be None with a handle (the handle's is used)")
+        if do_cpu_sync:
+            raise ValueError(f"do_cpu_sync={do_cpu_sync!r} cannot be used with a cached handle")
+        if cum is not None:
+            raise ValueError("cumulative_local_expert_recv_stats must be None with a cached handle")
+        for name, given, own in (("num_experts", num_experts, hd.num_experts),
+                                 ("expert_alignment", a, hd.expert_alignment),
+                                 ("num_max_tokens_per_rank", m, hd.num_max_tokens_per_rank)):
+            if given is not None and given != own:
+                raise ValueError(f"{name}={given!r} differs from the handle's {own}")
+        if do_expand != hd.do_expand:
+            raise ValueError(f"do_expand={do_expand} differs from the handle's layout (do_expand={hd.do_expand})")
+        t, k = hd.topk_idx.shape
+        if data.shape[0] != t:
+            raise ValueError(f"x has {data.shape[0]} tokens but the handle was made for {t}")
+        if topk_weights is not None:
+            V.topk_weights(topk_weights, hd.topk_idx, self.device)
+        self._check_fits(hd.num_max_tokens_per_rank, data.shape[1], k, sf is not None)
+
+        def fn():
+            return engine.cached_dispatch(self, hd._state, hd.do_expand, data, sf, topk_weights, zero_pad, tma,
+                                          before)
+
+        (rx, rsf, ridx, rw), ev = self._run(fn, [data, sf, topk_weights], prev, async_)
+        return (rx if rsf is None else (rx, rsf)), ridx, rw, hd, ev
+
+    def combine(self, x, handle, topk_weights=None, bias=None, num_sms: int = 0, num_qps: int = 0,
+                previous_event=None, previous_event_before_epilogue=None, async_with_compute_stream: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Bring the expert outputs back and reduce them: ``x bf16`` in the handle's layout (contiguous: the
+        dispatch's ``N`` rows, each already the sum of its local experts; expanded: ``X`` rows), never
+        multiplied by weights. ``topk_weights`` (f32 ``[N, K]`` or ``[X]``) travel back; ``bias``: None,
+        one or two ``bf16[T, H]``. Returns ``(combined_x bf16[T, H], combined_topk_weights f32[T, K] or None,
+        EventOverlap)``. The sum: float32, biases first, then each rank's partial at its highest top-k lane,
+        in lane order, one BF16 rounding (docs/v2.md)."""
+        self._check_alive()
+        if not isinstance(handle, EPHandle) or handle._state is None:
+            raise TypeError(f"handle must be the EPHandle a dispatch returned, got {type(handle).__name__}")
+        if handle._owner is not self:
+            raise ValueError("handle was made by another ElasticBuffer")
+        st = handle._state
+        V.tensor("x", x, torch.bfloat16, 2, self.device)
+        t, k = handle.topk_idx.shape
+        expand = handle.do_expand
+        if expand and x.shape[0] < st.num_expanded:
+            raise ValueError(f"x must cover the {st.num_expanded} expanded rows of the dispatch, got shape "
+                             f"{tuple(x.shape)}")
+        if not expand and x.shape[0] != st.num_rows:
+            raise ValueError(f"x must have the {st.num_rows} rows the dispatch returned, got shape {tuple(x.shape)}")
+        if topk_weights is not None:
+            if expand and not self.allow_multiple_reduction:
+                raise ValueError("topk_weights cannot travel back through an expanded combine with "
+                                 "allow_multiple_reduction=False (every row travels on its own)")
+            V.tensor("topk_weights", topk_weights, torch.float32, 1 if expand else 2, self.device)
+            want = (x.shape[0],) if expand else (st.num_rows, k)
+            V.shape("topk_weights", topk_weights, want)
+        biases = () if bias is None else (tuple(bias) if isinstance(bias, (tuple, list)) else (bias,))
+        if len(biases) > 2:
+            raise ValueError(f"bias takes one or two tensors, got {len(biases)}")
+        for i, b in enumerate(biases):
+            if b is not None:
+                V.tensor(f"bias[{i}]", b, torch.bfloat16, 2, self.device)
+                V.shape(f"bias[{i}]", b, (t, x.shape[1]))
+        biases = tuple(b for b in biases if b is not None)
+        async_ = _flag("async_with_compute_stream", async_with_compute_stream)
+        prev, before = self._events(previous_event, previous_event_before_epilogue,
+                                    _flag("allocate_on_comm_stream", allocate_on_comm_stream))
+        self._sms_qps(num_sms, num_qps)
+
+        def fn():
+            return engine.combine(self, x, st, handle.topk_idx, handle.num_experts, handle.num_max_tokens_per_rank,
+                                  expand, topk_weights, biases, self.allow_multiple_reduction, before)
+
+        (out, w), ev = self._run(fn, [x, topk_weights, *biases], prev, async_)
+        return out, w, ev
+
+    # ------------------------------------------------------------------ argument checks
+
+    def _events(self, previous_event, before_epilogue, alloc: bool):
+        prev = _event("previous_event", previous_event)
+        before = _event("previous_event_before_epilogue", before_epilogue)
+        if previous_event is not None and not alloc:
+            raise ValueError("previous_event needs allocate_on_comm_stream=True (as in DeepEP)")
+        return prev, before
+
+    def _sms_qps(self, num_sms, num_qps) -> None:
+        V.int_arg("num_sms", num_sms, 0)
+        V.int_arg("num_qps", num_qps, 0)
+        if num_qps > self.num_allocated_qps:
+            raise ValueError(f"num_qps={num_qps} exceeds num_allocated_qps={self.num_allocated_qps}")
+        if self.device.type == "cuda" and num_sms > torch.cuda.get_device_properties(self.device).multi_processor_count:
+            raise ValueError(f"num_sms={num_sms} exceeds the device's SMs")
+
+    def _tokens_arg(self, m, t: int) -> int:
+        m = self.num_max_tokens_per_rank if m is None else V.int_arg("num_max_tokens_per_rank", m, 1)
+        if m < 1:
+            raise ValueError("num_max_tokens_per_rank must be given (here or to the constructor), got 0")
+        if t > m:
+            raise ValueError(f"x has {t} tokens, more than num_max_tokens_per_rank={m}")
+        return m
+
+    def _check_fits(self, m: int, h: int, k: int, fp8: bool) -> None:
+        need = self._size_for(m, h, k, fp8)
+        if need > self.num_bytes:
+            raise ValueError(f"num_bytes={self.num_bytes} is too small for num_max_tokens_per_rank={m}, hidden={h}, "
+                             f"num_topk={k}: get_buffer_size_hint gives {need}")
