@@ -199,10 +199,9 @@ def backend_choice() -> Section:
     elif not torch.cuda.is_available():
         verdict = "reference: the group is not on CUDA (gloo/CPU tensors)"
     elif (_gpus_per_node() or 1 << 30) < torch.cuda.device_count():
-        from .backends.internode import BUILT, NOT_BUILT, SERVES
+        from .backends.internode import SERVES
 
-        verdict = (f"internode for a group of this host's GPUs (virtual nodes) where NVSHMEM comes up: {SERVES}"
-                   if BUILT else f"reference for a group of this host's GPUs (virtual nodes): {NOT_BUILT}")
+        verdict = f"internode for a group of this host's GPUs (virtual nodes) where NVSHMEM comes up: {SERVES}"
     elif package_version("triton") is None:
         verdict = "reference: triton is not installed (pip install 'epcomm[triton]')"
     else:
@@ -244,8 +243,7 @@ def internode() -> Section:
     for k in ("NVSHMEM_IB_TRAFFIC_CLASS", "NVSHMEM_IB_SL"):
         lines.append(f"  {k}={os.environ[k]}  (yours)" if k in os.environ else
                      f"  {k} (unset: NVSHMEM's default; set it for your RoCE fabric's lossless class)")
-    lines.append("a group across nodes runs: " + (f"internode where NVSHMEM comes up (else reference): {inter.SERVES}"
-                                                  if inter.BUILT else f"reference: {inter.NOT_BUILT}"))
+    lines.append(f"a group across nodes runs: internode where NVSHMEM comes up (else reference): {inter.SERVES}")
     return ("internode (NVSHMEM)", lines)
 
 

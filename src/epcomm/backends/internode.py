@@ -20,10 +20,14 @@ Letters: ``R`` ranks, ``N`` GPUs per node, ``P = R / N`` nodes.
 
 Symmetric buffer (one NVSHMEM allocation per Buffer)::
 
-    [LL region: num_rdma_bytes, laid out by layout.low_latency_buffer_layout]
+    [LL region: num_rdma_bytes in low-latency mode (else empty), laid out by layout.low_latency_buffer_layout]
     [LL signals: 2 parities x 3R uint64][M table: int32[R]][LL combine staging: num_rdma_bytes / 2]
     [HT layout exchange: 2 parities x R uint64 signals, staging R x S int32, 2 parities x R x S int32]
     [HT region: num_nvl_bytes (+ num_rdma_bytes outside low-latency mode), 64 MiB if both are 0]
+
+``get_local_buffer_tensor`` views the buffer itself: its NVL buffer is the HT region's first
+``num_nvl_bytes``; its RDMA buffer the LL region, or outside low-latency mode the HT region's next
+``num_rdma_bytes`` (so each byte the user asks for is reserved once).
 
 ``S`` (:func:`notify_words`) holds one rank's layout row for another: its counts per rank, its
 ``num_tokens_per_rank``, its token count, its counts per node, its channel prefix and its expert counts for
@@ -46,9 +50,7 @@ from .base import Backend, checked_run, raise_error_word
 
 log = logging.getLogger(__name__)
 
-BUILT = True  # the low-latency kernels over NVSHMEM (see the module docstring)
-SERVES = "low-latency over NVSHMEM; high-throughput hierarchical over NVSHMEM and NVLink"
-NOT_BUILT = "the internode backend's kernels are not built"  # (while BUILT is False; kept for epcomm env)
+SERVES = "low-latency over NVSHMEM; high-throughput hierarchical over NVSHMEM and NVLink"  # (epcomm env)
 
 DEFAULT_HT_BYTES = 64 << 20  # the high-throughput region when the Buffer names no bytes for it
 _applied: dict | None = None  # the NVSHMEM settings in force once applied in this process
@@ -148,8 +150,6 @@ class InternodeBackend(Backend):
     checks_topk_on_device = True  # the LL send kernel and the HT handle kernel check the expert ids
 
     def __init__(self, buf, sim: bool | None = None):
-        from .reference import ReferenceBackend
-
         super().__init__(buf.group, buf.rank, buf.group_size, buf.device, buf.timeout_s)
         self._buf = weakref.ref(buf)
         self.sim = os.environ.get("TRITON_INTERPRET") == "1" if sim is None else bool(sim)
@@ -167,7 +167,7 @@ class InternodeBackend(Backend):
         if nodes != [r // self.ranks_per_node for r in range(r_)]:
             raise ValueError(f"the internode backend needs nodes of consecutive ranks, got node map {nodes}")
         self.nvl = bool(buf.allow_nvlink_for_low_latency_mode)
-        self.rdma_bytes = _align(buf.num_rdma_bytes)
+        self.rdma_bytes = _align(buf.num_rdma_bytes) if buf.low_latency_mode else 0  # the LL region
         self.ll_off = 0
         self.sig_off = self.rdma_bytes
         self.mtab_off = self.sig_off + _align(2 * 3 * r_ * 8)
@@ -200,11 +200,10 @@ class InternodeBackend(Backend):
         words = torch.zeros(8, dtype=torch.int32, device=self.device)
         self.err = words[:6]
         self.err[4:].view(torch.int64).fill_(self.err_host.data_ptr())
-        # the reference backend's local buffer is get_local_buffer_tensor's (the HT region is the kernels'
-        # staging, not the user's)
-        self._ref = ReferenceBackend(buf.group, buf.rank, r_, buf.device, buf.timeout_s, buf.num_nvl_bytes, 0)
-        self.nvl_buffer = self._ref.nvl_buffer
-        self.rdma_buffer = self.symm[:buf.num_rdma_bytes]
+        # get_local_buffer_tensor's views (module docstring)
+        self.nvl_buffer = self.symm[self.ht_off:self.ht_off + buf.num_nvl_bytes]
+        rdma_at = self.ll_off if buf.low_latency_mode else self.ht_off + buf.num_nvl_bytes
+        self.rdma_buffer = self.symm[rdma_at:rdma_at + buf.num_rdma_bytes]
         self._ll = self._ht = None
         self.sync_and_barrier()
 
@@ -286,7 +285,6 @@ class InternodeBackend(Backend):
 
     def destroy(self) -> None:
         self.sync_and_barrier()
-        self._ref.destroy()
         self.nvl_buffer = self.rdma_buffer = None
         if self._ll is not None:
             self._ll._plans = {}  # views into the symmetric buffer keep it alive
@@ -313,6 +311,4 @@ def availability(buf) -> tuple[bool, str]:
         return False, "NVSHMEM is not available to torch here (pip install nvidia-nvshmem-cu12 matching torch)"
     if torch.cuda.get_device_capability(buf.device)[0] < 8:
         return False, "needs an SM80+ GPU"
-    if not BUILT:
-        return False, NOT_BUILT
     return True, f"NVSHMEM is available ({SERVES})"
