@@ -72,14 +72,6 @@ def tune() -> dict[str, str]:
     return out
 
 
-def as_deep_ep() -> bool:
-    """``EPCOMM_AS_DEEP_EP``: whether epcomm answers ``import deep_ep`` (the rule lives in the torch-free
-    start-up hook ``_epcomm_as_deep_ep``, which reads it before anything else can)."""
-    from _epcomm_as_deep_ep import switch_on
-
-    return switch_on()
-
-
 def gpus_per_node() -> int | None:
     """``EPCOMM_GPUS_PER_NODE`` as a positive int, or None when unset (a node is then a host)."""
     v = os.environ.get("EPCOMM_GPUS_PER_NODE", "").strip()
