@@ -68,6 +68,8 @@ def main(argv: list[str]) -> int:
         with open(os.path.join(work, "utils.py"), "w") as f:
             f.write(_SHIM)
         env = dict(os.environ, EPCOMM_AS_DEEP_EP="1")
+        if env.get("EPCOMM_TEST_SHARE_GPU") == "1":  # torch symmetric memory: one device mapped by several ranks
+            env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
         return subprocess.call([sys.executable, script, *rest], cwd=work, env=env)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -321,9 +321,11 @@ def test_low_latency_dispatch_is_one_kernel(rig, hook):
         recv()
         assert _names(rig.log) == ["_ll_dispatch_kernel"] * 2
         assert rig.log[1][2]["n_send"] == 0 and rig.log[1][1] == (n_recv, 1, 1)
+        assert (rig.log[0][2]["ROLES"], rig.log[1][2]["ROLES"]) == (1, 2)  # each compiled for its roles
         return
     assert names == ["_ll_dispatch_kernel"]
     launch = rig.log[0]
+    assert launch[2]["ROLES"] == 3
     assert launch[2]["n_send"] == 6 * n_gb and launch[2]["n_gb"] == n_gb
     assert launch[1] == (6 * n_gb + n_recv, 1, 1)
     recv()  # nothing left to launch
@@ -351,7 +353,7 @@ def test_low_latency_combine_is_one_kernel(rig, hook):
     assert _names(rig.log) == ["_ll_combine_kernel"] * (2 if hook else 1)
     if hook:
         r = rig.log[1][2]
-        assert r["DO_RECV"] is True and r["n_w"] == 0 and r["n_red"] == 0 and rig.log[1][1] == (6 * a["n_cb"], 1, 1)
+        assert r["DO_RECV"] is True and r["RECV_ONLY"] is True and r["n_w"] == 0 and r["n_red"] == 0 and rig.log[1][1] == (6 * a["n_cb"], 1, 1)
 
 
 @pytest.mark.parametrize("r_pow2, expected", [(1, 3), (2, 3), (4, 1), (8, 1)])

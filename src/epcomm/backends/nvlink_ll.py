@@ -47,12 +47,13 @@ _T_ROLE, _T_CROLE = 9, 10  # the fused dispatch's and the fused combine's role t
 # Launch parameters (measure a variant with EPCOMM_TUNE=ll.<key>=<value> epcomm bench).
 TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_block=2048, recv_split=1,
             csend_warps=4, csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024,
-            fused_dispatch=True, fused_combine=True, local_ticket=True)
+            fused_dispatch=True, fused_combine=True, local_ticket=True, both_qb=4, both_block=2048)
 # fused_dispatch / fused_combine: one kernel per operation, its programs taking the roles (see the module
 # docstring; send_warps / csend_warps for every role); off: separate send and receive kernels, which
 # DeepEP's LL timing cannot attribute to one operation; local_ticket: the receive kernels count their
 # programs with a relaxed GPU-scope ticket (their last program only stores the next expected level)
-# instead of a system-scope acq_rel one
+# instead of a system-scope acq_rel one; both_qb / both_block: recv_qb / recv_block of a dispatch
+# that sends and receives in one launch (the receive tile sets the registers of every program there)
 # (one H200, one rank, 128 tokens, graph replays, same run: dispatch receive 12.9 -> 12.1 us, combine
 # receive 8.7 -> 8.0 us; 1 token: 7.4 -> 7.2, 5.9 -> 5.5 us)
 
@@ -135,10 +136,10 @@ class LowLatencyEngine(LowLatencyCalls):
                     split)
             i_stats = 3 + len(send_args) + 1 + len(recv_out)  # x, topk, t, send_args, slot, outputs
             holes = (0, 1, i_stats, i_stats + 1)
-            prep = self.k_dfused.prepared(key, fused_consts)
-            go = Direct(prep, tmpl, holes)
             n_recv = lx * r_ * split
-            if not a.hook:
+            if not a.hook:  # both roles in one kernel: its receive tile sets the send programs' registers too
+                go = Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=3, QB=TUNE["both_qb"],
+                                                             BLOCK=TUNE["both_block"])), tmpl, holes)
                 grid = n_send + n_recv
 
                 def run(x, topk, cum, wst):
@@ -147,10 +148,12 @@ class LowLatencyEngine(LowLatencyCalls):
 
                 c.run = run
                 return c
-            # the hook: the same kernel twice, every program a sender, then (hook()) every one a receiver
-            # (n_send is not specialised on: one compiled kernel, one name in a profile)
+            # the hook: the same kernel twice, every program a sender, then (hook()) every one a receiver,
+            # each compiled for its roles only (one name in a profile)
             i_nsend = len(tmpl) - 2
-            go_recv = Direct(prep, (*tmpl[:i_nsend], 0, split), holes)
+            go = Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=1)), tmpl, holes)
+            go_recv = Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=2)), (*tmpl[:i_nsend], 0, split),
+                             holes)
 
             def run(x, topk, cum, wst):
                 go(n_send, 1, 1, x, topk, cum_dummy, wst_dummy)
@@ -237,7 +240,7 @@ class LowLatencyEngine(LowLatencyCalls):
                            num_warps=TUNE["csend_warps"])
             fused = Direct(self.k_cfused.prepared(key, cconsts), tmpl, holes)
             if a.hook:  # hook(): the same kernel, every program a receiver (no weights or reduce roles)
-                fused_recv = Direct(self.k_cfused.prepared((key, "recv"), dict(cconsts, DO_RECV=True)),
+                fused_recv = Direct(self.k_cfused.prepared(key, dict(cconsts, DO_RECV=True, RECV_ONLY=True)),
                                     (*tmpl[:-4], 0, n_cs, 0, n_cb), holes)
 
             def send(y, topk, w, out, wst):
@@ -289,10 +292,8 @@ class LowLatencyEngine(LowLatencyCalls):
     def clean(self) -> None:
         """Zero the LL region and the levels; every rank calls it together (then a barrier)."""
         nv = self.nv
-        torch.cuda.synchronize(nv.device)
-        torch.distributed.barrier(group=nv.group)
+        nv.barrier("clean_low_latency_buffer/before")  # (bounded by the deadline, as every host wait)
         nv.symm[nv.ll_off:nv.ll_off + nv.rdma_bytes].zero_()
         self.levels.zero_()
         self.tickets.zero_()
-        torch.cuda.synchronize(nv.device)
-        torch.distributed.barrier(group=nv.group)
+        nv.barrier("clean_low_latency_buffer/after")

@@ -188,21 +188,27 @@ def _ll_dispatch_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M, ptr_table, 
                               R_POW2: tl.constexpr, SHRINK: tl.constexpr, UE8M0: tl.constexpr,
                               HAS_CUM: tl.constexpr, HAS_WAIT: tl.constexpr, TB: tl.constexpr, QB: tl.constexpr,
                               BLOCK: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
-                              K_POW2: tl.constexpr, LOCAL_TICKET: tl.constexpr = False):
-    """Send and receive of a dispatch without the hook, one launch: ``n_send`` programs do the send
-    kernel's work (``n_gb`` per token), the rest the receive kernel's (``L x R x S``). Roles go by a
-    ticket taken at the start, sends first, so a program only gets a receive role (which waits on
-    other GPUs) once every send role is held by a program already running: no send can be starved of
-    an SM by waiting receives, whatever number of programs is resident."""
+                              K_POW2: tl.constexpr, LOCAL_TICKET: tl.constexpr = False, ROLES: tl.constexpr = 3):
+    """The dispatch: ``n_send`` programs do the send kernel's work (``n_gb`` per token), the rest the
+    receive kernel's (``L x R x S``). ``ROLES``: 3, both in one launch (no hook): roles go by a ticket
+    taken at the start, sends first, so a program only gets a receive role (which waits on other GPUs)
+    once every send role is held by a program already running: no send can be starved of an SM by
+    waiting receives, whatever number of programs is resident. 1: only the send roles (``n_send`` is
+    the grid), 2: only the receive roles (``n_send`` is 0): the hook's two launches, each compiled
+    without the other's code (registers: a send program needs a quarter of a receive program's), under
+    one kernel name."""
     n_all = tl.num_programs(0)
-    role = tl.atomic_add(role_ptr, 1)
-    if role == n_all - 1:
-        tl.atomic_xchg(role_ptr, 0)  # every program has its role: ready for the next launch
-    if role < n_send:
+    if ROLES == 3:
+        role = tl.atomic_add(role_ptr, 1)
+        if role == n_all - 1:
+            tl.atomic_xchg(role_ptr, 0)  # every program has its role: ready for the next launch
+    else:
+        role = tl.program_id(0)
+    if (ROLES & 1) and (role < n_send):
         _ll_send(role // n_gb, role % n_gb, n_send, x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M, ptr_table,
                  area_off, src_bytes, msg_bytes, sig_off, send_ticket_ptr, err_ptr, mask_ptr, USE_FP8,
                  ROUND_SCALE, GC, R_POW2, SHRINK)
-    else:
+    elif ROLES & 2:
         q = role - n_send
         _ll_recv(q // (R * S), (q // S) % R, q % S, S, n_all - n_send, ptr_table, area_off, src_bytes, msg_bytes,
                  sig_off, slot_off, me, R, L, M, H, G, K, out_x, out_s, out_src, out_range, out_count, cum_ptr,
@@ -443,17 +449,25 @@ def _ll_combine_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_of
                              n_w, n_cs, n_red, n_cb, K_POW2: tl.constexpr, R_POW2: tl.constexpr,
                              BLOCK: tl.constexpr, RBLOCK: tl.constexpr, HAS_WAIT: tl.constexpr,
                              HAS_TIMER: tl.constexpr, SHRINK: tl.constexpr, DO_RECV: tl.constexpr,
-                             LOCAL_TICKET: tl.constexpr = False):
-    """The combine in one launch: ``n_w`` programs do the weights kernel's work, the next ``n_red``
-    the reduce kernel's (``n_cs`` channel splits per source token), and with ``DO_RECV`` (no hook)
-    the rest the receive kernel's (``n_cb`` channel blocks per token). Roles go by a ticket taken at
-    the start, in that order: a program gets a role that waits on other GPUs only once every role
-    before it is held by a running program (see ``_ll_dispatch_kernel``)."""
+                             LOCAL_TICKET: tl.constexpr = False, RECV_ONLY: tl.constexpr = False):
+    """The combine: ``n_w`` programs do the weights kernel's work, the next ``n_red`` the reduce
+    kernel's (``n_cs`` channel splits per source token), and with ``DO_RECV`` (no hook) the rest the
+    receive kernel's (``n_cb`` channel blocks per token). Roles go by a ticket taken at the start, in
+    that order: a program gets a role that waits on other GPUs only once every role before it is held
+    by a running program (see ``_ll_dispatch_kernel``). ``RECV_ONLY`` (the hook's second launch,
+    ``n_w = n_red = 0``): every program a receiver, by its id, compiled without the other roles."""
     n_all = tl.num_programs(0)
-    role = tl.atomic_add(role_ptr, 1)
-    if role == n_all - 1:
-        tl.atomic_xchg(role_ptr, 0)
-    if role < n_w:
+    if RECV_ONLY:
+        role = tl.program_id(0)
+    else:
+        role = tl.atomic_add(role_ptr, 1)
+        if role == n_all - 1:
+            tl.atomic_xchg(role_ptr, 0)
+    if RECV_ONLY:
+        _ll_combine_recv(role // n_cb, role % n_cb, n_all, topk_ptr, T, H, K, me, R, L, M, ptr_table, c_off, sig_off,
+                         out_ptr, wait_ptr, clevel_ptr, cticket_ptr, err_ptr, timeout_ns, mask_ptr, K_POW2, R_POW2,
+                         BLOCK, HAS_WAIT, HAS_TIMER, SHRINK, LOCAL_TICKET)
+    elif role < n_w:
         _ll_weights(role, n_w, topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, wticket_ptr, mask_ptr,
                     SHRINK)
     elif role < n_w + n_red:
