@@ -11,7 +11,7 @@ How it works (docs/clients.md has the whole story):
   Without the variable that is one dictionary look-up: nothing is imported, nothing named
   ``deep_ep`` is provided or shadowed.
 - With it, ``install()`` reads the value (``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/
-  ``off``/empty) and, when on, puts ``DeepEPFinder`` first on ``sys.meta_path``. The finder answers
+  ``off``/empty; anything else is one line on stderr and counts as off) and, when on, puts ``DeepEPFinder`` first on ``sys.meta_path``. The finder answers
   only the top-level name ``deep_ep``: it returns a spec for the directory ``epcomm/_deep_ep``, so
   ``deep_ep``, ``deep_ep.utils`` and ``deep_ep.buffer`` load from there (submodules through the
   ordinary path finder) and ``importlib.util.find_spec("deep_ep")`` finds them. Being first, it wins
@@ -82,12 +82,30 @@ def installed() -> bool:
     return any(f is DeepEPFinder for f in sys.meta_path)
 
 
+_reported: list = []  # the bad values install() has reported in this process
+
+
 def install() -> bool:
     """Put ``DeepEPFinder`` first on ``sys.meta_path`` if the switch is on; returns whether it is there.
 
     Called by the ``.pth`` line; callable by hand too (e.g. in a process started before the variable
-    was set, after setting it). A ``deep_ep`` imported before this call stays what it was."""
-    if not switch_on():
+    was set, after setting it). A ``deep_ep`` imported before this call stays what it was.
+
+    A value that is neither on nor off leaves the switch off and is reported once per process, as one
+    line on stderr (logger ``epcomm``), not raised: raised in a ``.pth`` line it would print a traceback
+    from ``site`` for every hook file that runs it, and start every Python process of the environment
+    that way."""
+    try:
+        on = switch_on()
+    except ValueError as e:
+        if str(e) not in _reported:
+            _reported.append(str(e))
+            import logging
+
+            logging.getLogger("epcomm").error("epcomm: %s; import deep_ep is not answered by epcomm in this "
+                                              "process", e)
+        return False
+    if not on:
         return False
     if not installed():
         sys.meta_path.insert(0, DeepEPFinder)

@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -56,6 +57,22 @@ def test_switch_values(value, on):
 def test_switch_bad_value_names_variable_and_value():
     with pytest.raises(ValueError, match=r"EPCOMM_AS_DEEP_EP .*got 'maybe'"):
         hook.switch_on({hook.VARIABLE: "maybe"})
+
+
+def test_a_bad_value_at_start_up_is_one_line_and_the_switch_stays_off(tmp_path):
+    files = hook.pth_files()
+    assert files, f"{hook.PTH_NAME} is in no site directory: run `pip install -e .` again"
+    shutil.copy(files[0], tmp_path)  # a second hook file: site runs the line twice in one process
+    env = {k: v for k, v in os.environ.items() if k != hook.VARIABLE}
+    env[hook.VARIABLE] = "maybe"
+    code = (f"import site; site.addsitedir({str(tmp_path)!r}); import _epcomm_as_deep_ep as h; "
+            "print(h.installed())")
+    p = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.strip() == "False", (p.returncode, p.stdout, p.stderr)
+    want = (f"epcomm: {hook.VARIABLE} must be one of {hook._ON} (on) or {hook._OFF} (off), got 'maybe'; "
+            "import deep_ep is not answered by epcomm in this process")
+    assert [ln for ln in p.stderr.splitlines() if ln.strip()] == [want], p.stderr
 
 
 def test_event_handle_on_cpu_is_empty_and_waits_for_nothing():
