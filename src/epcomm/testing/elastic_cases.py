@@ -1,0 +1,154 @@
+"""Inputs and oracles for ``ElasticBuffer`` (DeepEP V2's API), used by the tier-2 and tier-3 tests.
+
+Every rank's inputs come from one seed, so any rank computes what it must receive and what its combine
+must return from the inputs alone, written out the plain way (loops over source ranks and tokens), not
+with the library's layout code. Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts,
+``R`` ranks, ``LE = E/R``, ``M`` max tokens a rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class V2Case:
+    num_ranks: int
+    tokens: tuple[int, ...]   # T of every rank
+    hidden: int = 256
+    num_topk: int = 4
+    num_experts: int = 8
+    masked: float = 0.2       # share of top-k lanes set to -1
+    seed: int = 0
+
+    @property
+    def m(self) -> int:
+        return max(max(self.tokens), 1)
+
+
+def inputs(case: V2Case, rank: int, sf_kind: str = "bf16"):
+    """``(x, sf or None, topk_idx int64[T, K], topk_weights f32[T, K])`` of ``rank``. ``sf_kind``: ``bf16``
+    (no scales), ``fp32`` (FP8 + fp32 per 128: ``[T, H/128]``) or ``ue8m0`` (FP8 + int32 packs, ``[T, H/128]``
+    ints holding four UE8M0 bytes each, arbitrary bits: the library must move them untouched)."""
+    g = torch.Generator().manual_seed(case.seed * 1000 + rank)
+    t, h, k, e = case.tokens[rank], case.hidden, case.num_topk, case.num_experts
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    idx = idx.to(torch.int64)
+    idx[torch.rand(t, k, generator=g) < case.masked] = -1
+    w = torch.rand(t, k, generator=g)
+    w[idx < 0] = 0
+    if sf_kind == "bf16":
+        return x, None, idx, w
+    q = (torch.randn(t, h, generator=g) * 8).clamp(-440, 440).to(torch.float8_e4m3fn)
+    if sf_kind == "fp32":
+        return q, torch.rand(t, h // 128, generator=g) + 0.5, idx, w
+    return q, torch.randint(-2**31, 2**31 - 1, (t, h // 128), generator=g, dtype=torch.int64).to(torch.int32), idx, w
+
+
+def bias(case: V2Case, rank: int, n: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(case.seed * 1000 + 500 + rank)
+    t = case.tokens[rank]
+    scale = 2.0 ** (torch.arange(t, dtype=torch.float32).view(t, 1) * 7 % 20 - 10)
+    return tuple((torch.randn(t, case.hidden, generator=g) * scale).to(torch.bfloat16) for _ in range(n))
+
+
+def expert_output(gid: int, lane: int, hidden: int) -> torch.Tensor:
+    """What expert lane ``lane`` of source token ``gid`` (``src_rank * M + token``) returns: ``bf16[H]``.
+    Lanes 0 and 1 return ``+B`` and ``-B`` (``B`` about ``2**12``), so a float32 sum that adds the bias or
+    small lanes before they cancel loses those bits: the order of the reduction shows in the result."""
+    if lane < 2:
+        return torch.full((hidden,), (1 - 2 * lane) * 2.0 ** 12 * (1 + (gid % 3) / 4), dtype=torch.bfloat16)
+    scale = 2.0 ** ((gid * 5 + lane * 11) % 8 - 4)
+    return (torch.sin(torch.arange(1, hidden + 1, dtype=torch.float32) * ((gid * 7 + lane * 3) % 101 + 1) / 97)
+            * scale).to(torch.bfloat16)
+
+
+def expected_dispatch(case: V2Case, rank: int, sf_kind: str, alignment: int):
+    """What ``rank`` receives, in source rank then source token order: ``dict`` with ``gid`` (list),
+    ``x``, ``sf``, ``local`` (int64[N, K]), ``w`` (f32[N, K], local lanes), ``counts`` (real per local
+    expert), ``expanded`` (list over local experts of lists of ``(row, lane)``), ``starts`` (aligned)."""
+    le = case.num_experts // case.num_ranks
+    lo = rank * le
+    gid, xs, sfs, loc, ws = [], [], [], [], []
+    for s in range(case.num_ranks):
+        x, sf, idx, w = inputs(case, s, sf_kind)
+        for t in range(case.tokens[s]):
+            here = (idx[t] >= lo) & (idx[t] < lo + le)
+            if not bool(here.any()):
+                continue
+            gid.append(s * case.m + t)
+            xs.append(x[t])
+            sfs.append(None if sf is None else sf[t])
+            loc.append(torch.where(here, idx[t] - lo, torch.full_like(idx[t], -1)))
+            ws.append(torch.where(here, w[t], torch.zeros_like(w[t])))
+    k, h = case.num_topk, case.hidden
+    local = torch.stack(loc) if loc else torch.zeros(0, k, dtype=torch.int64)
+    expanded = [[(n, j) for n in range(local.shape[0]) for j in range(k) if int(local[n, j]) == l] for l in range(le)]
+    counts = [len(v) for v in expanded]
+    starts, at = [], 0
+    for c in counts:
+        starts.append(at)
+        at += (c + alignment - 1) // alignment * alignment
+    return {
+        "gid": gid, "local": local, "counts": counts, "starts": starts, "expanded": expanded,
+        "x": torch.stack(xs) if xs else torch.zeros(0, h, dtype=inputs(case, rank, sf_kind)[0].dtype),
+        "sf": None if sf_kind == "bf16" else (torch.stack(sfs) if sfs else None),
+        "w": torch.stack(ws) if ws else torch.zeros(0, k),
+    }
+
+
+def expected_combine(case: V2Case, rank: int, n_bias: int, multi: bool) -> torch.Tensor:
+    """DeepEP's reduction for ``rank``'s tokens, each expert lane returning :func:`expert_output`: float32
+    from ``bias0 + bias1``; with ``multi`` every rank's lanes summed first (in lane order, from zero, one
+    BF16 rounding) and added at that rank's highest lane; lanes in order; one BF16 rounding at the end."""
+    _, _, idx, _ = inputs(case, rank)
+    le = case.num_experts // case.num_ranks
+    b = bias(case, rank, n_bias)
+    out = []
+    for t in range(case.tokens[rank]):
+        acc = (b[0][t].float() + b[1][t].float()) if n_bias == 2 else (b[0][t].float() if n_bias else
+                                                                      torch.zeros(case.hidden))
+        gid = rank * case.m + t
+        lanes = [j for j in range(case.num_topk) if int(idx[t, j]) >= 0]
+        for j in lanes:
+            if not multi:
+                acc = acc + expert_output(gid, j, case.hidden).float()
+                continue
+            d = int(idx[t, j]) // le
+            same = [i for i in lanes if int(idx[t, i]) // le == d]
+            if j != max(same):
+                continue
+            part = torch.zeros(case.hidden)
+            for i in same:
+                part = part + expert_output(gid, i, case.hidden).float()
+            acc = acc + part.to(torch.bfloat16).float()
+        out.append(acc.to(torch.bfloat16))
+    return torch.stack(out) if out else torch.zeros(0, case.hidden, dtype=torch.bfloat16)
+
+
+def combine_input(hd, recv_topk_idx, num_rows: int, hidden: int, num_x_rows: int) -> torch.Tensor:
+    """The expert outputs a rank hands to combine for a dispatch's handle ``hd`` (valid rows from the handle
+    only): contiguous, each row the lane-ordered float32 sum of its local lanes rounded once; expanded,
+    each (row, lane)'s output at its slot. Rows that are not real hold NaN, which must not reach a result."""
+    meta = hd.recv_src_metadata.cpu()
+    n = int(hd.psum_num_recv_tokens_per_scaleup_rank[-1])
+    k = meta.shape[1] - 2
+    do_expand = recv_topk_idx is None
+    local = None if do_expand else recv_topk_idx.cpu()
+    x = torch.full((num_x_rows if do_expand else num_rows, hidden), float("nan"), dtype=torch.bfloat16)
+    for r in range(n):
+        gid = int(meta[r, 0])
+        if do_expand:
+            for j in range(k):
+                if int(meta[r, 2 + j]) >= 0:
+                    x[int(meta[r, 2 + j])] = expert_output(gid, j, hidden)
+        else:
+            acc = torch.zeros(hidden)
+            for j in range(k):
+                if int(local[r, j]) >= 0:
+                    acc = acc + expert_output(gid, j, hidden).float()
+            x[r] = acc.to(torch.bfloat16)
+    return x

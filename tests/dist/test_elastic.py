@@ -1,0 +1,211 @@
+"""Tier 2: ``ElasticBuffer`` (DeepEP V2's API) on gloo CPU ranks against the oracles of
+``epcomm.testing.elastic_cases`` (every rank's inputs from one seed, expected rows written out by hand).
+
+Dispatch bitwise for both layouts, alignment 1 and 4 (128 on one case), BF16 / FP8 with fp32 scales /
+FP8 with opaque int32 packs, CPU sync and worst-case shapes (same valid rows), cached replays (same
+rows), zero padding, a second dispatch equal to the first; combine bitwise with 0, 1 and 2 biases,
+multiple reduction on and off, top-k weights back; every argument error of the spec's limits, each
+followed by a working call. One launch per world size runs all checks (process start-up dominates).
+"""
+
+import pytest
+import torch
+
+from epcomm.testing.launcher import parallel_launch
+
+
+def _eq(what, got, want):
+    got, want = got.cpu(), want.cpu()
+    if got.dtype == torch.float8_e4m3fn:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    assert got.shape == want.shape and torch.equal(got, want), f"{what}: got {got.shape} {got.flatten()[:8]}, " \
+                                                               f"want {want.shape} {want.flatten()[:8]}"
+
+
+def check_dispatch(buf, case, rank, sf_kind, expand, alignment, sync):
+    from epcomm.testing import elastic_cases as C
+
+    x, sf, idx, w = C.inputs(case, rank, sf_kind)
+    want = C.expected_dispatch(case, rank, sf_kind, alignment)
+    kw = dict(topk_idx=idx, topk_weights=w, num_experts=case.num_experts, num_max_tokens_per_rank=case.m,
+              expert_alignment=alignment, do_expand=expand, do_cpu_sync=sync, use_tma_aligned_col_major_sf=expand)
+    xin = x if sf is None else (x, sf)
+    rx, ridx, rw, hd, ev = buf.dispatch(xin, **kw)
+    assert ev.event is None
+    rsf = None
+    if sf is not None:
+        rx, rsf = rx
+    n = len(want["gid"])
+    psum = hd.psum_num_recv_tokens_per_scaleup_rank
+    assert int(psum[-1]) == n, f"psum {psum.tolist()} != {n} rows"
+    assert hd.num_unaligned_recv_tokens_per_expert.tolist() == want["counts"]
+    _eq("gid", hd.recv_src_metadata[:n, 0], torch.tensor(want["gid"], dtype=torch.int32))
+    aligned = [(c + alignment - 1) // alignment * alignment for c in want["counts"]]
+    if sync:
+        assert hd.num_recv_tokens_per_expert_list == aligned and hd.num_recv_tokens == n
+    else:
+        assert hd.num_recv_tokens_per_expert_list == [] and hd.num_recv_tokens == case.num_ranks * case.m
+    le = case.num_experts // case.num_ranks
+    if not expand:
+        assert rx.shape[0] == (n if sync else case.num_ranks * case.m)
+        _eq("recv_x", rx[:n], want["x"])
+        _eq("recv_topk_idx", ridx[:n], want["local"])
+        _eq("recv_topk_weights", rw[:n], want["w"])
+        if sf is not None:
+            _eq("recv_sf", rsf[:n], want["sf"])
+        assert hd.psum_num_recv_tokens_per_expert.tolist() == torch.tensor(aligned).cumsum(0).tolist()
+    else:
+        assert ridx is None and rw.dim() == 1
+        ends = [s + c for s, c in zip(want["starts"], want["counts"])]
+        assert hd.psum_num_recv_tokens_per_expert.tolist() == ends
+        for l in range(le):
+            for i, (row, j) in enumerate(want["expanded"][l]):
+                slot = want["starts"][l] + i
+                assert int(hd.recv_src_metadata[row, 2 + j]) == slot, f"slot of row {row} lane {j}"
+                _eq(f"expanded x[{slot}]", rx[slot], want["x"][row])
+                _eq(f"expanded w[{slot}]", rw[slot], want["w"][row, j])
+                if sf is not None:
+                    _eq(f"expanded sf[{slot}]", rsf[slot], want["sf"][row])
+        if sf is not None:
+            assert rsf.stride() == (1, (rx.shape[0] + 3) // 4 * 4), f"sf strides {rsf.stride()}"
+    # a replay on the handle lands in the same rows; with zero padding the gaps are zero
+    rx2, ridx2, rw2, hd2, _ = buf.dispatch(xin, handle=hd, topk_weights=w, do_expand=expand,
+                                           do_zero_padding=expand)
+    assert hd2 is hd
+    if sf is not None:
+        rx2, rsf2 = rx2
+    if not expand:
+        _eq("cached x", rx2[:n], rx[:n])
+        _eq("cached w", rw2[:n], rw[:n])
+        _eq("cached idx", ridx2[:n], ridx[:n])
+    else:
+        valid = hd.recv_src_metadata[:n, 2:]
+        valid = valid[valid >= 0].long()
+        _eq("cached expanded x", rx2[valid], rx[valid])
+        _eq("cached expanded w", rw2[valid], rw[valid])
+        for l in range(le):
+            a, b = ends[l], want["starts"][l] + aligned[l]
+            assert not rx2[a:b].view(torch.uint8).any() and not rw2[a:b].any(), f"padding of expert {l} not zero"
+    # deterministic: a second dispatch gives the same rows
+    rx3 = buf.dispatch(xin, **kw)[0]
+    if sf is not None:
+        rx3 = rx3[0]
+    if not expand:
+        _eq("second dispatch", rx3[:n], rx[:n])
+    return hd, ridx, rw
+
+
+def check_combine(buf, case, rank, expand, n_bias, alignment, sync):
+    from epcomm.testing import elastic_cases as C
+
+    x, _, idx, w = C.inputs(case, rank)
+    rx, ridx, rw, hd, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=case.num_experts,
+                                       num_max_tokens_per_rank=case.m, expert_alignment=alignment,
+                                       do_expand=expand, do_cpu_sync=sync)
+    y = C.combine_input(hd, ridx, rx.shape[0], case.hidden, rx.shape[0])
+    b = C.bias(case, rank, n_bias)
+    multi = buf.allow_multiple_reduction
+    send_w = rw if (multi or not expand) else None
+    out, ow, _ = buf.combine(y, hd, topk_weights=send_w, bias=(b[0] if n_bias == 1 else (b if b else None)))
+    _eq(f"combine expand={expand} biases={n_bias} multi={multi}", out, C.expected_combine(case, rank, n_bias,
+                                                                                      multi or not expand))
+    if send_w is not None:
+        _eq("weights back", ow, w)
+    else:
+        assert ow is None
+
+
+def check_errors(buf, case, rank):
+    """Every limit: a clear ValueError/TypeError naming the argument, and the buffer works afterwards."""
+    from epcomm.event import EventHandle
+    from epcomm.testing import elastic_cases as C
+
+    x, _, idx, w = C.inputs(case, rank)
+    e, m = case.num_experts, case.m
+    ok = dict(topk_idx=idx, topk_weights=w, num_experts=e, num_max_tokens_per_rank=m)
+    _, _, _, hd, _ = buf.dispatch(x, **ok)
+    bad = [
+        (dict(ok, num_experts=e + 1), ValueError, "num_experts"),
+        (dict(ok, num_experts=None), ValueError, "num_experts"),
+        (dict(ok, num_max_tokens_per_rank=max(case.tokens[rank] - 1, 1)), ValueError, "num_max_tokens_per_rank"),
+        (dict(ok, topk_idx=idx.to(torch.int32)), TypeError, "topk_idx"),
+        (dict(ok, topk_idx=torch.full_like(idx, e)), ValueError, "topk_idx"),
+        (dict(ok, topk_idx=torch.zeros(idx.shape[0], 33, dtype=torch.int64), topk_weights=None), ValueError, "top-k"),
+        (dict(ok, topk_weights=w.double()), TypeError, "topk_weights"),
+        (dict(ok, do_zero_padding=True), ValueError, "do_zero_padding"),
+        (dict(ok, previous_event=EventHandle()), ValueError, "allocate_on_comm_stream"),
+        (dict(ok, previous_event=object(), allocate_on_comm_stream=True), TypeError, "previous_event"),
+        (dict(ok, num_qps=buf.num_allocated_qps + 1), ValueError, "num_qps"),
+        (dict(ok, expert_alignment=0), ValueError, "expert_alignment"),
+        (dict(ok, cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int64)), TypeError, "cumulative"),
+        (dict(ok, num_max_tokens_per_rank=1 << 20), ValueError, "num_bytes"),
+        (dict(handle=hd, do_cpu_sync=True), ValueError, "do_cpu_sync"),
+        (dict(handle=hd, topk_idx=idx), ValueError, "topk_idx"),
+        (dict(handle=hd, num_experts=e * 2), ValueError, "num_experts"),
+        (dict(handle=hd, cumulative_local_expert_recv_stats=torch.zeros(e // case.num_ranks, dtype=torch.int32)),
+         ValueError, "cumulative"),
+    ]
+    if case.num_topk > 1 and case.tokens[rank]:
+        dup = idx.clone()
+        dup[0, :] = 0
+        bad.append((dict(ok, topk_idx=dup), ValueError, "repeats"))
+    for i, (kw, exc, word) in enumerate(bad):
+        with pytest.raises(exc, match=word):
+            buf.dispatch(x, **kw)
+    with pytest.raises(ValueError, match="sf"):
+        buf.dispatch((x.to(torch.float8_e4m3fn), torch.zeros(x.shape[0] + 1, 2)), **ok)
+    rx, ridx, rw, hd, _ = buf.dispatch(x, **ok)  # still usable
+    n = rx.shape[0]
+    for kw, exc, word in [
+        (dict(x=rx.float(), handle=hd), TypeError, "x"),
+        (dict(x=rx[: max(n - 1, 0)], handle=hd) if n else dict(x=torch.zeros(1, case.hidden, dtype=torch.bfloat16),
+                                                               handle=hd), ValueError, "rows"),
+        (dict(x=rx, handle=hd, topk_weights=rw[:, :1]), ValueError, "topk_weights"),
+        (dict(x=rx, handle=hd, bias=(x, x, x)), ValueError, "bias"),
+        (dict(x=rx, handle=hd, bias=x[:, :8].contiguous()), ValueError, "bias"),
+        (dict(x=rx, handle="handle"), TypeError, "handle"),
+    ]:
+        with pytest.raises(exc, match=word):
+            buf.combine(**kw)
+    buf.combine(rx, hd)  # still usable
+    return len(bad)
+
+
+def _all(ctx, seed):
+    from epcomm import ElasticBuffer
+    from epcomm.testing.elastic_cases import V2Case
+
+    r, me = ctx.world_size, ctx.rank
+    case = V2Case(num_ranks=r, tokens=tuple(7 + 3 * i if i != 1 else 0 for i in range(r)), num_experts=4 * r,
+                  seed=seed)
+    buf = ElasticBuffer(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk,
+                        explicitly_destroy=True, num_cpu_timeout_secs=20)
+    done = 0
+    for sf_kind in ("bf16", "fp32", "ue8m0"):
+        for expand in (False, True):
+            for alignment, sync in ((1, True), (4, False), (4, True)):
+                check_dispatch(buf, case, me, sf_kind, expand, alignment, sync)
+                done += 1
+    check_dispatch(buf, case, me, "bf16", True, 128, False)
+    for expand in (False, True):
+        for n_bias in (0, 1, 2):
+            check_combine(buf, case, me, expand, n_bias, 4 if expand else 1, n_bias != 1)
+    done += check_errors(buf, V2Case(num_ranks=r, tokens=tuple(5 + i for i in range(r)), num_experts=4 * r,
+                                     seed=seed), me)  # every rank has tokens: every bad value raises everywhere
+    buf.destroy()
+    single = ElasticBuffer(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden,
+                           allow_multiple_reduction=False)
+    for n_bias in (0, 2):
+        check_combine(single, case, me, True, n_bias, 1, True)
+    with pytest.raises(ValueError, match="allow_multiple_reduction"):
+        x, _, idx, w = __import__("epcomm.testing.elastic_cases", fromlist=["x"]).inputs(case, me)
+        _, _, rw, hd, _ = single.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=case.num_experts,
+                                          do_expand=True)
+        single.combine(torch.zeros(hd.num_expanded_tokens, case.hidden, dtype=torch.bfloat16), hd, topk_weights=rw)
+    return done
+
+
+@pytest.mark.parametrize("world", [3])
+def test_elastic_buffer_against_the_oracle(world):
+    res = parallel_launch(world, _all, 3, backend="gloo", timeout_s=240)
+    assert all(n > 30 for n in res), res
