@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,19 +58,38 @@ class EventOverlap:
     def __init__(self, event: torch.cuda.Event | None = None, extra_tensors: tuple[Any, ...] | None = None):
         self.event = event
         self.extra_tensors = extra_tensors
+        self.hook_after_wait: Callable[[], None] | None = None  # DeepEP V2: runs once, after the next wait
+        self._release_on_exit = False
 
-    def current_stream_wait(self) -> None:
-        """Make the current CUDA stream wait for the event (no-op without one)."""
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        """Make the current CUDA stream wait for the event (no-op without one), then run the hook
+        registered with :meth:`register_hook_after_wait`; ``release_handle`` drops the event afterwards."""
         if isinstance(self.event, EventHandle):
             self.event.current_stream_wait()
         elif self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
+        hook, self.hook_after_wait = self.hook_after_wait, None
+        if hook is not None:
+            hook()
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook: Callable[[], None]) -> None:
+        """Run ``hook()`` after the next :meth:`current_stream_wait` (DeepEP V2; one hook at a time)."""
+        if self.hook_after_wait is not None:
+            raise ValueError("a hook is already registered on this EventOverlap")
+        self.hook_after_wait = hook
+
+    def __call__(self, release_handle: bool = False) -> EventOverlap:
+        """``with event(release_handle=True): ...`` (DeepEP V2): the wait on exit also drops the event."""
+        self._release_on_exit = bool(release_handle)
+        return self
 
     def __enter__(self) -> EventOverlap:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.current_stream_wait()
+        self.current_stream_wait(self._release_on_exit)
 
     def __repr__(self) -> str:
         return f"EventOverlap(event={self.event!r})"
