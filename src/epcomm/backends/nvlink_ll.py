@@ -292,8 +292,10 @@ class LowLatencyEngine(LowLatencyCalls):
     def clean(self) -> None:
         """Zero the LL region and the levels; every rank calls it together (then a barrier)."""
         nv = self.nv
-        nv.barrier("clean_low_latency_buffer/before")  # (bounded by the deadline, as every host wait)
+        torch.cuda.synchronize(nv.device)
+        torch.distributed.barrier(group=nv.group)
         nv.symm[nv.ll_off:nv.ll_off + nv.rdma_bytes].zero_()
         self.levels.zero_()
         self.tickets.zero_()
-        nv.barrier("clean_low_latency_buffer/after")
+        torch.cuda.synchronize(nv.device)
+        torch.distributed.barrier(group=nv.group)
