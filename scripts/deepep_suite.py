@@ -35,9 +35,21 @@ import _deepep_utils as _orig
 from _deepep_utils import *  # noqa: F401,F403
 
 
+_all_gather_into_tensor = dist.all_gather_into_tensor
+
+
+def _gather_stacked(output, input, group=None, async_op=False):
+    """gloo takes an all_gather_into_tensor output only as a concatenation along dim 0; NCCL also as a
+    stack (``[R, *input.shape]``), which the LL test passes: view a stack as the concatenation."""
+    if output.dim() == input.dim() + 1:
+        output = output.view(-1, *input.shape[1:])
+    return _all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
 def init_dist(local_rank: int, num_local_ranks: int):
     if os.environ.get("EPCOMM_TEST_SHARE_GPU") != "1":
         return _orig.init_dist(local_rank, num_local_ranks)
+    dist.all_gather_into_tensor = _gather_stacked
     ip = os.getenv("MASTER_ADDR", "127.0.0.1")
     port = int(os.getenv("MASTER_PORT", "8361"))
     num_nodes = int(os.getenv("WORLD_SIZE", 1))
