@@ -23,6 +23,9 @@ VARIABLES = {
                    "and defaults: TUNE in backends/nvlink_params.py; ll. keys: backends/nvlink_ll.py; iht. and "
                    "ill. keys, the internode backend's: backends/internode_ht.py and internode_ll.py; for "
                    "measuring variants with epcomm bench)",
+    "EPCOMM_COMMIT": "the commit of the epcomm tree being run, for copies without .git (a GPU machine's copy): "
+                     "epcomm bench records it in every row; run scripts set it from the tree they ship",
+    "EPCOMM_COMMIT_DIRTY": "with EPCOMM_COMMIT: 1 if that tree had uncommitted changes, 0 if clean (unset: unknown)",
 }
 
 
@@ -47,6 +50,20 @@ def timeout_s(default: float) -> float:
     if t <= 0:
         raise ValueError(f"EPCOMM_TIMEOUT_S must be positive, got {v!r}")
     return t
+
+
+def commit() -> tuple[str | None, bool | None]:
+    """``(EPCOMM_COMMIT, EPCOMM_COMMIT_DIRTY)``: a 7-40 hex digit sha (else ValueError) and 1/0 (else
+    ValueError); ``(None, None)`` when EPCOMM_COMMIT is unset."""
+    sha = os.environ.get("EPCOMM_COMMIT", "").strip().lower()
+    if not sha:
+        return None, None
+    if not 7 <= len(sha) <= 40 or any(c not in "0123456789abcdef" for c in sha):
+        raise ValueError(f"EPCOMM_COMMIT must be a git commit sha (7-40 hex digits), got {sha!r}")
+    dirty = os.environ.get("EPCOMM_COMMIT_DIRTY", "").strip()
+    if dirty not in ("", "0", "1"):
+        raise ValueError(f"EPCOMM_COMMIT_DIRTY must be 0 or 1, got {dirty!r}")
+    return sha, None if dirty == "" else dirty == "1"
 
 
 def log_level() -> str | None:

@@ -272,7 +272,7 @@ def cmd_bench(args) -> int:
             print(f"wrote {p}")
     if failed:
         print(f"{len(failed)} rows FAILED their correctness check (see the check column)")
-    print(report.render_header(result.env, result.ce_gbps))
+    print(report.render_header(result.env, result.ce_gbps, result.rows))
     print(report.render_table(result.rows))
     return 1 if failed else 0
 

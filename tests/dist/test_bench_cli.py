@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import harness
 import pytest
@@ -49,9 +50,14 @@ def test_bench_small_end_to_end(tmp_path, capsys):
     for r in rows:
         assert r["world_size"] == 2 and r["timing"] == "wall"
         assert r["check"] == "pass" and r["sms"] == "gloo" and r["iters"] == 2
-        # high-throughput ops and the peer's are also checked the way they were timed (set 0 once more)
-        want = "pass" if r["mode"] == "ht" or r["backend"] == "gloo-a2a" else "not run"
-        assert r["timed_check"] == want, r
+        # every row is also checked the way it was timed (the next set in rotation once more): against
+        # the reference's result on those inputs, the peer by its round trip
+        assert r["timed_check"] == "pass", r
+        assert r["timed_oracle"] == ("round trip" if r["backend"] == "gloo-a2a" else "reference"), r
+        assert r["caveat"] == "CPU ranks on gloo: these times are not GPU performance"
+        if r["phase"] == "total":
+            want = {"gloo-a2a": "per-selection", "reference": f"{r['mode']}-reference-rows"}[r["backend"]]
+            assert r["link_counting"] == want, r
         assert r["median_us"] > 0 and r["p10_us"] <= r["p90_us"]
         assert r["ref_median_us"] == (r["median_us"] if r["backend"] == "reference" else None) or \
             r["backend"] == "gloo-a2a"
@@ -72,6 +78,9 @@ def test_bench_small_end_to_end(tmp_path, capsys):
     header = next(i for i, line in enumerate(lines) if line.startswith("case "))
     assert len(lines) == header + 2 + len(rows)  # the table is the last thing printed
     assert lines[0].startswith("wrote 14 rows")
+    assert "NOTE: CPU ranks on gloo: these times are not GPU performance" in lines[:header]
+    timed = lines[header].index("timed")
+    assert {line[timed:timed + 4] for line in lines[header + 2:]} == {"ref ", "trip"}
 
 
 def test_bench_profile_writes_tables_per_operation(tmp_path, capsys):
@@ -87,7 +96,7 @@ def test_bench_profile_writes_tables_per_operation(tmp_path, capsys):
     assert len(host) == len(torch_tables) == 2 * (4 + 2), [p.name for p in host]
     dispatch = (prof / "small_ll_T_32_dispatch-fp8_reference.rank0.host.txt").read_text()
     assert "host time per call" in dispatch and "with callees us" in dispatch
-    assert "buffer.py" in dispatch and "(low_latency_dispatch)" in dispatch
+    assert re.search(r"buffer\w*\.py:\d+\(low_latency_dispatch\)", dispatch), dispatch
     assert "Self CPU" in (prof / "small_ll_T_32_combine-bf16_gloo-a2a.rank1.torch.txt").read_text()
     primitives = (prof / "host-primitives.rank0.txt").read_text()
     assert "torch.empty" in primitives and len(primitives.splitlines()) >= 4
@@ -130,6 +139,13 @@ class _Wrapped:
 
     def low_latency_dispatch(self, *a, **kw):
         recv_x, cnt, handle, ev, hook = self.buf.low_latency_dispatch(*a, **kw)
+        self.calls += 1
+        if self.how == "late" and self.calls > 1:  # right in the case check only
+
+            def damage():
+                if int(cnt[0]) > 0:
+                    recv_x[1][0, 0, 0] *= 2
+            hook = self._after(hook, damage, kw)
         if self.how == "reorder":  # reverse every (expert, source rank) block: allowed by the contract
             for e, idx, rev in self._blocks(handle):
                 recv_x[0].view(torch.uint8)[e, idx] = recv_x[0].view(torch.uint8)[e, rev].clone()
@@ -144,7 +160,24 @@ class _Wrapped:
             x = x.clone()
             for e, idx, rev in self._blocks(handle):
                 x[e, idx] = x[e, rev].clone()
-        return self.buf.low_latency_combine(x, topk_idx, topk_weights, handle, **kw)
+        out = self.buf.low_latency_combine(x, topk_idx, topk_weights, handle, **kw)
+        if self.how == "late" and self.calls > 1:
+            def damage():
+                out[0][0, 0] += 1.0
+            return out[0], out[1], self._after(out[2], damage, kw)
+        return out
+
+    @staticmethod
+    def _after(hook, damage, kw):
+        """Damage the result once it is complete: at once, or after the receive hook (which fills it)."""
+        if not kw.get("return_recv_hook"):
+            damage()
+            return hook
+
+        def received():
+            hook()
+            damage()
+        return received
 
 
 def _check_worker(ctx):
@@ -227,3 +260,40 @@ def test_a_path_broken_only_as_timed_fails_its_rows():
         assert late[dtype]["timed_check"].startswith("rank 0: FAIL: timed dispatch"), late[dtype]
     assert late["fp8"]["check"] == "pass" and late["fp8"]["timed_check"] == "pass"  # FP8 rows are not damaged
     assert all(r["check"] == "pass" for r in rows if r["backend"] == "reference")
+
+
+def _ll_timed_worker(ctx, how):
+    os.environ["EPCOMM_TIMEOUT_S"] = "60"
+    from epcomm.bench.runner import BenchPlan, _run_case
+
+    _, ll = CASE_SETS["small"]
+    plan = BenchPlan(cases=(ll,), iters=2, warmup=0, sets=2)
+    kw = {"num_rdma_bytes": Buffer.get_low_latency_rdma_size_hint(ll.tokens, ll.hidden, ctx.world_size, ll.experts),
+          "low_latency_mode": True}
+    fake = _Wrapped(Buffer(ctx.group, **kw), how)
+    return _run_case(ctx, plan, ll, {fake.backend_name: fake, "reference": Buffer(ctx.group, **kw)}, None)
+
+
+@pytest.mark.parametrize("how", ["late", "reorder"])
+def test_low_latency_rows_are_checked_as_timed_against_the_reference(how):
+    """Eager low-latency rows are checked against the reference's result on the inputs as timed: a path
+    right in the case check but wrong as timed ("late": its scales and combine output damaged after its
+    first call) fails every one of its rows; a backend whose slots differ from the reference's
+    ("reorder", allowed) passes its dispatch rows, and its combine rows say they had no oracle."""
+    from epcomm.bench import report
+
+    rows = report.merge_ranks(parallel_launch(2, _ll_timed_worker, how, backend="gloo", timeout_s=120), env={},
+                              iters=2, warmup=0)
+    fake = [r for r in rows if r["backend"] == f"fake-{how}"]
+    assert len(fake) == 2 + 4 and all(r["timed_oracle"] == "reference" for r in fake)  # totals + hook halves
+    assert all(r["check"] == "pass" and r["timed_check"] == "pass" for r in rows if r["backend"] == "reference")
+    for r in fake:
+        if how == "late":
+            assert r["check"].startswith("rank 0: FAIL as timed (FAIL: timed low-latency " + r["op"]), r
+            assert report.timed_mark(r) == "FAIL"
+        elif r["op"] == "dispatch":
+            assert r["check"] == r["timed_check"] == "pass" and report.timed_mark(r) == "ref"
+        else:
+            assert r["check"] == "pass" and r["timed_check"].startswith("not checked: this backend's slots"), r
+            assert report.timed_mark(r) == "NONE"
+

@@ -87,4 +87,6 @@ def test_sms_column_says_what_the_kernels_take(monkeypatch):
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert runner._sms("nvlink", gpu, "ht") == runner._sms("internode", gpu, "ht") == Buffer.num_sms
     assert runner._sms("internode", gpu, "ll") == runner._sms("nvlink", gpu, "ll") == "all 132"
-    assert runner._sms("reference", gpu, "ht") == "nccl" and runner._sms("reference", cpu, "ht") == "gloo"
+    # the reference and the peer move bytes through the group's transport: gloo when ranks share a GPU
+    assert runner._sms("reference", gpu, "ht", "nccl") == "nccl" and runner._sms("reference", cpu, "ht") == "gloo"
+    assert runner._sms("gloo-a2a", gpu, "ll", "gloo") == "gloo"

@@ -89,12 +89,47 @@ def test_a_copy_outside_any_checkout_records_no_commit(tmp_path):
     shutil.copytree(Path(epcomm.__file__).resolve().parent, tmp_path / "copy" / "epcomm",
                     ignore=shutil.ignore_patterns("__pycache__"))
     code = ("import epcomm, json; from epcomm.bench import report; "
-            "print(json.dumps([epcomm.__file__, report.source_commit()]))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(tmp_path / "copy")}).stdout
-    path, commit = json.loads(out.splitlines()[-1])
+            "env = report.environment({'device': 'cpu', 'gpu_count': 0}, 1, 'gloo', []); "
+            "print(json.dumps([epcomm.__file__, report.commit_record(), env['git_sha'], env['git_dirty']]))")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("EPCOMM_COMMIT")}
+
+    def run(**extra):
+        out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
+                             env={**base, "PYTHONPATH": str(tmp_path / "copy"), **extra}).stdout
+        return json.loads(out.splitlines()[-1])
+
+    path, commit, sha, dirty = run()
     assert Path(path).resolve().is_relative_to((tmp_path / "copy").resolve())
-    assert commit == [None, None]
+    assert commit == [None, None, None] and sha == "unknown" and dirty is None  # never a guess
+    # a GPU machine's copy (no .git): the run script passes the commit of the tree it shipped
+    assert run(EPCOMM_COMMIT="0123abcd" * 5, EPCOMM_COMMIT_DIRTY="1")[1:] == [
+        ["0123abcd" * 5, True, "EPCOMM_COMMIT"], "0123abcd" * 5, True]
+    assert run(EPCOMM_COMMIT="7796DA0")[1] == ["7796da0", None, "EPCOMM_COMMIT"]  # dirty unknown: unset
+
+
+def test_commit_variables_are_checked(monkeypatch):
+    from epcomm import _env
+
+    monkeypatch.setenv("EPCOMM_COMMIT", "HEAD")
+    with pytest.raises(ValueError, match="EPCOMM_COMMIT must be a git commit sha.*'head'"):
+        _env.commit()
+    monkeypatch.setenv("EPCOMM_COMMIT", "7796da0")
+    monkeypatch.setenv("EPCOMM_COMMIT_DIRTY", "yes")
+    with pytest.raises(ValueError, match="EPCOMM_COMMIT_DIRTY must be 0 or 1, got 'yes'"):
+        _env.commit()
+    monkeypatch.setenv("EPCOMM_COMMIT_DIRTY", "0")
+    assert _env.commit() == ("7796da0", False)
+    assert "EPCOMM_COMMIT" in _env.VARIABLES and "EPCOMM_COMMIT_DIRTY" in _env.VARIABLES
+
+
+@needs_git
+def test_a_checkout_wins_over_a_commit_variable(tmp_path, monkeypatch):
+    root = tmp_path / "checkout"
+    head = _repo(root, {"src/epcomm/__init__.py": ""})
+    monkeypatch.setattr(report, "_package_dir", lambda: root / "src" / "epcomm")
+    monkeypatch.setenv("EPCOMM_COMMIT", "7796da0")  # describes some other tree
+    monkeypatch.setenv("EPCOMM_COMMIT_DIRTY", "1")
+    assert report.commit_record() == (head, False, "git")
 
 
 def test_every_epcomm_variable_that_is_set_is_recorded(monkeypatch):

@@ -12,7 +12,7 @@ from epcomm.bench.cases import BenchCase
 
 CASE = dataclasses.asdict(BenchCase("small", "ht", 64, 256, 4, 16))
 ENV = {"date": "2026-11-21T00:00:00+00:00", "device": "cpu", "gpu_count": 0, "driver": None, "cuda": None,
-       "nccl": None, "torch": "2.x", "triton": None, "epcomm": "0.1.0", "git_sha": "abc", "git_dirty": False,
+       "nccl": None, "torch": "2.x", "triton": None, "epcomm": "0.1.0", "git_sha": "abc", "git_dirty": False, "commit_source": "git",
        "python": "3.11", "world_size": 2, "transport": "gloo", "backends": ["nvlink", "reference"], "epcomm_env": {},
        "launch": "local processes"}
 
@@ -109,7 +109,8 @@ def test_environment_record(monkeypatch):
 
 
 def test_plots(tmp_path):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401 - in the test extra: the plot tests must run, not skip
+
     from epcomm.bench.plot import plot_rows
 
     res = []
@@ -142,3 +143,50 @@ def test_rows_say_how_the_ranks_were_started():
     head = report.render_header(dict(ENV, launch="torchrun: 2 host(s) x 8 rank(s)"), None)
     assert "2 ranks on gloo (torchrun: 2 host(s) x 8 rank(s))" in head.splitlines()[0]
     assert "torchrun" not in report.render_header(ENV, None)
+
+
+def test_no_speedup_against_a_gloo_exchange_of_gpu_tensors():
+    """Ranks sharing a GPU are joined by gloo: the peer's GPU tensors go through the host, so it is
+    labelled by that transport and no ratio against it is printed. On CPU ranks gloo is the real peer."""
+    shared = {**ENV, "device": "NVIDIA H100", "gpu_count": 1, "transport": "gloo, 2 ranks sharing 1 GPU(s)"}
+    rank = [result("nvlink", 10e-6), result("gloo-a2a", 1300e-6)]
+    fast, peer = report.merge_ranks([rank], env=shared, iters=3, warmup=1)
+    assert fast["peer_us"] == pytest.approx(1300.0) and fast["speedup"] is None and peer["speedup"] is None
+    assert fast["caveat"] == "ranks share GPUs through gloo: host times only; GPU times are not performance"
+    head = report.render_header(shared, None, [fast, peer])
+    assert "peer gloo-a2a: GPU tensors exchanged through gloo (the host): no speedup is shown" in head
+    assert "NOTE: ranks share GPUs" in head
+    cpu, _ = report.merge_ranks([rank], env=ENV, iters=3, warmup=1)
+    assert cpu["speedup"] == pytest.approx(130.0) and cpu["caveat"].startswith("CPU ranks on gloo")
+    assert "no speedup" not in report.render_header(ENV, None, [cpu])
+    dedicated = {**shared, "gpu_count": 8, "transport": "nccl"}
+    nccl, _ = report.merge_ranks([[result("nvlink", 10e-6), result("nccl-a2a", 50e-6)]], env=dedicated, iters=3,
+                                 warmup=1)
+    assert nccl["speedup"] == pytest.approx(5.0) and nccl["caveat"] is None
+
+
+def test_timed_column_marks_rows_without_an_oracle_check():
+    rows = report.merge_ranks([[result("nvlink", 1e-5), result("gloo-a2a", 1e-5)]], env=ENV, iters=1, warmup=0)
+    rows[0].update(timed_check="pass", timed_oracle="reference")
+    rows[1].update(timed_check="pass", timed_oracle="round trip")
+    assert [report.timed_mark(r) for r in rows] == ["ref", "trip"]
+    for v, mark in (("not run: --no-check", "NONE"), ("not checked: slots differ", "NONE"),
+                    ("rank 1: FAIL: timed dispatch", "FAIL")):
+        assert report.timed_mark({**rows[0], "timed_check": v}) == mark
+    table = report.render_table([{**rows[0], "timed_check": "not run"}])
+    assert " NONE " in table.splitlines()[2]
+
+
+def test_progress_off_a_terminal_writes_a_few_lines(capsys):
+    from epcomm.bench.progress import Progress
+
+    p = Progress(total=65)
+    p.show("backends: nvlink, reference", always=True)
+    for i in range(65):
+        p.show(f"step {i}")
+        p.update(f"step {i}")
+    p.close()
+    lines = capsys.readouterr().err.splitlines()  # captured: not a terminal
+    assert len(lines) == 1 + 4, lines  # the message, then as each quarter is crossed: 17, 33, 49, 65 of 65
+    assert [ln.split()[1] for ln in lines[1:]] == ["17/65", "33/65", "49/65", "65/65"]
+

@@ -1,9 +1,10 @@
 """``epcomm bench``: every dispatch/combine path timed side by side with the reference backend.
 
-Modules: ``cases`` (named shapes), ``accounting`` (logical and link bytes), ``timing`` (wall clock,
-CUDA events, CUDA-graph replays), ``workloads`` (inputs, timed operations, correctness checks),
-``peer`` (copy-engine ceiling), ``runner`` (per-rank worker and the parent's driver), ``report``
-(environment, JSONL rows, the table), ``plot`` (PNGs, needs ``epcomm[plot]``), ``progress``.
+Modules: ``cases`` (named shapes), ``accounting`` (logical and link bytes), ``oracle`` (the reference's
+results each timed call is checked against), ``timing`` (wall clock, CUDA events, CUDA-graph
+replays), ``workloads`` (inputs, timed operations, correctness checks), ``peer`` (copy-engine
+ceiling), ``runner`` (per-rank worker and the parent's driver), ``report`` (environment, JSONL rows,
+the table), ``plot`` (PNGs, needs ``epcomm[plot]``), ``progress``.
 
 Importing this package defines names only; nothing touches a device until a benchmark runs.
 """

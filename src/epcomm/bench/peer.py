@@ -1,8 +1,9 @@
 """The copy-engine ceiling: ``peer.copy_(src)`` between two GPUs, both directions at once.
 
-This is the practical link ceiling that every row's link bandwidth is compared with (DESIGN.md
-measured 386 GB/s per direction on 2xH200). It runs in its own short-lived process (through the
-common launcher, a 1-rank gloo group) so the benchmark ranks never hold a second GPU's context.
+This is the practical link ceiling that every row's link bandwidth is compared with, measured in the
+same run on the same GPUs (no figure from another machine or day is assumed). It runs in its own
+short-lived process (through the common launcher, a 1-rank gloo group) so the benchmark ranks never
+hold a second GPU's context.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """A tiny progress bar on stderr (no dependency): redrawn in place on a terminal; elsewhere (a log
-file, CI) one line per finished step. Picklable, so a spawned rank can draw it."""
+file, CI) a few lines only: the explicit messages and one line as each quarter of the steps is done.
+Picklable, so a spawned rank can draw it."""
 
 from __future__ import annotations
 
@@ -29,9 +30,12 @@ class Progress:
         return f"[{bar}] {self.done:>3}/{self.total:<3} {frac:4.0%} {secs:6.1f}s  {note}".rstrip()
 
     def update(self, note: str = "", n: int = 1) -> None:
-        """Advance by ``n`` and redraw with ``note`` (what runs next)."""
+        """Advance by ``n`` and redraw with ``note`` (what runs next); off a terminal a line only when
+        a quarter of the steps is crossed (``25%``, ``50%``, ``75%``, ``100%``)."""
+        before = self.done
         self.done += n
-        self.show(note, always=True)
+        quarter = self.total > 0 and (4 * self.done) // self.total > (4 * before) // self.total
+        self.show(note, always=bool(quarter))
 
     def show(self, note: str = "", always: bool = False) -> None:
         """Redraw with ``note`` (what runs now); off a terminal only ``always`` lines are written."""

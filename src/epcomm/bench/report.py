@@ -4,17 +4,32 @@ A row (one JSON object per line) holds::
 
     case mode tokens hidden topk experts world_size backend op dtype phase cached
     median_us p10_us p90_us host_us iters warmup timing
-    logical_bytes link_bytes logical_gbps link_gbps sms
-    ref_median_us peer_us speedup graph_us eager_over_graph ce_gbps link_fraction check env{...}
+    logical_bytes link_bytes logical_gbps link_gbps sms link_counting
+    ref_median_us peer_us speedup graph_us eager_over_graph ce_gbps link_fraction
+    check timed_check timed_oracle caveat env{...}
 
 Across ranks: every rank times itself; a row reports the **largest** per-rank median (and the
 largest p10/p90, host time), the bytes of the busiest rank, and the **smallest** per-rank GB/s
 (each rank's bytes over its own median). ``timing`` is ``events`` (eager calls), ``graph`` (CUDA-graph
 replays) or ``wall`` (CPU); on GPUs a capturable op has a row of each, and its eager row carries
-``graph_us`` and ``eager_over_graph``. ``peer_us`` is the peer baseline's eager median (backend
-``nccl-a2a`` / ``gloo-a2a``: torch.distributed all-to-all dispatch and combine, bench/a2a.py) and
-``speedup`` = peer_us / this median; ``ref_median_us`` is the oracle's (reference backend), kept for
-the record. All from the same run; ``link_fraction`` = link GB/s / the copy-engine ceiling ``ce_gbps``.
+``graph_us`` and ``eager_over_graph``.
+
+Bytes (bench/accounting.py): ``logical_*`` in DeepEP's convention (low-latency: one row per (token,
+expert) selection); ``link_*`` what other ranks wrote into the rank, as the timed backend lays it out,
+by the rule ``link_counting`` names (``"not modelled"``: no link figure).
+
+``peer_us`` is the peer baseline's eager median (backend ``<transport>-a2a``, the group's own transport:
+torch.distributed all-to-all dispatch and combine, bench/a2a.py) and ``speedup`` = peer_us / this
+median, except against a gloo exchange of GPU tensors (ranks sharing a GPU: the bytes went through the
+host; no speedup). ``ref_median_us`` is the oracle's (reference backend), kept for the record. All
+from the same run; ``link_fraction`` = link GB/s / the copy-engine ceiling ``ce_gbps``.
+
+Checks: ``check`` is the case check before timing (every backend against the reference) and fails
+when the timed check fails; ``timed_check`` is the timed call itself (eager or graph replay) on the
+checked input set against ``timed_oracle``: ``"reference"`` (the oracle backend's results on those
+inputs) or ``"round trip"`` (the peer: combine(dispatch(x)) against x * sum(w)); ``"not checked: ..."``
+where no oracle result applies, ``"not run..."`` where no check ran. ``caveat`` says when times are
+not GPU performance (CPU ranks, ranks sharing a GPU).
 """
 
 from __future__ import annotations
@@ -22,29 +37,52 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
+import logging
 import os
 import platform
 import shutil
 import subprocess
 from pathlib import Path
 
+from .. import _env
 from . import accounting
+
+log = logging.getLogger(__name__)
 
 ROW_FIELDS = (
     "case", "mode", "tokens", "hidden", "topk", "experts", "world_size", "backend", "op", "dtype", "phase",
     "cached", "median_us", "p10_us", "p90_us", "host_us", "iters", "warmup", "timing", "logical_bytes",
     "link_bytes", "logical_gbps", "link_gbps", "sms", "ref_median_us", "peer_us", "speedup", "graph_us",
-    "eager_over_graph", "ce_gbps", "link_fraction",
-    "check", "timed_check", "env",
+    "eager_over_graph", "ce_gbps", "link_fraction", "link_counting",
+    "check", "timed_check", "timed_oracle", "caveat", "env",
 )
 ENV_FIELDS = ("date", "device", "gpu_count", "driver", "cuda", "nccl", "torch", "triton", "epcomm", "git_sha",
-              "git_dirty", "python", "world_size", "transport", "backends", "epcomm_env", "launch")
+              "git_dirty", "commit_source", "python", "world_size", "transport", "backends", "epcomm_env", "launch")
 
 
 def _timed_check(rs: list[dict]) -> str:
+    """``pass`` when every rank passed; else each rank's other verdict (``FAIL: ...``, ``not checked:
+    ...``, ``not run...``), named by rank."""
     vals = [r.get("timed_check", "not run") for r in rs]
-    bad = [f"rank {i}: {v}" for i, v in enumerate(vals) if v not in ("pass", "not run")]
-    return "; ".join(bad) if bad else vals[0]
+    other = [f"rank {i}: {v}" for i, v in enumerate(vals) if v != "pass"]
+    if not other or all(v == vals[0] for v in vals):
+        return vals[0]
+    return "; ".join(other)
+
+
+def timed_check_failed(v: str | None) -> bool:
+    """A timed check that ran and failed (not one that could not run)."""
+    return v is not None and "FAIL" in v
+
+
+def caveat(env: dict) -> str | None:
+    """What a row's times are not: CPU ranks are not GPUs; ranks sharing a GPU through gloo time the
+    host path, not GPU performance (their GPU times interleave). None on dedicated GPUs."""
+    if not env.get("gpu_count"):
+        return "CPU ranks on gloo: these times are not GPU performance"
+    if "sharing" in str(env.get("transport", "")):
+        return "ranks share GPUs through gloo: host times only; GPU times are not performance"
+    return None
 
 
 def _run(cmd: list[str], cwd: str | None = None, timeout: float = 10.0) -> str | None:
@@ -73,20 +111,37 @@ def _installed_commit() -> str | None:
 
 
 def source_commit() -> tuple[str | None, bool | None]:
-    """``(sha, dirty)`` of epcomm's own source, wherever the process runs.
+    """``(sha, dirty)`` of epcomm's own source, wherever the process runs (:func:`commit_record`)."""
+    sha, dirty, _ = commit_record()
+    return sha, dirty
 
-    From the git checkout that holds the imported package (``dirty``: the package's files differ
-    from that commit, untracked modules included); else from the install record of a
-    ``pip install git+...``, ``dirty`` None; else ``(None, None)``. A checkout counts only if it
-    tracks ``epcomm/__init__.py``: a site-packages inside some other repository is not epcomm's.
+
+def commit_record() -> tuple[str | None, bool | None, str | None]:
+    """``(sha, dirty, where from)`` of epcomm's own source.
+
+    1. ``"git"``: the git checkout that holds the imported package (``dirty``: the package's files differ
+       from that commit, untracked modules included). A checkout counts only if it tracks
+       ``epcomm/__init__.py``: a site-packages inside some other repository is not epcomm's.
+    2. ``"EPCOMM_COMMIT"``: a copy without ``.git`` (a GPU machine's): the commit its run script set
+       from the tree it shipped, ``dirty`` from ``EPCOMM_COMMIT_DIRTY`` (None when unset). A checkout
+       whose HEAD differs from the variable wins, logged: the variable described another tree.
+    3. ``"pip"``: the install record of a ``pip install git+...``, ``dirty`` None.
+    4. ``(None, None, None)``: unknown (rows say ``"unknown"``, never a guess).
     """
+    var_sha, var_dirty = _env.commit()
     pkg = str(_package_dir())
     if _run(["git", "-C", pkg, "ls-files", "--error-unmatch", "__init__.py"]) is not None:
         sha = _run(["git", "-C", pkg, "rev-parse", "HEAD"])
         if sha:
+            if var_sha and not sha.startswith(var_sha):
+                log.warning("EPCOMM_COMMIT=%s, but epcomm is imported from a checkout at %s: recording the "
+                            "checkout's commit", var_sha, sha)
             status = _run(["git", "-C", pkg, "status", "--porcelain", "--", "."])
-            return sha, (bool(status) if status is not None else None)
-    return _installed_commit(), None
+            return sha, (bool(status) if status is not None else None), "git"
+    if var_sha:
+        return var_sha, var_dirty, "EPCOMM_COMMIT"
+    installed = _installed_commit()
+    return installed, None, "pip" if installed else None
 
 
 def git_info() -> tuple[str, bool | None]:
@@ -125,12 +180,13 @@ def driver_version() -> str | None:
 def environment(device_info: dict, world_size: int, transport: str, backends: list[str]) -> dict:
     """What every row carries: device, versions, epcomm's commit, date, world size, transport, backends.
 
-    ``git_sha``/``git_dirty`` are epcomm's own (:func:`source_commit`), None when unknown;
+    ``git_sha``/``git_dirty`` are epcomm's own (:func:`commit_record`; ``"unknown"``/None when nothing
+    says), ``commit_source`` where they came from;
     ``epcomm_env`` holds every ``EPCOMM_*`` variable that was set.
     """
     import torch
 
-    sha, dirty = source_commit()
+    sha, dirty, where = commit_record()
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device_info.get("device", "cpu"),
@@ -141,8 +197,9 @@ def environment(device_info: dict, world_size: int, transport: str, backends: li
         "torch": torch.__version__,
         "triton": package_version("triton"),
         "epcomm": epcomm_version(),
-        "git_sha": sha,
+        "git_sha": sha or "unknown",
         "git_dirty": dirty,
+        "commit_source": where,
         "python": platform.python_version(),
         "world_size": world_size,
         "transport": transport,
@@ -191,6 +248,7 @@ def merge_ranks(per_rank: list[list[dict]], *, env: dict, iters: int, warmup: in
         lb = [r["logical_bytes"] for r in rs]
         kb = [r["link_bytes"] for r in rs]
         has_bytes = all(v is not None for v in lb)
+        has_link = all(v is not None for v in kb)  # None: no counting rule for this backend ("not modelled")
         failures = [f"rank {i}: {r['check']}" for i, r in enumerate(rs) if r["check"] not in ("pass", "skipped")]
         row = {
             "case": c["name"], "mode": c["mode"], "tokens": c["tokens"], "hidden": c["hidden"],
@@ -203,15 +261,17 @@ def merge_ranks(per_rank: list[list[dict]], *, env: dict, iters: int, warmup: in
             "host_us": max(r["host"] for r in rs) * 1e6,
             "iters": iters, "warmup": warmup, "timing": worst["timing"],
             "logical_bytes": max(lb) if has_bytes else None,
-            "link_bytes": max(kb) if has_bytes else None,
+            "link_bytes": max(kb) if has_link else None,
             "logical_gbps": min(accounting.gbps(r["logical_bytes"], r["median"]) for r in rs) if has_bytes else None,
-            "link_gbps": min(accounting.gbps(r["link_bytes"], r["median"]) for r in rs) if has_bytes else None,
+            "link_gbps": min(accounting.gbps(r["link_bytes"], r["median"]) for r in rs) if has_link else None,
             "sms": rs[0]["sms"],
             "ref_median_us": None, "peer_us": None, "speedup": None, "graph_us": None, "eager_over_graph": None,
-            "ce_gbps": ce_gbps, "link_fraction": None,
+            "ce_gbps": ce_gbps, "link_fraction": None, "link_counting": rs[0].get("link_counting"),
             "check": "; ".join(failures) if failures else rs[0]["check"],
-            # the op checked the way it was timed (graph replay or eager) on input set 0, every rank
-            "timed_check": _timed_check(rs),
+            # the op checked the way it was timed (graph replay or eager) on the checked set, every rank,
+            # against timed_oracle ("reference": the oracle backend's results; "round trip": the peer's)
+            "timed_check": _timed_check(rs), "timed_oracle": rs[0].get("timed_oracle"),
+            "caveat": caveat(env),
             "env": env,
         }
         if ce_gbps and row["link_gbps"] is not None:
@@ -230,12 +290,19 @@ def merge_ranks(per_rank: list[list[dict]], *, env: dict, iters: int, warmup: in
         p = peer.get(_key_of_row(plain, "peer"))
         if p is not None and row["median_us"]:
             row["peer_us"] = p["median_us"]
-            row["speedup"] = p["median_us"] / row["median_us"]
+            if not staged_peer(p["backend"], env):
+                row["speedup"] = p["median_us"] / row["median_us"]
         g = graphs.get(_key_of_row(row, row["backend"]) + (row["dtype"],))
         if row["timing"] != "graph" and g is not None and g["median_us"]:
             row["graph_us"] = g["median_us"]
             row["eager_over_graph"] = row["median_us"] / g["median_us"]
     return rows
+
+
+def staged_peer(peer_backend: str, env: dict) -> bool:
+    """The peer baseline ran on gloo with GPU tensors (ranks sharing a GPU): every byte went through the
+    host, so a ratio against it says nothing about the fast path (no speedup is reported)."""
+    return peer_backend.startswith("gloo") and bool(env.get("gpu_count"))
 
 
 def _key_of_row(r: dict, backend: str) -> tuple:
@@ -291,6 +358,17 @@ def _us(v) -> str:
     return f"{v:.1f}" if v < 1000 else f"{v:.0f}"
 
 
+def timed_mark(row: dict) -> str:
+    """The table's ``timed`` column: ``ref`` (the timed call matched the reference's result), ``trip``
+    (the peer's round trip held), ``FAIL``, or ``NONE`` (no check of the timed call: see timed_check)."""
+    v = row.get("timed_check") or "not run"
+    if timed_check_failed(v):
+        return "FAIL"
+    if v != "pass":
+        return "NONE"
+    return {"reference": "ref", "round trip": "trip"}.get(row.get("timed_oracle"), "?")
+
+
 def _check(v: str) -> str:
     return v if len(v) <= 60 else v[:57] + "..."
 
@@ -299,8 +377,8 @@ def render_table(rows: list[dict]) -> str:
     """A fixed-width text table, one line per row, in run order."""
     show_ce = any(r.get("link_fraction") is not None for r in rows)
     head = ["case", "T", "H", "K", "E", "op", "backend", "median us", "p10", "p90", "host us",
-            "logical GB/s", "link GB/s"] + (["%CE"] if show_ce else []) + ["SMs", "timing", "eager/graph",
-                                                                           "peer us", "speedup", "check"]
+            "DeepEP GB/s", "link GB/s"] + (["%CE"] if show_ce else []) + ["SMs", "timing", "eager/graph",
+                                                                          "peer us", "speedup", "timed", "check"]
     body = []
     for r in rows:
         line = [r["case"], str(r["tokens"]), str(r["hidden"]), str(r["topk"]), str(r["experts"]), op_label(r),
@@ -311,7 +389,7 @@ def render_table(rows: list[dict]) -> str:
             line.append("-" if lf is None else f"{100 * lf:.0f}%")
         eg = r.get("eager_over_graph")
         line += [str(r["sms"]), r["timing"], "-" if eg is None else f"{eg:.2f}", _us(r.get("peer_us")),
-                 "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x", _check(r["check"])]
+                 "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x", timed_mark(r), _check(r["check"])]
         body.append(line)
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     left = {0, 5, 6, len(head) - 2, len(head) - 1}
@@ -323,15 +401,19 @@ def render_table(rows: list[dict]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def render_header(env: dict, ce_gbps: float | None) -> str:
-    """Two or three lines naming the device, versions and date above the table."""
+def render_header(env: dict, ce_gbps: float | None, rows: list[dict] | None = None) -> str:
+    """Lines naming the device, versions and date above the table, what the columns count, and what
+    the times are not (CPU ranks, shared GPUs); ``rows`` name a gloo-staged peer, if any."""
+    staged = sorted({r["backend"] for r in rows or [] if r["backend"].endswith("-a2a")
+                     and staged_peer(r["backend"], env)})
     dev = env["device"] + (f" x{env['gpu_count']}" if env.get("gpu_count") else "")
     lines = [
         (f"epcomm bench | {dev} | {env['world_size']} ranks on {env['transport']}"
          + (f" ({env['launch']})" if str(env.get("launch", "")).startswith("torchrun") else "")
          + f" | backends: {', '.join(env['backends'])}"),
         f"torch {env['torch']} | triton {env['triton'] or 'absent'} | epcomm {env['epcomm']} "
-        f"(git {(env.get('git_sha') or 'unknown')[:12]}{'+dirty' if env.get('git_dirty') else ''}) | "
+        f"(git {(env.get('git_sha') or 'unknown')[:12]}{'+dirty' if env.get('git_dirty') else ''}"
+        f"{' from EPCOMM_COMMIT' if env.get('commit_source') == 'EPCOMM_COMMIT' else ''}) | "
         + (f"driver {env['driver']} | cuda {env['cuda']} | nccl {env['nccl']} | " if env.get("gpu_count") else "")
         + env["date"],
     ]
@@ -339,6 +421,14 @@ def render_header(env: dict, ce_gbps: float | None) -> str:
         lines.append("set: " + " ".join(f"{k}={v}" for k, v in env["epcomm_env"].items()))
     if ce_gbps is not None:
         lines.append(f"copy-engine peer ceiling: {ce_gbps:.1f} GB/s per direction (256 MiB, both directions at once)")
-    lines.append("times: max over ranks of each rank's median; GB/s: min over ranks; logical = all bytes "
-                 "received (own included), link = bytes from other ranks")
+    lines.append("times: max over ranks of each rank's median; GB/s: min over ranks; DeepEP = logical bytes in "
+                 "DeepEP's convention (own rows included; LL: one row per (token, expert)); link = bytes other "
+                 "ranks wrote into the rank, as the backend lays them out")
+    lines.append("timed: the timed call's output checked against ref (the reference's result on those inputs) "
+                 "or trip (the peer's round trip); NONE: not checked (see timed_check)")
+    if any(staged):
+        lines.append(f"peer {', '.join(staged)}: GPU tensors exchanged through gloo (the host): no speedup is shown")
+    note = caveat(env)
+    if note is not None:
+        lines.append(f"NOTE: {note}")
     return "\n".join(lines)

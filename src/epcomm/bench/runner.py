@@ -19,15 +19,16 @@ import os
 import torch
 import torch.distributed as dist
 
+from .. import _env
 from ..buffer import Buffer
 from ..testing.gpu_cases import forced_backend
 from ..testing.launcher import EnvWorld, env_launch, parallel_launch, share_gpu
-from . import report, workloads
+from . import accounting, oracle, report, workloads
 from .cases import BenchCase
 from .peer import measure_copy_engine
 from .profile import host_primitives, profile_op
 from .progress import Progress
-from .timing import measure
+from .timing import checked_set, measure
 
 log = logging.getLogger(__name__)
 
@@ -132,14 +133,21 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def peer_name(device: torch.device) -> str:
-    """The peer baseline's row name (:mod:`epcomm.bench.a2a` on the group's transport)."""
-    return "nccl-a2a" if device.type == "cuda" else "gloo-a2a"
+def group_transport(group) -> str:
+    """The process group's backend as torch.distributed names it (``"nccl"``, ``"gloo"``, ...): what the
+    reference and the peer baseline move their bytes through. Ranks sharing a GPU are joined by gloo."""
+    return str(dist.get_backend(group)).lower()
 
 
-def _sms(name: str, device: torch.device, mode: str = "ht"):
+def peer_name(group) -> str:
+    """The peer baseline's row name: :mod:`epcomm.bench.a2a` on the group's own transport
+    (``"nccl-a2a"``, ``"gloo-a2a"``), never the transport a GPU run would usually have."""
+    return f"{group_transport(group)}-a2a"
+
+
+def _sms(name: str, device: torch.device, mode: str = "ht", transport: str = "gloo"):
     if name == "reference" or name.endswith("-a2a"):
-        return "nccl" if device.type == "cuda" else "gloo"
+        return transport
     if mode == "ll" and device.type == "cuda":
         # the low-latency kernels are not bounded by num_sms: their grids reach every SM
         return f"all {torch.cuda.get_device_properties(device).multi_processor_count}"
@@ -148,41 +156,61 @@ def _sms(name: str, device: torch.device, mode: str = "ht"):
 
 def _check_verdict(case_check: str, timed: str | None) -> str:
     """The row's check: the case check (eager calls, before timing) and, where the op has one, the
-    check of set 0 run the way it was timed (a CUDA-graph replay is not the eager call)."""
-    if timed is None or timed == "pass" or case_check.startswith("FAIL"):
+    check of the checked set run the way it was timed, against the oracle (a CUDA-graph replay is not
+    the eager call)."""
+    if timed is None or timed == "pass" or timed.startswith("not checked") or case_check.startswith("FAIL"):
         return case_check
     return f"FAIL as timed ({timed})"
+
+
+def _bytes(case: BenchCase, backend: str, op, method: str, routings, me: int, cached: bool, ht_transfer: str):
+    """``(logical, link, link_counting)`` bytes of rank ``me`` for one timed op, averaged over the input
+    sets; ``link`` is None where no counting rule covers the backend (``accounting.link_counting``)."""
+    lg = accounting.mean_bytes(routings, lambda rt: accounting.logical_bytes(case.mode, op.op, op.dtype, rt, me,
+                                                                            case.hidden))
+    counting = accounting.link_counting(backend, case.mode, graph=method == "graph", ht_transfer=ht_transfer)
+    if counting is None:
+        return lg, None, "not modelled"
+    handle_dispatch = cached and case.mode == "ht" and op.op == "dispatch" and not backend.endswith("-a2a")
+    kb = accounting.mean_bytes(routings, lambda rt: accounting.link_bytes(
+        counting, op.op, op.dtype, rt, me, case.hidden, case.topk, cached=handle_dispatch))
+    return lg, kb, counting
 
 
 def _run_case(ctx, plan: BenchPlan, case: BenchCase, bufs: dict[str, Buffer], progress: Progress | None):
     me, r_, dev, group = ctx.rank, ctx.world_size, ctx.device, ctx.group
     num_sets = plan.sets
+    if case.mode == "ll":
+        num_sets += num_sets % 2  # even: graph replays keep the two receive areas alternating
+    sv = checked_set(plan.warmup, plan.iters, num_sets)  # the set every timed op is verified on
+    expect = None
     if case.mode == "ht":
         sets = workloads.make_ht_sets(case, me, r_, dev, num_sets, plan.seed)
-        expect = None
         if plan.check:
-            checks, expect = workloads.check_ht(bufs, sets[0])
+            checks, expect = workloads.check_ht(bufs, sets[sv], sv)
         else:
             checks = dict.fromkeys(bufs, "skipped")
-        nbytes = workloads.ht_bytes(group, sets, me, case.hidden)
     else:
-        num_sets += num_sets % 2  # even: graph replays keep the two receive areas alternating
         sets = workloads.make_ll_sets(case, me, r_, dev, num_sets, plan.seed)
         for buf in bufs.values():  # M = T changes from case to case: the contract asks for a clean first
             dist.barrier(group=group)
             buf.clean_low_latency_buffer(case.tokens, case.hidden, case.experts)
         dist.barrier(group=group)
-        checks = workloads.check_ll(bufs, sets[0], case) if plan.check else dict.fromkeys(bufs, "skipped")
-        nbytes = workloads.ll_bytes(group, sets, case, me, r_)
+        checks = dict.fromkeys(bufs, "skipped")
+        if plan.check:
+            checks = workloads.check_ll(bufs, sets[sv], case)
+            expect = oracle.ll_expect(bufs["reference"], sets[sv], case, group, sv)
+    routings = workloads.gather_routings(group, sets, case, r_)
+    ht_transfer = _env.ht_transfer()
     out = []
     timed = [(name, buf) for name, buf in bufs.items()]
-    timed.append((peer_name(dev), None))
+    timed.append((peer_name(group), None))
     for name, buf in timed:
         if buf is None:
             ops = workloads.a2a_ops(group, sets, case)
         else:
             ops = (workloads.ht_ops(buf, sets, plan.cached, expect) if case.mode == "ht"
-                   else workloads.ll_ops(buf, sets, case))
+                   else workloads.ll_ops(buf, sets, case, expect))
         reset = None
         if case.mode == "ll" and buf is not None:
             def reset(buf=buf):
@@ -207,14 +235,17 @@ def _run_case(ctx, plan: BenchPlan, case: BenchCase, bufs: dict[str, Buffer], pr
                     profile_op(op, f"{label} {name}", num_sets=num_sets, iters=plan.iters, group=group, device=dev,
                                rank=me, out_dir=plan.profile, reset=reset)
                 check = checks.get(name, "not checked") if buf is not None else (m.verified or "not checked")
+                lb, kb, counting = _bytes(case, name, op, m.method, routings, me, plan.cached, ht_transfer)
                 for phase, st, host in zip(m.phases, m.stats, m.host):
-                    key = (op.op, op.dtype.split("-")[0])  # "bf16-worst" moves the bytes of "bf16"
-                    lb, kb = nbytes.get(key, (None, None)) if phase == "total" else (None, None)
+                    total = phase == "total"
                     out.append({"case": dataclasses.asdict(case), "backend": name, "op": op.op, "dtype": op.dtype,
                                 "phase": phase, "median": st.median, "p10": st.p10, "p90": st.p90, "host": host,
-                                "timing": m.method, "logical_bytes": lb, "link_bytes": kb,
-                                "sms": _sms(name, dev, case.mode), "check": _check_verdict(check, m.verified),
-                                "timed_check": m.verified or "not run"})
+                                "timing": m.method, "logical_bytes": lb if total else None,
+                                "link_bytes": kb if total else None, "link_counting": counting if total else None,
+                                "sms": _sms(name, dev, case.mode, group_transport(group)),
+                                "check": _check_verdict(check, m.verified),
+                                "timed_check": m.verified or ("not run: --no-check" if not plan.check else "not run"),
+                                "timed_oracle": op.oracle if op.verify is not None else None})
             if progress is not None:
                 progress.update(f"{label} ({name})")
     del sets

@@ -21,6 +21,7 @@ from .. import layout, quant
 from ..testing.compare import assert_bitwise, assert_fp8_within_one_step, assert_within_budget
 from . import a2a, accounting
 from .cases import BenchCase
+from .oracle import HTExpect, LLExpect, canonical_ll
 from .timing import TimedOp, fail_text
 
 
@@ -86,7 +87,7 @@ def ht_ops(buf, sets: list[HTSet], cached: bool = False, expect: HTExpect | None
     """Dispatch BF16, dispatch FP8, combine BF16 on ``buf`` (an ``epcomm.Buffer``).
 
     ``cached``: time dispatch with a handle (no layout exchange), as DeepEP's tuning loop does.
-    ``expect``: the reference's results on set 0; each op is then verified as it was timed.
+    ``expect``: the reference's results on the checked set; each op is then verified as it was timed.
     """
     r_ = buf.group_size
     dcfg, ccfg = buf.get_dispatch_config(r_), buf.get_combine_config(r_)
@@ -117,9 +118,9 @@ def ht_ops(buf, sets: list[HTSet], cached: bool = False, expect: HTExpect | None
     def verify_dispatch(fp8: bool):
         if expect is None:
             return None
-        return lambda s, out: expect.dispatch(out, fp8, f"timed dispatch ({'fp8' if fp8 else 'bf16'}, set {s})")
+        return lambda s, out: expect.dispatch(s, out, fp8, f"timed dispatch ({'fp8' if fp8 else 'bf16'}, set {s})")
 
-    verify_combine = None if expect is None else (lambda s, out: expect.combine(out, f"timed combine (set {s})"))
+    verify_combine = None if expect is None else (lambda s, out: expect.combine(s, out, f"timed combine (set {s})"))
     ops = [TimedOp("dispatch", "bf16", ("total",), dispatch(False), verify=verify_dispatch(False)),
            TimedOp("dispatch", "fp8", ("total",), dispatch(True), verify=verify_dispatch(True)),
            TimedOp("combine", "bf16", ("total",), combine, capturable=buf.backend_name != "reference",
@@ -153,20 +154,14 @@ def gather_matrix(group, vec: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts).to(torch.int64).cpu()
 
 
-def ht_bytes(group, sets: list[HTSet], me: int, hidden: int) -> dict[tuple[str, str], tuple[int, int]]:
-    """``{(op, dtype): (logical, link)}`` bytes of this rank, averaged over the input sets."""
-    acc = {("dispatch", "bf16"): [0, 0], ("dispatch", "fp8"): [0, 0], ("combine", "bf16"): [0, 0]}
-    for st in sets:
-        counts = gather_matrix(group, st.num_tokens_per_rank)
-        for key, (lg, ln) in ((("dispatch", "bf16"), accounting.ht_dispatch_bytes(counts, me, hidden, "bf16")),
-                              (("dispatch", "fp8"), accounting.ht_dispatch_bytes(counts, me, hidden, "fp8")),
-                              (("combine", "bf16"), accounting.ht_combine_bytes(counts, me, hidden))):
-            acc[key][0] += lg
-            acc[key][1] += ln
-    return {k: (round(v[0] / len(sets)), round(v[1] / len(sets))) for k, v in acc.items()}
+def gather_routings(group, sets, case: BenchCase, num_ranks: int) -> list[accounting.Routing]:
+    """Every rank's routing of each input set (:class:`accounting.Routing`), for the byte counts."""
+    return [accounting.Routing.from_rows(gather_matrix(group, accounting.local_routing(st.topk_idx, case.experts,
+                                                                                        num_ranks)))
+            for st in sets]
 
 
-def check_ht(bufs: dict, st: HTSet) -> tuple[dict[str, str], "HTExpect"]:
+def check_ht(bufs: dict, st: HTSet, set_index: int = 0) -> tuple[dict[str, str], HTExpect]:
     """Check each backend once on set ``st``: ``"pass"`` or ``"FAIL: ..."`` per backend name, and the
     reference's results on ``st`` (what :func:`ht_ops` verifies the timed runs against).
 
@@ -202,30 +197,7 @@ def check_ht(bufs: dict, st: HTSet) -> tuple[dict[str, str], "HTExpect"]:
             result[name] = "pass"
         except AssertionError as e:
             result[name] = fail_text(e)
-    return result, HTExpect(ref_d[0], ref_f[0], x64 * cnt, x64.abs() * cnt, num_ranks)
-
-
-@dataclasses.dataclass
-class HTExpect:
-    """The reference's results on input set 0 (see :func:`check_ht`)."""
-    recv_x: torch.Tensor                          # bf16 rows received
-    recv_fp8: tuple[torch.Tensor, torch.Tensor]   # fp8 rows and scales received
-    combined: torch.Tensor                        # float64: combine(dispatch(x)) exactly
-    combined_abs: torch.Tensor                    # float64: the same of |x| (the reduction budget)
-    num_ranks: int
-
-    def dispatch(self, out, fp8: bool, what: str) -> None:
-        recv = out[0]
-        if fp8:
-            n = self.recv_fp8[0].shape[0]
-            assert_bitwise(recv[0][:n], self.recv_fp8[0], f"{what} fp8 recv_x")
-            assert_bitwise(recv[1][:n], self.recv_fp8[1], f"{what} fp8 recv scales")
-        else:
-            n = self.recv_x.shape[0]
-            assert_bitwise(recv[:n], self.recv_x, f"{what} bf16 recv_x")
-
-    def combine(self, out, what: str) -> None:
-        assert_within_budget(out[0], self.combined, self.combined_abs, self.num_ranks, what)
+    return result, HTExpect(ref_d[0], ref_f[0], x64 * cnt, x64.abs() * cnt, num_ranks, set_index)
 
 
 # ----------------------------------------------------------------------------- low-latency
@@ -251,9 +223,11 @@ def make_ll_sets(case: BenchCase, rank: int, num_ranks: int, device: torch.devic
     return out
 
 
-def ll_ops(buf, sets: list[LLSet], case: BenchCase) -> list[TimedOp]:
+def ll_ops(buf, sets: list[LLSet], case: BenchCase, expect: LLExpect | None = None) -> list[TimedOp]:
     """Low-latency FP8 dispatch and BF16 combine (each combine after an untimed dispatch, so its
-    handle is always one of the two live results); with ``case.hook`` also their send/recv halves."""
+    handle is always one of the two live results); with ``case.hook`` also their send/recv halves.
+    ``expect``: the reference's results on the checked set (:func:`ll_expect`); each op is then
+    verified as it was timed."""
     m, e = case.tokens, case.experts
     capturable = buf.backend_name != "reference"  # the reference synchronises with the host
 
@@ -282,67 +256,27 @@ def ll_ops(buf, sets: list[LLSet], case: BenchCase) -> list[TimedOp]:
         def send():
             out = buf.low_latency_combine(st.y, st.topk_idx, st.topk_weights, state["handle"],
                                           return_recv_hook=hook)
-            state["hook"], state["out"] = out[2], out
-            return out
+            # what the combine returns, with the handle it combined through (the check needs its slots)
+            state["hook"], state["out"] = out[2], (out[0], state["handle"])
+            return state["out"]
 
         steps = [send, lambda: received(state)] if hook else [send]
         return [lambda: dispatch(s, False, state)], steps
 
-    # a graph replay must equal an eager call on the same inputs, bitwise (see timing.TimedOp)
-    same_dispatch = dict(snapshot=lambda out: canonical_ll(out[0], out[1], out[2]), same=_same_canonical)
-    same_combine = dict(snapshot=lambda out: out[0].detach().clone(),
-                        same=lambda a, b: assert_bitwise(a, b, "low-latency combine"))
-    ops = [TimedOp("dispatch", "fp8", ("total",), build_dispatch, capturable, **same_dispatch),
-           TimedOp("combine", "bf16", ("total",), build_combine, capturable, **same_combine)]
+    verify_d = verify_c = None
+    if expect is not None:
+        def verify_d(s, out):
+            expect.dispatch(s, out, f"timed low-latency dispatch (set {s})")
+
+        def verify_c(s, out):
+            expect.combine(s, out, f"timed low-latency combine (set {s})")
+    ops = [TimedOp("dispatch", "fp8", ("total",), build_dispatch, capturable, verify=verify_d),
+           TimedOp("combine", "bf16", ("total",), build_combine, capturable, verify=verify_c)]
     if case.hook:
-        ops += [TimedOp("dispatch", "fp8", ("send", "recv"), build_dispatch_hook, capturable, **same_dispatch),
+        ops += [TimedOp("dispatch", "fp8", ("send", "recv"), build_dispatch_hook, capturable, verify=verify_d),
                 TimedOp("combine", "bf16", ("send", "recv"), lambda s: build_combine(s, True), capturable,
-                        **same_combine)]
+                        verify=verify_c)]
     return ops
-
-
-def _same_canonical(a: dict, b: dict) -> None:
-    for field in ("recv_count", "block_count", "key", "q", "scales", "valid"):
-        assert_bitwise(a[field], b[field], f"low-latency dispatch {field}")
-
-
-def ll_bytes(group, sets: list[LLSet], case: BenchCase, me: int,
-             num_ranks: int) -> dict[tuple[str, str], tuple[int, int]]:
-    """``{(op, dtype): (logical, link)}`` bytes of this rank, averaged over the input sets."""
-    lx = case.experts // num_ranks
-    acc = {("dispatch", "fp8"): [0, 0], ("combine", "bf16"): [0, 0]}
-    for st in sets:
-        valid = st.topk_idx[st.topk_idx >= 0]
-        per_dst = torch.bincount(valid.div(lx, rounding_mode="floor"), minlength=num_ranks)
-        msgs = gather_matrix(group, per_dst)
-        for key, (lg, ln) in ((("dispatch", "fp8"), accounting.ll_dispatch_bytes(msgs, me, case.hidden)),
-                              (("combine", "bf16"), accounting.ll_combine_bytes(
-                                  st.topk_idx, case.experts, num_ranks, me, case.hidden))):
-            acc[key][0] += lg
-            acc[key][1] += ln
-    return {k: (round(v[0] / len(sets)), round(v[1] / len(sets))) for k, v in acc.items()}
-
-
-def canonical_ll(recv_x: tuple[torch.Tensor, torch.Tensor], recv_count: torch.Tensor, handle) -> dict:
-    """The valid rows of a low-latency FP8 dispatch, sorted by (expert, source rank, source token),
-    copied out (the receive buffers are reused two calls later). Rows within a source block may
-    arrive in any order; this makes two backends' results comparable bitwise."""
-    q, sc = recv_x
-    lx, rm, _ = q.shape
-    m = handle.num_max_dispatch_tokens_per_rank
-    begin, count = layout.unpack_layout_range(handle.layout_range)
-    slot = torch.arange(rm, device=q.device).unsqueeze(0)
-    valid = slot < recv_count.to(torch.int64).unsqueeze(1)
-    src_rank = torch.full((lx, rm), -1, dtype=torch.int64, device=q.device)
-    for r in range(begin.shape[1]):
-        lo, n = begin[:, r:r + 1], count[:, r:r + 1]
-        src_rank = torch.where((slot >= lo) & (slot < lo + n), r, src_rank)
-    experts = torch.arange(lx, device=q.device).unsqueeze(1)
-    key = (experts * begin.shape[1] + src_rank) * m + handle.recv_src_info.to(torch.int64)
-    key = key[valid]
-    order = torch.argsort(key)
-    return {"recv_count": recv_count.clone(), "block_count": count.clone(), "key": key[order],
-            "q": q.view(torch.uint8)[valid][order], "scales": sc[valid][order], "valid": valid}
 
 
 def check_ll(bufs: dict, st: LLSet, case: BenchCase) -> dict[str, str]:
@@ -433,9 +367,10 @@ def a2a_ops(group, sets, case: BenchCase) -> list[TimedOp]:
             verify_combine(s, a2a.combine(rows, state, t, group), fp8)
         return verify
 
+    trip = {"oracle": "round trip"}  # its rows come in expert order: no reference result to compare bitwise
     if case.mode == "ht":
-        return [TimedOp("dispatch", "bf16", ("total",), dispatch(False), verify=verify_dispatch(False)),
-                TimedOp("dispatch", "fp8", ("total",), dispatch(True), verify=verify_dispatch(True)),
-                TimedOp("combine", "bf16", ("total",), combine, verify=verify_combine)]
-    return [TimedOp("dispatch", "fp8", ("total",), dispatch(True, cast=True), verify=verify_dispatch(True)),
-            TimedOp("combine", "bf16", ("total",), combine, verify=verify_combine)]
+        return [TimedOp("dispatch", "bf16", ("total",), dispatch(False), verify=verify_dispatch(False), **trip),
+                TimedOp("dispatch", "fp8", ("total",), dispatch(True), verify=verify_dispatch(True), **trip),
+                TimedOp("combine", "bf16", ("total",), combine, verify=verify_combine, **trip)]
+    return [TimedOp("dispatch", "fp8", ("total",), dispatch(True, cast=True), verify=verify_dispatch(True), **trip),
+            TimedOp("combine", "bf16", ("total",), combine, verify=verify_combine, **trip)]
