@@ -67,6 +67,7 @@ def test_pack_rows_round_trips_bytes_of_any_dtype():
 
 def test_theoretical_counts():
     assert EL.theoretical_num_qps(24, False, 17) == 9 and EL.theoretical_num_qps(4, True, 129) == 65
+    assert EL.theoretical_num_qps(24, True, 65) == 65 and EL.theoretical_num_qps(24, False, 4) == 4  # capped
     assert EL.theoretical_num_sms(8, 256, 8, 132, True, 450.0) == 14
     assert EL.theoretical_num_sms(8, 256, 8, 132, False, 450.0) == 64
     assert EL.theoretical_num_sms(1, 256, 8, 132, True, 450.0) == 132
