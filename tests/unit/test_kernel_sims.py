@@ -2,7 +2,8 @@
 high-throughput and low-latency kernel under the Triton interpreter with 1-3 simulated ranks (peer
 buffers are CPU tensors) and compare with oracles: dispatch bitwise, combine within the budget,
 shrink; sims/sim_internode_prep.py the internode layout kernel against torch formulas;
-sims/compile_internode_ht.py compiles the internode high-throughput kernels for sm_90 (no GPU needed). Each runs in its own process (TRITON_INTERPRET must be set before Triton loads). Skipped
+sims/compile_internode_ht.py compiles the internode high-throughput kernels for sm_90 (no GPU needed). Each runs in its own process (TRITON_INTERPRET must be set before Triton loads) and must report
+every check it plans as passed. Skipped
 where Triton is not installed (it comes with the ``test`` extra)."""
 import os
 import subprocess
@@ -25,5 +26,10 @@ def test_kernels_under_the_interpreter(script):
     proc = subprocess.run([sys.executable, os.path.join(SIMS, script)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    oks = [line for line in proc.stdout.splitlines() if line.startswith("ok")]
-    assert len(oks) >= 3, proc.stdout
+    # each script prints "plan N" (its N checks, from one list) before it starts, then "ok ..." per check
+    # passed: a check that returned early, or a plan line lost, fails here even when the script exits 0
+    lines = proc.stdout.splitlines()
+    plans = [int(line.split()[1]) for line in lines if line.startswith("plan ")]
+    oks = [line for line in lines if line.startswith("ok")]
+    assert len(plans) == 1 and plans[0] > 0, proc.stdout
+    assert len(oks) == plans[0], f"{len(oks)} of {plans[0]} checks reported ok:\n{proc.stdout}"

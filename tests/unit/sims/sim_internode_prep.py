@@ -53,9 +53,14 @@ def run(T, R, N, C, L, block, seed, programs=None):
 
 
 if __name__ == "__main__":
-    run(T=37, R=2, N=1, C=4, L=3, block=16, seed=1)     # several blocks, nodes of one
-    run(T=50, R=4, N=2, C=6, L=2, block=16, seed=2)     # nodes of two
-    run(T=3, R=4, N=4, C=8, L=1, block=16, seed=3)      # one node; fewer tokens than channels
-    run(T=0, R=2, N=1, C=3, L=2, block=16, seed=4)      # no tokens
-    run(T=100, R=8, N=4, C=5, L=4, block=32, seed=5)    # channels of 20 across blocks of 32
-    run(T=60, R=8, N=2, C=4, L=2, block=16, seed=6, programs=3)  # fewer programs than ranks (num_sms)
+    RUNS = [  # every check; the test asks for one "ok" line each
+        dict(T=37, R=2, N=1, C=4, L=3, block=16, seed=1),  # several blocks, nodes of one
+        dict(T=50, R=4, N=2, C=6, L=2, block=16, seed=2),  # nodes of two
+        dict(T=3, R=4, N=4, C=8, L=1, block=16, seed=3),  # one node; fewer tokens than channels
+        dict(T=0, R=2, N=1, C=3, L=2, block=16, seed=4),  # no tokens
+        dict(T=100, R=8, N=4, C=5, L=4, block=32, seed=5),  # channels of 20 across blocks of 32
+        dict(T=60, R=8, N=2, C=4, L=2, block=16, seed=6, programs=3),  # fewer programs than ranks (num_sms)
+    ]
+    print("plan", len(RUNS))
+    for kw in RUNS:
+        run(**kw)

@@ -166,13 +166,18 @@ def run(R=3, M=6, H=256, E=6, K=3, tokens=(5, 0, 6), use_fp8=False, round_scale=
 
 
 if __name__ == "__main__":
-    run()
-    run(use_fp8=True)
-    run(use_fp8=True, round_scale=True, ue8m0=True, H=512, E=9, tokens=(4, 6, 1))
-    run(R=2, tokens=(6, 3), E=4, K=2)
-    run(masked=(1,))
-    run(start=INT_MAX)  # every counter crosses the int32 wrap in this call
-    run(start=INT_MAX, early_recv=True)
-    run(start=5, early_recv=True)
-    run(bad_m_from=2)
-    run(bad_m_from=0)  # its own header too
+    RUNS = [  # every check; the test asks for one "ok" line each
+        dict(),
+        dict(use_fp8=True),
+        dict(use_fp8=True, round_scale=True, ue8m0=True, H=512, E=9, tokens=(4, 6, 1)),
+        dict(R=2, tokens=(6, 3), E=4, K=2),
+        dict(masked=(1,)),
+        dict(start=INT_MAX),  # every counter crosses the int32 wrap in this call
+        dict(start=INT_MAX, early_recv=True),
+        dict(start=5, early_recv=True),
+        dict(bad_m_from=2),
+        dict(bad_m_from=0),  # its own header too
+    ]
+    print("plan", len(RUNS))
+    for kw in RUNS:
+        run(**kw)
