@@ -23,6 +23,15 @@
 #                   same private MPS daemon (virtual nodes of one GPU): ht-dsv3 and ll-dsv3-288, 24 SMs,
 #                   12 iterations; JSONL in $OUT/bench-mps-<backend>.jsonl (~5 min); BENCH_BACKENDS and
 #                   BENCH_CASES narrow it
+# Provenance: the GPU machine's copy of the tree has no .git, so every bench row would say git_sha
+# "unknown". The caller passes the commit of the tree it ships, expanded on ITS machine (the command
+# string must carry the literal sha; $(git ...) would run on the GPU machine and fail):
+#   EPCOMM_COMMIT=<git rev-parse HEAD> EPCOMM_COMMIT_DIRTY=<1 if `git status --porcelain -- src/epcomm`
+#   prints anything, else 0> bash scripts/gpu_check.sh bench
+# e.g. the command composed locally:
+#   echo "EPCOMM_COMMIT=$(git rev-parse HEAD) EPCOMM_COMMIT_DIRTY=$(git status --porcelain -- src/epcomm \
+#         | grep -q . && echo 1 || echo 0) bash scripts/gpu_check.sh bench"
+# Every row then records them (env.git_sha, env.git_dirty, env.commit_source = "EPCOMM_COMMIT").
 # Every mode prints the GPUs and versions first and exits non-zero if a step failed.
 # Extra arguments: PYTEST_ARGS (tests, shared: e.g. "-k graph"), BENCH_ARGS (bench, profile: e.g.
 # "--mode ll"), EPCOMM_TUNE / EPCOMM_HT_TRANSFER to measure a variant (recorded in every JSONL row).
@@ -36,6 +45,12 @@ case "$mode" in tests|bench|figures|profile|shared|shared-nvshmem|bench-nvshmem)
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+if [[ -n "${EPCOMM_COMMIT:-}" ]]; then
+  export EPCOMM_COMMIT EPCOMM_COMMIT_DIRTY="${EPCOMM_COMMIT_DIRTY:-}"
+  echo "tree: EPCOMM_COMMIT=$EPCOMM_COMMIT EPCOMM_COMMIT_DIRTY=${EPCOMM_COMMIT_DIRTY:-unknown}" | tee "$OUT/commit.txt"
+elif ! git rev-parse HEAD >/dev/null 2>&1; then
+  echo "WARNING: no .git here and EPCOMM_COMMIT unset: rows will say git_sha \"unknown\" (see the header)"
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 'gpus', torch.cuda.device_count())"
 rc=0
