@@ -1,8 +1,12 @@
 """Tier 2: the internode backend's pieces on CPU processes (``testing/cpu_nvlink.py`` maps every rank's
 symmetric buffer into every process; the NVSHMEM device calls are simulated, ``kernels/nvshmem.py``).
 
-- The ordering guarantee of the simulated put-with-signal: a signal never overtakes its data
-  (``testing/nvshmem_order.py``: ping-pong of a 64 KiB payload, the receiver counts stale bytes).
+- The ordering of the simulated NVSHMEM (``kernels/nvshmem_sim.py``: as weak as NVSHMEM's rules), by a
+  ping-pong of a 64 KiB payload whose receiver counts stale bytes (``testing/nvshmem_order.py``): a
+  put-with-signal's own data, and a plain put followed by a fence or a quiet, arrive before the
+  signal; a plain put with nothing between it and the signal arrives after it (stale bytes), so the
+  simulation does fail a kernel that signals before its data is fenced. (Tier 2's internode tests
+  then run our kernels on that simulation; each also checks that no put was left undelivered.)
 - Virtual nodes and the selection rule: ``EPCOMM_GPUS_PER_NODE`` splits the ranks into nodes.
 """
 import importlib.util
@@ -16,7 +20,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="needs triton (the interpreter)")
 
 
-def _pingpong(ctx, tag, rounds, nbytes):
+def _pingpong(ctx, tag, rounds, nbytes, how):
     from epcomm.testing import cpu_nvlink
 
     cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
@@ -32,16 +36,36 @@ def _pingpong(ctx, tag, rounds, nbytes):
     out = torch.full((rounds,), -1, dtype=torch.int32)
     err = torch.zeros(6, dtype=torch.int32)
     torch.distributed.barrier(group=ctx.group)
-    po.pingpong(table, ctx.rank, rounds, nbytes, out, err, int(2e6), sim=True)
+    po.pingpong(table, ctx.rank, rounds, nbytes, out, err, int(2e6), sim=True, how=how)
     assert err[0] == 0, po.describe_error(err.tolist())
+    from epcomm.kernels import nvshmem_sim
+
+    left = nvshmem_sim.pending()  # (overtaken puts land late)
+    nvshmem_sim.flush()
     torch.distributed.barrier(group=ctx.group)
-    return out.tolist()
+    return out.tolist(), left, dict(nvshmem_sim.stats)
 
 
 @needs_triton
-def test_simulated_signal_never_overtakes_its_data():
-    res = parallel_launch(2, _pingpong, uuid.uuid4().hex[:12], 6, 64 << 10, backend="gloo", timeout_s=300)
-    assert res[1] == [0] * 6, f"stale bytes seen after the signal, per round: {res[1]}"
+@pytest.mark.parametrize("how", ["put_signal", "fence", "quiet"])
+def test_simulated_signal_never_overtakes_its_data(how):
+    res = parallel_launch(2, _pingpong, uuid.uuid4().hex[:12], 6, 64 << 10, how, backend="gloo",
+                          timeout_s=300)
+    assert res[1][0] == [0] * 6, f"stale bytes seen after the signal, per round: {res[1][0]}"
+    assert res[0][1] == res[1][1] == 0 and res[0][2]["overtaken"] == 0, res[0]
+    assert res[0][2]["puts"] == (0 if how == "put_signal" else 6), res[0][2]
+
+
+@needs_triton
+def test_simulated_put_without_fence_lands_after_the_signal():
+    """The simulation is as weak as NVSHMEM: a plain put, then a signal with no fence or quiet between
+    them: the signal goes first and the receiver counts stale bytes, in every round where the put did
+    not land early by chance (``nvshmem_sim.EARLY_P``) before the signal."""
+    res = parallel_launch(2, _pingpong, uuid.uuid4().hex[:12], 4, 64 << 10, "none", backend="gloo",
+                          timeout_s=300)
+    stale, stats = res[1][0], res[0][2]
+    assert stats["overtaken"] + stats["early"] == 4 and stats["overtaken"] > 0, stats
+    assert stale.count(0) <= stats["early"], (stale, stats)
 
 
 def _selection(ctx, tag):

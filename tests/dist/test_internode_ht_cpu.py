@@ -80,6 +80,7 @@ def _ht(ctx, tag, gpus_per_node):
             G.check_ht_case(ref, fast, dataclasses.replace(big, seed=30 + it), ctx.rank, True,
                             worst=sum(big.tokens) + 3, configs=cfgs)
     if r > 2:
+        cpu_internode.check_delivery()
         return sent
     # combines in a row on one handle (the combine areas alternate, the markers tell calls apart)
     case = cases[0]
@@ -132,6 +133,7 @@ def _ht(ctx, tag, gpus_per_node):
         assert "num_worst_tokens=2 but" in str(e), e
     else:
         raise AssertionError("num_worst_tokens=2 was accepted")
+    cpu_internode.check_delivery()
     return sent
 
 

@@ -140,6 +140,7 @@ def _two_nodes(ctx, tag):
         done.append("bad id: none")
     except ValueError as err:
         done.append(f"bad id: {err}")
+    cpu_internode.check_delivery()  # no put overtaken by a signal, none left undelivered
     return done
 
 
@@ -151,6 +152,7 @@ def _mixed_nodes(ctx, tag, gpus_per_node, nvl, kw):
     ref, fast = _buffers(ctx, cpu_internode, case, allow_nvlink_for_low_latency_mode=nvl)
     assert fast._backend.ranks_per_node == gpus_per_node and fast._backend.nvl == nvl
     G.check_ll_case(ref, fast, case, ctx.rank, M, **kw)
+    cpu_internode.check_delivery()
     return "ok"
 
 

@@ -20,17 +20,27 @@ Signals are NVSHMEM signal words: ``uint64``, 8-byte aligned, only ever increase
 
 Ordering, the one guarantee callers build on: :func:`put_signal` makes its data visible at ``pe``
 before the signal moves (NVSHMEM's put-with-signal: one operation, the signal travels after the data
-on the same queue pair). The simulation keeps it: the data's stores, a CTA barrier, then a release
-atomic on the signal (system scope). :func:`quiet` completes every put this program issued (to all
-PEs); a kernel whose *last* program signals for the puts of *all* programs calls :func:`quiet` in
-every program before the ticket (``common.ticket_last_n``).
+on the same queue pair); nothing orders an earlier plain :func:`put` before it but :func:`fence` (per
+PE) or :func:`quiet` (every put this program issued, to all PEs, delivered). A kernel whose *last*
+program signals for the puts of *all* programs calls :func:`quiet` in every program before the ticket
+(``common.ticket_last_n``).
+
+The simulation is as weak as that under the interpreter (``nvshmem_sim``: a put lands only when a
+fence, quiet or wait of its program delivers it, or early at random; a signal to a PE that puts are
+still pending to goes ahead of them, which then land late), so a kernel that signals before its data
+is fenced reads stale data in tier 2. Compiled (the sm_90 compile check: ``SIM=True`` without the
+interpreter), the simulation is plain stores, a CTA barrier and a release atomic (system scope) on the
+signal.
 """
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
+from . import nvshmem_sim as _sim
 from .common import wait_ge
 
 try:  # the bindings exist only where torch sees Triton and CUDA
@@ -42,6 +52,20 @@ except ImportError:  # pragma: no cover - torch without symmetric memory
 
 SIGNAL_ADD = tl.constexpr(5)  # NVSHMEM_SIGNAL_ADD
 COPY_BLOCK = tl.constexpr(1024)  # bytes per step of the simulated copy
+
+
+def _interpreted() -> bool:
+    """Whether ``@triton.jit`` makes interpreted functions here (decided as Triton decides it)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # pragma: no cover - Triton before knobs
+
+
+# The weak simulation (``nvshmem_sim``: Python, so only under the interpreter). Its calls are written
+# ``getattr(_sim, "name")(...)``: Triton's dependency walk, which visits dead branches too, accepts a
+# module and the getattr builtin but not a plain Python function (hence ``noqa: B009``).
+WEAK = tl.constexpr(_interpreted())
 
 
 def available() -> bool:
@@ -82,7 +106,12 @@ def put(ptr_table, me, pe, dst_off, src, nbytes, SIM: tl.constexpr):
     :func:`quiet`)."""
     s = src.to(tl.pointer_type(tl.uint8))
     if SIM:
-        _copy(_sym(ptr_table, pe, dst_off), s, nbytes)
+        if WEAK:
+            tl.debug_barrier()
+            getattr(_sim, "put")(_sym(ptr_table, pe, dst_off), s, nbytes, pe,  # noqa: B009
+                                 tl.program_id(0), tl.program_id(1), tl.program_id(2))
+        else:
+            _copy(_sym(ptr_table, pe, dst_off), s, nbytes)
     else:
         _nv.putmem_block_extern_wrapper(_sym(ptr_table, me, dst_off).to(tl.int64), s.to(tl.int64),
                                         nbytes + tl.zeros((), tl.int64), pe + tl.zeros((), tl.int32))
@@ -94,7 +123,11 @@ def put_signal(ptr_table, me, pe, dst_off, src, nbytes, sig_off, SIM: tl.constex
     visible at ``pe`` before the signal moves. ``nbytes`` may be 0 (a bare ordered signal)."""
     s = src.to(tl.pointer_type(tl.uint8))
     if SIM:
-        _copy(_sym(ptr_table, pe, dst_off), s, nbytes)
+        if WEAK:
+            tl.debug_barrier()
+            getattr(_sim, "put_signal_data")(_sym(ptr_table, pe, dst_off), s, nbytes, pe)  # noqa: B009
+        else:
+            _copy(_sym(ptr_table, pe, dst_off), s, nbytes)
         tl.debug_barrier()
         sig = _sym(ptr_table, pe, sig_off).to(tl.pointer_type(tl.int64))
         tl.atomic_add(sig, 1, sem="release", scope="sys")
@@ -107,8 +140,11 @@ def put_signal(ptr_table, me, pe, dst_off, src, nbytes, sig_off, SIM: tl.constex
 
 @triton.jit
 def quiet(SIM: tl.constexpr):
-    """Every put this program issued is delivered (a no-op in the simulation, whose stores are done)."""
-    if not SIM:
+    """Every put this program issued is delivered."""
+    if SIM:
+        if WEAK:
+            getattr(_sim, "quiet")(tl.program_id(0), tl.program_id(1), tl.program_id(2))  # noqa: B009
+    else:
         _nv.quiet()
     tl.debug_barrier()
 
@@ -116,7 +152,10 @@ def quiet(SIM: tl.constexpr):
 @triton.jit
 def fence(SIM: tl.constexpr):
     """Puts issued before reach each PE before puts issued after (per PE, not across PEs)."""
-    if not SIM:
+    if SIM:
+        if WEAK:
+            getattr(_sim, "fence")(tl.program_id(0), tl.program_id(1), tl.program_id(2))  # noqa: B009
+    else:
         _nv.fence()
     tl.debug_barrier()
 
@@ -126,5 +165,7 @@ def wait_signal(ptr_table, me, sig_off, target, err_ptr, phase, peer, timeout_ns
                 mask_ptr=None, SHRINK: tl.constexpr = False):
     """Wait until this rank's uint64 signal at ``sig_off`` reaches ``target`` (low 32 bits, wrapped;
     acquire) or the deadline: ``common.wait_ge`` on the signal's low word (little-endian)."""
+    if WEAK:
+        getattr(_sim, "progress")()  # noqa: B009
     low = _sym(ptr_table, me, sig_off).to(tl.pointer_type(tl.int32))
     return wait_ge(low, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER, mask_ptr, SHRINK)

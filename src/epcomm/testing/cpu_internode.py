@@ -24,3 +24,17 @@ def internode_buffer(group, spins: float = 2e5, **kw):
     buf._backend.timeout_s = spins / 1e9  # the interpreter's waits count polls (timeout_ns of them)
     buf._host_checks = False
     return buf
+
+
+def check_delivery() -> dict:
+    """Raise ``AssertionError`` if a put of this process was overtaken by a signal to its PE (a missing
+    fence or quiet: ``kernels/nvshmem_sim.py``) or is still undelivered once the kernels are done;
+    return the simulation's counts (puts, early landings, overtaken)."""
+    from ..kernels import nvshmem_sim
+
+    stats, left = dict(nvshmem_sim.stats), nvshmem_sim.pending()
+    if stats["overtaken"] or left:
+        raise AssertionError(f"simulated NVSHMEM: {stats['overtaken']} put(s) overtaken by a signal to their "
+                             f"PE (no fence or quiet between them), {left} not delivered after the kernels; "
+                             f"{stats}")
+    return stats

@@ -7,6 +7,11 @@ copy that differ from the round's byte, records the count, and acknowledges with
 put-with-signal. A signal that overtook its data shows as a nonzero count. Used by tier 2 (CPU
 processes, the simulation) and tier 3 (two GPUs, NVSHMEM).
 
+``how`` picks how rank 0 orders the data before the signal: ``"put_signal"`` (one put-with-signal),
+``"fence"`` or ``"quiet"`` (a plain put, that call, then a bare put-with-signal), or ``"none"`` (a plain
+put, then the bare put-with-signal with nothing between: NVSHMEM does not order them, and the tier-2
+simulation, as weak as NVSHMEM, delivers the signal first: stale bytes every round).
+
 Buffer layout (bytes into each rank's symmetric buffer): ``[0, 8)`` data signal, ``[8, 16)``
 acknowledgement signal, ``[64, 64 + nbytes)`` staging, ``[64 + nbytes, 64 + 2 nbytes)`` received data.
 """
@@ -21,12 +26,14 @@ from ..kernels.common import PHASES
 
 SIG_DATA, SIG_ACK, DATA = 0, 8, 64
 FILL = tl.constexpr(1024)
+HOW = {"put_signal": 0, "fence": 1, "quiet": 2, "none": 3}
 
 
 @triton.jit
 def _pingpong_kernel(ptr_table, me, rounds, nbytes, out_ptr, err_ptr, timeout_ns, SIM: tl.constexpr,
-                     HAS_TIMER: tl.constexpr):
-    """One program per rank (``me`` 0 or 1); ``out_ptr: int32[rounds]`` gets rank 1's mismatch counts."""
+                     HAS_TIMER: tl.constexpr, ORDER: tl.constexpr = 0):
+    """One program per rank (``me`` 0 or 1); ``out_ptr: int32[rounds]`` gets rank 1's mismatch counts;
+    ``ORDER``: ``HOW[how]``."""
     stage = tl.load(ptr_table + me).to(tl.pointer_type(tl.uint8)) + 64
     recv = stage + nbytes
     cc = tl.arange(0, FILL)
@@ -35,7 +42,15 @@ def _pingpong_kernel(ptr_table, me, rounds, nbytes, out_ptr, err_ptr, timeout_ns
         if me == 0:
             for o in range(0, nbytes, FILL):
                 tl.store(stage + o + cc, tl.full((FILL,), 0, tl.uint8) + val, mask=(o + cc) < nbytes)
-            nv.put_signal(ptr_table, me, me + 1, 64 + nbytes, stage, nbytes, 0, SIM)
+            if ORDER == 0:
+                nv.put_signal(ptr_table, me, me + 1, 64 + nbytes, stage, nbytes, 0, SIM)
+            else:
+                nv.put(ptr_table, me, me + 1, 64 + nbytes, stage, nbytes, SIM)
+                if ORDER == 1:
+                    nv.fence(SIM)
+                if ORDER == 2:
+                    nv.quiet(SIM)
+                nv.put_signal(ptr_table, me, me + 1, 64 + nbytes, stage, 0, 0, SIM)
             nv.wait_signal(ptr_table, me, 8, i + 1, err_ptr, 8, 1, timeout_ns, HAS_TIMER)
         else:
             nv.wait_signal(ptr_table, me, 0, i + 1, err_ptr, 3, 0, timeout_ns, HAS_TIMER)
@@ -76,10 +91,14 @@ def loopback(ptr_table, me: int, nbytes: int, out, err, timeout_ns: int, sim: bo
     k[(1,)](ptr_table, me, nbytes, out, err, timeout_ns, SIM=sim, HAS_TIMER=not sim)
 
 
-def pingpong(ptr_table, me: int, rounds: int, nbytes: int, out, err, timeout_ns: int, sim: bool) -> None:
-    """Launch the ping-pong on this rank (``out: int32[rounds]``, ``err: int32[6]`` zeroed)."""
+def pingpong(ptr_table, me: int, rounds: int, nbytes: int, out, err, timeout_ns: int, sim: bool,
+             how: str = "put_signal") -> None:
+    """Launch the ping-pong on this rank (``out: int32[rounds]``, ``err: int32[6]`` zeroed); ``how``: a
+    key of :data:`HOW`."""
+    if how not in HOW:
+        raise ValueError(f"how={how!r} is not one of {sorted(HOW)}")
     k = nv.nvshmem_kernel(_pingpong_kernel, sim)
-    k[(1,)](ptr_table, me, rounds, nbytes, out, err, timeout_ns, SIM=sim, HAS_TIMER=not sim)
+    k[(1,)](ptr_table, me, rounds, nbytes, out, err, timeout_ns, SIM=sim, HAS_TIMER=not sim, ORDER=HOW[how])
 
 
 def describe_error(err: list[int]) -> str:
