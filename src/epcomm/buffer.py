@@ -77,7 +77,7 @@ class Buffer(LowLatencyMethods):
         self._streams = CallStreams(self.device)  # the communication stream and the order of calls
         # the node of every rank (hosts, or EPCOMM_GPUS_PER_NODE; collective, read once): the backend
         # selection uses it, and get_dispatch_layout counts tokens per node where there are several
-        self.node_map = group_nodes(group)
+        self.node_map = group_nodes(group, self.timeout_s)
         n_nodes = len(set(self.node_map[0]))
         self._ranks_per_node = self.group_size // n_nodes if n_nodes > 1 else None
         self._backend, why = select_backend(self)

@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _env
-from .base import Backend, checked_run, raise_error_word
+from . import deadline
+from .base import Backend, checked_run, gave_up, raise_error_word
 
 log = logging.getLogger(__name__)
 
@@ -89,15 +90,18 @@ def node_map(hosts: list, gpus_per_node: int | None) -> tuple[list[int], str]:
     return nodes, f"{r_ // n} virtual node(s) of {n} rank(s) (EPCOMM_GPUS_PER_NODE={n})"
 
 
-def group_nodes(group, device_index: int | None = None) -> tuple[list[int], str]:
+def group_nodes(group, timeout_s: float | None = None) -> tuple[list[int], str]:
     """:func:`node_map` for ``group`` (collective: every rank calls it). Every rank must set the same
-    ``EPCOMM_GPUS_PER_NODE``."""
-    rows: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(rows, (zlib.crc32(socket.gethostname().encode()), _env.gpus_per_node()), group=group)
+    ``EPCOMM_GPUS_PER_NODE``. The ranks exchange ``[host hash, EPCOMM_GPUS_PER_NODE or 0]`` as a tensor
+    (no NumPy), within ``timeout_s`` (default ``EPCOMM_TIMEOUT_S``, else 30 s on gloo, 10 s on NCCL)."""
+    if timeout_s is None:
+        timeout_s = _env.timeout_s(30.0 if deadline.exchange_device(group).type == "cpu" else 10.0)
+    rows = deadline.all_gather_ints(group, [zlib.crc32(socket.gethostname().encode()), _env.gpus_per_node() or 0],
+                                    dist.get_rank(group), "Buffer/rank exchange", timeout_s)
     if len({r[1] for r in rows}) > 1:
         raise ValueError("EPCOMM_GPUS_PER_NODE differs across ranks: "
-                         + ", ".join(f"{r[1]} on rank {i}" for i, r in enumerate(rows)))
-    return node_map([r[0] for r in rows], rows[0][1])
+                         + ", ".join(f"{r[1] or None} on rank {i}" for i, r in enumerate(rows)))
+    return node_map([r[0] for r in rows], rows[0][1] or None)
 
 
 def prepare_nvshmem(num_qps_per_rank: int, symmetric_bytes: int) -> dict:
@@ -121,12 +125,18 @@ def prepare_nvshmem(num_qps_per_rank: int, symmetric_bytes: int) -> dict:
     return dict(_applied)
 
 
-def nvshmem_symmetric(nbytes: int, device, group):
-    """A ``uint8[nbytes]`` NVSHMEM symmetric buffer and its rendezvous handle (after :func:`prepare_nvshmem`)."""
+def nvshmem_symmetric(nbytes: int, device, group, timeout_s: float | None = None):
+    """A ``uint8[nbytes]`` NVSHMEM symmetric buffer and its rendezvous handle (after :func:`prepare_nvshmem`).
+    With ``timeout_s``, every rank first passes a barrier bounded by it, and an allocation or rendezvous
+    that still outlasts it is logged as an error (torch's have no deadline: ``deadline.watch``)."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    t = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-    return t, symm_mem.rendezvous(t, group.group_name)
+    me = dist.get_rank(group)
+    if timeout_s is not None:
+        deadline.barrier(group, me, "Buffer/before the symmetric-memory rendezvous", timeout_s)
+    with deadline.watch(me, "the NVSHMEM allocation and symmetric-memory rendezvous", timeout_s or 600.0):
+        t = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        return t, symm_mem.rendezvous(t, group.group_name)
 
 
 def _align(n: int, a: int = 128) -> int:
@@ -151,6 +161,7 @@ class InternodeBackend(Backend):
 
     def __init__(self, buf, sim: bool | None = None):
         super().__init__(buf.group, buf.rank, buf.group_size, buf.device, buf.timeout_s)
+        self.wait_s = buf.timeout_s  # the host's waits (barriers), in seconds even where timeout_s counts polls
         self._buf = weakref.ref(buf)
         self.sim = os.environ.get("TRITON_INTERPRET") == "1" if sim is None else bool(sim)
         from . import internode_ht, internode_ll
@@ -183,7 +194,7 @@ class InternodeBackend(Backend):
         total = self.ht_off + self.ht_bytes
         if not self.sim:
             self.nvshmem_settings = prepare_nvshmem(buf.num_qps_per_rank, total)
-        self.symm, self.hdl = nvshmem_symmetric(total, self.device, self.group)
+        self.symm, self.hdl = nvshmem_symmetric(total, self.device, self.group, self.wait_s)
         self.symm.zero_()
         ptrs = [int(p) for p in self.hdl.buffer_ptrs]
         # plain stores to the ranks of this node (the HT forward and combine, the LL path with
@@ -205,7 +216,7 @@ class InternodeBackend(Backend):
         rdma_at = self.ll_off if buf.low_latency_mode else self.ht_off + buf.num_nvl_bytes
         self.rdma_buffer = self.symm[rdma_at:rdma_at + buf.num_rdma_bytes]
         self._ll = self._ht = None
-        self.sync_and_barrier()
+        self.sync_and_barrier("Buffer/barrier")
 
     # ------------------------------------------------------------------ helpers
 
@@ -215,10 +226,12 @@ class InternodeBackend(Backend):
         sets ``timeout_s`` to polls / 1e9)."""
         return int(self.timeout_s * 1e9)
 
-    def sync_and_barrier(self) -> None:
+    def sync_and_barrier(self, phase: str = "barrier") -> None:
+        """Synchronise the device, then a barrier bounded by the deadline (``PeerTimeoutError`` naming
+        ``phase``)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
+        deadline.barrier(self.group, self.rank, phase, self.wait_s)
 
     def check_mirror(self) -> None:
         """Raise if a kernel recorded an error (read from the host mirror: no device synchronisation)."""
@@ -284,7 +297,8 @@ class InternodeBackend(Backend):
         self._ll_impl().clean()
 
     def destroy(self) -> None:
-        self.sync_and_barrier()
+        if not gave_up(self.group):  # (after a deadline the ranks are out of step: no collective teardown)
+            self.sync_and_barrier("destroy/barrier")
         self.nvl_buffer = self.rdma_buffer = None
         if self._ll is not None:
             self._ll._plans = {}  # views into the symmetric buffer keep it alive

@@ -215,8 +215,8 @@ class InternodeLowLatency(LowLatencyCalls):
     def clean(self) -> None:
         """Zero the LL region, the signal words and the levels; every rank calls it together."""
         be = self.be
-        be.sync_and_barrier()
+        be.sync_and_barrier("clean_low_latency_buffer/before")
         be.symm[be.ll_off:be.mtab_off].zero_()
         self.levels.zero_()
         self.tickets.zero_()
-        be.sync_and_barrier()
+        be.sync_and_barrier("clean_low_latency_buffer/after")

@@ -32,11 +32,11 @@ import weakref
 import zlib
 
 import torch
-import torch.distributed as dist
 
 from .. import _env
 from ..kernels.launch import Ptr
-from .base import Backend, checked_run, raise_error_word
+from . import deadline
+from .base import Backend, checked_run, gave_up, raise_error_word
 from .ht_combine import HTCombine
 from .ht_dispatch import HTDispatch
 from .nvlink_transfer import NVLinkTransfer
@@ -74,9 +74,8 @@ def availability(buf) -> tuple[bool, str]:
         return False, f"needs triton and torch symmetric memory ({e}); pip install triton"
     if torch.cuda.get_device_capability(buf.device)[0] < 8:
         return False, "needs an SM80+ GPU"
-    rows: list = [None] * buf.group_size
-    dist.all_gather_object(rows, (zlib.crc32(socket.gethostname().encode()), buf.device.index),
-                           group=buf.group)
+    rows = deadline.all_gather_ints(buf.group, [zlib.crc32(socket.gethostname().encode()), buf.device.index],
+                                    buf.rank, "Buffer/nvlink availability", buf.timeout_s)
     if len({r[0] for r in rows}) != 1:
         return False, "ranks span several hosts"
     devs = [r[1] for r in rows]
@@ -98,6 +97,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         import torch.distributed._symmetric_memory as symm_mem
 
         super().__init__(buf.group, buf.rank, buf.group_size, buf.device, buf.timeout_s)
+        self.wait_s = buf.timeout_s  # the host's waits (barriers), in seconds even where timeout_s counts spins
         self._buf = weakref.ref(buf)
         r_ = self.num_ranks
         self.nvl_bytes = _align(buf.num_nvl_bytes or DEFAULT_NVL_BYTES)
@@ -114,7 +114,11 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         total = _align(self.ll_off + self.rdma_bytes)
         self.symm = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
         self.symm.zero_()
-        self.hdl = symm_mem.rendezvous(self.symm, self.group.group_name)
+        # torch's rendezvous has no deadline: every rank passes a bounded barrier first (deadline.watch logs
+        # a rendezvous that still outlasts the deadline)
+        self.barrier("Buffer/before the symmetric-memory rendezvous")
+        with deadline.watch(self.rank, "the symmetric-memory rendezvous", self.wait_s):
+            self.hdl = symm_mem.rendezvous(self.symm, self.group.group_name)
         self.ptr_table = torch.tensor(list(self.hdl.buffer_ptrs), dtype=torch.int64, device=self.device)
         self.peers = [self.hdl.get_buffer(r, (total,), torch.uint8) if r != self.rank else self.symm
                       for r in range(r_)]
@@ -154,9 +158,8 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         apply_tune({k[3:]: v for k, v in over.items() if k.startswith("ll.")}, nvlink_ll.TUNE, "ll.")
         self.flag_words = torch.zeros(2, dtype=torch.int32, device=self.device)  # TUNE["ce_flag"] == "copy"
         self._bind_kernels()
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
         self._ll = None
+        self.barrier("Buffer/barrier")
 
     # ------------------------------------------------------------------ helpers
 
@@ -317,9 +320,15 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
     def clean_low_latency_buffer(self) -> None:
         self._ll_impl().clean()
 
-    def destroy(self) -> None:
+    def barrier(self, phase: str) -> None:
+        """Synchronise the device, then a barrier bounded by the deadline (``PeerTimeoutError`` naming
+        ``phase``)."""
         torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
+        deadline.barrier(self.group, self.rank, phase, self.wait_s)
+
+    def destroy(self) -> None:
+        if not gave_up(self.group):  # (after a deadline the ranks are out of step: no collective teardown)
+            self.barrier("destroy/barrier")
         self.peers = self.nvl_buffer = self.rdma_buffer = None
         self._views = {}  # views into the symmetric buffer keep it alive
         self.symm = self.hdl = None

@@ -292,10 +292,8 @@ class LowLatencyEngine(LowLatencyCalls):
     def clean(self) -> None:
         """Zero the LL region and the levels; every rank calls it together (then a barrier)."""
         nv = self.nv
-        torch.cuda.synchronize(nv.device)
-        torch.distributed.barrier(group=nv.group)
+        nv.barrier("clean_low_latency_buffer/before")  # (bounded by the deadline, as every host wait)
         nv.symm[nv.ll_off:nv.ll_off + nv.rdma_bytes].zero_()
         self.levels.zero_()
         self.tickets.zero_()
-        torch.cuda.synchronize(nv.device)
-        torch.distributed.barrier(group=nv.group)
+        nv.barrier("clean_low_latency_buffer/after")

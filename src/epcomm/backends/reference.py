@@ -15,7 +15,6 @@ Low-latency mode: point-to-point among the ranks not masked (shrink), so a maske
 
 from __future__ import annotations
 
-import datetime
 import math
 import time
 from typing import Callable
@@ -25,6 +24,7 @@ import torch.distributed as dist
 
 from .. import layout, quant
 from ..layout import DispatchHandle, LowLatencyHandle
+from . import deadline
 from .base import (
     Backend,
     DispatchArgs,
@@ -32,7 +32,6 @@ from .base import (
     LowLatencyCombineArgs,
     LowLatencyDispatchArgs,
     LowLatencyDispatchResult,
-    PeerTimeoutError,
 )
 
 
@@ -82,39 +81,22 @@ class ReferenceBackend(Backend):
     # ------------------------------------------------------------------ waiting with deadlines
 
     def _wait(self, work, phase: str, peer: int | None = None) -> None:
-        """Wait for ``work`` with the deadline; on expiry raise naming the phase and the peer."""
-        if work is None:
-            return
-        if self.device.type == "cuda" and not self._staged:
-            # NCCL work completes on the GPU; poll its end event so the host never blocks forever.
-            # (gloo's point-to-point works complete only inside wait(): they take the path below.)
-            deadline = time.monotonic() + self.timeout_s
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise PeerTimeoutError(self.rank, phase, peer, self.timeout_s)
-                time.sleep(0)
-            work.wait()
-            return
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:
-            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                raise PeerTimeoutError(self.rank, phase, peer, self.timeout_s, str(e).splitlines()[0]) from None
-            raise
+        """Wait for ``work`` with the deadline; on expiry raise naming the phase and the peer (``deadline.wait``:
+        NCCL work is polled, gloo's ends itself at the deadline)."""
+        deadline.wait(work, self.group, torch.device("cpu") if self._staged else self.device, self.rank, phase,
+                      self.timeout_s, peer)
 
     def _all_gather(self, t: torch.Tensor, phase: str) -> torch.Tensor:
         src = t.cpu() if self._staged else t.contiguous()
         out = [torch.empty_like(src) for _ in range(self.num_ranks)]
-        self._wait(dist.all_gather(out, src, group=self.group, async_op=True), phase)
+        self._wait(deadline.issue_all_gather(self.group, out, src, self.timeout_s), phase)
         return torch.stack(out).to(t.device)
 
     def _all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
                     phase: str) -> torch.Tensor:
         src = send.cpu() if self._staged else send.contiguous()
         recv = src.new_empty((sum(recv_counts), *send.shape[1:]))
-        work = dist.all_to_all_single(recv, src, recv_counts, send_counts,
-                                      group=self.group, async_op=True)
-        self._wait(work, phase)
+        self._wait(deadline.issue_all_to_all(self.group, recv, src, recv_counts, send_counts, self.timeout_s), phase)
         return recv.to(send.device)
 
     def _p2p(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], phase: str):

@@ -1,0 +1,182 @@
+"""The waits on peers that epcomm issues itself (collectives, barriers, the rank exchanges), each with a
+deadline (``EPCOMM_TIMEOUT_S``) and a ``PeerTimeoutError`` naming this rank and the phase.
+
+Ranks exchange tensors, never pickled objects: ``dist.all_gather_object`` needs NumPy, which is not a
+dependency of epcomm (:func:`all_gather_ints`, :func:`all_gather_bytes`).
+
+How a wait is bounded, by the process group's backend for the tensors' device:
+
+- **gloo**: the operation itself carries the deadline (its options' ``timeout``), so gloo ends it when
+  the deadline passes. Nothing of it stays queued in the process group: a gloo operation left waiting
+  would keep a worker thread of the group blocked until the peer goes away, and the group's teardown
+  (``destroy_process_group``, or the interpreter's exit) joins that thread.
+- **NCCL** (and any other backend): the host polls the work until the deadline. The operation then
+  stays queued on the GPU, so the group is aborted (``ProcessGroup.abort``): later use of the group
+  raises instead of queueing behind it, and its teardown does not wait for the peer.
+
+Either way the group is recorded as given up (``base.gave_up``): a Buffer's ``destroy()`` then skips its
+collective teardown, which would wait on the peer again.
+
+Not bounded here: torch's symmetric-memory rendezvous and NVSHMEM's start-up (they wait through the
+process group's store, up to the group's own timeout). epcomm runs a bounded barrier right before them,
+so every rank is known to have arrived, and :func:`watch` logs an error naming the rank and the phase if
+one still outlasts the deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import logging
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
+
+from .base import PeerLostError, PeerTimeoutError
+
+log = logging.getLogger(__name__)
+
+
+def backend_for(group, device: torch.device) -> str:
+    """The name of ``group``'s backend for tensors on ``device`` ("gloo", "nccl", ...).
+
+    Example: a group made with ``"cpu:gloo,cuda:gloo"`` gives "gloo" for CUDA tensors; one made with
+    ``"nccl"`` gives "nccl"."""
+    name = str(dist.get_backend(group)).lower()
+    if ":" not in name:
+        return name
+    per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+    return per_device.get(device.type, name)
+
+
+def exchange_device(group) -> torch.device:
+    """Where the group's small exchanges run: the CPU where gloo serves CPU tensors, else the current
+    CUDA device (an NCCL group)."""
+    if backend_for(group, torch.device("cpu")) == "gloo":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _timeout(timeout_s: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=timeout_s)
+
+
+def issue_all_gather(group, out: list[torch.Tensor], src: torch.Tensor, timeout_s: float):
+    """``dist.all_gather(out, src, group, async_op=True)``; on gloo the operation ends at ``timeout_s``."""
+    if backend_for(group, src.device) == "gloo":
+        opts = AllgatherOptions()
+        opts.timeout = _timeout(timeout_s)
+        return group.allgather([out], [src], opts)
+    return dist.all_gather(out, src, group=group, async_op=True)
+
+
+def issue_all_to_all(group, recv: torch.Tensor, send: torch.Tensor, recv_counts: list[int],
+                     send_counts: list[int], timeout_s: float):
+    """``dist.all_to_all_single`` with uneven splits, async; on gloo the operation ends at ``timeout_s``."""
+    if backend_for(group, send.device) == "gloo":
+        opts = AllToAllOptions()
+        opts.timeout = _timeout(timeout_s)
+        return group.alltoall_base(recv, send, list(recv_counts), list(send_counts), opts)
+    return dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group, async_op=True)
+
+
+def abort(group) -> None:
+    """Abort ``group`` (an operation of epcomm's stays queued on it on the GPU); log, never raise."""
+    try:
+        if hasattr(group, "abort"):
+            group.abort()
+        else:  # older torch
+            dist.distributed_c10d._abort_process_group(group)
+        log.warning("epcomm: process group %s aborted: an operation of epcomm's on it passed its deadline",
+                    getattr(group, "group_name", "?"))
+    except Exception as e:  # noqa: BLE001 - best effort: the PeerTimeoutError is what the caller reports
+        log.warning("epcomm: could not abort process group %s after a deadline (%s)",
+                    getattr(group, "group_name", "?"), e)
+
+
+def wait(work, group, device: torch.device, me: int, phase: str, timeout_s: float,
+         peer: int | None = None) -> None:
+    """Wait for ``work`` (an async operation on ``group`` with tensors on ``device``) until ``timeout_s``;
+    past it raise ``PeerTimeoutError(me, phase, peer)``; a transport failure (a peer's connection
+    closed) raises ``PeerLostError``. Either records ``group`` as given up."""
+    if work is None:
+        return
+    if backend_for(group, device) != "gloo":
+        # the work completes on the GPU: poll its end so the host never blocks past the deadline
+        deadline = time.monotonic() + timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                err = PeerTimeoutError(me, phase, peer, timeout_s, group=group)
+                abort(group)
+                raise err
+            time.sleep(0)
+        work.wait()
+        return
+    try:
+        work.wait(timeout=_timeout(timeout_s))
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "timed out" in first.lower() or "timeout" in first.lower():
+            raise PeerTimeoutError(me, phase, peer, timeout_s, first, group=group) from None
+        raise PeerLostError(me, phase, peer, first, group=group) from None
+
+
+def all_gather_ints(group, values: list[int], me: int, phase: str, timeout_s: float) -> list[list[int]]:
+    """Every rank's ``values`` (the same length on every rank), by rank: an ``int64`` all-gather on the
+    group's exchange device, bounded by ``timeout_s`` (a ``PeerTimeoutError`` naming ``me`` and ``phase``).
+
+    Example: ranks 0 and 1 passing ``[7, 0]`` and ``[7, 1]`` both get ``[[7, 0], [7, 1]]``."""
+    device = exchange_device(group)
+    n = dist.get_world_size(group)
+    src = torch.tensor(values, dtype=torch.int64, device=device)
+    out = [torch.empty_like(src) for _ in range(n)]
+    wait(issue_all_gather(group, out, src, timeout_s), group, device, me, phase, timeout_s)
+    return torch.stack(out).cpu().tolist() if values else [[] for _ in range(n)]
+
+
+def barrier(group, me: int, phase: str, timeout_s: float) -> None:
+    """Every rank of ``group`` reached this point, or ``PeerTimeoutError`` naming ``me`` and ``phase``
+    after ``timeout_s`` (an all-gather of each rank's number, which is checked)."""
+    got = [r[0] for r in all_gather_ints(group, [dist.get_rank(group)], me, phase, timeout_s)]
+    assert got == list(range(len(got))), f"{phase}: barrier gathered ranks {got}"
+
+
+def all_gather_bytes(group, data: bytes, me: int, phase: str, timeout_s: float) -> list[bytes]:
+    """Every rank's ``data`` (any length), by rank: sizes, then the padded bytes, as ``uint8`` tensors
+    (no NumPy, unlike ``dist.all_gather_object``)."""
+    sizes = [s[0] for s in all_gather_ints(group, [len(data)], me, phase, timeout_s)]
+    device = exchange_device(group)
+    src = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)
+    if data:
+        src[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    src = src.to(device)
+    out = [torch.empty_like(src) for _ in sizes]
+    wait(issue_all_gather(group, out, src, timeout_s), group, device, me, phase, timeout_s)
+    got = []
+    for t, size in zip(out, sizes):
+        t = t.cpu()
+        got.append(ctypes.string_at(t.data_ptr(), size) if size else b"")
+    return got
+
+
+@contextlib.contextmanager
+def watch(me: int, phase: str, timeout_s: float):
+    """For a wait epcomm cannot bound itself (torch's symmetric-memory rendezvous, NVSHMEM's start-up):
+    if the block outlasts ``timeout_s``, log an error naming ``me`` and ``phase`` (the block goes on
+    waiting: it is bounded only by the process group's own timeout)."""
+    def overdue():
+        log.error("epcomm rank %d: %s has waited %g s for the other ranks and has no deadline of its own "
+                  "(it waits up to the process group's timeout); is every rank building this Buffer?",
+                  me, phase, timeout_s)
+
+    timer = threading.Timer(timeout_s, overdue)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
