@@ -20,61 +20,12 @@ from . import _env
 from . import _validate as V
 from . import elastic_engine as engine
 from . import elastic_layout as EL
+from .elastic_handle import EPHandle
 from .event import EventHandle, EventOverlap
 
 log = logging.getLogger(__name__)
 
 topk_idx_t = torch.int64  # DeepEP's top-k index dtype (int64 unless DeepEP is built otherwise)
-
-
-class EPHandle:
-    """What a dispatch returns for its cached replays and its combine (DeepEP's fields; a plain object).
-
-    - ``do_expand``, ``num_experts``, ``expert_alignment``, ``num_max_tokens_per_rank``, ``num_sms``.
-    - ``topk_idx int64[T, K]``: a copy (``do_handle_copy``) or the caller's tensor.
-    - ``num_recv_tokens``: ``N`` exact with CPU sync, else ``R*M``; ``num_expanded_tokens``: ``X`` likewise.
-    - ``num_recv_tokens_per_expert_list``: aligned counts per local expert (CPU sync), else ``[]``.
-    - ``psum_num_recv_tokens_per_scaleup_rank int32[R]``: inclusive prefix of rows per source rank.
-    - ``psum_num_recv_tokens_per_expert int32[LE]``: contiguous: inclusive prefix of aligned counts;
-      expanded: aligned start plus real count.
-    - ``num_unaligned_recv_tokens_per_expert int32[LE]``: real counts.
-    - ``recv_src_metadata int32[N, K+2]``: column 0 ``src_rank*M + src_token`` (``-1`` for padding
-      rows), column 1 private, columns 2.. the expanded row of each lane (``-1``; contiguous: ``-1``).
-    - ``dst_buffer_slot_idx int32[T, K]``: ``rank*M + row`` where each lane's token landed, or ``-1``.
-    - ``token_metadata_at_forward``, ``channel_linked_list``: None (DeepEP's hybrid mode only).
-    """
-
-    def __init__(self, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
-                 num_sms: int, topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
-                 num_recv_tokens_per_expert_list: list, psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
-                 psum_num_recv_tokens_per_expert: torch.Tensor, num_unaligned_recv_tokens_per_expert: torch.Tensor,
-                 recv_src_metadata: torch.Tensor, dst_buffer_slot_idx: torch.Tensor,
-                 token_metadata_at_forward: torch.Tensor | None = None,
-                 channel_linked_list: torch.Tensor | None = None):
-        self.do_expand = do_expand
-        self.num_experts = num_experts
-        self.expert_alignment = expert_alignment
-        self.num_max_tokens_per_rank = num_max_tokens_per_rank
-        self.num_sms = num_sms
-        self.topk_idx = topk_idx
-        self.num_recv_tokens = num_recv_tokens
-        self.num_expanded_tokens = num_expanded_tokens
-        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
-        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
-        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
-        self.recv_src_metadata = recv_src_metadata
-        self.dst_buffer_slot_idx = dst_buffer_slot_idx
-        self.token_metadata_at_forward = token_metadata_at_forward
-        self.channel_linked_list = channel_linked_list
-        self.cached_recv_src_metadata_before_sort = None
-        self._state: engine.DispatchState | None = None  # set by ElasticBuffer.dispatch
-        self._owner = None  # the ElasticBuffer that made it
-
-    def __repr__(self) -> str:
-        return (f"EPHandle(do_expand={self.do_expand}, num_experts={self.num_experts}, "
-                f"expert_alignment={self.expert_alignment}, num_max_tokens_per_rank={self.num_max_tokens_per_rank}, "
-                f"num_recv_tokens={self.num_recv_tokens})")
 
 
 def _flag(name: str, v) -> bool:
@@ -252,6 +203,14 @@ class ElasticBuffer:
         return EL.theoretical_num_sms(self.num_ranks, num_experts, num_topk, props.multi_processor_count,
                                       self.prefer_overlap_with_compute, nvlink_gbs, sm_read_gbs, sm_write_gbs)
 
+    _num_sms_override = 0  # set_num_sms
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """What ``num_sms=0`` means from now on, for every ElasticBuffer (0: the model again). DeepEP V2 has
+        no such method (Megatron-LM's flex dispatcher calls it); here it does what the caller means."""
+        ElasticBuffer._num_sms_override = V.int_arg("new_num_sms", new_num_sms, 0)
+
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         V.int_arg("num_sms", num_sms, 1)
         return EL.theoretical_num_qps(num_sms, False, self.num_allocated_qps)
@@ -373,7 +332,7 @@ class ElasticBuffer:
             V.tensor("cumulative_local_expert_recv_stats", cum, torch.int32, 1, self.device)
             V.shape("cumulative_local_expert_recv_stats", cum, (e // self.num_ranks,))
         self._check_fits(m, h, k, sf is not None)
-        sms = num_sms or self.get_theoretical_num_sms(e, k)
+        sms = num_sms or ElasticBuffer._num_sms_override or self.get_theoretical_num_sms(e, k)
 
         def fn():
             return engine.dispatch(self, data, sf, topk_idx, topk_weights, e, m, a, sms, do_expand, sync,

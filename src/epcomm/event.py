@@ -64,7 +64,7 @@ class EventOverlap:
     def current_stream_wait(self, release_handle: bool = False) -> None:
         """Make the current CUDA stream wait for the event (no-op without one), then run the hook
         registered with :meth:`register_hook_after_wait`; ``release_handle`` drops the event afterwards."""
-        if isinstance(self.event, EventHandle):
+        if isinstance(self.event, (EventHandle, EventOverlap)):  # EventOverlap(an EventOverlap): its wait
             self.event.current_stream_wait()
         elif self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)

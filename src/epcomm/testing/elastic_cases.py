@@ -152,3 +152,30 @@ def combine_input(hd, recv_topk_idx, num_rows: int, hidden: int, num_x_rows: int
                     acc = acc + expert_output(gid, j, hidden).float()
             x[r] = acc.to(torch.bfloat16)
     return x
+
+
+def expected_reduce(values: torch.Tensor, topk_idx: torch.Tensor, num_local_experts: int, multi: bool,
+                    biases: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """DeepEP's reduction of per-lane values ``bf16[T, K, H]`` (``-1`` lanes ignored), written as loops: float32
+    from ``bias0 + bias1``; with ``multi`` a rank's lanes summed first (lane order, from zero, one BF16
+    rounding) and added at its highest lane; lanes in order; one BF16 rounding."""
+    t, k, h = values.shape
+    out = []
+    for i in range(t):
+        acc = torch.zeros(h)
+        for b in biases:
+            acc = b[i].float() if b is biases[0] else acc + b[i].float()
+        lanes = [j for j in range(k) if int(topk_idx[i, j]) >= 0]
+        for j in lanes:
+            if not multi:
+                acc = acc + values[i, j].float()
+                continue
+            d = int(topk_idx[i, j]) // num_local_experts
+            same = [q for q in lanes if int(topk_idx[i, q]) // num_local_experts == d]
+            if j == max(same):
+                part = torch.zeros(h)
+                for q in same:
+                    part = part + values[i, q].float()
+                acc = acc + part.to(torch.bfloat16).float()
+        out.append(acc.to(torch.bfloat16))
+    return torch.stack(out) if out else torch.zeros(0, h, dtype=torch.bfloat16)
