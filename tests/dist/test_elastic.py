@@ -27,8 +27,8 @@ def check_dispatch(buf, case, rank, sf_kind, expand, alignment, sync):
 
     x, sf, idx, w = C.inputs(case, rank, sf_kind)
     want = C.expected_dispatch(case, rank, sf_kind, alignment)
-    kw = dict(topk_idx=idx, topk_weights=w, num_experts=case.num_experts, num_max_tokens_per_rank=case.m,
-              expert_alignment=alignment, do_expand=expand, do_cpu_sync=sync, use_tma_aligned_col_major_sf=expand)
+    kw = {"topk_idx": idx, "topk_weights": w, "num_experts": case.num_experts, "num_max_tokens_per_rank": case.m,
+              "expert_alignment": alignment, "do_expand": expand, "do_cpu_sync": sync, "use_tma_aligned_col_major_sf": expand}
     xin = x if sf is None else (x, sf)
     rx, ridx, rw, hd, ev = buf.dispatch(xin, **kw)
     assert ev.event is None
@@ -73,7 +73,7 @@ def check_dispatch(buf, case, rank, sf_kind, expand, alignment, sync):
                                            do_zero_padding=expand)
     assert hd2 is hd
     if sf is not None:
-        rx2, rsf2 = rx2
+        rx2, _rsf2 = rx2
     if not expand:
         _eq("cached x", rx2[:n], rx[:n])
         _eq("cached w", rw2[:n], rw[:n])
@@ -122,7 +122,7 @@ def check_errors(buf, case, rank):
 
     x, _, idx, w = C.inputs(case, rank)
     e, m = case.num_experts, case.m
-    ok = dict(topk_idx=idx, topk_weights=w, num_experts=e, num_max_tokens_per_rank=m)
+    ok = {"topk_idx": idx, "topk_weights": w, "num_experts": e, "num_max_tokens_per_rank": m}
     _, _, _, hd, _ = buf.dispatch(x, **ok)
     bad = [
         (dict(ok, num_experts=e + 1), ValueError, "num_experts"),
@@ -139,10 +139,10 @@ def check_errors(buf, case, rank):
         (dict(ok, expert_alignment=0), ValueError, "expert_alignment"),
         (dict(ok, cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int64)), TypeError, "cumulative"),
         (dict(ok, num_max_tokens_per_rank=1 << 20), ValueError, "num_bytes"),
-        (dict(handle=hd, do_cpu_sync=True), ValueError, "do_cpu_sync"),
-        (dict(handle=hd, topk_idx=idx), ValueError, "topk_idx"),
-        (dict(handle=hd, num_experts=e * 2), ValueError, "num_experts"),
-        (dict(handle=hd, cumulative_local_expert_recv_stats=torch.zeros(e // case.num_ranks, dtype=torch.int32)),
+        ({"handle": hd, "do_cpu_sync": True}, ValueError, "do_cpu_sync"),
+        ({"handle": hd, "topk_idx": idx}, ValueError, "topk_idx"),
+        ({"handle": hd, "num_experts": e * 2}, ValueError, "num_experts"),
+        ({"handle": hd, "cumulative_local_expert_recv_stats": torch.zeros(e // case.num_ranks, dtype=torch.int32)},
          ValueError, "cumulative"),
     ]
     if case.num_topk > 1 and case.tokens[rank]:
@@ -154,16 +154,16 @@ def check_errors(buf, case, rank):
             buf.dispatch(x, **kw)
     with pytest.raises(ValueError, match="sf"):
         buf.dispatch((x.to(torch.float8_e4m3fn), torch.zeros(x.shape[0] + 1, 2)), **ok)
-    rx, ridx, rw, hd, _ = buf.dispatch(x, **ok)  # still usable
+    rx, _ridx, rw, hd, _ = buf.dispatch(x, **ok)  # still usable
     n = rx.shape[0]
     for kw, exc, word in [
-        (dict(x=rx.float(), handle=hd), TypeError, "x"),
-        (dict(x=rx[: max(n - 1, 0)], handle=hd) if n else dict(x=torch.zeros(1, case.hidden, dtype=torch.bfloat16),
-                                                               handle=hd), ValueError, "rows"),
-        (dict(x=rx, handle=hd, topk_weights=rw[:, :1]), ValueError, "topk_weights"),
-        (dict(x=rx, handle=hd, bias=(x, x, x)), ValueError, "bias"),
-        (dict(x=rx, handle=hd, bias=x[:, :8].contiguous()), ValueError, "bias"),
-        (dict(x=rx, handle="handle"), TypeError, "handle"),
+        ({"x": rx.float(), "handle": hd}, TypeError, "x"),
+        ({"x": rx[: max(n - 1, 0)], "handle": hd} if n else {"x": torch.zeros(1, case.hidden, dtype=torch.bfloat16),
+                                                               "handle": hd}, ValueError, "rows"),
+        ({"x": rx, "handle": hd, "topk_weights": rw[:, :1]}, ValueError, "topk_weights"),
+        ({"x": rx, "handle": hd, "bias": (x, x, x)}, ValueError, "bias"),
+        ({"x": rx, "handle": hd, "bias": x[:, :8].contiguous()}, ValueError, "bias"),
+        ({"x": rx, "handle": "handle"}, TypeError, "handle"),
     ]:
         with pytest.raises(exc, match=word):
             buf.combine(**kw)

@@ -44,7 +44,7 @@ def sglang(ctx, case):
     from epcomm import ElasticBuffer
     from epcomm.testing import elastic_cases as C
 
-    r, me, le = case.num_ranks, ctx.rank, case.num_experts // case.num_ranks
+    _r, me, le = case.num_ranks, ctx.rank, case.num_experts // case.num_ranks
     buf = ElasticBuffer(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk,
                         use_fp8_dispatch=True, allow_hybrid_mode=True, sl_idx=0, prefer_overlap_with_compute=False)
     sms = buf.get_theoretical_num_sms(case.num_experts, case.num_topk)
@@ -96,7 +96,7 @@ def vllm(ctx, case):
         g = torch.Generator().manual_seed(step)
         q = (x.float() * 4).to(torch.float8_e4m3fn)
         sf = torch.rand(x.shape[0], case.hidden // 32, generator=g) + 0.5  # per-32 scales
-        rx, ridx, rw, hd, ev = buf.dispatch(x=(q, sf), topk_idx=idx, topk_weights=w, num_experts=case.num_experts,
+        rx, ridx, rw, hd, _ev = buf.dispatch(x=(q, sf), topk_idx=idx, topk_weights=w, num_experts=case.num_experts,
                                             num_max_tokens_per_rank=bucket, do_expand=False, do_cpu_sync=False,
                                             async_with_compute_stream=False)
         rq, rsf = rx
@@ -125,7 +125,7 @@ def megatron(ctx, case):
                         num_topk=case.num_topk, use_fp8_dispatch=False, allow_hybrid_mode=True, num_allocated_qps=0)
     buf.num_nvl_bytes = 1 << 20  # Megatron sets attributes of its own on the instance
     x, _, idx, w = C.inputs(case, me)
-    asynch = dict(previous_event=buf.capture(), async_with_compute_stream=True, allocate_on_comm_stream=True)
+    asynch = {"previous_event": buf.capture(), "async_with_compute_stream": True, "allocate_on_comm_stream": True}
     rx, ridx, rw, hd, ev = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=case.num_experts,
                                         num_max_tokens_per_rank=case.m, num_sms=0, num_qps=0, do_expand=False,
                                         **asynch)
@@ -140,7 +140,7 @@ def megatron(ctx, case):
     # backward of combine: the gradient dispatched along the cached handle (num_experts from the handle, and
     # also left out with num_sms=0: DeepEP #685 raises there, epcomm reads it from the handle)
     grad = (x.float() * 3).to(torch.bfloat16)
-    for kw in (dict(num_experts=hd.num_experts), {}):
+    for kw in ({"num_experts": hd.num_experts}, {}):
         g, _, _, hd2, ev = buf.dispatch(grad, handle=hd, num_sms=0, num_qps=0, do_expand=False,
                                         **dict(asynch, previous_event=buf.capture()), **kw)
         ev.current_stream_wait()
@@ -148,7 +148,7 @@ def megatron(ctx, case):
         _eq("megatron backward dispatch", g, (rx.float() * 3).to(torch.bfloat16)[:n])
     # backward of dispatch: combine carries the top-k weight gradients back
     grad_probs = (rw * 2 + torch.arange(case.num_topk)).to(torch.float32)
-    gx, gw, _ = buf.combine(g, hd, topk_weights=grad_probs.float())
+    _gx, gw, _ = buf.combine(g, hd, topk_weights=grad_probs.float())
     want_w = torch.where(idx >= 0, w * 2 + torch.arange(case.num_topk), torch.zeros(()))
     _eq("megatron weight gradients back", gw, want_w)
     ElasticBuffer.set_num_sms(8)
@@ -194,14 +194,14 @@ def constructor_errors(ctx, case):
     from epcomm import ElasticBuffer
 
     for kw, exc, word in [
-        (dict(num_bytes=3 << 20), ValueError, "num_bytes"),
-        (dict(num_cpu_bytes=2 << 20), ValueError, "num_cpu_bytes"),
-        (dict(num_bytes=2 << 20, num_cpu_bytes=4 << 20), ValueError, "num_cpu_bytes"),
-        (dict(num_topk=33), ValueError, "num_topk"),
-        (dict(hidden=-1), ValueError, "hidden"),
-        (dict(num_gpu_timeout_secs=0), ValueError, "num_gpu_timeout_secs"),
-        (dict(allow_hybrid_mode="yes"), TypeError, "allow_hybrid_mode"),
-        (dict(bogus=1), TypeError, "bogus"),
+        ({"num_bytes": 3 << 20}, ValueError, "num_bytes"),
+        ({"num_cpu_bytes": 2 << 20}, ValueError, "num_cpu_bytes"),
+        ({"num_bytes": 2 << 20, "num_cpu_bytes": 4 << 20}, ValueError, "num_cpu_bytes"),
+        ({"num_topk": 33}, ValueError, "num_topk"),
+        ({"hidden": -1}, ValueError, "hidden"),
+        ({"num_gpu_timeout_secs": 0}, ValueError, "num_gpu_timeout_secs"),
+        ({"allow_hybrid_mode": "yes"}, TypeError, "allow_hybrid_mode"),
+        ({"bogus": 1}, TypeError, "bogus"),
     ]:
         with pytest.raises(exc, match=word):
             ElasticBuffer(ctx.group, **kw)
