@@ -69,3 +69,27 @@ def test_shared_gpu_mode_only_when_asked_and_short_of_gpus(monkeypatch, env, gpu
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     assert launcher.share_gpu(world) is expected
+
+
+def _skips_in_rank_1(ctx):
+    if ctx.rank == 1:
+        pytest.skip("rank 1 has no use for this case")
+    return ctx.rank
+
+
+def test_pytest_skip_in_a_rank_skips_the_test():
+    with pytest.raises(pytest.skip.Exception) as e:
+        parallel_launch(2, _skips_in_rank_1, backend="gloo", timeout_s=60)
+    assert "rank 1: rank 1 has no use for this case" in str(e.value.msg)
+
+
+def _skips_in_rank_1_fails_in_rank_0(ctx):
+    if ctx.rank == 0:
+        raise ValueError("rank 0 breaks")
+    pytest.skip("rank 1 skips")
+
+
+def test_a_failure_beside_a_skip_still_fails():
+    with pytest.raises(RankError) as e:
+        parallel_launch(2, _skips_in_rank_1_fails_in_rank_0, backend="gloo", timeout_s=60)
+    assert "rank 0 breaks" in str(e.value)

@@ -17,7 +17,7 @@ Under ``torchrun`` (one process per rank, on one node or many) nothing is spawne
 the world torchrun put in the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``), and ``env_launch(world, world_size, fn, *args)`` joins it
 (``init_method="env://"``), runs ``fn(ctx, *args)`` in this process and returns every rank's result, by
-rank, on every rank (``all_gather_object``). Inside ``with from_env(world):`` a ``parallel_launch`` call
+rank, on every rank (pickled, exchanged as tensors: no NumPy needed). Inside ``with from_env(world):`` a ``parallel_launch`` call
 goes there instead of spawning (how ``epcomm check`` reaches it); outside, ``parallel_launch`` spawns as
 it always did, whatever the environment holds.
 """
@@ -29,8 +29,10 @@ import dataclasses
 import datetime
 import faulthandler
 import os
+import pickle
 import queue
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -164,14 +166,31 @@ def env_launch(world: EnvWorld, world_size: int, fn: Callable, *args, backend: s
         ctx = RankContext(world.rank, world.world_size, device, backend, dist.group.WORLD)
         try:
             out = fn(ctx, *args)
-        except BaseException:  # noqa: BLE001 - re-raised with the rank, as parallel_launch does
+        except BaseException as e:  # noqa: BLE001 - re-raised with the rank, as parallel_launch does
+            if _skip_message(e) is not None:
+                raise  # pytest.skip in this rank: the test skips
             raise RankError(world.rank, traceback.format_exc()) from None
-        gathered: list = [None] * world.world_size
-        dist.all_gather_object(gathered, out)
-        return gathered
+        return _all_gather_results(dist.group.WORLD, world.rank, out, pg_timeout_s)
     finally:
         if made:
             dist.destroy_process_group()
+
+
+def _all_gather_results(group, rank: int, out, timeout_s: float) -> list:
+    """Every rank's ``out``, by rank: pickled and exchanged as tensors (``dist.all_gather_object`` needs
+    NumPy, which epcomm does not)."""
+    from ..backends import deadline
+
+    blobs = deadline.all_gather_bytes(group, pickle.dumps(out), rank, "the launcher's result exchange", timeout_s)
+    return [pickle.loads(b) for b in blobs]
+
+
+def _skip_message(exc: BaseException) -> str | None:
+    """The reason of a ``pytest.skip`` (``exc`` is pytest's skip exception), else None."""
+    outcomes = sys.modules.get("_pytest.outcomes")
+    if outcomes is not None and isinstance(exc, outcomes.Skipped):
+        return str(exc.msg if hasattr(exc, "msg") else exc)
+    return None
 
 
 def share_gpu(world_size: int) -> bool:
@@ -214,10 +233,11 @@ def _worker(rank, world_size, init_file, backend, pg_timeout_s, fn, args, result
         ctx = RankContext(rank, world_size, device, backend, dist.group.WORLD)
         try:
             out = fn(ctx, *args)
-        except BaseException:  # noqa: BLE001 - reported to the parent with the rank
+        except BaseException as e:  # noqa: BLE001 - reported to the parent with the rank
             # Report before tearing the group down: destroying it while a peer still waits in a
             # collective can block, and the error must not wait for that.
-            results.put((rank, "error", traceback.format_exc()))
+            skip = _skip_message(e)
+            results.put((rank, "skip", skip) if skip is not None else (rank, "error", traceback.format_exc()))
             return
         results.put((rank, "ok", out))
         faulthandler.cancel_dump_traceback_later()
@@ -225,8 +245,9 @@ def _worker(rank, world_size, init_file, backend, pg_timeout_s, fn, args, result
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - the result is already reported
             pass
-    except BaseException:  # noqa: BLE001 - reported to the parent with the rank
-        results.put((rank, "error", traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with the rank
+        skip = _skip_message(e)
+        results.put((rank, "skip", skip) if skip is not None else (rank, "error", traceback.format_exc()))
 
 
 def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = None,
@@ -255,15 +276,17 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
             p.start()
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        skips: dict[int, str] = {}  # pytest.skip in a rank: the reason
         deadline = time.monotonic() + timeout_s
-        while len(out) + len(errors) < world_size:
+        while len(out) + len(errors) + len(skips) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             try:
                 rank, status, value = results.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out and r not in errors]
+                dead = [r for r, p in enumerate(procs)
+                        if not p.is_alive() and r not in out and r not in errors and r not in skips]
                 # A process that died without reporting (segfault, os._exit) is an error too.
                 for r in dead:
                     try:
@@ -271,12 +294,13 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
                     except queue.Empty:
                         errors[r] = f"process exited with code {procs[r].exitcode} without a result"
                         continue
-                    (out if status == "ok" else errors)[rank] = value
+                    {"ok": out, "skip": skips}.get(status, errors)[rank] = value
                 continue
-            (out if status == "ok" else errors)[rank] = value
-            if errors:  # one rank failed: give the others a moment to report, then stop waiting
+            {"ok": out, "skip": skips}.get(status, errors)[rank] = value
+            if errors or skips:  # one rank failed or skipped: give the others a moment to report, then stop
                 deadline = min(deadline, time.monotonic() + 10.0)
-        stuck = [r for r in range(world_size) if r not in out and r not in errors and procs[r].is_alive()]
+        stuck = [r for r in range(world_size)
+                 if r not in out and r not in errors and r not in skips and procs[r].is_alive()]
         stacks = _dump_stacks(procs, stuck, init_file)
         for p in procs:
             p.join(timeout=5.0)
@@ -286,6 +310,11 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
         if errors:
             first = min(errors)
             raise RankError(first, errors[first] + stacks)
+        if skips:  # no rank failed: the test skips, as it would have in one process
+            import pytest
+
+            first = min(skips)
+            pytest.skip(f"rank {first}: {skips[first]}")
         missing = [r for r in range(world_size) if r not in out]
         if missing:
             raise RankError(missing[0], f"ranks {missing} did not finish within {timeout_s:.0f} s" + stacks)
