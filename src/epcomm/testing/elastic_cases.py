@@ -179,3 +179,103 @@ def expected_reduce(values: torch.Tensor, topk_idx: torch.Tensor, num_local_expe
                 acc = acc + part.to(torch.bfloat16).float()
         out.append(acc.to(torch.bfloat16))
     return torch.stack(out) if out else torch.zeros(0, h, dtype=torch.bfloat16)
+
+
+def _eq(what, got, want):
+    got, want = got.cpu(), want.cpu()
+    if got.dtype == torch.float8_e4m3fn:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    assert got.shape == want.shape and torch.equal(got, want), f"{what}: got {got.shape} {got.flatten()[:8]}, " \
+                                                               f"want {want.shape} {want.flatten()[:8]}"
+
+
+def check_dispatch(buf, case, rank, sf_kind, expand, alignment, sync):
+    """One dispatch of ``buf`` against :func:`expected_dispatch` (valid rows bitwise, counts, prefix sums,
+    slots, scale strides), then a cached replay (same rows; zero padding) and a second dispatch."""
+    x, sf, idx, w = inputs(case, rank, sf_kind)
+    want = expected_dispatch(case, rank, sf_kind, alignment)
+    kw = {"topk_idx": idx, "topk_weights": w, "num_experts": case.num_experts, "num_max_tokens_per_rank": case.m,
+              "expert_alignment": alignment, "do_expand": expand, "do_cpu_sync": sync, "use_tma_aligned_col_major_sf": expand}
+    xin = x if sf is None else (x, sf)
+    rx, ridx, rw, hd, ev = buf.dispatch(xin, **kw)
+    assert ev.event is None
+    rsf = None
+    if sf is not None:
+        rx, rsf = rx
+    n = len(want["gid"])
+    psum = hd.psum_num_recv_tokens_per_scaleup_rank
+    assert int(psum[-1]) == n, f"psum {psum.tolist()} != {n} rows"
+    assert hd.num_unaligned_recv_tokens_per_expert.tolist() == want["counts"]
+    _eq("gid", hd.recv_src_metadata[:n, 0], torch.tensor(want["gid"], dtype=torch.int32))
+    aligned = [(c + alignment - 1) // alignment * alignment for c in want["counts"]]
+    if sync:
+        assert hd.num_recv_tokens_per_expert_list == aligned and hd.num_recv_tokens == n
+    else:
+        assert hd.num_recv_tokens_per_expert_list == [] and hd.num_recv_tokens == case.num_ranks * case.m
+    le = case.num_experts // case.num_ranks
+    if not expand:
+        assert rx.shape[0] == (n if sync else case.num_ranks * case.m)
+        _eq("recv_x", rx[:n], want["x"])
+        _eq("recv_topk_idx", ridx[:n], want["local"])
+        _eq("recv_topk_weights", rw[:n], want["w"])
+        if sf is not None:
+            _eq("recv_sf", rsf[:n], want["sf"])
+        assert hd.psum_num_recv_tokens_per_expert.tolist() == torch.tensor(aligned).cumsum(0).tolist()
+    else:
+        assert ridx is None and rw.dim() == 1
+        ends = [s + c for s, c in zip(want["starts"], want["counts"])]
+        assert hd.psum_num_recv_tokens_per_expert.tolist() == ends
+        for l in range(le):
+            for i, (row, j) in enumerate(want["expanded"][l]):
+                slot = want["starts"][l] + i
+                assert int(hd.recv_src_metadata[row, 2 + j]) == slot, f"slot of row {row} lane {j}"
+                _eq(f"expanded x[{slot}]", rx[slot], want["x"][row])
+                _eq(f"expanded w[{slot}]", rw[slot], want["w"][row, j])
+                if sf is not None:
+                    _eq(f"expanded sf[{slot}]", rsf[slot], want["sf"][row])
+        if sf is not None:
+            assert rsf.stride() == (1, (rx.shape[0] + 3) // 4 * 4), f"sf strides {rsf.stride()}"
+    # a replay on the handle lands in the same rows; with zero padding the gaps are zero
+    rx2, ridx2, rw2, hd2, _ = buf.dispatch(xin, handle=hd, topk_weights=w, do_expand=expand,
+                                           do_zero_padding=expand)
+    assert hd2 is hd
+    if sf is not None:
+        rx2, _rsf2 = rx2
+    if not expand:
+        _eq("cached x", rx2[:n], rx[:n])
+        _eq("cached w", rw2[:n], rw[:n])
+        _eq("cached idx", ridx2[:n], ridx[:n])
+    else:
+        valid = hd.recv_src_metadata[:n, 2:]
+        valid = valid[valid >= 0].long()
+        _eq("cached expanded x", rx2[valid], rx[valid])
+        _eq("cached expanded w", rw2[valid], rw[valid])
+        for l in range(le):
+            a, b = ends[l], want["starts"][l] + aligned[l]
+            assert not rx2[a:b].view(torch.uint8).any() and not rw2[a:b].any(), f"padding of expert {l} not zero"
+    # deterministic: a second dispatch gives the same rows
+    rx3 = buf.dispatch(xin, **kw)[0]
+    if sf is not None:
+        rx3 = rx3[0]
+    if not expand:
+        _eq("second dispatch", rx3[:n], rx[:n])
+    return hd, ridx, rw
+
+
+def check_combine(buf, case, rank, expand, n_bias, alignment, sync):
+    """A dispatch, then a combine of :func:`combine_input` against :func:`expected_combine`, weights back."""
+    x, _, idx, w = inputs(case, rank)
+    rx, ridx, rw, hd, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=case.num_experts,
+                                       num_max_tokens_per_rank=case.m, expert_alignment=alignment,
+                                       do_expand=expand, do_cpu_sync=sync)
+    y = combine_input(hd, ridx, rx.shape[0], case.hidden, rx.shape[0])
+    b = bias(case, rank, n_bias)
+    multi = buf.allow_multiple_reduction
+    send_w = rw if (multi or not expand) else None
+    out, ow, _ = buf.combine(y, hd, topk_weights=send_w, bias=(b[0] if n_bias == 1 else (b if b else None)))
+    _eq(f"combine expand={expand} biases={n_bias} multi={multi}", out, expected_combine(case, rank, n_bias,
+                                                                                      multi or not expand))
+    if send_w is not None:
+        _eq("weights back", ow, w)
+    else:
+        assert ow is None
