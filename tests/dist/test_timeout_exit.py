@@ -13,22 +13,18 @@ process group's teardown at exit joined it.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import time
 
 import pytest
+import timeout_rank
 
 TIMEOUT_S = 3
 BOUND_S = TIMEOUT_S + 20
-RANK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "timeout_rank.py")
 
 # case -> (rank 0's role, rank 1's role, rank 0's exit code, what rank 0's stderr must match)
 CASES = {
     "caught, peer alive": ("caught", "idle", 0,
-                           r"caught PeerTimeoutError: epcomm rank 0: dispatch/notify waited 3 s"),
+                           r"caught PeerTimeoutError on reference: epcomm rank 0: dispatch/notify waited 3 s"),
     "uncaught, peer alive": ("uncaught", "idle", 1,
                              r"PeerTimeoutError: epcomm rank 0: dispatch/notify waited 3 s"),
     "uncaught, peer dead": ("uncaught", "dies", 1, r"Peer\w+Error: epcomm rank 0: dispatch/notify"),
@@ -40,41 +36,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     """``{case: (exit code or None if still running, seconds from 'waiting' to exit, stderr)}``."""
-    env = dict(os.environ, EPCOMM_TIMEOUT_S=str(TIMEOUT_S))
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    runs = {}
-    for i, (case, (role0, role1, _, _)) in enumerate(CASES.items()):
-        d = tmp_path_factory.mktemp(f"case{i}")
-        init = str(d / "rendezvous")
-        procs = []
-        for rank, role in ((0, role0), (1, role1)):
-            err = open(d / f"stderr{rank}", "w+")  # noqa: SIM115 - closed below
-            procs.append((subprocess.Popen([sys.executable, RANK_SCRIPT, str(rank), init, role], env=env,
-                                           stdout=subprocess.DEVNULL, stderr=err), err))
-        runs[case] = procs
-    out = {}
-    try:
-        end = time.monotonic() + 120 + BOUND_S  # start-up of ten processes on a small machine, then the bound
-        for case, ((p0, err0), _) in runs.items():
-            try:
-                p0.wait(timeout=max(end - time.monotonic(), 1))
-                exited = time.time()
-            except subprocess.TimeoutExpired:
-                exited = None
-            err0.seek(0)
-            text = err0.read()
-            started = re.search(r"waiting at ([0-9.]+)", text)
-            took = exited - float(started.group(1)) if exited is not None and started else None
-            out[case] = (p0.returncode, took, text)
-    finally:
-        for procs in runs.values():
-            for p, err in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-                err.close()
-    return out
+    return timeout_rank.run(CASES, tmp_path_factory, {"EPCOMM_TIMEOUT_S": str(TIMEOUT_S)}, "gloo")
 
 
 @pytest.mark.parametrize("case", list(CASES))
