@@ -18,6 +18,8 @@ that records an error also writes it there, so the host learns of it without a c
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -33,12 +35,33 @@ PHASES = {
 }
 
 
+# Under the Triton interpreter (``TRITON_INTERPRET=1``, read when this module loads) ``now_ns`` reads a
+# simulated clock instead of 0: each read moves it 1000 "ns" on, so a duration measured between two
+# reads is positive and the wait statistics that kernels add up can be seen to be filled on CPU.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+_sim_ns = [0]
+
+
+def _sim_clock() -> int:
+    """The simulated clock (plain Python: called only from interpreted kernels)."""
+    _sim_ns[0] += 1000
+    return _sim_ns[0]
+
+
+# Triton's dependency walk (the compile cache key) refuses plain Python functions even in a branch the
+# compiler drops (``INTERPRETED`` is False when compiling); marked as a builtin, it is left out of the key
+_sim_clock.__triton_builtin__ = True
+
+
 @triton.jit
 def now_ns(HAS_TIMER: tl.constexpr):
-    """Global nanosecond timer (``%globaltimer``); 0 under the interpreter."""
+    """Global nanosecond timer (``%globaltimer``). Without ``HAS_TIMER``: the simulated clock under the
+    interpreter (``_sim_clock``), else 0."""
     if HAS_TIMER:
         t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
                                       pack=1)
+    elif INTERPRETED:
+        t = tl.full((), _sim_clock(), tl.int64)
     else:
         t = tl.zeros((), dtype=tl.int64)
     return t

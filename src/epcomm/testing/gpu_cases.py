@@ -323,6 +323,25 @@ def _ll_rows(recv_x, count: torch.Tensor, use_fp8: bool, ue8m0: bool):
     return torch.cat(out) if out else torch.empty(0)
 
 
+_WAIT_MARK = 1 << 40  # where check_ll_case's wait statistics start
+
+
+def check_wait_stats(fast: Buffer, stats: torch.Tensor, waits: int, what: str) -> None:
+    """``stats``: a low-latency call's wait statistics (``int64[R]``, nanoseconds per source rank), which
+    started at ``_WAIT_MARK``; the call waited ``waits`` times on each rank. What was added must be a
+    duration: never negative (not overwritten), at most ``waits`` deadlines on a GPU (not a timestamp).
+    Under the Triton interpreter (the CPU tier) the kernels read a simulated clock that moves at every
+    read (``kernels/common.now_ns``), so there every rank's share must be positive: statistics that
+    are never filled fail here. (On a GPU a wait whose data had arrived may add 0: the timer is coarse.)"""
+    added = (stats - _WAIT_MARK).cpu()
+    assert bool((added >= 0).all()), f"wait stats overwritten or decreased {what}: {added.tolist()}"
+    if fast.device.type == "cuda":
+        bound = waits * (fast.timeout_s * 1e9 + 1e6)
+        assert bool((added <= bound).all()), f"wait stats not durations {what}: {added.tolist()} > {bound:g}"
+    elif fast.backend_name in ("nvlink", "internode"):  # the kernels under the interpreter
+        assert bool((added > 0).all()), f"wait stats not filled {what}: {added.tolist()}"
+
+
 def check_ll_case(ref: Buffer, fast: Buffer, case: Case, rank: int, m: int, use_fp8: bool, round_scale=False,
                   ue8m0=False, hook=False, zero_copy=False, seed_shift: int = 0) -> dict:
     dev = fast.device
@@ -332,7 +351,9 @@ def check_ll_case(ref: Buffer, fast: Buffer, case: Case, rank: int, m: int, use_
     lx = e // case.num_ranks
     cum_r = torch.zeros(lx, dtype=torch.int32, device=dev)
     cum_f = torch.zeros(lx, dtype=torch.int32, device=dev)
-    wait_f = torch.zeros(case.num_ranks, dtype=torch.int64, device=dev)
+    # wait statistics start at a mark: the kernels must add to them (never overwrite), per source rank
+    wait_f = torch.full((case.num_ranks,), _WAIT_MARK, dtype=torch.int64, device=dev)
+    wait_c = wait_f.clone()
     rr = ref.low_latency_dispatch(x, topk, m, e, cumulative_local_expert_recv_stats=cum_r, use_fp8=use_fp8,
                                   round_scale=round_scale, use_ue8m0=ue8m0)
     fr = fast.low_latency_dispatch(x, topk, m, e, cumulative_local_expert_recv_stats=cum_f,
@@ -344,7 +365,7 @@ def check_ll_case(ref: Buffer, fast: Buffer, case: Case, rank: int, m: int, use_
     assert_bitwise(fr[1], rr[1], f"recv_count {tag}")
     assert_bitwise(fr[2].layout_range, rr[2].layout_range, f"layout_range {tag}")
     assert_bitwise(cum_f, cum_r, f"cumulative stats {tag}")
-    assert bool((wait_f >= 0).all()), f"wait stats negative {tag}"
+    check_wait_stats(fast, wait_f, lx, f"dispatch {tag}")
     for l_, n in enumerate(rr[1].tolist()):
         assert_bitwise(fr[2].recv_src_info[l_, :n], rr[2].recv_src_info[l_, :n], f"recv_src_info[{l_}] {tag}")
         if use_fp8:
@@ -367,14 +388,17 @@ def check_ll_case(ref: Buffer, fast: Buffer, case: Case, rank: int, m: int, use_
     ro, _, _ = ref.low_latency_combine(y, topk, w, rr[2])
     if zero_copy:
         fast.get_next_low_latency_combine_buffer(fr[2]).copy_(y)
-        fo, _, hk = fast.low_latency_combine(y, topk, w, fr[2], zero_copy=True, return_recv_hook=hook)
+        fo, _, hk = fast.low_latency_combine(y, topk, w, fr[2], zero_copy=True, return_recv_hook=hook,
+                                             combine_wait_recv_cost_stats=wait_c)
     else:
         out = torch.empty_like(ro)
-        fo, _, hk = fast.low_latency_combine(y, topk, w, fr[2], out=out, return_recv_hook=hook)
+        fo, _, hk = fast.low_latency_combine(y, topk, w, fr[2], out=out, return_recv_hook=hook,
+                                             combine_wait_recv_cost_stats=wait_c)
         assert fo.data_ptr() == out.data_ptr(), "out= must be written in place"
     if hook:
         hk()
     torch.cuda.synchronize()
+    check_wait_stats(fast, wait_c, 1, f"combine {tag}")
     ro_abs, _, _ = ref.low_latency_combine(y.abs(), topk, w.abs(), rr[2])
     assert_within_budget(fo, ro.double(), ro_abs.double(), case.num_topk + case.num_ranks, f"ll combine {tag}",
                          extra_rel=2.0 ** -8)
