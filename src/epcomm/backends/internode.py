@@ -315,12 +315,13 @@ def availability(buf) -> tuple[bool, str]:
     if buf.device.type != "cuda":
         return False, "the group is not on CUDA (gloo/CPU tensors)"
     try:
+        import numpy  # noqa: F401  (the host path reads pinned words through NumPy views)
         import torch.distributed._symmetric_memory as symm_mem
         import triton  # noqa: F401
 
         from ..kernels import nvshmem
     except ImportError as e:
-        return False, f"needs triton and torch symmetric memory ({e})"
+        return False, f"needs triton, numpy and torch symmetric memory ({e}); pip install triton numpy"
     if not nvshmem.available() or not symm_mem.is_nvshmem_available():
         return False, "NVSHMEM is not available to torch here (pip install nvidia-nvshmem-cu12 matching torch)"
     if torch.cuda.get_device_capability(buf.device)[0] < 8:

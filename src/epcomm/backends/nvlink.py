@@ -68,10 +68,11 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 def availability(buf) -> tuple[bool, str]:
     """Whether this Buffer's ranks can use the nvlink backend, and why (collective: all ranks call)."""
     try:
+        import numpy  # noqa: F401  (the host path reads pinned words through NumPy views)
         import torch.distributed._symmetric_memory
         import triton  # noqa: F401
     except ImportError as e:
-        return False, f"needs triton and torch symmetric memory ({e}); pip install triton"
+        return False, f"needs triton, numpy and torch symmetric memory ({e}); pip install triton numpy"
     if torch.cuda.get_device_capability(buf.device)[0] < 8:
         return False, "needs an SM80+ GPU"
     rows = deadline.all_gather_ints(buf.group, [zlib.crc32(socket.gethostname().encode()), buf.device.index],
@@ -150,7 +151,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         self._ready_event = torch.cuda.Event()  # TUNE["notify_first"]: the inputs are ready
         self._views: dict = {}  # see _view
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.transfer = _env.ht_transfer()  # "ce" (copy engine eagerly), "sm" or "ce-always"
+        self.transfer = _env.ht_transfer()  # "sm" (default), "ce" (copy engine eagerly) or "ce-always"
         from . import nvlink_ll
 
         over = {k: v for k, v in _env.tune().items() if not k.startswith(("iht.", "ill."))}  # (internode's)
@@ -177,8 +178,14 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         self.p_tk = {i: Ptr(self.tickets[i:]) for i in (T_GATHER, T_REDUCE, T_DPUSH, T_CPUSH)}
         self.p_src_lists = Ptr(self.src_lists)
 
+    _call_sms = None  # Config.num_sms of the high-throughput call in progress (set by each call)
+
     @property
     def num_sms(self) -> int:
+        """SMs (programs) a high-throughput call may use: its ``Config.num_sms`` (a caller's tuned
+        ``Config`` is honoured, as DeepEP's tuning loop passes one), else ``Buffer.num_sms``."""
+        if self._call_sms:
+            return self._call_sms
         buf = self._buf()
         return buf.num_sms if buf is not None else 20
 
@@ -319,6 +326,12 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
 
     def clean_low_latency_buffer(self) -> None:
         self._ll_impl().clean()
+
+    def return_rows(self, rows, dst, slots: int, phase: str):
+        """``ElasticBuffer``'s combine transport by stores into the owners' symmetric buffers (nvlink_v2.py)."""
+        from .nvlink_v2 import return_rows
+
+        return return_rows(self, rows, dst, slots, phase)
 
     def barrier(self, phase: str) -> None:
         """Synchronise the device, then a barrier bounded by the deadline (``PeerTimeoutError`` naming
