@@ -181,26 +181,15 @@ def raise_error_word(be, word: list, announced_ms: Callable[[], list] | None = N
 
 
 def wait_work(be, work, phase: str, poll: bool) -> None:
-    """Wait for the ``torch.distributed`` work ``work`` within ``be.timeout_s``; past it raise
-    ``PeerTimeoutError`` naming ``phase``. ``poll``: NCCL work, which completes on the GPU (polled, so the
-    host never blocks forever); else gloo's ``wait(timeout)``."""
-    import datetime
-    import time
+    """Wait for the ``torch.distributed`` work ``work`` of backend ``be`` within ``be.timeout_s``; past it
+    raise ``PeerTimeoutError`` naming ``phase`` (``deadline.wait``). ``poll``: NCCL work, which completes on
+    the GPU (polled, so the host never blocks forever; the group is aborted after the deadline); else
+    gloo's, which should be issued with the deadline itself (``deadline.issue_*``), so that nothing of it
+    stays queued in the group when it expires."""
+    from . import deadline
 
-    if poll:
-        deadline = time.monotonic() + be.timeout_s
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise PeerTimeoutError(be.rank, phase, None, be.timeout_s)
-            time.sleep(0)
-        work.wait()
-        return
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=be.timeout_s))
-    except RuntimeError as e:
-        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise PeerTimeoutError(be.rank, phase, None, be.timeout_s, str(e).splitlines()[0]) from None
-        raise
+    device = be.device if poll else torch.device("cpu")
+    deadline.wait(work, be.group, device, be.rank, phase, be.timeout_s)
 
 
 class Backend:
@@ -276,7 +265,9 @@ class Backend:
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             dist.all_to_all_single(recv, src, group=self.group)  # NCCL under capture: no host wait
         else:
-            work = dist.all_to_all_single(recv, src, group=self.group, async_op=True)
+            from . import deadline
+
+            work = deadline.issue_all_to_all(self.group, recv, src, [slots] * r_, [slots] * r_, self.timeout_s)
             wait_work(self, work, phase, poll=dev.type == "cuda" and not staged)
         return recv.to(dev).view(r_, slots, w)
 
