@@ -90,6 +90,7 @@ def rig(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", mod)
     monkeypatch.setattr(torch.distributed, "_symmetric_memory", mod, raising=False)
     monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(nv.deadline, "barrier", lambda *a, **k: None)  # the simulated ranks share a process
     cuda_stand_ins(monkeypatch.setattr, capturing=lambda: capturing["on"], sms=132)
     for mod_ in (ht, ll):
         for name, obj in list(vars(mod_).items()):
@@ -104,6 +105,7 @@ def rig(monkeypatch):
         buf = _Buf(group=types.SimpleNamespace(group_name="g"), rank=r, group_size=R, device=torch.device("cpu"),
                    timeout_s=1.0, num_nvl_bytes=8 << 20, num_rdma_bytes=rdma, num_sms=24)
         b = nv.NVLinkBackend(buf)
+        b.transfer = "ce"  # the copy-engine path (EPCOMM_HT_TRANSFER=ce); tests of the SM push set "sm"
         b._keep = buf  # the backend holds a weak reference
         backends.append(b)
     return types.SimpleNamespace(log=log, capturing=capturing, b=backends)
@@ -229,10 +231,46 @@ def test_low_latency_dispatch_and_combine_split(rig, monkeypatch, fp8):
                                    "_ll_combine_recv_kernel"]
 
 
+def test_eager_calls_push_with_sms_by_default(rig, monkeypatch):
+    """EPCOMM_HT_TRANSFER unset: eager calls at 2 ranks take the SM push (one gather launch that pushes),
+    no copy-engine copies or flag launches."""
+    monkeypatch.delenv("EPCOMM_HT_TRANSFER", raising=False)
+    from epcomm import _env
+
+    b = rig.b[0]
+    b.transfer = _env.ht_transfer()
+    res = b.dispatch(_args())
+    assert _names(rig.log) == ["_notify_kernel", "_handle_kernel", "_gather_kernel"] and rig.log[-1][2]["PUSH"]
+    rig.log.clear()
+    b.combine(res.recv_x, res.handle, res.recv_topk_weights, ())
+    assert _names(rig.log) == ["_combine_push_kernel", "_reduce_kernel"]
+
+
+def test_a_calls_config_sets_its_sms(rig):
+    """Each call's Config.num_sms bounds its grids (DeepEP's tuning loop passes Config(24, ...) while
+    Buffer.num_sms may be another value): dispatch, cached dispatch and combine."""
+    import dataclasses
+
+    from epcomm import Config
+
+    b = rig.b[0]
+    b.transfer = "sm"  # the push kernels' grids are num_sms programs
+    assert b._buf().num_sms == 24
+    res = b.dispatch(dataclasses.replace(_args(), num_sms=4))
+    assert [g for n, g, _ in rig.log if n == "_gather_kernel"] == [(4, 1, 1)]
+    rig.log.clear()
+    b.cached_dispatch(res.recv_x[:0].new_empty(T, H), None, res.handle, Config(num_sms=6))
+    assert [g for n, g, _ in rig.log if n == "_push_kernel"] == [(6,)]
+    rig.log.clear()
+    b.combine(res.recv_x, res.handle, None, (), Config(num_sms=2))
+    assert [g for n, g, _ in rig.log if n == "_combine_push_kernel"] == [(2,)]
+
+
 def test_fused_push_grid_is_at_most_one_program_per_sm(rig):
     rig.capturing["on"] = True
-    rig.b[0]._buf = lambda: types.SimpleNamespace(num_sms=256)  # Config.num_sms allows 256; the GPU has 132
-    rig.b[0].dispatch(_args(worst=R * T))
+    import dataclasses
+
+    rig.b[0].dispatch(dataclasses.replace(_args(worst=R * T), num_sms=256))  # Config allows 256; the GPU has 132
     assert [g for n, g, _ in rig.log if n == "_gather_kernel"] == [(132, 1, 1)]
 
 
@@ -248,7 +286,7 @@ def test_ce_always_uses_the_copy_engine_under_capture(rig):
 def test_transfer_variable_is_checked(monkeypatch):
     from epcomm import _env
 
-    for v, want in (("", "ce"), ("SM", "sm"), ("ce-always", "ce-always")):
+    for v, want in (("", "sm"), ("CE", "ce"), ("SM", "sm"), ("ce-always", "ce-always")):
         monkeypatch.setenv("EPCOMM_HT_TRANSFER", v)
         assert _env.ht_transfer() == want
     monkeypatch.setenv("EPCOMM_HT_TRANSFER", "dma")

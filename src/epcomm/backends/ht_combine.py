@@ -38,6 +38,7 @@ class HTCombine:
 
     def combine(self, x, handle: DispatchHandle, topk_weights, bias, config=None):
         self._check_error()
+        self._call_sms = config.num_sms if config is not None else None
         r_, me, dev = self.num_ranks, self.rank, self.device
         t = handle.is_token_in_rank.shape[0]
         h = x.shape[1]

@@ -106,6 +106,7 @@ class HTDispatch:
     def dispatch(self, a: DispatchArgs) -> DispatchResult:
 
         self._check_error()
+        self._call_sms = a.num_sms  # the call's Config.num_sms bounds every grid of the call
         r_, me, dev = self.num_ranks, self.rank, self.device
         t, h = a.x.shape
         e = a.num_tokens_per_expert.numel()
@@ -207,6 +208,7 @@ class HTDispatch:
 
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle, config=None):
         self._check_error()
+        self._call_sms = config.num_sms if config is not None else None
         t, h = x.shape
         g = x_scales.shape[1] if x_scales is not None else 0
         x_words = x.view(torch.uint8).view(torch.int32) if x.element_size() == 1 else x.view(torch.int32)
