@@ -13,16 +13,25 @@
 #                   and a torch.profiler table, under $OUT/profile/
 #   shared [WORLD]  tier 3 with WORLD ranks (default 2) time-sharing the GPUs (EPCOMM_TEST_SHARE_GPU=1):
 #                   for single-GPU kinds; correctness of the multi-rank paths only, no timing (~5 min at 2)
-#   shared-nvshmem  the internode tier 3 (tests/gpu/test_internode_nvshmem.py) with 2 ranks on one GPU:
-#                   NVSHMEM takes two PEs per GPU only under MPS with each process's
-#                   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE <= 50 (else "not supported with limited MPG"), so
-#                   this mode starts a private MPS daemon (its own pipe directory) and stops it after (~9 min;
-#                   with EPCOMM_VERIFY_LAUNCH=1 more than the 560 s cap: split it, PYTEST_ARGS="-k high_throughput"
-#                   then PYTEST_ARGS="-k 'not high_throughput'")
+#   shared-nvshmem [WORLD]  the internode tier 3 with WORLD ranks (2 or 4) on one GPU: NVSHMEM takes
+#                   several PEs per GPU only under MPS (else "not supported with limited MPG"), so this mode
+#                   starts a private MPS daemon (its own pipe directory) and stops it after, each process at
+#                   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/WORLD (two took 50; four at 25 not yet tried).
+#                   WORLD 2: tests/gpu/test_internode_nvshmem.py, two virtual nodes of one (~9 min; with
+#                   EPCOMM_VERIFY_LAUNCH=1 more than the 560 s cap: split it, PYTEST_ARGS="-k high_throughput"
+#                   then PYTEST_ARGS="-k 'not high_throughput'"). WORLD 4: tests/gpu/test_internode_2x2.py,
+#                   two nodes of two (EPCOMM_GPUS_PER_NODE=2: the forwarding path) and four nodes of one;
+#                   if it outlasts the cap, split it the same way (-k high_throughput / -k low_latency)
 #   bench-nvshmem   epcomm bench --backend internode, then --backend nvlink, 2 ranks on one GPU under the
 #                   same private MPS daemon (virtual nodes of one GPU): ht-dsv3 and ll-dsv3-288, 24 SMs,
 #                   12 iterations; JSONL in $OUT/bench-mps-<backend>.jsonl (~5 min); BENCH_BACKENDS and
 #                   BENCH_CASES narrow it
+#   ab BASE_DIR     epcomm bench --ab: the tree in BASE_DIR (a directory with src/epcomm, shipped with the working
+#                   tree: e.g. `mkdir -p ab-base && git archive <sha> src | tar -x -C ab-base` before the call,
+#                   untracked, not ignored) against this tree, alternated run by run for AB_ROUNDS rounds (default
+#                   3); BENCH_ARGS picks the cases (default --cases ll-dsv3 --tokens 1,128); AB_BASE_COMMIT names
+#                   the base tree's commit. Rows in $OUT/ab.jsonl, runs and logs in $OUT/ab-runs/, summary printed
+#                   and in $OUT/ab-summary.jsonl
 # Provenance: the GPU machine's copy of the tree has no .git, so every bench row would say git_sha
 # "unknown". The caller passes the commit of the tree it ships, expanded on ITS machine (the command
 # string must carry the literal sha; $(git ...) would run on the GPU machine and fail):
@@ -41,7 +50,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
 OUT="${OUT:-/tmp/epcomm-out}"; mkdir -p "$OUT"
 mode="${1:-}"
-case "$mode" in tests|bench|figures|profile|shared|shared-nvshmem|bench-nvshmem) ;;
+case "$mode" in tests|bench|figures|profile|shared|shared-nvshmem|bench-nvshmem|ab) ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
@@ -70,7 +79,9 @@ if [[ "$mode" == shared ]]; then
 fi
 
 if [[ "$mode" == shared-nvshmem || "$mode" == bench-nvshmem ]]; then
-  export EPCOMM_TEST_SHARE_GPU=1 EPCOMM_TEST_WORLD=2 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50
+  world=2; [[ "$mode" == shared-nvshmem ]] && world="${2:-2}"
+  [[ "$world" == 2 || "$world" == 4 ]] || { echo "shared-nvshmem takes WORLD 2 or 4, got $world"; exit 2; }
+  export EPCOMM_TEST_SHARE_GPU=1 EPCOMM_TEST_WORLD=$world CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / world))
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/epcomm-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/epcomm-mps/log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d || { echo "could not start an MPS daemon"; exit 1; }
@@ -86,13 +97,23 @@ if [[ "$mode" == bench-nvshmem ]]; then
 fi
 
 if [[ "$mode" == shared-nvshmem ]]; then
-  timeout 560 "${pytest[@]}" tests/gpu/test_internode_nvshmem.py ${PYTEST_ARGS:-} 2>&1 \
-    | tee "$OUT/tier3-internode-mps.log" | tail -30 || rc=1
+  tier3=tests/gpu/test_internode_nvshmem.py log=tier3-internode-mps.log
+  [[ "$world" == 4 ]] && tier3=tests/gpu/test_internode_2x2.py log=tier3-internode-mps4.log
+  timeout 560 "${pytest[@]}" $tier3 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/$log" | tail -30 || rc=1
 fi
 
 if [[ "$mode" == bench ]]; then
   timeout 560 "${bench[@]}" --cases dsv3 --num-sms 24 ${BENCH_ARGS:-} --out "$OUT/bench-dsv3.jsonl" 2>&1 \
     | tee "$OUT/bench-dsv3.log" | tail -45 || rc=1
+fi
+
+if [[ "$mode" == ab ]]; then
+  base="${2:?usage: bash scripts/gpu_check.sh ab BASE_DIR (a tree with src/epcomm)}"
+  head_commit="${EPCOMM_COMMIT:-}"
+  [[ -n "$head_commit" && "${EPCOMM_COMMIT_DIRTY:-}" == 1 ]] && head_commit="$head_commit+dirty"
+  timeout 560 "${bench[@]}" --ab "base=$base,head=." --ab-commits "${AB_BASE_COMMIT:-},$head_commit" \
+    --rounds "${AB_ROUNDS:-3}" ${BENCH_ARGS:---cases ll-dsv3 --tokens 1,128} --out "$OUT/ab.jsonl" 2>&1 \
+    | tee "$OUT/ab.log" | tail -60 || rc=1
 fi
 
 if [[ "$mode" == profile ]]; then

@@ -3,6 +3,7 @@
     epcomm bench                      # CPU: small + sweep-small on 4 gloo ranks; GPUs: the DSv3 cases
     epcomm bench --cases ht-dsv3 --num-sms 24 --out bench.jsonl --plot plots/
     epcomm bench --cases sweep --mode ht --iters 100
+    epcomm bench --ab base=../old,new=. --rounds 3 --cases ll-dsv3 --out ab.jsonl   # two trees, alternated
     epcomm env [--probe]              # GPUs, NVLink/peer access, symmetric memory, versions, variables
     epcomm check                      # 2 gloo ranks (or the GPUs): dispatch + combine vs the oracle
     epcomm model --ep 8,16,32,64,128,256 --plot model.png      # predicted times against EP size (docs/model.md)
@@ -103,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also profile every operation's eager call: a cProfile table of the host path and a "
                    "torch.profiler table per operation and rank, written to DIR")
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    b.add_argument("--ab", default=None, metavar="TREE_A,TREE_B",
+                   help="A/B: this bench on two source trees (PATH or LABEL=PATH, each with src/epcomm), "
+                   "alternated run by run for --rounds rounds, one subprocess each; rows tagged by tree, "
+                   "commit and round, then a per-case summary (bench/ab.py)")
+    b.add_argument("--rounds", type=_positive_int, default=3, help="A/B rounds, at least 3 (default 3)")
+    b.add_argument("--ab-commits", default=None, metavar="SHA_A,SHA_B",
+                   help="A/B: the trees' commits where they have no .git (SHA or SHA+dirty; empty: unknown)")
     b.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed (default 1800)")
     b.set_defaults(case_sets=CASE_SETS)
 
@@ -234,6 +242,15 @@ def cmd_bench(args) -> int:
     if args.list:
         _list_cases(args.case_sets)
         return 0
+    if args.ab:
+        from .bench import ab
+        from .testing.launcher import env_world
+
+        if args.plot or args.profile or env_world() is not None:
+            raise ValueError("--ab runs each tree as its own epcomm bench: not with --plot, --profile or torchrun")
+        return ab.main(args)
+    if args.ab_commits:
+        raise ValueError("--ab-commits goes with --ab")
     launched = _launcher_world(args.world_size)
     device = _pick_device(args.device)
     gpu = device == "cuda"
