@@ -122,11 +122,13 @@ def _ll_rank(ctx, gpus_per_node, m, hidden, experts, stress):
     for kw in (dict(use_fp8=False), dict(use_fp8=True), dict(use_fp8=True, round_scale=True, ue8m0=True),
                dict(use_fp8=False, hook=True), dict(use_fp8=True, hook=True, zero_copy=True)):
         out.append(G.check_ll_case(ref, fast, case, ctx.rank, m, **kw))
-    small = Case(num_ranks=r, tokens=(1,) * r, hidden=hidden, num_topk=8, num_experts=experts, seed=12)
+    # one token a rank that selects experts (Case's token 0 selects none by default: it would send nothing)
+    small = Case(num_ranks=r, tokens=(1,) * r, hidden=hidden, num_topk=8, num_experts=experts, seed=12,
+                 no_expert_token=False)
     out.append(G.check_ll_case(ref, fast, small, ctx.rank, m, use_fp8=True))
     G.check_ll_graph(ref, fast, case, ctx.rank, m, replays=20)
-    secs = G.check_ll_stress(ref, fast, case, ctx.rank, m, iters=stress)
-    return {"cases": len(out), "stress_s": secs}
+    stress = G.check_ll_stress(ref, fast, case, ctx.rank, m, iters=stress)
+    return {"remote_rows": [c["remote_rows"] for c in out], "stress": stress}
 
 
 @pytest.mark.skipif(WORLD != 2 or not TWO, reason="two virtual nodes: two GPUs, or one under MPS (scripts/gpu_check.sh shared-nvshmem)")
@@ -138,7 +140,9 @@ def test_internode_low_latency(gpus_per_node, m, hidden, experts):
     if not nvshmem.available():
         pytest.skip("torch's NVSHMEM Triton bindings are unavailable")
     res = parallel_launch(2, _ll_rank, gpus_per_node, m, hidden, experts, 100, backend="nccl", timeout_s=300)
-    assert all(r["cases"] == 6 and r["stress_s"] > 0 for r in res), res
+    for r in res:  # every case and the stress loop moved rows between the ranks (not only a rank's own)
+        assert len(r["remote_rows"]) == 6 and min(r["remote_rows"]) > 0, res
+        assert r["stress"].checked == 2 and r["stress"].remote_rows > 0, res  # iterations 0 and 99 checked
 
 
 def _ht_rank(ctx, gpus_per_node):
@@ -162,7 +166,7 @@ def _ht_rank(ctx, gpus_per_node):
     # a combine alone in a graph, replayed back to back (its areas alternate by the device's count)
     G.check_ht_combine_graph(ref, fast, [Case(num_ranks=r, tokens=(300, 180), hidden=2048, num_topk=8,
                                               num_experts=64, seed=4 + i) for i in range(3)], ctx.rank)
-    return len(out)
+    return [c["remote_rows"] for c in out]
 
 
 @pytest.mark.skipif(WORLD != 2 or not TWO, reason="two virtual nodes: two GPUs, or one under MPS (scripts/gpu_check.sh shared-nvshmem)")
@@ -172,4 +176,7 @@ def test_internode_high_throughput(gpus_per_node):
 
     if not nvshmem.available():
         pytest.skip("torch's NVSHMEM Triton bindings are unavailable")
-    assert parallel_launch(2, _ht_rank, gpus_per_node, backend="nccl", timeout_s=300) == [6, 6]
+    res = parallel_launch(2, _ht_rank, gpus_per_node, backend="nccl", timeout_s=300)
+    # every case moved rows between the ranks: to both in the first case, to rank 0 in the second (rank 0
+    # has no tokens of its own there)
+    assert all(len(r) == 6 for r in res) and min(res[0]) > 0 and min(res[1][:3]) > 0, res

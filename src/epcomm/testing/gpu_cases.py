@@ -1,7 +1,8 @@
 """Tier-3 checks: a fast backend against the reference backend on the same NCCL group and inputs.
 
 Each ``check_*`` function runs inside a rank (launched by ``parallel_launch`` with NCCL) and raises
-``AssertionError`` with the case on the first mismatch; it returns a short summary dict.
+``AssertionError`` with the case on the first mismatch; it returns a short summary (a dict, or
+``traffic.Stress`` for the stress loops) that says how many rows came from other ranks.
 Dispatch is compared bitwise; combine within the budget of epcomm.testing.compare.
 """
 
@@ -18,6 +19,7 @@ import torch
 from .. import Buffer, quant
 from .compare import assert_bitwise, assert_fp8_within_one_step, assert_within_budget
 from .inputs import Case, make_topk
+from .traffic import Stress, ht_remote_rows, ll_remote_rows
 
 
 @contextlib.contextmanager
@@ -116,7 +118,7 @@ def check_ht_case(ref: Buffer, fast: Buffer, case: Case, rank: int, fp8: bool, w
     cf = fast.dispatch(xin, handle=fr[4], config=dcfg)
     assert cf[1] is None and cf[4] is None
     assert_bitwise(_rows(cf[0])[:n], _rows(cr[0])[:n], f"cached recv_x {tag}")
-    return {"n": n, "combine_bitwise": bitwise}
+    return {"n": n, "combine_bitwise": bitwise, "remote_rows": int(ht_remote_rows(rr[4].rank_prefix_matrix, rank))}
 
 
 def check_ht_async(ref: Buffer, fast: Buffer, case: Case, rank: int) -> None:
@@ -276,10 +278,13 @@ def check_ht_combine_graph(ref: Buffer, fast: Buffer, cases: list[Case], rank: i
         raise AssertionError("\n".join(failures))
 
 
-def check_ht_stress(fast: Buffer, ref: Buffer, rank: int, num_ranks: int, iters: int, seed: int = 5) -> float:
-    """``iters`` dispatch + combine pairs with changing routings and sizes; every 50th checked fully."""
+def check_ht_stress(fast: Buffer, ref: Buffer, rank: int, num_ranks: int, iters: int,
+                    seed: int = 5) -> Stress:
+    """``iters`` dispatch + combine pairs with changing routings and sizes; every 50th and the last checked
+    fully."""
     dev = fast.device
     t0 = time.perf_counter()
+    checked, remote = 0, torch.zeros((), dtype=torch.int64, device=dev)
     for it in range(iters):
         tokens = tuple(int(v) for v in torch.randint(0, 300, (num_ranks,), generator=torch.Generator().manual_seed(it)))
         # routing, token counts and hot experts change every iteration; shapes stay (one compile)
@@ -288,13 +293,15 @@ def check_ht_stress(fast: Buffer, ref: Buffer, rank: int, num_ranks: int, iters:
         xin, x, topk, w = device_inputs(case, rank, dev)
         fr = _dispatch(fast, xin, topk, w, case.num_experts)
         fo, _, _ = fast.combine(fr[0], fr[4])
+        remote += ht_remote_rows(fr[4].rank_prefix_matrix, rank)
         if it % 50 == 0 or it == iters - 1:
+            checked += 1
             rr = _dispatch(ref, xin, topk, w, case.num_experts)
             assert_bitwise(fr[0], rr[0], f"stress {it} recv_x {case}")
             ro, _, _ = ref.combine(rr[0], rr[4])
             _combine_check(fo, ro, ref, rr[0], rr[4], f"stress {it} combine {case}")
     torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return Stress(iters, checked, int(remote), time.perf_counter() - t0)
 
 
 # ----------------------------------------------------------------------------- low-latency
@@ -402,7 +409,8 @@ def check_ll_case(ref: Buffer, fast: Buffer, case: Case, rank: int, m: int, use_
     ro_abs, _, _ = ref.low_latency_combine(y.abs(), topk, w.abs(), rr[2])
     assert_within_budget(fo, ro.double(), ro_abs.double(), case.num_topk + case.num_ranks, f"ll combine {tag}",
                          extra_rel=2.0 ** -8)
-    return {"bitwise_combine": bool(torch.equal(fo.view(torch.int16), ro.view(torch.int16)))}
+    return {"bitwise_combine": bool(torch.equal(fo.view(torch.int16), ro.view(torch.int16))),
+            "remote_rows": int(ll_remote_rows(rr[2].layout_range, rank))}
 
 
 def check_ll_graph(ref: Buffer, fast: Buffer, case: Case, rank: int, m: int, replays: int) -> None:
@@ -443,11 +451,14 @@ def check_ll_graph(ref: Buffer, fast: Buffer, case: Case, rank: int, m: int, rep
                                  f"graph replay {it} combine", extra_rel=2.0 ** -8)
 
 
-def check_ll_stress(ref: Buffer, fast: Buffer, case: Case, rank: int, m: int, iters: int) -> float:
+def check_ll_stress(ref: Buffer, fast: Buffer, case: Case, rank: int, m: int, iters: int) -> Stress:
+    """``iters`` low-latency dispatch + combine pairs with changing token counts and routings, BF16 and
+    FP8 in turn; every 100th and the last compared with the reference."""
     dev = fast.device
     e = case.num_experts
     lx = e // case.num_ranks
     t0 = time.perf_counter()
+    checked, remote = 0, torch.zeros((), dtype=torch.int64, device=dev)
     for it in range(iters):
         tokens = tuple(int(v) for v in torch.randint(0, m + 1, (case.num_ranks,),
                                                      generator=torch.Generator().manual_seed(it)))
@@ -457,7 +468,9 @@ def check_ll_stress(ref: Buffer, fast: Buffer, case: Case, rank: int, m: int, it
         rx, cnt, h, _, _ = fast.low_latency_dispatch(x, topk, m, e, use_fp8=use_fp8)
         y = torch.ones(lx, case.num_ranks * m, case.hidden, dtype=torch.bfloat16, device=dev) if use_fp8 else rx
         out, _, _ = fast.low_latency_combine(y, topk, w, h)
+        remote += ll_remote_rows(h.layout_range, rank)
         if it % 100 == 0 or it == iters - 1:
+            checked += 1
             r = ref.low_latency_dispatch(x, topk, m, e, use_fp8=use_fp8)
             assert_bitwise(cnt, r[1], f"stress {it} recv_count {c}")
             ro, _, _ = ref.low_latency_combine(y, topk, w, r[2])
@@ -465,4 +478,4 @@ def check_ll_stress(ref: Buffer, fast: Buffer, case: Case, rank: int, m: int, it
             assert_within_budget(out, ro.double(), ro_abs.double(), case.num_topk + case.num_ranks,
                                  f"stress {it} combine {c}", extra_rel=2.0 ** -8)
     torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return Stress(iters, checked, int(remote), time.perf_counter() - t0)
