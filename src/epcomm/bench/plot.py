@@ -2,8 +2,9 @@
 
 - ``time_vs_tokens.png``: median time against tokens per rank, one panel per operation, one line
   per (case, backend), log-log.
-- ``bandwidth.png``: link GB/s (solid) and logical GB/s (dashed) against tokens, with the
-  copy-engine ceiling as a horizontal line where it was measured.
+- ``bandwidth.png``: link GB/s (solid: the bytes other ranks wrote, as the backend lays them out) and
+  logical GB/s in DeepEP's per-selection convention (dashed) against tokens, with the copy-engine
+  ceiling as a horizontal line where it was measured (rows without a link figure are left out).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def plot_rows(rows: list[dict], out_dir: str | Path) -> list[Path]:
                 color = f"C{j}"
                 ax.plot(xs, [p[1]["link_gbps"] for p in pts], marker="o", color=color, label=f"{label} link")
                 ax.plot(xs, [p[1]["logical_gbps"] for p in pts], marker=".", color=color, linestyle="--",
-                        alpha=0.6, label=f"{label} logical")
+                        alpha=0.6, label=f"{label} DeepEP logical")
             if ce:
                 ax.axhline(ce, color="k", linestyle=":", label=f"copy-engine ceiling {ce:.0f} GB/s")
             ax.set_xscale("log", base=2)
