@@ -26,6 +26,12 @@
 #                   same private MPS daemon (virtual nodes of one GPU): ht-dsv3 and ll-dsv3-288, 24 SMs,
 #                   12 iterations; JSONL in $OUT/bench-mps-<backend>.jsonl (~5 min); BENCH_BACKENDS and
 #                   BENCH_CASES narrow it
+#   ab BASE_DIR     epcomm bench --ab: the tree in BASE_DIR (a directory with src/epcomm, shipped with the working
+#                   tree: e.g. `mkdir -p ab-base && git archive <sha> src | tar -x -C ab-base` before the call,
+#                   untracked, not ignored) against this tree, alternated run by run for AB_ROUNDS rounds (default
+#                   3); BENCH_ARGS picks the cases (default --cases ll-dsv3 --tokens 1,128); AB_BASE_COMMIT names
+#                   the base tree's commit. Rows in $OUT/ab.jsonl, runs and logs in $OUT/ab-runs/, summary printed
+#                   and in $OUT/ab-summary.jsonl
 # Provenance: the GPU machine's copy of the tree has no .git, so every bench row would say git_sha
 # "unknown". The caller passes the commit of the tree it ships, expanded on ITS machine (the command
 # string must carry the literal sha; $(git ...) would run on the GPU machine and fail):
@@ -44,7 +50,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
 OUT="${OUT:-/tmp/epcomm-out}"; mkdir -p "$OUT"
 mode="${1:-}"
-case "$mode" in tests|bench|figures|profile|shared|shared-nvshmem|bench-nvshmem) ;;
+case "$mode" in tests|bench|figures|profile|shared|shared-nvshmem|bench-nvshmem|ab) ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
@@ -99,6 +105,15 @@ fi
 if [[ "$mode" == bench ]]; then
   timeout 560 "${bench[@]}" --cases dsv3 --num-sms 24 ${BENCH_ARGS:-} --out "$OUT/bench-dsv3.jsonl" 2>&1 \
     | tee "$OUT/bench-dsv3.log" | tail -45 || rc=1
+fi
+
+if [[ "$mode" == ab ]]; then
+  base="${2:?usage: bash scripts/gpu_check.sh ab BASE_DIR (a tree with src/epcomm)}"
+  head_commit="${EPCOMM_COMMIT:-}"
+  [[ -n "$head_commit" && "${EPCOMM_COMMIT_DIRTY:-}" == 1 ]] && head_commit="$head_commit+dirty"
+  timeout 560 "${bench[@]}" --ab "base=$base,head=." --ab-commits "${AB_BASE_COMMIT:-},$head_commit" \
+    --rounds "${AB_ROUNDS:-3}" ${BENCH_ARGS:---cases ll-dsv3 --tokens 1,128} --out "$OUT/ab.jsonl" 2>&1 \
+    | tee "$OUT/ab.log" | tail -60 || rc=1
 fi
 
 if [[ "$mode" == profile ]]; then
