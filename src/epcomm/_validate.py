@@ -180,6 +180,19 @@ def ll_combine_args(r_: int, device, host_checks: bool, x, idx, weights, out,
         shape("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, (r_,))
 
 
+def biases(given, t: int, h: int, device: torch.device) -> tuple:
+    """A combine's ``bias``: None, one ``bf16[T, H]`` tensor, or a tuple/list of one or two (entries may be
+    None, as DeepEP accepts ``(bias_0, None)``). Returns them as a tuple, None entries kept."""
+    out = () if given is None else (tuple(given) if isinstance(given, (tuple, list)) else (given,))
+    if len(out) > 2:
+        raise ValueError(f"bias takes one or two tensors, got {len(out)}")
+    for i, b in enumerate(out):
+        if b is not None:
+            tensor(f"bias[{i}]", b, torch.bfloat16, 2, device)
+            shape(f"bias[{i}]", b, (t, h))
+    return out
+
+
 def tensor_signature(t) -> tuple | None:
     """A tensor's part of a call signature (shape, dtype, device index): the argument checks depend on no
     more; None for None. A call whose signature passed the checks before skips them."""

@@ -300,12 +300,7 @@ class Buffer(LowLatencyMethods):
             V.hidden(x.shape[1], False)
             if topk_weights is not None:
                 V.tensor("topk_weights", topk_weights, torch.float32, 2, self.device)
-            if len(biases) > 2:
-                raise ValueError(f"bias takes one or two tensors, got {len(biases)}")
-            for i, b in enumerate(biases):
-                if b is not None:
-                    V.tensor(f"bias[{i}]", b, torch.bfloat16, 2, self.device)
-                    V.shape(f"bias[{i}]", b, (t, x.shape[1]))
+            V.biases(biases, t, x.shape[1], self.device)
             if sig is not None and len(self._checked) < 4096:
                 self._checked.add(sig)
         if x.shape[0] != n:
