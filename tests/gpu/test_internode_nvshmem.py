@@ -127,8 +127,8 @@ def _ll_rank(ctx, gpus_per_node, m, hidden, experts, stress):
                  no_expert_token=False)
     out.append(G.check_ll_case(ref, fast, small, ctx.rank, m, use_fp8=True))
     G.check_ll_graph(ref, fast, case, ctx.rank, m, replays=20)
-    stress = G.check_ll_stress(ref, fast, case, ctx.rank, m, iters=stress)
-    return {"remote_rows": [c["remote_rows"] for c in out], "stress": stress}
+    loop = G.check_ll_stress(ref, fast, case, ctx.rank, m, iters=stress)
+    return {"remote_rows": [c["remote_rows"] for c in out], "stress": loop}
 
 
 @pytest.mark.skipif(WORLD != 2 or not TWO, reason="two virtual nodes: two GPUs, or one under MPS (scripts/gpu_check.sh shared-nvshmem)")

@@ -31,8 +31,8 @@ def _rank_main(ctx, m, hidden, experts, stress):
                  no_expert_token=False)
     out.append(G.check_ll_case(ref, fast, small, ctx.rank, m, use_fp8=True))
     G.check_ll_graph(ref, fast, case, ctx.rank, m, replays=50)
-    stress = G.check_ll_stress(ref, fast, case, ctx.rank, m, iters=stress)
-    return {"cases": out, "stress": stress}
+    loop = G.check_ll_stress(ref, fast, case, ctx.rank, m, iters=stress)
+    return {"cases": out, "stress": loop}
 
 
 def _moved(res, checked):
