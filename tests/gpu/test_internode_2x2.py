@@ -62,13 +62,16 @@ def _ht_rank(ctx, gpus_per_node, graphs):
         G.check_ht_combine_graph(ref, fast, [Case(num_ranks=r, tokens=(300, 180, 64, 250), hidden=2048,
                                                   num_topk=8, num_experts=64, seed=4 + i) for i in range(3)],
                                  ctx.rank)
-    return len(out)
+    return [c["remote_rows"] for c in out]
 
 
 @pytest.mark.parametrize("gpus_per_node,graphs", [(2, True), (1, False)], ids=["2-nodes-of-2", "4-nodes-of-1"])
 def test_internode_2x2_high_throughput(gpus_per_node, graphs):
     _available()
-    assert parallel_launch(4, _ht_rank, gpus_per_node, graphs, backend="nccl", timeout_s=540) == [6] * 4
+    res = parallel_launch(4, _ht_rank, gpus_per_node, graphs, backend="nccl", timeout_s=540)
+    # every case moved rows between the ranks (each rank has tokens in the first case; in the second rank 0
+    # has none of its own, so every row it receives is remote)
+    assert all(len(r) == 6 and min(r) > 0 for r in res), res
 
 
 def _ll_rank(ctx, m, hidden, experts, stress):
@@ -88,12 +91,14 @@ def _ll_rank(ctx, m, hidden, experts, stress):
                {"use_fp8": False, "hook": True}, {"use_fp8": True, "hook": True, "zero_copy": True}):
         out.append(G.check_ll_case(ref, fast, case, ctx.rank, m, **kw))
     G.check_ll_graph(ref, fast, case, ctx.rank, m, replays=20)
-    secs = G.check_ll_stress(ref, fast, case, ctx.rank, m, iters=stress)
-    return {"cases": len(out), "stress_s": secs}
+    stress = G.check_ll_stress(ref, fast, case, ctx.rank, m, iters=stress)
+    return {"remote_rows": [c["remote_rows"] for c in out], "stress": stress}
 
 
 @pytest.mark.parametrize("m,hidden,experts", [(128, 7168, 288)], ids=["dsv3"])
 def test_internode_2x2_low_latency(m, hidden, experts):
     _available()
     res = parallel_launch(4, _ll_rank, m, hidden, experts, 50, backend="nccl", timeout_s=400)
-    assert all(r["cases"] == 5 and r["stress_s"] > 0 for r in res), res
+    for r in res:  # every case and the stress loop moved rows between the ranks (not only a rank's own)
+        assert len(r["remote_rows"]) == 5 and min(r["remote_rows"]) > 0, res
+        assert r["stress"].checked == 2 and r["stress"].remote_rows > 0, res  # iterations 0 and 49 checked
