@@ -217,9 +217,9 @@ def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_
         def lanes(j: int) -> torch.Tensor:
             s = state.slots[:, j].to(torch.int64)
             dst = torch.where((s >= 0) & (state.gid >= 0), state.gid, torch.full_like(state.gid, -1))
-            got = be.return_rows(EL.as_bytes(x[s.clamp(min=0)]), dst, m, "combine/rows").view(r_ * m, -1)
+            got = be.return_rows(EL.pack_rows([x[s.clamp(min=0)]]), dst, m, "combine/rows").view(r_ * m, -1)
             _wait_event(before_epilogue if j == 0 else None)
-            mine = got[owner[:, j] * m + tok].contiguous().view(torch.bfloat16)
+            mine = got[owner[:, j] * m + tok][:, :2 * h].contiguous().view(torch.bfloat16)
             return torch.where(valid[:, j].unsqueeze(1), mine, zero_bf16)
 
         return EL.ordered_reduce(lanes, k, bias, (t, h), dev), None
@@ -234,7 +234,7 @@ def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_
         partial = x[:state.num_rows]
         w_rows = topk_weights
     parts = [partial] + ([w_rows] if w_rows is not None else [])
-    got = be.return_rows(EL.pack_rows(parts, 1), state.gid, m, "combine/rows").view(r_ * m, -1)
+    got = be.return_rows(EL.pack_rows(parts), state.gid, m, "combine/rows").view(r_ * m, -1)
     _wait_event(before_epilogue)
     master = EL.master_lanes(topk_idx, le)
     out_w = torch.zeros(t, k, dtype=torch.float32, device=dev) if w_rows is not None else None

@@ -267,8 +267,11 @@ class Backend:
         else:
             from . import deadline
 
-            work = deadline.issue_all_to_all(self.group, recv, src, [slots] * r_, [slots] * r_, self.timeout_s)
-            wait_work(self, work, phase, poll=dev.type == "cuda" and not staged)
+            # host waits in seconds (a simulated backend's timeout_s counts polls: its wait_s is seconds)
+            wait_s = getattr(self, "wait_s", self.timeout_s)
+            work = deadline.issue_all_to_all(self.group, recv, src, [slots] * r_, [slots] * r_, wait_s)
+            poll = dev.type == "cuda" and not staged
+            deadline.wait(work, self.group, dev if poll else torch.device("cpu"), self.rank, phase, wait_s)
         return recv.to(dev).view(r_, slots, w)
 
     def clean_low_latency_buffer(self) -> None:

@@ -1,0 +1,57 @@
+"""Kernels of ``ElasticBuffer``'s combine transport on the nvlink backend (``backends/nvlink_v2.py``): every
+rank stores its rows straight into their owners' symmetric buffers, then waits until every peer's rows have
+landed in its own. Flags follow ``common.py``'s protocol (counters that only grow, release/acquire at system
+scope), so nothing is reset between calls and a CUDA graph replays them.
+
+Flags in each rank's buffer (int32): ``free[R]`` (peer ``r`` has finished reading its area: it may be
+written), ``data[R]`` (programs of peer ``r`` whose rows have landed here). ``epoch`` (local, int32[1]): the
+calls so far. Call ``e = epoch + 1``: program 0 announces ``free`` to every peer; every program waits for
+``free[q] >= e`` of every peer, stores its rows (row ``i`` into rank ``dst[i] // S``, slot ``dst[i] % S``
+of block ``me``), then adds 1 to ``data[me]`` of every peer; ``_combine_arrive_kernel`` waits for
+``data[q] >= P * e`` (``P`` programs a rank, the same on every rank) and stores ``epoch = e``.
+
+Example (R = 2, S = 4, P = 1, first call): rank 0 sends a row with ``dst = 6`` -> rank 1, slot 2 of
+block 0; each rank's ``data`` becomes ``[1, 1]``, ``epoch`` 1.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import peer_ptr, signal, wait_ge
+
+
+@triton.jit
+def _combine_impl_kernel(rows, dst, n, W: tl.constexpr, slots, ptr_table, area_off, flags_off, flags,
+                         epoch_ptr, me, R, err_ptr, timeout_ns, HAS_TIMER: tl.constexpr, BLOCK: tl.constexpr):
+    """``rows int32[n, W]`` (W words a row), ``dst int64[n]`` (-1: nowhere) -> the owners' areas."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    e = tl.load(epoch_ptr) + 1
+    if pid == 0:
+        for q in range(R):
+            signal(peer_ptr(ptr_table, q, flags_off + me * 4, tl.int32), 1)  # free[me] on every peer
+    for q in range(R):
+        wait_ge(flags + q, e, err_ptr, 4, q, timeout_ns, HAS_TIMER)
+    offs = tl.arange(0, BLOCK)
+    for i in range(pid, n, nprog):
+        d = tl.load(dst + i)
+        if d >= 0:
+            owner = d // slots
+            at = area_off + ((me * slots + d % slots) * W) * 4
+            base = peer_ptr(ptr_table, owner, at, tl.int32)
+            for c in range(0, W, BLOCK):
+                m = (c + offs) < W
+                tl.store(base + c + offs, tl.load(rows + i * W + c + offs, mask=m), mask=m)
+    for q in range(R):
+        signal(peer_ptr(ptr_table, q, flags_off + (R + me) * 4, tl.int32), 1)  # data[me] on every peer
+
+
+@triton.jit
+def _combine_arrive_kernel(flags, epoch_ptr, R, P, err_ptr, timeout_ns, HAS_TIMER: tl.constexpr):
+    """Wait until every peer's ``P`` programs have stored their rows here, then count the call."""
+    e = tl.load(epoch_ptr) + 1
+    for q in range(R):
+        wait_ge(flags + R + q, P * e, err_ptr, 5, q, timeout_ns, HAS_TIMER)
+    tl.store(epoch_ptr, e)
