@@ -234,6 +234,8 @@ def main(args, say=print) -> int:
     """``epcomm bench --ab``: run, write the tagged rows (``--out``, else a new directory) and the run
     records beside them, print the summary. Exit 0 only if every run produced rows that passed."""
     trees = parse_trees(args.ab, args.ab_commits)
+    if args.rounds < 3:
+        raise ValueError(f"--rounds must be >= 3 (the spread needs several rounds), got {args.rounds}")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="epcomm-ab-")) / f"ab-{stamp}.jsonl"
     work = out.with_name(out.stem + "-runs")

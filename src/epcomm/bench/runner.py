@@ -292,6 +292,7 @@ def run_bench(plan: BenchPlan, *, world_size: int, device: str = "cpu", progress
     spawned, ``world_size`` must equal its size, and every rank returns the same rows."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    _env.commit()  # a malformed EPCOMM_COMMIT fails now, not after the run
     # EPCOMM_TEST_SHARE_GPU=1 with fewer GPUs than ranks: the ranks time-share the GPUs (the tests'
     # shared mode, joined through gloo); the rows say so, and there is no copy-engine peer to measure
     shared = device == "cuda" and world is None and share_gpu(world_size)
