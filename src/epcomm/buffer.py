@@ -33,7 +33,8 @@ class Buffer(LowLatencyMethods):
     High-throughput calls (``get_dispatch_layout``, ``dispatch``, ``combine``) move any number of tokens;
     low-latency calls (``low_latency_dispatch``, ``low_latency_combine``, from ``LowLatencyMethods``)
     need ``low_latency_mode=True`` and ``num_rdma_bytes`` of at least
-    ``get_low_latency_rdma_size_hint``. Bad arguments raise ``ValueError``/``TypeError`` naming them."""
+    ``get_low_latency_rdma_size_hint``. Bad arguments raise ``ValueError``/``TypeError`` naming them.
+    The whole contract (returns, errors, device and dtype rules): docs/api.md."""
 
     num_sms: int = 20
     # DeepEP's device rule: the current CUDA device whatever the group's backend (deep_ep.Buffer sets it:

@@ -6,7 +6,7 @@ Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``
 
 Two receive areas alternate call by call (``_ll_parity``), so the results of at most two low-latency
 calls may be alive at once; a third call reuses the first one's area. The zero-copy combine buffer is
-a single region: write into it only after the previous combine returned.
+a single region: write into it only after the previous combine returned (docs/api.md, low-latency).
 
 A call is checked in full the first time its kind is seen (``_ll_dispatch_first``,
 ``_ll_combine_first``); its backend launches are kept (``_remember``), and a repeat of the same kind
