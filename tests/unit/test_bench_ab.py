@@ -5,6 +5,8 @@ The runs themselves, as subprocesses on gloo: tests/dist/test_bench_ab_runs.py."
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 
 import pytest
 
@@ -123,3 +125,25 @@ def test_a_run_gets_its_trees_commit_and_never_the_callers(tmp_path, monkeypatch
     env = ab._env(ab.Tree("B", tmp_path, "7796da0", True))
     assert (env["EPCOMM_COMMIT"], env["EPCOMM_COMMIT_DIRTY"]) == ("7796da0", "1")
 
+
+
+@pytest.mark.parametrize("run_sha", [None, "0123abcd" * 5])
+def test_a_run_records_its_own_commit_else_the_one_given_for_its_tree(tmp_path, monkeypatch, run_sha):
+    """An older tree does not read EPCOMM_COMMIT: its rows (no .git on a GPU machine) say no commit, and
+    the commit given for the tree stands in; a commit the run found itself is kept."""
+    def fake_run(cmd, env, stdout, stderr, timeout, check, cwd):
+        out = cmd[cmd.index("--out") + 1]
+        row = {**_row("A", 1, 5.0), "env": {"git_sha": run_sha, "git_dirty": False if run_sha else None}}
+        for k in [k for k in row if k.startswith("ab_")]:
+            del row[k]
+        report_rows = [row]
+        with open(out, "w") as f:
+            f.write("\n".join(json.dumps(r) for r in report_rows) + "\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(ab.subprocess, "run", fake_run)
+    rec, rows = ab.run_one(ab.Tree("base", tmp_path, "59e45d1", True), 2, 4, [], tmp_path, timeout_s=5)
+    assert rec["status"] == "ok" and rec["rows"] == 1
+    want = (run_sha, False) if run_sha else ("59e45d1", True)
+    assert (rows[0]["ab_commit"], rows[0]["ab_dirty"]) == want and rec["ab_commit"] == want[0]
+    assert (rows[0]["ab_tree"], rows[0]["ab_round"], rows[0]["ab_run"]) == ("base", 2, 4)

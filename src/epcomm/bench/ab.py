@@ -138,12 +138,16 @@ def run_one(tree: Tree, rnd: int, run: int, argv: list[str], work: Path, timeout
         status = f"rows, exit {rc}: some rows failed their check"
     else:
         status = "ok"
-    rec.update(status=status, rows=len(rows))
-    commit = rows[0]["env"].get("git_sha") if rows else (tree.commit or "unknown")
-    rec["ab_commit"] = commit
+    rec.update(status=status, rows=len(rows), ab_commit=tree.commit or "unknown")
     for r in rows:
-        r.update(ab_tree=tree.label, ab_path=str(tree.path), ab_commit=r["env"].get("git_sha"),
-                 ab_dirty=r["env"].get("git_dirty"), ab_round=rnd, ab_run=run)
+        sha = r.get("env", {}).get("git_sha")
+        known = sha not in (None, "unknown")
+        # the run's own record first; an older tree that does not read EPCOMM_COMMIT leaves it unknown,
+        # and then the commit the caller gave for the tree stands in
+        r.update(ab_tree=tree.label, ab_path=str(tree.path), ab_commit=sha if known else tree.commit or "unknown",
+                 ab_dirty=r["env"].get("git_dirty") if known else tree.dirty, ab_round=rnd, ab_run=run)
+    if rows:
+        rec["ab_commit"] = rows[0]["ab_commit"]
     return rec, rows
 
 
@@ -191,7 +195,8 @@ def summarize(rows: list[dict], runs: list[dict], labels: list[str]) -> list[dic
                      min_us=min(med) if med else None, max_us=max(med) if med else None,
                      host_us=_med(host), host_min_us=min(host) if host else None,
                      host_max_us=max(host) if host else None,
-                     checks=sorted({r["check"] for r in rs}), timed_checks=sorted({r["timed_check"] for r in rs}))
+                     checks=sorted({r.get("check", "?") for r in rs}),
+                     timed_checks=sorted({r.get("timed_check", "not run") for r in rs}))
             if label == labels[0]:
                 base = s["median_us"]
             s["vs_first"] = s["median_us"] / base if base and s["median_us"] is not None else None
