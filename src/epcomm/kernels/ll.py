@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import now_ns, peer_ptr, record_error, signal, ticket_last_n, wait_ge
+from .common import now_ns, peer_ptr, record_error, signal, symbol, ticket_last_n, wait_ge
 
 SIG_D = tl.constexpr(0)
 SIG_W = tl.constexpr(1)
@@ -179,21 +179,8 @@ def _ll_dispatch_recv_kernel(ptr_table, area_off, src_bytes, msg_bytes, sig_off,
              HAS_CUM, HAS_WAIT, TB, QB, BLOCK, G_POW2, HAS_TIMER, K_POW2, LOCAL_TICKET, SIG_STRIDE)
 
 
-def _symbol(mangled: str):
-    """Give a kernel the symbol ``mangled``, a C++-mangled name: profilers demangle it, so a profile shows
-    ``epcomm::ll::dispatch()`` (DeepEP's own LL timing finds its kernels by ``::dispatch`` and
-    ``::combine`` in those names). Not under the Triton interpreter, which looks kernels up by name."""
-    def rename(fn):
-        from triton import knobs
-
-        if not knobs.runtime.interpret:
-            fn.__name__ = fn.__qualname__ = mangled
-        return fn
-    return rename
-
-
 @triton.jit(do_not_specialize=['T', 'n_send'])
-@_symbol("_ZN6epcomm2ll8dispatchEv")  # epcomm::ll::dispatch()
+@symbol("_ZN6epcomm2ll8dispatchEv")  # epcomm::ll::dispatch()
 def _ll_dispatch_kernel(x_ptr, topk_ptr, T, H, G, K, me, R, L, E, M, ptr_table, area_off, src_bytes,
                               msg_bytes, sig_off, send_ticket_ptr, err_ptr, mask_ptr, slot_off,
                               out_x, out_s, out_src, out_range, out_count, cum_ptr, wait_ptr,
@@ -457,7 +444,7 @@ def _ll_combine_recv(t, cb, n_programs, topk_ptr, T, H, K, me, R, L, M, ptr_tabl
 
 
 @triton.jit(do_not_specialize=['T', 'n_w'])
-@_symbol("_ZN6epcomm2ll7combineEv")  # epcomm::ll::combine()
+@symbol("_ZN6epcomm2ll7combineEv")  # epcomm::ll::combine()
 def _ll_combine_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, wticket_ptr, mask_ptr,
                              y_ptr, H, L, d_area_off, src_bytes, slot_off, c_off, CW, wlevel_ptr, rticket_ptr,
                              err_ptr, timeout_ns, out_ptr, wait_ptr, clevel_ptr, cticket_ptr, role_ptr,
