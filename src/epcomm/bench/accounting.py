@@ -2,12 +2,12 @@
 
 Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``G = ceil(H/128)``.
 
-- **logical** (DeepEP's convention, the ``logical_*`` fields): every byte of payload a rank ends up
-  with, its own tokens included, counted per selection where DeepEP counts so. High-throughput
-  dispatch: one row per (token, destination rank) received (+ the FP8 scales); high-throughput
-  combine: the same rows travelling back (DeepEP counts combine bytes as dispatch's received bytes).
-  Low-latency dispatch: one row per (token, expert) selection received; low-latency combine: one
-  BF16 row per valid (token, expert) selection of this rank's tokens.
+- **logical** (DeepEP's convention, as its own tests count, the ``logical_*`` fields). High-throughput
+  dispatch: the rows a rank receives, its own included, one per (token, destination rank) (FP8: the
+  scales too); high-throughput combine: the same rows travelling back (DeepEP counts combine bytes as
+  dispatch's received bytes). Low-latency: per valid (token, expert) selection of this rank's
+  tokens, one FP8 message of ``H + 4*G + 16`` bytes on dispatch (DeepEP adds 16 bytes of metadata
+  per message) and one BF16 row on combine.
 - **link** (the ``link_*`` fields): the bytes other ranks write into this rank during the call, as
   the backend that was timed lays them out (``link_counting`` names the rule; :data:`COUNTINGS`).
   The few words per call and rank pair (headers, counters, flags, count exchanges) are left out;
@@ -20,10 +20,11 @@ Example (R = 2, me = 0, H = 128, K = 2, E = 4: experts 0-1 on rank 0, 2-3 on ran
 tokens, ``topk_idx = [[2, 3], [0, 1]]``: token 1 selects two experts of rank 0, token 0 none. An
 FP8 row is 128 + 4 = 132 bytes.
 
-- logical LL dispatch into rank 0 from rank 1: 2 selections x 132 = 264 B;
-- link, nvlink LL (``ll-rank-messages``): the ids of both tokens (2 x 128 B: every rank gets every
-  token's ids) and token 1's row once (132 B) = 388 B; one row per selection would say 264 B;
-- link, reference LL (``ll-reference-rows``): 2 selections x (132 + 4 B token index) = 272 B.
+- logical LL dispatch of rank 1: its 4 selections x (132 + 16) = 592 B;
+- link, nvlink LL (``ll-rank-messages``) into rank 0 from rank 1: the ids of both tokens (2 x 128 B:
+  every rank gets every token's ids) and token 1's row once (132 B) = 388 B; one row per selection
+  would say 2 x 132 = 264 B;
+- link, reference LL (``ll-reference-rows``) into rank 0: 2 selections x (132 + 4 B token index) = 272 B.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import torch
 
 from ..layout import LL_MAX_TOPK
 
+# DeepEP's low-latency test counts each FP8 message as its row plus 16 bytes
+DEEPEP_LL_MESSAGE_EXTRA = 16
 # kernels/ll.py: dispatch sends a token's ids (LL_MAX_TOPK int32) to every rank; combine's owner sends
 # its (expert id int32, weight float32) pairs to every rank; partial sums come back in float32
 LL_IDS_BYTES = LL_MAX_TOPK * 4
@@ -105,13 +108,15 @@ def local_routing(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> t
 
 
 def logical_bytes(mode: str, op: str, dtype: str, rt: Routing, me: int, hidden: int) -> int:
-    """DeepEP's per-selection convention (the module docstring), bytes rank ``me`` ends up with."""
+    """Rank ``me``'s bytes in DeepEP's convention (the module docstring)."""
     if mode == "ht":
         rows = int(rt.token_ranks[:, me].sum())
         return rows * row_bytes(hidden, dtype if op == "dispatch" else "bf16")
+    selections = int(rt.selections[me].sum())
     if op == "dispatch":
-        return int(rt.selections[:, me].sum()) * row_bytes(hidden, dtype)
-    return int(rt.selections[me].sum()) * row_bytes(hidden, "bf16")
+        extra = DEEPEP_LL_MESSAGE_EXTRA if dtype.split("-")[0] == "fp8" else 0
+        return selections * (row_bytes(hidden, dtype) + extra)
+    return selections * row_bytes(hidden, "bf16")
 
 
 def link_counting(backend: str, mode: str, *, graph: bool = False, ht_transfer: str = "ce") -> str | None:

@@ -14,9 +14,10 @@ largest p10/p90, host time), the bytes of the busiest rank, and the **smallest**
 replays) or ``wall`` (CPU); on GPUs a capturable op has a row of each, and its eager row carries
 ``graph_us`` and ``eager_over_graph``.
 
-Bytes (bench/accounting.py): ``logical_*`` in DeepEP's convention (low-latency: one row per (token,
-expert) selection); ``link_*`` what other ranks wrote into the rank, as the timed backend lays it out,
-by the rule ``link_counting`` names (``"not modelled"``: no link figure).
+Bytes (bench/accounting.py): ``logical_*`` as DeepEP's tests count them (high-throughput: the rows
+received, own included; low-latency: per (token, expert) selection of the rank's tokens, FP8
+messages counted with 16 bytes of metadata); ``link_*`` what other ranks wrote into the rank, as the
+timed backend lays it out, by the rule ``link_counting`` names (``"not modelled"``: no link figure).
 
 ``peer_us`` is the peer baseline's eager median (backend ``<transport>-a2a``, the group's own transport:
 torch.distributed all-to-all dispatch and combine, bench/a2a.py) and ``speedup`` = peer_us / this
@@ -421,8 +422,9 @@ def render_header(env: dict, ce_gbps: float | None, rows: list[dict] | None = No
         lines.append("set: " + " ".join(f"{k}={v}" for k, v in env["epcomm_env"].items()))
     if ce_gbps is not None:
         lines.append(f"copy-engine peer ceiling: {ce_gbps:.1f} GB/s per direction (256 MiB, both directions at once)")
-    lines.append("times: max over ranks of each rank's median; GB/s: min over ranks; DeepEP = logical bytes in "
-                 "DeepEP's convention (own rows included; LL: one row per (token, expert)); link = bytes other "
+    lines.append("times: max over ranks of each rank's median; GB/s: min over ranks; DeepEP = logical bytes as "
+                 "DeepEP's tests count them (HT: rows received, own included; LL: per (token, expert) selection "
+                 "of the rank's tokens, FP8 messages + 16 B); link = bytes other "
                  "ranks wrote into the rank, as the backend lays them out")
     lines.append("timed: the timed call's output checked against ref (the reference's result on those inputs) "
                  "or trip (the peer's round trip); NONE: not checked (see timed_check)")
