@@ -6,10 +6,11 @@ interpreter, the NVSHMEM device calls simulated — on CPU processes in virtual 
   through Buffer's repeat path; BF16 with the statistics and ``out=``; FP8 with round_scale and UE8M0, the receive hook and zero-copy; ``async_finish``; an expert
   id out of range found on the device; the high-throughput dispatch's expert-id check.
 - Four ranks in two nodes of two: peers of the node by plain stores (allow_nvlink_for_low_latency_mode),
-  the others through NVSHMEM; one node of two with allow_nvlink_for_low_latency_mode=False: the node's
+  the others through NVSHMEM, FP8 with the hook then BF16 zero-copy on one Buffer; one node of two with allow_nvlink_for_low_latency_mode=False: the node's
   peer through NVSHMEM too.
 - Errors: M differing across ranks is named; a rank that never arrives gives the deadline error (rank
-  and phase); with shrink the absent rank is masked at the deadline and the call carries on.
+  and phase), in two nodes of one and in two nodes of two; with shrink (two nodes of one) the absent
+  rank is masked at the deadline and the call carries on.
 
 Dispatch bitwise (FP8 within one e4m3 step, as the nvlink checks), combine within the BF16 budget
 (``gpu_cases.check_ll_case``). NVSHMEM itself (its transports, ordering on a network) is tier 3's
@@ -144,14 +145,15 @@ def _two_nodes(ctx, tag):
     return done
 
 
-def _mixed_nodes(ctx, tag, gpus_per_node, nvl, kw):
+def _mixed_nodes(ctx, tag, gpus_per_node, nvl, kws):
     cpu_internode = _setup(ctx, tag, gpus_per_node)
     from epcomm.testing import gpu_cases as G
 
     case = _case(ctx, hidden=128, seed=11, tokens=4)
     ref, fast = _buffers(ctx, cpu_internode, case, allow_nvlink_for_low_latency_mode=nvl)
     assert fast._backend.ranks_per_node == gpus_per_node and fast._backend.nvl == nvl
-    G.check_ll_case(ref, fast, case, ctx.rank, M, **kw)
+    for i, kw in enumerate(kws):
+        G.check_ll_case(ref, fast, case, ctx.rank, M, seed_shift=i, **kw)
     cpu_internode.check_delivery()
     return "ok"
 
@@ -204,6 +206,42 @@ def _faults(ctx, tag):
     return seen
 
 
+def _faults_two_nodes_of_two(ctx, tag):
+    """Four ranks in two nodes of two: M differing on rank 0 is named on every rank; then rank 3 leaves and
+    the others' dispatch gives the deadline error naming rank 3 (rank 2 waits for it by stores in its
+    node, ranks 0 and 1 across nodes)."""
+    cpu_internode = _setup(ctx, tag, 2)
+    import torch
+
+    from epcomm import Buffer
+    from epcomm.backends.base import PeerTimeoutError
+    from epcomm.testing import gpu_cases as G
+
+    case = _case(ctx, hidden=128, seed=6)
+    e, r = case.num_experts, ctx.world_size
+    hint = Buffer.get_low_latency_rdma_size_hint(16, case.hidden, r, e)
+    # (four processes share the cores: a present peer may be descheduled for longer than 1e3 polls)
+    kw = {"spins": 4e3, "num_rdma_bytes": hint, "low_latency_mode": True}
+    differs = cpu_internode.internode_buffer(ctx.group, **kw)
+    plain = cpu_internode.internode_buffer(ctx.group, **kw)
+    x, topk, _ = G.ll_inputs(case, ctx.rank, "cpu")
+    seen = []
+    try:
+        differs.low_latency_dispatch(x, topk, 8 if ctx.rank == 0 else 16, e)
+        seen.append("m differs: none")
+    except ValueError as err:
+        seen.append(str(err))
+    torch.distributed.barrier(group=ctx.group)
+    if ctx.rank == 3:
+        return seen  # never calls again
+    try:
+        plain.low_latency_dispatch(x, topk, 8, e)
+        seen.append("timeout: none")
+    except PeerTimeoutError as err:
+        seen.append(str(err))
+    return seen
+
+
 def test_internode_low_latency_two_virtual_nodes():
     res = parallel_launch(2, _two_nodes, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
     for r, done in enumerate(res):
@@ -214,12 +252,14 @@ def test_internode_low_latency_two_virtual_nodes():
     assert res[1][4:] == ["ht bad id: none", "bad id: none"], res[1]
 
 
-@pytest.mark.parametrize("world,gpus_per_node,nvl,kw", [
-    (4, 2, True, dict(use_fp8=True, hook=True)),  # same-node peers by stores, the other node by NVSHMEM
-    (2, 2, False, dict(use_fp8=False, zero_copy=True)),  # one node, its peer through NVSHMEM too
+@pytest.mark.parametrize("world,gpus_per_node,nvl,kws", [
+    # same-node peers by stores, the other node by NVSHMEM: FP8 with the hook, then BF16 zero-copy, on one
+    # Buffer (its signal levels and parities across calls)
+    (4, 2, True, [{"use_fp8": True, "hook": True}, {"use_fp8": False, "zero_copy": True}]),
+    (2, 2, False, [{"use_fp8": False, "zero_copy": True}]),  # one node, its peer through NVSHMEM too
 ], ids=["4-ranks-2-nodes-nvlink", "one-node-nvshmem-only"])
-def test_internode_low_latency_mixed_nodes(world, gpus_per_node, nvl, kw):
-    res = parallel_launch(world, _mixed_nodes, uuid.uuid4().hex[:12], gpus_per_node, nvl, kw, backend="gloo",
+def test_internode_low_latency_mixed_nodes(world, gpus_per_node, nvl, kws):
+    res = parallel_launch(world, _mixed_nodes, uuid.uuid4().hex[:12], gpus_per_node, nvl, kws, backend="gloo",
                           timeout_s=300)
     assert res == ["ok"] * world
 
@@ -231,3 +271,12 @@ def test_internode_low_latency_faults():
     timeout = res[0][1]
     assert "rank 1" in timeout and "low_latency_dispatch/receive" in timeout, timeout
     assert res[0][2] == [0, 1], res[0]  # rank 1 masked
+
+
+def test_internode_low_latency_faults_two_nodes_of_two():
+    res = parallel_launch(4, _faults_two_nodes_of_two, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
+    for seen in res:
+        assert seen[0].startswith("num_max_dispatch_tokens_per_rank differs across ranks: 8 on rank 0, 16 on "
+                                  "rank"), seen
+    for r in range(3):
+        assert "rank 3" in res[r][1] and "low_latency_dispatch/receive" in res[r][1], (r, res[r])
