@@ -192,7 +192,7 @@ def _eq(what, got, want):
 def check_dispatch(buf, case, rank, sf_kind, expand, alignment, sync):
     """One dispatch of ``buf`` against :func:`expected_dispatch` (valid rows bitwise, counts, prefix sums,
     slots, scale strides), then a cached replay (same rows; zero padding) and a second dispatch."""
-    x, sf, idx, w = inputs(case, rank, sf_kind)
+    x, sf, idx, w = (None if t is None else t.to(buf.device) for t in inputs(case, rank, sf_kind))
     want = expected_dispatch(case, rank, sf_kind, alignment)
     kw = {"topk_idx": idx, "topk_weights": w, "num_experts": case.num_experts, "num_max_tokens_per_rank": case.m,
               "expert_alignment": alignment, "do_expand": expand, "do_cpu_sync": sync, "use_tma_aligned_col_major_sf": expand}
@@ -264,12 +264,12 @@ def check_dispatch(buf, case, rank, sf_kind, expand, alignment, sync):
 
 def check_combine(buf, case, rank, expand, n_bias, alignment, sync):
     """A dispatch, then a combine of :func:`combine_input` against :func:`expected_combine`, weights back."""
-    x, _, idx, w = inputs(case, rank)
+    x, _, idx, w = (None if t is None else t.to(buf.device) for t in inputs(case, rank))
     rx, ridx, rw, hd, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=case.num_experts,
                                        num_max_tokens_per_rank=case.m, expert_alignment=alignment,
                                        do_expand=expand, do_cpu_sync=sync)
-    y = combine_input(hd, ridx, rx.shape[0], case.hidden, rx.shape[0])
-    b = bias(case, rank, n_bias)
+    y = combine_input(hd, ridx, rx.shape[0], case.hidden, rx.shape[0]).to(buf.device)
+    b = tuple(t.to(buf.device) for t in bias(case, rank, n_bias))
     multi = buf.allow_multiple_reduction
     send_w = rw if (multi or not expand) else None
     out, ow, _ = buf.combine(y, hd, topk_weights=send_w, bias=(b[0] if n_bias == 1 else (b if b else None)))
