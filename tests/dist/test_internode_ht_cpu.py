@@ -19,7 +19,9 @@ the interpreter, the NVSHMEM device calls simulated — on CPU processes in virt
 - A rank that never sends gives the deadline error naming the rank and the phase (two nodes of one; two
   nodes of two, where the waits are the relay's forward and its node peer's gather).
 - Every run: no simulated put was overtaken by a signal to its PE or left undelivered
-  (``cpu_internode.check_delivery``).
+  (``cpu_internode.check_delivery``). The simulation is as weak as NVSHMEM (``kernels/nvshmem_sim.py``),
+  so a kernel that signals before its puts are complete fails here: without the send's per-program
+  ``quiet`` the receiver reads poisoned rows, without the relay's the final sum misses a node's partial.
 
 NVSHMEM itself is tier 3's (``tests/gpu/test_internode_nvshmem.py``). Shapes are tiny: the interpreter
 runs every program in Python.
