@@ -127,6 +127,7 @@ def dispatch(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, num_s
     src_rank = torch.searchsorted(psum_rank.to(torch.int64), rows, right=True)
     valid_row = rows < psum_rank[-1].to(torch.int64)
     gid = torch.where(valid_row, src_rank * m + v1.recv_src_idx.to(torch.int64), torch.full_like(rows, -1))
+    local = torch.where(valid_row.unsqueeze(1), local, torch.full_like(local, -1))  # padding rows: no expert
     lst = list(res.num_recv_tokens_per_expert_list)
     n_exp = (sum(lst) if sync else EL.worst_expanded_rows(r_, m, k, le, alignment)) if expand else 0
     lay = EL.expanded_layout(local, le, alignment, n_exp)
@@ -182,12 +183,31 @@ def _layout_outputs(state: DispatchState, expand: bool, recv_x, recv_sf, local, 
     src = state.source
     keep = (src >= 0) if zero_pad else None
     row = src.clamp(min=0) // max(k, 1)
-    ex = _gather_rows(recv_x, row, keep)
+    ex = _copy_epilogue(recv_x, src, k, zero_pad) if recv_x.is_cuda else _gather_rows(recv_x, row, keep)
     esf = None if recv_sf is None else _sf_layout(_gather_rows(recv_sf, row, keep), tma_sf)
     ew = None
     if recv_w is not None:
         ew = _gather_rows(recv_w.reshape(-1), src.clamp(min=0), keep)
     return ex, esf, None, ew
+
+
+def _copy_epilogue(recv_x: torch.Tensor, source: torch.Tensor, k: int, zero_pad: bool) -> torch.Tensor:
+    """``recv_x [N, H]`` -> the expanded ``[X, H]`` by ``kernels/v2._dispatch_copy_epilogue_impl_kernel``: only
+    real rows are copied (and, with ``zero_pad``, padding rows zeroed); the same bytes as :func:`_gather_rows`
+    in the real rows."""
+    from .kernels import v2
+
+    x_rows = source.shape[0]
+    out = torch.empty(x_rows, recv_x.shape[1], dtype=recv_x.dtype, device=recv_x.device)
+    if x_rows and recv_x.numel():
+        src = recv_x.contiguous()
+        grid = (max(1, min(x_rows, 4 * torch.cuda.get_device_properties(src.device).multi_processor_count)),)
+        v2._dispatch_copy_epilogue_impl_kernel[grid](src.view(torch.uint8), source, out.view(torch.uint8), x_rows,
+                                                     max(k, 1), ROW=src.shape[1] * src.element_size(),
+                                                     ZERO=bool(zero_pad), BLOCK=1024, num_warps=4)
+    elif zero_pad:
+        out.view(torch.uint8).zero_()
+    return out
 
 
 def _wait_event(ev) -> None:

@@ -87,3 +87,30 @@ def test_event_overlap_hook_runs_once_after_the_wait_and_release_drops_the_event
         pass
     ev.current_stream_wait()
     assert calls == [1] and ev.event is None
+
+
+_SIM = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+from epcomm.testing import interp  # noqa: F401  (the interpreter's NumPy 2 fix)
+import torch
+from epcomm.kernels import v2
+g = torch.Generator().manual_seed(0)
+src = torch.randint(0, 256, (5, 40), generator=g, dtype=torch.uint8)   # N = 5 rows of 40 bytes (BLOCK 16: 3 steps)
+source = torch.tensor([0, -1, 3, 9, -1, 4], dtype=torch.int64)          # K = 2: rows 0, pad, 1, 4, pad, 2
+for zero in (False, True):
+    out = torch.full((6, 40), 7, dtype=torch.uint8)
+    v2._dispatch_copy_epilogue_impl_kernel[(2,)](src, source, out, 6, 2, ROW=40, ZERO=zero, BLOCK=16)
+    for e, s in enumerate(source.tolist()):
+        want = src[s // 2] if s >= 0 else torch.full((40,), 0 if zero else 7, dtype=torch.uint8)
+        assert torch.equal(out[e], want), (zero, e, out[e], want)
+print("ok")
+"""
+
+
+def test_expanded_copy_kernel_under_the_interpreter():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _SIM], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr

@@ -55,3 +55,28 @@ def _combine_arrive_kernel(flags, epoch_ptr, R, P, err_ptr, timeout_ns, HAS_TIME
     for q in range(R):
         wait_ge(flags + R + q, P * e, err_ptr, 5, q, timeout_ns, HAS_TIMER)
     tl.store(epoch_ptr, e)
+
+
+@triton.jit
+def _dispatch_copy_epilogue_impl_kernel(src, source, out, X, K, ROW: tl.constexpr, ZERO: tl.constexpr,
+                                        BLOCK: tl.constexpr):
+    """The expanded layout's copy: expanded row ``e`` of ``out uint8[X, ROW]`` takes contiguous row
+    ``source[e] // K`` of ``src uint8[N, ROW]``; a padding row (``source[e] < 0``) is zeroed with ``ZERO``,
+    else left as it is (DeepEP leaves it uninitialised), so a worst-case layout costs only its real rows.
+
+    Example: ``K = 2``, ``source = [0, -1, 3]`` -> rows ``[src[0], (zero or untouched), src[1]]``."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)
+    for e in range(pid, X, nprog):
+        s = tl.load(source + e)
+        dst = out + (e + tl.zeros((), tl.int64)) * ROW  # int64: X * ROW may pass 2**31
+        if s >= 0:
+            row = src + (s // K) * ROW
+            for c in range(0, ROW, BLOCK):
+                m = (c + offs) < ROW
+                tl.store(dst + c + offs, tl.load(row + c + offs, mask=m), mask=m)
+        elif ZERO:
+            for c in range(0, ROW, BLOCK):
+                m = (c + offs) < ROW
+                tl.store(dst + c + offs, tl.zeros([BLOCK], dtype=tl.uint8), mask=m)
