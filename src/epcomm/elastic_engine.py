@@ -257,13 +257,35 @@ def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_
     got = be.return_rows(EL.pack_rows(parts), state.gid, m, "combine/rows").view(r_ * m, -1)
     _wait_event(before_epilogue)
     master = EL.master_lanes(topk_idx, le)
-    out_w = torch.zeros(t, k, dtype=torch.float32, device=dev) if w_rows is not None else None
+    out_w = None
+    if w_rows is not None:  # lane j: the weight its owner sent back (0 for -1 lanes)
+        wcols = got[:, h * 2:h * 2 + 4 * k].view(torch.float32)
+        wv = wcols[owner * m + tok.unsqueeze(1), torch.arange(k, device=dev).unsqueeze(0)]
+        out_w = torch.where(valid, wv, torch.zeros((), device=dev))
+    if x.is_cuda:
+        return _reduce_epilogue(got, master, owner, bias, t, h, m), out_w
 
     def lanes(j: int) -> torch.Tensor:
         row = got[owner[:, j] * m + tok]  # [T, W]: what lane j's owner sent for each token
-        if out_w is not None:
-            wj = row[:, h * 2 + 4 * j:h * 2 + 4 * (j + 1)].contiguous().view(torch.float32).view(t)
-            out_w[:, j] = torch.where(valid[:, j], wj, torch.zeros((), device=dev))
         return torch.where(master[:, j].unsqueeze(1), row[:, :h * 2].contiguous().view(torch.bfloat16), zero_bf16)
 
     return EL.ordered_reduce(lanes, k, bias, (t, h), dev), out_w
+
+
+def _reduce_epilogue(got: torch.Tensor, use: torch.Tensor, owner: torch.Tensor, bias: tuple, t: int, h: int,
+                     m: int) -> torch.Tensor:
+    """``EL.ordered_reduce`` of the rows sent back (``got uint8[R*M, W]``) in one kernel
+    (``kernels/v2._combine_reduce_epilogue_impl_kernel``): the same float32 additions in the same order."""
+    from .kernels import v2
+
+    out = torch.empty(t, h, dtype=torch.bfloat16, device=got.device)
+    if t == 0:
+        return out
+    k = use.shape[1]
+    b0 = bias[0].contiguous() if bias else out
+    b1 = bias[1].contiguous() if len(bias) > 1 else out
+    block = 1024
+    v2._combine_reduce_epilogue_impl_kernel[(t, (h + block - 1) // block)](
+        got.view(torch.bfloat16), use.to(torch.int8).contiguous(), owner.contiguous(), b0, b1, out, m, k,
+        got.shape[1] // 2, h, NB=len(bias), OUT_F32=False, BLOCK=block, num_warps=4)
+    return out

@@ -104,13 +104,28 @@ for zero in (False, True):
     for e, s in enumerate(source.tolist()):
         want = src[s // 2] if s >= 0 else torch.full((40,), 0 if zero else 7, dtype=torch.uint8)
         assert torch.equal(out[e], want), (zero, e, out[e], want)
+# the combine's reduction: float32, biases first, lanes in order, unused lanes adding zero
+R, M, K, H = 2, 3, 4, 40
+got = (torch.randn(R * M, H + 8, generator=g) * 2.0 ** torch.randint(-8, 8, (R * M, 1), generator=g)).bfloat16()
+use = torch.rand(M, K, generator=g) < 0.6
+owner = torch.randint(0, R, (M, K), generator=g)
+b = [torch.randn(M, H, generator=g).bfloat16() for _ in range(2)]
+for nb in (0, 1, 2):
+    out = torch.empty(M, H, dtype=torch.float32)
+    v2._combine_reduce_epilogue_impl_kernel[(M, 3)](got, use.to(torch.int8), owner, b[0], b[1], out, M, K, H + 8, H,
+                                                   NB=nb, OUT_F32=True, BLOCK=16)
+    acc = b[0].float() + b[1].float() if nb == 2 else (b[0].float() if nb else torch.zeros(M, H))
+    for j in range(K):
+        rows = got[owner[:, j] * M + torch.arange(M), :H].float()
+        acc = acc + torch.where(use[:, j:j + 1], rows, torch.zeros(()))
+    assert torch.equal(out, acc), (nb, (out - acc).abs().max())
 print("ok")
 """
 
 
-def test_expanded_copy_kernel_under_the_interpreter():
+def test_v2_epilogue_kernels_under_the_interpreter():
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-c", _SIM], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", _SIM], check=False, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr

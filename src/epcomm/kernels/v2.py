@@ -80,3 +80,31 @@ def _dispatch_copy_epilogue_impl_kernel(src, source, out, X, K, ROW: tl.constexp
             for c in range(0, ROW, BLOCK):
                 m = (c + offs) < ROW
                 tl.store(dst + c + offs, tl.zeros([BLOCK], dtype=tl.uint8), mask=m)
+
+
+@triton.jit
+def _combine_reduce_epilogue_impl_kernel(got, use, owner, b0, b1, out, M, K, ROW_ELEMS, H, NB: tl.constexpr,
+                                         OUT_F32: tl.constexpr, BLOCK: tl.constexpr):
+    """The combine's reduction at the owner, in DeepEP's fixed order: for token ``t`` (program 0) and a block
+    of the hidden dim (program 1), ``acc = b0 + b1`` (``NB`` biases; float32, or zeros), then for lanes
+    ``j = 0 .. K-1`` ``acc += got[owner[t, j] * M + t]`` where ``use[t, j]``, else ``+= 0``; one BF16
+    rounding (``OUT_F32``: the float32 sum itself, for the interpreter, whose BF16 cast truncates).
+    ``got bf16[R*M, ROW_ELEMS]``: the rows each rank sent back (their first ``H`` elements)."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    if NB >= 1:
+        acc = tl.load(b0 + t * H + offs, mask=m, other=0.0).to(tl.float32)
+    if NB == 2:
+        acc = acc + tl.load(b1 + t * H + offs, mask=m, other=0.0).to(tl.float32)
+    for j in range(0, K):
+        u = tl.load(use + t * K + j)
+        r = tl.load(owner + t * K + j)
+        row = (r * M + t) * ROW_ELEMS
+        v = tl.load(got + row + offs, mask=m & (u != 0), other=0.0).to(tl.float32)
+        acc = acc + v
+    if OUT_F32:
+        tl.store(out + t * H + offs, acc, mask=m)
+    else:
+        tl.store(out + t * H + offs, acc.to(tl.bfloat16), mask=m)
