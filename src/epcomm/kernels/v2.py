@@ -98,7 +98,7 @@ def _combine_reduce_epilogue_impl_kernel(got, use, owner, b0, b1, out, M, K, ROW
         acc = tl.load(b0 + t * H + offs, mask=m, other=0.0).to(tl.float32)
     if NB == 2:
         acc = acc + tl.load(b1 + t * H + offs, mask=m, other=0.0).to(tl.float32)
-    for j in range(0, K):
+    for j in range(K):
         u = tl.load(use + t * K + j)
         r = tl.load(owner + t * K + j)
         row = (r * M + t) * ROW_ELEMS
