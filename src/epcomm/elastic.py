@@ -339,6 +339,10 @@ class ElasticBuffer:
                                    do_zero_padding, tma, cum, _flag("do_handle_copy", do_handle_copy), before)
 
         (rx, rsf, ridx, rw, fields, state), ev = self._run(fn, [data, sf, topk_idx, topk_weights], prev, async_)
+        if ev.event is not None:  # the handle's tensors were made on the communication stream
+            for v in fields.values():
+                if isinstance(v, torch.Tensor) and v.is_cuda:
+                    v.record_stream(torch.cuda.current_stream())
         hd = EPHandle(do_expand, e, a, m, sms, **fields)
         hd._state, hd._owner = state, self
         return (rx if rsf is None else (rx, rsf)), ridx, rw, hd, ev
