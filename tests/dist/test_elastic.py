@@ -81,11 +81,14 @@ def _all(ctx, seed):
     buf = ElasticBuffer(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk,
                         explicitly_destroy=True, num_cpu_timeout_secs=20)
     done = 0
-    for sf_kind in ("bf16", "fp32", "ue8m0"):
-        for expand in (False, True):
-            for alignment, sync in ((1, True), (4, False), (4, True)):
-                check_dispatch(buf, case, me, sf_kind, expand, alignment, sync)
-                done += 1
+    for expand in (False, True):
+        for alignment, sync in ((1, True), (4, False), (4, True)):
+            check_dispatch(buf, case, me, "bf16", expand, alignment, sync)
+            done += 1
+    for sf_kind in ("fp32", "ue8m0"):  # the scales: both layouts, synced and worst-case
+        for expand, alignment, sync in ((False, 4, False), (True, 1, True), (True, 4, False)):
+            check_dispatch(buf, case, me, sf_kind, expand, alignment, sync)
+            done += 1
     check_dispatch(buf, case, me, "bf16", True, 128, False)
     for expand in (False, True):
         for n_bias in (0, 1, 2):
@@ -108,4 +111,4 @@ def _all(ctx, seed):
 @pytest.mark.parametrize("world", [3])
 def test_elastic_buffer_against_the_oracle(world):
     res = parallel_launch(world, _all, 3, backend="gloo", timeout_s=240)
-    assert all(n > 30 for n in res), res
+    assert all(n > 25 for n in res), res
