@@ -59,7 +59,9 @@ stats = {"puts": 0, "early": 0, "overtaken": 0}  # this process's counts (tests 
 
 def _int(v) -> int:
     """A Python int from an interpreter value (a ``tl.tensor`` of one element, or an int)."""
-    import numpy as np  # (the interpreter's; not needed where the simulation never runs)
+    if isinstance(v, int):
+        return v
+    import numpy as np  # (the interpreter's: present wherever a kernel runs interpreted)
 
     h = getattr(v, "handle", None)
     return int(np.asarray(h.data if h is not None else v).reshape(-1)[0])
