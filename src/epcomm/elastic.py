@@ -144,6 +144,10 @@ class ElasticBuffer:
         self.runtime = self._engine
         self._destroyed = False
         self._sms_cache: dict = {}
+        self._fits: set = set()  # (M, H, K, FP8) whose layout fits num_bytes
+        self._configs: dict = {}  # num_sms -> the engine's Config for it (elastic_engine)
+        self.device_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                           if self.device.type == "cuda" else 0)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
@@ -444,7 +448,7 @@ class ElasticBuffer:
         V.int_arg("num_qps", num_qps, 0)
         if num_qps > self.num_allocated_qps:
             raise ValueError(f"num_qps={num_qps} exceeds num_allocated_qps={self.num_allocated_qps}")
-        if self.device.type == "cuda" and num_sms > torch.cuda.get_device_properties(self.device).multi_processor_count:
+        if self.device_sms and num_sms > self.device_sms:
             raise ValueError(f"num_sms={num_sms} exceeds the device's SMs")
 
     def _tokens_arg(self, m, t: int) -> int:
@@ -456,7 +460,10 @@ class ElasticBuffer:
         return m
 
     def _check_fits(self, m: int, h: int, k: int, fp8: bool) -> None:
+        if (m, h, k, fp8) in self._fits:
+            return
         need = self._size_for(m, h, k, fp8)
         if need > self.num_bytes:
             raise ValueError(f"num_bytes={self.num_bytes} is too small for num_max_tokens_per_rank={m}, hidden={h}, "
                              f"num_topk={k}: get_buffer_size_hint gives {need}")
+        self._fits.add((m, h, k, fp8))

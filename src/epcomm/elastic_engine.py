@@ -88,7 +88,8 @@ def _gather_rows(t: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor | None)
 class DispatchState:
     """What a dispatch leaves behind for its cached replays and its combine (private to the handle)."""
 
-    def __init__(self, v1, payload_shape, local, recv_w_mask, gid, slots, source, num_rows, num_expanded):
+    def __init__(self, v1, payload_shape, local, recv_w_mask, gid, slots, source, num_rows, num_expanded,
+                 device_sms=0):
         self.v1 = v1                      # the backend's DispatchHandle
         self.payload_shape = payload_shape
         self.local = local                # int64[N, K] local expert ids (-1: not here, padding rows)
@@ -98,6 +99,7 @@ class DispatchState:
         self.source = source              # int64[X] row * K + lane of each expanded row, -1 padding
         self.num_rows = num_rows
         self.num_expanded = num_expanded
+        self.device_sms = device_sms      # the copy epilogue's programs: 4 a SM
 
 
 def dispatch(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, num_sms, expand, sync, zero_pad,
@@ -111,7 +113,9 @@ def dispatch(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, num_s
     pay = Payload(x, sf)
     per_rank, per_expert, in_rank = layout.dispatch_layout(topk_idx, num_experts, r_)
     w = topk_weights if topk_weights is not None else torch.zeros(t, k, dtype=torch.float32, device=dev)
-    config = Config.default_dispatch(r_, EL.align(max(num_sms, 2), 2))
+    config = eb._configs.get(num_sms)
+    if config is None:
+        config = eb._configs[num_sms] = Config.default_dispatch(r_, EL.align(max(num_sms, 2), 2))
     args = DispatchArgs(pay.data, pay.scales, topk_idx, w, per_rank, in_rank, per_expert, alignment,
                         0 if sync else r_ * m, config.num_channels, config.num_sms,
                         config.num_max_rdma_chunked_send_tokens)
@@ -156,7 +160,7 @@ def dispatch(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, num_s
         "dst_buffer_slot_idx": dst_slot,
     }
     state = DispatchState(v1, tuple(pay.data.shape), local, local >= 0, gid, lay.slots if expand else None,
-                          lay.source if expand else None, n, n_exp)
+                          lay.source if expand else None, n, n_exp, eb.device_sms)
     out_x, out_sf, out_idx, out_w = _layout_outputs(state, expand, recv_x, recv_sf, local, recv_w, zero_pad,
                                                     tma_sf, k)
     return out_x, out_sf, out_idx, out_w, fields, state
@@ -183,7 +187,8 @@ def _layout_outputs(state: DispatchState, expand: bool, recv_x, recv_sf, local, 
     src = state.source
     keep = (src >= 0) if zero_pad else None
     row = src.clamp(min=0) // max(k, 1)
-    ex = _copy_epilogue(recv_x, src, k, zero_pad) if recv_x.is_cuda else _gather_rows(recv_x, row, keep)
+    ex = (_copy_epilogue(recv_x, src, k, zero_pad, state.device_sms) if recv_x.is_cuda
+          else _gather_rows(recv_x, row, keep))
     esf = None if recv_sf is None else _sf_layout(_gather_rows(recv_sf, row, keep), tma_sf)
     ew = None
     if recv_w is not None:
@@ -191,7 +196,7 @@ def _layout_outputs(state: DispatchState, expand: bool, recv_x, recv_sf, local, 
     return ex, esf, None, ew
 
 
-def _copy_epilogue(recv_x: torch.Tensor, source: torch.Tensor, k: int, zero_pad: bool) -> torch.Tensor:
+def _copy_epilogue(recv_x: torch.Tensor, source: torch.Tensor, k: int, zero_pad: bool, sms: int) -> torch.Tensor:
     """``recv_x [N, H]`` -> the expanded ``[X, H]`` by ``kernels/v2._dispatch_copy_epilogue_impl_kernel``: only
     real rows are copied (and, with ``zero_pad``, padding rows zeroed); the same bytes as :func:`_gather_rows`
     in the real rows."""
@@ -201,7 +206,7 @@ def _copy_epilogue(recv_x: torch.Tensor, source: torch.Tensor, k: int, zero_pad:
     out = torch.empty(x_rows, recv_x.shape[1], dtype=recv_x.dtype, device=recv_x.device)
     if x_rows and recv_x.numel():
         src = recv_x.contiguous()
-        grid = (max(1, min(x_rows, 4 * torch.cuda.get_device_properties(src.device).multi_processor_count)),)
+        grid = (max(1, min(x_rows, 4 * sms)),)
         v2._dispatch_copy_epilogue_impl_kernel[grid](src.view(torch.uint8), source, out.view(torch.uint8), x_rows,
                                                      max(k, 1), ROW=src.shape[1] * src.element_size(),
                                                      ZERO=bool(zero_pad), BLOCK=1024, num_warps=4)
