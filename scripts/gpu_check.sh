@@ -22,10 +22,10 @@
 #                   then PYTEST_ARGS="-k 'not high_throughput'"). WORLD 4: tests/gpu/test_internode_2x2.py,
 #                   two nodes of two (EPCOMM_GPUS_PER_NODE=2: the forwarding path) and four nodes of one;
 #                   if it outlasts the cap, split it the same way (-k high_throughput / -k low_latency)
-#   bench-nvshmem   epcomm bench --backend internode, then --backend nvlink, 2 ranks on one GPU under the
-#                   same private MPS daemon (virtual nodes of one GPU): ht-dsv3 and ll-dsv3-288, 24 SMs,
-#                   12 iterations; JSONL in $OUT/bench-mps-<backend>.jsonl (~5 min); BENCH_BACKENDS and
-#                   BENCH_CASES narrow it
+#   bench-nvshmem [WORLD]  epcomm bench --backend internode, then --backend nvlink, WORLD ranks (2 or 4)
+#                   on one GPU under the same private MPS daemon (virtual nodes: of one GPU at 2, of two at 4):
+#                   ht-dsv3 and ll-dsv3-288, 24 SMs, 12 iterations; JSONL in $OUT/bench-mps-<backend>.jsonl
+#                   (bench-mps4-<backend>.jsonl at 4) (~5 min at 2); BENCH_BACKENDS and BENCH_CASES narrow it
 #   ab BASE_DIR     epcomm bench --ab: the tree in BASE_DIR (a directory with src/epcomm, shipped with the working
 #                   tree: e.g. `mkdir -p ab-base && git archive <sha> src | tar -x -C ab-base` before the call,
 #                   untracked, not ignored) against this tree, alternated run by run for AB_ROUNDS rounds (default
@@ -79,8 +79,8 @@ if [[ "$mode" == shared ]]; then
 fi
 
 if [[ "$mode" == shared-nvshmem || "$mode" == bench-nvshmem ]]; then
-  world=2; [[ "$mode" == shared-nvshmem ]] && world="${2:-2}"
-  [[ "$world" == 2 || "$world" == 4 ]] || { echo "shared-nvshmem takes WORLD 2 or 4, got $world"; exit 2; }
+  world="${2:-2}"
+  [[ "$world" == 2 || "$world" == 4 ]] || { echo "$mode takes WORLD 2 or 4, got $world"; exit 2; }
   export EPCOMM_TEST_SHARE_GPU=1 EPCOMM_TEST_WORLD=$world CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / world))
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/epcomm-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/epcomm-mps/log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -89,9 +89,10 @@ if [[ "$mode" == shared-nvshmem || "$mode" == bench-nvshmem ]]; then
 fi
 
 if [[ "$mode" == bench-nvshmem ]]; then
+  tag=mps; [[ "$world" == 4 ]] && tag=mps4
   for b in ${BENCH_BACKENDS:-internode nvlink}; do
-    EPCOMM_GPUS_PER_NODE=1 timeout 270 "${bench[@]}" --world-size 2 --backend $b --cases ${BENCH_CASES:-ht-dsv3,ll-dsv3-288} --num-sms 24 \
-      --iters 12 ${BENCH_ARGS:-} --out "$OUT/bench-mps-$b.jsonl" 2>&1 | tee "$OUT/bench-mps-$b.log" \
+    EPCOMM_GPUS_PER_NODE=$((world / 2)) timeout 270 "${bench[@]}" --world-size $world --backend $b --cases ${BENCH_CASES:-ht-dsv3,ll-dsv3-288} --num-sms 24 \
+      --iters 12 ${BENCH_ARGS:-} --out "$OUT/bench-$tag-$b.jsonl" 2>&1 | tee "$OUT/bench-$tag-$b.log" \
       | tail -25 || rc=1
   done
 fi
