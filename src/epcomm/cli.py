@@ -2,6 +2,7 @@
 
     epcomm bench                      # CPU: small + sweep-small on 4 gloo ranks; GPUs: the DSv3 cases
     epcomm bench --cases ht-dsv3 --num-sms 24 --out bench.jsonl --plot plots/
+    epcomm bench --api v2 --cases ht-dsv3 --num-sms 4,8,12,24    # DeepEP V2's ElasticBuffer, an SM sweep
     epcomm bench --cases sweep --mode ht --iters 100
     epcomm bench --ab base=../old,new=. --rounds 3 --cases ll-dsv3 --out ab.jsonl   # two trees, alternated
     epcomm env [--probe]              # GPUs, NVLink/peer access, symmetric memory, versions, variables
@@ -85,7 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--experts", type=_positive_int, default=None, help="experts in total (divisible by ranks)")
     b.add_argument("--backend", choices=("auto", "reference", "nvlink", "internode"), default="auto",
                    help="backend to time (default: what Buffer picks); the reference is always timed too")
-    b.add_argument("--num-sms", type=_positive_int, default=None, help="Buffer.set_num_sms (even)")
+    b.add_argument("--api", choices=("v1", "v2"), default="v1",
+                   help="v1: DeepEP V1's Buffer (default); v2: DeepEP V2's ElasticBuffer, both layouts, with and "
+                   "without CPU sync, each op checked as timed against a reference-backend ElasticBuffer "
+                   "(bench/v2.py; default cases: ht-dsv3 on GPUs, small on CPU)")
+    b.add_argument("--num-sms", type=_int_list, default=None,
+                   help="v1: Buffer.set_num_sms (one even value); v2: ElasticBuffer's num_sms, a comma list "
+                   "sweeps it (default: get_theoretical_num_sms)")
     b.add_argument("--iters", type=_positive_int, default=None, help="timed iterations (default 50 GPU, 20 CPU)")
     b.add_argument("--warmup", type=_nonnegative_int, default=None, help="warm-up iterations (default 10 GPU, 3 CPU)")
     b.add_argument("--sets", type=_positive_int, default=4, help="input sets rotated between iterations (default 4)")
@@ -244,6 +251,9 @@ def cmd_bench(args) -> int:
         return 0
     if args.ab:
         from .bench import ab
+
+        if args.api != "v1":
+            raise ValueError("--ab compares V1 rows only (not with --api v2)")
         from .testing.launcher import env_world
 
         if args.plot or args.profile or env_world() is not None:
@@ -256,13 +266,28 @@ def cmd_bench(args) -> int:
     gpu = device == "cuda"
     world = launched.world_size if launched else args.world_size or (torch.cuda.device_count() if gpu else 4)
     speaker = launched is None or launched.rank == 0  # under torchrun rank 0 prints and writes
-    names = args.cases or list(DEFAULT_GPU if gpu else DEFAULT_CPU)
-    cases = resolve_cases(names, world_size=world, mode=args.mode, tokens=args.tokens, hidden=args.hidden,
+    v2 = args.api == "v2"
+    names = args.cases or (["ht-dsv3" if gpu else "small"] if v2 else list(DEFAULT_GPU if gpu else DEFAULT_CPU))
+    # V2 times the high-throughput cases' shapes (bench/v2.py)
+    mode = ("ht" if args.mode == "both" else args.mode) if v2 else args.mode
+    if v2 and mode != "ht":
+        raise ValueError(f"--api v2 times the high-throughput cases' shapes, not --mode {args.mode}")
+    cases = resolve_cases(names, world_size=world, mode=mode, tokens=args.tokens, hidden=args.hidden,
                           topk=args.topk, experts=args.experts)
     if args.backend == "nvlink" and not gpu:
         raise ValueError("--backend nvlink needs CUDA GPUs (this run is on CPU ranks)")
-    if args.num_sms is not None and args.num_sms % 2:
-        raise ValueError(f"--num-sms must be even, got {args.num_sms}")
+    num_sms, sweep = None, ()
+    if v2:
+        if args.cached or args.profile:
+            raise ValueError("--cached and --profile are V1 options (not with --api v2)")
+        sweep = tuple(args.num_sms or ())
+    elif args.num_sms is not None:
+        if len(args.num_sms) != 1:
+            raise ValueError(f"--num-sms takes one value with --api v1 (a list sweeps ElasticBuffer's num_sms "
+                             f"with --api v2), got {','.join(map(str, args.num_sms))}")
+        num_sms = args.num_sms[0]
+        if num_sms % 2:
+            raise ValueError(f"--num-sms must be even, got {num_sms}")
     if args.plot:  # fail before the run, not after it
         from .bench.plot import _matplotlib
 
@@ -270,8 +295,8 @@ def cmd_bench(args) -> int:
     plan = BenchPlan(cases=tuple(cases), backend=args.backend,
                      iters=args.iters or (50 if gpu else 20),
                      warmup=args.warmup if args.warmup is not None else (10 if gpu else 3),
-                     sets=args.sets, num_sms=args.num_sms, graphs=not args.no_graph, cached=args.cached,
-                     check=not args.no_check, seed=args.seed,
+                     sets=args.sets, num_sms=num_sms, graphs=not args.no_graph, cached=args.cached,
+                     check=not args.no_check, seed=args.seed, api=args.api, num_sms_sweep=sweep,
                      profile=str(Path(args.profile).resolve()) if args.profile else None)
     progress = Progress(enabled=not args.no_progress and speaker)
     result = run_bench(plan, world_size=world, device=device, progress=progress, timeout_s=args.timeout,

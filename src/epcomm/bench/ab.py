@@ -41,7 +41,8 @@ FORWARD = {"cases": "--cases", "mode": "--mode", "tokens": "--tokens", "hidden":
            "warmup": "--warmup", "sets": "--sets", "world_size": "--world-size", "device": "--device",
            "seed": "--seed", "timeout": "--timeout"}
 FLAGS = {"cached": "--cached", "no_graph": "--no-graph", "no_check": "--no-check"}
-NOT_FORWARDED = {"ab", "ab_commits", "rounds", "out", "plot", "profile", "no_progress", "list"}
+NOT_FORWARDED = {"ab", "ab_commits", "rounds", "out", "plot", "profile", "no_progress", "list",
+                 "api"}  # --ab is V1 only (the cli refuses --api v2), and older trees lack --api
 KEY = ("case", "mode", "tokens", "hidden", "topk", "experts", "backend", "op", "dtype", "phase", "timing", "cached")
 
 

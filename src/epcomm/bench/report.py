@@ -3,6 +3,7 @@
 A row (one JSON object per line) holds::
 
     case mode tokens hidden topk experts world_size backend op dtype phase cached
+    api layout cpu_sync theoretical_num_sms
     median_us p10_us p90_us host_us iters warmup timing
     logical_bytes link_bytes logical_gbps link_gbps sms link_counting
     ref_median_us peer_us speedup graph_us eager_over_graph ce_gbps link_fraction
@@ -31,6 +32,10 @@ checked input set against ``timed_oracle``: ``"reference"`` (the oracle backend'
 inputs) or ``"round trip"`` (the peer: combine(dispatch(x)) against x * sum(w)); ``"not checked: ..."``
 where no oracle result applies, ``"not run..."`` where no check ran. ``caveat`` says when times are
 not GPU performance (CPU ranks, ranks sharing a GPU).
+
+``api`` is ``"v1"`` (the ``Buffer``) or ``"v2"`` (``ElasticBuffer``, bench/v2.py); V2 rows also carry
+``layout`` (``contiguous``/``expanded``), ``cpu_sync``, ``sms`` (the ``num_sms`` passed) and
+``theoretical_num_sms`` (``get_theoretical_num_sms`` for the shape); V1 rows have None there.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ log = logging.getLogger(__name__)
 
 ROW_FIELDS = (
     "case", "mode", "tokens", "hidden", "topk", "experts", "world_size", "backend", "op", "dtype", "phase",
-    "cached", "median_us", "p10_us", "p90_us", "host_us", "iters", "warmup", "timing", "logical_bytes",
+    "cached", "api", "layout", "cpu_sync", "theoretical_num_sms", "median_us", "p10_us", "p90_us", "host_us", "iters", "warmup", "timing", "logical_bytes",
     "link_bytes", "logical_gbps", "link_gbps", "sms", "ref_median_us", "peer_us", "speedup", "graph_us",
     "eager_over_graph", "ce_gbps", "link_fraction", "link_counting",
     "check", "timed_check", "timed_oracle", "caveat", "env",
@@ -229,10 +234,15 @@ def launch_description(environ: dict | None = None) -> str:
         return f"torchrun: WORLD_SIZE={world!r} LOCAL_WORLD_SIZE={local!r}"
 
 
+def _v2_key(r: dict) -> tuple:
+    """What tells V2 rows of one shape apart (layout, sync, the SM count of a sweep); empty for V1 rows."""
+    return (r.get("layout"), r.get("cpu_sync"), r.get("sms")) if r.get("api") == "v2" else ()
+
+
 def _key(r: dict) -> tuple:
     c = r["case"]
     return (c["name"], c["mode"], c["tokens"], c["hidden"], c["topk"], c["experts"], r["op"], r["dtype"],
-            r["phase"], r["backend"], r["timing"])
+            r["phase"], r["backend"], r["timing"]) + _v2_key(r)
 
 
 def merge_ranks(per_rank: list[list[dict]], *, env: dict, iters: int, warmup: int,
@@ -256,6 +266,8 @@ def merge_ranks(per_rank: list[list[dict]], *, env: dict, iters: int, warmup: in
             "topk": c["topk"], "experts": c["experts"], "world_size": len(rs), "backend": rs[0]["backend"],
             "op": rs[0]["op"], "dtype": rs[0]["dtype"], "phase": rs[0]["phase"],
             "cached": bool(cached and c["mode"] == "ht" and rs[0]["op"] == "dispatch"),
+            "api": rs[0].get("api", "v1"), "layout": rs[0].get("layout"), "cpu_sync": rs[0].get("cpu_sync"),
+            "theoretical_num_sms": rs[0].get("theoretical_num_sms"),
             "median_us": worst["median"] * 1e6,
             "p10_us": max(r["p10"] for r in rs) * 1e6,
             "p90_us": max(r["p90"] for r in rs) * 1e6,
@@ -308,7 +320,8 @@ def staged_peer(peer_backend: str, env: dict) -> bool:
 
 def _key_of_row(r: dict, backend: str) -> tuple:
     return (r["case"], r["mode"], r["tokens"], r["hidden"], r["topk"], r["experts"], r["op"],
-            r["dtype"].split("-")[0] if backend in ("reference", "peer") else r["dtype"], r["phase"], backend)
+            r["dtype"].split("-")[0] if backend in ("reference", "peer") else r["dtype"], r["phase"],
+            backend) + _v2_key(r)
 
 
 def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> Path:
@@ -377,13 +390,20 @@ def _check(v: str) -> str:
 def render_table(rows: list[dict]) -> str:
     """A fixed-width text table, one line per row, in run order."""
     show_ce = any(r.get("link_fraction") is not None for r in rows)
-    head = ["case", "T", "H", "K", "E", "op", "backend", "median us", "p10", "p90", "host us",
+    show_v2 = any(r.get("api") == "v2" for r in rows)
+    v2_head = ["api", "layout", "sync", "theory-SMs"] if show_v2 else []
+    head = ["case", "T", "H", "K", "E", "op"] + v2_head + ["backend", "median us", "p10", "p90", "host us",
             "DeepEP GB/s", "link GB/s"] + (["%CE"] if show_ce else []) + ["SMs", "timing", "eager/graph",
                                                                           "peer us", "speedup", "timed", "check"]
     body = []
     for r in rows:
-        line = [r["case"], str(r["tokens"]), str(r["hidden"]), str(r["topk"]), str(r["experts"]), op_label(r),
-                r["backend"], _us(r["median_us"]), _us(r["p10_us"]), _us(r["p90_us"]), _us(r.get("host_us")),
+        line = [r["case"], str(r["tokens"]), str(r["hidden"]), str(r["topk"]), str(r["experts"]), op_label(r)]
+        if show_v2:
+            v2 = r.get("api") == "v2"
+            line += [r.get("api") or "v1", r.get("layout") or "-",
+                     ("cpu" if r.get("cpu_sync") else "none") if v2 else "-",
+                     str(r.get("theoretical_num_sms")) if v2 else "-"]
+        line += [r["backend"], _us(r["median_us"]), _us(r["p10_us"]), _us(r["p90_us"]), _us(r.get("host_us")),
                 _gbps(r["logical_gbps"]), _gbps(r["link_gbps"])]
         if show_ce:
             lf = r.get("link_fraction")
@@ -393,7 +413,7 @@ def render_table(rows: list[dict]) -> str:
                  "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x", timed_mark(r), _check(r["check"])]
         body.append(line)
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    left = {0, 5, 6, len(head) - 2, len(head) - 1}
+    left = {0, 5, 6 + len(v2_head), len(head) - 2, len(head) - 1} | set(range(6, 6 + len(v2_head)))
 
     def fmt(cells):
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))

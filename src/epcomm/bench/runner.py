@@ -28,11 +28,13 @@ from .cases import BenchCase
 from .peer import measure_copy_engine
 from .profile import host_primitives, profile_op
 from .progress import Progress
+from .timing import check_verdict as _check_verdict
 from .timing import checked_set, measure
 
 log = logging.getLogger(__name__)
 
 BACKEND_CHOICES = ("auto", "reference", "nvlink", "internode")
+API_CHOICES = ("v1", "v2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +52,15 @@ class BenchPlan:
     check: bool = True           # correctness check of every case before timing it
     seed: int = 0
     profile: str | None = None   # a directory: profile every op's eager call there (bench/profile.py)
+    api: str = "v1"              # "v1": the Buffer; "v2": the ElasticBuffer (bench/v2.py)
+    num_sms_sweep: tuple[int, ...] = ()  # v2: ElasticBuffer num_sms values, one row set each (empty: theoretical)
 
     def __post_init__(self) -> None:
+        if self.api not in API_CHOICES:
+            raise ValueError(f"api must be one of {API_CHOICES}, got {self.api!r}")
+        for v in self.num_sms_sweep:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"num_sms_sweep values must be positive ints, got {v!r}")
         if self.backend not in BACKEND_CHOICES:
             raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {self.backend!r}")
         for f in ("iters", "sets"):
@@ -154,15 +163,6 @@ def _sms(name: str, device: torch.device, mode: str = "ht", transport: str = "gl
     return Buffer.num_sms
 
 
-def _check_verdict(case_check: str, timed: str | None) -> str:
-    """The row's check: the case check (eager calls, before timing) and, where the op has one, the
-    check of the checked set run the way it was timed, against the oracle (a CUDA-graph replay is not
-    the eager call)."""
-    if timed is None or timed == "pass" or timed.startswith("not checked") or case_check.startswith("FAIL"):
-        return case_check
-    return f"FAIL as timed ({timed})"
-
-
 def _bytes(case: BenchCase, backend: str, op, method: str, routings, me: int, cached: bool, ht_transfer: str):
     """``(logical, link, link_counting)`` bytes of rank ``me`` for one timed op, averaged over the input
     sets; ``link`` is None where no counting rule covers the backend (``accounting.link_counting``)."""
@@ -259,6 +259,12 @@ def bench_worker(ctx, plan: BenchPlan, progress: Progress | None) -> dict:
     if ctx.device.type == "cpu":
         # The ranks share the host's cores: oversubscribed intra-op threads make every op ~20x slower.
         torch.set_num_threads(max(1, _cpu_count() // ctx.world_size))
+    if plan.api == "v2":
+        from .v2 import bench_worker_v2
+
+        results, names = bench_worker_v2(ctx, plan, progress if ctx.rank == 0 else None)
+        return {"rank": ctx.rank, "results": results, "backends": names,
+                "device": device_info(ctx.device) if ctx.rank == 0 else None}
     if plan.num_sms is not None:
         Buffer.set_num_sms(plan.num_sms)
     bufs = make_buffers(ctx.group, ctx.world_size, plan)
@@ -302,7 +308,7 @@ def run_bench(plan: BenchPlan, *, world_size: int, device: str = "cpu", progress
             raise ValueError(f"world_size={world_size} needs {world_size} GPUs, {n} visible "
                              "(EPCOMM_TEST_SHARE_GPU=1 lets ranks share them, for correctness only)")
     ce = None
-    if device == "cuda" and measure_ce and not shared and (world is None or world.rank == 0):
+    if device == "cuda" and measure_ce and plan.api == "v1" and not shared and (world is None or world.rank == 0):
         # under a launcher rank 0 measures before joining the group: the others wait in its rendezvous
         if progress is not None:
             progress.show("measuring the copy-engine peer bandwidth", always=True)

@@ -159,6 +159,15 @@ def make_start(group, device: torch.device, graphs: bool) -> Callable[[], None]:
     return start
 
 
+def check_verdict(case_check: str, timed: str | None) -> str:
+    """The row's check: the case check (eager calls, before timing) and, where the op has one, the
+    check of the checked set run the way it was timed, against the oracle (a CUDA-graph replay is not
+    the eager call)."""
+    if timed is None or timed == "pass" or timed.startswith("not checked") or case_check.startswith("FAIL"):
+        return case_check
+    return f"FAIL as timed ({timed})"
+
+
 def fail_text(e: AssertionError) -> str:
     """A failed check as a row's verdict: ``FAIL:`` and the first line of the message."""
     return "FAIL: " + (str(e).splitlines() or ["assertion failed"])[0][:200]

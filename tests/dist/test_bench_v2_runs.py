@@ -1,0 +1,105 @@
+"""Tier 2 (gloo on CPU, spawned processes): ``epcomm bench --api v2`` end to end at world 1 and 2 with an SM
+sweep, and its check as timed catching an ``ElasticBuffer`` whose FP8 dispatch damages one received row
+(a stand-in wrapping a real one), beside a faithful stand-in that passes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import harness
+import pytest
+import torch
+
+from epcomm import cli
+from epcomm.bench import report
+from epcomm.bench.cases import CASE_SETS
+from epcomm.testing.launcher import parallel_launch
+
+pytestmark = pytest.mark.skipif(
+    harness.TRANSPORT == "nccl",
+    reason="gloo-only: drives epcomm bench with --device cpu and gloo launches (run it without "
+           "EPCOMM_TEST_TRANSPORT)")
+
+
+@pytest.fixture(autouse=True)
+def _deadline(monkeypatch):
+    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "60")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_v2_bench_rows_are_checked_as_timed_one_set_per_sm_count(world, tmp_path, capsys):
+    out = tmp_path / "rows.jsonl"
+    rc = cli.main(["bench", "--api", "v2", "--world-size", str(world), "--device", "cpu", "--iters", "2",
+                   "--warmup", "0", "--sets", "2", "--num-sms", "4,8", "--out", str(out), "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 * 12 and [r["sms"] for r in rows] == [4] * 12 + [8] * 12
+    combos = {(r["op"], r["dtype"], r["layout"], r["cpu_sync"]) for r in rows if r["sms"] == 8}
+    assert len(combos) == 12 and {c[2] for c in combos} == {"contiguous", "expanded"}
+    assert {c[1] for c in combos if c[0] == "dispatch"} == {"bf16", "fp8"}
+    for r in rows:
+        assert r["api"] == "v2" and r["world_size"] == world and r["timing"] == "wall" and r["tokens"] == 64
+        assert r["check"] == "pass" and r["timed_check"] == "pass" and r["timed_oracle"] == "reference", r
+        assert r["theoretical_num_sms"] == rows[0]["theoretical_num_sms"] >= 1
+        assert r["median_us"] > 0 and r["host_us"] > 0
+        assert r["env"]["device"] == "cpu" and r["env"]["git_sha"] != "unknown" and r["env"]["epcomm_env"]
+    table = text.splitlines()
+    head = next(i for i, line in enumerate(table) if line.startswith("case "))
+    assert "layout" in table[head] and "theory-SMs" in table[head]
+    assert sum(" expanded " in line and " none " in line for line in table[head:]) == 2 * 3  # 2 dispatch, combine
+
+
+class _Stand:
+    """An ElasticBuffer stand-in: delegates; ``corrupt`` flips one bit of one valid received FP8 row after
+    every FP8 dispatch (the first row, or the slot of its first lane when expanded)."""
+
+    def __init__(self, buf, how: str):
+        self.buf, self.how = buf, how
+        self.backend_name = f"fake-{how}"
+
+    def __getattr__(self, name):
+        return getattr(self.buf, name)
+
+    def dispatch(self, x, **kw):
+        out = self.buf.dispatch(x, **kw)
+        rx, _, _, hd, _ = out
+        if self.how == "corrupt" and isinstance(x, tuple) and int(hd.psum_num_recv_tokens_per_scaleup_rank[-1]):
+            row = 0
+            if kw.get("do_expand"):
+                lanes = hd.recv_src_metadata[0, 2:]
+                row = int(lanes[lanes >= 0][0])
+            rx[0].view(torch.uint8)[row, 0] ^= 1
+        return out
+
+
+def _stand_worker(ctx):
+    os.environ["EPCOMM_TIMEOUT_S"] = "60"
+    from epcomm.bench.runner import BenchPlan
+    from epcomm.bench.v2 import make_elastic, run_v2_case
+
+    (ht, _) = CASE_SETS["small"]
+    plan = BenchPlan(cases=(ht,), iters=2, warmup=0, sets=2, api="v2")
+    fast, ref = make_elastic(ctx.group, [ht], "auto")
+    try:
+        return {how: run_v2_case(ctx, plan, ht, _Stand(fast, how), ref, (4,)) for how in ("corrupt", "ok")}
+    finally:
+        fast.destroy()
+        ref.destroy()
+
+
+def test_a_damaged_timed_dispatch_fails_its_rows_and_a_faithful_one_passes():
+    res = parallel_launch(2, _stand_worker, backend="gloo", timeout_s=120)
+    for how in ("corrupt", "ok"):
+        rows = report.merge_ranks([r[how] for r in res], env={}, iters=2, warmup=0)
+        assert len(rows) == 12 and all(r["backend"] == f"fake-{how}" for r in rows)
+        for r in rows:
+            damaged = how == "corrupt" and r["op"] == "dispatch" and r["dtype"] == "fp8"
+            if damaged:  # every rank's timed call (eager) differs from the oracle's in its received x
+                for rank in (0, 1):
+                    assert f"rank {rank}: FAIL: timed dispatch ({r['layout']}, fp8" in r["timed_check"], r
+                    assert f"rank {rank}: FAIL: timed dispatch" in r["check"], r
+                assert ") x: 1 of " in r["timed_check"] and report.timed_mark(r) == "FAIL"
+            else:  # BF16 rows (what combine sends back) are untouched
+                assert r["check"] == "pass" and r["timed_check"] == "pass" and report.timed_mark(r) == "ref", r
