@@ -1,16 +1,20 @@
-"""Timing of ``ElasticBuffer`` (DeepEP V2's API) beside the V1 ``Buffer`` in one run, until ``epcomm bench``
-has an ``--api v2`` mode. Prints one JSON row per case (rank 0)::
+"""Superseded: use ``epcomm bench --api v2`` (bench/v2.py), which times the same V2 cases and checks every
+row as timed against a reference-backend ``ElasticBuffer``, and records the device, commit and environment::
+
+    epcomm bench --api v2 --cases ht-dsv3 --num-sms 4,8,12,24 --out v2.jsonl
+    EPCOMM_TEST_SHARE_GPU=1 epcomm bench --api v2 --cases ht-dsv3 --num-sms 4,8,12,24 --world-size 2
+
+This older script checks nothing and its rows record no environment: do not publish its figures. It
+stays only for its quick side-by-side of the V1 high-throughput graph pair in the same process (``epcomm
+bench`` times V1's graph rows in its own run)::
 
     python -m epcomm.elastic_bench --ranks 2                     # one GPU per rank (or gloo CPU ranks)
     EPCOMM_TEST_SHARE_GPU=1 python -m epcomm.elastic_bench --ranks 2   # ranks sharing a GPU
 
 Cases, at the DeepSeek-V3 shape by default (``--tokens 4096 --hidden 7168 --topk 8 --experts 256``):
 V2 dispatch (contiguous and expanded, FP8 with fp32 per-128 scales or BF16, with and without CPU sync) and
-combine, each eager (``host_us``: the call's host time without a device wait; ``us``: its time to a
-device sync) and, without CPU sync, replayed from a CUDA graph (``graph_us``); the V1 high-throughput
-dispatch + combine graph (``num_worst_tokens``) for reference; and ``--sms`` sweeps ``num_sms``. Each
-figure is the median over ``--iters`` runs; nothing is checked here (the tests do that). With ranks sharing a GPU the kernels time-share it: correctness and host overhead, not
-link speed.
+combine, each eager (``host_us``, ``us``) and, without CPU sync, replayed from a CUDA graph (``graph_us``);
+the V1 high-throughput dispatch + combine graph (``num_worst_tokens``); ``--sms`` sweeps ``num_sms``.
 """
 
 from __future__ import annotations
