@@ -429,7 +429,8 @@ class ElasticBuffer:
 
         def fn():
             return engine.combine(self, x, st, handle.topk_idx, handle.num_experts, handle.num_max_tokens_per_rank,
-                                  expand, topk_weights, biases, self.allow_multiple_reduction, before)
+                                  expand, topk_weights, biases, self.allow_multiple_reduction, before,
+                                  num_sms or handle.num_sms)
 
         (out, w), ev = self._run(fn, [x, topk_weights, *biases], prev, async_)
         return out, w, ev

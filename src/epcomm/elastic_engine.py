@@ -225,8 +225,9 @@ def _wait_event(ev) -> None:
 
 
 def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_weights, bias, multi,
-            before_epilogue):
-    """``(combined_x bf16[T, H], combined_topk_weights f32[T, K] or None)``."""
+            before_epilogue, num_sms: int = 0):
+    """``(combined_x bf16[T, H], combined_topk_weights f32[T, K] or None)``; ``num_sms``: the transport's
+    programs (``Backend.return_rows``)."""
     be, r_ = eb._backend, eb.num_ranks
     t, k = topk_idx.shape
     h = x.shape[1]
@@ -242,7 +243,7 @@ def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_
         def lanes(j: int) -> torch.Tensor:
             s = state.slots[:, j].to(torch.int64)
             dst = torch.where((s >= 0) & (state.gid >= 0), state.gid, torch.full_like(state.gid, -1))
-            got = be.return_rows(EL.pack_rows([x[s.clamp(min=0)]]), dst, m, "combine/rows").view(r_ * m, -1)
+            got = be.return_rows(EL.pack_rows([x[s.clamp(min=0)]]), dst, m, "combine/rows", num_sms).view(r_ * m, -1)
             _wait_event(before_epilogue if j == 0 else None)
             mine = got[owner[:, j] * m + tok][:, :2 * h].contiguous().view(torch.bfloat16)
             return torch.where(valid[:, j].unsqueeze(1), mine, zero_bf16)
@@ -259,7 +260,7 @@ def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_
         partial = x[:state.num_rows]
         w_rows = topk_weights
     parts = [partial] + ([w_rows] if w_rows is not None else [])
-    got = be.return_rows(EL.pack_rows(parts), state.gid, m, "combine/rows").view(r_ * m, -1)
+    got = be.return_rows(EL.pack_rows(parts), state.gid, m, "combine/rows", num_sms).view(r_ * m, -1)
     _wait_event(before_epilogue)
     master = EL.master_lanes(topk_idx, le)
     out_w = None

@@ -244,13 +244,15 @@ class Backend:
         (combined, receive)`` for the combines like ``args`` (same handle object)."""
         return None
 
-    def return_rows(self, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: str) -> torch.Tensor:
+    def return_rows(self, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: str,
+                    num_sms: int = 0) -> torch.Tensor:
         """``ElasticBuffer``'s combine transport (DeepEP V2's API): row ``i`` of ``rows uint8[n, W]`` goes to
         rank ``dst[i] // slots``, slot ``dst[i] % slots`` (``dst int64[n]``, ``-1``: nowhere). Returns
         ``uint8[R, slots, W]``, block ``r`` from rank ``r`` (slots nobody wrote: unspecified bytes).
 
         Default: one ``all_to_all_single`` of equal splits over the group. Its shapes depend on ``slots``
-        only, never on the routing: no host wait, capturable on NCCL. A backend may override it."""
+        only, never on the routing: no host wait, capturable on NCCL. A backend may override it (``num_sms``:
+        the programs its kernels may take, the same on every rank; 0: its choice)."""
         import torch.distributed as dist
 
         r_, dev, w = self.num_ranks, rows.device, rows.shape[1]

@@ -327,11 +327,11 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
     def clean_low_latency_buffer(self) -> None:
         self._ll_impl().clean()
 
-    def return_rows(self, rows, dst, slots: int, phase: str):
+    def return_rows(self, rows, dst, slots: int, phase: str, num_sms: int = 0):
         """``ElasticBuffer``'s combine transport by stores into the owners' symmetric buffers (nvlink_v2.py)."""
         from .nvlink_v2 import return_rows
 
-        return return_rows(self, rows, dst, slots, phase)
+        return return_rows(self, rows, dst, slots, phase, num_sms)
 
     def barrier(self, phase: str) -> None:
         """Synchronise the device, then a barrier bounded by the deadline (``PeerTimeoutError`` naming

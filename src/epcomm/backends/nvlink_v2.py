@@ -8,7 +8,7 @@ staging, which an ``ElasticBuffer`` does not use): ``free[R]`` and ``data[R]`` f
 ``[R, S, W]`` (block ``r`` from rank ``r``). The area is one region for every call: a rank writes into a
 peer's only after that peer announced it finished reading the previous call's (``free``).
 
-Letters: ``R`` ranks, ``S`` slots a rank, ``W`` bytes a row, ``P`` programs a rank (fixed).
+Letters: ``R`` ranks, ``S`` slots a rank, ``W`` bytes a row, ``P`` programs a rank (the call's ``num_sms``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from .nvlink_params import TIMER
 
-PROGRAMS = 16  # the same on every rank and every call (the arrival count is P per peer and call)
+PROGRAMS = 16  # programs when num_sms is 0 (every rank passes the same num_sms to a call, as DeepEP asks)
 BLOCK = 512    # int32 words a step
 
 
@@ -25,7 +25,7 @@ def _align(n: int, a: int = 256) -> int:
     return (n + a - 1) // a * a
 
 
-def return_rows(be, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: str) -> torch.Tensor:
+def return_rows(be, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: str, num_sms: int = 0) -> torch.Tensor:
     """As ``Backend.return_rows``; ``rows uint8[n, W]`` with ``W`` a multiple of 4."""
     from ..kernels import v2
 
@@ -41,14 +41,15 @@ def return_rows(be, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: st
                          f"bytes (needs {2 * (need - flags_off)}); make the ElasticBuffer with the MoE shape")
     epoch = getattr(be, "_v2_epoch", None)
     if epoch is None:
-        epoch = be._v2_epoch = torch.zeros(1, dtype=torch.int32, device=be.device)
+        epoch = be._v2_epoch = torch.zeros(2, dtype=torch.int32, device=be.device)  # [calls, programs so far]
     flags = be.symm[flags_off:flags_off + 8 * r_].view(torch.int32)
     n = rows.shape[0]
     words = rows.contiguous().view(torch.int32) if n else torch.zeros(1, w // 4, dtype=torch.int32,
                                                                       device=rows.device)
-    v2._combine_impl_kernel[(PROGRAMS,)](
+    programs = num_sms or PROGRAMS
+    v2._combine_impl_kernel[(programs,)](
         words, dst.contiguous(), n, w // 4, slots, be.ptr_table, area_off, flags_off, flags, epoch, be.rank, r_,
         be.err, be._timeout_ns, HAS_TIMER=TIMER, BLOCK=BLOCK, num_warps=4)
-    v2._combine_arrive_kernel[(1,)](flags, epoch, r_, PROGRAMS, be.err, be._timeout_ns, HAS_TIMER=TIMER,
+    v2._combine_arrive_kernel[(1,)](flags, epoch, r_, programs, be.err, be._timeout_ns, HAS_TIMER=TIMER,
                                     num_warps=1)
     return be.symm[area_off:area_off + r_ * slots * w].view(r_, slots, w)
