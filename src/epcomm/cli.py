@@ -86,13 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--experts", type=_positive_int, default=None, help="experts in total (divisible by ranks)")
     b.add_argument("--backend", choices=("auto", "reference", "nvlink", "internode"), default="auto",
                    help="backend to time (default: what Buffer picks); the reference is always timed too")
-    b.add_argument("--api", choices=("v1", "v2"), default="v1",
+    b.add_argument("--api", choices=("v1", "v2", "both"), default="v1",
                    help="v1: DeepEP V1's Buffer (default); v2: DeepEP V2's ElasticBuffer, both layouts, with and "
                    "without CPU sync, each op checked as timed against a reference-backend ElasticBuffer "
-                   "(bench/v2.py; default cases: ht-dsv3 on GPUs, small on CPU)")
+                   "(bench/v2.py; default cases: ht-dsv3 on GPUs, small on CPU); both: the V1 rows, then the V2 "
+                   "rows of the high-throughput cases, in one run")
     b.add_argument("--num-sms", type=_int_list, default=None,
                    help="v1: Buffer.set_num_sms (one even value); v2: ElasticBuffer's num_sms, a comma list "
-                   "sweeps it (default: get_theoretical_num_sms)")
+                   "sweeps it (default: get_theoretical_num_sms); both: a list sweeps V2 only, one value sets both")
     b.add_argument("--iters", type=_positive_int, default=None, help="timed iterations (default 50 GPU, 20 CPU)")
     b.add_argument("--warmup", type=_nonnegative_int, default=None, help="warm-up iterations (default 10 GPU, 3 CPU)")
     b.add_argument("--sets", type=_positive_int, default=4, help="input sets rotated between iterations (default 4)")
@@ -268,6 +269,8 @@ def cmd_bench(args) -> int:
     speaker = launched is None or launched.rank == 0  # under torchrun rank 0 prints and writes
     v2 = args.api == "v2"
     names = args.cases or (["ht-dsv3" if gpu else "small"] if v2 else list(DEFAULT_GPU if gpu else DEFAULT_CPU))
+    if args.api == "both" and args.mode == "ll":
+        raise ValueError("--api both times V2 at the high-throughput cases' shapes, not with --mode ll")
     # V2 times the high-throughput cases' shapes (bench/v2.py)
     mode = ("ht" if args.mode == "both" else args.mode) if v2 else args.mode
     if v2 and mode != "ht":
@@ -277,11 +280,12 @@ def cmd_bench(args) -> int:
     if args.backend == "nvlink" and not gpu:
         raise ValueError("--backend nvlink needs CUDA GPUs (this run is on CPU ranks)")
     num_sms, sweep = None, ()
-    if v2:
+    if args.api != "v1":
         if args.cached or args.profile:
-            raise ValueError("--cached and --profile are V1 options (not with --api v2)")
+            raise ValueError(f"--cached and --profile are V1 options (not with --api {args.api})")
         sweep = tuple(args.num_sms or ())
-    elif args.num_sms is not None:
+    # V1's Buffer.set_num_sms: one even value (with --api both, a list sweeps V2 only and V1 keeps its default)
+    if not v2 and args.num_sms is not None and (args.api == "v1" or len(args.num_sms) == 1):
         if len(args.num_sms) != 1:
             raise ValueError(f"--num-sms takes one value with --api v1 (a list sweeps ElasticBuffer's num_sms "
                              f"with --api v2), got {','.join(map(str, args.num_sms))}")

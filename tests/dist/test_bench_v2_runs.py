@@ -1,5 +1,5 @@
-"""Tier 2 (gloo on CPU, spawned processes): ``epcomm bench --api v2`` end to end at world 1 and 2 with an SM
-sweep, and its check as timed catching an ``ElasticBuffer`` whose FP8 dispatch damages one received row
+"""Tier 2 (gloo on CPU, spawned processes): ``epcomm bench --api v2`` end to end with an SM sweep (world 2;
+world 1 as ``--api both``, after the V1 rows), and its check as timed catching an ``ElasticBuffer`` whose FP8 dispatch damages one received row
 (a stand-in wrapping a real one), beside a faithful stand-in that passes."""
 
 from __future__ import annotations
@@ -27,20 +27,26 @@ def _deadline(monkeypatch):
     monkeypatch.setenv("EPCOMM_TIMEOUT_S", "60")
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_v2_bench_rows_are_checked_as_timed_one_set_per_sm_count(world, tmp_path, capsys):
+@pytest.mark.parametrize("world, api", [(1, "both"), (2, "v2")])
+def test_v2_bench_rows_are_checked_as_timed_one_set_per_sm_count(world, api, tmp_path, capsys):
     out = tmp_path / "rows.jsonl"
-    rc = cli.main(["bench", "--api", "v2", "--world-size", str(world), "--device", "cpu", "--iters", "2",
-                   "--warmup", "0", "--sets", "2", "--num-sms", "4,8", "--out", str(out), "--no-progress"])
+    rc = cli.main(["bench", "--api", api, "--cases", "small", "--world-size", str(world), "--device", "cpu",
+                   "--iters", "2", "--warmup", "0", "--sets", "2", "--num-sms", "4,8", "--out", str(out),
+                   "--no-progress"])
     text = capsys.readouterr().out
     assert rc == 0, text
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    every = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = [r for r in every if r["api"] == "v2"]
+    v1 = [r for r in every if r["api"] == "v1"]
+    # "both": the V1 rows of the small cases first (the reference's 3 + 2 + 4, the peer's 3 + 2), V1 settings
+    assert len(v1) == (14 if api == "both" else 0) and every[:len(v1)] == v1
+    assert all(r["check"] == "pass" and r["layout"] is None and r["sms"] == "gloo" for r in v1)
     assert len(rows) == 2 * 12 and [r["sms"] for r in rows] == [4] * 12 + [8] * 12
     combos = {(r["op"], r["dtype"], r["layout"], r["cpu_sync"]) for r in rows if r["sms"] == 8}
     assert len(combos) == 12 and {c[2] for c in combos} == {"contiguous", "expanded"}
     assert {c[1] for c in combos if c[0] == "dispatch"} == {"bf16", "fp8"}
     for r in rows:
-        assert r["api"] == "v2" and r["world_size"] == world and r["timing"] == "wall" and r["tokens"] == 64
+        assert r["world_size"] == world and r["timing"] == "wall" and r["tokens"] == 64 and r["mode"] == "ht"
         assert r["check"] == "pass" and r["timed_check"] == "pass" and r["timed_oracle"] == "reference", r
         assert r["theoretical_num_sms"] == rows[0]["theoretical_num_sms"] >= 1
         assert r["median_us"] > 0 and r["host_us"] > 0

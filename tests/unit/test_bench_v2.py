@@ -31,6 +31,8 @@ def test_plan_checks_api_and_sweep():
     (["--num-sms", "5"], "--num-sms must be even, got 5"),
     (["--api", "v2", "--cached"], "--cached and --profile are V1 options"),
     (["--api", "v2", "--ab", "a,b"], "--ab compares V1 rows only"),
+    (["--api", "both", "--mode", "ll"], "--api both times V2 at the high-throughput cases' shapes"),
+    (["--api", "both", "--num-sms", "3"], "--num-sms must be even, got 3"),  # one value: V1's too
 ])
 def test_cli_refuses_what_v2_or_v1_cannot_do(argv, message, capsys):
     rc = cli.main(["bench", "--device", "cpu", "--world-size", "1", "--no-progress"] + argv)

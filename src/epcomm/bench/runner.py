@@ -34,7 +34,7 @@ from .timing import checked_set, measure
 log = logging.getLogger(__name__)
 
 BACKEND_CHOICES = ("auto", "reference", "nvlink", "internode")
-API_CHOICES = ("v1", "v2")
+API_CHOICES = ("v1", "v2", "both")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,7 @@ class BenchPlan:
     check: bool = True           # correctness check of every case before timing it
     seed: int = 0
     profile: str | None = None   # a directory: profile every op's eager call there (bench/profile.py)
-    api: str = "v1"              # "v1": the Buffer; "v2": the ElasticBuffer (bench/v2.py)
+    api: str = "v1"              # "v1": the Buffer; "v2": the ElasticBuffer (bench/v2.py); "both": v1 then v2
     num_sms_sweep: tuple[int, ...] = ()  # v2: ElasticBuffer num_sms values, one row set each (empty: theoretical)
 
     def __post_init__(self) -> None:
@@ -279,6 +279,12 @@ def bench_worker(ctx, plan: BenchPlan, progress: Progress | None) -> dict:
         host_primitives(ctx.device, plan.profile, ctx.rank)
     for case in plan.cases:
         results += _run_case(ctx, plan, case, bufs[case.mode], progress)
+    if plan.api == "both":  # the V2 rows after the V1 rows, in the same ranks (bench/v2.py)
+        from .v2 import bench_worker_v2
+
+        v2_results, v2_names = bench_worker_v2(ctx, plan, progress)
+        results += v2_results
+        names = list(dict.fromkeys(names + v2_names))
     if progress is not None:
         progress.close()
     return {"rank": ctx.rank, "results": results, "backends": names,
@@ -308,7 +314,7 @@ def run_bench(plan: BenchPlan, *, world_size: int, device: str = "cpu", progress
             raise ValueError(f"world_size={world_size} needs {world_size} GPUs, {n} visible "
                              "(EPCOMM_TEST_SHARE_GPU=1 lets ranks share them, for correctness only)")
     ce = None
-    if device == "cuda" and measure_ce and plan.api == "v1" and not shared and (world is None or world.rank == 0):
+    if device == "cuda" and measure_ce and plan.api != "v2" and not shared and (world is None or world.rank == 0):
         # under a launcher rank 0 measures before joining the group: the others wait in its rendezvous
         if progress is not None:
             progress.show("measuring the copy-engine peer bandwidth", always=True)

@@ -239,7 +239,8 @@ def run_v2_case(ctx, plan, case: BenchCase, buf, ref, sms_sweep: tuple[int, ...]
 
 
 def bench_worker_v2(ctx, plan, progress) -> tuple[list[dict], list[str]]:
-    """One rank of ``--api v2``: the two ElasticBuffers, then every high-throughput case of ``plan``.
+    """One rank of ``--api v2`` (or the V2 half of ``both``): the two ElasticBuffers, then every
+    high-throughput case of ``plan``.
     Returns ``(results, [timed backend name])``."""
     cases = [c for c in plan.cases if c.mode == "ht"]
     if not cases:
@@ -247,7 +248,7 @@ def bench_worker_v2(ctx, plan, progress) -> tuple[list[dict], list[str]]:
     fast, ref = make_elastic(ctx.group, cases, plan.backend)
     if progress is not None:
         sweep = plan.num_sms_sweep or (0,)
-        progress.set_total(len(cases) * len(sweep) * len(v2_ops()))
+        progress.set_total(progress.total + len(cases) * len(sweep) * len(v2_ops()))
         progress.show(f"ElasticBuffer backend: {backend_name(fast)}; oracle: reference", always=True)
     try:
         results = []
