@@ -41,9 +41,9 @@ def test_v2_bench_rows_are_checked_as_timed_one_set_per_sm_count(world, api, tmp
     # "both": the V1 rows of the small cases first (the reference's 3 + 2 + 4, the peer's 3 + 2), V1 settings
     assert len(v1) == (14 if api == "both" else 0) and every[:len(v1)] == v1
     assert all(r["check"] == "pass" and r["layout"] is None and r["sms"] == "gloo" for r in v1)
-    assert len(rows) == 2 * 12 and [r["sms"] for r in rows] == [4] * 12 + [8] * 12
+    assert len(rows) == 2 * 14 and [r["sms"] for r in rows] == [4] * 14 + [8] * 14
     combos = {(r["op"], r["dtype"], r["layout"], r["cpu_sync"]) for r in rows if r["sms"] == 8}
-    assert len(combos) == 12 and {c[2] for c in combos} == {"contiguous", "expanded"}
+    assert len(combos) == 14 and {c[2] for c in combos} == {"contiguous", "expanded"}
     assert {c[1] for c in combos if c[0] == "dispatch"} == {"bf16", "fp8"}
     for r in rows:
         assert r["world_size"] == world and r["timing"] == "wall" and r["tokens"] == 64 and r["mode"] == "ht"
@@ -54,7 +54,7 @@ def test_v2_bench_rows_are_checked_as_timed_one_set_per_sm_count(world, api, tmp
     table = text.splitlines()
     head = next(i for i, line in enumerate(table) if line.startswith("case "))
     assert "layout" in table[head] and "theory-SMs" in table[head]
-    assert sum(" expanded " in line and " none " in line for line in table[head:]) == 2 * 3  # 2 dispatch, combine
+    assert sum(" expanded " in line and " none " in line for line in table[head:]) == 2 * 4  # 2 dispatch, combine, the pair
 
 
 class _Stand:
@@ -99,7 +99,7 @@ def test_a_damaged_timed_dispatch_fails_its_rows_and_a_faithful_one_passes():
     res = parallel_launch(2, _stand_worker, backend="gloo", timeout_s=120)
     for how in ("corrupt", "ok"):
         rows = report.merge_ranks([r[how] for r in res], env={}, iters=2, warmup=0)
-        assert len(rows) == 12 and all(r["backend"] == f"fake-{how}" for r in rows)
+        assert len(rows) == 14 and all(r["backend"] == f"fake-{how}" for r in rows)
         for r in rows:
             damaged = how == "corrupt" and r["op"] == "dispatch" and r["dtype"] == "fp8"
             if damaged:  # every rank's timed call (eager) differs from the oracle's in its received x
@@ -107,5 +107,5 @@ def test_a_damaged_timed_dispatch_fails_its_rows_and_a_faithful_one_passes():
                     assert f"rank {rank}: FAIL: timed dispatch ({r['layout']}, fp8" in r["timed_check"], r
                     assert f"rank {rank}: FAIL: timed dispatch" in r["check"], r
                 assert ") x: 1 of " in r["timed_check"] and report.timed_mark(r) == "FAIL"
-            else:  # BF16 rows (what combine sends back) are untouched
+            else:  # BF16 rows (what combine and the pair send back) are untouched
                 assert r["check"] == "pass" and r["timed_check"] == "pass" and report.timed_mark(r) == "ref", r

@@ -44,7 +44,9 @@ def test_ops_cover_both_layouts_dtypes_and_sync_choices():
     disp = {(o.layout, o.dtype, o.cpu_sync) for o in ops if o.op == "dispatch"}
     comb = {(o.layout, o.cpu_sync) for o in ops if o.op == "combine"}
     assert disp == {(lay, d, s) for lay in v2.LAYOUTS for d in ("bf16", "fp8") for s in (True, False)}
-    assert comb == {(lay, s) for lay in v2.LAYOUTS for s in (True, False)} and len(ops) == 12
+    assert comb == {(lay, s) for lay in v2.LAYOUTS for s in (True, False)}
+    pairs = [(o.layout, o.dtype, o.cpu_sync) for o in ops if o.op == "dispatch+combine"]
+    assert pairs == [("contiguous", "bf16", False), ("expanded", "bf16", False)] and len(ops) == 14
     assert [o.alignment for o in ops if o.op == "combine"] == [1, 1, 128, 128]
 
 

@@ -7,7 +7,9 @@ buffer's ``get_theoretical_num_sms``), these ops, in this order:
 - dispatch in both layouts (``contiguous``: ``do_expand=False``, alignment 1; ``expanded``:
   ``do_expand=True``, alignment 128), BF16 and FP8 (``(x, sf)``, fp32 scales per 128 channels), with CPU
   sync (``do_cpu_sync=True``) and without (worst-case sizing);
-- combine (BF16, the dispatch's top-k weights sent back) of each layout, with and without CPU sync.
+- combine (BF16, the dispatch's top-k weights sent back) of each layout, with and without CPU sync;
+- ``dispatch+combine``: a BF16 dispatch without CPU sync and the combine of what it received, as one step
+  (captured together on GPUs), in each layout.
 
 Each op is timed by :func:`epcomm.bench.timing.measure` like a V1 op: eager launches (``median``: GPU time
 with the host gaps, ``host``: the call's return time) and, for the no-sync ops on a fast backend on GPUs,
@@ -67,7 +69,8 @@ def v2_ops() -> list[V2Op]:
     """The ops of one (case, num_sms), in run order (see the module docstring)."""
     out = [V2Op("dispatch", layout, dtype, sync) for layout in LAYOUTS for dtype in ("bf16", "fp8")
            for sync in (True, False)]
-    return out + [V2Op("combine", layout, "bf16", sync) for layout in LAYOUTS for sync in (True, False)]
+    out += [V2Op("combine", layout, "bf16", sync) for layout in LAYOUTS for sync in (True, False)]
+    return out + [V2Op("dispatch+combine", layout, "bf16", False) for layout in LAYOUTS]
 
 
 def dispatch_kwargs(st: workloads.HTSet, case: BenchCase, op: V2Op, num_sms: int) -> dict:
@@ -122,7 +125,7 @@ class V2Expect:
                 raise AssertionError(f"{what}: fields {sorted(got)} != {sorted(want)}")
             for field in want:  # the counts first: rows compared only where they say the same rows
                 assert_bitwise(got[field], want[field], f"{what} {field}")
-        else:
+        else:  # combine, or dispatch+combine (the combine of the BF16 rows received, as the oracle's)
             combined, weights = self.combine[op.layout]
             assert_bitwise(out[0], combined, f"{what} combined_x")
             assert_bitwise(out[1], weights, f"{what} combined_topk_weights")
@@ -160,6 +163,13 @@ def timed_op(buf, sets: list[workloads.HTSet], case: BenchCase, op: V2Op, num_sm
             xin = st.x if op.dtype == "bf16" else st.x_fp8
             kw = dispatch_kwargs(st, case, op, num_sms)
             return [], [lambda: buf.dispatch(xin, **kw)]
+        if op.op == "dispatch+combine":
+            kw = dispatch_kwargs(st, case, op, num_sms)
+
+            def pair():
+                rx, _, rw, hd, _ = buf.dispatch(st.x, **kw)
+                return buf.combine(rx, hd, topk_weights=rw)
+            return [], [pair]
         y, w, hd = combine_inputs(buf, st, case, op, num_sms)
         return [], [lambda: buf.combine(y, hd, topk_weights=w)]
 
