@@ -54,6 +54,7 @@ def test_v2_bench_rows_are_checked_as_timed_one_set_per_sm_count(world, api, tmp
     table = text.splitlines()
     head = next(i for i, line in enumerate(table) if line.startswith("case "))
     assert "layout" in table[head] and "theory-SMs" in table[head]
+    assert any(line.startswith("v2: ElasticBuffer rows;") for line in table[:head])  # the header explains them
     assert sum(" expanded " in line and " none " in line for line in table[head:]) == 2 * 4  # 2 dispatch, combine, the pair
 
 

@@ -448,6 +448,10 @@ def render_header(env: dict, ce_gbps: float | None, rows: list[dict] | None = No
                  "ranks wrote into the rank, as the backend lays them out")
     lines.append("timed: the timed call's output checked against ref (the reference's result on those inputs) "
                  "or trip (the peer's round trip); NONE: not checked (see timed_check)")
+    if any(r.get("api") == "v2" for r in rows or []):
+        lines.append("v2: ElasticBuffer rows; sync cpu = do_cpu_sync=True, none = worst-case sizing (no host wait); "
+                     "SMs = the num_sms passed, theory-SMs = get_theoretical_num_sms; ref = the reference-backend "
+                     "ElasticBuffer's result on those inputs, bitwise (dispatch: valid rows; combine: all)")
     if any(staged):
         lines.append(f"peer {', '.join(staged)}: GPU tensors exchanged through gloo (the host): no speedup is shown")
     note = caveat(env)

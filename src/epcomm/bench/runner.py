@@ -263,6 +263,8 @@ def bench_worker(ctx, plan: BenchPlan, progress: Progress | None) -> dict:
         from .v2 import bench_worker_v2
 
         results, names = bench_worker_v2(ctx, plan, progress if ctx.rank == 0 else None)
+        if progress is not None and ctx.rank == 0:
+            progress.close()
         return {"rank": ctx.rank, "results": results, "backends": names,
                 "device": device_info(ctx.device) if ctx.rank == 0 else None}
     if plan.num_sms is not None:
