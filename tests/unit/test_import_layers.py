@@ -33,7 +33,7 @@ LAYERS = {
     "epcomm.elastic": 3, "epcomm.elastic_engine": 3, "epcomm.elastic_handle": 3,
     # 4: tools beside the stack
     "epcomm.testing": 4, "epcomm.bench": 4, "epcomm.cli": 4, "epcomm.doctor": 4, "epcomm.__main__": 4,
-    "epcomm.model": 4, "epcomm.elastic_bench": 4,
+    "epcomm.model": 4,
 }
 
 
