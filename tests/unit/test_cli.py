@@ -27,7 +27,7 @@ def test_bench_every_option():
               "--warmup", "0", "--world-size", "2", "--device", "cpu", "--out", "r.jsonl", "--plot", "p",
               "--cached", "--no-graph", "--no-check", "--no-progress", "--seed", "3", "--sets", "2")
     assert a.cases == ["ht-dsv3", "sweep"] and a.tokens == [1, 4, 16] and a.hidden == 1024
-    assert (a.topk, a.experts, a.num_sms, a.iters, a.warmup, a.world_size) == (4, 64, 24, 7, 0, 2)
+    assert (a.topk, a.experts, a.num_sms, a.iters, a.warmup, a.world_size) == (4, 64, [24], 7, 0, 2)
     assert a.backend == "reference" and a.mode == "ht" and a.device == "cpu" and a.seed == 3
     assert a.out == "r.jsonl" and a.plot == "p" and a.cached and a.no_graph and a.no_check and a.no_progress
 

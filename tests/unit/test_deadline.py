@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from epcomm.backends import base, deadline
+from epcomm.backends import base, deadline, errors
 from epcomm.backends.base import PeerLostError, PeerTimeoutError
 
 
@@ -28,7 +28,7 @@ def test_backend_for_a_device(monkeypatch, name, device, expected):
 
 
 def test_a_timeout_marks_its_group_and_only_it(monkeypatch):
-    monkeypatch.setattr(base, "_GAVE_UP", set())
+    monkeypatch.setattr(errors, "_GAVE_UP", set())
     a, b = types.SimpleNamespace(group_name="a"), types.SimpleNamespace(group_name="b")
     assert not base.gave_up(a) and not base.gave_up(b)
     err = PeerTimeoutError(0, "dispatch/notify", 1, 2.0, group=a)
@@ -39,13 +39,13 @@ def test_a_timeout_marks_its_group_and_only_it(monkeypatch):
 
 
 def test_a_timeout_without_a_group_marks_every_group(monkeypatch):
-    monkeypatch.setattr(base, "_GAVE_UP", set())
+    monkeypatch.setattr(errors, "_GAVE_UP", set())
     PeerTimeoutError(0, "low_latency_dispatch/receive", 2, 1.0)
     assert base.gave_up(types.SimpleNamespace(group_name="any"))
 
 
 def test_peer_lost_names_the_rank_and_the_phase(monkeypatch):
-    monkeypatch.setattr(base, "_GAVE_UP", set())
+    monkeypatch.setattr(errors, "_GAVE_UP", set())
     err = PeerLostError(1, "dispatch/notify", None, "Connection reset by peer")
     assert isinstance(err, PeerTimeoutError) and err.phase == "dispatch/notify" and err.rank is None
     assert str(err) == ("epcomm rank 1: dispatch/notify lost a peer (Connection reset by peer); "

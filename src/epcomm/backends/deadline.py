@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
-from .base import PeerLostError, PeerTimeoutError
+from .errors import PeerLostError, PeerTimeoutError
 
 log = logging.getLogger(__name__)
 
