@@ -45,6 +45,10 @@ def _run(ctx, tag, backend, gpus_per_node):
     C.check_combine(buf, case, ctx.rank, False, 2, 1, False)
     if backend == "nvlink" or gpus_per_node > 1:
         C.check_combine(buf, case, ctx.rank, True, 1, 4, True)
+    if backend == "nvlink":  # combines of another num_sms after these (the bench's SM sweep): the arrivals
+        for sms in (2, 48):  # count every call's programs, not this call's times the calls
+            C.check_combine(buf, case, ctx.rank, False, 0, 1, False, num_sms=sms)
+        buf._backend._check_error()  # a wait that gave up has left its error word (rows land on CPU anyway)
     return buf.get_physical_domain_size()
 
 

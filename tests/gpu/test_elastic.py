@@ -68,7 +68,7 @@ def _rank_graph(ctx):
     case = _case(ctx.world_size)
     e, dev = case.num_experts, torch.device("cuda", torch.cuda.current_device())
     buf = ElasticBuffer(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
-    x, _, idx, w = (t.to(dev) for t in C.inputs(case, ctx.rank))
+    x, _, idx, w = (None if t is None else t.to(dev) for t in C.inputs(case, ctx.rank))  # (no scales: BF16)
     sms = buf.get_theoretical_num_sms(e, case.num_topk)  # before the capture (cached after)
 
     def step():

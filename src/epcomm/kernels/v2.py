@@ -4,11 +4,12 @@ landed in its own. Flags follow ``common.py``'s protocol (counters that only gro
 scope), so nothing is reset between calls and a CUDA graph replays them.
 
 Flags in each rank's buffer (int32): ``free[R]`` (peer ``r`` has finished reading its area: it may be
-written), ``data[R]`` (programs of peer ``r`` whose rows have landed here). ``epoch`` (local, int32[1]): the
-calls so far. Call ``e = epoch + 1``: program 0 announces ``free`` to every peer; every program waits for
-``free[q] >= e`` of every peer, stores its rows (row ``i`` into rank ``dst[i] // S``, slot ``dst[i] % S``
+written), ``data[R]`` (programs of peer ``r`` whose rows have landed here). ``epoch`` (local, int32[2]): the
+calls so far and their programs. Call ``e = epoch[0] + 1``: program 0 announces ``free`` to every peer;
+every program waits for ``free[q] >= e`` of every peer, stores its rows (row ``i`` into rank ``dst[i] // S``, slot ``dst[i] % S``
 of block ``me``), then adds 1 to ``data[me]`` of every peer; ``_combine_arrive_kernel`` waits for
-``data[q] >= P * e`` (``P`` programs a rank, the same on every rank) and stores ``epoch = e``.
+``data[q]`` to reach the programs of every call so far (``P`` programs a rank in a call, the same on
+every rank) and stores the count.
 
 Example (R = 2, S = 4, P = 1, first call): rank 0 sends a row with ``dst = 6`` -> rank 1, slot 2 of
 block 0; each rank's ``data`` becomes ``[1, 1]``, ``epoch`` 1.
@@ -50,11 +51,15 @@ def _combine_impl_kernel(rows, dst, n, W: tl.constexpr, slots, ptr_table, area_o
 
 @triton.jit
 def _combine_arrive_kernel(flags, epoch_ptr, R, P, err_ptr, timeout_ns, HAS_TIMER: tl.constexpr):
-    """Wait until every peer's ``P`` programs have stored their rows here, then count the call."""
+    """Wait until every peer's ``P`` programs have stored their rows here, then count the call:
+    ``epoch = [calls, programs of every call so far]``, so calls with different ``num_sms`` (``P``) count
+    right (``P * calls`` did not: a sweep of 4 then 8 SMs waited for arrivals that never come)."""
     e = tl.load(epoch_ptr) + 1
+    target = tl.load(epoch_ptr + 1) + P
     for q in range(R):
-        wait_ge(flags + R + q, P * e, err_ptr, 5, q, timeout_ns, HAS_TIMER)
+        wait_ge(flags + R + q, target, err_ptr, 5, q, timeout_ns, HAS_TIMER)
     tl.store(epoch_ptr, e)
+    tl.store(epoch_ptr + 1, target)
 
 
 @triton.jit

@@ -262,12 +262,13 @@ def check_dispatch(buf, case, rank, sf_kind, expand, alignment, sync):
     return hd, ridx, rw
 
 
-def check_combine(buf, case, rank, expand, n_bias, alignment, sync):
-    """A dispatch, then a combine of :func:`combine_input` against :func:`expected_combine`, weights back."""
+def check_combine(buf, case, rank, expand, n_bias, alignment, sync, num_sms: int = 0):
+    """A dispatch (``num_sms``: the call's, 0 the buffer's choice), then a combine of
+    :func:`combine_input` against :func:`expected_combine`, weights back."""
     x, _, idx, w = (None if t is None else t.to(buf.device) for t in inputs(case, rank))
     rx, ridx, rw, hd, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=case.num_experts,
                                        num_max_tokens_per_rank=case.m, expert_alignment=alignment,
-                                       do_expand=expand, do_cpu_sync=sync)
+                                       do_expand=expand, do_cpu_sync=sync, num_sms=num_sms)
     y = combine_input(hd, ridx, rx.shape[0], case.hidden, rx.shape[0]).to(buf.device)
     b = tuple(t.to(buf.device) for t in bias(case, rank, n_bias))
     multi = buf.allow_multiple_reduction
