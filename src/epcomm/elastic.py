@@ -20,6 +20,8 @@ from . import _env
 from . import _validate as V
 from . import elastic_engine as engine
 from . import elastic_layout as EL
+from .backends import deadline
+from .backends.errors import gave_up
 from .elastic_handle import EPHandle
 from .event import EventHandle, EventOverlap
 
@@ -150,7 +152,7 @@ class ElasticBuffer:
                            if self.device.type == "cuda" else 0)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        dist.barrier(group=group)
+        self._meet("ElasticBuffer/barrier")
         log.info("epcomm rank %d: ElasticBuffer on backend %s, %d bytes", self.rank_idx, self._backend.name,
                  self.num_bytes)
 
@@ -234,9 +236,14 @@ class ElasticBuffer:
         self._check_alive()
         if with_cpu_sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
+        self._meet("ElasticBuffer.barrier")
         if with_cpu_sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _meet(self, phase: str) -> None:
+        """Every rank of the group meets here, or ``PeerTimeoutError`` naming this rank and ``phase`` after
+        the host deadline (``EPCOMM_TIMEOUT_S`` where set, else ``num_cpu_timeout_secs``)."""
+        deadline.barrier(self.group, self.rank_idx, phase, _env.timeout_s(float(self.num_cpu_timeout_secs)))
 
     def destroy(self) -> None:
         """Release the engine's buffers (for buffers made with ``explicitly_destroy=True``); collective."""
@@ -244,7 +251,8 @@ class ElasticBuffer:
             raise RuntimeError("destroy() is for ElasticBuffers made with explicitly_destroy=True")
         if self._destroyed:
             return
-        self.barrier(with_cpu_sync=True)
+        if not gave_up(self.group):  # (after a deadline the ranks are out of step: no collective teardown)
+            self.barrier(with_cpu_sync=True)
         self._engine.destroy()
         self._destroyed = True
         self.runtime = None
