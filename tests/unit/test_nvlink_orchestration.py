@@ -490,3 +490,66 @@ def test_launcher_binds_an_nvshmem_kernel_through_its_jit_function():
     assert lw.fn is ll._ll_dispatch_send_kernel and lw.extra == {"extern_libs": libs}
     assert lw.name == Launcher(ll._ll_dispatch_send_kernel).name
     assert Launcher(ll._ll_dispatch_send_kernel).extra == {}
+
+
+_ALLOCATING = {"empty", "empty_like", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_empty",
+               "new_zeros", "new_ones", "new_full", "tensor", "as_tensor", "arange", "empty_strided", "clone",
+               "contiguous", "to", "cat", "stack"}
+
+
+class _TorchCalls(torch.overrides.TorchFunctionMode):
+    """Counts the torch functions and tensor methods a host path calls, and those that may allocate."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.allocs = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.allocs += getattr(func, "__name__", "") in _ALLOCATING
+        return func(*args, **(kwargs or {}))
+
+
+def _torch_calls(fn, *args):
+    with _TorchCalls() as c:
+        out = fn(*args)
+    return out, c.ops, c.allocs
+
+
+@pytest.mark.parametrize("transfer", ["sm", "ce"])
+def test_torch_ops_and_allocations_per_call(rig, transfer):
+    """The host path's torch calls and allocations per call are bounded (the host budget of an eager call:
+    each torch call costs microseconds of host time on a GPU host). The bounds are today's counts; a change
+    that adds torch work to a call must raise them here, on purpose."""
+    b = rig.b[0]
+    b.transfer = transfer
+    res, ops, allocs = _torch_calls(b.dispatch, _args())
+    got = {"dispatch": (ops, allocs)}
+    _, ops, allocs = _torch_calls(b.combine, res.recv_x, res.handle, res.recv_topk_weights, ())
+    got["combine"] = (ops, allocs)
+    _, ops, allocs = _torch_calls(b.cached_dispatch, res.recv_x[:0].new_empty(T, H), None, res.handle)
+    got["cached"] = (ops, allocs)
+    worst = _args(worst=R * T)
+    _, ops, allocs = _torch_calls(b.dispatch, worst)
+    got["worst"] = (ops, allocs)
+    m = 8
+    x = torch.randn(6, H).to(torch.bfloat16)
+    topk = torch.randint(-1, E, (6, K), generator=torch.Generator().manual_seed(2))
+    a = LowLatencyDispatchArgs(x, topk, m, E, True, False, False, None, None, 0, None)
+    run = b.low_latency_dispatch_run(a)
+    run(x, topk, None, None)  # the first call of a kind binds its launches
+    (lres, _), ops, allocs = _torch_calls(run, x, topk, None, None)
+    got["ll dispatch repeat"] = (ops, allocs)
+    y = torch.randn(E // R, R * m, H).to(torch.bfloat16)
+    w = torch.rand(6, K)
+    c = LowLatencyCombineArgs(y, topk, w, lres.handle, None, None, 1, None)
+    crun = b.low_latency_combine_run(c)
+    crun(y, topk, w, None, None)
+    _, ops, allocs = _torch_calls(crun, y, topk, w, None, None)
+    got["ll combine repeat"] = (ops, allocs)
+    # (torch calls, of which may allocate) at 2 ranks; counted on the CPU stand-ins, the same host code
+    bound = {"sm": {"dispatch": (68, 12), "combine": (28, 6), "cached": (37, 2), "worst": (39, 12)},
+             "ce": {"dispatch": (106, 12), "combine": (22, 6), "cached": (55, 2), "worst": (77, 12)}}[transfer]
+    bound.update({"ll dispatch repeat": (0, 0), "ll combine repeat": (0, 0)})  # the LL repeat: launches only
+    over = {k: (got[k], v) for k, v in bound.items() if got[k][0] > v[0] or got[k][1] > v[1]}
+    assert not over, f"torch calls / allocations per call above their bounds (got, bound): {over}"
