@@ -134,7 +134,7 @@ def test_one_kernel_per_low_latency_operation_carries_a_demangled_name():
 
     assert (LLD, LLC) == ("_ZN6epcomm2ll8dispatchEv", "_ZN6epcomm2ll7combineEv")
     if shutil.which("c++filt"):
-        out = subprocess.run(["c++filt", LLD, LLC], capture_output=True, text=True).stdout.split()
+        out = subprocess.run(["c++filt", LLD, LLC], capture_output=True, text=True, check=True).stdout.split()
         assert out == ["epcomm::ll::dispatch()", "epcomm::ll::combine()"]
 
 
@@ -387,8 +387,6 @@ def test_low_latency_dispatch_is_one_kernel(rig, hook):
 
 @pytest.mark.parametrize("hook", [False, True])
 def test_low_latency_combine_is_one_kernel(rig, hook):
-    from epcomm.backends import nvlink_ll
-
     b, m = rig.b[0], 8
     x = torch.randn(6, H).to(torch.bfloat16)
     topk = torch.randint(-1, E, (6, K), generator=torch.Generator().manual_seed(2))
