@@ -28,8 +28,7 @@ from .cases import BenchCase
 from .peer import measure_copy_engine
 from .profile import host_primitives, profile_op
 from .progress import Progress
-from .timing import check_verdict as _check_verdict
-from .timing import checked_set, measure
+from .timing import checked_set, measure, timed_fields
 
 log = logging.getLogger(__name__)
 
@@ -236,16 +235,14 @@ def _run_case(ctx, plan: BenchPlan, case: BenchCase, bufs: dict[str, Buffer], pr
                                rank=me, out_dir=plan.profile, reset=reset)
                 check = checks.get(name, "not checked") if buf is not None else (m.verified or "not checked")
                 lb, kb, counting = _bytes(case, name, op, m.method, routings, me, plan.cached, ht_transfer)
-                for phase, st, host in zip(m.phases, m.stats, m.host):
+                compared = op.oracle if op.verify is not None else None
+                for i, phase in enumerate(m.phases):
                     total = phase == "total"
                     out.append({"case": dataclasses.asdict(case), "backend": name, "op": op.op, "dtype": op.dtype,
-                                "phase": phase, "median": st.median, "p10": st.p10, "p90": st.p90, "host": host,
-                                "timing": m.method, "logical_bytes": lb if total else None,
+                                "phase": phase, "logical_bytes": lb if total else None,
                                 "link_bytes": kb if total else None, "link_counting": counting if total else None,
                                 "sms": _sms(name, dev, case.mode, group_transport(group)),
-                                "check": _check_verdict(check, m.verified),
-                                "timed_check": m.verified or ("not run: --no-check" if not plan.check else "not run"),
-                                "timed_oracle": op.oracle if op.verify is not None else None})
+                                **timed_fields(m, i, check, plan.check, compared)})
             if progress is not None:
                 progress.update(f"{label} ({name})")
     del sets

@@ -168,6 +168,17 @@ def check_verdict(case_check: str, timed: str | None) -> str:
     return f"FAIL as timed ({timed})"
 
 
+def timed_fields(m, i: int, case_check: str, checked: bool, oracle: str | None) -> dict:
+    """The fields every timed row carries, for phase ``i`` of measurement ``m``: its times, how they were
+    taken, and its checks (``checked``: the run checks at all, else ``--no-check``; ``oracle``: what the
+    timed call was compared with, None where it was not)."""
+    st = m.stats[i]
+    return {"median": st.median, "p10": st.p10, "p90": st.p90, "host": m.host[i], "timing": m.method,
+            "check": check_verdict(case_check, m.verified),
+            "timed_check": m.verified or ("not run" if checked else "not run: --no-check"),
+            "timed_oracle": oracle}
+
+
 def fail_text(e: AssertionError) -> str:
     """A failed check as a row's verdict: ``FAIL:`` and the first line of the message."""
     return "FAIL: " + (str(e).splitlines() or ["assertion failed"])[0][:200]

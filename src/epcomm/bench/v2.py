@@ -40,7 +40,7 @@ from ..testing.compare import assert_bitwise
 from ..testing.gpu_cases import forced_backend
 from . import workloads
 from .cases import BenchCase
-from .timing import TimedOp, check_verdict, checked_set, fail_text, measure
+from .timing import TimedOp, checked_set, fail_text, measure, timed_fields
 
 log = logging.getLogger(__name__)
 
@@ -231,13 +231,10 @@ def run_v2_case(ctx, plan, case: BenchCase, buf, ref, sms_sweep: tuple[int, ...]
                             use_graphs=use_graphs)
                 if use_graphs and m.method != "graph":
                     continue  # the capture failed (logged): the eager row stands alone
-                st, host = m.stats[0], m.host[0]
                 out.append({"case": dataclasses.asdict(case), "backend": name, "op": op.op, "dtype": op.dtype,
-                            "phase": "total", "median": st.median, "p10": st.p10, "p90": st.p90, "host": host,
-                            "timing": m.method, "logical_bytes": None, "link_bytes": None, "link_counting": None,
-                            "sms": sms, "check": check_verdict(check, m.verified),
-                            "timed_check": m.verified or ("not run: --no-check" if not plan.check else "not run"),
-                            "timed_oracle": "reference" if top.verify is not None else None,
+                            "phase": "total", "logical_bytes": None, "link_bytes": None, "link_counting": None,
+                            "sms": sms,
+                            **timed_fields(m, 0, check, plan.check, "reference" if top.verify is not None else None),
                             "api": "v2", "layout": op.layout, "cpu_sync": op.cpu_sync,
                             "theoretical_num_sms": theory})
             if progress is not None:
