@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from .core import PRESETS, Links, Workload, predict, routing_stats
 
-DEEPEP_SOURCE = ("deepseek-ai/DeepEP docs/legacy.md (V1 performance) at commit 0297fc8; the same tables in its README "
+DEEPEP_SOURCE = ("DeepEP V1 performance tables, https://github.com/deepseek-ai/DeepEP/blob/0297fc8/docs/legacy.md; the same tables in its README "
                  "at 0aaa674, whose news lines date them after PRs #130 (HT, 2025-04-22) and #173 (LL uses NVLink, "
                  "2025-06-05)")
 EPCOMM_SOURCE = "BENCHMARKS.md, nvidia-h200-x2 2-rank tables (benchmarks/2026-11-22/h200x2-0653-ht-dsv3.jsonl, -0701-ll)"

@@ -64,7 +64,7 @@ if os.environ.get("EPCOMM_TEST_SHARE_GPU") == "1":
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
-        print(__doc__)
+        sys.stderr.write(__doc__)  # the usage (a command-line entry point, not library output)
         return 2
     checkout, script, rest = argv[0], argv[1], argv[2:]
     utils = os.path.join(os.path.abspath(checkout), "deep_ep", "utils")
