@@ -164,7 +164,6 @@ def _faults(ctx, tag):
     cpu_internode = _setup(ctx, tag, 1)
     import torch
 
-    from epcomm.backends.base import PeerTimeoutError
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.compare import assert_within_budget
 
@@ -178,20 +177,9 @@ def _faults(ctx, tag):
                               cpu_internode.internode_buffer(ctx.group, **kw),
                               cpu_internode.internode_buffer(ctx.group, enable_shrink=True, **kw))
     x, topk, w = G.ll_inputs(case, ctx.rank, "cpu")
-    seen = []
-    try:
-        differs.low_latency_dispatch(x, topk, 8 if ctx.rank == 0 else 16, e)
-        seen.append("m differs: none")
-    except ValueError as err:
-        seen.append(str(err))
-    torch.distributed.barrier(group=ctx.group)
+    seen = _m_differs_then_absent(ctx, differs, plain, x, topk, e, absent=1)
     if ctx.rank == 1:
-        return seen  # never calls again
-    try:
-        plain.low_latency_dispatch(x, topk, 8, e)
-        seen.append("timeout: none")
-    except PeerTimeoutError as err:
-        seen.append(str(err))
+        return seen
     rx, cnt, handle, _, _ = shrink.low_latency_dispatch(x, topk, 8, e, use_fp8=False)
     out, _, _ = shrink.low_latency_combine(rx, topk, w, handle)
     status = torch.zeros(r, dtype=torch.int32)
@@ -206,15 +194,38 @@ def _faults(ctx, tag):
     return seen
 
 
+def _m_differs_then_absent(ctx, differs, plain, x, topk, e: int, absent: int) -> list:
+    """What each rank sees of two faults: a dispatch on ``differs`` where rank 0 asks M=8 and the others 16
+    (a ValueError naming it), then, after a barrier, a dispatch on ``plain`` that rank ``absent`` never
+    makes (the others' deadline error). Rank ``absent`` returns after the first."""
+    import torch
+
+    from epcomm.backends.base import PeerTimeoutError
+
+    seen = []
+    try:
+        differs.low_latency_dispatch(x, topk, 8 if ctx.rank == 0 else 16, e)
+        seen.append("m differs: none")
+    except ValueError as err:
+        seen.append(str(err))
+    torch.distributed.barrier(group=ctx.group)
+    if ctx.rank == absent:
+        return seen  # never calls again
+    try:
+        plain.low_latency_dispatch(x, topk, 8, e)
+        seen.append("timeout: none")
+    except PeerTimeoutError as err:
+        seen.append(str(err))
+    return seen
+
+
 def _faults_two_nodes_of_two(ctx, tag):
     """Four ranks in two nodes of two: M differing on rank 0 is named on every rank; then rank 3 leaves and
     the others' dispatch gives the deadline error naming rank 3 (rank 2 waits for it by stores in its
     node, ranks 0 and 1 across nodes)."""
     cpu_internode = _setup(ctx, tag, 2)
-    import torch
 
     from epcomm import Buffer
-    from epcomm.backends.base import PeerTimeoutError
     from epcomm.testing import gpu_cases as G
 
     case = _case(ctx, hidden=128, seed=6)
@@ -225,21 +236,7 @@ def _faults_two_nodes_of_two(ctx, tag):
     differs = cpu_internode.internode_buffer(ctx.group, **kw)
     plain = cpu_internode.internode_buffer(ctx.group, **kw)
     x, topk, _ = G.ll_inputs(case, ctx.rank, "cpu")
-    seen = []
-    try:
-        differs.low_latency_dispatch(x, topk, 8 if ctx.rank == 0 else 16, e)
-        seen.append("m differs: none")
-    except ValueError as err:
-        seen.append(str(err))
-    torch.distributed.barrier(group=ctx.group)
-    if ctx.rank == 3:
-        return seen  # never calls again
-    try:
-        plain.low_latency_dispatch(x, topk, 8, e)
-        seen.append("timeout: none")
-    except PeerTimeoutError as err:
-        seen.append(str(err))
-    return seen
+    return _m_differs_then_absent(ctx, differs, plain, x, topk, e, absent=3)
 
 
 def test_internode_low_latency_two_virtual_nodes():
