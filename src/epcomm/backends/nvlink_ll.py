@@ -217,7 +217,6 @@ class LowLatencyEngine(LowLatencyCalls):
         cb = TUNE["crecv_block"]
         c = _Call()
         own = self._combine_output(m, h, parity, t) if a.out is None else None
-        fused_recv = None
         wait_dummy = self.levels
         n_cs, n_cb = (h + cw - 1) // cw, (h + cb - 1) // cb
         n_w = max(t, 1)
@@ -243,6 +242,9 @@ class LowLatencyEngine(LowLatencyCalls):
                 fused_recv = Direct(self.k_cfused.prepared(key, dict(cconsts, DO_RECV=True, RECV_ONLY=True)),
                                     (*tmpl[:-4], 0, n_cs, 0, n_cb), holes)
 
+                def receive(y, topk, w, out, wst):
+                    fused_recv(n_w * n_cb, 1, 1, topk, w, y, out, wst)
+
             def send(y, topk, w, out, wst):
                 fused(grid, 1, 1, topk, w, y, out, wst)
         else:
@@ -258,11 +260,14 @@ class LowLatencyEngine(LowLatencyCalls):
             def send(y, topk, w, out, wst):
                 weights(n_w, 1, 1, topk, w)
                 reduce(rx, n_cs, 1, y)
-        crecv = Direct(self.k_crecv.prepared(key, dict(
-            K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, HAS_WAIT=has_wait, HAS_TIMER=TIMER, SHRINK=shrink,
-            LOCAL_TICKET=TUNE["local_ticket"], num_warps=TUNE["crecv_warps"])),
-            (None, t, h, k, me, r_, lx, m, self.p_table, area + lay.combine_offset, sig, None, None,
-             self.p_clevel[parity], self.p_t[_T_CRECV], self.p_err, nv._timeout_ns, mask), (0, 11, 12))
+            crecv = Direct(self.k_crecv.prepared(key, dict(
+                K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, HAS_WAIT=has_wait, HAS_TIMER=TIMER, SHRINK=shrink,
+                LOCAL_TICKET=TUNE["local_ticket"], num_warps=TUNE["crecv_warps"])),
+                (None, t, h, k, me, r_, lx, m, self.p_table, area + lay.combine_offset, sig, None, None,
+                 self.p_clevel[parity], self.p_t[_T_CRECV], self.p_err, nv._timeout_ns, mask), (0, 11, 12))
+
+            def receive(y, topk, w, out, wst):
+                crecv(n_w, n_cb, 1, topk, out, wst)
 
         def run(y, topk, w, out, wst):
             if out is None:
@@ -272,9 +277,7 @@ class LowLatencyEngine(LowLatencyCalls):
             send(y, topk, w, out, wst)
             if recv_too:
                 return out, _nothing
-            if fused_recv is not None:
-                return out, lambda: fused_recv(n_w * n_cb, 1, 1, topk, w, y, out, wst)
-            return out, lambda: crecv(n_w, n_cb, 1, topk, out, wst)
+            return out, lambda: receive(y, topk, w, out, wst)
 
         c.run = run
         return c
