@@ -25,6 +25,8 @@ one still outlasts the deadline.
 
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
 import ctypes
 import datetime
@@ -59,6 +61,36 @@ def exchange_device(group) -> torch.device:
     if backend_for(group, torch.device("cpu")) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# Finished gloo operations, kept referenced from Python for a while (see :func:`_retire`).
+_RETIRED: collections.deque = collections.deque(maxlen=64)  # (when, work)
+_SETTLE_S = 0.05
+
+
+def _retire(work) -> None:
+    """Keep ``work`` (a finished gloo operation) referenced from Python.
+
+    gloo runs a collective on a worker thread of the process group, which drops its own reference to the
+    work a moment after ``wait()`` has returned here. If that reference is the last one, the work's
+    tensors are freed on the worker thread, which must take the GIL to release their Python objects; at
+    interpreter exit that thread is then terminated mid-destructor, and the process aborts ("terminate
+    called without an active exception", SIGABRT) although every call succeeded. Holding the work here
+    makes the worker's reference never the last: the work is freed later, on a Python thread, once it is
+    ``_SETTLE_S`` old (so the tensors of recent calls only are held)."""
+    now = time.monotonic()
+    while _RETIRED and now - _RETIRED[0][0] > _SETTLE_S:
+        _RETIRED.popleft()
+    _RETIRED.append((now, work))
+
+
+@atexit.register
+def _settle() -> None:
+    """At exit, give gloo's worker threads a moment to drop the works they just finished (``_retire``)
+    while the interpreter still runs; then free them here, on the main thread."""
+    if _RETIRED and time.monotonic() - _RETIRED[-1][0] < _SETTLE_S:
+        time.sleep(_SETTLE_S)
+    _RETIRED.clear()
 
 
 def _timeout(timeout_s: float) -> datetime.timedelta:
@@ -123,10 +155,12 @@ def wait(work, group, device: torch.device, me: int, phase: str, timeout_s: floa
     try:
         work.wait(timeout=_timeout(timeout_s))
     except RuntimeError as e:
+        _retire(work)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "timed out" in first.lower() or "timeout" in first.lower():
             raise PeerTimeoutError(me, phase, peer, timeout_s, first, group=group) from None
         raise PeerLostError(me, phase, peer, first, group=group) from None
+    _retire(work)
 
 
 def all_gather_ints(group, values: list[int], me: int, phase: str, timeout_s: float) -> list[list[int]]:
