@@ -9,11 +9,10 @@ switch's start-up hook is in place)::
 
 ``DEEPEP_CHECKOUT`` is a DeepEP source tree (only its ``tests/`` folder is read; nothing of it is built
 or committed here). The tests are copied to a temporary folder and run from there unchanged, except that
-their ``utils.init_dist`` is wrapped: with ``EPCOMM_TEST_SHARE_GPU=1`` the ranks join through gloo for
-CPU and CUDA tensors (NCCL refuses two ranks on one GPU) and rank ``r`` uses GPU ``r % device_count``,
-which is how the tests can run with more ranks than GPUs. Without it ``init_dist`` is DeepEP's own.
-Run several processes on one GPU under MPS (``scripts/deepep_suite.sh`` starts a private daemon), so
-that the ranks' kernels run at the same time rather than by time slices.
+their ``utils.init_dist`` is wrapped: with ``EPCOMM_TEST_SHARE_GPU=1`` it is
+``epcomm.testing.shared_gpu.init_dist`` (the ranks join through gloo and share GPUs), which is how the
+tests can run with more ranks than GPUs. Without it ``init_dist`` is DeepEP's own. Run several processes
+on one GPU under an MPS daemon (``scripts/gpu_check.sh`` starts a private one for its shared modes).
 """
 
 from __future__ import annotations
@@ -24,15 +23,15 @@ import subprocess
 import sys
 import tempfile
 
+from epcomm.testing import shared_gpu
+
 _SHIM = '''"""epcomm's wrapper of DeepEP's tests/utils.py (renamed _deepep_utils.py here): init_dist for ranks
 that share a GPU (EPCOMM_TEST_SHARE_GPU=1); everything else is DeepEP's."""
-import os
-
-import torch
 import torch.distributed as dist
 
 import _deepep_utils as _orig
 from _deepep_utils import *  # noqa: F401,F403
+from epcomm.testing import shared_gpu
 
 
 _all_gather_into_tensor = dist.all_gather_into_tensor
@@ -47,19 +46,10 @@ def _gather_stacked(output, input, group=None, async_op=False):
 
 
 def init_dist(local_rank: int, num_local_ranks: int):
-    if os.environ.get("EPCOMM_TEST_SHARE_GPU") != "1":
+    if not shared_gpu.sharing():
         return _orig.init_dist(local_rank, num_local_ranks)
     dist.all_gather_into_tensor = _gather_stacked
-    ip = os.getenv("MASTER_ADDR", "127.0.0.1")
-    port = int(os.getenv("MASTER_PORT", "8361"))
-    num_nodes = int(os.getenv("WORLD_SIZE", 1))
-    node_rank = int(os.getenv("RANK", 0))
-    dist.init_process_group(backend="cpu:gloo,cuda:gloo", init_method=f"tcp://{ip}:{port}",
-                            world_size=num_nodes * num_local_ranks, rank=node_rank * num_local_ranks + local_rank)
-    torch.set_default_dtype(torch.bfloat16)
-    torch.set_default_device("cuda")
-    torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    return dist.get_rank(), dist.get_world_size(), dist.new_group(list(range(num_local_ranks * num_nodes)))
+    return shared_gpu.init_dist(local_rank, num_local_ranks)
 '''
 
 
@@ -79,9 +69,7 @@ def main(argv: list[str]) -> int:
                 shutil.copy(src, os.path.join(work, "_deepep_utils.py" if name == "utils.py" else name))
         with open(os.path.join(work, "utils.py"), "w") as f:
             f.write(_SHIM)
-        env = dict(os.environ, EPCOMM_AS_DEEP_EP="1")
-        if env.get("EPCOMM_TEST_SHARE_GPU") == "1":  # torch symmetric memory: one device mapped by several ranks
-            env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+        env = shared_gpu.child_env(dict(os.environ, EPCOMM_AS_DEEP_EP="1"))
         return subprocess.call([sys.executable, script, *rest], cwd=work, env=env)
     finally:
         shutil.rmtree(work, ignore_errors=True)

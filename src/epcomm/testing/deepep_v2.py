@@ -11,10 +11,9 @@ Usage (a GPU machine, epcomm installed with ``pip install --no-deps --no-build-i
 How: a temporary folder on ``PYTHONPATH`` holds a ``sitecustomize.py``, which every process (the
 script's and the ranks it spawns) runs at start-up, after the switch's hook: it appends the checkout's
 ``deep_ep/utils`` to ``deep_ep.utils.__path__`` (epcomm's own ``deep_ep.utils.event`` stays first) and,
-with ``EPCOMM_TEST_SHARE_GPU=1``, wraps ``deep_ep.utils.envs.init_dist`` so that the ranks join through
-gloo for CPU and CUDA tensors (NCCL refuses two ranks on one GPU) and rank ``r`` uses GPU
-``r % device_count`` (and DeepEP's reference moves its FP8 tensors through gloo as bytes, a type gloo
-lacks). ``--skip-perf-test``: the timing part looks kernels up by DeepEP's names, which
+with ``EPCOMM_TEST_SHARE_GPU=1``, wraps ``deep_ep.utils.envs.init_dist`` with
+:func:`epcomm.testing.shared_gpu.init_dist` (the ranks join through gloo and share GPUs; DeepEP's
+reference then moves its FP8 tensors through gloo as bytes, a type gloo lacks). ``--skip-perf-test``: the timing part looks kernels up by DeepEP's names, which
 epcomm's dispatch kernels do not carry (docs/v2.md).
 """
 
@@ -24,6 +23,8 @@ import os
 import subprocess
 import sys
 import tempfile
+
+from . import shared_gpu
 
 _SITE = '''"""epcomm.testing.deepep_v2: DeepEP's test helpers beside epcomm's deep_ep (see that module)."""
 import os
@@ -35,20 +36,13 @@ if os.environ.get("EPCOMM_TEST_SHARE_GPU") == "1":
     import torch
     import torch.distributed as dist
     import deep_ep.utils.envs as _envs
+    from epcomm.testing import shared_gpu
 
     def init_dist(local_rank, num_local_ranks, seed=0):
-        num_nodes = int(os.getenv("WORLD_SIZE", 1))
-        node_rank = int(os.getenv("RANK", 0))
-        dist.init_process_group(backend="cpu:gloo,cuda:gloo",
-                                init_method="tcp://%s:%s" % (os.getenv("MASTER_ADDR", "127.0.0.1"),
-                                                             os.getenv("MASTER_PORT", "8361")),
-                                world_size=num_nodes * num_local_ranks, rank=node_rank * num_local_ranks + local_rank)
+        got = shared_gpu.init_dist(local_rank, num_local_ranks)
         _envs._local_rank = local_rank
-        torch.set_default_dtype(torch.bfloat16)
-        torch.set_default_device("cuda")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
         _envs.init_seed(seed)
-        return dist.get_rank(), dist.get_world_size(), dist.new_group(list(range(num_local_ranks * num_nodes)))
+        return got
 
     _envs.init_dist = init_dist
     _a2a = dist.all_to_all_single
@@ -74,10 +68,8 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="epcomm-deepep-v2-") as site:
         with open(os.path.join(site, "sitecustomize.py"), "w") as f:
             f.write(_SITE.format(utils=utils))
-        env = dict(os.environ, EPCOMM_AS_DEEP_EP="1",
-                   PYTHONPATH=os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p))
-        if env.get("EPCOMM_TEST_SHARE_GPU") == "1":  # torch symmetric memory: one device mapped by several ranks
-            env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+        env = shared_gpu.child_env(dict(os.environ, EPCOMM_AS_DEEP_EP="1", PYTHONPATH=os.pathsep.join(
+            p for p in (site, os.environ.get("PYTHONPATH")) if p)))
         return subprocess.call([sys.executable, path, *rest], cwd=os.path.dirname(path), env=env)
 
 

@@ -1,0 +1,84 @@
+"""Tier 2: the runners of DeepEP's own test scripts (``scripts/deepep_suite.py`` for V1,
+``python -m epcomm.testing.deepep_v2`` for V2) on a stand-in DeepEP checkout: the scripts' ``init_dist``
+becomes epcomm's shared-GPU one under ``EPCOMM_TEST_SHARE_GPU=1`` (two ranks over gloo, a group of both),
+DeepEP's own without it, and ``import deep_ep`` gives epcomm's classes in the ranks."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The stand-in test script: two ranks call the test utilities' init_dist, then agree on a sum.
+SCRIPT = r'''
+import sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+{imp}
+
+def rank(local_rank, n):
+    r, world, group = init_dist(local_rank, n)
+    import deep_ep, epcomm
+    t = torch.tensor([r + 1.0], dtype=torch.float32)
+    dist.all_reduce(t, group=group)
+    ours = issubclass(deep_ep.Buffer, epcomm.Buffer), issubclass(deep_ep.ElasticBuffer, epcomm.ElasticBuffer)
+    sys.stdout.write(f"rank {{r}} world {{world}} sum {{int(t.item())}} epcomm {{ours[0]}} {{ours[1]}}\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(rank, args=(2,), nprocs=2)
+'''
+
+ORIGINAL = '''
+def init_dist(local_rank, num_local_ranks, seed=0):
+    raise SystemExit("DeepEP's own init_dist ran")
+_local_rank = None
+def init_seed(seed):
+    pass
+'''
+
+
+def _run(cmd, share: bool):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(random.randint(20000, 40000)),
+               WORLD_SIZE="1", RANK="0", PYTHONPATH=str(ROOT / "src"))
+    env.pop("EPCOMM_TEST_SHARE_GPU", None)
+    if share:
+        env["EPCOMM_TEST_SHARE_GPU"] = "1"
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _check(p, share: bool):
+    if not share:
+        assert p.returncode != 0 and "DeepEP's own init_dist ran" in p.stderr, (p.returncode, p.stderr[-2000:])
+        return
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = sorted(ln for ln in p.stdout.splitlines() if ln.startswith("rank"))
+    assert lines == [f"rank {r} world 2 sum 3 epcomm True True" for r in range(2)], p.stdout
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_v1_runner(tmp_path, share):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "utils.py").write_text(ORIGINAL)
+    (tests / "test_stand_in.py").write_text(SCRIPT.format(imp="from utils import init_dist"))
+    _check(_run([sys.executable, str(ROOT / "scripts" / "deepep_suite.py"), str(tmp_path), "test_stand_in.py"],
+                share), share)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_v2_runner(tmp_path, share):
+    utils = tmp_path / "deep_ep" / "utils"
+    utils.mkdir(parents=True)
+    (utils / "envs.py").write_text(ORIGINAL)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_stand_in.py").write_text(
+        SCRIPT.format(imp="import deep_ep.utils.envs as envs\ninit_dist = envs.init_dist"))
+    _check(_run([sys.executable, "-m", "epcomm.testing.deepep_v2", str(tmp_path), "tests/test_stand_in.py"], share),
+           share)
