@@ -139,6 +139,24 @@ def put_signal(ptr_table, me, pe, dst_off, src, nbytes, sig_off, SIM: tl.constex
 
 
 @triton.jit
+def signal_add(ptr_table, me, pe, sig_off, value, SIM: tl.constexpr):
+    """Add ``value`` to the uint64 signal at ``sig_off`` of ``pe``'s buffer (a put-with-signal of no data).
+    Unlike :func:`put_signal`'s own data, this program's earlier plain puts to ``pe`` are ordered before it
+    only by a :func:`fence` or :func:`quiet` between them (the simulation lets the signal overtake them)."""
+    here = _sym(ptr_table, me, sig_off)
+    if SIM:
+        if WEAK:
+            tl.debug_barrier()
+            getattr(_sim, "put_signal_data")(here, here, 0, pe)  # noqa: B009
+        tl.debug_barrier()
+        sig = _sym(ptr_table, pe, sig_off).to(tl.pointer_type(tl.int64))
+        tl.atomic_add(sig, value + tl.zeros((), tl.int64), sem="release", scope="sys")
+    else:
+        _nv.putmem_signal_block(here, here, tl.zeros((), tl.int64), here, value + tl.zeros((), tl.int64),
+                                tl.full((), SIGNAL_ADD, tl.int32), pe + tl.zeros((), tl.int32))
+
+
+@triton.jit
 def quiet(SIM: tl.constexpr):
     """Every put this program issued is delivered."""
     if SIM:
