@@ -31,7 +31,8 @@ Symmetric buffer (one NVSHMEM allocation per Buffer)::
 
 ``S`` (:func:`notify_words`) holds one rank's layout row for another: its counts per rank, its
 ``num_tokens_per_rank``, its token count, its counts per node, its channel prefix and its expert counts for
-that rank; sized for the most channels and local experts (``C_MAX``, ``L_MAX``), under 6 MiB at 256 ranks.
+that rank, and its channel prefix for that rank's node; sized for the most channels and local experts
+(``C_MAX``, ``L_MAX``), under 6 MiB at 256 ranks.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def notify_words(num_ranks: int, nodes: int) -> int:
     """Words (int32) of one rank's layout row for another (module docstring), a multiple of 4."""
     from .nvlink_params import C_MAX, L_MAX
 
-    return (2 * num_ranks + 1 + nodes + C_MAX + L_MAX + 3) // 4 * 4
+    return (2 * num_ranks + 1 + nodes + 2 * C_MAX + L_MAX + 3) // 4 * 4
 
 
 class InternodeBackend(Backend):
