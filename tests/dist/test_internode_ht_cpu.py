@@ -76,7 +76,7 @@ def _ht(ctx, tag, gpus_per_node, full=True):
     # over blocks, and runs are cut both at multiples of the chunk and at block ends (16, 32: not multiples of 3)
     from epcomm import Config
     from epcomm.backends.internode_ht import TUNE
-    assert TUNE["send_rb"] == TUNE["relay_rb"] == TUNE["gather_rb"] == 16  # (what the sizes below assume)
+    assert TUNE["dispatch_rb"] == TUNE["combine_rb"] == 16  # (what the sizes below assume)
     # (fresh seeds: rows a kernel failed to write would otherwise still hold an earlier call's equal rows)
     import dataclasses
     for it, (sms, d_chunk, c_chunk) in enumerate(((Buffer.num_sms, 1, 1), (2, 3, 2))):

@@ -4,34 +4,67 @@ index there (its *relay*), which forwards it over NVLink to the ranks of its nod
 experts (this module: the layout exchange and the dispatch; the combine, which reduces inside the node
 first and sends one partial sum per token and node back: ``internode_ht_combine.py``).
 
-Letters: ``T`` tokens of a rank, ``TM`` the most tokens any rank has (every area's rows), ``R`` ranks,
-``N`` ranks per node, ``P = R/N`` nodes, rank ``s = a*N + i`` (node ``a``, local index ``i``).
-Rows are int32 words: ``_hd_send`` packs a message from the inputs, ``_hd_gather`` unpacks it into the outputs.
+Letters: ``T`` tokens of a rank, ``TM`` the rows of every slot (the most tokens any rank has), ``R``
+ranks, ``N`` ranks per node, ``P = R/N`` nodes, rank ``s = a*N + i`` (node ``a``, local index ``i``),
+``C`` channels, ``CM`` the most channels (the counters' stride).
 
 0. ``_hn_prep`` (the layout from ``is_token_in_rank``, staged) and ``_hn_notify`` (the exchange): their
    docstrings.
 
-Dispatch (``W`` words per payload row, messages of ``W + R`` words: the row, then for every rank the
-row's position in that rank's block from this source, or -1):
-1. ``_hd_send`` at source ``s``, blocks of ``RB`` tokens a program: stage their messages in its own
-   buffer; put them to relay ``(b, i)``'s RDMA area, slot ``a``, rows ``npos[t, b]`` (their positions
-   among the tokens for node ``b``) for every node ``b`` they go to, one put per run of at most ``CH``
-   consecutive tokens (a store when ``b == a``: the relay is ``s``); signal each relay (``D_RDMA[a]``).
-2. ``_hd_forward`` at relay ``(b, i)``: for source node ``a``, row ``q``: store the row into the NVL
-   area of each rank ``(b, j)`` that wants it, slot ``s``, at its position; signal them (``D_FWD[i]``).
-   Not launched in nodes of one rank: the gather reads the node slots (``DIRECT``).
-3. ``_hd_gather`` at receiver: after every relay of its node signalled, rows in (source rank, token)
-   order into the outputs (``recv_x``, scales, local top-k ids and weights, token index: what the
-   reference backend returns), padding past the rows that arrived.
+**Channels.** A rank's tokens are split into ``C`` channels of ``pc = ceil(T/C)`` consecutive tokens (the
+handle's channels). The rows a channel gives a node, a rank, or a relay's partial sums are consecutive,
+and the exchange tells every consumer where each channel's rows start and end: the relay the source's
+channel prefix for its node (``ncp``), a receiver its channel prefix for that rank (the handle's
+``recv_channel_prefix_matrix``). So each channel flows by itself, in order, and a consumer waits only
+for the rows it is about to read.
 
-Grids are fixed by the host's shapes (a captured call's cannot follow the counts): programs loop over
-the rows their device-side counts give.
+**Counters.** A producer adds the rows it has published to a uint64 counter per (source, channel) at the
+consumer; counters only grow. The consumer keeps, in private memory, the total it has consumed from each
+counter over past calls (its *base*): a tile of rows ``[lo, q1)`` of a channel starting at ``lo`` is
+there once the counter reaches ``base + q1 - lo``; at the channel's end the base grows by the channel's
+rows. A producer's rows of a call all land before its next call's (every program ends with ``quiet``,
+stores complete with their kernel), so a counter past the target never counts a later call's rows
+before this call's.
 
-Combine: ``internode_ht_combine.py`` (its kernels use this module's helpers and signal words).
+Dispatch: one launch, ``Config.num_sms`` programs in three roles (programs ``[lo, lo + n)`` each, in this
+order; with fewer programs than roles the last takes the rest, after its own: a program never waits on
+a later program of its launch, the Triton interpreter's order):
+1. **senders** (nodes of other nodes to send to): channel ``c`` of this rank ``(a, i)``: each token's
+   message (``x | scales | top-k ids | weights | token index``, ``W`` int32 words, then its position at
+   each rank of the node, ``NR`` words) staged once per node ``b`` it goes to, at that node's row
+   ``npos[t, b]`` (stage slot of ``b``); after each block of ``RB`` tokens, the rows staged for ``b`` so
+   far go to relay ``(b, i)`` in puts of at most ``CH`` rows (Config's RDMA chunk, counted from the
+   channel's first row; a chunk not full yet waits for the next block, or the channel's end), then a
+   ``fence``, then one ``signal_add`` of the rows to counter ``D_RD[a][c]`` there.
+2. **forwarders**, unit ``(a, c)`` (source ``s = (a, i)``, channel ``c``): for ``a`` this node, this rank's
+   own tokens straight from the inputs; else the rows of slot ``a`` as ``D_RD[a][c]`` says they arrived.
+   Each row is stored to the NVL slot of ``s`` at every other rank ``j`` of the node that wants it (row
+   ``rel[t, j]``), whose counter ``D_NV[s][c]`` then grows by its rows (a release atomic after each
+   tile); rows for this rank go straight into the outputs (unpacked as the receivers do).
+   Also the padding past the rows that arrive (``num_worst_tokens``).
+3. **receivers** (nodes of more than one rank), unit ``(s, c)`` for sources whose relay is another rank
+   of this node: the rows of NVL slot ``s`` as ``D_NV[s][c]`` says, unpacked into the outputs:
+   ``recv_x``, scales, the top-k ids made local and their weights, the token index (what the reference
+   backend returns), at the source's row block (``rank_prefix_matrix``).
 
-Signals (uint64 words, only increased by one per call), per parity at ``sig_off``: ``D_RDMA[P]`` (word
-``a``), ``D_FWD[N]`` (``P + i``), ``C_REL[N]`` (``P + N + j``), ``C_FIN[P]`` (``P + 2N + b``); every
-waiting kernel keeps the level it expects next in local memory.
+In nodes of one rank there are no receivers, and nothing is stored to a peer: the forwarder is the
+receiver. Passes over the payload: a token read once per node from the inputs; rows for another node
+staged, put, then unpacked at its relay (or forwarded, then unpacked); a rank's own rows for its node
+go from its inputs to the outputs, with no staging.
+
+**Slots free.** Areas alternate between two parities by the device's count of dispatches (a CUDA graph
+alternates too). Before its first write of a call a producer waits until each consumer has finished the
+call before last (the one that used this parity): counters ``F_RD[b]`` (relay ``b`` read its RDMA slots)
+at the senders, ``F_NV[j]`` (receiver ``j`` read its NVL slots) at the forwarders; the last program of
+the launch raises them at the producers and counts the call.
+
+Grids are fixed by ``num_sms`` (a captured call's cannot follow the counts): programs loop over units
+and rows from device-side counts. Every wait has the deadline and names the peer and the phase
+(``common.PHASES``: 2 for the slots, 3 for data).
+
+Counter words (uint64, one region, at ``ctr_off``): ``D_RD[P][CM]``, ``D_NV[R][CM]``, the combine's
+``C_CS[P][N][CM]`` and ``C_FN[P][CM]``, then ``F_RD[P]``, ``F_NV[N]``, ``F_CS[N]``, ``F_FN[P]``
+(:func:`ctr_words`); the private bases are int32 at the same indices.
 """
 
 from __future__ import annotations
@@ -40,7 +73,19 @@ import triton
 import triton.language as tl
 
 from . import nvshmem as nv
-from .common import peer_ptr, record_error, signal, ticket_last_n, wait_ge
+from .common import peer_ptr, record_error, signal, ticket_last_n
+
+
+def ctr_words(r: int, n: int, cm: int) -> tuple[int, ...]:
+    """Word indices of the counter region (module docstring): ``(D_NV, C_CS, C_FN, F_RD, F_NV, F_CS, F_FN,
+    total)``; ``D_RD`` is at 0. Example: ``r = 4, n = 2, cm = 128`` -> ``(256, 768, 1280, 1536, 1538, 1540,
+    1542, 1544)``."""
+    p = r // n
+    d_nv = p * cm
+    c_cs = d_nv + r * cm
+    c_fn = c_cs + r * cm
+    f_rd = c_fn + p * cm
+    return d_nv, c_cs, c_fn, f_rd, f_rd + p, f_rd + p + n, f_rd + p + 2 * n, f_rd + 2 * p + 2 * n
 
 
 @triton.jit
@@ -53,14 +98,15 @@ def _copy_words(dst, src, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _sig(ptr_table, rank, sig_off, idx):
+    """The uint64 word ``idx`` at ``sig_off`` of ``rank``'s buffer, as an int64 pointer."""
     return peer_ptr(ptr_table, rank, sig_off + idx * 8, tl.int64)
 
 
 @triton.jit
 def _wait(ptr_table, me, sig_off, idx, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER: tl.constexpr):
-    """Wait for this rank's uint64 signal ``idx`` (low word) to reach ``target``."""
-    wait_ge(peer_ptr(ptr_table, me, sig_off + idx * 8, tl.int32), target, err_ptr, phase, peer, timeout_ns,
-            HAS_TIMER)
+    """Wait for this rank's uint64 word ``idx`` at ``sig_off`` (low 32 bits) to reach ``target``, with the
+    deadline (``nvshmem.wait_signal``: in the simulation, this process's puts in flight land first)."""
+    nv.wait_signal(ptr_table, me, sig_off + idx * 8, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER)
 
 
 @triton.jit(do_not_specialize=['T', 'per_chan'])
@@ -71,12 +117,14 @@ def _hn_prep_kernel(is_in_ptr, T, R, N, C, per_chan, ntpr_ptr, ntpe_ptr, L, stag
     (the channel prefix: channel ``c`` holds tokens ``[c*per_chan, (c+1)*per_chan)``; past the tokens,
     the total), and for ``j = b*N`` node ``b``'s ``npos[:, b]`` (the same among the tokens for any rank
     of ``b``); the exchange rows into ``stage [R, S]``: in every row the count for ``j``, its
-    ``num_tokens_per_rank[j]`` and node ``b``'s count; in row ``j`` the token count, ``cpm[j]`` and the
-    expert counts of ``j``. Example: ``is_in[:, j] = [1, 0, 1]`` -> ``rel[:, j] = [0, -1, 1]``, count 2."""
+    ``num_tokens_per_rank[j]`` and node ``b``'s count; in row ``j`` the token count, ``cpm[j]``, the
+    expert counts of ``j`` and the channel prefix of ``j``'s node (as ``cpm``, over the tokens for any of its
+    ranks). Example: ``is_in[:, j] = [1, 0, 1]`` -> ``rel[:, j] = [0, -1, 1]``, count 2."""
     P = R // N
     dd = tl.arange(0, R_POW2)
     dm = dd < R
     c0 = 2 * R + 1 + P
+    c1 = c0 + C + L
     for j in range(tl.program_id(0), R, tl.num_programs(0)):  # (programs loop over the ranks)
         row = stage_ptr + j * S
         running = tl.zeros((), tl.int32)
@@ -113,7 +161,15 @@ def _hn_prep_kernel(is_in_ptr, T, R, N, C, per_chan, ntpr_ptr, ntpe_ptr, L, stag
                     g = g | tl.load(is_in_ptr + offs.to(tl.int64) * R + b * N + k, mask=m, other=0).to(tl.int32)
                 cs = tl.cumsum(g, 0)
                 tl.store(npos_ptr + offs.to(tl.int64) * P + b, tl.where(g != 0, run2 + cs - g, -1), mask=m)
+                ends = m & (((offs + 1) % per_chan == 0) | (offs == T - 1))
+                for k in range(N):
+                    tl.store(stage_ptr + (b * N + k) * S + c1 + offs // per_chan, run2 + cs, mask=ends)
                 run2 += tl.sum(g, 0)
+            for q0 in range(0, C, BLOCK):
+                cc = q0 + tl.arange(0, BLOCK)
+                past = (cc < C) & (cc * per_chan >= T)
+                for k in range(N):
+                    tl.store(stage_ptr + (b * N + k) * S + c1 + cc, tl.zeros_like(cc) + run2, mask=past)
             tl.store(stage_ptr + dd * S + 2 * R + 1 + b, tl.zeros_like(dd) + run2, mask=dm)
 
 
@@ -178,171 +234,344 @@ def _copy_rows(dst, src, ld_ok, st_ok, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _col(tile, idx, j):
-    """Column ``j`` of an integer ``[RB, M]`` tile (``idx`` = ``arange(M)``), in registers."""
-    return tl.sum(tl.where(idx[None, :] == j, tile, 0), 1)
+def _unpack(orow, got, inb, xs, ss, ids, ws, tok, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, XW, G, K, NSRC, lo,
+            LX, BLOCK: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr):
+    """Output rows ``orow`` (``[RB]``) from a message's fields at ``xs, ss, ids, ws`` (``[RB]`` int32 row
+    pointers) where ``got``, padding where ``inb`` but not ``got`` (zeros, -1 for the ids and the token
+    index, as the reference pads): ``rx`` the ``XW`` words of ``x``, ``rs`` the ``G`` scales, where ``K``:
+    ``rid`` (int64) the top-k ids made local (``id - lo`` for ids in ``[lo, lo + LX)``, else -1) and ``rw``
+    their weights (0 where not local), where ``NSRC``: ``rsrc`` the token index ``tok``. Never past the
+    outputs' ``rows`` (more rows than ``num_worst_tokens`` arriving: error 9, from the handle kernel)."""
+    inb = inb & (orow < rows)
+    got = got & inb
+    _copy_rows(rx_ptr + orow * XW, xs, got, inb, XW, BLOCK)
+    if G > 0:
+        _copy_rows(rs_ptr + orow * G, ss, got, inb, G, G_POW2)
+    if K > 0:
+        kk = tl.arange(0, K_POW2)
+        km = kk[None, :] < K
+        m2 = got[:, None] & km
+        idw = ids[:, None] + 2 * kk[None, :]  # int64 as two int32 words (rows need not be 8-aligned)
+        e = (tl.load(idw + 1, mask=m2, other=0).to(tl.int64) << 32) | \
+            (tl.load(idw, mask=m2, other=0).to(tl.int64) & 0xFFFFFFFF)
+        here = m2 & (e >= lo) & (e < lo + LX)
+        tl.store(rid_ptr + orow[:, None] * K + kk[None, :], tl.where(here, e - lo, -1), mask=inb[:, None] & km)
+        wt = tl.load(ws[:, None] + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
+        tl.store(rw_ptr + orow[:, None] * K + kk[None, :], tl.where(here, wt, 0.0), mask=inb[:, None] & km)
+    if NSRC > 0:
+        tl.store(rsrc_ptr + orow, tl.where(got, tok, -1), mask=inb)
 
 
-@triton.jit(do_not_specialize=['T'])
-def _hd_send_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, T, XW, G, K, NSRC, R, CH, me, N, P, ptr_table,
-                    stage_off, rdma_off, slot_words, sig_off, ticket_ptr, BLOCK: tl.constexpr, RB: tl.constexpr,
-                    S_POW2: tl.constexpr, SIM: tl.constexpr):
-    """Program ``p``: blocks of ``RB`` tokens ``t0 = p*RB, (p + programs)*RB, ...``; a block's messages staged
-    here as tiles, then to the relay of every node they go to: one put per run of consecutive tokens that
-    go there (their rows there are consecutive too), a run cut where a token index is a multiple of
-    ``CH`` and at the block's end, so at most ``CH`` rows a put (DeepEP's
-    ``num_max_rdma_chunked_send_tokens``); this node's own relay (this rank) by a tile copy.
-    A message (``W + R`` words, all int32 views): ``x[t]`` (``XW``), its scales (``G``), top-k ids
-    (``2K``: int64), weights (``K``), ``t`` itself where ``NSRC`` (1; 0 in a cached dispatch), then its
-    ``R`` positions ``rel[t]``."""
-    GP = tl.num_programs(0)
+@triton.jit
+def _stage(src, ok, n, col, stage, npos, a, P, slot_words, MW, BLK: tl.constexpr):
+    """``n`` words of rows ``src`` (``[RB]`` int32 pointers, read once where ``ok``) to column ``col`` of
+    their message for every other node ``b``: stage slot ``(b - a - 1) mod P``, row ``npos[:, b]`` (``[RB]``
+    pointers to the rows of ``npos``; -1: not sent there)."""
+    cc = tl.arange(0, BLK)
+    for c0 in range(0, n, BLK):
+        cm = (c0 + cc)[None, :] < n
+        v = tl.load(src[:, None] + c0 + cc[None, :], mask=ok[:, None] & cm)
+        for b in range(P):
+            if b != a:
+                q = tl.load(npos + b, mask=ok, other=-1).to(tl.int64)
+                dst = stage + (((b - a - 1 + P) % P) * slot_words + q * MW + col)
+                tl.store(dst[:, None] + c0 + cc[None, :], v, mask=(q >= 0)[:, None] & cm)
+
+
+@triton.jit
+def _fan(src, ok, n, col, relp, ptr_table, nvl_off, b, i, N, a, TM, W, BLK: tl.constexpr):
+    """``n`` words of rows ``src`` (``[RB]`` int32 pointers, read where ``ok``) to column ``col`` of source
+    ``(a, i)``'s NVL slot at every other rank ``j`` of node ``b`` that wants them (row ``relp[:, j]``, -1:
+    not; ``relp``: ``[RB]`` pointers to each row's positions at the node's ranks; the slot is the
+    source's index among those whose relay is not ``j``)."""
+    cc = tl.arange(0, BLK)
+    for c0 in range(0, n, BLK):
+        cm = (c0 + cc)[None, :] < n
+        v = tl.load(src[:, None] + c0 + cc[None, :], mask=ok[:, None] & cm)
+        for j in range(N):
+            if j != i:
+                pj = tl.load(relp + j, mask=ok, other=-1).to(tl.int64)
+                slot = a * (N - 1) + i - (i > j).to(tl.int32)
+                dst = (tl.load(ptr_table + b * N + j).to(tl.pointer_type(tl.uint8)) + nvl_off).to(
+                    tl.pointer_type(tl.int32)) + ((slot.to(tl.int64) * TM + pj) * W + col)
+                tl.store(dst[:, None] + c0 + cc[None, :], v, mask=(pj >= 0)[:, None] & cm)
+
+
+@triton.jit
+def _nvl_publish(relp, ok, ptr_table, ctr_off, b, i, N, idx):
+    """After a tile of forwarded rows (``relp``: ``[RB]`` pointers to each row's positions at the node's
+    ranks): each other rank ``j`` of node ``b`` that got rows gets them counted in its word ``idx``
+    (release, after the tile's stores)."""
+    tl.debug_barrier()
+    for j in range(N):
+        if j != i:
+            pj = tl.sum(((tl.load(relp + j, mask=ok, other=-1) >= 0) & ok).to(tl.int64), 0)
+            if pj > 0:
+                ctr = (tl.load(ptr_table + b * N + j).to(tl.pointer_type(tl.uint8)) + ctr_off).to(
+                    tl.pointer_type(tl.int64))
+                tl.atomic_add(ctr + idx, pj, sem="release", scope="sys")
+
+
+@triton.jit
+def _hd_send(g, GS, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, pc, C, XW, G, K, NSRC, NR, me, N, P,
+             R, CH, ptr_table, stage, rdma_off, slot_words, ctr_off, ctr32, CM, F_RD, dc, err_ptr, timeout_ns,
+             BLOCK: tl.constexpr, RB: tl.constexpr, N_POW2: tl.constexpr, S_POW2: tl.constexpr,
+             HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
+    """Sender ``g`` of ``GS``: channels ``g, g + GS, ...`` of this rank ``(a, i)`` to the relays ``(b, i)`` of
+    the other nodes (module docstring, 1). ``nco [P, C]``: this rank's channel prefix for each node (the
+    rows a channel gives it: ``[nco[b][c-1], nco[b][c])``)."""
     a = me // N
     i = me % N
     W = XW + G + 3 * K + NSRC
-    MW = W + R
+    MW = W + NR
+    for b in range(P):  # the relays' RDMA slots of this parity are free once they read the call before last
+        if b != a:
+            if tl.atomic_add(ctr32 + 2 * (F_RD + b), 0, sem="acquire", scope="sys") - (dc - 1) < 0:
+                _wait(ptr_table, me, ctr_off, F_RD + b, dc - 1, err_ptr, 2, b * N + i, timeout_ns, HAS_TIMER)
     uu = tl.arange(0, RB)
-    stage = peer_ptr(ptr_table, me, stage_off, tl.int32)
-    for t0 in range(tl.program_id(0) * RB, T, GP * RB):
-        tt = t0 + uu.to(tl.int64)
-        ok = tt < T
-        row = stage + tt * MW
-        _copy_rows(row, x_ptr + tt * XW, ok, ok, XW, BLOCK)
-        _copy_rows(row + XW, s_ptr + tt * G, ok, ok, G, S_POW2)
-        _copy_rows(row + XW + G, id_ptr + tt * (2 * K), ok, ok, 2 * K, S_POW2)
-        _copy_rows(row + XW + G + 2 * K, w_ptr + tt * K, ok, ok, K, S_POW2)
-        if NSRC > 0:
-            tl.store(row + XW + G + 3 * K, tt.to(tl.int32), mask=ok)
-        _copy_rows(row + W, rel_ptr + tt * R, ok, ok, R, S_POW2)
-        tl.debug_barrier()
-        n = tl.minimum(T - t0, RB)
-        for b in range(P):
-            qs = tl.load(npos_ptr + tt * P + b, mask=ok, other=-1)
-            if b == a:  # this rank is its own node's relay
-                mine = peer_ptr(ptr_table, me, rdma_off, tl.int32) + (a * slot_words + qs.to(tl.int64) * MW)
-                _copy_rows(mine, row, ok & (qs >= 0), ok & (qs >= 0), MW, BLOCK)
-            else:
-                prev = tl.load(npos_ptr + (tt - 1) * P + b, mask=ok & (uu > 0), other=-1)
-                cut = (tt % CH) == 0
-                start = (qs >= 0) & ((prev < 0) | cut)
-                brk = (qs < 0) | cut
-                for u in range(0, n):
-                    if tl.sum((start & (uu == u)).to(tl.int32), 0) > 0:
-                        q = tl.sum(tl.where(uu == u, qs, 0), 0)
-                        end = tl.min(tl.where((uu > u) & brk, uu, n), 0)
-                        u64 = t0 + u + tl.zeros((), tl.int64)  # (loop indices: Python ints under the interpreter)
-                        off = rdma_off + (a * slot_words + q.to(tl.int64) * MW) * 4
-                        nv.put(ptr_table, me, b * N + i, off, stage + u64 * MW, (end - u) * MW * 4, SIM)
+    for c in range(g, C, GS):
+        t_lo = c * pc
+        t_hi = tl.minimum(t_lo + pc, T)
+        for t0 in range(t_lo, t_hi, RB):
+            tt = t0 + uu.to(tl.int64)
+            ok = tt < t_hi
+            npos = npos_ptr + tt * P
+            away = ok & (tl.load(npos + (a + 1) % P, mask=ok, other=-1) >= 0)  # sent to another node
+            for b in range(2, P):
+                away = away | (ok & (tl.load(npos + (a + b) % P, mask=ok, other=-1) >= 0))
+            _stage(x_ptr + tt * XW, away, XW, 0, stage, npos, a, P, slot_words, MW, BLOCK)
+            if G > 0:
+                _stage(s_ptr + tt * G, away, G, XW, stage, npos, a, P, slot_words, MW, S_POW2)
+            if K > 0:
+                _stage(id_ptr + tt * (2 * K), away, 2 * K, XW + G, stage, npos, a, P, slot_words, MW, S_POW2)
+                _stage(w_ptr + tt * K, away, K, XW + G + 2 * K, stage, npos, a, P, slot_words, MW, S_POW2)
+            for b in range(P):
+                if b != a:
+                    q = tl.load(npos + b, mask=ok, other=-1).to(tl.int64)
+                    row = stage + (((b - a - 1 + P) % P) * slot_words + q * MW)
+                    if NSRC > 0:
+                        tl.store(row + W - 1, tt.to(tl.int32), mask=q >= 0)
+                    if NR > 0:  # the token's rows at the ranks of b (-1: none)
+                        _copy_rows(row + W, rel_ptr + tt * R + b * N, q >= 0, q >= 0, NR, N_POW2)
+            tl.debug_barrier()  # (the block's rows staged by every thread before the puts read them)
+            last = t0 + RB >= t_hi
+            for b in range(P):
+                if b != a:
+                    q = tl.load(npos + b, mask=ok, other=-1).to(tl.int64)
+                    f_b = tl.load(nco_ptr + b * C + c - 1, mask=c > 0, other=0).to(tl.int64)
+                    total = tl.load(nco_ptr + b * C + c).to(tl.int64) - f_b
+                    q_max = tl.max(q, 0)
+                    # rows staged before this block (all of them where it has none), and after it
+                    before = tl.where(q_max >= 0, tl.min(tl.where(q >= 0, q, 1 << 40), 0) - f_b, total)
+                    after = tl.where(q_max >= 0, q_max + 1 - f_b, before)
+                    p0 = before // CH * CH  # what the earlier blocks put: their whole chunks
+                    upto = tl.where(last, total, after // CH * CH)  # whole chunks; the rest at the channel's end
+                    if upto > p0:
+                        relay = b * N + i
+                        src = stage + ((b - a - 1 + P) % P) * slot_words
+                        dst = rdma_off + ((a - b - 1 + P) % P) * slot_words * 4
+                        add = upto - p0
+                        while p0 < upto:
+                            p1 = tl.minimum((p0 // CH + 1) * CH, upto)
+                            nv.put(ptr_table, me, relay, dst + (f_b + p0) * MW * 4, src + (f_b + p0) * MW,
+                                   (p1 - p0) * MW * 4, SIM)
+                            p0 = p1
+                        nv.fence(SIM)  # (the rows land before the count that publishes them)
+                        nv.signal_add(ptr_table, me, relay, ctr_off + (a * CM + c) * 8, add, SIM)
     nv.quiet(SIM)
-    if ticket_last_n(ticket_ptr, GP):
-        for b in range(P):
-            relay = b * N + i
-            if b == a:
-                signal(_sig(ptr_table, me, sig_off, a), 1)
-            else:
-                nv.put_signal(ptr_table, me, relay, stage_off, peer_ptr(ptr_table, me, stage_off, tl.uint8), 0,
-                              sig_off + a * 8, SIM)
-        nv.quiet(SIM)
 
 
 @triton.jit
-def _hd_forward_kernel(cnt_ptr, cnt_stride, W, MW, me, N, P, R, ptr_table, rdma_off, slot_words, nvl_off,
-                       nvl_slot_words, sig_off, level_ptr, ticket_ptr, err_ptr, timeout_ns, BLOCK: tl.constexpr,
-                       RB: tl.constexpr, N_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """Relay program ``g`` of ``G``: for every source node ``a``, blocks of ``RB`` rows ``q0 = g*RB, (g + G)*RB,
-    ...`` below ``cnt[a * cnt_stride]`` (the messages node ``a`` sent here), each tile read once and stored
-    to the ranks of this node that want its rows."""
-    g = tl.program_id(0)
-    G = tl.num_programs(0)
+def _hd_forward(g, GF, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K, NSRC, NR, me, N, P, R,
+                rpm_ptr, ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, ptr_table, rdma,
+                slot_words, nvl_off, TM, ctr_off, ctr32, CM, D_NV, F_NV, dc, base_ptr, tbl_ptr, SAVE, err_ptr,
+                timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, N_POW2: tl.constexpr, K_POW2: tl.constexpr,
+                G_POW2: tl.constexpr, S_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Forwarder ``g`` of ``GF`` at relay ``(b, i)``: units ``(a, c)`` (module docstring, 2), then the padding
+    rows ``[n, rows)``. With ``SAVE`` each forwarded row's positions at the node's ranks are kept for the
+    combine: ``tbl[slot a][row][j]``."""
     b = me // N
     i = me % N
-    level = tl.load(level_ptr)
+    W = XW + G + 3 * K + NSRC
+    MW = W + NR
+    for j in range(N):  # the node's receivers freed their NVL slots of this parity (the call before last)
+        if j != i:
+            if tl.atomic_add(ctr32 + 2 * (F_NV + j), 0, sem="acquire", scope="sys") - (dc - 1) < 0:
+                _wait(ptr_table, me, ctr_off, F_NV + j, dc - 1, err_ptr, 2, b * N + j, timeout_ns, HAS_TIMER)
     uu = tl.arange(0, RB)
-    nn = tl.arange(0, N_POW2)
-    cc = tl.arange(0, BLOCK)
-    rdma = peer_ptr(ptr_table, me, rdma_off, tl.int32)
-    for a in range(P):
-        cnt = tl.load(cnt_ptr + a * cnt_stride)
-        if g * RB < cnt:
-            _wait(ptr_table, me, sig_off, a, level + 1, err_ptr, 3, a * N + i, timeout_ns, HAS_TIMER)
-        s64 = a * N + i + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
-        for q0 in range(g * RB, cnt, G * RB):
-            qq = q0 + uu.to(tl.int64)
-            ok = qq < cnt
-            msg = rdma + (a * slot_words + qq * MW)
-            pos = tl.load(msg[:, None] + W + b * N + nn[None, :], mask=ok[:, None] & (nn[None, :] < N), other=-1)
-            for c0 in range(0, W, BLOCK):
-                cm = (c0 + cc)[None, :] < W
-                v = tl.load(msg[:, None] + c0 + cc[None, :], mask=ok[:, None] & cm)
-                for j in range(N):
-                    pj = _col(pos, nn, j)
-                    dst = peer_ptr(ptr_table, b * N + j, nvl_off, tl.int32) + (s64 * nvl_slot_words +
-                                                                                pj.to(tl.int64) * W)
-                    tl.store(dst[:, None] + c0 + cc[None, :], v, mask=(pj >= 0)[:, None] & cm)
-    if ticket_last_n(ticket_ptr, G):
-        tl.store(level_ptr, level + 1)
-        for j in range(N):
-            signal(_sig(ptr_table, b * N + j, sig_off, P + i), 1)
-
-
-@triton.jit
-def _source_of(col, rr, qq):
-    """``(s, first row of s)`` for received rows ``qq`` (``[RB]``): ``col`` is the inclusive prefix over
-    source ranks of the rows this rank receives (``rank_prefix_matrix[:, me]``, padded with a large value)."""
-    s = tl.sum((col[None, :] <= qq[:, None]).to(tl.int32), 1)
-    return s, tl.max(tl.where(rr[None, :] < s[:, None], col[None, :], 0), 1)
-
-
-@triton.jit
-def _hd_gather_kernel(col_ptr, col_stride, rows, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, XW, G, K, NSRC, lo, LX,
-                      me, N, P, R, nvl_word_off, nvl_slot_words, row_words, ptr_table, sig_off, level_ptr, ticket_ptr,
-                      err_ptr, timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, R_POW2: tl.constexpr,
-                      K_POW2: tl.constexpr, G_POW2: tl.constexpr, DIRECT: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """Program ``g``: after every relay of this node forwarded, blocks of ``RB`` rows ``q < rows``: row
-    ``q - first(s)`` of source ``s``'s NVL slot (``_source_of``) into the outputs (int32 views): ``rx[q]``
-    (``XW`` words), ``rs[q]`` (``G``), where ``K``: ``rid[q]`` (int64) the top-k ids made local (``id - lo``
-    for ids in ``[lo, lo + LX)``, else -1) and ``rw[q]`` the weights (0 where the id is not local), where
-    ``NSRC``: ``rsrc[q]`` the source's token index. Past the rows that arrived (the padding of
-    ``num_worst_tokens``): zeros, -1 for the ids and the token index, as the reference pads them.
-    Slots at word ``nvl_word_off``, ``nvl_slot_words`` apart, rows ``row_words`` apart. ``DIRECT`` (one
-    rank a node, nothing forwarded): they are the node slots, whose rows for this rank are in the same
-    order (a node's tokens are this rank's), and it waits for every node's send (``D_RDMA``) instead of
-    its node's relays (``D_FWD``)."""
-    g = tl.program_id(0)
-    GP = tl.num_programs(0)
-    b = me // N
-    level = tl.load(level_ptr)
-    if DIRECT:
-        for a in range(P):
-            _wait(ptr_table, me, sig_off, a, level + 1, err_ptr, 3, a, timeout_ns, HAS_TIMER)
-    else:
-        for i2 in range(N):
-            _wait(ptr_table, me, sig_off, P + i2, level + 1, err_ptr, 3, b * N + i2, timeout_ns, HAS_TIMER)
-    rr = tl.arange(0, R_POW2)
-    col = tl.load(col_ptr + rr * col_stride, mask=rr < R, other=2147483647)
-    n = tl.load(col_ptr + (R - 1) * col_stride)
-    uu = tl.arange(0, RB)
-    kk = tl.arange(0, K_POW2)
-    km = kk[None, :] < K
-    nvl = peer_ptr(ptr_table, me, nvl_word_off * 4, tl.int32)
-    for q0 in range(g * RB, rows, GP * RB):
+    for u in range(g, P * C, GF):
+        a = u // C
+        c = u % C
+        s = a * N + i
+        first = tl.load(rpm_ptr + (s - 1) * R, mask=s > 0, other=0)  # source s's first row here
+        nidx = D_NV + s * CM + c  # the receivers' count of this unit's rows
+        if a == b:  # this rank's own tokens (it is their relay in its node): from the inputs
+            t_lo = c * pc
+            t_hi = tl.minimum(t_lo + pc, T)
+            for t0 in range(t_lo, t_hi, RB):
+                tt = t0 + uu.to(tl.int64)
+                ok = tt < t_hi
+                relp = rel_ptr + tt * R + b * N
+                if N > 1:
+                    peer = tt < 0  # (rows a peer wants: read once)
+                    for j in range(N):
+                        if j != i:
+                            peer = peer | (tl.load(relp + j, mask=ok, other=-1) >= 0)
+                    _fan(x_ptr + tt * XW, peer, XW, 0, relp, ptr_table, nvl_off, b, i, N, a, TM, W, BLOCK)
+                    if G > 0:
+                        _fan(s_ptr + tt * G, peer, G, XW, relp, ptr_table, nvl_off, b, i, N, a, TM, W, S_POW2)
+                    if K > 0:
+                        _fan(id_ptr + tt * (2 * K), peer, 2 * K, XW + G, relp, ptr_table, nvl_off, b, i, N, a, TM, W,
+                             S_POW2)
+                        _fan(w_ptr + tt * K, peer, K, XW + G + 2 * K, relp, ptr_table, nvl_off, b, i, N, a, TM, W,
+                             S_POW2)
+                    if NSRC > 0:  # the token index, the message's last word
+                        for j in range(N):
+                            if j != i:
+                                pj = tl.load(relp + j, mask=ok, other=-1).to(tl.int64)
+                                slot = a * (N - 1) + i - (i > j).to(tl.int32)
+                                dst = (tl.load(ptr_table + b * N + j).to(tl.pointer_type(tl.uint8)) + nvl_off).to(
+                                    tl.pointer_type(tl.int32)) + ((slot.to(tl.int64) * TM + pj) * W + W - 1)
+                                tl.store(dst, tt.to(tl.int32), mask=pj >= 0)
+                ri = tl.load(relp + i, mask=ok, other=-1).to(tl.int64)
+                _unpack(first + ri, ri >= 0, ri >= 0, x_ptr + tt * XW, s_ptr + tt * G, id_ptr + tt * (2 * K),
+                        w_ptr + tt * K, tt.to(tl.int32), rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, XW, G, K,
+                        NSRC, lo, LX, BLOCK, K_POW2, G_POW2)
+                if N > 1:
+                    _nvl_publish(relp, ok, ptr_table, ctr_off, b, i, N, nidx)
+        else:  # rows of slot a, as they arrive
+            ridx = a * CM + c  # D_RD[a][c]
+            base = tl.load(base_ptr + ridx)
+            q_lo = tl.load(ncp_ptr + s * C + c - 1, mask=c > 0, other=0)
+            q_hi = tl.load(ncp_ptr + s * C + c)
+            slot = rdma + ((a - b - 1 + P) % P) * slot_words
+            for q0 in range(q_lo, q_hi, RB):
+                qq = q0 + uu.to(tl.int64)
+                ok = qq < q_hi
+                target = base + tl.minimum(q0 + RB, q_hi) - q_lo
+                if tl.atomic_add(ctr32 + 2 * ridx, 0, sem="acquire", scope="sys") - target < 0:
+                    _wait(ptr_table, me, ctr_off, ridx, target, err_ptr, 3, s, timeout_ns, HAS_TIMER)
+                tl.debug_barrier()
+                msg = slot + qq * MW
+                if N > 1:
+                    relp = msg + W
+                    peer = qq < 0
+                    for j in range(N):
+                        if j != i:
+                            peer = peer | (tl.load(relp + j, mask=ok, other=-1) >= 0)
+                    _fan(msg, peer, W, 0, relp, ptr_table, nvl_off, b, i, N, a, TM, W, BLOCK)
+                    if SAVE:
+                        rs_ = (a - b - 1 + P) % P
+                        _copy_rows(tbl_ptr + (rs_ * TM + qq) * N, relp, ok, ok, N, N_POW2)
+                    ri = tl.load(relp + i, mask=ok, other=-1).to(tl.int64)
+                else:  # one rank a node: the node's row is the rank's
+                    ri = tl.where(ok, qq, -1)
+                mine = ri >= 0
+                tok = tl.load(msg + W - 1, mask=mine & (NSRC > 0), other=-1)
+                _unpack(first + ri, mine, mine, msg, msg + XW, msg + XW + G, msg + XW + G + 2 * K, tok, rx_ptr,
+                        rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, XW, G, K, NSRC, lo, LX, BLOCK, K_POW2, G_POW2)
+                if N > 1:
+                    _nvl_publish(msg + W, ok, ptr_table, ctr_off, b, i, N, nidx)
+            tl.store(base_ptr + ridx, base + q_hi - q_lo)
+    n = tl.load(rpm_ptr + (R - 1) * R)  # every row that arrives here; past it, the padding
+    for q0 in range(n + g * RB, rows, GF * RB):
         qq = q0 + uu.to(tl.int64)
-        inb = qq < rows
-        got = qq < n
-        s, first = _source_of(col, rr, qq)
-        src = nvl + (s.to(tl.int64) * nvl_slot_words + (qq - first) * row_words)
-        _copy_rows(rx_ptr + qq * XW, src, got, inb, XW, BLOCK)
-        _copy_rows(rs_ptr + qq * G, src + XW, got, inb, G, G_POW2)
-        if K > 0:
-            m2 = got[:, None] & km
-            ids = src[:, None] + XW + G + 2 * kk[None, :]  # int64 as two int32 words (rows need not be 8-aligned)
-            e = (tl.load(ids + 1, mask=m2, other=0).to(tl.int64) << 32) | \
-                (tl.load(ids, mask=m2, other=0).to(tl.int64) & 0xFFFFFFFF)
-            here = m2 & (e >= lo) & (e < lo + LX)
-            tl.store(rid_ptr + qq[:, None] * K + kk[None, :], tl.where(here, e - lo, -1), mask=inb[:, None] & km)
-            wt = tl.load(src[:, None] + XW + G + 2 * K + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
-            tl.store(rw_ptr + qq[:, None] * K + kk[None, :], tl.where(here, wt, 0.0), mask=inb[:, None] & km)
-        if NSRC > 0:
-            tok = tl.load(src + XW + G + 3 * K, mask=got, other=-1)
-            tl.store(rsrc_ptr + qq, tl.where(got, tok, -1), mask=inb)
-    if ticket_last_n(ticket_ptr, GP):
-        tl.store(level_ptr, level + 1)
+        none = qq < 0
+        nowhere = rx_ptr + qq * 0  # (row pointers never read)
+        _unpack(qq, none, qq < rows, nowhere, nowhere, nowhere, nowhere, none.to(tl.int32), rx_ptr, rs_ptr, rid_ptr,
+                rw_ptr, rsrc_ptr, rows, XW, G, K, NSRC, lo, LX, BLOCK, K_POW2, G_POW2)
+
+
+@triton.jit
+def _hd_receive(g, GV, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr,
+                rows, lo, LX, nvl, TM, ptr_table, ctr_off, ctr32, CM, D_NV, base_ptr, err_ptr, timeout_ns,
+                BLOCK: tl.constexpr, RB: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr,
+                HAS_TIMER: tl.constexpr):
+    """Receiver ``g`` of ``GV`` at ``(b, j)``: units ``(s, c)`` whose relay ``(b, i)`` is another rank (module
+    docstring, 3): rows ``[rcp[s][c], rcp[s][c+1])`` of source ``s``'s block, from NVL slot ``k``."""
+    b = me // N
+    j = me % N
+    W = XW + G + 3 * K + NSRC
+    uu = tl.arange(0, RB)
+    for u in range(g, P * (N - 1) * C, GV):
+        c = u % C
+        k = u // C  # the source's slot: node a, relay i (its index among the node's ranks but this one)
+        i = k % (N - 1)
+        a = k // (N - 1)
+        i = i + (i >= j).to(tl.int32)
+        s = a * N + i
+        first = tl.load(rpm_ptr + (s - 1) * R, mask=s > 0, other=0)
+        q_lo = tl.load(rcp_ptr + s * C + c) - first
+        q_hi = tl.load(rcp_ptr + s * C + c + 1, mask=c + 1 < C, other=tl.load(rpm_ptr + s * R)) - first
+        nidx = D_NV + s * CM + c
+        base = tl.load(base_ptr + nidx)
+        slot = nvl + k.to(tl.int64) * TM * W
+        for q0 in range(q_lo, q_hi, RB):
+            qq = q0 + uu.to(tl.int64)
+            ok = qq < q_hi
+            target = base + tl.minimum(q0 + RB, q_hi) - q_lo
+            if tl.atomic_add(ctr32 + 2 * nidx, 0, sem="acquire", scope="sys") - target < 0:
+                _wait(ptr_table, me, ctr_off, nidx, target, err_ptr, 3, b * N + i, timeout_ns, HAS_TIMER)
+            tl.debug_barrier()
+            row = slot + qq * W
+            tok = tl.load(row + W - 1, mask=ok & (NSRC > 0), other=-1)
+            _unpack(first + qq, ok, ok, row, row + XW, row + XW + G, row + XW + G + 2 * K, tok, rx_ptr, rs_ptr,
+                    rid_ptr, rw_ptr, rsrc_ptr, rows, XW, G, K, NSRC, lo, LX, BLOCK, K_POW2, G_POW2)
+        tl.store(base_ptr + nidx, base + q_hi - q_lo)
+
+
+@triton.jit(do_not_specialize=['T', 'pc', 'rows'])
+def _hd_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, pc, C, XW, G, K, NSRC, rpm_ptr, rcp_ptr,
+               ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, me, N, P, R, CH, ptr_table, area_off,
+               par_bytes, rdma_rel, nvl_rel, TM, ctr_off, CM, tbl_ptr, SAVE, base_ptr, cnt_ptr, ticket_ptr, err_ptr,
+               timeout_ns, s_lo, s_n, f_lo, f_n, v_lo, v_n, BLOCK: tl.constexpr, RB: tl.constexpr,
+               N_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, S_POW2: tl.constexpr,
+               HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
+    """One dispatch (module docstring): program ``p`` is sender ``p - s_lo`` if ``s_lo <= p < s_lo + s_n``,
+    then forwarder ``p - f_lo`` (of ``f_n``), then receiver ``p - v_lo`` (of ``v_n``). Inputs as int32 views:
+    ``x [T, XW]``, scales ``[T, G]``, top-k ids ``[T, 2K]`` (int64), weights ``[T, K]``, ``NSRC`` (1: carry
+    the token index; 0 in a cached dispatch);
+    ``rel [T, R]``, ``npos [T, P]`` this rank's layout, tokens in channels of ``pc``, ``nco [P, C]`` their
+    channel prefix for each node; ``rpm`` column ``me`` of the rank prefix matrix (stride ``R``), ``rcp [R,
+    C]`` the handle's receive channel prefix, ``ncp [R, C]`` each source's channel prefix for this node.
+    Outputs ``rows`` rows. Areas at ``area_off + parity * par_bytes`` (the device's count of dispatches,
+    ``cnt[0]``): staging at 0, RDMA slots at ``rdma_rel``, NVL slots at ``nvl_rel``, ``TM`` rows each."""
+    pid = tl.program_id(0)
+    dc = tl.load(cnt_ptr)
+    area = area_off + (dc % 2).to(tl.int64) * par_bytes  # (offsets past 2 GiB)
+    me8 = tl.load(ptr_table + me).to(tl.pointer_type(tl.uint8))
+    ctr32 = (me8 + ctr_off).to(tl.pointer_type(tl.int32))  # (a counter's low word: 2 * its index)
+    W = XW + G + 3 * K + NSRC
+    NR = tl.where(N > 1, N, 0)  # a message's positions at the destination node's ranks
+    MW = W + NR
+    slot_words = (TM + tl.full((), 0, tl.int64)) * MW
+    D_NV = P * CM
+    F_RD = (2 * P + 2 * R) * CM
+    F_NV = F_RD + P
+    if (pid >= s_lo) & (pid < s_lo + s_n):
+        _hd_send(pid - s_lo, s_n, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, pc, C, XW, G, K, NSRC,
+                 NR, me, N, P, R, CH, ptr_table, (me8 + area).to(tl.pointer_type(tl.int32)), area + rdma_rel,
+                 slot_words, ctr_off, ctr32, CM, F_RD, dc, err_ptr, timeout_ns, BLOCK, RB, N_POW2, S_POW2, HAS_TIMER,
+                 SIM)
+    if (pid >= f_lo) & (pid < f_lo + f_n):
+        _hd_forward(pid - f_lo, f_n, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K, NSRC, NR, me, N, P, R,
+                    rpm_ptr, ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, ptr_table,
+                    (me8 + area + rdma_rel).to(tl.pointer_type(tl.int32)), slot_words, area + nvl_rel, TM, ctr_off,
+                    ctr32, CM, D_NV, F_NV, dc, base_ptr, tbl_ptr, SAVE, err_ptr, timeout_ns, BLOCK, RB, N_POW2, K_POW2,
+                    G_POW2, S_POW2, HAS_TIMER)
+    if (pid >= v_lo) & (pid < v_lo + v_n):
+        _hd_receive(pid - v_lo, v_n, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr, rs_ptr, rid_ptr,
+                    rw_ptr, rsrc_ptr, rows, lo, LX, (me8 + area + nvl_rel).to(tl.pointer_type(tl.int32)), TM,
+                    ptr_table, ctr_off, ctr32, CM, D_NV, base_ptr, err_ptr, timeout_ns, BLOCK, RB, K_POW2, G_POW2,
+                    HAS_TIMER)
+    if ticket_last_n(ticket_ptr, tl.num_programs(0)):  # every program has read its slots: free them
+        b = me // N
+        i = me % N
+        for i2 in range(N):  # (as a receiver) the relays of this node
+            if i2 != i:
+                signal(_sig(ptr_table, b * N + i2, ctr_off, F_NV + i), 1)
+        for a2 in range(P):  # (as a relay) the senders of the other nodes
+            if a2 != b:
+                nv.signal_add(ptr_table, me, a2 * N + i, ctr_off + (F_RD + b) * 8, 1, SIM)
+        nv.quiet(SIM)
+        tl.store(cnt_ptr, dc + 1)

@@ -1,23 +1,34 @@
-"""High-throughput combine kernels of the internode backend (Triton + NVSHMEM): the reverse of the
-dispatch in ``internode_ht.py`` (its letters, areas and signal words), reducing inside the node first.
+"""High-throughput combine kernel of the internode backend (Triton + NVSHMEM): the reverse of the
+dispatch in ``internode_ht.py`` (its letters, channels, counters and free words), reducing inside the
+node first, in one launch of ``Config.num_sms`` programs in three roles (as the dispatch's: programs
+``[lo, lo + n)`` each, in this order, never waiting on a later program of the launch).
 
-Combine (``CW = H/2 + K + 1`` words: bf16 row, float32 weights, a marker = the device's count of
-combines + 1, which ``_hc_final`` advances):
-4. ``_hc_send`` at receiver ``(b, j)``: row ``q`` of ``x`` and the weights (source ``s = (a, i)``,
-   token ``t``) into relay
-   ``(b, i)``'s relay area, slot ``(a, j)``, row ``t``, with the marker; signal the node's relays.
-5. ``_hc_relay`` at ``(b, i)``: for ``(a, t)``: Σ over ``j`` of the marked rows in float32 (and the
-   weights), staged with the marker; put to ``s = (a, i)``'s final area, slot ``b``, rows ``t...``,
-   in pieces of at most ``CH`` consecutive tokens; signal.
-   In nodes of one rank the relay rows go as they are, BF16 (``DIRECT``; the final kernel's ``PBF16``).
-6. ``_hc_final`` at ``s``: Σ over nodes of the marked partial sums, in node order, float32, then the
-   biases, rounded once to BF16.
+Rows: ``CW = H/2 + K`` words (a BF16 row of ``x``, then its ``K`` float32 weights); a partial sum ``FW = H +
+K`` float32 words, or in nodes of one rank the row itself (``FW = CW``: a sum of one row, exact).
 
-A combine's parity (its areas, signal words and levels: ``par_bytes`` and ``sig_par`` from parity 0's)
-is the device's count of combines modulo 2, so a CUDA graph of combines alone alternates too: a rank
-writes parity ``q`` of combine ``c + 2`` only after its ``_hc_final`` of ``c + 1``, which waits on relays
-that waited on every rank's ``_hc_send`` of ``c + 1``, each issued after that rank read parity ``q`` of
-combine ``c``.
+1. **senders** (nodes of more than one rank) at ``(b, j)``, unit ``(s, c)`` for sources ``s = (a, i)``
+   whose relay ``(b, i)`` is another rank: this rank's rows of ``x`` from channel ``c`` of ``s`` (rows
+   ``[rcp[s][c], rcp[s][c+1])``, as the dispatch's receiver took them), with their weights, into
+   ``(b, i)``'s relay area, slot ``(a, j)``, at the same row of ``s``'s block; its counter
+   ``C_CS[a][j][c]`` grows by them after each tile (a release atomic).
+2. **relays** at ``(b, i)``, unit ``(a, c)``: channel ``c`` of source ``s = (a, i)``, node row by node row
+   (``ncp``; for ``a = b`` this rank's own tokens): Σ over the node's ranks ``j``, in rank order, float32,
+   of their rows for it (row ``tbl[slot a][q][j]`` of relay slot ``(a, j)``, kept by the dispatch's
+   forwarder; for ``j = i`` this rank's own ``x``; for ``a = b`` the rows ``rel[t, j]``), once
+   ``C_CS[a][j][c]`` counts them. For another node the partials are staged and put to ``s``'s final area,
+   slot of ``b``, in puts of at most ``CH`` rows (Config's RDMA chunk of the combine, from the channel's
+   first row), then a ``fence`` and one ``signal_add`` of the rows to ``C_FN[b][c]`` at ``s``; for this
+   node they go to this rank's own final slot, counted in its ``C_FN[b][c]`` by a release atomic. In
+   nodes of one rank the rows of ``x`` are the partials (staged as they are, BF16), and a rank's own
+   rows stay where they are (the final reads ``x``).
+3. **finals** at ``(a, i)``, channel ``c`` of its tokens: ``out[t] = Σ_b partial_b[npos[t, b]]`` over the
+   nodes ``b`` it went to, in node order, float32, once ``C_FN[b][c]`` counts them, then the ``NB``
+   (0-2) BF16 biases in order, rounded once to BF16 (and the weights, float32).
+
+Free words: a sender waits for ``F_CS[i]`` (relay ``i`` read the call before last of this parity), a
+relay for ``F_FN[a]`` (source node ``a``'s final read its slots); the last program raises them and counts
+the combine. A combine's parity is the device's count of combines modulo 2, so a CUDA graph of combines
+alone alternates too.
 """
 
 from __future__ import annotations
@@ -26,202 +37,304 @@ import triton
 import triton.language as tl
 
 from . import nvshmem as nv
-from .common import peer_ptr, signal, ticket_last_n
-from .internode_ht import _col, _copy_rows, _sig, _source_of, _wait
+from .common import signal, ticket_last_n
+from .internode_ht import _copy_rows, _sig, _wait
 
 
-@triton.jit(do_not_specialize=['rows'])
-def _hc_send_kernel(x_ptr, w_ptr, HW, K, col_ptr, col_stride, src_tok_ptr, rows, CW, cid_ptr, me, N, P, R, ptr_table,
-                    rel_off, rel_slot_words, sig_off, par_bytes, sig_par, ticket_ptr, BLOCK: tl.constexpr,
-                    RB: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr):
-    """Program ``g``: blocks of ``RB`` received rows ``q`` that arrived, each ``x[q]`` (``HW`` words of BF16
-    pairs), ``w[q]`` (``K`` float32 words) and the marker (``CW = HW + K + 1`` words), to their source's
-    relay here; the source from ``col`` (``_source_of``), the token from ``src_tok``."""
-    g = tl.program_id(0)
-    G = tl.num_programs(0)
+@triton.jit
+def _hc_send(g, GC, x_ptr, w_ptr, rows, HW, K, me, N, P, R, C, rpm_ptr, rcp_ptr, ptr_table, area, TM, ctr_off, ctr32,
+             CM, C_CS, F_CS, cc, err_ptr, timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, K_POW2: tl.constexpr,
+             HAS_TIMER: tl.constexpr):
+    """Sender ``g`` of ``GC`` at ``(b, j)`` (module docstring, 1)."""
     b = me // N
     j = me % N
-    call_id = tl.load(cid_ptr) + 1  # this combine's marker: the device's count of combines, + 1
-    par = ((call_id - 1) % 2).to(tl.int64)  # (offsets past 2 GiB)
-    rel_off += par * par_bytes
-    sig_off += par * sig_par
-    rr = tl.arange(0, R_POW2)
-    col = tl.load(col_ptr + rr * col_stride, mask=rr < R, other=2147483647)
-    n = tl.minimum(tl.load(col_ptr + (R - 1) * col_stride), rows)
+    CW = HW + K
+    for i2 in range(N):  # the node's relays freed their relay areas of this parity (the call before last)
+        if i2 != j:
+            if tl.atomic_add(ctr32 + 2 * (F_CS + i2), 0, sem="acquire", scope="sys") - (cc - 1) < 0:
+                _wait(ptr_table, me, ctr_off, F_CS + i2, cc - 1, err_ptr, 4, b * N + i2, timeout_ns, HAS_TIMER)
     uu = tl.arange(0, RB)
-    for q0 in range(g * RB, n, G * RB):
-        qq = q0 + uu.to(tl.int64)
-        ok = qq < n
-        s, _ = _source_of(col, rr, qq)
-        t = tl.load(src_tok_ptr + qq, mask=ok, other=0).to(tl.int64)
-        a = s // N
-        i = s % N  # (rows past n: a rank of this node all the same, never written)
-        dst = peer_ptr(ptr_table, b * N + i, rel_off + ((a * N + j).to(tl.int64) * rel_slot_words + t * CW) * 4,
-                       tl.int32)
-        _copy_rows(dst, x_ptr + qq * HW, ok, ok, HW, BLOCK)
-        _copy_rows(dst + HW, w_ptr + qq * K, ok, ok, K, K_POW2)
-        tl.store(dst + CW - 1, tl.zeros((RB,), tl.int32) + call_id, mask=ok)
-    if ticket_last_n(ticket_ptr, G):
-        for i2 in range(N):
-            signal(_sig(ptr_table, b * N + i2, sig_off, P + N + j), 1)
+    for u in range(g, P * (N - 1) * C, GC):
+        c = u % C
+        k = u // C  # the source's slot: node a, relay i (its index among the node's ranks but this one)
+        i = k % (N - 1)
+        a = k // (N - 1)
+        i = i + (i >= j).to(tl.int32)
+        s = a * N + i
+        first = tl.load(rpm_ptr + (s - 1) * R, mask=s > 0, other=0)
+        q_lo = tl.load(rcp_ptr + s * C + c) - first
+        q_hi = tl.load(rcp_ptr + s * C + c + 1, mask=c + 1 < C, other=tl.load(rpm_ptr + s * R)) - first
+        relay = b * N + i
+        slot = a * (N - 1) + j - (j > i).to(tl.int32)
+        peer8 = tl.load(ptr_table + relay).to(tl.pointer_type(tl.uint8))
+        dst = (peer8 + area).to(tl.pointer_type(tl.int32)) + slot.to(tl.int64) * TM * CW
+        ctr = (peer8 + ctr_off).to(tl.pointer_type(tl.int64)) + C_CS + (a * N + j) * CM + c
+        for q0 in range(q_lo, q_hi, RB):
+            qq = q0 + uu.to(tl.int64)
+            ok = qq < q_hi
+            have = ok & (first + qq < rows)  # (rows past x's: more arrived than num_worst_tokens, error 9)
+            _copy_rows(dst + qq * CW, x_ptr + (first + qq) * HW, have, ok, HW, BLOCK)
+            if K > 0:
+                _copy_rows(dst + qq * CW + HW, w_ptr + (first + qq) * K, have, ok, K, K_POW2)
+            tl.debug_barrier()  # (the tile stored by every thread before the count that publishes it)
+            tl.atomic_add(ctr, (tl.minimum(q0 + RB, q_hi) - q0).to(tl.int64), sem="release", scope="sys")
 
 
 @triton.jit
-def _relay_sum(rel, stg, a64, tt, ok, call_id, H, K, CW, FW, N, rel_slot_words, fin_slot_words, RB: tl.constexpr,
-               BLOCK: tl.constexpr, N_POW2: tl.constexpr, K_POW2: tl.constexpr):
-    """For tokens ``tt`` of source node ``a``: Σ over this node's ranks ``j`` of their marked rows (relay
-    slot ``(a, j)``), float32 in rank order, and of their weights, staged (with the marker) in rows
-    ``tt`` of stage slot ``a``, which it returns (``[RB]`` int32 row pointers)."""
-    nn = tl.arange(0, N_POW2)
+def _partial(acc_rows, relp, ok, i, N, own_rows, own_w, own_ok, rel, a, TM, CW, H, K, RB: tl.constexpr,
+             BLOCK: tl.constexpr, K_POW2: tl.constexpr):
+    """Σ over ranks ``j`` in order of their rows for a tile of tokens, float32, into ``acc_rows`` (``[RB]``
+    float32 row pointers, ``H`` then ``K`` words): rank ``j``'s row is ``relp[:, j]`` (``[RB]`` pointers to
+    each token's rows at the node's ranks, -1: none) of relay slot ``(a, j)`` in ``rel``, this rank's
+    (``j = i``) is ``own_rows`` (BF16 ``x``) and ``own_w`` (its float32 weights), row pointers, read where
+    ``own_ok``."""
     cc = tl.arange(0, BLOCK)
     kk = tl.arange(0, K_POW2)
     km = kk[None, :] < K
-    roff = (a64 * N + nn[None, :]) * rel_slot_words + tt[:, None] * CW  # [RB, N]: (a, j)'s row for tt
-    mk = (tl.load(rel + roff + CW - 1, mask=ok[:, None] & (nn[None, :] < N), other=0) == call_id).to(tl.int32)
-    present = tl.max(mk, 1) > 0
-    stage = stg + (a64 * fin_slot_words + tt * FW)
-    stage_f = stage.to(tl.pointer_type(tl.float32))
+    HW = (H + 1) // 2
     for c0 in range(0, H, BLOCK):
         cm = (c0 + cc)[None, :] < H
-        acc = tl.zeros((RB, BLOCK), tl.float32)
+        acc = tl.full((RB, BLOCK), 0.0, tl.float32)
         for j in range(N):
-            row = (rel + _col(roff, nn, j)).to(tl.pointer_type(tl.bfloat16))
-            v = tl.load(row[:, None] + c0 + cc[None, :], mask=(_col(mk, nn, j) > 0)[:, None] & cm, other=0.0)
-            acc += v.to(tl.float32)
-        tl.store(stage_f[:, None] + c0 + cc[None, :], acc, mask=present[:, None] & cm)
-    wacc = tl.zeros((RB, K_POW2), tl.float32)
-    for j in range(N):
-        row = (rel + _col(roff, nn, j)).to(tl.pointer_type(tl.float32))
-        wacc += tl.load(row[:, None] + H // 2 + kk[None, :], mask=(_col(mk, nn, j) > 0)[:, None] & km, other=0.0)
-    tl.store(stage_f[:, None] + H + kk[None, :], wacc, mask=present[:, None] & km)
-    tl.store(stage + FW - 1, tl.zeros((RB,), tl.int32) + call_id, mask=present)
-    return stage
+            rj = tl.load(relp + j, mask=ok, other=-1).to(tl.int64)
+            mj = (ok & (rj >= 0))[:, None] & cm
+            if j == i:
+                row = own_rows
+                mj = mj & own_ok[:, None]
+            else:
+                slot = a * (N - 1) + j - (j > i).to(tl.int32)
+                row = (rel + (slot.to(tl.int64) * TM + rj) * CW).to(tl.pointer_type(tl.bfloat16))
+            acc += tl.load(row[:, None] + c0 + cc[None, :], mask=mj, other=0.0).to(tl.float32)
+        tl.store(acc_rows[:, None] + c0 + cc[None, :], acc, mask=ok[:, None] & cm)
+    if K > 0:
+        wacc = tl.full((RB, K_POW2), 0.0, tl.float32)
+        for j in range(N):
+            rj = tl.load(relp + j, mask=ok, other=-1).to(tl.int64)
+            mj = (ok & (rj >= 0))[:, None] & km
+            if j == i:
+                row = own_w
+                mj = mj & own_ok[:, None]
+            else:
+                slot = a * (N - 1) + j - (j > i).to(tl.int32)
+                row = (rel + (slot.to(tl.int64) * TM + rj) * CW + HW).to(tl.pointer_type(tl.float32))
+            wacc += tl.load(row[:, None] + kk[None, :], mask=mj, other=0.0)
+        tl.store(acc_rows[:, None] + H + kk[None, :], wacc, mask=ok[:, None] & km)
 
 
 @triton.jit
-def _hc_relay_kernel(tok_ptr, tok_stride, H, K, CW, FW, CH, cid_ptr, me, N, P, ptr_table, rel_off, rel_slot_words,
-                     stage_off, fin_off, fin_slot_words, sig_off, par_bytes, sig_par, level_ptr, ticket_ptr, err_ptr,
-                     timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, N_POW2: tl.constexpr, K_POW2: tl.constexpr,
-                     DIRECT: tl.constexpr, HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
-    """Program ``g`` of ``G``, for every source node ``a``: blocks of ``RB`` tokens of ``(a, i)``
-    (``tok[(a * N + i) * tok_stride]`` of them): for each token, Σ over this node's ranks of their marked
-    rows for it, in float32 in rank order, with the weights, staged as a tile; then the block's staged rows
-    to ``(a, i)``'s final area, slot ``b``, one put per piece of at most ``CH`` tokens (cut at multiples of
-    ``CH``: DeepEP's ``num_max_rdma_chunked_send_tokens`` of the combine), a tile copy where ``a`` is this
-    node. A token no row came for keeps its stale staged row, whose old marker ``_hc_final`` skips.
-    ``DIRECT`` (one rank a node, ``FW == CW``): a relay row (BF16 ``x``, weights, marker) already is the
-    partial sum, so the rows go as they are, BF16, without staging (exact: a sum of one row)."""
-    g = tl.program_id(0)
-    G = tl.num_programs(0)
+def _node_rows(relp, ok, i, N, a, c, CM, C_CS, base_ptr, ctr32, ptr_table, me, ctr_off, b, err_ptr, timeout_ns,
+               HAS_TIMER: tl.constexpr):
+    """Wait until every other rank ``j`` of node ``b`` has sent its rows of a tile (``relp``: ``[RB]``
+    pointers to each token's rows at the node's ranks, -1: none): its ``C_CS[a][j][c]`` counts all its
+    rows of this channel so far; the base, this call's target, grows by the tile's as it goes."""
+    for j in range(N):
+        if j != i:
+            k = C_CS + (a * N + j) * CM + c
+            target = tl.load(base_ptr + k) + tl.sum(((tl.load(relp + j, mask=ok, other=-1) >= 0) & ok).to(tl.int32),
+                                                    0)
+            tl.store(base_ptr + k, target)
+            if tl.atomic_add(ctr32 + 2 * k, 0, sem="acquire", scope="sys") - target < 0:
+                _wait(ptr_table, me, ctr_off, k, target, err_ptr, 5, b * N + j, timeout_ns, HAS_TIMER)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _hc_relay(g, GR, x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc, me, N, P, R, C, CH, rpm_ptr, ncp_ptr,
+              tbl_ptr, ptr_table, area, stage_rel, fin_rel, TM, ctr_off, ctr32, CM, C_CS, C_FN, F_FN, cc, base_ptr,
+              err_ptr, timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, K_POW2: tl.constexpr,
+              HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
+    """Relay ``g`` of ``GR`` at ``(b, i)`` (module docstring, 2). ``x_ptr`` BF16 ``[rows, H]`` (``xw_ptr`` the
+    same as int32 words), ``w_ptr`` its weights (float32 as int32 words)."""
     b = me // N
     i = me % N
-    call_id = tl.load(cid_ptr) + 1
-    par = ((call_id - 1) % 2).to(tl.int64)  # (offsets past 2 GiB)
-    rel_off += par * par_bytes
-    stage_off += par * par_bytes
-    fin_off += par * par_bytes
-    sig_off += par * sig_par
-    level_ptr += par
-    level = tl.load(level_ptr)
-    for j2 in range(N):
-        _wait(ptr_table, me, sig_off, P + N + j2, level + 1, err_ptr, 5, b * N + j2, timeout_ns, HAS_TIMER)
+    HW = (H + 1) // 2
+    CW = HW + K
+    FW = tl.where(N > 1, H + K, CW)
+    for a2 in range(P):  # the other nodes' finals freed their slots of this parity (the call before last)
+        if a2 != b:
+            if tl.atomic_add(ctr32 + 2 * (F_FN + a2), 0, sem="acquire", scope="sys") - (cc - 1) < 0:
+                _wait(ptr_table, me, ctr_off, F_FN + a2, cc - 1, err_ptr, 4, a2 * N + i, timeout_ns, HAS_TIMER)
     uu = tl.arange(0, RB)
-    rel = peer_ptr(ptr_table, me, rel_off, tl.int32)
-    stg = peer_ptr(ptr_table, me, stage_off, tl.int32)
-    sw = fin_slot_words
-    if DIRECT:  # the rows go from slot (a, 0) of the relay area (its rows are FW = CW words)
-        stg = rel
-        sw = rel_slot_words
-    for a in range(P):
-        cnt = tl.load(tok_ptr + (a * N + i) * tok_stride)
-        a64 = a + tl.zeros((), tl.int64)  # (a loop index: a Python int under the interpreter)
-        for t0 in range(g * RB, cnt, G * RB):
-            tt = t0 + uu.to(tl.int64)
-            ok = tt < cnt
-            if DIRECT:
-                stage = stg + (a64 * sw + tt * FW)
-            else:
-                stage = _relay_sum(rel, stg, a64, tt, ok, call_id, H, K, CW, FW, N, rel_slot_words, fin_slot_words,
-                                   RB, BLOCK, N_POW2, K_POW2)
-            tl.debug_barrier()
-            if a == b:  # the source is this rank
-                mine = peer_ptr(ptr_table, me, fin_off, tl.int32) + (b * fin_slot_words + tt * FW)
-                _copy_rows(mine, stage, ok, ok, FW, BLOCK)
-            else:
-                end = tl.minimum(t0 + RB, cnt)
-                p0 = t0 + tl.zeros((), tl.int64)
-                while p0 < end:
-                    p1 = tl.minimum((p0 // CH + 1) * CH, end)
-                    nv.put(ptr_table, me, a * N + i, fin_off + (b * fin_slot_words + p0 * FW) * 4,
-                           stg + (a64 * sw + p0 * FW), (p1 - p0) * FW * 4, SIM)
-                    p0 = p1
+    me8 = tl.load(ptr_table + me).to(tl.pointer_type(tl.uint8))
+    rel = (me8 + area).to(tl.pointer_type(tl.int32))
+    stage = (me8 + area + stage_rel).to(tl.pointer_type(tl.int32))
+    fin = (me8 + area + fin_rel).to(tl.pointer_type(tl.int32))
+    for u in range(g, P * C, GR):
+        a = u // C
+        c = u % C
+        s = a * N + i
+        first = tl.load(rpm_ptr + (s - 1) * R, mask=s > 0, other=0)  # source s's first row here
+        if a == b:  # this rank's own tokens; in nodes of one rank nothing to do (the final reads x)
+            if N > 1:
+                t_lo = c * pc
+                t_hi = tl.minimum(t_lo + pc, T)
+                for t0 in range(t_lo, t_hi, RB):
+                    tt = t0 + uu.to(tl.int64)
+                    q = tl.load(npos_ptr + tt * P + b, mask=tt < t_hi, other=-1).to(tl.int64)
+                    ok = q >= 0
+                    relp = rel_ptr + tt * R + b * N
+                    _node_rows(relp, ok, i, N, a, c, CM, C_CS, base_ptr, ctr32, ptr_table, me, ctr_off, b, err_ptr,
+                               timeout_ns, HAS_TIMER)
+                    mine = first + tl.load(relp + i, mask=ok, other=-1)
+                    _partial((fin + ((P - 1) * TM + q) * FW).to(tl.pointer_type(tl.float32)), relp, ok, i, N,
+                             x_ptr + mine * H, (w_ptr + mine * K).to(tl.pointer_type(tl.float32)), mine < rows, rel,
+                             a, TM, CW, H, K, RB, BLOCK, K_POW2)
+                    tl.debug_barrier()  # (this rank's final reads the partials after the count)
+                    tl.atomic_add(ctr32.to(tl.pointer_type(tl.int64)) + C_FN + b * CM + c,
+                                  tl.sum(ok.to(tl.int64), 0), sem="release", scope="sys")
+        else:
+            q_lo = tl.load(ncp_ptr + s * C + c - 1, mask=c > 0, other=0)
+            q_hi = tl.load(ncp_ptr + s * C + c)
+            src = stage + ((a - b - 1 + P) % P).to(tl.int64) * TM * FW
+            dst = area + fin_rel + ((b - a - 1 + P) % P).to(tl.int64) * TM * FW * 4  # (at s)
+            for q0 in range(q_lo, q_hi, RB):
+                qq = q0 + uu.to(tl.int64)
+                ok = qq < q_hi
+                if N > 1:
+                    relp = tbl_ptr + (((a - b - 1 + P) % P) * TM + qq) * N
+                    _node_rows(relp, ok, i, N, a, c, CM, C_CS, base_ptr, ctr32, ptr_table, me, ctr_off, b, err_ptr,
+                               timeout_ns, HAS_TIMER)
+                    mine = first + tl.load(relp + i, mask=ok, other=-1)
+                    _partial((src + qq * FW).to(tl.pointer_type(tl.float32)), relp, ok, i, N, x_ptr + mine * H,
+                             (w_ptr + mine * K).to(tl.pointer_type(tl.float32)), mine < rows, rel, a, TM, CW, H, K, RB,
+                             BLOCK, K_POW2)
+                else:  # the row itself (x and its weights), staged for the put
+                    have = ok & (first + qq < rows)
+                    _copy_rows(src + qq * FW, xw_ptr + (first + qq) * HW, have, ok, HW, BLOCK)
+                    if K > 0:
+                        _copy_rows(src + qq * FW + HW, w_ptr + (first + qq) * K, have, ok, K, K_POW2)
+                tl.debug_barrier()  # (the tile staged by every thread before the puts read it)
+                before = (q0 - q_lo).to(tl.int64)
+                after = (tl.minimum(q0 + RB, q_hi) - q_lo).to(tl.int64)
+                p0 = before // CH * CH  # the earlier tiles put their whole chunks
+                upto = tl.where(q0 + RB >= q_hi, after, after // CH * CH)  # (the rest at the channel's end)
+                if upto > p0:
+                    add = upto - p0
+                    while p0 < upto:
+                        p1 = tl.minimum((p0 // CH + 1) * CH, upto)
+                        nv.put(ptr_table, me, s, dst + (q_lo + p0) * FW * 4, src + (q_lo + p0) * FW,
+                               (p1 - p0) * FW * 4, SIM)
+                        p0 = p1
+                    nv.fence(SIM)  # (the rows land before the count that publishes them)
+                    nv.signal_add(ptr_table, me, s, ctr_off + (C_FN + b * CM + c) * 8, add, SIM)
     nv.quiet(SIM)
-    if ticket_last_n(ticket_ptr, G):
-        tl.store(level_ptr, level + 1)
-        for a2 in range(P):
-            if a2 == b:
-                signal(_sig(ptr_table, me, sig_off, P + 2 * N + b), 1)
-            else:
-                nv.put_signal(ptr_table, me, a2 * N + i, stage_off, peer_ptr(ptr_table, me, stage_off, tl.uint8), 0,
-                              sig_off + (P + 2 * N + b) * 8, SIM)
-        nv.quiet(SIM)
 
 
-@triton.jit(do_not_specialize=['T'])
-def _hc_final_kernel(out_ptr, wout_ptr, b0_ptr, b1_ptr, T, H, K, FW, cid_ptr, me, N, P, ptr_table, fin_off,
-                     fin_slot_words, sig_off, par_bytes, sig_par, level_ptr, ticket_ptr, err_ptr, timeout_ns,
-                     BLOCK: tl.constexpr, RB: tl.constexpr, P_POW2: tl.constexpr, K_POW2: tl.constexpr,
-                     HAS_W: tl.constexpr, NB: tl.constexpr, PBF16: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """Program ``g`` of ``G``, blocks of ``RB`` tokens: ``out[t] = Σ_b partial_b[t]`` over the nodes whose
-    partial carries this call's marker, in node order, float32, plus the ``NB`` (0-2) BF16 biases in
-    order, rounded once to BF16 (and the weights, float32). Partials are float32 (``H`` words, then the
-    weights), or BF16 where ``PBF16`` (``H/2`` words: the relay's ``DIRECT`` rows)."""
-    g = tl.program_id(0)
-    G = tl.num_programs(0)
-    call_id = tl.load(cid_ptr) + 1
-    par = ((call_id - 1) % 2).to(tl.int64)  # (offsets past 2 GiB)
-    fin_off += par * par_bytes
-    sig_off += par * sig_par
-    level_ptr += par
-    level = tl.load(level_ptr)
+@triton.jit
+def _hc_final(g, GF, x_ptr, w_ptr, rows, out_ptr, wout_ptr, b0_ptr, b1_ptr, H, K, rel_ptr, npos_ptr, T, pc, me, N, P, R,
+              C, rpm_ptr, ptr_table, fin, TM, ctr_off, ctr32, CM, C_FN, base_ptr, err_ptr, timeout_ns,
+              BLOCK: tl.constexpr, RB: tl.constexpr, K_POW2: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr,
+              HAS_TIMER: tl.constexpr):
+    """Final ``g`` of ``GF`` at ``(a, i)`` (module docstring, 3). ``x_ptr`` BF16 ``[rows, H]``, ``w_ptr`` its
+    weights (float32 as int32 words), ``out [T, H]`` BF16, ``wout [T, K]``, the biases ``[T, H]`` BF16."""
+    a = me // N
     i = me % N
-    for b in range(P):
-        _wait(ptr_table, me, sig_off, P + 2 * N + b, level + 1, err_ptr, 5, b * N + i, timeout_ns, HAS_TIMER)
+    HW = (H + 1) // 2
+    FW = tl.where(N > 1, H + K, HW + K)
+    WO = tl.where(N > 1, H, HW)  # where a partial's weights start
     uu = tl.arange(0, RB)
-    pp = tl.arange(0, P_POW2)
-    cc = tl.arange(0, BLOCK)
+    cl = tl.arange(0, BLOCK)
     kk = tl.arange(0, K_POW2)
     km = kk[None, :] < K
-    fin = peer_ptr(ptr_table, me, fin_off, tl.int32)
-    for t0 in range(g * RB, T, G * RB):
-        tt = t0 + uu.to(tl.int64)
-        ok = tt < T
-        poff = pp[None, :].to(tl.int64) * fin_slot_words + tt[:, None] * FW  # [RB, P]: node b's partial for tt
-        mk = (tl.load(fin + poff + FW - 1, mask=ok[:, None] & (pp[None, :] < P), other=0) == call_id).to(tl.int32)
-        for c0 in range(0, H, BLOCK):
-            cm = (c0 + cc)[None, :] < H
-            acc = tl.zeros((RB, BLOCK), tl.float32)
-            for b in range(P):
-                part = fin + _col(poff, pp, b)
-                pm = (_col(mk, pp, b) > 0)[:, None] & cm
-                if PBF16:
-                    v = tl.load(part.to(tl.pointer_type(tl.bfloat16))[:, None] + c0 + cc[None, :], mask=pm, other=0.0)
-                    acc += v.to(tl.float32)
-                else:
-                    acc += tl.load(part.to(tl.pointer_type(tl.float32))[:, None] + c0 + cc[None, :], mask=pm,
-                                   other=0.0)
-            o = tt[:, None] * H + c0 + cc[None, :]
-            if NB > 0:
-                acc += tl.load(b0_ptr + o, mask=ok[:, None] & cm, other=0.0).to(tl.float32)
-            if NB > 1:
-                acc += tl.load(b1_ptr + o, mask=ok[:, None] & cm, other=0.0).to(tl.float32)
-            tl.store(out_ptr + o, acc.to(tl.bfloat16), mask=ok[:, None] & cm)
-        if HAS_W:
-            wacc = tl.zeros((RB, K_POW2), tl.float32)
-            for b in range(P):
-                part = (fin + _col(poff, pp, b) + (H // 2 if PBF16 else H)).to(tl.pointer_type(tl.float32))
-                wacc += tl.load(part[:, None] + kk[None, :], mask=(_col(mk, pp, b) > 0)[:, None] & km, other=0.0)
-            tl.store(wout_ptr + tt[:, None] * K + kk[None, :], wacc, mask=ok[:, None] & km)
-    if ticket_last_n(ticket_ptr, G):
-        tl.store(level_ptr, level + 1)
-        tl.store(cid_ptr, call_id)  # (the last kernel of the combine on this rank counts it)
+    first = tl.load(rpm_ptr + (me - 1) * R, mask=me > 0, other=0)  # this rank's own rows in x
+    for c in range(g, C, GF):
+        t_lo = c * pc
+        t_hi = tl.minimum(t_lo + pc, T)
+        for t0 in range(t_lo, t_hi, RB):
+            tt = t0 + uu.to(tl.int64)
+            ok = tt < t_hi
+            npos = npos_ptr + tt * P
+            for b in range(P):  # each node's partials of this tile: C_FN[b][c] counts them (base: so far)
+                if (b != a) | (N > 1):
+                    k = C_FN + b * CM + c
+                    target = tl.load(base_ptr + k) + tl.sum((tl.load(npos + b, mask=ok, other=-1) >= 0).to(tl.int32),
+                                                            0)
+                    tl.store(base_ptr + k, target)
+                    if tl.atomic_add(ctr32 + 2 * k, 0, sem="acquire", scope="sys") - target < 0:
+                        _wait(ptr_table, me, ctr_off, k, target, err_ptr, 5, b * N + i, timeout_ns, HAS_TIMER)
+            tl.debug_barrier()
+            for c0 in range(0, H, BLOCK):
+                cm = (c0 + cl)[None, :] < H
+                acc = tl.full((RB, BLOCK), 0.0, tl.float32)
+                for b in range(P):
+                    q = tl.load(npos + b, mask=ok, other=-1).to(tl.int64)
+                    m = (q >= 0)[:, None] & cm
+                    if (b == a) & (N == 1):  # this rank's own rows: x itself (q = rel[t, me])
+                        v = tl.load(x_ptr + (first + q)[:, None] * H + c0 + cl[None, :],
+                                    mask=m & (first + q < rows)[:, None], other=0.0)
+                        acc += v.to(tl.float32)
+                    else:
+                        slot = tl.where(b == a, P - 1, (b - a - 1 + P) % P)
+                        part = fin + (slot.to(tl.int64) * TM + q) * FW
+                        if N > 1:
+                            acc += tl.load(part.to(tl.pointer_type(tl.float32))[:, None] + c0 + cl[None, :], mask=m,
+                                           other=0.0)
+                        else:
+                            v = tl.load(part.to(tl.pointer_type(tl.bfloat16))[:, None] + c0 + cl[None, :], mask=m,
+                                        other=0.0)
+                            acc += v.to(tl.float32)
+                o = tt[:, None] * H + c0 + cl[None, :]
+                if NB > 0:
+                    acc += tl.load(b0_ptr + o, mask=ok[:, None] & cm, other=0.0).to(tl.float32)
+                if NB > 1:
+                    acc += tl.load(b1_ptr + o, mask=ok[:, None] & cm, other=0.0).to(tl.float32)
+                tl.store(out_ptr + o, acc.to(tl.bfloat16), mask=ok[:, None] & cm)
+            if HAS_W:
+                wacc = tl.full((RB, K_POW2), 0.0, tl.float32)
+                for b in range(P):
+                    q = tl.load(npos + b, mask=ok, other=-1).to(tl.int64)
+                    m = (q >= 0)[:, None] & km
+                    if (b == a) & (N == 1):
+                        wrow = (w_ptr + (first + q) * K).to(tl.pointer_type(tl.float32))
+                        m = m & (first + q < rows)[:, None]
+                    else:
+                        slot = tl.where(b == a, P - 1, (b - a - 1 + P) % P)
+                        wrow = (fin + (slot.to(tl.int64) * TM + q) * FW + WO).to(tl.pointer_type(tl.float32))
+                    wacc += tl.load(wrow[:, None] + kk[None, :], mask=m, other=0.0)
+                tl.store(wout_ptr + tt[:, None] * K + kk[None, :], wacc, mask=ok[:, None] & km)
+
+
+@triton.jit(do_not_specialize=['T', 'pc', 'rows'])
+def _hc_kernel(x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc, C, rpm_ptr, rcp_ptr, ncp_ptr, tbl_ptr,
+               out_ptr, wout_ptr, b0_ptr, b1_ptr, me, N, P, R, CH, ptr_table, area_off, par_bytes, stage_rel, fin_rel,
+               TM, ctr_off, CM, base_ptr, cnt_ptr, ticket_ptr, err_ptr, timeout_ns, s_lo, s_n, r_lo, r_n, f_lo, f_n,
+               BLOCK: tl.constexpr, RB: tl.constexpr, K_POW2: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr,
+               HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
+    """One combine (module docstring): program ``p`` is sender ``p - s_lo`` (of ``s_n``), then relay ``p -
+    r_lo`` (of ``r_n``), then final ``p - f_lo`` (of ``f_n``), where it is in their ranges. ``x [rows, H]``
+    BF16 (``xw`` the same as int32 words), ``w [rows, K]`` float32 weights as int32 words (``K = 0``: none);
+    the handle's layout as the dispatch's (``internode_ht._hd_kernel``), ``tbl [P-1, TM, N]`` the
+    forwarder's positions. Areas at ``area_off + parity * par_bytes`` (the device's count of combines,
+    ``cnt[0]``): relay slots at 0, staging at ``stage_rel``, final slots at ``fin_rel``, ``TM`` rows each."""
+    pid = tl.program_id(0)
+    cc = tl.load(cnt_ptr)
+    area = area_off + (cc % 2).to(tl.int64) * par_bytes  # (offsets past 2 GiB)
+    me8 = tl.load(ptr_table + me).to(tl.pointer_type(tl.uint8))
+    ctr32 = (me8 + ctr_off).to(tl.pointer_type(tl.int32))  # (a counter's low word: 2 * its index)
+    HW = (H + 1) // 2
+    C_CS = (P + R) * CM
+    C_FN = C_CS + R * CM
+    F_CS = (2 * P + 2 * R) * CM + P + N
+    F_FN = F_CS + N
+    if (pid >= s_lo) & (pid < s_lo + s_n):
+        _hc_send(pid - s_lo, s_n, xw_ptr, w_ptr, rows, HW, K, me, N, P, R, C, rpm_ptr, rcp_ptr, ptr_table, area, TM,
+                 ctr_off, ctr32, CM, C_CS, F_CS, cc, err_ptr, timeout_ns, BLOCK, RB, K_POW2, HAS_TIMER)
+    if (pid >= r_lo) & (pid < r_lo + r_n):
+        _hc_relay(pid - r_lo, r_n, x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc, me, N, P, R, C, CH,
+                  rpm_ptr, ncp_ptr, tbl_ptr, ptr_table, area, stage_rel, fin_rel, TM, ctr_off, ctr32, CM, C_CS, C_FN,
+                  F_FN, cc, base_ptr, err_ptr, timeout_ns, BLOCK, RB, K_POW2, HAS_TIMER, SIM)
+    if (pid >= f_lo) & (pid < f_lo + f_n):
+        _hc_final(pid - f_lo, f_n, x_ptr, w_ptr, rows, out_ptr, wout_ptr, b0_ptr, b1_ptr, H, K, rel_ptr, npos_ptr, T,
+                  pc, me, N, P, R, C, rpm_ptr, ptr_table, (me8 + area + fin_rel).to(tl.pointer_type(tl.int32)), TM,
+                  ctr_off, ctr32, CM, C_FN, base_ptr, err_ptr, timeout_ns, BLOCK, RB, K_POW2, HAS_W, NB, HAS_TIMER)
+    if ticket_last_n(ticket_ptr, tl.num_programs(0)):  # every program has read its slots: free them
+        b = me // N
+        i = me % N
+        for j2 in range(N):  # (as a relay) the senders of this node
+            if j2 != i:
+                signal(_sig(ptr_table, b * N + j2, ctr_off, F_CS + i), 1)
+        for b2 in range(P):  # (as a final) the relays of the other nodes
+            if b2 != b:
+                nv.signal_add(ptr_table, me, b2 * N + i, ctr_off + (F_FN + b) * 8, 1, SIM)
+        nv.quiet(SIM)
+        tl.store(cnt_ptr, cc + 1)

@@ -1,7 +1,7 @@
 """Run the internode high-throughput layout kernel (``kernels/internode_ht._hn_prep_kernel``) under
 TRITON_INTERPRET=1 on CPU against torch formulas: ``rel`` and ``npos`` (each token's row among the set
 rows of a rank's / a node's column), the channel prefix matrix (``layout.channel_prefix_matrix``) and
-the staged exchange rows, bitwise, for ranks in nodes of 1-4, no tokens, fewer tokens than channels and
+the staged exchange rows (with each rank's node's channel prefix), bitwise, for ranks in nodes of 1-4, no tokens, fewer tokens than channels and
 several blocks of tokens, fewer programs than ranks. Run by ``tests/unit/test_kernel_sims.py``; alone:
 ``PYTHONPATH=src python tests/unit/sims/sim_internode_prep.py``."""
 import epcomm.testing.interp  # noqa: F401  (sets TRITON_INTERPRET=1; must come before triton)
@@ -27,7 +27,7 @@ def run(T, R, N, C, L, block, seed, programs=None):
     P = R // N
     ntpr = is_in.sum(0, dtype=torch.int32) + torch.arange(R, dtype=torch.int32)  # any values: copied
     ntpe = torch.randint(0, 50, (R * L,), generator=g, dtype=torch.int32)
-    S = 2 * R + 1 + P + C + L + 3
+    S = 2 * R + 1 + P + 2 * C + L + 3
     stage = torch.full((R, S), -7, dtype=torch.int32)
     rel = torch.full((T, R), -9, dtype=torch.int32)
     npos = torch.full((T, P), -9, dtype=torch.int32)
@@ -48,6 +48,7 @@ def run(T, R, N, C, L, block, seed, programs=None):
     c0 = 2 * R + 1 + P
     want[:, c0:c0 + C] = want_cpm
     want[:, c0 + C:c0 + C + L] = ntpe.view(R, L)
+    want[:, c0 + C + L:c0 + 2 * C + L] = layout.channel_prefix_matrix(node, C).repeat_interleave(N, 0)
     assert_bitwise(stage, want, f"stage {what}")
     print("ok", what)
 
