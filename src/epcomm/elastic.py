@@ -150,6 +150,11 @@ class ElasticBuffer:
         self._configs: dict = {}  # num_sms -> the engine's Config for it (elastic_engine)
         self.device_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                            if self.device.type == "cuda" else 0)
+        self._kernels = None  # elastic_engine's steps as torch operations (the reference backend on CPU)
+        if self.device.type == "cuda" or self._backend.name != "reference":  # ... else as Triton kernels
+            from .backends.elastic_kernels import Kernels
+
+            self._kernels = Kernels()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._meet("ElasticBuffer/barrier")

@@ -178,6 +178,121 @@ def expanded_layout(local_idx: torch.Tensor, num_local_experts: int, expert_alig
     return ExpandedLayout(counts, psum, start + counts, slots, source)
 
 
+class RecvMeta(NamedTuple):
+    """What a dispatch derives from the backend's rows (``N`` rows, ``X`` expanded rows), for its handle,
+    its outputs and its combine:
+
+    - ``psum_rank int32[R]``: rows from source ranks ``0..r`` (``rank_prefix_matrix[:, me]``).
+    - ``gid int64[N]``: ``src_rank * M + src_token``, ``-1`` for padding rows.
+    - ``local int64[N, K]``: local expert ids, ``-1`` for lanes elsewhere and on padding rows;
+      ``local_out``: a copy (the contiguous layout's ``recv_topk_idx``), None when expanded.
+    - ``meta int32[N, K+2]``: ``recv_src_metadata`` (``[gid, src_rank * K + highest local lane, slots]``).
+    - ``counts int32[LE]``: real rows per local expert; ``psum int32[LE]``: the handle's prefix sums
+      (contiguous: inclusive sums of the aligned counts; expanded: aligned start + count).
+    - ``source int64[X]``: expanded only, ``row * K + lane`` filling each expanded row, ``-1`` padding.
+    - ``dst_slot int32[T, K]``: ``dst_buffer_slot_idx`` (``rank * M + row`` where each lane landed).
+    """
+
+    psum_rank: torch.Tensor
+    gid: torch.Tensor
+    local: torch.Tensor
+    local_out: torch.Tensor | None
+    meta: torch.Tensor
+    counts: torch.Tensor
+    psum: torch.Tensor
+    source: torch.Tensor
+    dst_slot: torch.Tensor
+
+
+def recv_meta(rank_prefix_matrix: torch.Tensor, rank: int, recv_src_idx: torch.Tensor, recv_local: torch.Tensor,
+              send_head: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens_per_rank: int, num_local_experts: int,
+              expert_alignment: int, num_expanded_rows: int, expand: bool,
+              cum_stats: torch.Tensor | None = None) -> RecvMeta:
+    """:class:`RecvMeta` of a dispatch from the backend's handle (``rank_prefix_matrix int32[R, R]``,
+    ``recv_src_idx int32[N]``, ``send_head int32[T, R]``), its rows' local ids ``recv_local int64[N, K]``
+    (rows past ``rank_prefix_matrix[-1, rank]`` are padding) and this rank's ``topk_idx int64[T, K]``;
+    ``cum_stats int32[LE]`` gains the counts. ``backends.elastic_kernels.Kernels.recv_meta`` computes the same.
+
+    Example (``R = 2, M = 4, LE = 2, K = 2``, rank 1, ``rank_prefix_matrix[:, 1] = [1, 3]``,
+    ``recv_src_idx = [2, 0, 3, *]``, ``recv_local = [[0, -1], [1, 0], [-1, 1], *]``): gid ``[2, 4, 7, -1]``,
+    meta column 1 ``[0, 3, 3, -1]``, counts ``[2, 2]``."""
+    n, k = recv_local.shape
+    dev, m, le = recv_local.device, num_max_tokens_per_rank, num_local_experts
+    psum_rank = rank_prefix_matrix[:, rank].to(torch.int32).contiguous()
+    rows = torch.arange(n, device=dev)
+    src_rank = torch.searchsorted(psum_rank.to(torch.int64), rows, right=True)
+    valid_row = rows < psum_rank[-1].to(torch.int64)
+    gid = torch.where(valid_row, src_rank * m + recv_src_idx.to(torch.int64), torch.full_like(rows, -1))
+    local = torch.where(valid_row.unsqueeze(1), recv_local, torch.full_like(recv_local, -1))
+    lay = expanded_layout(local, le, expert_alignment, num_expanded_rows if expand else 0)
+    if cum_stats is not None:
+        cum_stats += lay.counts
+    lane = torch.arange(k, device=dev)
+    master = torch.where(local >= 0, lane, torch.full_like(local, -1)).max(1).values if k else rows * 0
+    meta = torch.full((n, k + 2), -1, dtype=torch.int32, device=dev)
+    meta[:, 0] = gid.to(torch.int32)
+    meta[:, 1] = torch.where(valid_row & (master >= 0), src_rank * k + master, torch.full_like(rows, -1))
+    if expand:
+        meta[:, 2:] = lay.slots
+    d = torch.where(topk_idx >= 0, topk_idx // le, torch.zeros_like(topk_idx))
+    row_there = send_head.to(torch.int64).gather(1, d)
+    dst_slot = torch.where(topk_idx >= 0, d * m + row_there, torch.full_like(d, -1)).to(torch.int32)
+    return RecvMeta(psum_rank, gid, local, None if expand else local.clone(), meta, lay.counts,
+                    lay.psum_expanded if expand else lay.psum_contiguous, lay.source, dst_slot)
+
+
+class Rows(NamedTuple):
+    """One part of the contiguous rows: ``tensor`` (``[N, ...]``, any dtype), the part's first byte in a
+    row (``offset``) and the bytes from one row to the next (``stride``): a part of its own is
+    ``Rows(t, 0, row bytes)``; packed parts share one tensor at different offsets."""
+
+    tensor: torch.Tensor
+    offset: int
+    stride: int
+
+
+def _part(r: Rows, nbytes: int) -> torch.Tensor:
+    """``uint8[N, nbytes]``: the bytes of part ``r``."""
+    return r.tensor.view(torch.uint8).reshape(-1, r.stride)[:, r.offset:r.offset + nbytes]
+
+
+def gather_rows(t: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``t[rows]`` (any dtype, FP8 through bytes); rows where ``keep`` is False become zero bytes."""
+    raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    out = raw[rows]
+    if keep is not None:
+        out = torch.where(keep.view(-1, *([1] * (out.dim() - 1))), out, torch.zeros((), dtype=out.dtype,
+                                                                                       device=out.device))
+    return out.view(t.dtype) if t.dtype == torch.float8_e4m3fn else out
+
+
+def sf_layout(sf: torch.Tensor | None, tma: bool) -> torch.Tensor | None:
+    """``sf [rows, P]`` row-major, or (``tma``) column-major with a 4-row aligned column stride."""
+    if sf is None or not tma:
+        return sf
+    rows, p = sf.shape
+    out = torch.empty_strided((rows, p), (1, align(max(rows, 1), 4)), dtype=sf.dtype, device=sf.device)
+    out.copy_(sf)
+    return out
+
+
+def expand_rows(source: torch.Tensor, k: int, zero_pad: bool, x: Rows, x_dtype: torch.dtype, h: int,
+                sf: Rows | None, sf_dtype, p: int, tma_sf: bool, w: Rows | None):
+    """The expanded layout's rows: ``(x [X, H], sf [X, P] or None, weights f32[X] or None)``; expanded row
+    ``e`` holds contiguous row ``source[e] // K`` (weight: its lane ``source[e] % K``). Padding rows
+    (``source < 0``) are zero with ``zero_pad``, else unspecified (here: row 0's bytes; the kernel,
+    ``backends.elastic_kernels.Kernels.copy_epilogue``, leaves them unwritten)."""
+    keep = (source >= 0) if zero_pad else None
+    row = source.clamp(min=0) // max(k, 1)
+    ex = gather_rows(_part(x, h * x_dtype.itemsize), row, keep).view(x_dtype)
+    esf = ew = None
+    if sf is not None:
+        esf = sf_layout(gather_rows(_part(sf, 4 * p), row, keep).view(sf_dtype), tma_sf)
+    if w is not None:
+        ew = gather_rows(_part(w, 4 * k).contiguous().view(torch.float32).reshape(-1), source.clamp(min=0), keep)
+    return ex, esf, ew
+
+
 def master_lanes(topk_idx: torch.Tensor, num_local_experts: int) -> torch.Tensor:
     """``bool[T, K]``: lane ``j`` is the master of its rank (the highest lane whose expert sits on the same
     rank); the reduction adds each rank's partial at its master lane. Example (``LE = 2``):

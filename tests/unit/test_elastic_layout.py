@@ -1,10 +1,17 @@
 """Tier 1: the layout math of ``ElasticBuffer`` (``epcomm.elastic_layout``), worked examples written out by
 hand, DeepEP's sizing figures, and the V2 additions to ``EventOverlap``."""
 
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from epcomm import elastic_layout as EL
 from epcomm.event import EventOverlap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_buffer_sizes_match_deepeps_figures():
@@ -89,43 +96,44 @@ def test_event_overlap_hook_runs_once_after_the_wait_and_release_drops_the_event
     assert calls == [1] and ev.event is None
 
 
-_SIM = r"""
-import os
-os.environ["TRITON_INTERPRET"] = "1"
-from epcomm.testing import interp  # noqa: F401  (the interpreter's NumPy 2 fix)
-import torch
-from epcomm.kernels import v2
-g = torch.Generator().manual_seed(0)
-src = torch.randint(0, 256, (5, 40), generator=g, dtype=torch.uint8)   # N = 5 rows of 40 bytes (BLOCK 16: 3 steps)
-source = torch.tensor([0, -1, 3, 9, -1, 4], dtype=torch.int64)          # K = 2: rows 0, pad, 1, 4, pad, 2
-for zero in (False, True):
-    out = torch.full((6, 40), 7, dtype=torch.uint8)
-    v2._dispatch_copy_epilogue_impl_kernel[(2,)](src, source, out, 6, 2, ROW=40, ZERO=zero, BLOCK=16)
-    for e, s in enumerate(source.tolist()):
-        want = src[s // 2] if s >= 0 else torch.full((40,), 0 if zero else 7, dtype=torch.uint8)
-        assert torch.equal(out[e], want), (zero, e, out[e], want)
-# the combine's reduction: float32, biases first, lanes in order, unused lanes adding zero
-R, M, K, H = 2, 3, 4, 40
-got = (torch.randn(R * M, H + 8, generator=g) * 2.0 ** torch.randint(-8, 8, (R * M, 1), generator=g)).bfloat16()
-use = torch.rand(M, K, generator=g) < 0.6
-owner = torch.randint(0, R, (M, K), generator=g)
-b = [torch.randn(M, H, generator=g).bfloat16() for _ in range(2)]
-for nb in (0, 1, 2):
-    out = torch.empty(M, H, dtype=torch.float32)
-    v2._combine_reduce_epilogue_impl_kernel[(M, 3)](got, use.to(torch.int8), owner, b[0], b[1], out, M, K, H + 8, H,
-                                                   NB=nb, OUT_F32=True, BLOCK=16)
-    acc = b[0].float() + b[1].float() if nb == 2 else (b[0].float() if nb else torch.zeros(M, H))
-    for j in range(K):
-        rows = got[owner[:, j] * M + torch.arange(M), :H].float()
-        acc = acc + torch.where(use[:, j:j + 1], rows, torch.zeros(()))
-    assert torch.equal(out, acc), (nb, (out - acc).abs().max())
-print("ok")
-"""
+SIMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sims")
 
 
-def test_v2_epilogue_kernels_under_the_interpreter():
-    import subprocess
-    import sys
+def _run_script(name: str, compile_only: bool = False) -> None:
+    """``sims/<name>`` in its own process; it prints ``plan N`` first, then one ``ok`` line a check passed."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+    if compile_only:
+        env.pop("TRITON_INTERPRET", None)  # Triton's compiler itself, for sm_90
+    res = subprocess.run([sys.executable, os.path.join(SIMS, name)], env=env, cwd=ROOT, check=False,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    lines = res.stdout.splitlines()
+    plans = [int(line.split()[1]) for line in lines if line.startswith("plan ")]
+    oks = [line for line in lines if line.startswith("ok")]
+    assert len(plans) == 1 and plans[0] > 0 and len(oks) == plans[0], res.stdout
 
-    res = subprocess.run([sys.executable, "-c", _SIM], check=False, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
+
+def test_v2_kernels_match_their_torch_twins_under_the_interpreter():
+    _run_script("sim_elastic.py")
+
+
+def test_v2_kernels_compile_for_sm90():
+    _run_script("compile_elastic.py", compile_only=True)
+
+
+def test_host_count_sees_each_kind_of_work():
+    """``testing.torch_calls.HostCount`` (the host budget of tests/dist/test_elastic_backends_cpu.py): an
+    allocation, device work, a view, a host read and a paused part each land where they should."""
+    pytest.importorskip("triton")
+    from epcomm.testing.torch_calls import HostCount
+
+    x = torch.zeros(4)
+    with HostCount(log=True) as c:
+        y = torch.arange(4) * 2  # 2 calls, 1 allocation, 2 launches
+        y.view(2, 2)  # a call, no launch
+        bool(y.sum())  # 2 calls, a launch, a host read
+        with c.paused():
+            x.add_(1).clone()
+    assert (c.ops, c.allocs, c.launches, c.syncs) == (5, 1, 3, 1), (c.counts(), c.calls.names, c.kernels)
+    assert c.calls.names == ["arange", "mul", "view", "sum", "__bool__"] and c.kernels == ["arange", "mul", "sum"]

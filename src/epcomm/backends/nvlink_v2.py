@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .nvlink_params import TIMER
+from .nvlink_params import TIMER, _aligned
 
 PROGRAMS = 16  # programs when num_sms is 0 (every rank passes the same num_sms to a call, as DeepEP asks)
 BLOCK = 512    # int32 words a step
@@ -25,31 +25,44 @@ def _align(n: int, a: int = 256) -> int:
     return (n + a - 1) // a * a
 
 
-def return_rows(be, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: str, num_sms: int = 0) -> torch.Tensor:
-    """As ``Backend.return_rows``; ``rows uint8[n, W]`` with ``W`` a multiple of 4."""
-    from ..kernels import v2
+class _Area:
+    """One call shape's places in the symmetric buffer (made once per ``(slots, W)``): the flags, the
+    area as ``uint8[R, S, W]`` and their offsets."""
 
+    def __init__(self, be, slots: int, w: int):
+        r_ = be.num_ranks
+        self.flags_off = be.ht_off + be.nvl_bytes // 2
+        self.area_off = self.flags_off + _align(8 * r_)
+        need = self.area_off + r_ * slots * w
+        if need > be.ht_off + be.nvl_bytes:
+            raise ValueError(f"num_nvl_bytes={be.nvl_bytes} holds no combine area of {r_} x {slots} rows of {w} "
+                             f"bytes (needs {2 * (need - self.flags_off)}); make the ElasticBuffer with the MoE shape")
+        self.flags = be.symm[self.flags_off:self.flags_off + 8 * r_].view(torch.int32)
+        self.area = be.symm[self.area_off:self.area_off + r_ * slots * w].view(r_, slots, w)
+
+
+def return_rows(be, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: str, num_sms: int = 0) -> torch.Tensor:
+    """As ``Backend.return_rows``; ``rows uint8[n, W]`` with ``W`` a multiple of 4. The launches are bound
+    once per shape (``backends/elastic_kernels.Kernels``): a call costs a few torch calls on the host."""
     be._check_error()
-    r_, w = be.num_ranks, rows.shape[1]
+    n, w = rows.shape
     if w % 4:
         raise ValueError(f"return_rows needs rows of a multiple of 4 bytes, got {w}")
-    flags_off = be.ht_off + be.nvl_bytes // 2
-    area_off = flags_off + _align(8 * r_)
-    need = area_off + r_ * slots * w
-    if need > be.ht_off + be.nvl_bytes:
-        raise ValueError(f"num_nvl_bytes={be.nvl_bytes} holds no combine area of {r_} x {slots} rows of {w} "
-                         f"bytes (needs {2 * (need - flags_off)}); make the ElasticBuffer with the MoE shape")
-    epoch = getattr(be, "_v2_epoch", None)
-    if epoch is None:
-        epoch = be._v2_epoch = torch.zeros(2, dtype=torch.int32, device=be.device)  # [calls, programs so far]
-    flags = be.symm[flags_off:flags_off + 8 * r_].view(torch.int32)
-    n = rows.shape[0]
-    words = rows.contiguous().view(torch.int32) if n else torch.zeros(1, w // 4, dtype=torch.int32,
-                                                                      device=rows.device)
+    st = getattr(be, "_v2", None)
+    if st is None:
+        from .elastic_kernels import Kernels
+
+        st = be._v2 = {"epoch": torch.zeros(2, dtype=torch.int32, device=be.device),  # [calls, programs so far]
+                       "kernels": Kernels()}
+    area = st.get((slots, w))
+    if area is None:
+        area = st[(slots, w)] = _Area(be, slots, w)
+    r_, epoch, kern = be.num_ranks, st["epoch"], st["kernels"]
     programs = num_sms or PROGRAMS
-    v2._combine_impl_kernel[(programs,)](
-        words, dst.contiguous(), n, w // 4, slots, be.ptr_table, area_off, flags_off, flags, epoch, be.rank, r_,
-        be.err, be._timeout_ns, HAS_TIMER=TIMER, BLOCK=BLOCK, num_warps=4)
-    v2._combine_arrive_kernel[(1,)](flags, epoch, r_, programs, be.err, be._timeout_ns, HAS_TIMER=TIMER,
-                                    num_warps=1)
-    return be.symm[area_off:area_off + r_ * slots * w].view(r_, slots, w)
+    rows = rows if n else area.flags  # (a placeholder: no row is read)
+    kern.launch("_combine_impl_kernel", (w, slots, be._timeout_ns, rows.dtype, _aligned(rows)), dict(W=w // 4, HAS_TIMER=TIMER, BLOCK=BLOCK, num_warps=4),
+                (programs, 1, 1), rows, dst, n, slots, be.ptr_table, area.area_off, area.flags_off, area.flags,
+                epoch, be.rank, r_, be.err, be._timeout_ns)
+    kern.launch("_combine_arrive_kernel", (be._timeout_ns,), dict(HAS_TIMER=TIMER, num_warps=1), (1, 1, 1), area.flags, epoch, r_,
+                programs, be.err, be._timeout_ns)
+    return area.area

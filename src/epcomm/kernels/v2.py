@@ -1,6 +1,18 @@
-"""Kernels of ``ElasticBuffer``'s combine transport on the nvlink backend (``backends/nvlink_v2.py``): every
-rank stores its rows straight into their owners' symmetric buffers, then waits until every peer's rows have
-landed in its own. Flags follow ``common.py``'s protocol (counters that only grow, release/acquire at system
+"""Kernels of ``ElasticBuffer`` (DeepEP V2's API), launched by ``backends/elastic_kernels.py`` wherever the
+backend runs kernels (each has a torch twin in ``elastic_layout.py``, the same bytes):
+
+- dispatch: ``_send_layout_kernel`` (the backend's layout inputs), ``_recv_meta_kernel`` and
+  ``_expert_layout_kernel`` (the handle's metadata, counts, prefix sums and the expanded layout),
+  ``_dispatch_copy_epilogue_impl_kernel`` (the expanded rows);
+- combine: ``_combine_pack_kernel`` (the rows sent back), ``_combine_reduce_epilogue_impl_kernel`` (the
+  reduction at the owner);
+- the combine transport on the nvlink backend (``backends/nvlink_v2.py``), below.
+
+Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``LE = E/R``, ``M`` max tokens a
+rank, ``N`` contiguous rows, ``X`` expanded rows.
+
+The transport: every rank stores its rows straight into their owners' symmetric buffers, then waits until
+every peer's rows have landed in its own. Flags follow ``common.py``'s protocol (counters that only grow, release/acquire at system
 scope), so nothing is reset between calls and a CUDA graph replays them.
 
 Flags in each rank's buffer (int32): ``free[R]`` (peer ``r`` has finished reading its area: it may be
@@ -20,13 +32,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import peer_ptr, signal, wait_ge
+from .common import INTERPRETED, peer_ptr, signal, wait_ge
 
 
-@triton.jit
-def _combine_impl_kernel(rows, dst, n, W: tl.constexpr, slots, ptr_table, area_off, flags_off, flags,
-                         epoch_ptr, me, R, err_ptr, timeout_ns, HAS_TIMER: tl.constexpr, BLOCK: tl.constexpr):
-    """``rows int32[n, W]`` (W words a row), ``dst int64[n]`` (-1: nowhere) -> the owners' areas."""
+@triton.jit(do_not_specialize=["n", "slots", "area_off", "flags_off", "me", "R", "timeout_ns"])
+def _combine_impl_kernel(rows, dst, n, slots, ptr_table, area_off, flags_off, flags, epoch_ptr, me, R, err_ptr,
+                         timeout_ns, W: tl.constexpr, HAS_TIMER: tl.constexpr, BLOCK: tl.constexpr):
+    """``rows [n, 4W]`` bytes (W words a row), ``dst int64[n]`` (-1: nowhere) -> the owners' areas."""
+    rows = rows.to(tl.pointer_type(tl.int32), bitcast=True)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     e = tl.load(epoch_ptr) + 1
@@ -49,7 +62,7 @@ def _combine_impl_kernel(rows, dst, n, W: tl.constexpr, slots, ptr_table, area_o
         signal(peer_ptr(ptr_table, q, flags_off + (R + me) * 4, tl.int32), 1)  # data[me] on every peer
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "P", "timeout_ns"])
 def _combine_arrive_kernel(flags, epoch_ptr, R, P, err_ptr, timeout_ns, HAS_TIMER: tl.constexpr):
     """Wait until every peer's ``P`` programs have stored their rows here, then count the call:
     ``epoch = [calls, programs of every call so far]``, so calls with different ``num_sms`` (``P``) count
@@ -62,54 +75,325 @@ def _combine_arrive_kernel(flags, epoch_ptr, R, P, err_ptr, timeout_ns, HAS_TIME
     tl.store(epoch_ptr + 1, target)
 
 
-@triton.jit
-def _dispatch_copy_epilogue_impl_kernel(src, source, out, X, K, ROW: tl.constexpr, ZERO: tl.constexpr,
-                                        BLOCK: tl.constexpr):
-    """The expanded layout's copy: expanded row ``e`` of ``out uint8[X, ROW]`` takes contiguous row
-    ``source[e] // K`` of ``src uint8[N, ROW]``; a padding row (``source[e] < 0``) is zeroed with ``ZERO``,
-    else left as it is (DeepEP leaves it uninitialised), so a worst-case layout costs only its real rows.
 
-    Example: ``K = 2``, ``source = [0, -1, 3]`` -> rows ``[src[0], (zero or untouched), src[1]]``."""
+# ----------------------------------------------------------------------------- dispatch: layout and metadata
+
+
+@triton.jit
+def _bf16(acc):
+    """float32 -> BF16, rounded to nearest even. Under the interpreter (whose cast truncates) by integer
+    arithmetic, as torch rounds (NaN -> 0x7FC0); compiled, the hardware's conversion."""
+    if INTERPRETED:
+        bits = acc.to(tl.uint32, bitcast=True)
+        r = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+        r = tl.where(acc != acc, 0x7FC0, r).to(tl.uint16)
+        return r.to(tl.bfloat16, bitcast=True)
+    else:
+        return acc.to(tl.bfloat16)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _send_layout_kernel(idx, T, per_rank, per_expert, in_rank, K: tl.constexpr, E: tl.constexpr,
+                        LE: tl.constexpr, R: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr):
+    """``layout.dispatch_layout`` of ``idx int64[T, K]`` for a block of ``BT`` tokens a program:
+    ``per_expert int32[E]`` and ``per_rank int32[R]`` (zeroed by the caller) gain the block's counts,
+    ``in_rank bool[T, R]`` is written. Ids outside ``[0, E)`` count nowhere (the backend reports them).
+
+    Example: ``E = 4, R = 2``, ``idx = [[0, 3], [1, -1]]`` -> per_expert ``[1, 1, 0, 1]``, in_rank
+    ``[[1, 1], [1, 0]]``, per_rank ``[2, 1]``."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tm = t < T
+    lanes = tl.arange(0, KP)
+    ids = tl.load(idx + t[:, None] * K + lanes[None, :], mask=tm[:, None] & (lanes[None, :] < K), other=-1)
+    valid = (ids >= 0) & (ids < E)
+    tl.atomic_add(per_expert + tl.where(valid, ids, 0), 1, mask=valid, sem="relaxed")
+    for r0 in range(0, R, RB):
+        rs = r0 + tl.arange(0, RB)
+        hit = tl.zeros([BT, RB], dtype=tl.int32)
+        for j in range(K):
+            d = tl.load(idx + t * K + j, mask=tm, other=-1)
+            d = tl.where((d >= 0) & (d < E), d // LE, -1)
+            hit = hit | (d[:, None] == rs[None, :]).to(tl.int32)
+        rm = rs < R
+        tl.store(in_rank + t[:, None] * R + rs[None, :], hit != 0, mask=tm[:, None] & rm[None, :])
+        tl.atomic_add(per_rank + rs, tl.sum(hit, 0), mask=rm, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["N", "T", "M"])
+def _recv_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, gid, counts, psum_rank, topk,
+                      send_head, T, dst_slot, M, R: tl.constexpr, K: tl.constexpr, LE: tl.constexpr,
+                      KP: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr, COPY: tl.constexpr,
+                      EXPAND: tl.constexpr):
+    """Per received row (programs ``0 .. ceil(N/BN)-1``, ``BN`` rows each) and per sent token (the programs
+    after, ``BN`` tokens each), what ``elastic_layout.recv_meta`` computes in torch:
+
+    - ``rpm int32[R, R]`` (``rank_prefix_matrix``): column ``me`` -> ``psum_rank int32[R]``; a row's source
+      rank is the number of entries ``<=`` its index; rows from the last entry on are padding.
+    - ``gid int64[N]`` = ``src_rank * M + recv_src[row]`` (``-1``: padding), ``local int64[N, K]`` (and
+      ``local_out`` with ``COPY``) = ``recv_local`` with padding rows ``-1``; ``counts int32[LE]``
+      (zeroed) gains each local id once.
+    - ``meta int32[N, K+2]``: ``[gid, src_rank * K + highest local lane or -1, -1 ...]``; with ``EXPAND``
+      the local lanes' columns are left to ``_expert_layout_kernel``.
+    - ``dst_slot int32[T, K]`` = ``d * M + send_head[t, d]`` with ``d = topk[t, j] // LE``, ``-1`` for
+      ``-1`` lanes.
+
+    Example (``R = 2, M = 4, K = 2``, rank 1, ``rpm[:, 1] = [1, 3]``, ``N = 4``, ``recv_src = [2, 0, 3, *]``,
+    ``recv_local = [[0, -1], [1, 0], [-1, 1], *]``): gid ``[2, 4, 7, -1]``, meta column 1 ``[0, 3, 3, -1]``,
+    counts ``[2, 2]``."""
+    pid = tl.program_id(0)
+    nbn = tl.maximum((N + BN - 1) // BN, 1)  # program 0 handles rows (psum_rank) even when N = 0
+    lanes = tl.arange(0, KP)
+    lm = lanes < K
+    if pid < nbn:
+        rows = pid * BN + tl.arange(0, BN)
+        rm = rows < N
+        src = tl.zeros([BN], dtype=tl.int32)
+        for r0 in range(0, R, RB):
+            rs = r0 + tl.arange(0, RB)
+            p = tl.load(rpm + rs * R + me, mask=rs < R, other=2147483647)
+            src += tl.sum((rows[:, None] >= p[None, :]).to(tl.int32), 1)
+            if pid == 0:
+                tl.store(psum_rank + rs, p, mask=rs < R)
+        total = tl.load(rpm + (R - 1) * R + me)
+        valid = rows < total
+        sidx = tl.load(recv_src + rows, mask=valid & rm, other=0)
+        g = tl.where(valid, src.to(tl.int64) * M + sidx, -1)
+        tl.store(gid + rows, g, mask=rm)
+        m2 = rm[:, None] & lm[None, :]
+        at = rows[:, None] * K + lanes[None, :]
+        loc = tl.load(recv_local + at, mask=valid[:, None] & lm[None, :], other=-1)
+        tl.store(local + at, loc, mask=m2)
+        if COPY:
+            tl.store(local_out + at, loc, mask=m2)
+        here = loc >= 0
+        tl.atomic_add(counts + tl.where(here, loc, 0), 1, mask=here, sem="relaxed")
+        master = tl.max(tl.where(here, lanes[None, :], -1), 1)
+        mrow = meta + rows * (K + 2)
+        tl.store(mrow, g.to(tl.int32), mask=rm)
+        tl.store(mrow + 1, tl.where(valid & (master >= 0), src * K + master, -1), mask=rm)
+        if EXPAND:
+            m2 = m2 & ~here
+        tl.store(mrow[:, None] + 2 + lanes[None, :], tl.full([BN, KP], -1, tl.int32), mask=m2)
+    else:
+        t = (pid - nbn) * BN + tl.arange(0, BN)
+        tm = t[:, None] < T
+        at = t[:, None] * K + lanes[None, :]
+        ids = tl.load(topk + at, mask=tm & lm[None, :], other=-1)
+        d = tl.where(ids >= 0, ids // LE, 0)
+        ok = (ids >= 0) & (d < R)
+        there = tl.load(send_head + t[:, None] * R + d, mask=ok & tm, other=0)
+        tl.store(dst_slot + at, tl.where(ok, d * M + there, -1).to(tl.int32), mask=tm & lm[None, :])
+
+
+@triton.jit(do_not_specialize=["me", "A", "X"])
+def _expert_layout_kernel(counts, psum, cum, local, rpm, me, A, meta, source, X, R: tl.constexpr, K: tl.constexpr,
+                          LE: tl.constexpr, LEP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
+                          EXPAND: tl.constexpr, HAS_CUM: tl.constexpr):
+    """From the real counts ``counts int32[LE]`` (``_recv_meta_kernel``'s) and alignment ``A``: program 0
+    writes ``psum int32[LE]`` (contiguous: inclusive sums of the aligned counts; ``EXPAND``: aligned start +
+    count) and adds the counts to ``cum`` (``HAS_CUM``). With ``EXPAND`` program ``e`` lays out expert
+    ``e``: its rows in row order from its aligned start (``meta[row, 2 + lane]``, and ``source int64[X]`` =
+    ``row * K + lane``), its padding and a share of the tail ``source`` rows set to ``-1``. Only the real
+    rows (``rpm[R-1, me]``) of ``local int64[N, K]`` are read.
+
+    Example (``LE = 2, A = 2``): ``local = [[0, 1], [-1, 1]]`` -> counts ``[1, 2]``, psum ``[1, 4]``, meta
+    lanes ``[[0, 2], [-1, 3]]``, source ``[0, -1, 1, 3]``."""
+    es = tl.arange(0, LEP)
+    em = es < LE
+    c = tl.load(counts + es, mask=em, other=0)
+    al = (c + A - 1) // A * A
+    incl = tl.cumsum(al, 0)
+    start = incl - al
+    pid = tl.program_id(0)
+    if pid == 0:
+        if EXPAND:
+            tl.store(psum + es, start + c, mask=em)
+        else:
+            tl.store(psum + es, incl, mask=em)
+        if HAS_CUM:
+            tl.store(cum + es, tl.load(cum + es, mask=em, other=0) + c, mask=em)
+    if EXPAND:
+        s_e = tl.sum(tl.where(es == pid, start, 0), 0)
+        pad_lo = s_e + tl.sum(tl.where(es == pid, c, 0), 0)
+        pad_hi = s_e + tl.sum(tl.where(es == pid, al, 0), 0)
+        lanes = tl.arange(0, KP)
+        lm = lanes < K
+        total = tl.load(rpm + (R - 1) * R + me)
+        run = s_e
+        for b in range(0, total, BN):
+            rows = b + tl.arange(0, BN)
+            at = rows[:, None] * K + lanes[None, :]
+            loc = tl.load(local + at, mask=(rows[:, None] < total) & lm[None, :], other=-1)
+            hit = loc == pid
+            has = tl.sum(hit.to(tl.int32), 1)
+            pos = run + tl.cumsum(has, 0) - has
+            pos2 = tl.broadcast_to(pos[:, None], [BN, KP])
+            tl.store(meta + rows[:, None] * (K + 2) + 2 + lanes[None, :], pos2, mask=hit)
+            tl.store(source + pos2, at.to(tl.int64), mask=hit)
+            run += tl.sum(has, 0)
+        offs = tl.arange(0, BN)
+        for p0 in range(pad_lo, pad_hi, BN):
+            tl.store(source + p0 + offs, tl.full([BN], -1, tl.int64), mask=p0 + offs < pad_hi)
+        end = tl.sum(al, 0)
+        for p0 in range(end + pid * BN, X, LE * BN):
+            tl.store(source + p0 + offs, tl.full([BN], -1, tl.int64), mask=p0 + offs < X)
+
+
+@triton.jit(do_not_specialize=["X", "sf_rs", "sf_cs"])
+def _dispatch_copy_epilogue_impl_kernel(src, source, out, X, sf_src, sf_out, sf_rs, sf_cs, w_src, w_out,
+                                        K: tl.constexpr, ROW: tl.constexpr, SRC_STRIDE: tl.constexpr,
+                                        SFB: tl.constexpr, SFBP: tl.constexpr, SF_OFF: tl.constexpr,
+                                        SF_STRIDE: tl.constexpr, W_OFF: tl.constexpr, W_STRIDE: tl.constexpr,
+                                        HAS_SF: tl.constexpr, HAS_W: tl.constexpr, ZERO: tl.constexpr,
+                                        BLOCK: tl.constexpr):
+    """The expanded layout's copy: expanded row ``e`` takes contiguous row ``r = source[e] // K`` (lane
+    ``source[e] % K``): ``ROW`` bytes of ``src`` (rows ``SRC_STRIDE`` bytes apart) into ``out uint8[X, ROW]``;
+    with ``HAS_SF`` the ``SFB`` bytes of scale packs from byte ``SF_OFF`` of ``sf_src``'s rows (``SF_STRIDE``
+    bytes apart) into ``sf_out`` (4-byte element ``(e, c)`` at ``e * sf_rs + c * sf_cs``); with ``HAS_W``
+    the lane's 4-byte weight from byte ``W_OFF`` of ``w_src``'s rows (``W_STRIDE`` bytes apart) into
+    ``w_out[e]``. Sources are bytes, so packed
+    rows (x, packs and weights side by side) are read in place. A padding row (``source[e] < 0``) is
+    zeroed with ``ZERO``, else left as it is (DeepEP leaves it uninitialised), so a worst-case layout
+    costs only its real rows.
+
+    Example: ``K = 2``, ``source = [0, -1, 3]`` -> rows ``[src[0], (zero or untouched), src[1]]``, weights
+    ``[w[0, 0], (0 or untouched), w[1, 1]]``."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)
+    sb = tl.arange(0, SFBP)
+    sm = sb < SFB
+    wb = tl.arange(0, 4)
+    src8 = src.to(tl.pointer_type(tl.uint8), bitcast=True)
+    out8 = out.to(tl.pointer_type(tl.uint8), bitcast=True)
+    sf_src8 = sf_src.to(tl.pointer_type(tl.uint8), bitcast=True)
+    sf_out8 = sf_out.to(tl.pointer_type(tl.uint8), bitcast=True)
+    w_src8 = w_src.to(tl.pointer_type(tl.uint8), bitcast=True)
+    w_out8 = w_out.to(tl.pointer_type(tl.uint8), bitcast=True)
     for e in range(pid, X, nprog):
         s = tl.load(source + e)
-        dst = out + (e + tl.zeros((), tl.int64)) * ROW  # int64: X * ROW may pass 2**31
+        e64 = e + tl.zeros((), tl.int64)  # int64: X * ROW may pass 2**31
+        dst = out8 + e64 * ROW
+        sf_dst = sf_out8 + (e64 * sf_rs + (sb // 4) * sf_cs) * 4 + sb % 4
         if s >= 0:
-            row = src + (s // K) * ROW
+            r = s // K
+            row = src8 + r * SRC_STRIDE
             for c in range(0, ROW, BLOCK):
                 m = (c + offs) < ROW
                 tl.store(dst + c + offs, tl.load(row + c + offs, mask=m), mask=m)
+            if HAS_SF:
+                tl.store(sf_dst, tl.load(sf_src8 + SF_OFF + r * SF_STRIDE + sb, mask=sm), mask=sm)
+            if HAS_W:
+                tl.store(w_out8 + e64 * 4 + wb, tl.load(w_src8 + W_OFF + r * W_STRIDE + (s % K) * 4 + wb))
         elif ZERO:
             for c in range(0, ROW, BLOCK):
                 m = (c + offs) < ROW
                 tl.store(dst + c + offs, tl.zeros([BLOCK], dtype=tl.uint8), mask=m)
+            if HAS_SF:
+                tl.store(sf_dst, tl.zeros([SFBP], dtype=tl.uint8), mask=sm)
+            if HAS_W:
+                tl.store(w_out8 + e64 * 4 + wb, tl.zeros([4], dtype=tl.uint8))
 
 
-@triton.jit
-def _combine_reduce_epilogue_impl_kernel(got, use, owner, b0, b1, out, M, K, ROW_ELEMS, H, NB: tl.constexpr,
-                                         OUT_F32: tl.constexpr, BLOCK: tl.constexpr):
-    """The combine's reduction at the owner, in DeepEP's fixed order: for token ``t`` (program 0) and a block
-    of the hidden dim (program 1), ``acc = b0 + b1`` (``NB`` biases; float32, or zeros), then for lanes
-    ``j = 0 .. K-1`` ``acc += got[owner[t, j] * M + t]`` where ``use[t, j]``, else ``+= 0``; one BF16
-    rounding (``OUT_F32``: the float32 sum itself, for the interpreter, whose BF16 cast truncates).
-    ``got bf16[R*M, ROW_ELEMS]``: the rows each rank sent back (their first ``H`` elements)."""
+# ----------------------------------------------------------------------------- combine: the epilogues
+
+
+@triton.jit(do_not_specialize=["lane"])
+def _combine_pack_kernel(x, meta, w, rows, dst, lane, K: tl.constexpr, KP: tl.constexpr, H: tl.constexpr,
+                         W: tl.constexpr, HAS_W: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """The rows a combine sends back (``rows``: ``W`` bytes each), for contiguous row ``n`` (program 0) and
+    a block of the hidden dim (program 1); rows whose ``meta[n, 0]`` (the source token) is ``-1`` are
+    padding and left alone. ``meta int32[N, K+2]``: columns 2.. the expanded row of each lane.
+
+    - ``MODE`` 0: row ``n`` of ``x bf16[N, H]`` as it is; ``HAS_W``: ``w f32[N, K]``'s row from byte ``2H``.
+    - ``MODE`` 1: the local lanes' rows of ``x bf16[X, H]`` summed in lane order in float32 from zero, one
+      BF16 rounding (``elastic_layout.local_reduce``); ``HAS_W``: each lane's weight ``w f32[X]`` at its
+      expanded row (``0`` elsewhere) from byte ``2H``.
+    - ``MODE`` 2: lane ``lane``'s expanded row of ``x bf16[X, H]`` as it is, and ``dst int64[N]`` = the source
+      token where that lane is local, else ``-1`` (one transport a lane).
+
+    Example (``K = 2``, ``MODE`` 1): ``meta[n] = [5, 1, 0, 2]`` -> ``x[0] + x[2]`` rounded once, weights
+    ``[w[0], w[2]]``."""
+    n = tl.program_id(0)
+    hb = tl.program_id(1)
+    offs = hb * BLOCK + tl.arange(0, BLOCK)
+    m = offs < H
+    mrow = meta + n * (K + 2)
+    g = tl.load(mrow)
+    base = rows + n.to(tl.int64) * W
+    out = base.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    wout = (base + 2 * H).to(tl.pointer_type(tl.float32), bitcast=True)
+    lanes = tl.arange(0, KP)
+    if MODE == 2:
+        s = tl.load(mrow + 2 + lane)
+        use = (s >= 0) & (g >= 0)
+        if hb == 0:
+            tl.store(dst + n, tl.where(use, g.to(tl.int64), -1))
+        if use:
+            tl.store(out + offs, tl.load(x + s.to(tl.int64) * H + offs, mask=m), mask=m)
+    elif g >= 0:
+        if MODE == 0:
+            tl.store(out + offs, tl.load(x + n.to(tl.int64) * H + offs, mask=m), mask=m)
+            if HAS_W:
+                if hb == 0:
+                    tl.store(wout + lanes, tl.load(w + n * K + lanes, mask=lanes < K), mask=lanes < K)
+        else:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for j in range(K):
+                s = tl.load(mrow + 2 + j)
+                acc += tl.load(x + s.to(tl.int64) * H + offs, mask=m & (s >= 0), other=0.0).to(tl.float32)
+            tl.store(out + offs, _bf16(acc), mask=m)
+            if HAS_W:
+                if hb == 0:
+                    s = tl.load(mrow + 2 + lanes, mask=lanes < K, other=-1)
+                    tl.store(wout + lanes, tl.load(w + s, mask=s >= 0, other=0.0), mask=lanes < K)
+
+
+@triton.jit(do_not_specialize=["M", "J0", "J1"])
+def _combine_reduce_epilogue_impl_kernel(got, topk, b0, b1, acc_io, out, out_w, M, J0, J1, K: tl.constexpr,
+                                         KP: tl.constexpr, LE: tl.constexpr, ROW: tl.constexpr, H: tl.constexpr,
+                                         W_OFF: tl.constexpr, NB: tl.constexpr, MASTER: tl.constexpr,
+                                         HAS_W: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr,
+                                         BLOCK: tl.constexpr):
+    """The combine's reduction at the owner, in DeepEP's fixed order, for token ``t`` (program 0) and a
+    block of the hidden dim (program 1): ``acc = b0 + b1`` (``NB`` biases; float32, or zeros; ``ACC_IN``:
+    the float32 ``acc_io`` of a previous call instead), then for lanes ``j = J0 .. J1-1``
+    ``acc += got[owner_j * M + t]`` where lane ``j`` is used, else ``+= 0``; one BF16 rounding into
+    ``out`` (``ACC_OUT``: ``acc_io`` keeps the float32 sum for the next call). ``got``: the rows each rank
+    sent back, ``ROW`` bytes each, BF16 from byte 0. Lane ``j`` (``topk int64[T, K]``) is owned by
+    ``topk[t, j] // LE``; it is used where its id is not ``-1`` and, with ``MASTER``, no later lane has the
+    same owner (each rank's partial added once, at its highest lane: ``elastic_layout.master_lanes``).
+    ``HAS_W``: ``out_w f32[T, K]`` = the float32 each lane's owner sent at element ``W_OFF`` + lane of its
+    row (0 for ``-1`` lanes)."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    if NB >= 1:
-        acc = tl.load(b0 + t * H + offs, mask=m, other=0.0).to(tl.float32)
-    if NB == 2:
-        acc = acc + tl.load(b1 + t * H + offs, mask=m, other=0.0).to(tl.float32)
-    for j in range(K):
-        u = tl.load(use + t * K + j)
-        r = tl.load(owner + t * K + j)
-        row = (r * M + t) * ROW_ELEMS
-        v = tl.load(got + row + offs, mask=m & (u != 0), other=0.0).to(tl.float32)
-        acc = acc + v
-    if OUT_F32:
-        tl.store(out + t * H + offs, acc, mask=m)
+    lanes = tl.arange(0, KP)
+    ids = tl.load(topk + t * K + lanes, mask=lanes < K, other=-1)
+    own = tl.where(ids >= 0, ids // LE, -1)
+    rows = got.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    if ACC_IN:
+        acc = tl.load(acc_io + t * H + offs, mask=m, other=0.0)
     else:
-        tl.store(out + t * H + offs, acc.to(tl.bfloat16), mask=m)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        if NB >= 1:
+            acc = tl.load(b0 + t * H + offs, mask=m, other=0.0).to(tl.float32)
+        if NB == 2:
+            acc = acc + tl.load(b1 + t * H + offs, mask=m, other=0.0).to(tl.float32)
+    for j in range(J0, J1):
+        oj = tl.sum(tl.where(lanes == j, own, 0), 0)
+        use = tl.sum(tl.where(lanes == j, ids, 0), 0) >= 0
+        if MASTER:
+            use = use & (tl.sum(((own == oj) & (lanes > j)).to(tl.int32), 0) == 0)
+        row = (oj.to(tl.int64) * M + t) * (ROW // 2)
+        acc += tl.load(rows + row + offs, mask=m & use, other=0.0).to(tl.float32)
+    if ACC_OUT:
+        tl.store(acc_io + t * H + offs, acc, mask=m)
+    else:
+        tl.store(out + t * H + offs, _bf16(acc), mask=m)
+    if HAS_W:
+        if tl.program_id(1) == 0:
+            wrows = got.to(tl.pointer_type(tl.float32), bitcast=True)
+            wv = tl.load(wrows + (tl.where(own >= 0, own, 0).to(tl.int64) * M + t) * (ROW // 4) + W_OFF + lanes,
+                         mask=(ids >= 0) & (lanes < K), other=0.0)
+            tl.store(out_w + t * K + lanes, wv, mask=lanes < K)

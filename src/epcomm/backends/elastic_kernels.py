@@ -1,0 +1,178 @@
+"""Launchers of ``ElasticBuffer``'s kernels (``kernels/v2.py``): allocate the outputs, derive the grid and
+the launch key, launch. Each kind of launch is bound once (``kernels/launch.Direct``), so a call costs no
+Triton binder and no driver query per pointer; under the Triton interpreter (CPU runs) the kernels run
+as Python. Every function here returns what its torch twin in ``elastic_layout`` returns (the same bytes;
+``tests/unit/sims/sim_elastic.py`` compares them) and reads nothing back on the host: no synchronisation,
+so a CUDA graph captures it.
+
+Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``LE = E/R``,
+``M`` = ``num_max_tokens_per_rank``, ``N`` contiguous rows, ``X`` expanded rows, ``P`` scale packs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import elastic_layout as EL
+from ..kernels.launch import Direct, Launcher
+from .nvlink_params import _aligned, _pow2
+
+BN = 128    # rows (or tokens) a program of the metadata kernels
+RB = 64     # ranks a step of the metadata kernels
+BLOCK = 1024
+
+
+class Kernels:
+    """The launches of one ``ElasticBuffer`` (bound per key on first use)."""
+
+    def __init__(self):
+        self._launchers: dict = {}
+        self._go: dict = {}
+
+    def launch(self, name: str, key: tuple, consts: dict, grid: tuple, *args) -> None:
+        """``kernels/v2.<name>`` on ``grid`` (3 ints) with ``args`` (all positional, tensors and ints);
+        ``key`` must fix ``consts`` (the constexprs and options) and the alignment of the tensors a
+        caller may pass unaligned: it names the compiled kernel."""
+        go = self._go.get((name, key))
+        if go is None:
+            from ..kernels import v2
+
+            lau = self._launchers.get(name)
+            if lau is None:
+                lau = self._launchers[name] = Launcher(getattr(v2, name))
+            go = self._go[(name, key)] = Direct(lau.prepared((name, key), consts), (None,) * len(args),
+                                                tuple(range(len(args))))
+        go(*grid, *args)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def send_layout(self, topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+        """``layout.dispatch_layout``: ``(num_tokens_per_rank int32[R], num_tokens_per_expert int32[E],
+        is_token_in_rank bool[T, R])``."""
+        t, k = topk_idx.shape
+        dev = topk_idx.device
+        counts = torch.zeros(num_ranks + num_experts, dtype=torch.int32, device=dev)
+        per_rank, per_expert = counts.split((num_ranks, num_experts))
+        in_rank = torch.empty(t, num_ranks, dtype=torch.bool, device=dev)
+        if t:
+            le = num_experts // num_ranks
+            key = (k, num_experts, num_ranks, _aligned(topk_idx))
+            self.launch("_send_layout_kernel", key, dict(
+                K=k, E=num_experts, LE=le, R=num_ranks, KP=_pow2(k), BT=BN, RB=min(RB, _pow2(num_ranks)),
+                num_warps=4), ((t + BN - 1) // BN, 1, 1), topk_idx, t, per_rank, per_expert, in_rank)
+        return per_rank, per_expert, in_rank
+
+    def recv_meta(self, rpm, me: int, recv_src_idx, recv_local, send_head, topk_idx, m: int, le: int,
+                  alignment: int, x_rows: int, expand: bool, cum) -> EL.RecvMeta:
+        """``elastic_layout.recv_meta`` in two launches (``_recv_meta_kernel`` then ``_expert_layout_kernel``);
+        ``cum`` (``int32[LE]`` or None) gains the counts."""
+        n, k = recv_local.shape
+        t = topk_idx.shape[0]
+        r_ = rpm.shape[0]
+        dev = recv_local.device
+        small = torch.zeros(2 * le + r_, dtype=torch.int32, device=dev)
+        counts, psum, psum_rank = small.split((le, le, r_))
+        gid = torch.empty(n, dtype=torch.int64, device=dev)
+        local = torch.empty(n, k, dtype=torch.int64, device=dev)
+        local_out = None if expand else torch.empty(n, k, dtype=torch.int64, device=dev)
+        meta = torch.empty(n, k + 2, dtype=torch.int32, device=dev)
+        dst = torch.empty(t, k, dtype=torch.int32, device=dev)
+        source = torch.empty(x_rows if expand else 0, dtype=torch.int64, device=dev)
+        kp, rb = _pow2(k), min(RB, _pow2(r_))
+        key = (r_, k, le, expand, cum is not None, recv_src_idx.dtype, send_head.dtype,
+               _aligned(topk_idx, rpm, recv_src_idx, recv_local, send_head, cum))
+        self.launch("_recv_meta_kernel", key, dict(
+            R=r_, K=k, LE=le, KP=kp, BN=BN, RB=rb, COPY=not expand, EXPAND=expand, num_warps=4),
+            (max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, 1, 1),
+            rpm, me, recv_src_idx, recv_local, n, local, local if expand else local_out, meta, gid, counts,
+            psum_rank, topk_idx, send_head, t, dst, m)
+        self.launch("_expert_layout_kernel", key, dict(
+            R=r_, K=k, LE=le, LEP=_pow2(le), KP=kp, BN=BN, EXPAND=expand, HAS_CUM=cum is not None, num_warps=4),
+            (le if expand else 1, 1, 1), counts, psum, cum if cum is not None else counts, local, rpm, me,
+            alignment, meta, source if expand else counts, x_rows if expand else 0)
+        return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, source, dst)
+
+    def copy_epilogue(self, source: torch.Tensor, k: int, zero_pad: bool, sms: int, x: EL.Rows, x_dtype,
+                      h: int, sf: EL.Rows | None, sf_dtype, p: int, tma_sf: bool, w: EL.Rows | None):
+        """The expanded layout's rows (``dispatch_copy_epilogue_impl``): ``(x [X, H], sf [X, P] or None,
+        weights f32[X] or None)`` from the contiguous rows' sources (``elastic_layout.Rows``: a tensor, the
+        byte offset of the part in a row, the bytes between rows), as ``elastic_layout.expand_rows``."""
+        x_rows = source.shape[0]
+        dev = source.device
+        out = torch.empty(x_rows, h, dtype=x_dtype, device=dev)
+        row = h * x_dtype.itemsize
+        out_sf = out_w = None
+        sf_rs, sf_cs = p, 1
+        if sf is not None:
+            if tma_sf:
+                sf_rs, sf_cs = 1, EL.align(max(x_rows, 1), 4)
+            out_sf = torch.empty_strided((x_rows, p), (sf_rs, sf_cs), dtype=sf_dtype, device=dev)
+        if w is not None:
+            out_w = torch.empty(x_rows, dtype=torch.float32, device=dev)
+        if x_rows:
+            sf_src = sf if sf is not None else x
+            w_src = w if w is not None else x
+            key = (k, row, x.stride, sf is not None and (p, sf.offset, sf.stride), w is not None and (w.offset, w.stride),
+                   bool(zero_pad), x.tensor.dtype, sf_src.tensor.dtype, w_src.tensor.dtype, sf_dtype,
+                   _aligned(x.tensor, sf_src.tensor, w_src.tensor))
+            self.launch("_dispatch_copy_epilogue_impl_kernel", key, dict(
+                K=k, ROW=row, SRC_STRIDE=x.stride, SFB=4 * p, SFBP=_pow2(4 * p), SF_OFF=sf_src.offset,
+                SF_STRIDE=sf_src.stride, W_OFF=w_src.offset, W_STRIDE=w_src.stride, HAS_SF=sf is not None,
+                HAS_W=w is not None, ZERO=bool(zero_pad), BLOCK=BLOCK, num_warps=4),
+                (max(1, min(x_rows, 4 * sms)), 1, 1), x.tensor, source, out, x_rows, sf_src.tensor,
+                out_sf if out_sf is not None else out, sf_rs, sf_cs, w_src.tensor,
+                out_w if out_w is not None else out)
+        return out, out_sf, out_w
+
+    # ------------------------------------------------------------------ combine
+
+    def pack(self, x: torch.Tensor, meta: torch.Tensor, w: torch.Tensor | None, mode: int, lane: int = 0,
+             rows: torch.Tensor | None = None, dst: torch.Tensor | None = None):
+        """The rows a combine sends back, ``uint8[N, W]`` (``W`` = ``2H`` (+ ``4K`` with ``w``) padded to 16),
+        and with ``mode`` 2 their ``dst int64[N]`` (else None): ``mode`` 0 the contiguous rows ``x bf16[N, H]``
+        (and ``w f32[N, K]``) as they are, 1 each row's expanded rows ``x bf16[X, H]`` summed
+        (``elastic_layout.local_reduce``; ``w f32[X]`` at each lane's row), 2 lane ``lane``'s expanded row
+        (``x`` contiguous). Padding rows (``meta[:, 0] == -1``) are left unwritten: their destination is
+        ``-1``. ``rows`` and ``dst``: a previous call's, to be written again (made here when None)."""
+        n, k = meta.shape[0], meta.shape[1] - 2
+        h = x.shape[1]
+        width = EL.align(2 * h + (4 * k if w is not None else 0), 16)
+        dev = x.device
+        if rows is None:
+            rows = torch.empty(n, width, dtype=torch.uint8, device=dev)
+        if dst is None and mode == 2:
+            dst = torch.empty(n, dtype=torch.int64, device=dev)
+        if n:
+            if mode != 2:
+                x = x.contiguous()
+            key = (mode, k, h, width, w is not None, _aligned(x, w))
+            self.launch("_combine_pack_kernel", key, dict(
+                K=k, KP=_pow2(k), H=h, W=width, HAS_W=w is not None, MODE=mode, BLOCK=BLOCK, num_warps=4),
+                (n, (h + BLOCK - 1) // BLOCK, 1), x, meta, w if w is not None else x, rows,
+                dst if dst is not None else meta, lane)
+        return rows, dst
+
+    def reduce(self, got: torch.Tensor, topk_idx: torch.Tensor, le: int, m: int, h: int, bias: tuple,
+               lanes: tuple[int, int], master: bool, with_w: bool, acc: torch.Tensor | None = None,
+               acc_in: bool = False, acc_out: bool = False, out: torch.Tensor | None = None):
+        """``combine_reduce_epilogue_impl``: lanes ``lanes[0] .. lanes[1]-1`` of the rows sent back (``got
+        uint8[R, M, W]``, BF16 from byte 0, weights from byte ``2H``) added in lane order in float32 from
+        the biases (or ``acc`` with ``acc_in``), one BF16 rounding into ``out`` (made here when None;
+        ``acc_out``: into ``acc`` in float32, for a later call). ``master``: each rank's partial once, at
+        its highest lane; else every lane. Returns ``(out bf16[T, H], weights f32[T, K] or None)``."""
+        t, k = topk_idx.shape
+        dev = got.device
+        if out is None:
+            out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+        out_w = torch.empty(t, k, dtype=torch.float32, device=dev) if with_w else None
+        if t:
+            b0 = bias[0].contiguous() if bias else out
+            b1 = bias[1].contiguous() if len(bias) > 1 else out
+            row = got.shape[-1]
+            key = (k, le, row, h, len(bias), master, with_w, acc_in, acc_out, _aligned(got, topk_idx, b0, b1))
+            self.launch("_combine_reduce_epilogue_impl_kernel", key, dict(
+                K=k, KP=_pow2(k), LE=le, ROW=row, H=h, W_OFF=h // 2, NB=len(bias), MASTER=master, HAS_W=with_w,
+                ACC_IN=acc_in, ACC_OUT=acc_out, BLOCK=BLOCK, num_warps=4),
+                (t, (h + BLOCK - 1) // BLOCK, 1), got, topk_idx, b0, b1, acc if acc is not None else out, out,
+                out_w if out_w is not None else out, m, lanes[0], lanes[1])
+        return out, out_w

@@ -1,0 +1,47 @@
+"""Compile every kernel of ``ElasticBuffer`` (``kernels/v2.py``) for sm_90 with Triton's own compiler (PTX
+and ptxas; no GPU needed), in each variant the launchers (``backends/elastic_kernels.py``,
+``backends/nvlink_v2.py``) pick: the interpreter the CPU tests use runs kernels as Python and lets through
+what the compiler rejects (types, pointer casts, loop-carried values). Argument types as the launchers pass
+them; ``compile_one`` is the internode compile script's. Run by ``tests/unit/test_elastic_layout.py``;
+alone: ``PYTHONPATH=src python tests/unit/sims/compile_elastic.py``."""
+from compile_internode_ht import compile_one
+
+from epcomm.kernels import v2
+
+I32, I64, U8, BF16, F32 = "*i32", "*i64", "*u8", "*bf16", "*fp32"
+SEND = dict(idx=I64, per_rank=I32, per_expert=I32, in_rank="*i1")
+META = dict(rpm=I32, recv_src=I32, recv_local=I64, local=I64, local_out=I64, meta=I32, gid=I64, counts=I32,
+            psum_rank=I32, topk=I64, send_head=I32, dst_slot=I32)
+LAYOUT = dict(counts=I32, psum=I32, cum=I32, local=I64, rpm=I32, meta=I32, source=I64)
+COPY = dict(src=BF16, source=I64, out=BF16, sf_src=F32, sf_out=I32, w_src=F32, w_out=F32)
+PACK = dict(x=BF16, meta=I32, w=F32, rows=U8, dst=I64)
+REDUCE = dict(got=U8, topk=I64, b0=BF16, b1=BF16, acc_io=F32, out=BF16, out_w=F32)
+TRANSPORT = dict(rows=U8, dst=I64, ptr_table=I64, flags=I32, epoch_ptr=I32, err_ptr=I32, timeout_ns="i64")
+
+
+def main() -> None:
+    k8 = dict(K=8, KP=8)
+    cases = [
+        (v2._send_layout_kernel, SEND, dict(k8, E=256, LE=128, R=2, BT=128, RB=2)),
+        *[(v2._recv_meta_kernel, META, dict(k8, R=8, LE=32, BN=128, RB=8, COPY=not e, EXPAND=e)) for e in (0, 1)],
+        *[(v2._expert_layout_kernel, LAYOUT, dict(k8, R=8, LE=32, LEP=32, BN=128, EXPAND=e, HAS_CUM=e))
+          for e in (0, 1)],
+        *[(v2._dispatch_copy_epilogue_impl_kernel, COPY, dict(
+            K=8, ROW=7168, SRC_STRIDE=7168, SFB=224, SFBP=256, SF_OFF=0, SF_STRIDE=224, W_OFF=0, W_STRIDE=32,
+            HAS_SF=sf, HAS_W=w, ZERO=z, BLOCK=1024)) for sf, w, z in ((0, 1, 0), (1, 1, 1), (1, 0, 0))],
+        *[(v2._combine_pack_kernel, PACK, dict(k8, H=7168, W=14352, HAS_W=w, MODE=mode, BLOCK=1024))
+          for mode, w in ((0, 0), (0, 1), (1, 1), (2, 0))],
+        *[(v2._combine_reduce_epilogue_impl_kernel, REDUCE, dict(
+            k8, LE=128, ROW=14352, H=7168, W_OFF=3584, NB=nb, MASTER=ms, HAS_W=w, ACC_IN=ai, ACC_OUT=ao, BLOCK=1024))
+          for nb, ms, w, ai, ao in ((0, 1, 0, 0, 0), (2, 1, 1, 0, 0), (1, 0, 0, 0, 1), (0, 0, 0, 1, 0))],
+        (v2._combine_impl_kernel, TRANSPORT, dict(W=3588, HAS_TIMER=True, BLOCK=512)),
+        (v2._combine_arrive_kernel, TRANSPORT, dict(HAS_TIMER=True)),
+    ]
+    print("plan", len(cases))  # the test asks for one "ok" line each
+    for fn, types, consts in cases:
+        w = 1 if fn is v2._combine_arrive_kernel else 4  # as the launchers launch them
+        print("ok", fn.fn.__name__, compile_one(fn, types, consts, w), "bytes of cubin")
+
+
+if __name__ == "__main__":
+    main()
