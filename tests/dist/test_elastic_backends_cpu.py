@@ -5,7 +5,12 @@ symmetric memory simulated: ``epcomm.testing.cpu_nvlink`` / ``cpu_internode``), 
 reference backend (``epcomm.testing.elastic_cases``): dispatch bitwise for both layouts, BF16 and FP8 with
 opaque int32 packs, CPU sync and worst-case shapes (the backend's ``num_worst_tokens`` path), cached
 replays; combine bitwise with biases and weights back. GPU memory ordering and graphs are tier 3's.
+
+Also the host budget of every ``ElasticBuffer`` call kind on the nvlink backend: the torch calls,
+allocations, kernel launches and host reads of device values of its host path above the backend's own
+dispatch (which the nvlink backend's tier-1 host budget bounds), counted on the same host code a GPU host runs.
 """
+import contextlib
 import importlib.util
 import os
 import uuid
@@ -17,7 +22,9 @@ from epcomm.testing.launcher import parallel_launch
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
 
 
-def _run(ctx, tag, backend, gpus_per_node):
+def _on_backend(ctx, tag, backend, gpus_per_node=0):
+    """In this fresh rank process: the interpreter and the simulated memory, and an ``ElasticBuffer`` class
+    whose engine runs ``backend``."""
     os.environ["EPCOMM_TIMEOUT_S"] = "20"  # the buffer keeps the interpreter's spin count as its deadline
     if backend == "internode":
         os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
@@ -26,7 +33,6 @@ def _run(ctx, tag, backend, gpus_per_node):
     cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
     from epcomm import ElasticBuffer
     from epcomm.testing import cpu_internode
-    from epcomm.testing import elastic_cases as C
 
     make = cpu_nvlink.nvlink_buffer if backend == "nvlink" else cpu_internode.internode_buffer
 
@@ -34,6 +40,13 @@ def _run(ctx, tag, backend, gpus_per_node):
         @staticmethod
         def _engine_cls(group, **kw):
             return make(group, **kw)
+
+    return OnBackend
+
+
+def _run(ctx, tag, backend, gpus_per_node):
+    OnBackend = _on_backend(ctx, tag, backend, gpus_per_node)
+    from epcomm.testing import elastic_cases as C
 
     case = C.V2Case(num_ranks=ctx.world_size, tokens=(5, 9, 0, 6)[:ctx.world_size], hidden=128, num_topk=3,
                     num_experts=8, seed=7)
@@ -58,3 +71,82 @@ def _run(ctx, tag, backend, gpus_per_node):
 def test_elastic_buffer_on_device_backends_on_cpu_processes(backend, world, gpus_per_node, domain):
     res = parallel_launch(world, _run, uuid.uuid4().hex[:12], backend, gpus_per_node, backend="gloo", timeout_s=300)
     assert res == [domain] * world
+
+
+def _host_budget(ctx, tag):
+    """Per call kind, ``(torch calls, of which may allocate, kernel launches, host reads of device values)``
+    of ``ElasticBuffer``'s host path (``epcomm.testing.torch_calls.HostCount``), the backend's own dispatch
+    and cached dispatch left out; each kind counted on its second call (the first binds its launches)."""
+    import torch
+
+    from epcomm.testing import elastic_cases as C
+    from epcomm.testing.torch_calls import HostCount
+
+    OnBackend = _on_backend(ctx, tag, "nvlink")
+    case = C.V2Case(num_ranks=2, tokens=(12, 16), hidden=128, num_topk=8, num_experts=16, seed=7, masked=0.1)
+    counting: list = []
+
+    def make(**kw):
+        buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk, **kw)
+        for name in ("dispatch", "cached_dispatch"):  # the V1 host path, bounded in tier 1
+            setattr(buf._backend, name, uncounted(getattr(buf._backend, name)))
+        return buf
+
+    def uncounted(fn):
+        def call(*a, **k):
+            with counting[-1].paused() if counting else contextlib.nullcontext():
+                return fn(*a, **k)
+        return call
+
+    got = {}
+
+    def count(kind, fn, *a, **k):
+        fn(*a, **k)
+        with HostCount() as c:
+            counting.append(c)
+            out = fn(*a, **k)
+        counting.clear()
+        got[kind] = (c.ops, c.allocs, c.launches, c.syncs)
+        return out
+
+    buf = make()
+    x, _, idx, w = C.inputs(case, ctx.rank)
+    b = C.bias(case, ctx.rank, 2)
+    kw = dict(topk_idx=idx, topk_weights=w, num_experts=case.num_experts, num_max_tokens_per_rank=case.m)
+    for expand in (False, True):
+        tag = "expanded" if expand else "contiguous"
+        count(f"dispatch sync {tag}", buf.dispatch, x, **kw, do_expand=expand, expert_alignment=4)
+        rx, _, rw, hd, _ = count(f"dispatch {tag}", buf.dispatch, x, **kw, do_expand=expand, expert_alignment=4,
+                                 do_cpu_sync=False)
+        count(f"cached {tag}", buf.dispatch, x, handle=hd, do_expand=expand)
+        count(f"cached {tag} weights", buf.dispatch, x, handle=hd, do_expand=expand, topk_weights=w)
+        y = torch.zeros(rx.shape[0], case.hidden, dtype=torch.bfloat16)
+        count(f"combine {tag}", buf.combine, y, hd)
+        count(f"combine {tag} weights 2 biases", buf.combine, y, hd, topk_weights=rw, bias=b)
+    single = make(allow_multiple_reduction=False)
+    rx, _, _, hd, _ = single.dispatch(x, **kw, do_cpu_sync=False, do_expand=True)
+    y = torch.zeros(rx.shape[0], case.hidden, dtype=torch.bfloat16)
+    count("combine expanded single reduction", single.combine, y, hd, bias=b[0])
+    return got
+
+
+# (torch calls, of which may allocate, launches, host reads) per call at 2 ranks, K = 8, nvlink backend: the
+# counts of the commit that set them (a change that adds host work must raise a bound here, on purpose)
+HOST_BOUND = {
+    "dispatch sync contiguous": (48, 11, 6, 0), "dispatch contiguous": (48, 11, 6, 0),
+    "cached contiguous": (14, 2, 1, 0), "cached contiguous weights": (51, 6, 6, 0),
+    "combine contiguous": (21, 1, 3, 0), "combine contiguous weights 2 biases": (43, 6, 4, 0),
+    "dispatch sync expanded": (58, 12, 7, 0), "dispatch expanded": (58, 12, 7, 0),
+    "cached expanded": (22, 2, 1, 0), "cached expanded weights": (46, 5, 2, 0),
+    "combine expanded": (25, 3, 4, 0), "combine expanded weights 2 biases": (44, 6, 4, 0),
+    "combine expanded single reduction": (146, 13, 32, 0),  # K transports of their own
+}
+
+
+def test_host_budget_of_every_elastic_call():
+    res = parallel_launch(2, _host_budget, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
+    for rank, got in enumerate(res):
+        print(f"rank {rank}:", *(f"{k:36s} {v}" for k, v in got.items()), sep="\n  ")
+        assert set(got) == set(HOST_BOUND), sorted(got)
+        over = {k: (got[k], b) for k, b in HOST_BOUND.items() if any(g > m for g, m in zip(got[k], b))}
+        assert not over, f"rank {rank}: host work per call above its bound (got, bound): {over}"
