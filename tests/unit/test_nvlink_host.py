@@ -34,3 +34,10 @@ def test_copy_engine_chunks(monkeypatch):
     monkeypatch.setitem(nv.TUNE, "ce_chunks", 3)
     with pytest.raises(ValueError, match="must divide NC=4, got 3"):
         nv._ce_step()
+
+
+def test_layout_kernel_launch():
+    """The layout kernel's programs: up to 8 ranks each, then up to 32 experts each (kernels/ht_layout.py)."""
+    assert nv.layout_launch(8, 256, 2) == (9, 1, dict(K_POW2=8, RB=2, EB=32, TBR=256, TBE=128))
+    grid, nr, c = nv.layout_launch(3, 24, 12)  # 12 ranks: two rank programs; 24 experts: one
+    assert (grid, nr, c["RB"], c["EB"], c["K_POW2"]) == (3, 2, 8, 32, 4)

@@ -25,7 +25,8 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
             push_warps=8,
             cpush_rb=8, cpush_block=512, cpush_warps=8,
             gather_one_load=True, ce_chunks=4, fused_push=True, ce_flag="kernel", gather_prefetch=False,
-            ce_chunks_sync=0, notify_first=False)
+            ce_chunks_sync=0, notify_first=False, fused_cpush=True)
+# fused_cpush: the combine's SM push and its reduce in one kernel (_combine_kernel), else two launches
 # (chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
 # 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
 # combine 360 -> 349 us against 8 x 512-word tiles)
@@ -125,6 +126,19 @@ def _host_counts(vals, r_: int, lx: int, me: int, alignment: int):
     if alignment != 1:
         pe = [(n + alignment - 1) // alignment * alignment for n in pe]
     return prefix, prefix[-1], pe
+
+
+def layout_launch(k: int, e: int, r_: int) -> tuple[int, int, dict]:
+    """The layout kernel's grid, its number of rank programs and its constexprs for top-k ``k``, ``e``
+    experts and ``r_`` ranks: rank programs of up to 8 ranks, expert programs of up to 32 experts, tiles
+    of about 4096 (rank programs) and 1024 (expert programs) ids.
+
+    Example: ``layout_launch(8, 256, 2) == (9, 1, dict(K_POW2=8, RB=2, EB=32, TBR=256, TBE=128))``: one rank
+    program, eight of 32 experts each."""
+    kp, rb, eb = _pow2(k), min(_pow2(r_), 8), min(_pow2(e), 32)
+    nr = (r_ + rb - 1) // rb
+    return nr + (e + eb - 1) // eb, nr, dict(K_POW2=kp, RB=rb, EB=eb, TBR=max(1, 4096 // (kp * rb)),
+                                             TBE=max(1, 1024 // kp))
 
 
 def _aligned(*tensors) -> int:

@@ -1,5 +1,6 @@
 """High-throughput kernels, layout phase: ``notify`` (counts and send lists exchanged through the peers'
-meta areas) and ``handle`` (the dispatch handle's tensors from the notify outputs).
+meta areas), ``handle`` (the dispatch handle's tensors from the notify outputs) and ``dispatch_notify``,
+both in one launch (the eager dispatch's).
 
 Letters: ``T`` tokens, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``, ``C`` channels.
 
@@ -16,6 +17,86 @@ from .common import peer_ptr, record_error, signal, wait_ge
 from .ht_common import NOTIFY
 
 
+@triton.jit
+def _notify_send(j, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan, ptr_table, meta_off, list_off, flags_off,
+                 parity, meta_parity_bytes, meta_src_bytes, list_parity_bytes, list_src_bytes, send_head_rel_ptr,
+                 cpm_ptr, BLOCK: tl.constexpr, R_POW2: tl.constexpr, STORE_REL: tl.constexpr):
+    """Rank ``j``'s part of the exchange: my counts, the per-expert counts of its experts, my channel prefix
+    for it and my send list into its meta area, then its notify flag raised. With ``STORE_REL`` each
+    token's position in the list (``-1``: not sent to ``j``) goes to ``send_head_rel[:, j]``."""
+    meta = peer_ptr(ptr_table, j, meta_off + parity * meta_parity_bytes + me * meta_src_bytes, tl.int32)
+    lst = peer_ptr(ptr_table, j, list_off + parity * list_parity_bytes + me * list_src_bytes, tl.int32)
+    rr = tl.arange(0, R_POW2)
+    tl.store(meta + rr, tl.load(ntpr_ptr + rr, mask=rr < R, other=0), mask=rr < R)
+    for l0 in range(0, L, BLOCK):
+        ll = l0 + tl.arange(0, BLOCK)
+        tl.store(meta + R + ll, tl.load(ntpe_ptr + j * L + ll, mask=ll < L, other=0), mask=ll < L)
+    # One pass over the tokens (channel c holds tokens [c*per_chan, (c+1)*per_chan)): the list of
+    # tokens for rank j, each token's position in it, and each channel's inclusive count, stored
+    # by the channel's last token; channels past the end hold the total. (A loop per channel made
+    # C x ceil(T / (C * BLOCK)) dependent steps: 28 us at 4096 tokens on one H200, now 11 us.)
+    running = tl.zeros((), dtype=tl.int32)
+    for b in range(0, T, BLOCK):
+        offs = b + tl.arange(0, BLOCK)
+        m = offs < T
+        f = tl.load(is_in_ptr + offs.to(tl.int64) * R + j, mask=m, other=0).to(tl.int32)
+        cs = tl.cumsum(f, 0)
+        pos = running + cs - f
+        tl.store(lst + pos, offs, mask=m & (f != 0))
+        if STORE_REL:
+            tl.store(send_head_rel_ptr + offs.to(tl.int64) * R + j, tl.where(f != 0, pos, -1), mask=m)
+        ends = m & (((offs + 1) % per_chan == 0) | (offs == T - 1))
+        ch = offs // per_chan
+        tl.store(meta + R + L + ch, running + cs, mask=ends)
+        tl.store(cpm_ptr + j * C + ch, running + cs, mask=ends)
+        running += tl.sum(f, 0)
+    for c0 in range(0, C, BLOCK):
+        cc = c0 + tl.arange(0, BLOCK)
+        past = (cc < C) & (cc * per_chan >= T)
+        tl.store(meta + R + L + cc, tl.zeros_like(cc) + running, mask=past)
+        tl.store(cpm_ptr + j * C + cc, tl.zeros_like(cc) + running, mask=past)
+    tl.store(meta + R + L + C, T)
+    signal(peer_ptr(ptr_table, j, flags_off + (NOTIFY * R + me) * 4, tl.int32), 1)
+
+
+@triton.jit
+def _notify_recv(j, n, R, me, L, C, ptr_table, meta_off, list_off, flags_off, parity, meta_parity_bytes,
+                 meta_src_bytes, list_parity_bytes, list_src_bytes, nctr_ptr, counts_ptr, per_expert_ptr,
+                 chan_ptr, tok_ptr, src_lists_ptr, src_lists_stride, err_ptr, timeout_ns, host_addr_ptr,
+                 BLOCK: tl.constexpr, R_POW2: tl.constexpr, HOST_COUNTS: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Wait for rank ``j``'s part (its ``n + 1``-th), then copy its counts (row ``j`` of ``counts[R][R]``),
+    the per-expert counts of my experts (``per_expert[j]``), its channel prefix for me (``chan[j]``), its
+    token count and its send list into local arrays; advance ``nctr[j]``. With ``HOST_COUNTS`` the counts
+    and per-expert rows also go to the pinned host words whose address ``host_addr_ptr`` holds, laid out
+    as ``[counts R*R][per_expert R*L]`` (the host reads them at its synchronisation, with no copy)."""
+    flag = peer_ptr(ptr_table, me, flags_off + (NOTIFY * R + j) * 4, tl.int32)
+    wait_ge(flag, n + 1, err_ptr, 1, j, timeout_ns, HAS_TIMER)
+    meta_in = peer_ptr(ptr_table, me, meta_off + parity * meta_parity_bytes + j * meta_src_bytes, tl.int32)
+    lst_in = peer_ptr(ptr_table, me, list_off + parity * list_parity_bytes + j * list_src_bytes, tl.int32)
+    rr = tl.arange(0, R_POW2)
+    row = tl.load(meta_in + rr, mask=rr < R, other=0)
+    tl.store(counts_ptr + j * R + rr, row, mask=rr < R)
+    if HOST_COUNTS:
+        host = tl.load(host_addr_ptr).to(tl.pointer_type(tl.int32))
+        tl.store(host + j * R + rr, row, mask=rr < R)
+    for l0 in range(0, L, BLOCK):
+        ll = l0 + tl.arange(0, BLOCK)
+        pe = tl.load(meta_in + R + ll, mask=ll < L, other=0)
+        tl.store(per_expert_ptr + j * L + ll, pe, mask=ll < L)
+        if HOST_COUNTS:
+            tl.store(host + R * R + j * L + ll, pe, mask=ll < L)
+    for c0 in range(0, C, BLOCK):
+        cc = c0 + tl.arange(0, BLOCK)
+        tl.store(chan_ptr + j * C + cc, tl.load(meta_in + R + L + cc, mask=cc < C, other=0), mask=cc < C)
+    tl.store(tok_ptr + j, tl.load(meta_in + R + L + C))
+    cnt = tl.load(meta_in + me)
+    for b in range(0, cnt, BLOCK):
+        offs = b + tl.arange(0, BLOCK)
+        m = offs < cnt
+        tl.store(src_lists_ptr + j * src_lists_stride + offs, tl.load(lst_in + offs, mask=m, other=0), mask=m)
+    tl.store(nctr_ptr + j, n + 1)
+
+
 @triton.jit(do_not_specialize=['T', 'per_chan'])
 def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
                    ptr_table, flags_off, meta_off, meta_parity_bytes, meta_src_bytes,
@@ -25,65 +106,58 @@ def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
                    err_ptr, timeout_ns,
                    BLOCK: tl.constexpr, R_POW2: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr,
                    HAS_TIMER: tl.constexpr):
+    """Program ``j`` exchanges with rank ``j`` (``_notify_send``, then ``_notify_recv``); the handle's
+    tensors come after, from ``_handle_kernel``."""
     j = tl.program_id(0)
     n = tl.load(nctr_ptr + j)
     parity = n & 1  # (n % 2 is -1 for odd n once the counter has wrapped)
     if DO_SEND:
-        meta = peer_ptr(ptr_table, j, meta_off + parity * meta_parity_bytes + me * meta_src_bytes, tl.int32)
-        lst = peer_ptr(ptr_table, j, list_off + parity * list_parity_bytes + me * list_src_bytes, tl.int32)
-        rr = tl.arange(0, R_POW2)
-        tl.store(meta + rr, tl.load(ntpr_ptr + rr, mask=rr < R, other=0), mask=rr < R)
-        for l0 in range(0, L, BLOCK):
-            ll = l0 + tl.arange(0, BLOCK)
-            tl.store(meta + R + ll, tl.load(ntpe_ptr + j * L + ll, mask=ll < L, other=0), mask=ll < L)
-        # One pass over the tokens (channel c holds tokens [c*per_chan, (c+1)*per_chan)): the list of
-        # tokens for rank j, each token's position in it, and each channel's inclusive count, stored
-        # by the channel's last token; channels past the end hold the total. (A loop per channel made
-        # C x ceil(T / (C * BLOCK)) dependent steps: 28 us at 4096 tokens on one H200, now 11 us.)
-        running = tl.zeros((), dtype=tl.int32)
-        for b in range(0, T, BLOCK):
-            offs = b + tl.arange(0, BLOCK)
-            m = offs < T
-            f = tl.load(is_in_ptr + offs.to(tl.int64) * R + j, mask=m, other=0).to(tl.int32)
-            cs = tl.cumsum(f, 0)
-            pos = running + cs - f
-            tl.store(lst + pos, offs, mask=m & (f != 0))
-            tl.store(send_head_rel_ptr + offs.to(tl.int64) * R + j, tl.where(f != 0, pos, -1), mask=m)
-            ends = m & (((offs + 1) % per_chan == 0) | (offs == T - 1))
-            ch = offs // per_chan
-            tl.store(meta + R + L + ch, running + cs, mask=ends)
-            tl.store(cpm_ptr + j * C + ch, running + cs, mask=ends)
-            running += tl.sum(f, 0)
-        for c0 in range(0, C, BLOCK):
-            cc = c0 + tl.arange(0, BLOCK)
-            past = (cc < C) & (cc * per_chan >= T)
-            tl.store(meta + R + L + cc, tl.zeros_like(cc) + running, mask=past)
-            tl.store(cpm_ptr + j * C + cc, tl.zeros_like(cc) + running, mask=past)
-        tl.store(meta + R + L + C, T)
-        signal(peer_ptr(ptr_table, j, flags_off + (NOTIFY * R + me) * 4, tl.int32), 1)
+        _notify_send(j, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan, ptr_table, meta_off, list_off,
+                     flags_off, parity, meta_parity_bytes, meta_src_bytes, list_parity_bytes, list_src_bytes,
+                     send_head_rel_ptr, cpm_ptr, BLOCK, R_POW2, True)
     if DO_RECV:
-        flag = peer_ptr(ptr_table, me, flags_off + (NOTIFY * R + j) * 4, tl.int32)
-        wait_ge(flag, n + 1, err_ptr, 1, j, timeout_ns, HAS_TIMER)
-        meta_in = peer_ptr(ptr_table, me, meta_off + parity * meta_parity_bytes + j * meta_src_bytes,
-                           tl.int32)
-        lst_in = peer_ptr(ptr_table, me, list_off + parity * list_parity_bytes + j * list_src_bytes, tl.int32)
-        rr = tl.arange(0, R_POW2)
-        tl.store(counts_ptr + j * R + rr, tl.load(meta_in + rr, mask=rr < R, other=0), mask=rr < R)
-        for l0 in range(0, L, BLOCK):
-            ll = l0 + tl.arange(0, BLOCK)
-            tl.store(per_expert_ptr + j * L + ll, tl.load(meta_in + R + ll, mask=ll < L, other=0),
-                     mask=ll < L)
-        for c0 in range(0, C, BLOCK):
-            cc = c0 + tl.arange(0, BLOCK)
-            tl.store(chan_ptr + j * C + cc, tl.load(meta_in + R + L + cc, mask=cc < C, other=0), mask=cc < C)
-        tl.store(tok_ptr + j, tl.load(meta_in + R + L + C))
-        cnt = tl.load(meta_in + me)
-        for b in range(0, cnt, BLOCK):
-            offs = b + tl.arange(0, BLOCK)
-            m = offs < cnt
-            tl.store(src_lists_ptr + j * src_lists_stride + offs, tl.load(lst_in + offs, mask=m, other=0),
-                     mask=m)
-        tl.store(nctr_ptr + j, n + 1)
+        _notify_recv(j, n, R, me, L, C, ptr_table, meta_off, list_off, flags_off, parity, meta_parity_bytes,
+                     meta_src_bytes, list_parity_bytes, list_src_bytes, nctr_ptr, counts_ptr, per_expert_ptr,
+                     chan_ptr, tok_ptr, src_lists_ptr, src_lists_stride, err_ptr, timeout_ns, err_ptr, BLOCK,
+                     R_POW2, False, HAS_TIMER)
+
+
+@triton.jit
+def _handle_prefix(pid, cnt_ptr, CS, chan_ptr, CHS, C, R, me, rpm_ptr, rcp_ptr, err_ptr, num_worst,
+                   CHECK_WORST: tl.constexpr, R_POW2: tl.constexpr, C_POW2: tl.constexpr):
+    """``rpm = cumsum(counts, 0)`` (``counts[i][j]`` at ``cnt_ptr + i * CS + j``) and, by program 0, the
+    handle's ``rank_prefix_matrix`` and ``recv_channel_prefix_matrix`` (from ``chan[i][c]`` at
+    ``chan_ptr + i * CHS + c``) and the ``num_worst`` check (error 9). Returns ``rpm``."""
+    ri = tl.arange(0, R_POW2)
+    m2 = (ri[:, None] < R) & (ri[None, :] < R)
+    cnt = tl.load(cnt_ptr + ri[:, None] * CS + ri[None, :], mask=m2, other=0)
+    rpm = tl.cumsum(cnt, 0)
+    if pid == 0:
+        tl.store(rpm_ptr + ri[:, None] * R + ri[None, :], rpm, mask=m2)
+        col_incl = tl.sum(tl.where(ri[None, :] == me, rpm, 0), 1)  # rpm[:, me]
+        col_cnt = tl.sum(tl.where(ri[None, :] == me, cnt, 0), 1)
+        cc = tl.arange(0, C_POW2)
+        mc = (ri[:, None] < R) & (cc[None, :] < C)
+        prev = tl.load(chan_ptr + ri[:, None] * CHS + cc[None, :] - 1, mask=mc & (cc[None, :] > 0), other=0)
+        tl.store(rcp_ptr + ri[:, None] * C + cc[None, :], (col_incl - col_cnt)[:, None] + prev, mask=mc)
+        if CHECK_WORST:
+            n = tl.max(tl.where(ri < R, col_incl, 0), 0)  # rpm[R-1][me]: every row arriving here
+            if n > num_worst:
+                record_error(err_ptr, 9, -1, n, num_worst)
+    return rpm
+
+
+@triton.jit
+def _check_topk_tile(tt, topk_ptr, T, K, E, err_ptr, K_POW2: tl.constexpr):
+    """Error 10 if an expert id of rows ``tt`` (int64) of ``topk[T, K]`` is outside ``[-1, E)``."""
+    kk = tl.arange(0, K_POW2)
+    mk = (tt[:, None] < T) & (kk[None, :] < K)
+    ids = tl.load(topk_ptr + tt[:, None] * K + kk[None, :], mask=mk, other=-1).to(tl.int64)
+    bad = mk & ((ids < -1) | (ids >= E))
+    if tl.sum(tl.sum(bad.to(tl.int32), 1), 0) > 0:
+        lo = tl.min(tl.min(tl.where(bad, ids, 1 << 40), 1), 0)
+        hi = tl.max(tl.max(tl.where(bad, ids, -(1 << 40)), 1), 0)
+        record_error(err_ptr, 10, -1, tl.where(lo < -1, lo, hi).to(tl.int32), E)
 
 
 @triton.jit(do_not_specialize=['T', 'num_worst'])
@@ -106,21 +180,8 @@ def _handle_kernel(counts_ptr, CS, chan_ptr, CHS, C, rel_ptr, T, R, me, rpm_ptr,
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     ri = tl.arange(0, R_POW2)
-    m2 = (ri[:, None] < R) & (ri[None, :] < R)
-    cnt = tl.load(counts_ptr + ri[:, None] * CS + ri[None, :], mask=m2, other=0)
-    rpm = tl.cumsum(cnt, 0)
-    if pid == 0:
-        tl.store(rpm_ptr + ri[:, None] * R + ri[None, :], rpm, mask=m2)
-        col_incl = tl.sum(tl.where(ri[None, :] == me, rpm, 0), 1)  # rpm[:, me]
-        col_cnt = tl.sum(tl.where(ri[None, :] == me, cnt, 0), 1)
-        cc = tl.arange(0, C_POW2)
-        mc = (ri[:, None] < R) & (cc[None, :] < C)
-        prev = tl.load(chan_ptr + ri[:, None] * CHS + cc[None, :] - 1, mask=mc & (cc[None, :] > 0), other=0)
-        tl.store(rcp_ptr + ri[:, None] * C + cc[None, :], (col_incl - col_cnt)[:, None] + prev, mask=mc)
-        if CHECK_WORST:
-            n = tl.max(tl.where(ri < R, col_incl, 0), 0)  # rpm[R-1][me]: every row arriving here
-            if n > num_worst:
-                record_error(err_ptr, 9, -1, n, num_worst)
+    rpm = _handle_prefix(pid, counts_ptr, CS, chan_ptr, CHS, C, R, me, rpm_ptr, rcp_ptr, err_ptr, num_worst,
+                         CHECK_WORST, R_POW2, C_POW2)
     offs = tl.sum(tl.where(ri[:, None] == me - 1, rpm, 0), 0)  # rpm[me-1][:] (zeros for me = 0)
     for t0 in range(pid * TB, T, P * TB):
         tt = (t0 + tl.arange(0, TB)).to(tl.int64)
@@ -129,11 +190,68 @@ def _handle_kernel(counts_ptr, CS, chan_ptr, CHS, C, rel_ptr, T, R, me, rpm_ptr,
         tl.store(send_head_ptr + tt[:, None] * R + ri[None, :], tl.where(rel >= 0, rel + offs[None, :], rel),
                  mask=m)
         if CHECK_TOPK:
-            kk = tl.arange(0, K_POW2)
-            mk = (tt[:, None] < T) & (kk[None, :] < K)
-            ids = tl.load(topk_ptr + tt[:, None] * K + kk[None, :], mask=mk, other=-1).to(tl.int64)
-            bad = mk & ((ids < -1) | (ids >= E))
-            if tl.sum(tl.sum(bad.to(tl.int32), 1), 0) > 0:
-                lo = tl.min(tl.min(tl.where(bad, ids, 1 << 40), 1), 0)
-                hi = tl.max(tl.max(tl.where(bad, ids, -(1 << 40)), 1), 0)
-                record_error(err_ptr, 10, -1, tl.where(lo < -1, lo, hi).to(tl.int32), E)
+            _check_topk_tile(tt, topk_ptr, T, K, E, err_ptr, K_POW2)
+
+
+@triton.jit(do_not_specialize=['T', 'per_chan', 'num_worst'],
+            do_not_specialize_on_alignment=['is_in_ptr', 'ntpr_ptr', 'ntpe_ptr', 'cpm_ptr', 'rpm_ptr', 'rcp_ptr',
+                                            'send_head_ptr', 'topk_ptr'])
+def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
+                            ptr_table, flags_off, meta_off, meta_parity_bytes, meta_src_bytes,
+                            list_off, list_parity_bytes, list_src_bytes,
+                            nctr_ptr, cpm_ptr, counts_ptr, per_expert_ptr, chan_ptr, tok_ptr, src_lists_ptr,
+                            src_lists_stride, err_ptr, timeout_ns,
+                            rpm_ptr, rcp_ptr, send_head_ptr, num_worst, topk_ptr, K, E, host_addr_ptr,
+                            BLOCK: tl.constexpr, R_POW2: tl.constexpr, C_POW2: tl.constexpr,
+                            K_POW2: tl.constexpr, TB: tl.constexpr, CHECK_WORST: tl.constexpr,
+                            CHECK_TOPK: tl.constexpr, HOST_COUNTS: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """The eager dispatch's layout exchange and its handle in one launch (``_notify_kernel`` then
+    ``_handle_kernel``, without the ``send_head_rel`` scratch between them).
+
+    Programs take the ranks ``j = pid, pid + P, ...`` (``P = R`` on a GPU; one program under the
+    interpreter, which runs programs one after another): first every send (``_notify_send``), then every
+    receive (``_notify_recv``, with ``HOST_COUNTS`` the counts also into pinned host words), then each
+    program waits until every rank's part is in this rank's meta area and reads ``counts`` and the
+    channel prefixes from there: ``rank_prefix_matrix``, ``recv_channel_prefix_matrix`` and the
+    ``num_worst`` check by program 0 (``_handle_prefix``); ``send_head[:, j]`` for its ranks (the send list
+    positions again, plus ``rpm[me-1][j]``); the expert-id check on its share of the rows.
+
+    Example (R = 2, me = 1, T = 3, is_token_in_rank = [[1, 1], [0, 1], [1, 0]], rank 0 sends 2 tokens to
+    rank 0 and 4 to rank 1): ``send_head = [[2, 4], [-1, 5], [3, -1]]``.
+    """
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n0 = tl.load(nctr_ptr + pid)  # every rank's counter is the same at the start of a call
+    for j in range(pid, R, P):
+        n = tl.load(nctr_ptr + j)
+        _notify_send(j, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan, ptr_table, meta_off, list_off,
+                     flags_off, n & 1, meta_parity_bytes, meta_src_bytes, list_parity_bytes, list_src_bytes,
+                     cpm_ptr, cpm_ptr, BLOCK, R_POW2, False)
+    for j in range(pid, R, P):
+        n = tl.load(nctr_ptr + j)
+        _notify_recv(j, n, R, me, L, C, ptr_table, meta_off, list_off, flags_off, n & 1, meta_parity_bytes,
+                     meta_src_bytes, list_parity_bytes, list_src_bytes, nctr_ptr, counts_ptr, per_expert_ptr,
+                     chan_ptr, tok_ptr, src_lists_ptr, src_lists_stride, err_ptr, timeout_ns, host_addr_ptr,
+                     BLOCK, R_POW2, HOST_COUNTS, HAS_TIMER)
+    for i in range(0, R):
+        wait_ge(peer_ptr(ptr_table, me, flags_off + (NOTIFY * R + i) * 4, tl.int32), n0 + 1, err_ptr, 1, i,
+                timeout_ns, HAS_TIMER)
+    meta = peer_ptr(ptr_table, me, meta_off + (n0 & 1) * meta_parity_bytes, tl.int32)
+    ms = meta_src_bytes // 4
+    rpm = _handle_prefix(pid, meta, ms, meta + R + L, ms, C, R, me, rpm_ptr, rcp_ptr, err_ptr, num_worst,
+                         CHECK_WORST, R_POW2, C_POW2)
+    ri = tl.arange(0, R_POW2)
+    offs = tl.sum(tl.where(ri[:, None] == me - 1, rpm, 0), 0)  # rpm[me-1][:] (zeros for me = 0)
+    for j in range(pid, R, P):
+        off = tl.sum(tl.where(ri == j, offs, 0), 0)
+        running = tl.zeros((), dtype=tl.int32)
+        for b in range(0, T, BLOCK):
+            tt = b + tl.arange(0, BLOCK)
+            m = tt < T
+            f = tl.load(is_in_ptr + tt.to(tl.int64) * R + j, mask=m, other=0).to(tl.int32)
+            pos = running + tl.cumsum(f, 0) - f
+            tl.store(send_head_ptr + tt.to(tl.int64) * R + j, tl.where(f != 0, pos + off, -1), mask=m)
+            running += tl.sum(f, 0)
+    if CHECK_TOPK:
+        for t0 in range(pid * TB, T, P * TB):
+            _check_topk_tile((t0 + tl.arange(0, TB)).to(tl.int64), topk_ptr, T, K, E, err_ptr, K_POW2)

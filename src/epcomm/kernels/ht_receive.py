@@ -1,7 +1,8 @@
 """High-throughput kernels, receive phase: ``gather`` (dispatch: rows from local x or the staging slots
 into ``recv_x`` in (source rank, token) order, top-k ids rewritten to local experts; with ``PUSH`` it
-also does the SM push of a non-cached dispatch: push and own block first, then the peers' rows) and
-``reduce`` (combine: float32 sum, rank by rank, of the rows every rank returned, plus bias).
+also does the dispatch's SM push: push and own block first, then the peers' rows), ``reduce`` (combine:
+float32 sum, rank by rank, of the rows every rank returned, plus bias) and ``combine`` (the combine's SM
+push, then ``reduce``, in one launch).
 
 Letters: ``T`` tokens, ``H`` hidden (elements of the row dtype), ``K`` top-k, ``R`` ranks, ``L = E/R``,
 ``N`` received rows, ``P`` programs.
@@ -24,6 +25,7 @@ from .ht_common import (
     _wait_peers,
     _wait_sources,
 )
+from .ht_transfer import _combine_push_rows
 
 
 @triton.jit
@@ -155,12 +157,13 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
     then the peers' blocks in token order, waiting chunk by chunk (``NC`` copy-engine chunks per
     source; chunk of token ``s`` = ``s // ceil(T_i / NC)``; cached mode waits for all chunks).
 
-    ``PUSH`` (the SM transfer, non-cached): this kernel also sends. Its programs first push this
+    ``PUSH`` (the SM transfer): this kernel also sends. Its programs first push this
     rank's rows into the peers' staging (``_push_kernel``'s work: ``T_send`` rows, ``is_in``, scales
     and, with ``PUSH_TOPK``, ids and weights) interleaved with copying the own block (local
     reads, so NVLink and HBM work at once); the last program to finish that raises the peers' data
-    flags; then every program copies the peers' rows as they are flagged. Every program of the grid
-    must be resident (grid <= SMs), as for the waits elsewhere.
+    flags; then every program copies the peers' rows as they are flagged (``CACHED``: once every chunk of
+    every peer is in). Every program of the grid must be resident (grid <= SMs), as for the waits
+    elsewhere.
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -179,8 +182,9 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
     start_me = tl.sum(tl.where(rr == me, excl, 0), 0)
     known = tl.zeros((R_POW2,), dtype=tl.int32)
     if CACHED:
-        known = _wait_sources(tl.full((R_POW2,), NC, tl.int32), known, rr, ptr_table, flags_off, DDATA, R, me,
-                              base, err_ptr, 3, timeout_ns, NC, HAS_TIMER)
+        if not PUSH:  # (with the push: after it, below)
+            known = _wait_sources(tl.full((R_POW2,), NC, tl.int32), known, rr, ptr_table, flags_off, DDATA, R,
+                                  me, base, err_ptr, 3, timeout_ns, NC, HAS_TIMER)
         chunk_rows = tl.full((R_POW2,), 1, tl.int32)
     else:
         toks = tl.load(tok_ptr + rr, mask=rr < R, other=0)
@@ -189,7 +193,7 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
     if PUSH:
         n_send = tl.load(send_ctr_ptr)
         _wait_peers(ptr_table, flags_off, DCONSUMED, R, me, n_send, err_ptr, 2, timeout_ns, HAS_TIMER)
-        own = tl.minimum(tl.sum(tl.where(rr == me, col, 0), 0), total)
+        own = tl.minimum(tl.sum(tl.where(rr == me, incl - excl, 0), 0), total)  # (col, or its prefix's step)
         n_push = (T_send + PUSH_RB - 1) // PUSH_RB
         n_own = (own + RB - 1) // RB
         for u in range(pid, tl.maximum(n_push, n_own), P):
@@ -213,6 +217,9 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
             _signal_peers(ptr_table, flags_off, DDATA, R, me, NC)
             tl.store(send_ctr_ptr, n_send + 1)
         v_lo = own
+        if CACHED:  # the rows of a cached call come from the slots as a whole
+            known = _wait_sources(tl.full((R_POW2,), NC, tl.int32), known, rr, ptr_table, flags_off, DDATA, R,
+                                  me, base, err_ptr, 3, timeout_ns, NC, HAS_TIMER)
     known = _gather_rows(v_lo, n_rows, pid, P, known, x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K, me, R,
                          lo_expert, L, src_lists_ptr, src_lists_stride, n_rows, total, start_me, rr, incl,
                          excl,
@@ -228,23 +235,16 @@ def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
         tl.store(ctr_ptr, base + 1)
 
 
-@triton.jit(do_not_specialize=['T', 'x_rows'])
-def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K, x_rows,
-                   stage_ptr, stage_src_elems, stage_w_ptr, stage_w_src,
-                   bias0_ptr, bias1_ptr, out_ptr, out_w_ptr,
-                   ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
-                   HAS_W: tl.constexpr, NUM_BIAS: tl.constexpr, NC: tl.constexpr, TB: tl.constexpr,
-                   BLOCK: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
-                   STAGES: tl.constexpr = 3):
-    """Combine receive: ``out[t] = Σ_j row_j(t)`` (float32, ranks in order) ``+ bias``, as bf16.
-
-    ``row_j(t)`` is row ``send_head[t, j]`` of rank ``j``'s x: local x for ``j == me``, else row
-    ``send_head[t, j] - rpm[me-1, j]`` of staging slot ``j`` (rank ``j`` copied my block there in
-    ``NC`` chunks of ``ceil(count / NC)`` rows; this program waits chunk by chunk). Local rows at or
-    past ``x_rows`` are not read (after a num_worst_tokens overflow, recorded as an error).
-    """
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
+@triton.jit
+def _reduce_rows(pid, P, x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K, x_rows,
+                 stage_ptr, stage_src_elems, stage_w_ptr, stage_w_src,
+                 bias0_ptr, bias1_ptr, out_ptr, out_w_ptr,
+                 ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
+                 HAS_W: tl.constexpr, NUM_BIAS: tl.constexpr, NC: tl.constexpr, TB: tl.constexpr,
+                 BLOCK: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
+                 STAGES: tl.constexpr):
+    """Program ``pid`` of ``P``'s share of the combine's receive (``_reduce_kernel``): tiles ``pid, pid + P,
+    ...`` of ``TB`` tokens; the last program of the grid hands the staging slots back."""
     base_ctr = tl.load(ctr_ptr)
     rr = tl.arange(0, R_POW2)
     mine_row = tl.load(rpm_ptr + me * R + rr, mask=rr < R, other=0)
@@ -310,3 +310,50 @@ def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K, x_rows,
     if ticket_last(ticket_ptr):
         _signal_peers(ptr_table, flags_off, CCONSUMED, R, me, 1)
         tl.store(ctr_ptr, base_ctr + 1)
+
+
+@triton.jit(do_not_specialize=['T', 'x_rows'])
+def _reduce_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K, x_rows,
+                   stage_ptr, stage_src_elems, stage_w_ptr, stage_w_src,
+                   bias0_ptr, bias1_ptr, out_ptr, out_w_ptr,
+                   ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
+                   HAS_W: tl.constexpr, NUM_BIAS: tl.constexpr, NC: tl.constexpr, TB: tl.constexpr,
+                   BLOCK: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
+                   STAGES: tl.constexpr = 3):
+    """Combine receive: ``out[t] = Σ_j row_j(t)`` (float32, ranks in order) ``+ bias``, as bf16.
+
+    ``row_j(t)`` is row ``send_head[t, j]`` of rank ``j``'s x: local x for ``j == me``, else row
+    ``send_head[t, j] - rpm[me-1, j]`` of staging slot ``j`` (rank ``j`` copied my block there in
+    ``NC`` chunks of ``ceil(count / NC)`` rows; this program waits chunk by chunk). Local rows at or
+    past ``x_rows`` are not read (after a num_worst_tokens overflow, recorded as an error).
+    """
+    _reduce_rows(tl.program_id(0), tl.num_programs(0), x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K,
+                 x_rows, stage_ptr, stage_src_elems, stage_w_ptr, stage_w_src, bias0_ptr, bias1_ptr, out_ptr,
+                 out_w_ptr, ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns, HAS_W, NUM_BIAS, NC,
+                 TB, BLOCK, R_POW2, K_POW2, HAS_TIMER, STAGES)
+
+
+@triton.jit(do_not_specialize=['T', 'x_rows'])
+def _combine_kernel(x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K, x_rows,
+                    stage_ptr, stage_src_elems, stage_w_ptr, stage_w_src,
+                    bias0_ptr, bias1_ptr, out_ptr, out_w_ptr,
+                    ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
+                    push_off, push_src_bytes, push_w_off, push_w_src_bytes, send_ctr_ptr, push_ticket_ptr,
+                    HAS_W: tl.constexpr, NUM_BIAS: tl.constexpr, NC: tl.constexpr, TB: tl.constexpr,
+                    BLOCK: tl.constexpr, R_POW2: tl.constexpr, K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
+                    STAGES: tl.constexpr, PUSH_RB: tl.constexpr, PUSH_BLOCK: tl.constexpr):
+    """The whole combine in one launch: ``_combine_push_kernel``'s work (every program its share of the
+    rows of x going back to their owners; the last raises the owners' data flags), then
+    ``_reduce_kernel``'s. Every program of the grid must be resident (grid <= SMs): one waits for rows
+    that others push, as in the gather that pushes."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n = _combine_push_rows(pid, P, x_ptr.to(tl.pointer_type(tl.int32)), w_ptr, H // 2, K, R, me, rpm_ptr,
+                           ptr_table, flags_off, push_off, push_src_bytes, push_w_off, push_w_src_bytes,
+                           send_ctr_ptr, err_ptr, timeout_ns, x_rows, HAS_W, PUSH_RB, PUSH_BLOCK, K_POW2, HAS_TIMER)
+    if ticket_last(push_ticket_ptr):
+        _signal_peers(ptr_table, flags_off, CDATA, R, me, NC)
+        tl.store(send_ctr_ptr, n + 1)
+    _reduce_rows(pid, P, x_ptr, H, T, R, me, send_head_ptr, rpm_ptr, w_ptr, K, x_rows, stage_ptr, stage_src_elems,
+                 stage_w_ptr, stage_w_src, bias0_ptr, bias1_ptr, out_ptr, out_w_ptr, ptr_table, flags_off, ctr_ptr,
+                 ticket_ptr, err_ptr, timeout_ns, HAS_W, NUM_BIAS, NC, TB, BLOCK, R_POW2, K_POW2, HAS_TIMER, STAGES)

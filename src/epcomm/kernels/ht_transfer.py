@@ -3,8 +3,10 @@
 - ``ce_wait`` / ``ce_signal`` / ``ce_flag_value``: one-program kernels around the copy-engine bulk copies
   (wait for the receivers to free their staging slots; raise the data flags after the copies).
 - ``push``: the SM alternative to the copy engine: rows of a source (with their scales, ids and weights)
-  pushed into peers' slots (cached dispatches, and ``TUNE["fused_push"]`` off).
-- ``combine_push``: the SM mover of combine: each owner's block of rows into its staging slot.
+  pushed into peers' slots (with ``TUNE["fused_push"]`` off; else the gather kernel pushes itself).
+- ``combine_push``: the SM mover of combine: each owner's block of rows into its staging slot
+  (``_combine_push_rows``; ``_combine_kernel`` runs it before its reduce, unless ``TUNE["fused_cpush"]``
+  is off).
 
 Letters: ``T`` tokens, ``K`` top-k, ``R`` ranks, ``G`` scale groups, ``P`` programs.
 """
@@ -73,18 +75,15 @@ def _push_kernel(x_ptr, row_elems, T, R, me, is_in_ptr, ptr_table, flags_off, sl
         tl.store(ctr_ptr, n + 1)
 
 
-@triton.jit(do_not_specialize=['x_rows'])
-def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, flags_off,
-                         stage_off, stage_src_bytes, stage_w_off, stage_w_src_bytes,
-                         ctr_ptr, ticket_ptr, err_ptr, timeout_ns, x_rows,
-                         HAS_W: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
-                         K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """SM mover for combine: rows ``[rpm[i-1, me], rpm[i, me])`` of x go to row 0.. of my slot on
-    owner ``i``, ``RB`` rows per step; the last program raises the owners' data flags. Rows at or past
-    ``x_rows`` (x's length) are not read: after a num_worst_tokens overflow, recorded as an error,
-    ``rpm`` counts more rows than x has."""
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
+@triton.jit
+def _combine_push_rows(pid, P, x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, flags_off, stage_off,
+                       stage_src_bytes, stage_w_off, stage_w_src_bytes, ctr_ptr, err_ptr, timeout_ns, x_rows,
+                       HAS_W: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr, K_POW2: tl.constexpr,
+                       HAS_TIMER: tl.constexpr):
+    """Program ``pid`` of ``P``'s share of the combine's push (``_combine_push_kernel``): after every owner
+    freed my slot (its ``n``-th consume, ``n`` = my send counter, returned), rows ``[rpm[i-1, me], rpm[i,
+    me])`` of x (``row_elems`` int32 words each, and their weights) to rows ``0..`` of my slot on owner
+    ``i``, ``RB`` rows per step."""
     n = tl.load(ctr_ptr)
     _wait_peers(ptr_table, flags_off, CCONSUMED, R, me, n, err_ptr, 4, timeout_ns, HAS_TIMER)
     kk = tl.arange(0, K_POW2)
@@ -103,9 +102,24 @@ def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, 
                 _copy_tile(dst, rr, x_ptr, src, ok, row_elems, BLOCK)
                 if HAS_W:
                     km = ok[:, None] & (kk[None, :] < K)
-                    tl.store(dst_w + rr[:, None] * K + kk[None, :], tl.load(w_ptr + src[:,
-                             None] * K + kk[None, :],
-                                                                              mask=km), mask=km)
+                    tl.store(dst_w + rr[:, None] * K + kk[None, :],
+                             tl.load(w_ptr + src[:, None] * K + kk[None, :], mask=km), mask=km)
+    return n
+
+
+@triton.jit(do_not_specialize=['x_rows'])
+def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, flags_off,
+                         stage_off, stage_src_bytes, stage_w_off, stage_w_src_bytes,
+                         ctr_ptr, ticket_ptr, err_ptr, timeout_ns, x_rows,
+                         HAS_W: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
+                         K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """SM mover for combine: rows ``[rpm[i-1, me], rpm[i, me])`` of x go to row 0.. of my slot on
+    owner ``i``, ``RB`` rows per step; the last program raises the owners' data flags. Rows at or past
+    ``x_rows`` (x's length) are not read: after a num_worst_tokens overflow, recorded as an error,
+    ``rpm`` counts more rows than x has."""
+    n = _combine_push_rows(tl.program_id(0), tl.num_programs(0), x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr,
+                           ptr_table, flags_off, stage_off, stage_src_bytes, stage_w_off, stage_w_src_bytes,
+                           ctr_ptr, err_ptr, timeout_ns, x_rows, HAS_W, RB, BLOCK, K_POW2, HAS_TIMER)
     if ticket_last(ticket_ptr):
         _signal_peers(ptr_table, flags_off, CDATA, R, me, NC)
         tl.store(ctr_ptr, n + 1)

@@ -1,0 +1,57 @@
+"""Compile the nvlink backend's high-throughput kernels for sm_90 with Triton's own compiler (PTX and
+ptxas; no GPU needed), in the variants the backend launches: the interpreter the CPU tests use runs
+kernels as Python and lets through what the compiler rejects (types, loop-carried values, pointer
+arithmetic). Run by ``tests/unit/test_ht_kernels.py``; alone:
+``PYTHONPATH=src python tests/unit/sims/compile_ht.py``."""
+import triton.language as tl
+from sm90 import compile_one
+
+from epcomm.backends.nvlink_params import TUNE
+from epcomm.kernels import ht_layout, ht_notify, ht_receive, ht_transfer
+
+COMMON = {"ptr_table": "*i64", "timeout_ns": "i64", "is_in_ptr": "*i8", "topk_ptr": "*i64",
+          "host_addr_ptr": "*i64"}
+GATHER = dict(COMMON, x_ptr="*i32", xs_ptr="*fp32", w_ptr="*fp32", stage_ptr="*i32", stage_s_ptr="*fp32",
+              stage_k_ptr="*i64", stage_w_ptr="*fp32", out_x="*i32", out_s="*fp32", out_k="*i64", out_w="*fp32",
+              out_src="*i32")
+COMBINE = dict(COMMON, x_ptr="*bf16", w_ptr="*fp32", stage_ptr="*bf16", stage_w_ptr="*fp32", bias0_ptr="*bf16",
+               bias1_ptr="*bf16", out_ptr="*bf16", out_w_ptr="*fp32")
+
+
+def main() -> None:
+    t = TUNE
+    gather = dict(NC=4, RB=t["gather_rb"], BLOCK=t["gather_block"], R_POW2=8, K_POW2=8, G_POW2=64, HAS_TIMER=True,
+                  STAGES=t["gather_stages"], ONE_LOAD=t["gather_one_load"], PUSH_RB=t["push_rb"],
+                  PUSH_BLOCK=t["push_block"], PREFETCH=False, ELEM=tl.int32)
+    reduce = dict(NC=4, TB=t["reduce_tb"], BLOCK=t["reduce_block"], R_POW2=2, K_POW2=8, HAS_TIMER=True, STAGES=3)
+    cases = [
+        (ht_notify._dispatch_notify_kernel, COMMON,
+         dict(BLOCK=t["notify_block"], R_POW2=8, C_POW2=32, K_POW2=8, TB=128, CHECK_WORST=w, CHECK_TOPK=True,
+              HOST_COUNTS=not w, HAS_TIMER=True), t["notify_warps"]) for w in (False, True)
+    ] + [
+        (ht_notify._notify_kernel, COMMON, dict(BLOCK=t["notify_block"], R_POW2=8, DO_SEND=True, DO_RECV=True,
+                                                HAS_TIMER=True), t["notify_warps"]),
+        (ht_notify._handle_kernel, COMMON, dict(CHECK_WORST=True, R_POW2=8, C_POW2=32, TB=128, CHECK_TOPK=True,
+                                                K_POW2=8), 4),
+        (ht_layout._layout_kernel, COMMON, dict(K_POW2=8, RB=8, EB=32, TBR=64, TBE=128), 4),
+    ] + [
+        (ht_receive._gather_kernel, GATHER, dict(gather, CACHED=cached, IS_PREFIX=cached, HAS_SCALES=True,
+                                                 HAS_TOPK=not cached, PUSH=True, PUSH_TOPK=not cached),
+         t["gather_warps"]) for cached in (False, True)
+    ] + [
+        (ht_receive._combine_kernel, COMBINE, dict(reduce, HAS_W=True, NUM_BIAS=2, PUSH_RB=t["cpush_rb"],
+                                                   PUSH_BLOCK=t["cpush_block"]), t["reduce_warps"]),
+        (ht_receive._reduce_kernel, COMBINE, dict(reduce, HAS_W=True, NUM_BIAS=1), t["reduce_warps"]),
+        (ht_transfer._combine_push_kernel, dict(COMMON, w_ptr="*fp32"),
+         dict(HAS_W=True, NC=4, RB=t["cpush_rb"], BLOCK=t["cpush_block"], K_POW2=8, HAS_TIMER=True),
+         t["cpush_warps"]),
+    ]
+    print("plan", len(cases))  # the test asks for one "ok" line each
+    for fn, types, consts, warps in cases:
+        name = fn.fn.__name__
+        flags = ",".join(f"{k}={v}" for k, v in consts.items() if isinstance(v, bool))
+        print("ok", name, flags, compile_one(fn, types, consts, warps), "bytes of cubin,", warps, "warps")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""Compile a Triton kernel for sm_90 with Triton's own compiler (PTX and ptxas; no GPU needed), for the
+sims' compile scripts (run as scripts: this directory is on their path)."""
+import inspect
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_one(fn, types: dict, consts: dict, warps: int = 4) -> int:
+    """``fn`` (a ``@triton.jit`` kernel) with the constexprs ``consts`` and argument types ``types`` (by name;
+    else ``*i32`` for a name ending in ``_ptr``, ``i32`` otherwise), ``warps`` warps: its cubin's bytes."""
+    params = list(inspect.signature(fn.fn).parameters)
+    sig = {p: "constexpr" if p in consts else types.get(p, "*i32" if p.endswith("_ptr") else "i32") for p in params}
+    src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=TARGET, options={"num_warps": warps})
+    return len(kernel.asm["cubin"])

@@ -1,0 +1,18 @@
+"""Tier 1: the nvlink backend's high-throughput kernels without a GPU, each script in its own process, as
+tests/unit/test_kernel_sims.py runs its scripts (``plan N``, then one ``ok`` per check passed):
+sims/compile_ht.py compiles them for sm_90 with Triton's compiler and ptxas, in the variants the backend
+launches (the exchange with the handle, the gather that pushes, cached too, the combine in one kernel,
+the layout); sims/sim_ht_layout.py runs the layout kernel under the interpreter against
+``layout.dispatch_layout``, bitwise. The fused kernels' logic runs end to end in tier 2
+(tests/dist/test_nvlink_cpu.py) against the reference backend."""
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("numpy")
+
+from test_kernel_sims import test_kernels_under_the_interpreter as run_script  # noqa: E402
+
+
+@pytest.mark.parametrize("script", ["compile_ht.py", "sim_ht_layout.py"])
+def test_ht_kernels(script):
+    run_script(script)
