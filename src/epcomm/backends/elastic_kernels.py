@@ -51,6 +51,7 @@ class Kernels:
         is_token_in_rank bool[T, R])``."""
         t, k = topk_idx.shape
         dev = topk_idx.device
+        topk_idx = topk_idx.contiguous()
         counts = torch.zeros(num_ranks + num_experts, dtype=torch.int32, device=dev)
         per_rank, per_expert = counts.split((num_ranks, num_experts))
         in_rank = torch.empty(t, num_ranks, dtype=torch.bool, device=dev)
@@ -65,11 +66,15 @@ class Kernels:
     def recv_meta(self, rpm, me: int, recv_src_idx, recv_local, send_head, topk_idx, m: int, le: int,
                   alignment: int, x_rows: int, expand: bool, cum) -> EL.RecvMeta:
         """``elastic_layout.recv_meta`` in two launches (``_recv_meta_kernel`` then ``_expert_layout_kernel``);
-        ``cum`` (``int32[LE]`` or None) gains the counts."""
+        ``cum`` (``int32[LE]`` or None) gains the counts. The kernels read rows in place: every tensor is
+        made contiguous first (a no-op for the backend's and most callers' tensors)."""
         n, k = recv_local.shape
         t = topk_idx.shape[0]
         r_ = rpm.shape[0]
         dev = recv_local.device
+        rpm, recv_src_idx, recv_local = rpm.contiguous(), recv_src_idx.contiguous(), recv_local.contiguous()
+        send_head, topk_idx = send_head.contiguous(), topk_idx.contiguous()
+        stats = cum if cum is None or cum.is_contiguous() else cum.contiguous()
         small = torch.zeros(2 * le + r_, dtype=torch.int32, device=dev)
         counts, psum, psum_rank = small.split((le, le, r_))
         gid = torch.empty(n, dtype=torch.int64, device=dev)
@@ -80,7 +85,7 @@ class Kernels:
         source = torch.empty(x_rows if expand else 0, dtype=torch.int64, device=dev)
         kp, rb = _pow2(k), min(RB, _pow2(r_))
         key = (r_, k, le, expand, cum is not None, recv_src_idx.dtype, send_head.dtype,
-               _aligned(topk_idx, rpm, recv_src_idx, recv_local, send_head, cum))
+               _aligned(topk_idx, rpm, recv_src_idx, recv_local, send_head, stats))
         self.launch("_recv_meta_kernel", key, dict(
             R=r_, K=k, LE=le, KP=kp, BN=BN, RB=rb, COPY=not expand, EXPAND=expand, num_warps=4),
             (max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, 1, 1),
@@ -88,8 +93,10 @@ class Kernels:
             psum_rank, topk_idx, send_head, t, dst, m)
         self.launch("_expert_layout_kernel", key, dict(
             R=r_, K=k, LE=le, LEP=_pow2(le), KP=kp, BN=BN, EXPAND=expand, HAS_CUM=cum is not None, num_warps=4),
-            (le if expand else 1, 1, 1), counts, psum, cum if cum is not None else counts, local, rpm, me,
+            (le if expand else 1, 1, 1), counts, psum, stats if cum is not None else counts, local, rpm, me,
             alignment, meta, source if expand else counts, x_rows if expand else 0)
+        if stats is not cum:  # a strided cumulative_local_expert_recv_stats: updated through a copy
+            cum.copy_(stats)
         return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, source, dst)
 
     def copy_epilogue(self, source: torch.Tensor, k: int, zero_pad: bool, sms: int, x: EL.Rows, x_dtype,
@@ -99,6 +106,7 @@ class Kernels:
         byte offset of the part in a row, the bytes between rows), as ``elastic_layout.expand_rows``."""
         x_rows = source.shape[0]
         dev = source.device
+        x, sf, w = (None if r is None else r._replace(tensor=r.tensor.contiguous()) for r in (x, sf, w))
         out = torch.empty(x_rows, h, dtype=x_dtype, device=dev)
         row = h * x_dtype.itemsize
         out_sf = out_w = None
@@ -145,6 +153,8 @@ class Kernels:
         if n:
             if mode != 2:
                 x = x.contiguous()
+            if w is not None:
+                w = w.contiguous()
             key = (mode, k, h, width, w is not None, _aligned(x, w))
             self.launch("_combine_pack_kernel", key, dict(
                 K=k, KP=_pow2(k), H=h, W=width, HAS_W=w is not None, MODE=mode, BLOCK=BLOCK, num_warps=4),
@@ -166,6 +176,7 @@ class Kernels:
             out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         out_w = torch.empty(t, k, dtype=torch.float32, device=dev) if with_w else None
         if t:
+            topk_idx = topk_idx.contiguous()
             b0 = bias[0].contiguous() if bias else out
             b1 = bias[1].contiguous() if len(bias) > 1 else out
             row = got.shape[-1]

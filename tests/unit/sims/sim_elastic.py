@@ -52,7 +52,8 @@ def _received(g, r, me, m, k, le, sync):
     return rpm, src, local, n
 
 
-def recv_meta(seed, r, me, m, k, le, alignment, expand, sync, cum):
+def recv_meta(seed, r, me, m, k, le, alignment, expand, sync, cum, strided=False):
+    """``strided``: the caller's top-k ids and statistics as strided views (the kernels read copies)."""
     g = torch.Generator().manual_seed(seed)
     rpm, src, local, n = _received(g, r, me, m, k, le, sync)
     t = int(torch.randint(0, m + 1, (), generator=g))
@@ -60,9 +61,13 @@ def recv_meta(seed, r, me, m, k, le, alignment, expand, sync, cum):
     send_head = torch.randint(0, m * r, (t, r), generator=g, dtype=torch.int32)
     x_rows = EL.worst_expanded_rows(r, m, k, le, alignment)
     stats = [None, None] if not cum else [torch.arange(le, dtype=torch.int32) for _ in range(2)]
+    if strided:
+        topk = topk.t().contiguous().t()
+        stats[0] = torch.arange(le, dtype=torch.int32).repeat_interleave(2)[::2]
     got = ek.Kernels().recv_meta(rpm, me, src, local, send_head, topk, m, le, alignment, x_rows, expand, stats[0])
     want = EL.recv_meta(rpm, me, src, local, send_head, topk, m, le, alignment, x_rows, expand, stats[1])
-    what = f"recv_meta r={r} me={me} m={m} k={k} le={le} a={alignment} expand={expand} sync={sync} n={n}"
+    what = f"recv_meta r={r} me={me} m={m} k={k} le={le} a={alignment} expand={expand} sync={sync} n={n}" + \
+        (" strided" if strided else "")
     for name in EL.RecvMeta._fields:
         a, b = getattr(got, name), getattr(want, name)
         if b is None:
@@ -176,7 +181,7 @@ def reduce(seed, n_bias, with_w, master):
     want = EL.ordered_reduce(lanes, k, bias, (t, h), "cpu")
     what = f"reduce biases={n_bias} w={with_w} master={master}"
     if master:
-        out, out_w = kern.reduce(got, topk, le, m, h, bias, (0, k), True, with_w)
+        out, out_w = kern.reduce(got, topk.t().contiguous().t(), le, m, h, bias, (0, k), True, with_w)
         if with_w:
             wv = flat[:, 2 * h:2 * h + 4 * k].contiguous().view(torch.float32)[owner * m + tok.unsqueeze(1),
                                                                               torch.arange(k).unsqueeze(0)]
@@ -200,6 +205,8 @@ if __name__ == "__main__":
               (3, 2, 9, 4, 3, 4, True, True, False), (3, 1, 9, 2, 5, 128, True, False, False),
               (1, 0, 40, 3, 4, 1, True, True, True), (2, 1, 1, 1, 1, 1, True, False, False),
               (3, 0, 12, 3, 2, 2, False, False, True)])],
+        (recv_meta, dict(seed=20, r=2, me=1, m=12, k=3, le=4, alignment=2, expand=True, sync=False, cum=True,
+                         strided=True)),
         *[(copy_epilogue, dict(seed=30 + i, dtype=dt, p=p, packed=pk, tma=tm, zero_pad=z, with_w=w))
           for i, (dt, p, pk, tm, z, w) in enumerate([
               (torch.bfloat16, 0, False, False, False, True), (torch.bfloat16, 0, False, False, True, True),
