@@ -130,10 +130,14 @@ def test_host_count_sees_each_kind_of_work():
 
     x = torch.zeros(4)
     with HostCount(log=True) as c:
-        y = torch.arange(4) * 2  # 2 calls, 1 allocation, 2 launches
-        y.view(2, 2)  # a call, no launch
-        bool(y.sum())  # 2 calls, a launch, a host read
+        y = torch.arange(4) * 2  # 2 calls, 2 allocations, 2 launches
+        y.view(2, 2).contiguous()  # 2 calls, no allocation, no launch
+        bool(y.sum())  # 2 calls, an allocation, a launch, a host read
         with c.paused():
             x.add_(1).clone()
-    assert (c.ops, c.allocs, c.launches, c.syncs) == (5, 1, 3, 1), (c.counts(), c.calls.names, c.kernels)
-    assert c.calls.names == ["arange", "mul", "view", "sum", "__bool__"] and c.kernels == ["arange", "mul", "sum"]
+    assert (c.ops, c.allocs, c.launches, c.syncs) == (6, 3, 3, 1), (c.counts(), c.calls.names, c.kernels)
+    assert c.calls.names == ["arange", "mul", "view", "contiguous", "sum", "__bool__"] and c.meta == 0
+    assert c.kernels == ["arange", "mul", "sum"]
+    with HostCount() as m:
+        x.shape, x.dtype, x.data_ptr(), x.is_contiguous()  # noqa: B018  (metadata reads)
+    assert (m.ops, m.meta, m.allocs, m.launches) == (4, 4, 0, 0), m.counts()

@@ -2,7 +2,9 @@
 GPU host, so these counts are a host-time budget that tier 1 and tier 2 can bound without a GPU).
 
 ``TorchCalls`` (a ``TorchFunctionMode``) counts every torch function and tensor method the path calls
-(``ops``) and those that may allocate (``allocs``, by name). ``HostCount`` adds what would reach the GPU:
+(``ops``), those of them that only read metadata (``meta``: ``.shape``, ``.dtype``, ``data_ptr()``...,
+a fraction of a microsecond each) and those that allocate (``allocs``: their result has a storage none of their inputs had, so
+``x.contiguous()`` of a contiguous ``x`` is no allocation). ``HostCount`` adds what would reach the GPU:
 aten operators that launch a kernel there (``launches``: not views, not bare allocations), Triton kernel
 launches (counted in ``launches`` and ``triton``), and reads of a device value on the host (``syncs``:
 ``.item()``, ``.tolist()``, ``bool(t)``: a host wait on a GPU). ``with count.paused():`` leaves a part
@@ -13,41 +15,59 @@ Example::
 
     with HostCount() as c:
         y = torch.arange(4) * 2
-    (c.ops, c.allocs, c.launches, c.syncs) == (2, 1, 2, 0)
+    (c.ops, c.allocs, c.launches, c.syncs) == (2, 2, 2, 0)
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ALLOCATING = {"empty", "empty_like", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_empty",
-              "new_zeros", "new_ones", "new_full", "tensor", "as_tensor", "arange", "empty_strided", "clone",
-              "contiguous", "to", "cat", "stack"}
 _NO_KERNEL = {"empty", "empty_strided", "lift_fresh", "detach", "alias", "_local_scalar_dense", "set_",
               "resize_", "_to_copy_cpu_noop"}
 
 
+META = {"__get__", "dim", "numel", "element_size", "get_device", "stride", "data_ptr", "is_contiguous", "size",
+        "storage_offset", "nelement", "__len__", "is_floating_point"}
+
+
+def _storages(obj, out: set) -> set:
+    """The storages of the tensors in ``obj`` (tensors, and tuples, lists and dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        out.add(obj.untyped_storage()._cdata)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _storages(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _storages(o, out)
+    return out
+
+
 class TorchCalls(TorchFunctionMode):
-    """Counts the torch functions and tensor methods a host path calls, and those that may allocate;
+    """Counts the torch functions and tensor methods a host path calls, and those that allocate;
     ``names`` lists them in order (``log=True``)."""
 
     def __init__(self, log: bool = False):
         super().__init__()
-        self.ops = self.allocs = 0
+        self.ops = self.meta = self.allocs = 0
         self.names: list[str] | None = [] if log else None
         self.off = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if not self.off:
             name = getattr(func, "__name__", str(func))
             self.ops += 1
-            self.allocs += name in ALLOCATING
+            self.meta += name in META
+            self.allocs += bool(_storages(out, set()) - _storages((args, kwargs), set()))
             if self.names is not None:
                 self.names.append(name)
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 class _Aten(TorchDispatchMode):
@@ -83,11 +103,16 @@ class HostCount:
         return self.calls.ops
 
     @property
+    def meta(self) -> int:
+        return self.calls.meta
+
+    @property
     def allocs(self) -> int:
         return self.calls.allocs
 
     def counts(self) -> dict:
-        return {"ops": self.ops, "allocs": self.allocs, "launches": self.launches, "syncs": self.syncs}
+        return {"ops": self.ops, "meta": self.meta, "allocs": self.allocs, "launches": self.launches,
+                "syncs": self.syncs}
 
     @contextlib.contextmanager
     def paused(self):
