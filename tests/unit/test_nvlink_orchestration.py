@@ -23,10 +23,11 @@ from epcomm import layout  # noqa: E402
 from epcomm.backends import nvlink as nv  # noqa: E402
 from epcomm.backends import nvlink_params as params  # noqa: E402
 from epcomm.backends.base import DispatchArgs, LowLatencyCombineArgs, LowLatencyDispatchArgs  # noqa: E402
-from epcomm.kernels import ht, ll  # noqa: E402
+from epcomm.kernels import ht, ht_layout, ht_notify, ht_receive, ht_transfer, ll  # noqa: E402
 from epcomm.testing.cpu_nvlink import cuda_stand_ins  # noqa: E402
 
 LLD, LLC = ll._ll_dispatch_kernel.__name__, ll._ll_combine_kernel.__name__  # the LL kernels' symbols
+KERNEL_MODULES = (ht_layout, ht_notify, ht_receive, ht_transfer)  # where the backend finds its HT kernels
 
 R, T, H, K, E = 2, 24, 256, 4, 16
 
@@ -80,8 +81,35 @@ class _Symm:
                                      get_buffer=lambda r, shape, dtype: ranks[r].view(dtype).view(shape))
 
 
-@pytest.fixture
-def rig(monkeypatch):
+class _Compiled(_Kernel):
+    """Stands in for a compiled kernel: ``kernels/launch.Launcher`` binds it as it binds Triton's (the first
+    launch of a key goes through ``run``, checked as ``_Kernel`` checks), and later launches go straight to
+    its C launcher (``Direct`` with addresses), as on a GPU host; each launch is logged (later ones without
+    their arguments, which are addresses then)."""
+
+    def __init__(self, jit, log: list):
+        super().__init__(jit, log)
+        self.params, self.device_caches = jit.params, {}
+        name = self.fn.__name__
+
+        class Run:
+            global_scratch_size = profile_scratch_size = 0
+            launch_cooperative_grid = launch_pdl = False
+
+            @staticmethod
+            def launch(gx, gy, gz, stream, function, *args):
+                log.append((name, (gx, gy, gz), None))
+
+        self.kernel = types.SimpleNamespace(run=Run(), function=0, packed_metadata=None)
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self[grid](*args, **kwargs)
+        return self.kernel
+
+
+def make_rig(monkeypatch, compiled: bool = False):
+    """The nvlink backend of ``R`` ranks in this process, its kernels stand-ins that log their launches
+    (``_Kernel``; ``compiled``: ``_Compiled``, bound as on a GPU host)."""
     log: list = []
     capturing = {"on": False}
     symm = _Symm()
@@ -92,10 +120,17 @@ def rig(monkeypatch):
     monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: None)
     monkeypatch.setattr(nv.deadline, "barrier", lambda *a, **k: None)  # the simulated ranks share a process
     cuda_stand_ins(monkeypatch.setattr, capturing=lambda: capturing["on"], sms=132)
-    for mod_ in (ht, ll):
+    if compiled:  # the driver's current stream and device, which a launcher asks for once, at its first bind
+        from triton.runtime import driver
+
+        monkeypatch.setattr(driver, "_active", types.SimpleNamespace(get_current_stream=lambda dev: 0,
+                                                                    get_current_device=lambda: 0))
+    stubs: dict = {}
+    for mod_ in (ht, ll, *KERNEL_MODULES):
         for name, obj in list(vars(mod_).items()):
             if isinstance(obj, triton.runtime.jit.JITFunction):
-                monkeypatch.setattr(mod_, name, _Kernel(obj, log))
+                stub = stubs.setdefault(id(obj), (_Compiled if compiled else _Kernel)(obj, log))
+                monkeypatch.setattr(mod_, name, stub)
     from epcomm import Buffer
 
     rdma = Buffer.get_low_latency_rdma_size_hint(8, H, R, E)
@@ -109,6 +144,11 @@ def rig(monkeypatch):
         b._keep = buf  # the backend holds a weak reference
         backends.append(b)
     return types.SimpleNamespace(log=log, capturing=capturing, b=backends)
+
+
+@pytest.fixture
+def rig(monkeypatch):
+    return make_rig(monkeypatch)
 
 
 def _args(worst=0, fp8=False):
@@ -145,12 +185,13 @@ def _names(log):
 def test_eager_dispatch_combine_and_cached(rig):
     b = rig.b[0]
     res = b.dispatch(_args())
-    assert _names(rig.log) == ["_ce_wait_kernel"] + ["_ce_signal_kernel"] * 4 + ["_notify_kernel", "_handle_kernel",
+    assert _names(rig.log) == ["_ce_wait_kernel"] + ["_ce_signal_kernel"] * 4 + ["_dispatch_notify_kernel",
                                                                               "_gather_kernel"]
     handle = res.handle
     assert handle.rank_prefix_matrix.shape == (R, R) and handle.send_head.shape == (T, R)
-    # the eager path checks the expert ids in the handle kernel too, before its one synchronisation
-    assert not rig.log[-2][2]["CHECK_WORST"] and rig.log[-2][2]["CHECK_TOPK"]
+    # the eager path checks the expert ids in the exchange kernel too, before its one synchronisation, which
+    # reads the counts that kernel wrote into pinned host words
+    assert not rig.log[-2][2]["CHECK_WORST"] and rig.log[-2][2]["CHECK_TOPK"] and rig.log[-2][2]["HOST_COUNTS"]
     rig.log.clear()
     out, w = b.combine(res.recv_x, handle, res.recv_topk_weights, ())
     assert out.shape == (T, H) and w.shape == (T, K)
@@ -166,21 +207,22 @@ def test_worst_dispatch_checks_on_the_device(rig):
     res = b.dispatch(_args(worst=R * T))
     assert res.recv_x.shape == (R * T, H) and res.num_recv_tokens_per_expert_list == []
     handle_launch = rig.log[-2]
-    assert handle_launch[0] == "_handle_kernel" and rig.log[-1][0] == "_gather_kernel"
+    assert handle_launch[0] == "_dispatch_notify_kernel" and rig.log[-1][0] == "_gather_kernel"
     assert handle_launch[2]["CHECK_WORST"] and handle_launch[2]["CHECK_TOPK"] and handle_launch[2]["num_worst"] == R * T
+    assert not handle_launch[2]["HOST_COUNTS"]  # nothing for the host to read: no synchronisation
     rig.log.clear()
-    b.combine(res.recv_x, res.handle, None, ())  # no host prefix on the handle: the SM push
-    assert _names(rig.log) == ["_combine_push_kernel", "_reduce_kernel"]
+    b.combine(res.recv_x, res.handle, None, ())  # no host prefix on the handle: the SM push, in the reduce kernel
+    assert _names(rig.log) == ["_combine_kernel"]
 
 
 def test_captured_calls_push_with_sms(rig):
     rig.capturing["on"] = True
     rig.b[0].dispatch(_args(worst=R * T))
     # the gather kernel pushes (after notify: its own block and the push at once), no copy engine
-    assert _names(rig.log) == ["_notify_kernel", "_handle_kernel", "_gather_kernel"]
-    gather = rig.log[2][2]
+    assert _names(rig.log) == ["_dispatch_notify_kernel", "_gather_kernel"]
+    gather = rig.log[1][2]
     assert gather["PUSH"] and gather["PUSH_TOPK"] and gather["PUSH_RB"] == params.TUNE["push_rb"]
-    assert gather["PUSH_BLOCK"] == params.TUNE["push_block"] and rig.log[2][1] == (rig.b[0].num_sms, 1, 1)
+    assert gather["PUSH_BLOCK"] == params.TUNE["push_block"] and rig.log[1][1] == (rig.b[0].num_sms, 1, 1)
 
 
 def test_captured_calls_without_fusion_use_the_push_kernel(rig, monkeypatch):
@@ -188,10 +230,10 @@ def test_captured_calls_without_fusion_use_the_push_kernel(rig, monkeypatch):
     rig.capturing["on"] = True
     rig.b[0].dispatch(_args(worst=R * T))
     names = _names(rig.log)
-    assert names == ["_push_kernel", "_notify_kernel", "_handle_kernel", "_gather_kernel"]
+    assert names == ["_push_kernel", "_dispatch_notify_kernel", "_gather_kernel"]
     push = rig.log[0][2]
     assert push["RB"] == params.TUNE["push_rb"] and push["BLOCK"] == params.TUNE["push_block"] and push["HAS_TOPK"]
-    assert not rig.log[3][2]["PUSH"]
+    assert not rig.log[2][2]["PUSH"]
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 4])
@@ -240,10 +282,13 @@ def test_eager_calls_push_with_sms_by_default(rig, monkeypatch):
     b = rig.b[0]
     b.transfer = _env.ht_transfer()
     res = b.dispatch(_args())
-    assert _names(rig.log) == ["_notify_kernel", "_handle_kernel", "_gather_kernel"] and rig.log[-1][2]["PUSH"]
+    assert _names(rig.log) == ["_dispatch_notify_kernel", "_gather_kernel"] and rig.log[-1][2]["PUSH"]
     rig.log.clear()
-    b.combine(res.recv_x, res.handle, res.recv_topk_weights, ())
-    assert _names(rig.log) == ["_combine_push_kernel", "_reduce_kernel"]
+    b.combine(res.recv_x, res.handle, res.recv_topk_weights, ())  # push and reduce: one kernel
+    assert _names(rig.log) == ["_combine_kernel"]
+    rig.log.clear()
+    b.cached_dispatch(res.recv_x[:0].new_empty(T, H), None, res.handle)  # the gather pushes, as uncached
+    assert _names(rig.log) == ["_gather_kernel"] and rig.log[0][2]["PUSH"] and rig.log[0][2]["CACHED"]
 
 
 def test_a_calls_config_sets_its_sms(rig):
@@ -260,10 +305,17 @@ def test_a_calls_config_sets_its_sms(rig):
     assert [g for n, g, _ in rig.log if n == "_gather_kernel"] == [(4, 1, 1)]
     rig.log.clear()
     b.cached_dispatch(res.recv_x[:0].new_empty(T, H), None, res.handle, Config(num_sms=6))
-    assert [g for n, g, _ in rig.log if n == "_push_kernel"] == [(6,)]
+    assert [g for n, g, _ in rig.log if n == "_gather_kernel"] == [(6, 1, 1)]
     rig.log.clear()
     b.combine(res.recv_x, res.handle, None, (), Config(num_sms=2))
-    assert [g for n, g, _ in rig.log if n == "_combine_push_kernel"] == [(2,)]
+    assert [g for n, g, _ in rig.log if n == "_combine_kernel"] == [(2, 1, 1)]
+    rig.log.clear()
+    with pytest.MonkeyPatch.context() as mp:  # the separate push kernel and its grid
+        mp.setitem(params.TUNE, "fused_push", False)
+        mp.setitem(params.TUNE, "fused_cpush", False)
+        b.cached_dispatch(res.recv_x[:0].new_empty(T, H), None, res.handle, Config(num_sms=6))
+        b.combine(res.recv_x, res.handle, None, (), Config(num_sms=2))
+    assert [g for n, g, _ in rig.log if n in ("_push_kernel", "_combine_push_kernel")] == [(6,), (2,)]
 
 
 def test_fused_push_grid_is_at_most_one_program_per_sm(rig):
@@ -352,8 +404,8 @@ def test_notify_first_queues_the_exchange_before_the_copies(rig, monkeypatch):
     monkeypatch.setitem(params.TUNE, "notify_first", True)
     rig.b[0].dispatch(_args())
     names = _names(rig.log)
-    assert names[:2] == ["_notify_kernel", "_ce_wait_kernel"] and names.count("_ce_signal_kernel") == 4
-    assert names[-2:] == ["_handle_kernel", "_gather_kernel"]
+    assert names[:2] == ["_dispatch_notify_kernel", "_ce_wait_kernel"] and names.count("_ce_signal_kernel") == 4
+    assert names[-1] == "_gather_kernel"
 
 
 @pytest.mark.parametrize("hook", [False, True])
@@ -444,17 +496,25 @@ def test_launches_and_host_synchronisations_per_call(rig, monkeypatch):
         out = fn(*args)
         return out, Launcher.launches - before, len(syncs)
 
-    # eager: the copy engine's wait and 4 chunk flags, notify, handle, gather; one synchronisation (counts)
+    # copy engine: its wait and 4 chunk flags, the exchange (with the handle), gather; one synchronisation
     res, launches, n_sync = per_call(b.dispatch, _args())
-    assert (launches, n_sync) == (8, 1)
+    assert (launches, n_sync) == (7, 1)
     assert per_call(b.combine, res.recv_x, res.handle, res.recv_topk_weights, ())[1:] == (6, 0)
     assert per_call(b.cached_dispatch, res.recv_x[:0].new_empty(T, H), None, res.handle)[1:] == (6, 0)
     # num_worst_tokens: no synchronisation
-    assert per_call(b.dispatch, _args(worst=R * T))[1:] == (8, 0)
-    rig.capturing["on"] = True  # captured: notify, handle, gather (which pushes); combine: push + reduce
+    assert per_call(b.dispatch, _args(worst=R * T))[1:] == (7, 0)
+    rig.capturing["on"] = True  # captured: the exchange, gather (which pushes); combine: one kernel
     res, launches, n_sync = per_call(b.dispatch, _args(worst=R * T))
-    assert (launches, n_sync) == (3, 0)
-    assert per_call(b.combine, res.recv_x, res.handle, None, ())[1:] == (2, 0)
+    assert (launches, n_sync) == (2, 0)
+    assert per_call(b.combine, res.recv_x, res.handle, None, ())[1:] == (1, 0)
+    rig.capturing["on"] = False
+    b.transfer = "sm"  # the default: the same eagerly, and a cached dispatch is one launch too
+    res, launches, n_sync = per_call(b.dispatch, _args())
+    assert (launches, n_sync) == (2, 1)
+    assert per_call(b.dispatch, _args(worst=R * T))[1:] == (2, 0)
+    assert per_call(b.combine, res.recv_x, res.handle, res.recv_topk_weights, ())[1:] == (1, 0)
+    assert per_call(b.cached_dispatch, res.recv_x[:0].new_empty(T, H), None, res.handle)[1:] == (1, 0)
+    assert per_call(b.dispatch_layout, _args().topk_idx, E)[1:] == (1, 0)
     rig.capturing["on"] = False
     # low-latency: one launch per call without the hook; with it, one now and one in hook(); never a
     # synchronisation
@@ -546,8 +606,8 @@ def test_torch_ops_and_allocations_per_call(rig, transfer):
     _, ops, allocs = _torch_calls(crun, y, topk, w, None, None)
     got["ll combine repeat"] = (ops, allocs)
     # (torch calls, of which may allocate) at 2 ranks; counted on the CPU stand-ins, the same host code
-    bound = {"sm": {"dispatch": (68, 12), "combine": (28, 6), "cached": (37, 2), "worst": (39, 12)},
-             "ce": {"dispatch": (106, 12), "combine": (22, 6), "cached": (55, 2), "worst": (77, 12)}}[transfer]
+    bound = {"sm": {"dispatch": (58, 8), "combine": (20, 2), "cached": (27, 1), "worst": (35, 8)},
+             "ce": {"dispatch": (98, 8), "combine": (20, 2), "cached": (53, 1), "worst": (75, 8)}}[transfer]
     bound.update({"ll dispatch repeat": (0, 0), "ll combine repeat": (0, 0)})  # the LL repeat: launches only
     over = {k: (got[k], v) for k, v in bound.items() if got[k][0] > v[0] or got[k][1] > v[1]}
     assert not over, f"torch calls / allocations per call above their bounds (got, bound): {over}"

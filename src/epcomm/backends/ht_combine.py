@@ -1,68 +1,115 @@
-"""High-throughput combine, orchestrated along its phases: the transfer (the transport's ``_combine_send``:
-each rank's block of rows for owner ``i`` into ``i``'s combine staging), then the receive (``reduce``:
-rank by rank, float32, plus bias, into ``bf16[T, H]``).
+"""High-throughput combine, orchestrated along its phases: the transfer (each rank's block of rows for owner
+``i`` into ``i``'s combine staging) and the receive (``reduce``: rank by rank, float32, plus bias, into
+``bf16[T, H]``). With the SM transfer both are one kernel (``_combine_kernel``: its programs push, then
+reduce); otherwise the transport's ``_combine_send`` (copy engine, or the separate push kernel), then
+``_reduce_kernel``.
+
+A combine of one kind (shapes, flags, Config, the 16-byte alignment of its tensors) is planned once
+(``combine_run``): a repeat costs its output allocations and one launch. ``Buffer`` keeps the plans'
+``run`` per kind.
 
 ``HTCombine`` is a mixin of a backend that provides the symmetric-memory state and a transport (see
 ht_dispatch.py).
 
-Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``R`` ranks.
+Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``R`` ranks, ``N`` rows returned.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..layout import DispatchHandle
 from ..kernels.launch import Direct
-from .nvlink_params import CRECV, NC, T_REDUCE, TIMER, TUNE, _aligned, _pow2, reduce_stages
+from ..layout import DispatchHandle
+from .nvlink_params import CRECV, CSEND, NC, T_CPUSH, T_REDUCE, TIMER, TUNE, _aligned, _pow2, reduce_stages
+
+_MAX_PLANS = 4096  # the token count is part of a kind: bounded, whatever the callers vary
 
 
 class HTCombine:
-    def _reduce_launch(self, key, lay: dict, h: int, k: int, t: int, n_bias: int, has_w: bool):
-        """The receive kernel's launch for combines of one kind (``key``): ``go(gx, gy, gz, x, send_head,
-        rpm, w, rows, bias0, bias1, out, out_w)``, everything else fixed (``kernels/launch.Direct``), and
-        the placeholder for an absent ``w`` / ``out_w``."""
-        r_, me = self.num_ranks, self.rank
+    def combine_run(self, x, handle: DispatchHandle, topk_weights, bias, config=None):
+        """``run(x, handle, topk_weights, bias) -> (combined_x, combined_topk_weights)``, made once for every
+        combine like this one (same shapes but x's row count, dtypes, Config, number of biases, alignment of
+        x, weights, biases and the handle's ``send_head`` and ``rank_prefix_matrix``; contiguous tensors), or
+        None where a call's launches depend on more (the copy engine's, by capture state and by whether the
+        handle carries its block bounds on the host): ``Buffer`` keeps it for the repeats."""
+        run = self._combine_plan(x, handle, topk_weights, bias, config)
+        return run if self.transfer == "sm" else None
+
+    def _combine_plan(self, x, handle: DispatchHandle, w, bias, config):
+        t, h = handle.is_token_in_rank.shape[0], x.shape[1]
+        k = w.shape[1] if w is not None else 0
+        rpm = handle.rank_prefix_matrix
+        ce = (self.num_ranks > 1 and getattr(rpm, "_epcomm_host_col", None) is not None and self._use_ce())
+        fused = self.num_ranks > 1 and not ce and TUNE["fused_cpush"]
+        num_sms = config.num_sms if config is not None else None
+        key = ("cb", t, h, k, len(bias), w is not None, num_sms, ce, fused,
+               _aligned(x, handle.send_head, rpm, w, *bias))
+        run = self._plans.get(key)
+        if run is None:
+            if len(self._plans) > _MAX_PLANS:
+                self._plans.clear()
+            run = self._plans[key] = self._make_combine(key, t, h, k, len(bias), w is not None, num_sms, ce, fused)
+        return run
+
+    def _make_combine(self, key, t: int, h: int, k: int, n_bias: int, has_w: bool, num_sms, ce: bool,
+                      fused: bool):
+        r_, me, dev = self.num_ranks, self.rank, self.device
+        lay = self._ht_layout(t, 0, 0, k, h)
         stage_x = self._local(lay["cx"], lay["c_slot"], torch.bfloat16)
         stage_w = self._local(lay["cw"], lay["c_slot"], torch.float32)
         tb = TUNE["reduce_tb"]
-        p = self.k["_reduce_kernel"].prepared((h, k, key[-1]), dict(  # (alignment: the kernel's own key)
-            HAS_W=has_w, NUM_BIAS=n_bias, NC=NC, TB=tb, BLOCK=TUNE["reduce_block"], R_POW2=_pow2(r_),
-            K_POW2=_pow2(k), HAS_TIMER=TIMER, STAGES=reduce_stages(_pow2(r_), tb, TUNE["reduce_block"]),
-            num_warps=TUNE["reduce_warps"]))
-        tmpl = (None, h, t, r_, me, None, None, stage_w.tensor, k, None,
-                stage_x, lay["c_slot"] // 2, stage_w, lay["c_slot"] // 4,
-                None, None, None, None,
-                self.p_table, self.flags_off, self.p_ctr[CRECV], self.p_tk[T_REDUCE], self.p_err, self._timeout_ns)
-        return Direct(p, tmpl, (0, 5, 6, 7, 9, 14, 15, 16, 17)), stage_w.tensor
+        consts = dict(HAS_W=has_w, NUM_BIAS=n_bias, NC=NC, TB=tb, BLOCK=TUNE["reduce_block"], R_POW2=_pow2(r_),
+                      K_POW2=_pow2(k), HAS_TIMER=TIMER, STAGES=reduce_stages(_pow2(r_), tb, TUNE["reduce_block"]),
+                      num_warps=TUNE["reduce_warps"])
+        # (x, H, T, R, me, send_head, rpm, w, K, x_rows, staging, bias0, bias1, out, out_w, the state)
+        tmpl = [None, h, t, r_, me, None, None, stage_w, k, None,
+                stage_x, lay["c_slot"] // 2, stage_w, lay["c_slot"] // 4, stage_x, stage_x, None, stage_w,
+                self.p_table, self.flags_off, self.p_ctr[CRECV], self.p_tk[T_REDUCE], self.p_err, self._timeout_ns]
+        if fused:
+            name = "_combine_kernel"
+            consts.update(PUSH_RB=TUNE["cpush_rb"], PUSH_BLOCK=TUNE["cpush_block"])
+            tmpl += [lay["cx"], lay["c_slot"], lay["cw"], lay["c_slot"], self.p_ctr[CSEND], self.p_tk[T_CPUSH]]
+        else:
+            name = "_reduce_kernel"
+        holes = (0, 5, 6) + ((7,) if has_w else ()) + (9,) + (14, 15)[:n_bias] + (16,) + ((17,) if has_w else ())
+        go = Direct(self.k[name].prepared(key, consts), tmpl, holes)
+        f32, bf16 = torch.float32, torch.bfloat16
+        err_view = self._err_view
+
+        def run(x, handle, w, bias):
+            if err_view[0]:
+                self._check_error()
+            self._call_sms = num_sms
+            rpm, send_head = handle.rank_prefix_matrix, handle.send_head
+            n = x.shape[0]
+            if not fused and r_ > 1:
+                self._combine_send(x, w, k, h, rpm, getattr(rpm, "_epcomm_host_col", None), lay)
+            out = torch.empty(t, h, dtype=bf16, device=dev)
+            out_w = torch.empty(t, k, dtype=f32, device=dev) if has_w else None
+            # every program of the fused kernel must be resident (one waits for rows others push; at most one
+            # per SM); the Triton interpreter runs programs one after another, so there it is one program
+            if fused:
+                grid = max(1, min(self.num_sms, self.sm_count) if TIMER else 1)
+            else:
+                grid = max(1, min(self.num_sms, (t + tb - 1) // tb))
+            go(grid, 1, 1, x, send_head, rpm, *((w,) if has_w else ()), n, *bias, out,
+               *((out_w,) if has_w else ()))
+            if ce:
+                self._join_ce()
+            return out, out_w
+
+        return run
 
     def combine(self, x, handle: DispatchHandle, topk_weights, bias, config=None):
         self._check_error()
-        self._call_sms = config.num_sms if config is not None else None
-        r_, me, dev = self.num_ranks, self.rank, self.device
-        t = handle.is_token_in_rank.shape[0]
-        h = x.shape[1]
-        k = topk_weights.shape[1] if topk_weights is not None else 0
-        lay = self._ht_layout(t, 0, 0, k, h)
-        rpm = handle.rank_prefix_matrix
-        x = x.contiguous()
-        w = topk_weights.contiguous() if topk_weights is not None else None
-        if r_ > 1:
-            self._combine_send(x, w, k, h, rpm, getattr(rpm, "_epcomm_host_col", None), lay)
-        out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
-        out_w = torch.empty(t, k, dtype=torch.float32, device=dev) if w is not None else None
-        send_head, rpm = handle.send_head.contiguous(), rpm.contiguous()
-        b0 = bias[0].contiguous() if len(bias) > 0 else out
-        b1 = bias[1].contiguous() if len(bias) > 1 else out
-        key = (h, k, t, len(bias), w is not None, _aligned(x, send_head, rpm, w, b0, b1))
-        go = self._reduce_launches.get(key)
-        if go is None:
-            if len(self._reduce_launches) > 4096:  # t is part of the key: bounded, whatever the callers vary
-                self._reduce_launches.clear()
-            go = self._reduce_launches[key] = self._reduce_launch(key, lay, h, k, t, len(bias), w is not None)
-        go, stage_w = go
-        tb = TUNE["reduce_tb"]
-        go(max(1, min(self.num_sms, (t + tb - 1) // tb)), 1, 1, x, send_head, rpm,
-           w if w is not None else stage_w, x.shape[0], b0, b1, out, out_w if out_w is not None else stage_w)
-        self._join_ce()
-        return out, out_w
+        x = x if x.is_contiguous() else x.contiguous()
+        w = topk_weights if topk_weights is None or topk_weights.is_contiguous() else topk_weights.contiguous()
+        bias = tuple(b if b.is_contiguous() else b.contiguous() for b in bias)
+        rpm, sh = handle.rank_prefix_matrix, handle.send_head
+        if not (rpm.is_contiguous() and sh.is_contiguous()):
+            host_col = getattr(rpm, "_epcomm_host_col", None)
+            rpm = rpm.contiguous()
+            if host_col is not None:
+                rpm._epcomm_host_col = host_col
+            handle = handle._replace(rank_prefix_matrix=rpm, send_head=sh.contiguous())
+        return self._combine_plan(x, handle, w, bias, config)(x, handle, w, bias)

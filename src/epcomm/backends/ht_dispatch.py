@@ -1,19 +1,29 @@
-"""High-throughput dispatch, orchestrated along its phases: layout exchange (``notify``: counts and send
-lists through the peers' meta areas, then the handle kernel), the transfer (the transport's
-``_bulk_dispatch``, or the push fused into the receive), the one host synchronisation (counts and the
-error word in one copy; none with ``num_worst_tokens``), and the receive (``gather``: ``recv_x`` in
-(source rank, token) order from local x and the staging slots).
+"""High-throughput dispatch, orchestrated along its phases: the layout exchange and the handle (one kernel,
+``_dispatch_notify_kernel``: counts and send lists through the peers' meta areas, then the handle's
+tensors), the transfer (pushed by the receive kernel itself, or the transport's ``_bulk_dispatch``), the
+one host synchronisation (the counts, which the exchange kernel wrote into pinned host words, and the
+error word's host mirror: no copy; none with ``num_worst_tokens``), and the receive (``gather``:
+``recv_x`` in (source rank, token) order from local x and the staging slots).
+
+A dispatch of one kind (shapes, dtypes, flags, Config, the 16-byte alignment of the caller's tensors)
+is planned once (``dispatch_run`` / ``cached_dispatch_run``): its launches bound (``kernels/launch.Direct``),
+every fixed argument resolved. A repeat then costs its output allocations, two launches (one for a
+cached dispatch) and, without ``num_worst_tokens``, the synchronisation: no view, no scratch tensor,
+no copy. ``Buffer`` keeps the plans' ``run`` per kind, as it keeps the low-latency calls'.
 
 ``HTDispatch`` is a mixin of a backend that provides the symmetric-memory state (``ptr_table``,
 ``flags_off``, meta and list offsets, counters, tickets, the launchers ``k``, ``_ht_layout``,
-``_local``, ``_notify_views``, ``_check_error``) and a transport (``_bulk_dispatch``, ``_fused_push``,
-``_join_ce``: backends/nvlink_transfer.py).
+``_local``, ``_notify_views``, ``_check_error``, the pinned host words ``notify_host`` and their address
+``p_host_counts``) and a transport (``_bulk_dispatch``, ``_fused_push``, ``_use_ce``, ``_join_ce``:
+backends/nvlink_transfer.py).
 
 Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``, ``C``
 channels, ``N`` received rows, ``G = H/128``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -33,80 +43,140 @@ from .nvlink_params import (
     _aligned,
     _host_counts,
     _pow2,
+    layout_launch,
     torch_to_tl,
 )
 
+_MAX_PLANS = 4096  # the token count is part of a kind: bounded, whatever the callers vary
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """Rows as the int32 words the kernels copy (an 8-bit dtype through uint8)."""
+    return t.view(torch.uint8).view(torch.int32) if t.element_size() == 1 else t.view(torch.int32)
+
+
+def _bools(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int8)
+
+
+def _contiguous(t):
+    """``t`` itself where it is contiguous (or None), else a contiguous copy."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+# the tensors of DispatchArgs, in the order a dispatch plan's run takes them
+_DISPATCH_TENSORS = ("x", "x_scales", "topk_idx", "topk_weights", "num_tokens_per_rank", "is_token_in_rank",
+                     "num_tokens_per_expert")
+
+
+class _Launch:
+    """``kernels/launch.Direct`` whose per-call tensors go in as the caller has them once it is bound (the
+    C launcher takes their addresses; the binding fixed the dtypes). Until then, and wherever it never
+    binds (``EPCOMM_VERIFY_LAUNCH``, the interpreter), each goes through its view in ``views`` (a function
+    per hole, or None), as the kernel's argument types need."""
+
+    __slots__ = ("go", "views")
+
+    def __init__(self, go: Direct, views: tuple) -> None:
+        self.go, self.views = go, views
+
+    def __call__(self, grid: int, *tensors) -> None:
+        go = self.go
+        if go.launch is None:
+            tensors = tuple(t if v is None else v(t) for t, v in zip(tensors, self.views))
+        go(grid, 1, 1, *tensors)
+
 
 class HTDispatch:
-    def _gather_launch(self, key, x_words, lay: dict, g: int, k: int, lx: int, lo_expert: int, cached: bool,
-                       is_prefix: bool, push: bool, has_k: bool, has_scales: bool, has_topk_out: bool):
-        """The receive (gather) kernel's launch for dispatches of one kind (``key``), everything but the
-        per-call tensors and counts fixed (``kernels/launch.Direct``): ``go(gx, gy, gz, x, scales, topk,
-        w, counts, toks, rows, out_x, out_s, out_k, out_w, out_src, is_in, tokens)``; with the
-        placeholders for absent float and top-k arguments."""
-        row, d_slot = x_words.shape[1], lay["d_slot"]
-        stage_x = self._local(lay["dx"], d_slot, x_words.dtype)
+    # ------------------------------------------------------------------ plans
+
+    def _gather_plan(self, key, h: int, row_dtype: torch.dtype, t: int, lay: dict, g: int, k: int, lx: int,
+                     push: bool, has_s: bool, has_topk: bool, counts=None, toks=None) -> _Launch:
+        """The receive (gather) kernel's launch for one kind of dispatch: ``go(grid, x, [scales], [topk, w],
+        [rank_prefix_matrix: cached], n_rows, out_x, [out_scales], [out_topk, out_w: not cached],
+        out_src, [is_token_in_rank: push])``, the bracketed ones where the kind has them. A cached dispatch
+        has no ``counts`` (the notify output: its handle's rank_prefix_matrix instead) nor ``toks``."""
+        d_slot = lay["d_slot"]
+        row = h * row_dtype.itemsize // 4  # int32 words per row
+        stage_x = self._local(lay["dx"], d_slot, torch.int32)
         stage_s = self._local(lay["ds"], d_slot, torch.float32)
         stage_k = self._local(lay["dk"], d_slot, torch.int64)
         stage_w = self._local(lay["dw"], d_slot, torch.float32)
-        r_ = self.num_ranks
+        r_, me = self.num_ranks, self.rank
+        has_k = has_topk and k > 0
+        cached = counts is None
         p = self.k["_gather_kernel"].prepared(key, dict(
-            PUSH=push, PUSH_RB=TUNE["push_rb"], PUSH_BLOCK=TUNE["push_block"], ELEM=torch_to_tl(x_words.dtype),
-            PUSH_TOPK=push and has_k, CACHED=cached, IS_PREFIX=is_prefix, HAS_SCALES=has_scales,
-            HAS_TOPK=has_topk_out, NC=NC, RB=TUNE["gather_rb"], BLOCK=TUNE["gather_block"], R_POW2=_pow2(r_),
-            K_POW2=_pow2(k), G_POW2=_pow2(g), HAS_TIMER=TIMER, STAGES=TUNE["gather_stages"],
+            PUSH=push, PUSH_RB=TUNE["push_rb"], PUSH_BLOCK=TUNE["push_block"], ELEM=torch_to_tl(torch.int32),
+            PUSH_TOPK=push and has_k, CACHED=cached, IS_PREFIX=cached, HAS_SCALES=has_s,
+            HAS_TOPK=has_topk and not cached, NC=NC, RB=TUNE["gather_rb"], BLOCK=TUNE["gather_block"],
+            R_POW2=_pow2(r_), K_POW2=_pow2(k), G_POW2=_pow2(g), HAS_TIMER=TIMER, STAGES=TUNE["gather_stages"],
             ONE_LOAD=TUNE["gather_one_load"], PREFETCH=TUNE["gather_prefetch"], num_warps=TUNE["gather_warps"]))
-        tmpl = (None, None, None, None, row, g, k, None, r_, self.rank, r_, lo_expert, lx, None,
-                self.p_src_lists, self.src_lists.stride(0), None,
-                stage_x, d_slot // x_words.element_size(), stage_s, d_slot // 4, stage_k, d_slot // 8, stage_w,
-                d_slot // 4, None, None, g, 1, None, None, None,
+        tmpl = [None, stage_s, stage_k, stage_w, row, g, k, counts, r_, me, r_, 0 if cached else me * lx, lx,
+                self.p_nctr if cached else toks, self.p_src_lists, self.src_lists.stride(0), None,
+                stage_x, d_slot // 4, stage_s, d_slot // 4, stage_k, d_slot // 8, stage_w, d_slot // 4,
+                None, stage_s, g, 1, stage_k, stage_w, None,
                 self.p_table, self.flags_off, self.p_ctr[DRECV], self.p_tk[T_GATHER], self.p_err, self._timeout_ns,
-                None, None, lay["dx"], d_slot, lay["ds"], lay["dk"], lay["dw"], self.p_ctr[DSEND], self.p_tk[T_DPUSH])
-        holes = (0, 1, 2, 3, 7, 13, 16, 25, 26, 29, 30, 31, 38, 39)
-        return Direct(p, tmpl, holes), stage_s, stage_k
+                self.p_err, t, lay["dx"], d_slot, lay["ds"], lay["dk"], lay["dw"], self.p_ctr[DSEND],
+                self.p_tk[T_DPUSH]]
+        holes, views = [0], [_words]
+        if has_s:
+            holes.append(1)
+            views.append(None)
+        if has_topk:
+            holes += [2, 3]
+            views += [None, None]
+        if cached:
+            holes.append(7)
+            views.append(None)
+        holes += [16, 25]
+        views += [None, _words]
+        if has_s:
+            holes.append(26)
+            views.append(None)
+        if has_topk and not cached:
+            holes += [29, 30]
+            views += [None, None]
+        holes.append(31)
+        views.append(None)
+        if push:
+            holes.append(38)
+            views.append(_bools)
+        return _Launch(Direct(p, tmpl, tuple(holes)), tuple(views))
 
-    def _gather(self, x_words, scales, topk, w, lay, counts, is_prefix: bool, n_rows: int, lo_expert: int,
-                lx: int, out_src: torch.Tensor, cached: bool, g: int, k: int, toks: torch.Tensor | None,
-                is_in: torch.Tensor):
-
-        dev = self.device
-        out_x = torch.empty(n_rows, x_words.shape[1], dtype=x_words.dtype, device=dev)
-        out_s = out_k = out_w = None
-        if scales is not None:
-            out_s = torch.empty(n_rows, g, dtype=torch.float32, device=dev)
-        if topk is not None and not cached:
-            out_k = torch.empty(n_rows, k, dtype=torch.int64, device=dev)
-            out_w = torch.empty(n_rows, k, dtype=torch.float32, device=dev)
-        push = not cached and self._fused_push()
-        has_k = topk is not None and topk.numel() > 0
-        key = (x_words.shape[1], g, k, lx, lo_expert, cached, is_prefix, push, has_k, scales is None, topk is None,
-               x_words.dtype, lay["dx"], lay["d_slot"], lay["ds"], lay["dk"], lay["dw"],
-               _aligned(x_words, scales, topk, w, counts, is_in))
-        go = self._gather_launches.get(key)
-        if go is None:
-            if len(self._gather_launches) > 4096:
-                self._gather_launches.clear()
-            go = self._gather_launches[key] = self._gather_launch(
-                key, x_words, lay, g, k, lx, lo_expert, cached, is_prefix, push, has_k, scales is not None,
-                out_k is not None)
-        go, dummy_f, stage_k = go
+    def _gather_grid(self, push: bool, n_rows: int) -> int:
+        """With the push every program must be resident at once (at most one per SM: a num_sms above the
+        GPU's SM count would leave programs waiting on programs that cannot start); the Triton
+        interpreter (CPU runs) runs programs one after another, so there the fused kernel is one program."""
+        if push:
+            return max(1, min(self.num_sms, self.sm_count) if TIMER else 1)
         rb = TUNE["gather_rb"]
-        # with the push every program must be resident at once (at most one per SM: a num_sms above the
-        # GPU's SM count would leave programs waiting on programs that cannot start); the Triton
-        # interpreter (CPU runs) runs programs one after another, so there the fused kernel is one program
-        fused_grid = min(self.num_sms, self.sm_count) if TIMER else 1
-        grid = max(1, fused_grid if push else min(self.num_sms, (n_rows + rb - 1) // rb))
-        go(grid, 1, 1, x_words, scales if scales is not None else dummy_f, topk if topk is not None else stage_k,
-           w if w is not None else dummy_f, counts, toks if toks is not None else self.p_nctr, n_rows, out_x,
-           out_s if out_s is not None else dummy_f, out_k if out_k is not None else stage_k,
-           out_w if out_w is not None else dummy_f, out_src, is_in.view(torch.int8) if push else self.p_err,
-           x_words.shape[0])
-        return out_x, out_s, out_k, out_w
+        return max(1, min(self.num_sms, (n_rows + rb - 1) // rb))
 
-    def dispatch(self, a: DispatchArgs) -> DispatchResult:
+    def dispatch_run(self, a: DispatchArgs):
+        """``run(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+        num_tokens_per_expert) -> DispatchResult``, made once for every dispatch like ``a`` (same shapes,
+        dtypes, flags, Config, 16-byte alignment of x, its scales, ids, weights and is_token_in_rank;
+        contiguous tensors), or None where a call's launches depend on more (the copy engine's, by
+        capture state): ``Buffer`` keeps it for the repeats."""
+        run = self._dispatch_plan(a)
+        return run if self.transfer == "sm" else None
 
-        self._check_error()
-        self._call_sms = a.num_sms  # the call's Config.num_sms bounds every grid of the call
+    def _dispatch_plan(self, a: DispatchArgs):
+        x, s, topk, w, is_in = a.x, a.x_scales, a.topk_idx, a.topk_weights, a.is_token_in_rank
+        t, h = x.shape
+        push = self._fused_push()
+        ce = self.num_ranks > 1 and self._use_ce()
+        key = ("d", t, h, x.dtype, None if s is None else s.shape[1], None if topk is None else topk.shape[1],
+               a.num_tokens_per_expert.numel(), a.num_channels, a.num_sms, a.num_worst_tokens, a.expert_alignment,
+               push, ce, _aligned(x, s, topk, w, is_in))
+        run = self._plans.get(key)
+        if run is None:
+            if len(self._plans) > _MAX_PLANS:
+                self._plans.clear()
+            run = self._plans[key] = self._make_dispatch(key, a, push, ce)
+        return run
+
+    def _make_dispatch(self, key, a: DispatchArgs, push: bool, ce: bool):
         r_, me, dev = self.num_ranks, self.rank, self.device
         t, h = a.x.shape
         e = a.num_tokens_per_expert.numel()
@@ -117,109 +187,179 @@ class HTDispatch:
                              f"got L={lx}, C={c}")
         k = a.topk_idx.shape[1] if a.topk_idx is not None else 0
         g = a.x_scales.shape[1] if a.x_scales is not None else 0
-        x_words = a.x.view(torch.uint8).view(torch.int32) if a.x.element_size() == 1 else a.x.view(torch.int32)
-        lay = self._ht_layout(t, x_words.shape[1] * 4, g, k, h)
-        scales = a.x_scales.contiguous() if a.x_scales is not None else None
-        topk = a.topk_idx.contiguous() if a.topk_idx is not None else None
-        w = a.topk_weights.contiguous() if a.topk_weights is not None else None
-        is_in = a.is_token_in_rank.contiguous()
-        send_head_rel = torch.empty(t, r_, dtype=torch.int32, device=dev)
-        cpm = torch.empty(r_, c, dtype=torch.int32, device=dev)
+        has_s, has_topk = a.x_scales is not None, a.topk_idx is not None
+        row_bytes = h * a.x.element_size()
+        lay = self._ht_layout(t, row_bytes, g, k, h)
+        worst, alignment, num_sms, x_dtype = a.num_worst_tokens, a.expert_alignment, a.num_sms, a.x.dtype
         counts, per_expert, chan, toks = self._notify_views(lx, c)
-        per_chan = max((t + c - 1) // c, 1)
+        tb = 128
+        notify = _Launch(Direct(self.k["_dispatch_notify_kernel"].prepared((lx, c, k, e), dict(
+            BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), C_POW2=_pow2(c), K_POW2=_pow2(k), TB=tb,
+            CHECK_WORST=bool(worst), CHECK_TOPK=has_topk, HOST_COUNTS=not worst, HAS_TIMER=TIMER,
+            num_warps=TUNE["notify_warps"])), (
+            None, t, r_, me, None, None, lx, c, max((t + c - 1) // c, 1),
+            self.p_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
+            self.list_off, self.list_parity_bytes, self.list_src_bytes,
+            self.p_nctr, None, counts, per_expert, chan, toks, self.p_src_lists, self.src_lists.stride(0),
+            self.p_err, self._timeout_ns, None, None, None, worst, self.p_err, k, e, self.p_host_counts),
+            (0, 4, 5, 18, 27, 28, 29) + ((31,) if has_topk else ())),
+            (_bools, None, None, None, None, None, None, None))
+        bulk = not push and r_ > 1  # the transport's own transfer (copy engine, or the separate push kernel)
+        notify_grid = r_ if TIMER else 1  # (one program under the interpreter: see the kernel)
+        gather = self._gather_plan(key, h, x_dtype, t, lay, g, k, lx, push, has_s, has_topk, counts, toks)
+        first, n_worst = TUNE["notify_first"], worst
+        i32, f32 = torch.int32, torch.float32
+        err_view, host_view, sync = self._err_view, self._notify_view, self._sync_event
 
-        ntpr, ntpe = a.num_tokens_per_rank, a.num_tokens_per_expert
-        key = (lx, c, k, e, _aligned(is_in, ntpr, ntpe, topk))
+        def run(x, scales, topk, w, ntpr, is_in, ntpe):
+            if err_view[0]:
+                self._check_error()
+            self._call_sms = num_sms  # the call's Config.num_sms bounds every grid of the call
+            cpm = torch.empty(r_, c, dtype=i32, device=dev)
+            rpm = torch.empty(r_, r_, dtype=i32, device=dev)
+            recv_cp = torch.empty(r_, c, dtype=i32, device=dev)
+            send_head = torch.empty(t, r_, dtype=i32, device=dev)
+            nargs = (is_in, ntpr, ntpe, cpm, rpm, recv_cp, send_head, *((topk,) if has_topk else ()))
+            if bulk and first:
+                # the exchange of counts runs while the host queues the copies (the synchronisation below then
+                # waits less); the copies wait for the inputs only, through an event recorded before it
+                self._ready_event.record(self._current_stream())
+                notify(notify_grid, *nargs)
+                self._bulk_dispatch(_words(x), scales, topk, w, lay, is_in, ready=self._ready_event,
+                                    synchronised=not n_worst)
+            else:
+                if bulk:
+                    self._bulk_dispatch(_words(x), scales, topk, w, lay, is_in, synchronised=not n_worst)
+                notify(notify_grid, *nargs)
+            host_col = bad_id = None
+            if n_worst:  # no host synchronisation: expert ids are checked on the device (error word)
+                n_rows, lst = n_worst, []
+            else:
+                # The contract's one synchronisation: the exchange kernel wrote the counts into pinned host
+                # words, and a kernel that records an error (a bad expert id, checked there too) writes the
+                # error word's host mirror: after it, a few list operations (no torch op per value).
+                sync.record(self._current_stream())
+                sync.synchronize()
+                if err_view[0]:
+                    bad_id = bad_expert_id(self, err_view.tolist())
+                host_col, n_rows, lst = _host_counts(host_view, r_, lx, me, alignment)
+            out_x = torch.empty(n_rows, h, dtype=x_dtype, device=dev)
+            out_s = torch.empty(n_rows, g, dtype=f32, device=dev) if has_s else None
+            out_k = torch.empty(n_rows, k, dtype=torch.int64, device=dev) if has_topk else None
+            out_w = torch.empty(n_rows, k, dtype=f32, device=dev) if has_topk else None
+            out_src = torch.empty(n_rows, dtype=i32, device=dev)
+            gather(self._gather_grid(push, n_rows), x, *((scales,) if has_s else ()),
+                   *((topk, w) if has_topk else ()), n_rows, out_x, *((out_s,) if has_s else ()),
+                   *((out_k, out_w) if has_topk else ()), out_src, *((is_in,) if push else ()))
+            if ce:
+                self._join_ce()
+            if bad_id is not None:
+                # A bad expert id: every rank still finished this exchange (ids out of range were ignored
+                # by the layout), so the Buffer stays in step; report the argument.
+                raise ValueError(f"topk_idx holds expert id {bad_id}, outside [-1, {e}) for num_experts={e}")
+            if host_col is not None:
+                # The combine's copy-engine path needs the block bounds on the host (rank_prefix_matrix[:, me]);
+                # keep them on the handle.
+                rpm._epcomm_host_col = host_col
+            return DispatchResult(out_x, out_s, out_k, out_w, lst,
+                                  DispatchHandle(rpm, cpm, recv_cp, out_src, is_in, send_head))
 
-        def notify():
-            self.k["_notify_kernel"](
-                key, (r_,),
-                is_in.view(torch.int8), t, r_, me, ntpr, ntpe, lx, c, per_chan,
-                self.p_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
-                self.list_off, self.list_parity_bytes, self.list_src_bytes,
-                self.p_nctr, send_head_rel, cpm, counts, per_expert, chan, toks, self.p_src_lists,
-                self.src_lists.stride(0), self.p_err, self._timeout_ns,
-                BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), DO_SEND=True, DO_RECV=True, HAS_TIMER=TIMER,
-                num_warps=TUNE["notify_warps"],
-            )
+        return run
 
-        bulk = dict(fused=True, synchronised=not a.num_worst_tokens)
-        if TUNE["notify_first"]:
-            # the exchange of counts runs while the host queues the copies (the synchronisation below then
-            # waits less); the copies wait for the inputs only, through an event recorded before notify
-            self._ready_event.record(self._current_stream())
-            notify()
-            self._bulk_dispatch(x_words, scales, topk, w, lay, is_in, ready=self._ready_event, **bulk)
-        else:
-            self._bulk_dispatch(x_words, scales, topk, w, lay, is_in, **bulk)
-            notify()
-        # The handle's tensors need only the notify outputs: their kernel is queued before the
-        # synchronisation, so its launch is not on the host's path between the counts and the gather.
-        rpm = torch.empty(r_, r_, dtype=torch.int32, device=dev)
-        recv_cp = torch.empty(r_, c, dtype=torch.int32, device=dev)
-        send_head = torch.empty(t, r_, dtype=torch.int32, device=dev)
+    def dispatch(self, a: DispatchArgs) -> DispatchResult:
+        self._check_error()
+        is_in = a.is_token_in_rank
+        ts = [_contiguous(getattr(a, n)) for n in _DISPATCH_TENSORS]
+        if any(t is not getattr(a, n) for t, n in zip(ts, _DISPATCH_TENSORS)):
+            a = dataclasses.replace(a, **dict(zip(_DISPATCH_TENSORS, ts)))
+        res = self._dispatch_plan(a)(*ts)
+        if a.is_token_in_rank is not is_in:  # the handle holds the caller's tensor, as DeepEP's does
+            res = res._replace(handle=res.handle._replace(is_token_in_rank=is_in))
+        return res
 
-        def handle_kernel():
-            tb = 128
-            self.k["_handle_kernel"](
-                key, (max(1, min(self.num_sms, (t + tb - 1) // tb)),),
-                counts, r_, chan, c, c, send_head_rel, t, r_, me, rpm, recv_cp, send_head, self.p_err,
-                a.num_worst_tokens,
-                topk if topk is not None else send_head, k, e, CHECK_WORST=bool(a.num_worst_tokens),
-                R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, CHECK_TOPK=topk is not None, K_POW2=_pow2(k),
-                num_warps=4)
+    def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        """``layout.dispatch_layout`` in one launch (``kernels/ht_layout.py``), bit for bit: ``topk_idx
+        int64[T, K]`` -> ``(num_tokens_per_rank int32[R], num_tokens_per_expert int32[E], is_token_in_rank
+        bool[T, R])``."""
+        topk = topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous()
+        t, k = topk.shape
+        run = self._plans.get(("l", k, num_experts))
+        if run is None:
+            run = self._plans[("l", k, num_experts)] = self._make_layout(k, num_experts)
+        return run(topk, t)
 
-        host_col = None
-        bad_id = None
-        if a.num_worst_tokens:
-            # no host synchronisation: expert ids are checked by the handle kernel (error word)
-            n_rows = a.num_worst_tokens
-            lst = []
-            handle_kernel()
-        else:
-            # The contract's one synchronisation: the counts and the error word (with the handle kernel's
-            # check of the expert ids) come back in one copy; after it, a few NumPy operations on the pinned
-            # words (no torch op per value).
-            handle_kernel()
-            dst, src = self._sync_copy
-            dst.copy_(src, non_blocking=True)
-            self._sync_event.record(self._current_stream())
-            self._sync_event.synchronize()
-            vals = self._notify_view
-            bad_id = bad_expert_id(self, vals[self.err_at:self.err_at + 4].tolist())
-            host_col, n_rows, lst = _host_counts(vals, r_, lx, me, a.expert_alignment)
-        out_src = torch.empty(n_rows, dtype=torch.int32, device=dev)
-        out_x, out_s, out_k, out_w = self._gather(x_words, scales, topk, w, lay, counts, False, n_rows,
-                                                  me * lx, lx,
-                                                  out_src, False, g, k, toks, is_in)
-        self._join_ce()
-        if bad_id is not None:
-            # A bad expert id: every rank still finished this exchange (ids out of range were ignored
-            # by the layout), so the Buffer stays in step; report the argument.
-            raise ValueError(f"topk_idx holds expert id {bad_id}, outside [-1, {e}) for num_experts={e}")
-        recv_x = out_x.view(torch.uint8).view(a.x.dtype) if a.x.element_size() == 1 else out_x.view(a.x.dtype)
-        recv_x = recv_x.view(n_rows, h)
-        handle = DispatchHandle(rpm, cpm, recv_cp, out_src, a.is_token_in_rank, send_head)
-        if host_col is not None:
-            # The combine's copy-engine path needs the block bounds on the host (rank_prefix_matrix[:, me]);
-            # keep them on the handle.
-            rpm._epcomm_host_col = host_col
-        return DispatchResult(recv_x, out_s, out_k, out_w, lst, handle)
+    def _make_layout(self, k: int, e: int):
+        r_, dev = self.num_ranks, self.device
+        grid, nr, consts = layout_launch(k, e, r_)
+        p = self.k["_layout_kernel"].prepared((k, e), dict(consts, num_warps=4))
+        go = _Launch(Direct(p, (None, None, k, e, e // r_, r_, None, None, None, nr), (0, 1, 6, 7, 8)),
+                     (None, None, None, None, _bools))
+
+        def run(topk, t):
+            per_rank = torch.empty(r_, dtype=torch.int32, device=dev)
+            per_expert = torch.empty(e, dtype=torch.int32, device=dev)
+            in_rank = torch.empty(t, r_, dtype=torch.bool, device=dev)
+            go(grid, topk, t, per_rank, per_expert, in_rank)
+            return per_rank, per_expert, in_rank
+
+        return run
+
+    def cached_dispatch_run(self, x, x_scales, handle: DispatchHandle, config=None):
+        """``run(x, x_scales, handle) -> (recv_x, recv_x_scales)`` for every cached dispatch like this one
+        (same shapes, dtypes, Config and alignment of x, its scales and the handle's tensors; contiguous),
+        or None (as ``dispatch_run``)."""
+        run = self._cached_plan(x, x_scales, handle, config)
+        return run if self.transfer == "sm" else None
+
+    def _cached_plan(self, x, x_scales, handle: DispatchHandle, config):
+        t, h = x.shape
+        push = self._fused_push()
+        ce = self.num_ranks > 1 and self._use_ce()
+        num_sms = config.num_sms if config is not None else None
+        is_in, rpm, src = handle.is_token_in_rank, handle.rank_prefix_matrix, handle.recv_src_idx
+        key = ("c", t, h, x.dtype, None if x_scales is None else x_scales.shape[1], num_sms, push, ce,
+               _aligned(x, x_scales, rpm, src, is_in))
+        run = self._plans.get(key)
+        if run is None:
+            if len(self._plans) > _MAX_PLANS:
+                self._plans.clear()
+            run = self._plans[key] = self._make_cached(key, x, x_scales, num_sms, push, ce)
+        return run
+
+    def _make_cached(self, key, x, x_scales, num_sms, push: bool, ce: bool):
+        t, h = x.shape
+        dev = self.device
+        g = x_scales.shape[1] if x_scales is not None else 0
+        has_s, x_dtype = x_scales is not None, x.dtype
+        lay = self._ht_layout(t, h * x.element_size(), g, 0, h)
+        gather = self._gather_plan(key, h, x_dtype, t, lay, g, 0, 0, push, has_s, False)
+        err_view = self._err_view
+        bulk = not push and self.num_ranks > 1
+
+        def run(x, scales, handle):
+            if err_view[0]:
+                self._check_error()
+            self._call_sms = num_sms
+            is_in = handle.is_token_in_rank
+            if bulk:
+                self._bulk_dispatch(_words(x), scales, None, None, lay, is_in)
+            src = handle.recv_src_idx
+            n_rows = src.shape[0]
+            out_x = torch.empty(n_rows, h, dtype=x_dtype, device=dev)
+            out_s = torch.empty(n_rows, g, dtype=torch.float32, device=dev) if has_s else None
+            gather(self._gather_grid(push, n_rows), x, *((scales,) if has_s else ()), handle.rank_prefix_matrix,
+                   n_rows, out_x, *((out_s,) if has_s else ()), src, *((is_in,) if push else ()))
+            if ce:
+                self._join_ce()
+            return out_x, out_s
+
+        return run
 
     def cached_dispatch(self, x, x_scales, handle: DispatchHandle, config=None):
         self._check_error()
-        self._call_sms = config.num_sms if config is not None else None
-        t, h = x.shape
-        g = x_scales.shape[1] if x_scales is not None else 0
-        x_words = x.view(torch.uint8).view(torch.int32) if x.element_size() == 1 else x.view(torch.int32)
-        lay = self._ht_layout(t, x_words.shape[1] * 4, g, 0, h)
-        scales = x_scales.contiguous() if x_scales is not None else None
-        is_in = handle.is_token_in_rank.contiguous()
-        self._bulk_dispatch(x_words, scales, None, None, lay, is_in)
-        n_rows = handle.recv_src_idx.numel()
-        out_x, out_s, _, _ = self._gather(x_words, scales, None, None, lay, handle.rank_prefix_matrix, True,
-                                          n_rows,
-                                          0, 0, handle.recv_src_idx, True, g, 0, None, is_in)
-        self._join_ce()
-        recv_x = out_x.view(torch.uint8).view(x.dtype) if x.element_size() == 1 else out_x.view(x.dtype)
-        return recv_x.view(n_rows, h), out_s
+        x, x_scales = _contiguous(x), _contiguous(x_scales)
+        is_in, rpm, src = handle.is_token_in_rank, handle.rank_prefix_matrix, handle.recv_src_idx
+        if not (is_in.is_contiguous() and rpm.is_contiguous() and src.is_contiguous()):
+            handle = handle._replace(is_token_in_rank=is_in.contiguous(), rank_prefix_matrix=rpm.contiguous(),
+                                     recv_src_idx=src.contiguous())
+        return self._cached_plan(x, x_scales, handle, config)(x, x_scales, handle)

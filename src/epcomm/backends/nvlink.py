@@ -9,17 +9,19 @@ Symmetric buffer (one allocation per Buffer, made once at construction)::
     [high-throughput region: num_nvl_bytes = dispatch staging (R slots) | combine staging (R slots)]
     [low-latency region: num_rdma_bytes, laid out by layout.low_latency_buffer_layout]
 
-High-throughput dispatch, eager: the copy engine copies this rank's whole batch (rows, FP8 scales,
-top-k) into slot ``me`` of every peer's dispatch staging (zero SMs; it overlaps the notify step and
-the host synchronisation), then a one-program kernel raises the peers' data flags. ``notify``
-exchanges counts and send lists through the peers' meta areas; the host reads the counts (the
-contract's one synchronisation; none with ``num_worst_tokens``); ``gather`` builds ``recv_x`` in
-(source rank, token) order from local x and the staging slots. Captured in a CUDA graph (or with
-``EPCOMM_HT_TRANSFER=sm``) the gather kernel pushes the batch itself, while it copies its own block
-(``_fused_push``). Combine: each rank copies the block of rows it received from owner ``i`` into slot
-``me`` of ``i``'s combine staging (copy engine when the block bounds are known on the host and the
-call is not captured, else an SM push kernel), and ``reduce`` sums rank by rank in float32. Flow
-control: a sender waits until every receiver consumed the previous contents of its slot. Launch
+High-throughput dispatch (``ht_dispatch.py``): one kernel exchanges counts and send lists through the
+peers' meta areas and builds the handle (``_dispatch_notify_kernel``); the host reads the counts, which
+that kernel wrote into pinned host words (the contract's one synchronisation; none with
+``num_worst_tokens``); ``gather`` builds ``recv_x`` in (source rank, token) order from local x and the
+staging slots, and by default (``EPCOMM_HT_TRANSFER=sm``) pushes this rank's batch into slot ``me`` of
+every peer's dispatch staging itself, while it copies its own block (``_fused_push``; cached dispatches
+too). With ``EPCOMM_HT_TRANSFER=ce`` eager calls move the batch by the copy engine instead (zero SMs;
+one-program kernels raise the peers' data flags). Combine (``ht_combine.py``): each rank's block of rows
+received from owner ``i`` goes into slot ``me`` of ``i``'s combine staging and ``reduce`` sums rank by
+rank in float32, both in one kernel (``_combine_kernel``), or by the copy engine then ``_reduce_kernel``
+(``ce``, block bounds known on the host, not captured). Flow control: a sender waits until every
+receiver consumed the previous contents of its slot. Each kind of call is planned once (launches bound,
+arguments resolved); ``get_dispatch_layout`` is one kernel too (``dispatch_layout``). Launch
 parameters and host arithmetic: ``nvlink_params.py``.
 """
 
@@ -132,20 +134,21 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         # error also write the pinned (device-mapped) mirror, so no call needs a copy to learn of it
         self.err_host = torch.zeros(4, dtype=torch.int32, device="cpu").pin_memory()
         self._err_view = self.err_host.numpy()
-        # the notify output, then (16-byte aligned) the error word: the synchronisation copies both at once
+        # the notify output, then the error word (16-byte aligned, for its int64 mirror address)
         n_notify = r_ * r_ + r_ * L_MAX + r_ * C_MAX + r_
         self.err_at = _align(n_notify, 4)
         words = torch.zeros(self.err_at + 8, dtype=torch.int32, device=self.device)
         self.notify_out, self.err = words[:n_notify], words[self.err_at:self.err_at + 6]
         self.err[4:].view(torch.int64).fill_(self.err_host.data_ptr())
         self.src_lists = torch.empty(r_, T_LIST_CAP, dtype=torch.int32, device=self.device)
-        self.notify_host = torch.zeros(self.err_at + 4, dtype=torch.int32, device="cpu").pin_memory()
-        self._sync_copy = (self.notify_host, words[:self.err_at + 4])  # (to, from)
+        # the counts the synchronising dispatch reads (counts[R][R], then per_expert[R][L]): the exchange
+        # kernel writes them here, pinned and device-mapped, through the address in host_counts_addr
+        self.notify_host = torch.zeros(r_ * r_ + r_ * L_MAX, dtype=torch.int32, device="cpu").pin_memory()
         self._notify_view = self.notify_host.numpy()
+        self.host_counts_addr = torch.tensor([self.notify_host.data_ptr()], dtype=torch.int64, device=self.device)
         self._stream_cache: dict = {}  # raw CUDA stream -> its torch Stream (_current_stream)
         self._layouts: dict = {}  # (row bytes, G, K, H) -> _ht_layout's offsets
-        self._gather_launches: dict = {}  # dispatch kind -> its gather launch (ht_dispatch._gather_launch)
-        self._reduce_launches: dict = {}  # combine kind -> its receive launch (ht_combine._reduce_launch)
+        self._plans: dict = {}  # kind of high-throughput call -> its run (ht_dispatch.py, ht_combine.py)
         self.ce_stream = torch.cuda.Stream(self.device)
         self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
         self._ready_event = torch.cuda.Event()  # TUNE["notify_first"]: the inputs are ready
@@ -167,13 +170,16 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
     def _bind_kernels(self) -> None:
         """The kernels' launchers and the persistent buffers as addresses (kernels/launch.py): made once,
         so a call makes no slice or view of them."""
-        from ..kernels import ht
+        from ..kernels import ht_layout, ht_notify, ht_receive, ht_transfer
         from ..kernels.launch import Launcher
 
-        self.k = {name: Launcher(getattr(ht, name)) for name in (
-            "_push_kernel", "_ce_wait_kernel", "_ce_signal_kernel", "_ce_flag_value_kernel", "_gather_kernel",
-            "_notify_kernel", "_handle_kernel", "_combine_push_kernel", "_reduce_kernel")}
+        self.k = {name: Launcher(getattr(mod, name)) for mod, names in (
+            (ht_transfer, ("_push_kernel", "_ce_wait_kernel", "_ce_signal_kernel", "_ce_flag_value_kernel",
+                           "_combine_push_kernel")),
+            (ht_receive, ("_gather_kernel", "_reduce_kernel", "_combine_kernel")),
+            (ht_notify, ("_dispatch_notify_kernel",)), (ht_layout, ("_layout_kernel",))) for name in names}
         self.p_table, self.p_err, self.p_nctr = Ptr(self.ptr_table), Ptr(self.err), Ptr(self.nctr)
+        self.p_host_counts = Ptr(self.host_counts_addr)
         self.p_ctr = {i: Ptr(self.ctrs[i:]) for i in (DSEND, DRECV, CSEND, CRECV)}
         self.p_tk = {i: Ptr(self.tickets[i:]) for i in (T_GATHER, T_REDUCE, T_DPUSH, T_CPUSH)}
         self.p_src_lists = Ptr(self.src_lists)

@@ -33,15 +33,15 @@ from .nvlink_params import (
 
 class NVLinkTransfer:
     def _bulk_dispatch(self, x_words: torch.Tensor, scales, topk, w, lay: dict, is_in: torch.Tensor,
-                       fused: bool = False, synchronised: bool = False, ready=None) -> None:
-        """Send this rank's batch into slot ``me`` of every peer's dispatch staging (by copy engine; or
-        by SMs, where ``fused`` leaves the SM push to the gather kernel: ``_fused_push``). ``ready``: an
+                       synchronised: bool = False, ready=None) -> None:
+        """Send this rank's batch into slot ``me`` of every peer's dispatch staging, by copy engine or by
+        the SM push kernel (where the gather kernel does not push itself: ``_fused_push``). ``ready``: an
         event recorded on the current stream when the inputs were ready (the copies wait for it, not
         for work queued after it, such as the notify kernel)."""
         from ..kernels import ht
 
         r_, me = self.num_ranks, self.rank
-        if r_ == 1 or (fused and self._fused_push()):
+        if r_ == 1:
             return
         if not self._use_ce():
             # Rows and their per-token arrays (scales, top-k ids, weights) by SMs, one kernel.
