@@ -111,7 +111,9 @@ def dispatch(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, num_s
     t, k = topk_idx.shape
     le = num_experts // r_
     pay = Payload(x, sf)
-    per_rank, per_expert, in_rank = (kern.send_layout if kern else layout.dispatch_layout)(topk_idx, num_experts, r_)
+    lay = getattr(be, "dispatch_layout", None)  # a backend's layout kernel, as Buffer.get_dispatch_layout uses
+    per_rank, per_expert, in_rank = (lay(topk_idx, num_experts) if lay is not None
+                                     else layout.dispatch_layout(topk_idx, num_experts, r_))
     w = topk_weights if topk_weights is not None else torch.zeros(t, k, dtype=torch.float32, device=x.device)
     config = eb._configs.get(num_sms)
     if config is None:

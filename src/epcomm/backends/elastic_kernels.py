@@ -46,23 +46,6 @@ class Kernels:
 
     # ------------------------------------------------------------------ dispatch
 
-    def send_layout(self, topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
-        """``layout.dispatch_layout``: ``(num_tokens_per_rank int32[R], num_tokens_per_expert int32[E],
-        is_token_in_rank bool[T, R])``."""
-        t, k = topk_idx.shape
-        dev = topk_idx.device
-        topk_idx = topk_idx.contiguous()
-        counts = torch.zeros(num_ranks + num_experts, dtype=torch.int32, device=dev)
-        per_rank, per_expert = counts.split((num_ranks, num_experts))
-        in_rank = torch.empty(t, num_ranks, dtype=torch.bool, device=dev)
-        if t:
-            le = num_experts // num_ranks
-            key = (k, num_experts, num_ranks, _aligned(topk_idx))
-            self.launch("_send_layout_kernel", key, dict(
-                K=k, E=num_experts, LE=le, R=num_ranks, KP=_pow2(k), BT=BN, RB=min(RB, _pow2(num_ranks)),
-                num_warps=4), ((t + BN - 1) // BN, 1, 1), topk_idx, t, per_rank, per_expert, in_rank)
-        return per_rank, per_expert, in_rank
-
     def recv_meta(self, rpm, me: int, recv_src_idx, recv_local, send_head, topk_idx, m: int, le: int,
                   alignment: int, x_rows: int, expand: bool, cum) -> EL.RecvMeta:
         """``elastic_layout.recv_meta`` in two launches (``_recv_meta_kernel`` then ``_expert_layout_kernel``);

@@ -1,9 +1,8 @@
 """Kernels of ``ElasticBuffer`` (DeepEP V2's API), launched by ``backends/elastic_kernels.py`` wherever the
 backend runs kernels (each has a torch twin in ``elastic_layout.py``, the same bytes):
 
-- dispatch: ``_send_layout_kernel`` (the backend's layout inputs), ``_recv_meta_kernel`` and
-  ``_expert_layout_kernel`` (the handle's metadata, counts, prefix sums and the expanded layout),
-  ``_dispatch_copy_epilogue_impl_kernel`` (the expanded rows);
+- dispatch: ``_recv_meta_kernel`` and ``_expert_layout_kernel`` (the handle's metadata, counts, prefix sums
+  and the expanded layout), ``_dispatch_copy_epilogue_impl_kernel`` (the expanded rows);
 - combine: ``_combine_pack_kernel`` (the rows sent back), ``_combine_reduce_epilogue_impl_kernel`` (the
   reduction at the owner);
 - the combine transport on the nvlink backend (``backends/nvlink_v2.py``), below.
@@ -90,33 +89,6 @@ def _bf16(acc):
         return r.to(tl.bfloat16, bitcast=True)
     else:
         return acc.to(tl.bfloat16)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _send_layout_kernel(idx, T, per_rank, per_expert, in_rank, K: tl.constexpr, E: tl.constexpr,
-                        LE: tl.constexpr, R: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr):
-    """``layout.dispatch_layout`` of ``idx int64[T, K]`` for a block of ``BT`` tokens a program:
-    ``per_expert int32[E]`` and ``per_rank int32[R]`` (zeroed by the caller) gain the block's counts,
-    ``in_rank bool[T, R]`` is written. Ids outside ``[0, E)`` count nowhere (the backend reports them).
-
-    Example: ``E = 4, R = 2``, ``idx = [[0, 3], [1, -1]]`` -> per_expert ``[1, 1, 0, 1]``, in_rank
-    ``[[1, 1], [1, 0]]``, per_rank ``[2, 1]``."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    tm = t < T
-    lanes = tl.arange(0, KP)
-    ids = tl.load(idx + t[:, None] * K + lanes[None, :], mask=tm[:, None] & (lanes[None, :] < K), other=-1)
-    valid = (ids >= 0) & (ids < E)
-    tl.atomic_add(per_expert + tl.where(valid, ids, 0), 1, mask=valid, sem="relaxed")
-    for r0 in range(0, R, RB):
-        rs = r0 + tl.arange(0, RB)
-        hit = tl.zeros([BT, RB], dtype=tl.int32)
-        for j in range(K):
-            d = tl.load(idx + t * K + j, mask=tm, other=-1)
-            d = tl.where((d >= 0) & (d < E), d // LE, -1)
-            hit = hit | (d[:, None] == rs[None, :]).to(tl.int32)
-        rm = rs < R
-        tl.store(in_rank + t[:, None] * R + rs[None, :], hit != 0, mask=tm[:, None] & rm[None, :])
-        tl.atomic_add(per_rank + rs, tl.sum(hit, 0), mask=rm, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["N", "T", "M"])

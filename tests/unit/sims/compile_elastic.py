@@ -2,14 +2,13 @@
 and ptxas; no GPU needed), in each variant the launchers (``backends/elastic_kernels.py``,
 ``backends/nvlink_v2.py``) pick: the interpreter the CPU tests use runs kernels as Python and lets through
 what the compiler rejects (types, pointer casts, loop-carried values). Argument types as the launchers pass
-them; ``compile_one`` is the internode compile script's. Run by ``tests/unit/test_elastic_layout.py``;
+them (``sm90.compile_one``). Run by ``tests/unit/test_elastic_layout.py``;
 alone: ``PYTHONPATH=src python tests/unit/sims/compile_elastic.py``."""
-from compile_internode_ht import compile_one
+from sm90 import compile_one
 
 from epcomm.kernels import v2
 
 I32, I64, U8, BF16, F32 = "*i32", "*i64", "*u8", "*bf16", "*fp32"
-SEND = dict(idx=I64, per_rank=I32, per_expert=I32, in_rank="*i1")
 META = dict(rpm=I32, recv_src=I32, recv_local=I64, local=I64, local_out=I64, meta=I32, gid=I64, counts=I32,
             psum_rank=I32, topk=I64, send_head=I32, dst_slot=I32)
 LAYOUT = dict(counts=I32, psum=I32, cum=I32, local=I64, rpm=I32, meta=I32, source=I64)
@@ -22,7 +21,6 @@ TRANSPORT = dict(rows=U8, dst=I64, ptr_table=I64, flags=I32, epoch_ptr=I32, err_
 def main() -> None:
     k8 = dict(K=8, KP=8)
     cases = [
-        (v2._send_layout_kernel, SEND, dict(k8, E=256, LE=128, R=2, BT=128, RB=2)),
         *[(v2._recv_meta_kernel, META, dict(k8, R=8, LE=32, BN=128, RB=8, COPY=not e, EXPAND=e)) for e in (0, 1)],
         *[(v2._expert_layout_kernel, LAYOUT, dict(k8, R=8, LE=32, LEP=32, BN=128, EXPAND=e, HAS_CUM=e))
           for e in (0, 1)],
