@@ -205,6 +205,17 @@ def repeat_signature(t) -> tuple:
     return t.shape, t.dtype, t.get_device(), t.data_ptr() & 15, t.is_contiguous()
 
 
+def call_signature(t) -> tuple | None:
+    """``repeat_signature``, None for None (an optional argument)."""
+    return None if t is None else (t.shape, t.dtype, t.get_device(), t.data_ptr() & 15, t.is_contiguous())
+
+
+def rows_signature(t) -> tuple | None:
+    """``call_signature`` but the row count (``shape[0]``): the high-throughput combine's x and weights,
+    a handle's received rows, whose count is no part of a kind of call."""
+    return None if t is None else (t.shape[1:], t.dtype, t.get_device(), t.data_ptr() & 15, t.is_contiguous())
+
+
 def as_dispatch_handle(handle) -> DispatchHandle:
     if isinstance(handle, DispatchHandle):
         return handle

@@ -9,6 +9,7 @@ The low-latency methods and the shrink mask live in ``buffer_ll.LowLatencyMethod
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -25,6 +26,18 @@ from .event import EventOverlap
 from .streams import CallStreams
 
 log = logging.getLogger(__name__)
+
+
+def _scales_copied(run):
+    """``run`` (a backend's dispatch plan) taking non-contiguous FP8 scales (its second argument), copied
+    contiguous each call; None for None."""
+    if run is None:
+        return None
+
+    def copied(x, scales, *rest):
+        return run(x, scales.contiguous(), *rest)
+
+    return copied
 
 
 class Buffer(LowLatencyMethods):
@@ -93,6 +106,7 @@ class Buffer(LowLatencyMethods):
         self._ll_sizes: dict = {}  # (M, H, E) -> get_low_latency_rdma_size_hint, checked once per shape
         self._ll_fast: dict = {}  # low-latency call key -> the backend's launches for it (_remember)
         self._checked: set = set()  # call signatures (shapes, dtypes, arguments) whose shape/dtype/flag checks passed
+        self._ht_fast: dict = {}  # high-throughput call key -> the backend's plan for it (_keep)
         self._nvl_ok: set = set()  # (config, hidden bytes) that fit num_nvl_bytes
         self._default_configs: dict = {}  # (combine, num_sms) -> the default Config
         self._destroyed = False
@@ -184,6 +198,7 @@ class Buffer(LowLatencyMethods):
             raise RuntimeError("destroy() is for Buffers made with explicitly_destroy=True")
         self._backend.destroy()
         self._ll_fast.clear()
+        self._ht_fast.clear()
         self._destroyed = True
 
     # ------------------------------------------------------------------ high-throughput
@@ -193,13 +208,18 @@ class Buffer(LowLatencyMethods):
         """``topk_idx int64[T, K]`` → ``(num_tokens_per_rank int32[R], num_tokens_per_rdma_rank int32[nodes]
         or None, num_tokens_per_expert int32[E], is_token_in_rank bool[T, R], event)``. The per-node
         counts exist where the group spans several nodes (hosts, or ``EPCOMM_GPUS_PER_NODE``): None on
-        one node, as in DeepEP."""
+        one node, as in DeepEP. A backend with a layout kernel (``dispatch_layout``) computes the same
+        values in one launch."""
         self._check_alive()
         V.num_experts(num_experts, self.group_size)
         V.topk_idx(topk_idx, None, num_experts, self.device, check_values=self._host_checks)
+        kernel = getattr(self._backend, "dispatch_layout", None)
 
         def fn():
-            per_rank, per_expert, in_rank = layout.dispatch_layout(topk_idx, num_experts, self.group_size)
+            if kernel is not None:
+                per_rank, per_expert, in_rank = kernel(topk_idx, num_experts)
+            else:
+                per_rank, per_expert, in_rank = layout.dispatch_layout(topk_idx, num_experts, self.group_size)
             per_node = None if self._ranks_per_node is None else layout.tokens_per_node(in_rank,
                                                                                          self._ranks_per_node)
             return per_rank, per_node, per_expert, in_rank
@@ -228,6 +248,12 @@ class Buffer(LowLatencyMethods):
                              f"(Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size}))")
         self._nvl_ok.add((config, hidden_bytes))
 
+    def _keep(self, key, run) -> None:
+        """Keep ``run`` (a backend's plan for high-throughput calls like this one) for the repeats of ``key``."""
+        if len(self._ht_fast) >= 4096:  # bounded, whatever the callers vary
+            self._ht_fast.clear()
+        self._ht_fast[key] = run
+
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
@@ -236,47 +262,98 @@ class Buffer(LowLatencyMethods):
         holding one of its experts. Returns ``(recv_x, recv_topk_idx int64[N, K], recv_topk_weights f32[N, K],
         num_recv_tokens_per_expert_list, handle, event)``: the ``N`` rows this rank receives, ordered by
         source rank then token, with FP8 in giving FP8 out. With ``handle`` (cached mode) it reuses an
-        earlier layout and returns ``(recv_x, None, None, None, None, event)``."""
+        earlier layout and returns ``(recv_x, None, None, None, None, event)``.
+
+        A call of a kind seen before (shapes, dtypes, devices, alignment, contiguity, flags, Config; not
+        values) skips its checks and runs the backend's plan for that kind, where it has one."""
         self._check_alive()
+        if handle is not None:
+            return self._cached_dispatch(x, handle, config, previous_event, async_finish, allocate_on_comm_stream)
+        ntpr, is_in, ntpe = num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert
+        idx, w = topk_idx, topk_weights
+        data, scales = x if isinstance(x, (tuple, list)) and len(x) == 2 else (x, None)
+        key = None
+        if not self._host_checks and type(expert_alignment) is int and type(num_worst_tokens) is int:
+            sig = V.call_signature  # (a bool is an int too: type() rules it out)
+            try:
+                key = ("htd", sig(data), sig(scales), sig(ntpr), sig(num_tokens_per_rdma_rank), sig(is_in),
+                       sig(ntpe), sig(idx), sig(w), expert_alignment, num_worst_tokens, config, Buffer.num_sms)
+            except AttributeError:  # not tensors: the checks say which
+                key = None
+        run = self._ht_fast.get(key)
+        if run is None:
+            run, data, scales = self._dispatch_first(key, x, ntpr, num_tokens_per_rdma_rank, is_in, ntpe, idx, w,
+                                                     expert_alignment, num_worst_tokens, config)
+        res, ev = self._streams.run(lambda: run(data, scales, idx, w, ntpr, is_in, ntpe), [data, scales, idx, w],
+                                    previous_event, async_finish, allocate_on_comm_stream)
+        recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
+        return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list, res.handle, ev
+
+    def _dispatch_first(self, key, x, ntpr, ntpr_rdma, is_in, ntpe, idx, w, expert_alignment: int,
+                        num_worst_tokens: int, config):
+        """A dispatch of a kind not seen before, checked; returns ``(run, x data, x scales)``, ``run`` the
+        backend's plan for its kind (kept for the repeats of ``key``) or a call of ``Backend.dispatch``."""
         data, scales = V.dispatch_x(x, self.device)
         t, h = data.shape
         config = self._config(config, combine=False)
         self._check_nvl_bytes(config, h * data.element_size())
-        if handle is not None:
-            handle = V.as_dispatch_handle(handle)
-            if handle.is_token_in_rank.shape[0] != t:
-                raise ValueError(f"x has {t} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
+        if key not in self._checked:  # (never None here without host checks; with them, checked every call)
+            V.dispatch_args(t, self.group_size, self.device, self._host_checks, ntpr, ntpr_rdma, is_in, ntpe, idx,
+                            w, expert_alignment, num_worst_tokens)
+            if key is not None and len(self._checked) < 4096:
+                self._checked.add(key)
+        args = DispatchArgs(data, scales, idx, w, ntpr, is_in, ntpe, expert_alignment, num_worst_tokens,
+                            config.num_channels, config.num_sms, config.num_max_rdma_chunked_send_tokens)
+        plan = getattr(self._backend, "dispatch_run", None)
+        run = None
+        if key is not None and plan is not None and all(
+                v is None or v.is_contiguous() for v in (data, ntpr, is_in, ntpe, idx, w)):
+            if scales is None or scales.is_contiguous():
+                run = plan(args)
+            else:  # column-major FP8 scales (as DeepEP's tests pass them): the plan's, copied each call
+                run = _scales_copied(plan(dataclasses.replace(args, x_scales=scales.contiguous())))
+        if run is None:
+            return (lambda *_: self._backend.dispatch(args)), data, scales
+        self._keep(key, run)
+        return run, data, scales
 
-            def cached():
-                return self._backend.cached_dispatch(data, scales, handle, config)
+    def _cached_dispatch(self, x, handle, config, previous_event, async_finish, allocate_on_comm_stream):
+        handle = V.as_dispatch_handle(handle)
+        data, scales = x if isinstance(x, (tuple, list)) and len(x) == 2 else (x, None)
+        key = None
+        if not self._host_checks:
+            sig = V.call_signature
+            try:  # (the received row count is no part of a kind)
+                key = ("htc", sig(data), sig(scales), sig(handle.is_token_in_rank), sig(handle.rank_prefix_matrix),
+                       V.rows_signature(handle.recv_src_idx), config, Buffer.num_sms)
+            except AttributeError:  # not tensors: the checks say which
+                key = None
+        run = self._ht_fast.get(key)
+        if run is None:
+            run, data, scales, handle = self._cached_first(key, x, handle, config)
+        (rx, rs), ev = self._streams.run(lambda: run(data, scales, handle), [data, scales], previous_event,
+                                         async_finish, allocate_on_comm_stream)
+        return (rx if rs is None else (rx, rs)), None, None, None, None, ev
 
-            (rx, rs), ev = self._streams.run(cached, [data, scales], previous_event, async_finish,
-                                     allocate_on_comm_stream)
-            return (rx if rs is None else (rx, rs)), None, None, None, None, ev
-
-        try:
-            sig = None
-            if type(expert_alignment) is int and type(num_worst_tokens) is int:  # a bool is an int too
-                ts = V.tensor_signature
-                sig = ("htd", data.shape, data.dtype, data.get_device(), ts(scales), ts(num_tokens_per_rank),
-                       ts(num_tokens_per_rdma_rank), ts(is_token_in_rank), ts(num_tokens_per_expert), ts(topk_idx),
-                       ts(topk_weights), expert_alignment, num_worst_tokens, config)
-        except AttributeError:  # not tensors: the checks say which
-            sig = None
-        if sig not in self._checked or self._host_checks:  # else these shapes and arguments passed before
-            V.dispatch_args(t, self.group_size, self.device, self._host_checks, num_tokens_per_rank,
-                            num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                            topk_weights, expert_alignment, num_worst_tokens)
-            if sig is not None and len(self._checked) < 4096:
-                self._checked.add(sig)
-        args = DispatchArgs(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                            num_tokens_per_expert, expert_alignment, num_worst_tokens, config.num_channels,
-                            config.num_sms, config.num_max_rdma_chunked_send_tokens)
-        res, ev = self._streams.run(lambda: self._backend.dispatch(args), [data, scales, topk_idx, topk_weights],
-                            previous_event, async_finish, allocate_on_comm_stream)
-        recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
-        return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list, res.handle, ev
-
+    def _cached_first(self, key, x, handle, config):
+        data, scales = V.dispatch_x(x, self.device)
+        t, h = data.shape
+        config = self._config(config, combine=False)
+        self._check_nvl_bytes(config, h * data.element_size())
+        if handle.is_token_in_rank.shape[0] != t:
+            raise ValueError(f"x has {t} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
+        plan = getattr(self._backend, "cached_dispatch_run", None)
+        run = None
+        if key is not None and plan is not None and all(v is None or v.is_contiguous() for v in (
+                data, handle.rank_prefix_matrix, handle.recv_src_idx, handle.is_token_in_rank)):
+            if scales is None or scales.is_contiguous():
+                run = plan(data, scales, handle, config)
+            else:
+                run = _scales_copied(plan(data, scales.contiguous(), handle, config))
+        if run is None:
+            return (lambda x_, s_, hd: self._backend.cached_dispatch(x_, s_, hd, config)), data, scales, handle
+        self._keep(key, run)
+        return run, data, scales, handle
 
     def combine(self, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, bias=None,
                 config: Config | None = None, previous_event=None, async_finish: bool = False,
@@ -286,32 +363,52 @@ class Buffer(LowLatencyMethods):
         bf16[T, H], combined_topk_weights f32[T, K] or None, event)``."""
         self._check_alive()
         handle = V.as_dispatch_handle(handle)
+        w = topk_weights
+        biases = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
+        key = None
+        try:  # a kind seen before skips its checks (the row counts never do)
+            rows, sig = V.rows_signature, V.call_signature
+            key = ("htcb", rows(x), rows(w), tuple(map(sig, biases)), handle.is_token_in_rank.shape[0],
+                   sig(handle.rank_prefix_matrix), sig(handle.send_head), config, Buffer.num_sms)
+            n = handle.recv_src_idx.numel()
+            run = self._ht_fast.get(key)
+            if run is not None and (x.shape[0] != n or (w is not None and w.shape[0] != n)):
+                run = None  # (the checks below say which)
+        except AttributeError:  # not tensors: the checks say which
+            key = run = None
+        if run is None:
+            run, biases = self._combine_first(key, x, handle, w, biases, config)
+        elif biases:
+            biases = tuple(b for b in biases if b is not None)  # DeepEP accepts (bias_0, None)
+        (out, w), ev = self._streams.run(lambda: run(x, handle, w, biases), [x, w, *biases], previous_event,
+                                         async_finish, allocate_on_comm_stream)
+        return out, w, ev
+
+    def _combine_first(self, key, x, handle, w, biases, config):
+        """A combine of a kind not seen before, checked; returns ``(run, biases)`` (as ``_dispatch_first``)."""
         n = handle.recv_src_idx.numel()
         t = handle.is_token_in_rank.shape[0]
-        biases = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
-        try:  # shapes, dtypes and devices that passed before skip their checks (the row counts never do)
-            w = topk_weights
-            sig = ("htc", x.shape[1:], x.dtype, x.get_device(),
-                   None if w is None else (w.shape[1:], w.dtype, w.get_device()), t, config,
-                   tuple(V.tensor_signature(b) for b in biases))
-        except AttributeError:  # not tensors: the checks say which
-            sig = None
-        if sig not in self._checked:
+        if key not in self._checked:
             V.tensor("x", x, torch.bfloat16, 2, self.device)
             V.hidden(x.shape[1], False)
-            if topk_weights is not None:
-                V.tensor("topk_weights", topk_weights, torch.float32, 2, self.device)
+            if w is not None:
+                V.tensor("topk_weights", w, torch.float32, 2, self.device)
             V.biases(biases, t, x.shape[1], self.device)
-            if sig is not None and len(self._checked) < 4096:
-                self._checked.add(sig)
+            if key is not None and len(self._checked) < 4096:
+                self._checked.add(key)
         if x.shape[0] != n:
             raise ValueError(f"x must have the {n} rows dispatch returned, got shape {tuple(x.shape)}")
-        if topk_weights is not None and topk_weights.shape[0] != n:
-            raise ValueError(f"topk_weights must have {n} rows, got shape {tuple(topk_weights.shape)}")
+        if w is not None and w.shape[0] != n:
+            raise ValueError(f"topk_weights must have {n} rows, got shape {tuple(w.shape)}")
         config = self._config(config, combine=True)
         self._check_nvl_bytes(config, x.shape[1] * x.element_size())
         biases = tuple(b for b in biases if b is not None)  # DeepEP accepts (bias_0, None)
-        (out, w), ev = self._streams.run(lambda: self._backend.combine(x, handle, topk_weights, tuple(biases), config),
-                                 [x, topk_weights, *biases], previous_event, async_finish,
-                                 allocate_on_comm_stream)
-        return out, w, ev
+        plan = getattr(self._backend, "combine_run", None)
+        run = None
+        if key is not None and plan is not None and all(
+                v is None or v.is_contiguous() for v in (x, w, handle.rank_prefix_matrix, handle.send_head, *biases)):
+            run = plan(x, handle, w, biases, config)
+        if run is None:
+            return (lambda x_, hd, w_, b_: self._backend.combine(x_, hd, w_, b_, config)), biases
+        self._keep(key, run)
+        return run, biases
