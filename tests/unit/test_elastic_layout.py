@@ -1,5 +1,7 @@
 """Tier 1: the layout math of ``ElasticBuffer`` (``epcomm.elastic_layout``), worked examples written out by
-hand, DeepEP's sizing figures, and the V2 additions to ``EventOverlap``."""
+hand, DeepEP's sizing figures, and the V2 additions to ``EventOverlap``; the V2 kernels against their torch
+twins under the interpreter (``sims/sim_elastic.py``) and compiled for sm_90 (``sims/compile_elastic.py``);
+the host counter the tier-2 host budget uses (``epcomm.testing.torch_calls``)."""
 
 import os
 import subprocess
