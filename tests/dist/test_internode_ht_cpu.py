@@ -12,16 +12,21 @@ the interpreter, the NVSHMEM device calls simulated — on CPU processes in virt
   token crosses to a node at most once (messages per node = ``num_tokens_per_rdma_rank`` from
   ``get_dispatch_layout``, fewer than the (token, rank) pairs when a token has two ranks in one node),
   forwarded in the node. Four nodes of one rank: BF16 and FP8 and the chunk cases (nothing forwarded).
-- ``Config``'s RDMA chunk (tokens per put across nodes), dispatch's and combine's: 1, and 3 and 2 (chunks
-  that split a rank's tokens unevenly) with ``num_sms=2`` (two programs a kernel, looping), BF16 with
-  bias and FP8 with ``num_worst_tokens``.
-- Three combines in a row on one handle, each of its own expert outputs against the reference's.
+  Two ranks in one node: the same (no network: the relay forwards by stores).
+- ``Config``'s RDMA chunk (rows per put across nodes), dispatch's and combine's: 1, and 3 and 2 (chunks
+  that split a channel's rows unevenly) with ``num_sms=2`` (one channel of several blocks and chunks;
+  in nodes of two one program forwards, then receives), BF16 with bias and FP8 with ``num_worst_tokens``.
+- Three combines in a row on one handle, each of its own expert outputs against the reference's; then
+  every free word counts every call (each consumer freed its slots once a call).
+- A slow peer (its launches start a second late): every consumer reaches rows before they are sent
+  and must wait for them; a consumer that read one tile before its counter said failed here (the
+  forwarder, the receiver, the relay and the final each tried), where the other cases passed.
 - A rank that never sends gives the deadline error naming the rank and the phase (two nodes of one; two
-  nodes of two, where the waits are the relay's forward and its node peer's gather).
+  nodes of two, where the waits are the relay's forward and its node peer's receive).
 - Every run: no simulated put was overtaken by a signal to its PE or left undelivered
   (``cpu_internode.check_delivery``). The simulation is as weak as NVSHMEM (``kernels/nvshmem_sim.py``),
-  so a kernel that signals before its puts are complete fails here: without the send's per-program
-  ``quiet`` the receiver reads poisoned rows, without the relay's the final sum misses a node's partial.
+  so a kernel that signals before its puts are fenced fails here: without the sender's fence between a
+  block's puts and its count the relay reads poisoned rows, without the relay's the final sum is NaN.
 
 NVSHMEM itself is tier 3's (``tests/gpu/test_internode_nvshmem.py``). Shapes are tiny: the interpreter
 runs every program in Python.
@@ -58,28 +63,32 @@ def _ht(ctx, tag, gpus_per_node, full=True):
                   num_experts=4 * r, seed=1),
              Case(num_ranks=r, tokens=tuple(0 if i == 0 else 7 for i in range(r)), hidden=256, num_topk=2,
                   num_experts=2 * r, hot_expert=1, seed=2)]
-    checks = [(cases[0], False, 0), (cases[0], True, 0)]  # (case, FP8, num_worst_tokens)
+    from epcomm import Config
+    # the Buffer's default config first (20 SMs: 10 channels, mostly of a token or none), then 4 SMs (two
+    # channels; every program runs in Python here, and a call costs in proportion), RDMA chunks of 5 and 4
+    four = (Config(4, 6, 256, 5, 128), Config(4, 6, 256, 4, 128))
+    checks = [(cases[0], False, 0, None), (cases[0], True, 0, four)]  # (case, FP8, num_worst_tokens, configs)
     if full:
-        checks += [(cases[0], False, sum(cases[0].tokens) + 3), (cases[1], False, 0)]
+        checks += [(cases[0], False, sum(cases[0].tokens) + 3, four), (cases[1], False, 0, four)]
     sent = []
-    for case, fp8, worst in checks:
-        G.check_ht_case(ref, fast, case, ctx.rank, fp8, worst=worst, with_bias=not fp8 and not worst)
+    for case, fp8, worst, cfgs in checks:
+        G.check_ht_case(ref, fast, case, ctx.rank, fp8, worst=worst, with_bias=not fp8 and not worst, configs=cfgs)
         # the hierarchy: one message per (token, destination node)
         npos = fast._backend._ht.last_npos
         _, per_node, _, in_rank, _ = fast.get_dispatch_layout(G.device_inputs(case, ctx.rank, "cpu")[2],
                                                               case.num_experts)
-        sent.append(((npos >= 0).sum(0).tolist(), per_node.tolist(), int(in_rank.sum())))
-    # Config's RDMA chunk (tokens per put across nodes; dispatch and combine apart) and num_sms (programs
-    # per kernel): one token a put, and chunks that split the batch unevenly with two programs looping
-    # over them (the defaults above: chunks of 16 and 8, 20 programs, one pass here). The second runs
-    # 33+ tokens a rank: more than one block of TUNE's 16 rows a program, so each of the 2 programs loops
-    # over blocks, and runs are cut both at multiples of the chunk and at block ends (16, 32: not multiples of 3)
-    from epcomm import Config
+        per_node = [int(in_rank.any(1).sum())] if per_node is None else per_node.tolist()  # (one node: None)
+        sent.append(((npos >= 0).sum(0).tolist(), per_node, int(in_rank.sum())))
+    # Config's RDMA chunk (rows per put across nodes; dispatch and combine apart) and num_sms (programs
+    # per launch): one row a put, and chunks that split the rows unevenly. The second runs 33+ tokens a
+    # rank in one channel (2 programs: one sender, one forwarder and receiver): blocks of TUNE's 16 rows,
+    # each sent in chunks of 3 counted from the channel's first row, the chunk a block leaves partial (16,
+    # 32: not multiples of 3) sent with the next block's
     from epcomm.backends.internode_ht import TUNE
     assert TUNE["dispatch_rb"] == TUNE["combine_rb"] == 16  # (what the sizes below assume)
     # (fresh seeds: rows a kernel failed to write would otherwise still hold an earlier call's equal rows)
     import dataclasses
-    for it, (sms, d_chunk, c_chunk) in enumerate(((Buffer.num_sms, 1, 1), (2, 3, 2))):
+    for it, (sms, d_chunk, c_chunk) in enumerate(((4, 1, 1), (2, 3, 2))):
         cfgs = (Config(sms, 6, 256, d_chunk, 128), Config(sms, 6, 256, c_chunk, 128))
         big = dataclasses.replace(cases[0], tokens=tuple(33 + 5 * i for i in range(r))) if it else cases[0]
         G.check_ht_case(ref, fast, dataclasses.replace(big, seed=20 + it), ctx.rank, False, with_bias=True,
@@ -90,22 +99,26 @@ def _ht(ctx, tag, gpus_per_node, full=True):
     if not full:
         cpu_internode.check_delivery()
         return sent
-    # combines in a row on one handle (the combine areas alternate, the markers tell calls apart): each
+    # combines in a row on one handle (the combine areas alternate by the device's count of combines): each
     # call its own expert outputs, each against the reference's combine of them (a combine that read an
     # earlier call's area would return that call's sums)
     case = cases[0]
     xin, x, topk, w = G.device_inputs(case, ctx.rank, "cpu")
-    res, rref = G._dispatch(fast, xin, topk, w, case.num_experts), G._dispatch(ref, xin, topk, w, case.num_experts)
+    res = G._dispatch(fast, xin, topk, w, case.num_experts, config=four[0])
+    rref = G._dispatch(ref, xin, topk, w, case.num_experts, config=four[0])
     for k in range(3):
         y = (res[0].float() * (1 + k) - k / 4).to(torch.bfloat16)
-        out = fast.combine(y, res[4], topk_weights=res[2])[0]
+        out = fast.combine(y, res[4], topk_weights=res[2], config=four[1])[0]
         G._combine_check(out, ref.combine(y, rref[4], topk_weights=rref[2])[0], ref, y, rref[4],
                          f"combine {k} of 3 in a row, rank {ctx.rank}")
+    # every consumer freed its slots once per call: at each producer, the free words of its consumers
+    # (internode_ht.ctr_words) count every dispatch and every combine so far
+    _check_free_words(fast, ctx.rank)
     # high_throughput_bytes is what these calls needed (the largest BF16 case, big), to the byte; far less
     # is a ValueError naming the size
     from epcomm.backends.internode_ht import high_throughput_bytes
     need = max(high_throughput_bytes(max(c.tokens), c.hidden, c.num_topk, r, gpus_per_node, round_mib=False)
-               for c in {c for c, _, _ in checks} | {big})
+               for c in {c for c, _, _, _ in checks} | {big})
     assert fast._backend._ht.peak_bytes == need, (fast._backend._ht.peak_bytes, need)
     small = cpu_internode.internode_buffer(ctx.group, num_nvl_bytes=64 << 10)
     try:
@@ -121,7 +134,7 @@ def _ht(ctx, tag, gpus_per_node, full=True):
         per_rank = per_rank + 1
     try:
         fast.dispatch(xin, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                      num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w)
+                      num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, config=four[0])
     except ValueError as e:
         assert "does not match is_token_in_rank" in str(e) and ("(on rank 1)" in str(e)) == (ctx.rank != 1), e
     else:
@@ -131,8 +144,8 @@ def _ht(ctx, tag, gpus_per_node, full=True):
     # call or the next), on both ranks, naming rank 1
     try:
         fast.dispatch(xin, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                      topk_idx=topk, topk_weights=w, num_worst_tokens=sum(case.tokens))
-        G._dispatch(fast, xin, topk, w, case.num_experts)
+                      topk_idx=topk, topk_weights=w, num_worst_tokens=sum(case.tokens), config=four[0])
+        G._dispatch(fast, xin, topk, w, case.num_experts, config=four[0])
     except ValueError as e:
         assert "num_tokens_per_rank on rank 1 says" in str(e) and "found on the device" in str(e), e
     else:
@@ -140,14 +153,37 @@ def _ht(ctx, tag, gpus_per_node, full=True):
     # too few num_worst_tokens: error 9 on the rank that receives more, at its next call
     few = cpu_internode.internode_buffer(ctx.group, num_nvl_bytes=32 << 20)
     try:
-        G._dispatch(few, xin, topk, w, case.num_experts, num_worst_tokens=2)
-        G._dispatch(few, xin, topk, w, case.num_experts)
+        G._dispatch(few, xin, topk, w, case.num_experts, num_worst_tokens=2, config=four[0])
+        G._dispatch(few, xin, topk, w, case.num_experts, config=four[0])
     except RuntimeError as e:
         assert "num_worst_tokens=2 but" in str(e), e
     else:
         raise AssertionError("num_worst_tokens=2 was accepted")
     cpu_internode.check_delivery()
     return sent
+
+
+def _check_free_words(buf, rank):
+    """The free words at this rank (``kernels/internode_ht.py``): each of its consumers raised its own once
+    per call (``F_RD[b]`` by relay node ``b``, ``F_NV[j]`` by receiver ``j``, ``F_CS[i]`` by relay ``i``,
+    ``F_FN[a]`` by source node ``a``), so each equals the count of dispatches or combines."""
+    import torch
+
+    from epcomm.backends.nvlink_params import C_MAX
+    from epcomm.kernels.internode_ht import ctr_words
+
+    be, ht = buf._backend, buf._backend._ht
+    r, n = be.num_ranks, be.ranks_per_node
+    _, _, _, f_rd, f_nv, f_cs, f_fn, total = ctr_words(r, n, C_MAX)
+    words = be.symm[ht.ctr_off:ht.ctr_off + 8 * total].view(torch.int64)
+    dc, cc = int(ht.state[1]), int(ht.state[2])
+    b, i = rank // n, rank % n
+    got = {"F_RD": [int(words[f_rd + x]) for x in range(r // n) if x != b],
+           "F_NV": [int(words[f_nv + x]) for x in range(n) if x != i],
+           "F_CS": [int(words[f_cs + x]) for x in range(n) if x != i],
+           "F_FN": [int(words[f_fn + x]) for x in range(r // n) if x != b]}
+    want = {k: [dc if k in ("F_RD", "F_NV") else cc] * len(v) for k, v in got.items()}
+    assert dc > 0 and cc > 0 and got == want, (rank, dc, cc, got)
 
 
 def test_internode_high_throughput_two_virtual_nodes():
@@ -173,6 +209,59 @@ def test_internode_high_throughput_four_ranks_in_two_nodes():
             assert per_node_sent == per_node_layout, sent
             fewer += sum(per_node_sent) < pairs
     assert fewer > 0, "no token went to two ranks of one node: the case does not show the hierarchy"
+
+
+def test_internode_high_throughput_one_node_of_two():
+    """Two ranks in one node: nothing crosses a network (no senders); the relay forwards to its peer by
+    stores, the combine reduces in the node and the final reads this node's partials only."""
+    res = parallel_launch(2, _ht, uuid.uuid4().hex[:12], 2, False, backend="gloo", timeout_s=300)
+    for sent in res:
+        for per_node_sent, per_node_layout, pairs in sent:
+            assert per_node_sent == per_node_layout, sent
+
+
+def _slow_peer(ctx, tag, gpus_per_node):
+    """The last rank starts each of its dispatch and combine launches late (its host sleeps 0.5 s first,
+    more than a whole call of the others takes here, ~0.2 s): the others' consumers reach every chunk
+    before it is sent, so each must wait for its rows (one that read what its counter does not yet count
+    would take the zeros or the earlier call's rows of the slot).
+    Two nodes of one (the network's consumers: forwarder, final) or one node of two (the node's: receiver,
+    relay): BF16 with bias and top-k, FP8 with num_worst_tokens, a cached dispatch, and a config of 2 SMs
+    (one channel of several blocks and chunks)."""
+    os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
+    from epcomm.testing import cpu_nvlink
+
+    cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
+    import time
+
+    from epcomm import Buffer, Config
+    from epcomm.testing import cpu_internode
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    r = ctx.world_size
+    ref = Buffer(ctx.group)
+    fast = cpu_internode.internode_buffer(ctx.group, num_nvl_bytes=32 << 20)
+    if ctx.rank == r - 1:
+        ht = fast._backend._ht_impl()
+        for name in ("k_dispatch", "k_combine"):
+            launch = getattr(ht, name)
+            setattr(ht, name, lambda *a, _launch=launch, **kw: (time.sleep(0.5), _launch(*a, **kw)))
+    case = Case(num_ranks=r, tokens=tuple(20 + 7 * i for i in range(r)), hidden=128, num_topk=4, num_experts=4 * r,
+                seed=41)
+    G.check_ht_case(ref, fast, case, ctx.rank, False, with_bias=True,
+                    configs=(Config(4, 6, 256, 4, 128), Config(4, 6, 256, 1, 128)))
+    cfgs = (Config(2, 6, 256, 3, 128), Config(2, 6, 256, 5, 128))
+    G.check_ht_case(ref, fast, Case(**{**case.__dict__, "seed": 42}), ctx.rank, True, worst=sum(case.tokens),
+                    configs=cfgs)
+    cpu_internode.check_delivery()
+    return "ok"
+
+
+@pytest.mark.parametrize("gpus_per_node", [1, 2], ids=["two-nodes-of-one", "one-node-of-two"])
+def test_internode_high_throughput_slow_peer(gpus_per_node):
+    assert parallel_launch(2, _slow_peer, uuid.uuid4().hex[:12], gpus_per_node, backend="gloo",
+                           timeout_s=300) == ["ok"] * 2
 
 
 def _absent_relay(ctx, tag, gpus_per_node):
