@@ -18,9 +18,9 @@ the interpreter, the NVSHMEM device calls simulated — on CPU processes in virt
   in nodes of two one program forwards, then receives), BF16 with bias and FP8 with ``num_worst_tokens``.
 - Three combines in a row on one handle, each of its own expert outputs against the reference's; then
   every free word counts every call (each consumer freed its slots once a call).
-- A slow peer (its launches start a second late): every consumer reaches rows before they are sent
+- A slow peer (its launches start half a second late): every consumer reaches rows before they are sent
   and must wait for them; a consumer that read one tile before its counter said failed here (the
-  forwarder, the receiver, the relay and the final each tried), where the other cases passed.
+  forwarder, the receiver, the relay and the final each tried; elsewhere only as timing allows).
 - A rank that never sends gives the deadline error naming the rank and the phase (two nodes of one; two
   nodes of two, where the waits are the relay's forward and its node peer's receive).
 - Every run: no simulated put was overtaken by a signal to its PE or left undelivered
