@@ -139,7 +139,7 @@ def high_throughput_bytes(num_tokens: int, hidden: int, num_topk: int, num_ranks
     mode) this path needs for batches of up to ``num_tokens`` per rank: the counters, then four areas
     (dispatch and combine, two parities each), each the larger of a BF16 dispatch with top-k and a
     combine. Rounded up to MiB unless ``round_mib`` is false.
-    Example: 4096 tokens of 7168 with top-8 at 2 ranks in nodes of 1 -> 449 MiB (the combine is the
+    Example: 4096 tokens of 7168 with top-8 at 2 ranks in nodes of 1 -> 452 MiB (the combine is the
     larger part: staging and final slots of BF16 rows)."""
     r_, n_ = num_ranks, ranks_per_node
     p_, tm = r_ // n_, max(1, num_tokens)
@@ -236,7 +236,7 @@ class InternodeHighThroughput:
         """The slots' rows for calls with ``num_worst_tokens`` (no host copy of the token counts): as many
         as the areas hold, for the dispatch (``w`` words per row) and its combine (BF16 ``h``, ``k``
         weights); the same on every rank (equal buffers). Example: 2 ranks in nodes of 1, 32 MiB
-        buffer, H = 128, K = 4 -> 15420 rows (BF16 with top-k: 77 words a row)."""
+        buffer, H = 128, K = 4 -> 13614 rows (BF16 with top-k: 77 words a row)."""
         key = (w, h, k)
         tm = self._caps.get(key)
         if tm is None:

@@ -56,6 +56,12 @@ def main() -> None:
            dict(BLOCK=T["combine_block"], RB=T["combine_rb"], K_POW2=8, HAS_W=hw, NB=nb,
                 HAS_TIMER=True, SIM=True), T["combine_warps"]) for hw, nb in ((True, 2), (False, 0))],
     ]
+    # integers Triton turns into constants when they are 1 (launch.py), as real calls pass them: rank 1 of
+    # nodes of one rank (me, N) with chunks of 1 and one program a role; rank 1 of one node (P)
+    for d_ones, c_ones in (({"me": 1, "N": 1, "CH": 1, "s_n": 1, "f_n": 1}, {"me": 1, "N": 1, "CH": 1, "r_n": 1}),
+                           ({"me": 1, "P": 1, "f_n": 1, "v_n": 1}, {"me": 1, "P": 1, "s_n": 1, "f_n": 1})):
+        cases.append((ih._hd_kernel, cases[2][1], dict(cases[2][2], NSRC=1, SAVE=1, **d_ones), T["dispatch_warps"]))
+        cases.append((ihc._hc_kernel, cases[3][1], dict(cases[3][2], **c_ones), T["combine_warps"]))
     print("plan", len(cases))  # the test asks for one "ok" line each
     for fn, types, consts, w in cases:
         print("ok", fn.fn.__name__, compile_one(fn, types, consts, w), "bytes of cubin,", w, "warps")

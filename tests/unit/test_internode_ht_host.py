@@ -1,0 +1,43 @@
+"""Tier 1: the internode high-throughput path's host arithmetic (``backends/internode_ht.py``,
+``kernels/internode_ht.py``): how a launch's programs are split between its roles, the counter region's
+layout and the buffer size, with the worked examples of their docstrings."""
+import itertools
+
+from epcomm.backends.internode_ht import high_throughput_bytes, roles
+from epcomm.kernels.internode_ht import ctr_words
+
+
+def test_roles_worked_examples():
+    assert roles(24, [1, 1, 0]) == [(0, 12), (12, 12), (0, 0)]
+    assert roles(2, [1, 1, 1]) == [(0, 1), (1, 1), (1, 1)]
+    assert roles(24, [1, 2, 1]) == [(0, 6), (6, 12), (18, 6)]
+
+
+def test_roles_every_role_runs_and_never_waits_on_a_later_program():
+    """For every launch size and weights: each role with work gets programs, inside the launch; with
+    enough programs the roles are disjoint and cover the launch; and a role's programs never come after
+    a later role's (the interpreter runs a launch's programs in order, and a later role waits on an earlier
+    one: a program may do both, in role order)."""
+    for programs in range(1, 41):
+        for weights in itertools.product([0, 1, 2, 3], repeat=3):
+            if not any(weights):  # (the forwarders and the relays always have work)
+                continue
+            got = roles(programs, list(weights))
+            live = [k for k, w in enumerate(weights) if w]
+            assert all(got[k] == (0, 0) for k in range(3) if k not in live), (programs, weights, got)
+            spans = [range(got[k][0], got[k][0] + got[k][1]) for k in live]
+            assert all(len(s) >= 1 and s.start >= 0 and s.stop <= programs for s in spans), (programs, weights, got)
+            for s, t in zip(spans, spans[1:]):
+                assert s.stop - 1 <= t.start, (programs, weights, got)  # (at most the one program shared)
+            if programs >= len(live):
+                assert sorted(p for s in spans for p in s) == list(range(programs)), (programs, weights, got)
+
+
+def test_counter_words_and_buffer_size():
+    # D_RD[P][CM] at 0, then D_NV[R][CM], C_CS[P][N][CM], C_FN[P][CM], F_RD[P], F_NV[N], F_CS[N], F_FN[P]
+    assert ctr_words(4, 2, 128) == (256, 768, 1280, 1536, 1538, 1540, 1542, 1544)
+    assert ctr_words(2, 1, 4) == (8, 16, 24, 32, 34, 35, 36, 38)
+    # DSv3 at 2 ranks in nodes of 1 (the docstring's example); rounded up to MiB unless asked not to
+    assert high_throughput_bytes(4096, 7168, 8, 2, 1) == 452 << 20
+    exact = high_throughput_bytes(4096, 7168, 8, 2, 1, round_mib=False)
+    assert (451 << 20) < exact <= (452 << 20)
