@@ -7,7 +7,7 @@ by stores inside the node, and the combine reduces at the relay before it crosse
 
 - ``test_internode_2x2_high_throughput``: HT dispatch and combine, BF16 and FP8 (bitwise, the handle
   identical to the reference's), cached dispatch, ``num_worst_tokens``, bias, a rank that sends nothing
-  with a hot expert, async events; dispatch + combine with ``num_worst_tokens`` captured in a CUDA graph
+  with a hot expert, two programs a launch with RDMA chunks of 1 and 3, async events; dispatch + combine with ``num_worst_tokens`` captured in a CUDA graph
   and replayed on new inputs; three combines alone, each in its graph, replayed in turn. Also four nodes
   of one rank (every peer over NVSHMEM, nothing forwarded), the eager checks only.
 - ``test_internode_2x2_low_latency``: LL dispatch and combine (the node's peer by stores, the other node
@@ -55,6 +55,11 @@ def _ht_rank(ctx, gpus_per_node, graphs):
         for fp8 in (False, True):
             out.append(G.check_ht_case(ref, fast, case, ctx.rank, fp8, with_bias=not fp8))
         out.append(G.check_ht_case(ref, fast, case, ctx.rank, False, worst=sum(case.tokens)))
+    # two programs a launch (one program forwards, then receives; one relays, then finals) and RDMA chunks
+    # of 1 and 3 rows
+    from epcomm import Config
+    out.append(G.check_ht_case(ref, fast, hot, ctx.rank, False, with_bias=True,
+                               configs=(Config(2, 6, 256, 1, 128), Config(2, 6, 256, 3, 128))))
     G.check_ht_async(ref, fast, hot, ctx.rank)
     if graphs:
         g = Case(num_ranks=r, tokens=(256, 200, 128, 180), hidden=7168, num_topk=8, num_experts=64, seed=3)
@@ -71,7 +76,7 @@ def test_internode_2x2_high_throughput(gpus_per_node, graphs):
     res = parallel_launch(4, _ht_rank, gpus_per_node, graphs, backend="nccl", timeout_s=540)
     # every case moved rows between the ranks (each rank has tokens in the first case; in the second rank 0
     # has none of its own, so every row it receives is remote)
-    assert all(len(r) == 6 and min(r) > 0 for r in res), res
+    assert all(len(r) == 7 and min(r) > 0 for r in res), res
 
 
 def _ll_rank(ctx, m, hidden, experts, stress):

@@ -19,7 +19,8 @@
   zero-copy, out=, a one-token case, CUDA-graph capture and replay, a stress loop.
 - ``test_internode_high_throughput``: the hierarchical high-throughput path against the reference, the
   same two layouts: BF16 and FP8 dispatch bitwise with the handle, cached dispatch, num_worst_tokens,
-  combine with bias and weights within the budget, async events; dispatch + combine with
+  combine with bias and weights within the budget, two programs a launch with RDMA chunks of 1 and 3,
+  async events; dispatch + combine with
   num_worst_tokens captured in a CUDA graph and replayed on new inputs, and three combines alone, each in its
   graph, replayed in turn 8 times back to back (its areas alternate by the device's count of combines).
 All eight passed on one H100 in the MPS shared mode (2026-11-25; ~8.5 min; the high-throughput ones
@@ -28,7 +29,8 @@ then stay on one GPU (NVSHMEM's P2P transport), so this checks the kernels' prot
 link's timing. With EPCOMM_VERIFY_LAUNCH=1: at b5fe931 (RDMA chunks, the layout kernel, the kernels'
 own packing, num_sms) all eight (the last alone, past the script's 560 s cap), and at 1a994b5 (tiled
 kernels, BF16 relay rows in nodes of one) both high-throughput tests, the three-graph combine check included.
-f4f3c03 (no forward in nodes of one rank) came after: tier 2 and an sm_90 compile only.
+f4f3c03 (no forward in nodes of one rank) came after: tier 2 and an sm_90 compile only; so did the
+pipelined launches (issue 28), which replaced those kernels.
 Two GPUs (nvidia-h200-x2) not yet run.
 """
 import os
@@ -159,6 +161,11 @@ def _ht_rank(ctx, gpus_per_node):
         for fp8 in (False, True):
             out.append(G.check_ht_case(ref, fast, case, ctx.rank, fp8, with_bias=not fp8))
         out.append(G.check_ht_case(ref, fast, case, ctx.rank, False, worst=sum(case.tokens)))
+    # two programs a launch (in one node of two, one program forwards, then receives) and RDMA chunks of 1
+    # and 3 rows
+    from epcomm import Config
+    out.append(G.check_ht_case(ref, fast, case, ctx.rank, False, with_bias=True,
+                               configs=(Config(2, 6, 256, 1, 128), Config(2, 6, 256, 3, 128))))
     G.check_ht_async(ref, fast, case, ctx.rank)
     # num_worst_tokens: no host synchronisation, so dispatch + combine are captured in a CUDA graph
     G.check_ht_graph(ref, fast, Case(num_ranks=r, tokens=(256, 200), hidden=7168, num_topk=8, num_experts=64,
@@ -178,5 +185,5 @@ def test_internode_high_throughput(gpus_per_node):
         pytest.skip("torch's NVSHMEM Triton bindings are unavailable")
     res = parallel_launch(2, _ht_rank, gpus_per_node, backend="nccl", timeout_s=300)
     # every case moved rows between the ranks: to both in the first case, to rank 0 in the second (rank 0
-    # has no tokens of its own there)
-    assert all(len(r) == 6 for r in res) and min(res[0]) > 0 and min(res[1][:3]) > 0, res
+    # has no tokens of its own there) and in the two-program one
+    assert all(len(r) == 7 for r in res) and min(res[0]) > 0 and min(res[1][:3]) > 0, res
