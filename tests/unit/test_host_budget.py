@@ -42,26 +42,14 @@ from epcomm.backends import nvlink as nv  # noqa: E402
 from epcomm.event import EventOverlap  # noqa: E402
 from epcomm.kernels.launch import Launcher  # noqa: E402
 from epcomm.testing import cpu_nvlink  # noqa: E402
+from epcomm.testing.torch_calls import META as _META, _storages  # noqa: E402
 
-META = {"__get__", "dim", "numel", "element_size", "get_device", "stride", "data_ptr", "is_contiguous", "size",
-        "storage_offset", "nelement", "untyped_storage", "__len__", "is_floating_point"}
+META = _META | {"untyped_storage"}
 VIEWS = {"view", "__getitem__", "reshape", "flatten", "t", "transpose", "unsqueeze", "squeeze", "expand",
          "split", "narrow", "as_strided", "contiguous", "select", "unflatten", "view_as", "split_with_sizes",
          "unbind", "permute"}
 EMPTY = {"empty", "empty_like", "new_empty", "empty_strided", "pin_memory"}
 SYNCS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
-
-
-def _storages(obj, out: set) -> set:
-    if isinstance(obj, torch.Tensor):
-        out.add(obj.untyped_storage()._cdata)
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            _storages(o, out)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            _storages(o, out)
-    return out
 
 
 @dataclasses.dataclass
