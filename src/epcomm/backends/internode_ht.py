@@ -336,7 +336,8 @@ class InternodeHighThroughput:
             me, n_, p_, r_, ch, self.p_table, self.areas[0], self.area_bytes, rdma_rel, nvl_rel, tm, self.ctr_off,
             self.cm, info.tbl if info.tbl is not None else i32, int(save), self.p_bases, self.p_lv[1],
             self.p_t[_T_DISPATCH], self.p_err, be.timeout_ns, s_lo, s_n, f_lo, f_n, v_lo, v_n,
-            BLOCK=min(TUNE["dispatch_block"], _pow2(w)), RB=TUNE["dispatch_rb"], N_POW2=_pow2(n_), K_POW2=_pow2(max(k, 1)), G_POW2=_pow2(max(g, 1)), S_POW2=_pow2(max(g, 2 * k, n_, 1)),
+            BLOCK=min(TUNE["dispatch_block"], _pow2(w)), RB=TUNE["dispatch_rb"], N_POW2=_pow2(n_),
+            K_POW2=_pow2(max(k, 1)), G_POW2=_pow2(max(g, 1)), S_POW2=_pow2(max(g, 2 * k, n_, 1)),
             HAS_TIMER=self._timer, SIM=be.sim, num_warps=TUNE["dispatch_warps"])
         be.check_mirror()
         return recv_x, recv_s, recv_id, recv_w, recv_src
@@ -450,8 +451,8 @@ class InternodeHighThroughput:
         w_out = torch.empty(t, k, dtype=torch.float32, device=dev) if topk_weights is not None else None
         bs = [b_.contiguous() for b_ in bias]  # the biases, added in the kernel as the reference adds them
         i32 = self._dummy(torch.int32)
-        _go(self.k_combine, "combine", (sms,), xc, xc.view(torch.int32), ww, rows, h, k, info.rel, info.npos, t, info.pc,
-            info.c, handle.rank_prefix_matrix[:, me:], handle.recv_channel_prefix_matrix, info.ncp,
+        _go(self.k_combine, "combine", (sms,), xc, xc.view(torch.int32), ww, rows, h, k, info.rel, info.npos, t,
+            info.pc, info.c, handle.rank_prefix_matrix[:, me:], handle.recv_channel_prefix_matrix, info.ncp,
             info.tbl if info.tbl is not None else i32, out, w_out if w_out is not None else out, *(bs + [out, out])[:2],
             me, n_, p_, r_, ch, self.p_table, self.areas[2], self.area_bytes, stage_rel, fin_rel, tm, self.ctr_off,
             self.cm, self.p_bases, self.p_lv[2], self.p_t[_T_COMBINE], self.p_err, be.timeout_ns, s_lo, s_n, r_lo,

@@ -234,6 +234,23 @@ def _copy_rows(dst, src, ld_ok, st_ok, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _free(ptr_table, me, N, P, ctr_off, F_NODE, F_NET, cnt_ptr, count, SIM: tl.constexpr):
+    """The end of a launch (its last program): this rank ``(b, i)`` has read every slot its producers wrote
+    this call, so it raises its word in theirs, ``F_NODE[i]`` at the other ranks of its node (a release
+    atomic) and ``F_NET[b]`` at rank ``i`` of every other node (NVSHMEM), then counts the call."""
+    b = me // N
+    i = me % N
+    for j in range(N):
+        if j != i:
+            signal(_sig(ptr_table, b * N + j, ctr_off, F_NODE + i), 1)
+    for a in range(P):
+        if a != b:
+            nv.signal_add(ptr_table, me, a * N + i, ctr_off + (F_NET + b) * 8, 1, SIM)
+    nv.quiet(SIM)
+    tl.store(cnt_ptr, count + 1)
+
+
+@triton.jit
 def _unpack(orow, got, inb, xs, ss, ids, ws, tok, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, XW, G, K, NSRC, lo,
             LX, BLOCK: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr):
     """Output rows ``orow`` (``[RB]``) from a message's fields at ``xs, ss, ids, ws`` (``[RB]`` int32 row
@@ -565,13 +582,4 @@ def _hd_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, pc, C
                     ptr_table, ctr_off, ctr32, CM, D_NV, base_ptr, err_ptr, timeout_ns, BLOCK, RB, K_POW2, G_POW2,
                     HAS_TIMER)
     if ticket_last_n(ticket_ptr, tl.num_programs(0)):  # every program has read its slots: free them
-        b = me // N
-        i = me % N
-        for i2 in range(N):  # (as a receiver) the relays of this node
-            if i2 != i:
-                signal(_sig(ptr_table, b * N + i2, ctr_off, F_NV + i), 1)
-        for a2 in range(P):  # (as a relay) the senders of the other nodes
-            if a2 != b:
-                nv.signal_add(ptr_table, me, a2 * N + i, ctr_off + (F_RD + b) * 8, 1, SIM)
-        nv.quiet(SIM)
-        tl.store(cnt_ptr, dc + 1)
+        _free(ptr_table, me, N, P, ctr_off, F_NV, F_RD, cnt_ptr, dc, SIM)

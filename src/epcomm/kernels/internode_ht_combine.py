@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from . import nvshmem as nv
-from .common import signal, ticket_last_n
-from .internode_ht import _copy_rows, _sig, _wait
+from .common import ticket_last_n
+from .internode_ht import _copy_rows, _free, _wait
 
 
 @triton.jit
@@ -328,13 +328,4 @@ def _hc_kernel(x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc, C, rp
                   pc, me, N, P, R, C, rpm_ptr, ptr_table, (me8 + area + fin_rel).to(tl.pointer_type(tl.int32)), TM,
                   ctr_off, ctr32, CM, C_FN, base_ptr, err_ptr, timeout_ns, BLOCK, RB, K_POW2, HAS_W, NB, HAS_TIMER)
     if ticket_last_n(ticket_ptr, tl.num_programs(0)):  # every program has read its slots: free them
-        b = me // N
-        i = me % N
-        for j2 in range(N):  # (as a relay) the senders of this node
-            if j2 != i:
-                signal(_sig(ptr_table, b * N + j2, ctr_off, F_CS + i), 1)
-        for b2 in range(P):  # (as a final) the relays of the other nodes
-            if b2 != b:
-                nv.signal_add(ptr_table, me, b2 * N + i, ctr_off + (F_FN + b) * 8, 1, SIM)
-        nv.quiet(SIM)
-        tl.store(cnt_ptr, cc + 1)
+        _free(ptr_table, me, N, P, ctr_off, F_CS, F_FN, cnt_ptr, cc, SIM)  # (relay of its node; final)
