@@ -500,6 +500,24 @@ def _hd_forward(g, GF, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K,
 
 
 @triton.jit
+def _node_unit(u, C, N, j, R, rpm_ptr, rcp_ptr):
+    """Unit ``u`` of the ``P * (N-1) * C`` (source, channel) pairs of rank ``(b, j)`` whose relay is another rank
+    of its node: ``(a, i, c, k, first, q_lo, q_hi)``: source ``(a, i)``, channel ``c``, the source's slot
+    ``k`` among those, the source's first row here (``rpm`` column ``me``, stride ``R``), and the channel's
+    rows ``[q_lo, q_hi)`` of its block (``rcp``: the handle's receive channel prefix ``[R, C]``)."""
+    c = u % C
+    k = u // C
+    i = k % (N - 1)
+    a = k // (N - 1)
+    i = i + (i >= j).to(tl.int32)
+    s = a * N + i
+    first = tl.load(rpm_ptr + (s - 1) * R, mask=s > 0, other=0)
+    q_lo = tl.load(rcp_ptr + s * C + c) - first
+    q_hi = tl.load(rcp_ptr + s * C + c + 1, mask=c + 1 < C, other=tl.load(rpm_ptr + s * R)) - first
+    return a, i, c, k, first, q_lo, q_hi
+
+
+@triton.jit
 def _hd_receive(g, GV, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr,
                 rows, lo, LX, nvl, TM, ptr_table, ctr_off, ctr32, CM, D_NV, base_ptr, err_ptr, timeout_ns,
                 BLOCK: tl.constexpr, RB: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr,
@@ -511,15 +529,8 @@ def _hd_receive(g, GV, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr,
     W = XW + G + 3 * K + NSRC
     uu = tl.arange(0, RB)
     for u in range(g, P * (N - 1) * C, GV):
-        c = u % C
-        k = u // C  # the source's slot: node a, relay i (its index among the node's ranks but this one)
-        i = k % (N - 1)
-        a = k // (N - 1)
-        i = i + (i >= j).to(tl.int32)
+        a, i, c, k, first, q_lo, q_hi = _node_unit(u, C, N, j, R, rpm_ptr, rcp_ptr)
         s = a * N + i
-        first = tl.load(rpm_ptr + (s - 1) * R, mask=s > 0, other=0)
-        q_lo = tl.load(rcp_ptr + s * C + c) - first
-        q_hi = tl.load(rcp_ptr + s * C + c + 1, mask=c + 1 < C, other=tl.load(rpm_ptr + s * R)) - first
         nidx = D_NV + s * CM + c
         base = tl.load(base_ptr + nidx)
         slot = nvl + k.to(tl.int64) * TM * W

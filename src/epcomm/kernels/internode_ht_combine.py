@@ -38,7 +38,7 @@ import triton.language as tl
 
 from . import nvshmem as nv
 from .common import ticket_last_n
-from .internode_ht import _copy_rows, _free, _wait
+from .internode_ht import _copy_rows, _free, _node_unit, _wait
 
 
 @triton.jit
@@ -55,15 +55,7 @@ def _hc_send(g, GC, x_ptr, w_ptr, rows, HW, K, me, N, P, R, C, rpm_ptr, rcp_ptr,
                 _wait(ptr_table, me, ctr_off, F_CS + i2, cc - 1, err_ptr, 4, b * N + i2, timeout_ns, HAS_TIMER)
     uu = tl.arange(0, RB)
     for u in range(g, P * (N - 1) * C, GC):
-        c = u % C
-        k = u // C  # the source's slot: node a, relay i (its index among the node's ranks but this one)
-        i = k % (N - 1)
-        a = k // (N - 1)
-        i = i + (i >= j).to(tl.int32)
-        s = a * N + i
-        first = tl.load(rpm_ptr + (s - 1) * R, mask=s > 0, other=0)
-        q_lo = tl.load(rcp_ptr + s * C + c) - first
-        q_hi = tl.load(rcp_ptr + s * C + c + 1, mask=c + 1 < C, other=tl.load(rpm_ptr + s * R)) - first
+        a, i, c, _, first, q_lo, q_hi = _node_unit(u, C, N, j, R, rpm_ptr, rcp_ptr)
         relay = b * N + i
         slot = a * (N - 1) + j - (j > i).to(tl.int32)
         peer8 = tl.load(ptr_table + relay).to(tl.pointer_type(tl.uint8))
