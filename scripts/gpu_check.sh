@@ -25,7 +25,8 @@
 #   bench-nvshmem [WORLD]  epcomm bench --backend internode, then --backend nvlink, WORLD ranks (2 or 4)
 #                   on one GPU under the same private MPS daemon (virtual nodes: of one GPU at 2, of two at 4):
 #                   ht-dsv3 and ll-dsv3-288, 24 SMs, 12 iterations; JSONL in $OUT/bench-mps-<backend>.jsonl
-#                   (bench-mps4-<backend>.jsonl at 4) (~5 min at 2); BENCH_BACKENDS and BENCH_CASES narrow it
+#                   (bench-mps4-<backend>.jsonl at 4) (~5 min at 2); BENCH_BACKENDS and BENCH_CASES narrow it,
+#                   BENCH_ARGS adds to it (e.g. an --ab run), BENCH_TIMEOUT caps each bench (default 270 s)
 #   ab BASE_DIR     epcomm bench --ab: the tree in BASE_DIR (a directory with src/epcomm, shipped with the working
 #                   tree: e.g. `mkdir -p ab-base && git archive <sha> src | tar -x -C ab-base` before the call,
 #                   untracked, not ignored) against this tree, alternated run by run for AB_ROUNDS rounds (default
@@ -91,7 +92,7 @@ fi
 if [[ "$mode" == bench-nvshmem ]]; then
   tag=mps; [[ "$world" == 4 ]] && tag=mps4
   for b in ${BENCH_BACKENDS:-internode nvlink}; do
-    EPCOMM_GPUS_PER_NODE=$((world / 2)) timeout 270 "${bench[@]}" --world-size $world --backend $b --cases ${BENCH_CASES:-ht-dsv3,ll-dsv3-288} --num-sms 24 \
+    EPCOMM_GPUS_PER_NODE=$((world / 2)) timeout ${BENCH_TIMEOUT:-270} "${bench[@]}" --world-size $world --backend $b --cases ${BENCH_CASES:-ht-dsv3,ll-dsv3-288} --num-sms 24 \
       --iters 12 ${BENCH_ARGS:-} --out "$OUT/bench-$tag-$b.jsonl" 2>&1 | tee "$OUT/bench-$tag-$b.log" \
       | tail -25 || rc=1
   done

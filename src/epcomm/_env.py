@@ -20,7 +20,7 @@ VARIABLES = {
     "EPCOMM_AS_DEEP_EP": "1: every Python process that imports deep_ep (Megatron-Core, vLLM, SGLang, ...) "
                          "gets epcomm, even where a real DeepEP is installed (a .pth hook installed with "
                          "epcomm; docs/clients.md); 0 or unset: nothing named deep_ep is provided",
-    "EPCOMM_TUNE": "launch parameters, e.g. push_rb=16,ce_flag=copy,ll.fused_dispatch=1,iht.gather_warps=8 (keys "
+    "EPCOMM_TUNE": "launch parameters, e.g. push_rb=16,ce_flag=copy,ll.fused_dispatch=1,iht.dispatch_warps=8 (keys "
                    "and defaults: TUNE in backends/nvlink_params.py; ll. keys: backends/nvlink_ll.py; iht. and "
                    "ill. keys, the internode backend's: backends/internode_ht.py and internode_ll.py; for "
                    "measuring variants with epcomm bench)",

@@ -90,3 +90,19 @@ def test_sms_column_says_what_the_kernels_take(monkeypatch):
     # the reference and the peer move bytes through the group's transport: gloo when ranks share a GPU
     assert runner._sms("reference", gpu, "ht", "nccl") == "nccl" and runner._sms("reference", cpu, "ht") == "gloo"
     assert runner._sms("gloo-a2a", gpu, "ll", "gloo") == "gloo"
+
+
+def test_internode_buffer_fits_the_runs_nodes(monkeypatch):
+    """The bench sizes an internode Buffer for the run's ranks per node: at 4 ranks in nodes of 2 the
+    hierarchical areas are larger than in nodes of 1, and the Buffer would refuse the call otherwise."""
+    from epcomm.backends.internode_ht import high_throughput_bytes
+    from epcomm.bench import runner
+    from epcomm.bench.cases import resolve_cases
+
+    cases = [c for c in resolve_cases(["ht-dsv3"], world_size=4) if c.mode == "ht"]
+    need = {n: max(high_throughput_bytes(c.tokens, c.hidden, c.topk, 4, n) for c in cases) for n in (1, 2, 4)}
+    assert need[2] > need[1]
+    monkeypatch.setenv("EPCOMM_GPUS_PER_NODE", "2")
+    assert runner._buffer_kwargs("ht", cases, 4, "internode")["num_nvl_bytes"] >= need[2]
+    monkeypatch.delenv("EPCOMM_GPUS_PER_NODE")
+    assert runner._buffer_kwargs("ht", cases, 4, "internode")["num_nvl_bytes"] >= max(need.values())

@@ -94,12 +94,20 @@ def ht_nvl_bytes(case: BenchCase, num_ranks: int) -> int:
     return (max(hint, staging) + (1 << 20) - 1) // (1 << 20) * (1 << 20)
 
 
+def _node_sizes(num_ranks: int) -> list[int]:
+    """The ranks per node the internode backend may form: ``EPCOMM_GPUS_PER_NODE`` where set, else every
+    divisor of ``num_ranks`` up to 8 (a node is a host, unknown before the Buffer is made)."""
+    n = _env.gpus_per_node()
+    return [n] if n else [d for d in range(1, min(num_ranks, 8) + 1) if num_ranks % d == 0]
+
+
 def _buffer_kwargs(mode: str, cases: list[BenchCase], num_ranks: int, backend: str = "auto") -> dict:
     if mode == "ht":
         nvl = max(ht_nvl_bytes(c, num_ranks) for c in cases)
-        if backend == "internode":  # the hierarchical path's areas (nodes of one rank: the most it needs)
+        if backend == "internode":  # the hierarchical path's areas, for the run's ranks per node
             from ..backends.internode_ht import high_throughput_bytes
-            nvl = max([nvl] + [high_throughput_bytes(c.tokens, c.hidden, c.topk, num_ranks, 1) for c in cases])
+            nvl = max([nvl] + [high_throughput_bytes(c.tokens, c.hidden, c.topk, num_ranks, n)
+                               for c in cases for n in _node_sizes(num_ranks)])
         return {"num_nvl_bytes": nvl}
     rdma = max(Buffer.get_low_latency_rdma_size_hint(c.tokens, c.hidden, num_ranks, c.experts) for c in cases)
     return {"num_rdma_bytes": rdma, "low_latency_mode": True}
