@@ -15,7 +15,7 @@ import torch
 
 from .. import elastic_layout as EL
 from ..kernels.launch import Direct, Launcher
-from .nvlink_params import _aligned, _pow2
+from .nvlink_params import _aligned, _contiguous, _pow2
 
 BN = 128    # rows (or tokens) a program of the metadata kernels
 RB = 64     # ranks a step of the metadata kernels
@@ -57,7 +57,7 @@ class Kernels:
         dev = recv_local.device
         rpm, recv_src_idx, recv_local = rpm.contiguous(), recv_src_idx.contiguous(), recv_local.contiguous()
         send_head, topk_idx = send_head.contiguous(), topk_idx.contiguous()
-        stats = cum if cum is None or cum.is_contiguous() else cum.contiguous()
+        stats = _contiguous(cum)
         small = torch.zeros(2 * le + r_, dtype=torch.int32, device=dev)
         counts, psum, psum_rank = small.split((le, le, r_))
         gid = torch.empty(n, dtype=torch.int64, device=dev)

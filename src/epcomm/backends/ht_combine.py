@@ -20,7 +20,8 @@ import torch
 
 from ..kernels.launch import Direct
 from ..layout import DispatchHandle
-from .nvlink_params import CRECV, CSEND, NC, T_CPUSH, T_REDUCE, TIMER, TUNE, _aligned, _pow2, reduce_stages
+from .nvlink_params import (CRECV, CSEND, NC, T_CPUSH, T_REDUCE, TIMER, TUNE, _aligned, _contiguous, _pow2,
+                            reduce_stages)
 
 _MAX_PLANS = 4096  # the token count is part of a kind: bounded, whatever the callers vary
 
@@ -102,9 +103,8 @@ class HTCombine:
 
     def combine(self, x, handle: DispatchHandle, topk_weights, bias, config=None):
         self._check_error()
-        x = x if x.is_contiguous() else x.contiguous()
-        w = topk_weights if topk_weights is None or topk_weights.is_contiguous() else topk_weights.contiguous()
-        bias = tuple(b if b.is_contiguous() else b.contiguous() for b in bias)
+        x, w = _contiguous(x), _contiguous(topk_weights)
+        bias = tuple(_contiguous(b) for b in bias)
         rpm, sh = handle.rank_prefix_matrix, handle.send_head
         if not (rpm.is_contiguous() and sh.is_contiguous()):
             host_col = getattr(rpm, "_epcomm_host_col", None)

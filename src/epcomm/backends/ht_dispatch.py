@@ -41,6 +41,7 @@ from .nvlink_params import (
     TIMER,
     TUNE,
     _aligned,
+    _contiguous,
     _host_counts,
     _pow2,
     layout_launch,
@@ -57,11 +58,6 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 def _bools(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int8)
-
-
-def _contiguous(t):
-    """``t`` itself where it is contiguous (or None), else a contiguous copy."""
-    return t if t is None or t.is_contiguous() else t.contiguous()
 
 
 # the tensors of DispatchArgs, in the order a dispatch plan's run takes them
@@ -281,7 +277,7 @@ class HTDispatch:
         """``layout.dispatch_layout`` in one launch (``kernels/ht_layout.py``), bit for bit: ``topk_idx
         int64[T, K]`` -> ``(num_tokens_per_rank int32[R], num_tokens_per_expert int32[E], is_token_in_rank
         bool[T, R])``."""
-        topk = topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous()
+        topk = _contiguous(topk_idx)
         t, k = topk.shape
         run = self._plans.get(("l", k, num_experts))
         if run is None:

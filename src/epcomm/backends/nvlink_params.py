@@ -161,3 +161,9 @@ def torch_to_tl(dtype: torch.dtype):
 
         _TL.update({torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8})
     return _TL[dtype]
+
+
+def _contiguous(t):
+    """``t`` itself where it is contiguous (or None), else a contiguous copy (no torch call for the
+    common case: each counts in the host budget)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
