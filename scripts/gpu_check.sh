@@ -33,6 +33,7 @@
 #                   3); BENCH_ARGS picks the cases (default --cases ll-dsv3 --tokens 1,128); AB_BASE_COMMIT names
 #                   the base tree's commit. Rows in $OUT/ab.jsonl, runs and logs in $OUT/ab-runs/, summary printed
 #                   and in $OUT/ab-summary.jsonl
+# EPCOMM_MPS_RUNNING=1: an MPS daemon is already up (CUDA_MPS_PIPE_DIRECTORY set): use it, neither start nor stop one.
 # Provenance: the GPU machine's copy of the tree has no .git, so every bench row would say git_sha
 # "unknown". The caller passes the commit of the tree it ships, expanded on ITS machine (the command
 # string must carry the literal sha; $(git ...) would run on the GPU machine and fail):
@@ -83,10 +84,12 @@ if [[ "$mode" == shared-nvshmem || "$mode" == bench-nvshmem ]]; then
   world="${2:-2}"
   [[ "$world" == 2 || "$world" == 4 ]] || { echo "$mode takes WORLD 2 or 4, got $world"; exit 2; }
   export EPCOMM_TEST_SHARE_GPU=1 EPCOMM_TEST_WORLD=$world CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / world))
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/epcomm-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/epcomm-mps/log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d || { echo "could not start an MPS daemon"; exit 1; }
-  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  if [[ "${EPCOMM_MPS_RUNNING:-}" != 1 ]]; then  # scripts/gpu_lanes.sh starts one daemon for every lane
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/epcomm-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/epcomm-mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || { echo "could not start an MPS daemon"; exit 1; }
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  fi
 fi
 
 if [[ "$mode" == bench-nvshmem ]]; then

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Several GPU jobs in one device call, one GPU each ("lanes"), at once.
+# Usage: bash scripts/gpu_lanes.sh LANES_FILE [CAP_S]
+#   LANES_FILE: one lane per line (blank lines and '#' lines skipped), a bash command run from the
+#   repository root with CUDA_VISIBLE_DEVICES=<its line's index> and OUT=<its own folder>. A line that
+#   starts with 'mps:' runs under the one private MPS daemon this script starts for every GPU (its own
+#   pipe directory; gpu_check.sh's MPS modes then use it: EPCOMM_MPS_RUNNING=1), others run without MPS.
+#   CAP_S (default 560): every lane still running then is killed.
+#   Each lane's output is in <its folder>/lane.log; all of them come back as ONE file, $OUT/lanes.tgz
+#   (the device tool returns at most 8 files), and each lane's last lines are printed at the end.
+# Timing: lanes share the host's CPUs, not their GPUs. Compare timings only within one lane.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+file="${1:?usage: bash scripts/gpu_lanes.sh LANES_FILE [CAP_S]}"; cap="${2:-560}"
+OUT="${OUT:-/tmp/epcomm-out}"; mkdir -p "$OUT"
+work=/tmp/epcomm-lanes; rm -rf "$work"; mkdir -p "$work"
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+mapfile -t lanes < <(grep -v '^[[:space:]]*\(#\|$\)' "$file")
+((${#lanes[@]} <= gpus)) || { echo "${#lanes[@]} lanes for $gpus GPU(s)"; exit 2; }
+mps_dir=/tmp/epcomm-lanes-mps
+if grep -q '^mps:' "$file"; then
+  mkdir -p $mps_dir/pipe $mps_dir/log
+  CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log nvidia-cuda-mps-control -d \
+    || { echo "could not start an MPS daemon"; exit 1; }
+  trap "echo quit | CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe nvidia-cuda-mps-control" EXIT
+fi
+pids=()
+for i in "${!lanes[@]}"; do
+  line="${lanes[$i]}"; dir="$work/lane$i"; mkdir -p "$dir"
+  if [[ "$line" == mps:* ]]; then
+    line="${line#mps:}"
+    pre="export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log EPCOMM_MPS_RUNNING=1;"
+  else
+    pre=""
+  fi
+  echo "lane $i (GPU $i): $line" | tee "$dir/lane.log"
+  # its own session, so that the cap can kill the lane's whole tree (pytest, ranks, benches)
+  CUDA_VISIBLE_DEVICES=$i OUT="$dir" MASTER_PORT=$((8361 + 17 * i)) setsid bash -c "$pre $line" \
+    >>"$dir/lane.log" 2>&1 &
+  pids+=($!)
+done
+start=$SECONDS
+for i in "${!pids[@]}"; do
+  left=$((cap - (SECONDS - start))); ((left < 1)) && left=1
+  if ! timeout "$left" tail --pid="${pids[$i]}" -f /dev/null; then
+    echo "lane $i: killed at the ${cap} s cap" | tee -a "$work/lane$i/lane.log"
+    kill -KILL -- "-${pids[$i]}" 2>/dev/null
+  fi
+  wait "${pids[$i]}"; echo "lane $i: exit $?" | tee -a "$work/lane$i/lane.log"
+done
+for i in "${!lanes[@]}"; do echo "=== lane $i"; tail -n "${TAIL_LINES:-25}" "$work/lane$i/lane.log"; done
+tar -czf "$OUT/lanes.tgz" -C "$work" . && ls -l "$OUT/lanes.tgz"
