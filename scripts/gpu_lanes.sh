@@ -2,9 +2,11 @@
 # Several GPU jobs in one device call, one GPU each ("lanes"), at once.
 # Usage: bash scripts/gpu_lanes.sh LANES_FILE [CAP_S]
 #   LANES_FILE: one lane per line (blank lines and '#' lines skipped), a bash command run from the
-#   repository root with CUDA_VISIBLE_DEVICES=<its line's index> and OUT=<its own folder>. A line that
-#   starts with 'mps:' runs under the one private MPS daemon this script starts for every GPU (its own
-#   pipe directory; gpu_check.sh's MPS modes then use it: EPCOMM_MPS_RUNNING=1), others run without MPS.
+#   repository root on GPU <its line's index> (CUDA_VISIBLE_DEVICES) with OUT=<its own folder>. A line that
+#   starts with 'mps:' runs under a private MPS daemon of its own GPU (its own pipe directory; the daemon
+#   sees that GPU alone and the lane's processes see it as device 0; gpu_check.sh's MPS modes then use it:
+#   EPCOMM_MPS_RUNNING=1), others run without MPS. One daemon a lane: a client that faults or is killed
+#   mid-kernel can stop its MPS server for every client, so lanes sharing one server break each other.
 #   CAP_S (default 560): every lane still running then is killed.
 #   Each lane's output is in <its folder>/lane.log; all of them come back as ONE file, $OUT/lanes.tgz
 #   (the device tool returns at most 8 files), and each lane's last lines are printed at the end.
@@ -17,25 +19,27 @@ work=/tmp/epcomm-lanes; rm -rf "$work"; mkdir -p "$work"
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 mapfile -t lanes < <(grep -v '^[[:space:]]*\(#\|$\)' "$file")
 ((${#lanes[@]} <= gpus)) || { echo "${#lanes[@]} lanes for $gpus GPU(s)"; exit 2; }
-mps_dir=/tmp/epcomm-lanes-mps
-if grep -q '^mps:' "$file"; then
-  mkdir -p $mps_dir/pipe $mps_dir/log
-  CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log nvidia-cuda-mps-control -d \
-    || { echo "could not start an MPS daemon"; exit 1; }
-  trap "echo quit | CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe nvidia-cuda-mps-control" EXIT
-fi
+mps_dirs=()
+stop_mps() { for d in "${mps_dirs[@]}"; do echo quit | CUDA_MPS_PIPE_DIRECTORY=$d/pipe nvidia-cuda-mps-control; done; }
+trap stop_mps EXIT
 pids=()
 for i in "${!lanes[@]}"; do
   line="${lanes[$i]}"; dir="$work/lane$i"; mkdir -p "$dir"
+  devs=$i
   if [[ "$line" == mps:* ]]; then
     line="${line#mps:}"
-    pre="export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log EPCOMM_MPS_RUNNING=1;"
+    d=/tmp/epcomm-lanes-mps/$i; mkdir -p $d/pipe $d/log
+    CUDA_VISIBLE_DEVICES=$i CUDA_MPS_PIPE_DIRECTORY=$d/pipe CUDA_MPS_LOG_DIRECTORY=$d/log nvidia-cuda-mps-control -d \
+      || { echo "lane $i: could not start an MPS daemon"; exit 1; }
+    mps_dirs+=("$d")
+    # the daemon sees GPU i alone and remaps it: its clients must not set CUDA_VISIBLE_DEVICES
+    pre="unset CUDA_VISIBLE_DEVICES; export CUDA_MPS_PIPE_DIRECTORY=$d/pipe CUDA_MPS_LOG_DIRECTORY=$d/log EPCOMM_MPS_RUNNING=1;"
   else
     pre=""
   fi
   echo "lane $i (GPU $i): $line" | tee "$dir/lane.log"
   # its own session, so that the cap can kill the lane's whole tree (pytest, ranks, benches)
-  CUDA_VISIBLE_DEVICES=$i OUT="$dir" MASTER_PORT=$((8361 + 17 * i)) setsid bash -c "$pre $line" \
+  CUDA_VISIBLE_DEVICES=$devs OUT="$dir" MASTER_PORT=$((8361 + 17 * i)) setsid bash -c "$pre $line" \
     >>"$dir/lane.log" 2>&1 &
   pids+=($!)
 done

@@ -92,7 +92,7 @@ def _rank_graph(ctx):
         torch.cuda.synchronize()
         for i, (a, b) in enumerate(zip(static, eager)):
             assert torch.equal(a, b), f"replay output {i} differs from the eager call"
-        nx, _, nidx, nw = (t.to(dev) for t in C.inputs(_case(ctx.world_size, seed), ctx.rank))
+        nx, _, nidx, nw = (t if t is None else t.to(dev) for t in C.inputs(_case(ctx.world_size, seed), ctx.rank))
         x.copy_(nx)  # a new batch in the captured tensors (same token count)
         idx.copy_(nidx)
         w.copy_(nw)

@@ -48,7 +48,7 @@ def test_nvlink_low_latency_small():
 
 
 def test_nvlink_low_latency_dsv3():
-    _moved(parallel_launch(WORLD, _rank_main, 128, 7168, 288, 100, backend="nccl", timeout_s=150), 2)
+    _moved(parallel_launch(WORLD, _rank_main, 128, 7168, 288, 100, backend="nccl", timeout_s=300), 2)
 
 
 def _rank_shrink(ctx):

@@ -114,9 +114,9 @@ def test_one_rank_moves_nothing_over_a_link():
 def test_link_counting_follows_the_backend_and_how_it_moved_bytes():
     lc = accounting.link_counting
     assert lc("nvlink", "ll") == lc("internode", "ll") == "ll-rank-messages"
-    assert lc("nvlink", "ht") == "ht-whole-batch"                  # eager: the copy engine
-    assert lc("nvlink", "ht", graph=True) == "ht-rank-rows"        # captured: SM push
-    assert lc("nvlink", "ht", ht_transfer="sm") == "ht-rank-rows"
+    assert lc("nvlink", "ht") == "ht-rank-rows"                    # the default: SM push, eager too
+    assert lc("nvlink", "ht", ht_transfer="ce") == "ht-whole-batch"  # eager with the copy engine
+    assert lc("nvlink", "ht", graph=True, ht_transfer="ce") == "ht-rank-rows"  # captured: SM push
     assert lc("nvlink", "ht", graph=True, ht_transfer="ce-always") == "ht-whole-batch"
     assert lc("reference", "ht") == "ht-reference-rows" and lc("reference", "ll") == "ll-reference-rows"
     assert lc("gloo-a2a", "ll") == lc("nccl-a2a", "ht") == "per-selection"

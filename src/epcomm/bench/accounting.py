@@ -51,9 +51,9 @@ COUNTINGS = {
                          "dispatch), BF16 rows back per selection on combine",
     "per-selection": "torch.distributed all-to-all (the peer baseline): one row per (token, expert) "
                      "selection both ways",
-    "ht-whole-batch": "nvlink HT through the copy engine (eager calls): the whole batch (rows, scales, "
+    "ht-whole-batch": "nvlink HT through the copy engine (eager calls with EPCOMM_HT_TRANSFER=ce): the whole batch (rows, scales, "
                       "top-k ids and weights) to every other rank; combine: each received row back once",
-    "ht-rank-rows": "nvlink HT through SM pushes (graph replays, EPCOMM_HT_TRANSFER=sm): each row (with "
+    "ht-rank-rows": "nvlink HT through SM pushes (the default, and every graph replay): each row (with "
                     "scales, top-k ids and weights) once per destination rank; combine: each received "
                     "row back once",
     "ht-reference-rows": "reference HT: each packed row (x, scales, top-k ids and weights, a 4 B token "
@@ -119,7 +119,7 @@ def logical_bytes(mode: str, op: str, dtype: str, rt: Routing, me: int, hidden: 
     return selections * row_bytes(hidden, "bf16")
 
 
-def link_counting(backend: str, mode: str, *, graph: bool = False, ht_transfer: str = "ce") -> str | None:
+def link_counting(backend: str, mode: str, *, graph: bool = False, ht_transfer: str = "sm") -> str | None:
     """The :data:`COUNTINGS` rule for a row of ``backend`` (``"nccl-a2a"``/``"gloo-a2a"``: the peer),
     or ``None`` where no rule is written down (the internode backend's high-throughput path).
     ``graph``: timed as CUDA-graph replays; ``ht_transfer``: ``EPCOMM_HT_TRANSFER`` (ce, sm, ce-always)."""
