@@ -4,7 +4,7 @@
 #   LANES_FILE: one lane per line (blank lines and '#' lines skipped), a bash command run from the
 #   repository root on GPU <its line's index> (CUDA_VISIBLE_DEVICES) with OUT=<its own folder>. A line that
 #   starts with 'mps:' runs under a private MPS daemon of its own GPU (its own pipe directory; the daemon
-#   sees that GPU alone and the lane's processes see it as device 0; gpu_check.sh's MPS modes then use it:
+#   sees that GPU alone and the lane's processes see it as device 0, CUDA_VISIBLE_DEVICES=0; gpu_check.sh's MPS modes then use it:
 #   EPCOMM_MPS_RUNNING=1), others run without MPS. One daemon a lane: a client that faults or is killed
 #   mid-kernel can stop its MPS server for every client, so lanes sharing one server break each other.
 #   CAP_S (default 560): every lane still running then is killed.
@@ -32,8 +32,10 @@ for i in "${!lanes[@]}"; do
     CUDA_VISIBLE_DEVICES=$i CUDA_MPS_PIPE_DIRECTORY=$d/pipe CUDA_MPS_LOG_DIRECTORY=$d/log nvidia-cuda-mps-control -d \
       || { echo "lane $i: could not start an MPS daemon"; exit 1; }
     mps_dirs+=("$d")
-    # the daemon sees GPU i alone and remaps it: its clients must not set CUDA_VISIBLE_DEVICES
-    pre="unset CUDA_VISIBLE_DEVICES; export CUDA_MPS_PIPE_DIRECTORY=$d/pipe CUDA_MPS_LOG_DIRECTORY=$d/log EPCOMM_MPS_RUNNING=1;"
+    # the daemon sees GPU i alone and remaps it to device 0; its clients say 0 too (unset, torch counts
+    # every GPU through NVML and asserts on the device the runtime does not have)
+    devs=0
+    pre="export CUDA_MPS_PIPE_DIRECTORY=$d/pipe CUDA_MPS_LOG_DIRECTORY=$d/log EPCOMM_MPS_RUNNING=1;"
   else
     pre=""
   fi
