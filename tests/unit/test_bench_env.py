@@ -123,13 +123,18 @@ def test_commit_variables_are_checked(monkeypatch):
 
 
 @needs_git
-def test_a_checkout_wins_over_a_commit_variable(tmp_path, monkeypatch):
+def test_a_commit_variable_wins_over_a_checkout(tmp_path, monkeypatch):
+    """The device machines ship the session's first .git beside the current tree: there the checkout's HEAD
+    (clean or not) is a commit that did not run, and the run script's variable is the one that did."""
     root = tmp_path / "checkout"
     head = _repo(root, {"src/epcomm/__init__.py": ""})
     monkeypatch.setattr(report, "_package_dir", lambda: root / "src" / "epcomm")
-    monkeypatch.setenv("EPCOMM_COMMIT", "7796da0")  # describes some other tree
+    monkeypatch.delenv("EPCOMM_COMMIT", raising=False)
+    monkeypatch.delenv("EPCOMM_COMMIT_DIRTY", raising=False)
+    assert report.commit_record() == (head, False, "git")  # no variable: the checkout
+    monkeypatch.setenv("EPCOMM_COMMIT", "7796da0")  # the tree that was shipped, newer than the checkout
     monkeypatch.setenv("EPCOMM_COMMIT_DIRTY", "1")
-    assert report.commit_record() == (head, False, "git")
+    assert report.commit_record() == ("7796da0", True, "EPCOMM_COMMIT")
 
 
 def test_every_epcomm_variable_that_is_set_is_recorded(monkeypatch):

@@ -125,12 +125,13 @@ def source_commit() -> tuple[str | None, bool | None]:
 def commit_record() -> tuple[str | None, bool | None, str | None]:
     """``(sha, dirty, where from)`` of epcomm's own source.
 
-    1. ``"git"``: the git checkout that holds the imported package (``dirty``: the package's files differ
+    1. ``"EPCOMM_COMMIT"``: the commit the run script set for the tree it shipped (a GPU machine's copy),
+       ``dirty`` from ``EPCOMM_COMMIT_DIRTY`` (None when unset). It wins over a checkout around the package:
+       the device machines' copies carry the ``.git`` of the session's start beside a newer working tree,
+       so there the checkout's HEAD names a commit that did not run (a disagreement is logged).
+    2. ``"git"``: the git checkout that holds the imported package (``dirty``: the package's files differ
        from that commit, untracked modules included). A checkout counts only if it tracks
        ``epcomm/__init__.py``: a site-packages inside some other repository is not epcomm's.
-    2. ``"EPCOMM_COMMIT"``: a copy without ``.git`` (a GPU machine's): the commit its run script set
-       from the tree it shipped, ``dirty`` from ``EPCOMM_COMMIT_DIRTY`` (None when unset). A checkout
-       whose HEAD differs from the variable wins, logged: the variable described another tree.
     3. ``"pip"``: the install record of a ``pip install git+...``, ``dirty`` None.
     4. ``(None, None, None)``: unknown (rows say ``"unknown"``, never a guess).
     """
@@ -138,10 +139,11 @@ def commit_record() -> tuple[str | None, bool | None, str | None]:
     pkg = str(_package_dir())
     if _run(["git", "-C", pkg, "ls-files", "--error-unmatch", "__init__.py"]) is not None:
         sha = _run(["git", "-C", pkg, "rev-parse", "HEAD"])
-        if sha:
-            if var_sha and not sha.startswith(var_sha):
+        if sha and var_sha:
+            if not sha.startswith(var_sha):
                 log.warning("EPCOMM_COMMIT=%s, but epcomm is imported from a checkout at %s: recording the "
-                            "checkout's commit", var_sha, sha)
+                            "variable's commit", var_sha, sha)
+        elif sha:
             status = _run(["git", "-C", pkg, "status", "--porcelain", "--", "."])
             return sha, (bool(status) if status is not None else None), "git"
     if var_sha:
