@@ -114,6 +114,17 @@ def _partial(acc_rows, relp, ok, i, N, own_rows, own_w, own_ok, rel, a, TM, CW, 
 
 
 @triton.jit
+def _base_add(ptr, n):
+    """This call's target of a counter whose private base is ``*ptr``: the base grows by ``n`` (a tile's rows),
+    and the new base is the target, the same in every thread. One atomic (one thread does it; Triton
+    broadcasts its result): a plain load of the base by every thread and a store by one (Triton stores a
+    scalar from thread 0 only) let a warp that loaded after thread 0's store see the next base, wait for
+    a target too high, and part from the other warps around the wait's barriers (the final of a combine
+    with weights hung so on an H100)."""
+    return tl.atomic_add(ptr, n, sem="relaxed", scope="cta") + n
+
+
+@triton.jit
 def _node_rows(relp, ok, i, N, a, c, CM, C_CS, base_ptr, ctr32, ptr_table, me, ctr_off, b, err_ptr, timeout_ns,
                HAS_TIMER: tl.constexpr):
     """Wait until every other rank ``j`` of node ``b`` has sent its rows of a tile (``relp``: ``[RB]``
@@ -122,9 +133,8 @@ def _node_rows(relp, ok, i, N, a, c, CM, C_CS, base_ptr, ctr32, ptr_table, me, c
     for j in range(N):
         if j != i:
             k = C_CS + (a * N + j) * CM + c
-            target = tl.load(base_ptr + k) + tl.sum(((tl.load(relp + j, mask=ok, other=-1) >= 0) & ok).to(tl.int32),
-                                                    0)
-            tl.store(base_ptr + k, target)
+            target = _base_add(base_ptr + k, tl.sum(((tl.load(relp + j, mask=ok, other=-1) >= 0) & ok).to(tl.int32),
+                                                    0))
             if tl.atomic_add(ctr32 + 2 * k, 0, sem="acquire", scope="sys") - target < 0:
                 _wait(ptr_table, me, ctr_off, k, target, err_ptr, 5, b * N + j, timeout_ns, HAS_TIMER)
     tl.debug_barrier()
@@ -239,9 +249,8 @@ def _hc_final(g, GF, x_ptr, w_ptr, rows, out_ptr, wout_ptr, b0_ptr, b1_ptr, H, K
             for b in range(P):  # each node's partials of this tile: C_FN[b][c] counts them (base: so far)
                 if (b != a) | (N > 1):
                     k = C_FN + b * CM + c
-                    target = tl.load(base_ptr + k) + tl.sum((tl.load(npos + b, mask=ok, other=-1) >= 0).to(tl.int32),
-                                                            0)
-                    tl.store(base_ptr + k, target)
+                    target = _base_add(base_ptr + k, tl.sum((tl.load(npos + b, mask=ok, other=-1) >= 0).to(tl.int32),
+                                                            0))
                     if tl.atomic_add(ctr32 + 2 * k, 0, sem="acquire", scope="sys") - target < 0:
                         _wait(ptr_table, me, ctr_off, k, target, err_ptr, 5, b * N + i, timeout_ns, HAS_TIMER)
             tl.debug_barrier()
