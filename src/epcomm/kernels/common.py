@@ -109,23 +109,47 @@ def ticket_last_n(ticket_ptr, n, LOCAL: tl.constexpr = False):
 def wait_ge(flag_ptr, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER: tl.constexpr, mask_ptr=None,
             SHRINK: tl.constexpr = False):
     """Spin until ``*flag_ptr - target >= 0`` (acquire; int32, wrapped) or the deadline; True when reached.
+    ``target`` must be the same in every thread of the program (the kernels' scalars are).
 
     On expiry records ``[phase, peer, observed, target]`` in the error word (first error wins) —
     or, with ``SHRINK``, masks ``peer`` in ``mask_ptr`` instead. Returns at once if an error was
     recorded already, or (``SHRINK``) if another program masked the peer meanwhile. Without a timer
     (interpreter), the deadline counts spins instead of nanoseconds.
+
+    Every thread decides alike around a barrier: the first check is one atomic, whose result Triton
+    broadcasts from one thread through shared memory with a barrier; the spin (``_spin``) has no
+    barrier, as its end differs per thread (each reads its own clock and the error word); after it,
+    whether the counter arrived and whether to record are read again by broadcast atomics.
     """
     v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    err = tl.load(err_ptr, volatile=True)
-    masked = tl.zeros((), dtype=tl.int32)
-    if SHRINK:
-        masked = tl.load(mask_ptr + peer, volatile=True)
-    go = ((v - target) < 0) & (err == 0) & (masked == 0)  # wrapped difference: counters may wrap
+    if (v - target) < 0:  # wrapped difference: counters may wrap
+        _spin(flag_ptr, target, err_ptr, timeout_ns, HAS_TIMER, mask_ptr, peer, SHRINK)
+        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        if (v - target) < 0:
+            err = tl.atomic_add(err_ptr, 0, sem="relaxed", scope="sys")
+            masked = tl.zeros((), dtype=tl.int32)
+            if SHRINK:
+                masked = tl.atomic_add(mask_ptr + peer, 0, sem="relaxed", scope="sys")
+            if (err == 0) & (masked == 0):
+                if SHRINK:
+                    tl.atomic_xchg(mask_ptr + peer, 1)
+                else:
+                    record_error(err_ptr, phase, peer, v, target)
+    tl.debug_barrier()
+    return (v - target) >= 0
+
+
+@triton.jit
+def _spin(flag_ptr, target, err_ptr, timeout_ns, HAS_TIMER: tl.constexpr, mask_ptr, peer, SHRINK: tl.constexpr):
+    """Each thread polls by itself (volatile loads, no atomic, so no barrier) until it sees the counter
+    reach ``target``, an error recorded, ``peer`` masked (``SHRINK``) or its deadline pass."""
     t0 = now_ns(HAS_TIMER)
     spins = tl.zeros((), dtype=tl.int64)
+    go = spins == 0
     while go:
-        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        v = tl.load(flag_ptr, volatile=True)
         err = tl.load(err_ptr, volatile=True)
+        masked = tl.zeros((), dtype=tl.int32)
         if SHRINK:
             masked = tl.load(mask_ptr + peer, volatile=True)
         spins += 1
@@ -134,14 +158,6 @@ def wait_ge(flag_ptr, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER: tl.co
         else:
             elapsed = spins
         go = ((v - target) < 0) & (err == 0) & (masked == 0) & (elapsed < timeout_ns)
-    ok = (v - target) >= 0
-    if (not ok) & (err == 0) & (masked == 0):
-        if SHRINK:
-            tl.atomic_xchg(mask_ptr + peer, 1)
-        else:
-            record_error(err_ptr, phase, peer, v, target)
-    tl.debug_barrier()
-    return ok
 
 
 @triton.jit
