@@ -20,6 +20,22 @@ from .nvlink_params import _aligned, _contiguous, _pow2
 BN = 128    # rows (or tokens) a program of the metadata kernels
 RB = 64     # ranks a step of the metadata kernels
 BLOCK = 1024
+# the expanded copy (``_dispatch_copy_epilogue_impl_kernel``): a tile of COPY_RB rows x COPY_BLOCK bytes a
+# step (16 KB in flight a program; one row of 1 KB a step, as before 2026-11-28, left each program waiting
+# on one load after another), COPY_PER_SM programs of COPY_WARPS warps an SM of the device at most
+LBN = 512   # rows a step of the expanded layout's scan (``_expert_layout_kernel``: a program an expert reads
+            # every row, one step after another: 128 rows a step took 64 dependent steps at DSv3's 8192 rows)
+COPY_RB = 8
+COPY_BLOCK = 2048
+COPY_WARPS = 8
+COPY_PER_SM = 4
+
+
+def copy_grid(x_rows: int, sms: int) -> int:
+    """Programs of the expanded copy for ``x_rows`` rows on a device of ``sms`` SMs: one tile of ``COPY_RB``
+    rows each, at most ``COPY_PER_SM`` a SM (the kernel takes no wait: any grid finishes).
+    Example: ``copy_grid(81792, 132) == 528``; ``copy_grid(20, 132) == 3``."""
+    return max(1, min((x_rows + COPY_RB - 1) // COPY_RB, COPY_PER_SM * max(sms, 1)))
 
 
 class Kernels:
@@ -75,7 +91,8 @@ class Kernels:
             rpm, me, recv_src_idx, recv_local, n, local, local if expand else local_out, meta, gid, counts,
             psum_rank, topk_idx, send_head, t, dst, m)
         self.launch("_expert_layout_kernel", key, dict(
-            R=r_, K=k, LE=le, LEP=_pow2(le), KP=kp, BN=BN, EXPAND=expand, HAS_CUM=cum is not None, num_warps=4),
+            R=r_, K=k, LE=le, LEP=_pow2(le), KP=kp, BN=LBN, EXPAND=expand, HAS_CUM=cum is not None,
+            num_warps=16 if expand else 4),
             (le if expand else 1, 1, 1), counts, psum, stats if cum is not None else counts, local, rpm, me,
             alignment, meta, source if expand else counts, x_rows if expand else 0)
         if stats is not cum:  # a strided cumulative_local_expert_recv_stats: updated through a copy
@@ -109,8 +126,8 @@ class Kernels:
             self.launch("_dispatch_copy_epilogue_impl_kernel", key, dict(
                 K=k, ROW=row, SRC_STRIDE=x.stride, SFB=4 * p, SFBP=_pow2(4 * p), SF_OFF=sf_src.offset,
                 SF_STRIDE=sf_src.stride, W_OFF=w_src.offset, W_STRIDE=w_src.stride, HAS_SF=sf is not None,
-                HAS_W=w is not None, ZERO=bool(zero_pad), BLOCK=BLOCK, num_warps=4),
-                (max(1, min(x_rows, 4 * sms)), 1, 1), x.tensor, source, out, x_rows, sf_src.tensor,
+                HAS_W=w is not None, ZERO=bool(zero_pad), RB=COPY_RB, BLOCK=COPY_BLOCK, num_warps=COPY_WARPS),
+                (copy_grid(x_rows, sms), 1, 1), x.tensor, source, out, x_rows, sf_src.tensor,
                 out_sf if out_sf is not None else out, sf_rs, sf_cs, w_src.tensor,
                 out_w if out_w is not None else out)
         return out, out_sf, out_w

@@ -18,7 +18,12 @@ import torch
 from .nvlink_params import TIMER, _aligned
 
 PROGRAMS = 16  # programs when num_sms is 0 (every rank passes the same num_sms to a call, as DeepEP asks)
-BLOCK = 512    # int32 words a step
+# a program's step: a tile of RB rows x BLOCK int32 words (32 KB in flight, as the V1 combine's push keeps
+# 8 rows x 512 words and its gather 16 x 1024; one row of 512 words a step, as before 2026-11-28, kept 2 KB in
+# flight a program: a DSv3 combine, 8192 rows of 14 KB, took ~5.8 ms at 24 SMs on an H100, V1's ~0.45 ms)
+RB = 8
+BLOCK = 1024
+WARPS = 8
 
 
 def _align(n: int, a: int = 256) -> int:
@@ -38,7 +43,21 @@ class _Area:
             raise ValueError(f"num_nvl_bytes={be.nvl_bytes} holds no combine area of {r_} x {slots} rows of {w} "
                              f"bytes (needs {2 * (need - self.flags_off)}); make the ElasticBuffer with the MoE shape")
         self.flags = be.symm[self.flags_off:self.flags_off + 8 * r_].view(torch.int32)
+        # every row's destination 16-byte aligned: vector stores (the peers' bases are the host's own numbers)
+        ptrs = getattr(getattr(be, "hdl", None), "buffer_ptrs", None)
+        self.aligned = bool(ptrs) and w % 16 == 0 and all((p + self.area_off) % 16 == 0 for p in ptrs)
         self.area = be.symm[self.area_off:self.area_off + r_ * slots * w].view(r_, slots, w)
+
+
+def transport_launch(n: int, w: int, num_sms: int, aligned: bool) -> tuple[tuple[int, int, int], dict]:
+    """``(grid, constexprs)`` of ``_combine_impl_kernel`` for ``n`` rows of ``w`` bytes: ``num_sms`` programs
+    (``PROGRAMS`` when 0), whatever ``n``: each waits for every peer's program 0 and the arrival counts every
+    program of a call (``P``), so the grid is the call's ``num_sms`` and never depends on the rows.
+
+    Example: ``transport_launch(8192, 14368, 24, True) == ((24, 1, 1), dict(W=3592, RB=8, BLOCK=1024,
+    ALIGNED=True, HAS_TIMER=TIMER, num_warps=8))``."""
+    return (num_sms or PROGRAMS, 1, 1), dict(W=w // 4, RB=RB, BLOCK=BLOCK, ALIGNED=aligned, HAS_TIMER=TIMER,
+                                             num_warps=WARPS)
 
 
 def return_rows(be, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: str, num_sms: int = 0) -> torch.Tensor:
@@ -58,10 +77,11 @@ def return_rows(be, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: st
     if area is None:
         area = st[(slots, w)] = _Area(be, slots, w)
     r_, epoch, kern = be.num_ranks, st["epoch"], st["kernels"]
-    programs = num_sms or PROGRAMS
+    grid, consts = transport_launch(n, w, num_sms, area.aligned)
+    programs = grid[0]
     rows = rows if n else area.flags  # (a placeholder: no row is read)
-    kern.launch("_combine_impl_kernel", (w, slots, be._timeout_ns, rows.dtype, _aligned(rows)), dict(W=w // 4, HAS_TIMER=TIMER, BLOCK=BLOCK, num_warps=4),
-                (programs, 1, 1), rows, dst, n, slots, be.ptr_table, area.area_off, area.flags_off, area.flags,
+    kern.launch("_combine_impl_kernel", (w, slots, be._timeout_ns, rows.dtype, _aligned(rows), area.aligned), consts,
+                grid, rows, dst, n, slots, be.ptr_table, area.area_off, area.flags_off, area.flags,
                 epoch, be.rank, r_, be.err, be._timeout_ns)
     kern.launch("_combine_arrive_kernel", (be._timeout_ns,), dict(HAS_TIMER=TIMER, num_warps=1), (1, 1, 1), area.flags, epoch, r_,
                 programs, be.err, be._timeout_ns)

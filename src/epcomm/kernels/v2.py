@@ -36,8 +36,13 @@ from .common import INTERPRETED, peer_ptr, signal, wait_ge
 
 @triton.jit(do_not_specialize=["n", "slots", "area_off", "flags_off", "me", "R", "timeout_ns"])
 def _combine_impl_kernel(rows, dst, n, slots, ptr_table, area_off, flags_off, flags, epoch_ptr, me, R, err_ptr,
-                         timeout_ns, W: tl.constexpr, HAS_TIMER: tl.constexpr, BLOCK: tl.constexpr):
-    """``rows [n, 4W]`` bytes (W words a row), ``dst int64[n]`` (-1: nowhere) -> the owners' areas."""
+                         timeout_ns, W: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr,
+                         BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """``rows [n, 4W]`` bytes (W words a row), ``dst int64[n]`` (-1: nowhere) -> the owners' areas, a tile of
+    ``RB`` rows x ``BLOCK`` words a step (program ``p`` takes rows ``p*RB ..``, then ``P*RB`` on), so that
+    each program keeps ``4 * RB * BLOCK`` bytes in flight: one row of ``BLOCK`` words a step left a program
+    waiting on one load's latency after another. ``ALIGNED``: every destination row starts 16 bytes
+    aligned (the launcher checked the bases, ``area_off`` and ``4W``), so the stores are 16-byte vectors."""
     rows = rows.to(tl.pointer_type(tl.int32), bitcast=True)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -47,16 +52,23 @@ def _combine_impl_kernel(rows, dst, n, slots, ptr_table, area_off, flags_off, fl
             signal(peer_ptr(ptr_table, q, flags_off + me * 4, tl.int32), 1)  # free[me] on every peer
     for q in range(R):
         wait_ge(flags + q, e, err_ptr, 4, q, timeout_ns, HAS_TIMER)
-    offs = tl.arange(0, BLOCK)
-    for i in range(pid, n, nprog):
-        d = tl.load(dst + i)
-        if d >= 0:
-            owner = d // slots
-            at = area_off + ((me * slots + d % slots) * W) * 4
-            base = peer_ptr(ptr_table, owner, at, tl.int32)
-            for c in range(0, W, BLOCK):
-                m = (c + offs) < W
-                tl.store(base + c + offs, tl.load(rows + i * W + c + offs, mask=m), mask=m)
+    rr = tl.arange(0, RB)
+    cols = tl.arange(0, BLOCK)
+    for i0 in range(pid * RB, n, nprog * RB):
+        i = (i0 + rr).to(tl.int64)
+        d = tl.load(dst + i, mask=i < n, other=-1)
+        use = d >= 0
+        owner = tl.where(use, d // slots, 0)
+        # the byte address of each row's slot in its owner's area
+        addr = tl.load(ptr_table + owner, mask=use, other=0) + area_off + (me * slots + d % slots) * (W * 4)
+        base = addr.to(tl.pointer_type(tl.int32))
+        if ALIGNED:
+            base = tl.multiple_of(base, 16)
+        src = rows + i * W
+        for c in range(0, W, BLOCK):
+            cc = c + cols
+            m = use[:, None] & (cc[None, :] < W)
+            tl.store(base[:, None] + cc[None, :], tl.load(src[:, None] + cc[None, :], mask=m), mask=m)
     for q in range(R):
         signal(peer_ptr(ptr_table, q, flags_off + (R + me) * 4, tl.int32), 1)  # data[me] on every peer
 
@@ -217,7 +229,7 @@ def _dispatch_copy_epilogue_impl_kernel(src, source, out, X, sf_src, sf_out, sf_
                                         SFB: tl.constexpr, SFBP: tl.constexpr, SF_OFF: tl.constexpr,
                                         SF_STRIDE: tl.constexpr, W_OFF: tl.constexpr, W_STRIDE: tl.constexpr,
                                         HAS_SF: tl.constexpr, HAS_W: tl.constexpr, ZERO: tl.constexpr,
-                                        BLOCK: tl.constexpr):
+                                        RB: tl.constexpr, BLOCK: tl.constexpr):
     """The expanded layout's copy: expanded row ``e`` takes contiguous row ``r = source[e] // K`` (lane
     ``source[e] % K``): ``ROW`` bytes of ``src`` (rows ``SRC_STRIDE`` bytes apart) into ``out uint8[X, ROW]``;
     with ``HAS_SF`` the ``SFB`` bytes of scale packs from byte ``SF_OFF`` of ``sf_src``'s rows (``SF_STRIDE``
@@ -226,13 +238,15 @@ def _dispatch_copy_epilogue_impl_kernel(src, source, out, X, sf_src, sf_out, sf_
     ``w_out[e]``. Sources are bytes, so packed
     rows (x, packs and weights side by side) are read in place. A padding row (``source[e] < 0``) is
     zeroed with ``ZERO``, else left as it is (DeepEP leaves it uninitialised), so a worst-case layout
-    costs only its real rows.
+    costs only its real rows. A program moves a tile of ``RB`` rows x ``BLOCK`` bytes a step (rows
+    ``p*RB ..``, then ``P*RB`` on): one row a step kept one load in flight.
 
     Example: ``K = 2``, ``source = [0, -1, 3]`` -> rows ``[src[0], (zero or untouched), src[1]]``, weights
     ``[w[0, 0], (0 or untouched), w[1, 1]]``."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)
+    rr = tl.arange(0, RB)
     sb = tl.arange(0, SFBP)
     sm = sb < SFB
     wb = tl.arange(0, 4)
@@ -242,29 +256,30 @@ def _dispatch_copy_epilogue_impl_kernel(src, source, out, X, sf_src, sf_out, sf_
     sf_out8 = sf_out.to(tl.pointer_type(tl.uint8), bitcast=True)
     w_src8 = w_src.to(tl.pointer_type(tl.uint8), bitcast=True)
     w_out8 = w_out.to(tl.pointer_type(tl.uint8), bitcast=True)
-    for e in range(pid, X, nprog):
-        s = tl.load(source + e)
-        e64 = e + tl.zeros((), tl.int64)  # int64: X * ROW may pass 2**31
-        dst = out8 + e64 * ROW
-        sf_dst = sf_out8 + (e64 * sf_rs + (sb // 4) * sf_cs) * 4 + sb % 4
-        if s >= 0:
-            r = s // K
-            row = src8 + r * SRC_STRIDE
-            for c in range(0, ROW, BLOCK):
-                m = (c + offs) < ROW
-                tl.store(dst + c + offs, tl.load(row + c + offs, mask=m), mask=m)
-            if HAS_SF:
-                tl.store(sf_dst, tl.load(sf_src8 + SF_OFF + r * SF_STRIDE + sb, mask=sm), mask=sm)
-            if HAS_W:
-                tl.store(w_out8 + e64 * 4 + wb, tl.load(w_src8 + W_OFF + r * W_STRIDE + (s % K) * 4 + wb))
-        elif ZERO:
-            for c in range(0, ROW, BLOCK):
-                m = (c + offs) < ROW
-                tl.store(dst + c + offs, tl.zeros([BLOCK], dtype=tl.uint8), mask=m)
-            if HAS_SF:
-                tl.store(sf_dst, tl.zeros([SFBP], dtype=tl.uint8), mask=sm)
-            if HAS_W:
-                tl.store(w_out8 + e64 * 4 + wb, tl.zeros([4], dtype=tl.uint8))
+    for e0 in range(pid * RB, X, nprog * RB):
+        e = (e0 + rr).to(tl.int64)  # int64: X * ROW may pass 2**31
+        inb = e < X
+        s = tl.load(source + e, mask=inb, other=-1)
+        real = s >= 0
+        put = real
+        if ZERO:  # the padding rows too
+            put = inb
+        r = tl.where(real, s // K, 0)
+        dst = out8 + e * ROW
+        row = src8 + r * SRC_STRIDE
+        for c in range(0, ROW, BLOCK):
+            cc = (c + offs)[None, :]
+            v = tl.load(row[:, None] + cc, mask=real[:, None] & (cc < ROW), other=0)
+            tl.store(dst[:, None] + cc, v, mask=put[:, None] & (cc < ROW))
+        if HAS_SF:
+            sf_dst = sf_out8 + (e[:, None] * sf_rs + (sb[None, :] // 4) * sf_cs) * 4 + sb[None, :] % 4
+            v = tl.load(sf_src8 + SF_OFF + r[:, None] * SF_STRIDE + sb[None, :], mask=real[:, None] & sm[None, :],
+                        other=0)
+            tl.store(sf_dst, v, mask=put[:, None] & sm[None, :])
+        if HAS_W:
+            v = tl.load(w_src8 + W_OFF + r[:, None] * W_STRIDE + (tl.where(real, s, 0) % K)[:, None] * 4 + wb[None, :],
+                        mask=real[:, None], other=0)
+            tl.store(w_out8 + e[:, None] * 4 + wb[None, :], v, mask=put[:, None])
 
 
 # ----------------------------------------------------------------------------- combine: the epilogues
@@ -311,14 +326,14 @@ def _combine_pack_kernel(x, meta, w, rows, dst, lane, K: tl.constexpr, KP: tl.co
                     tl.store(wout + lanes, tl.load(w + n * K + lanes, mask=lanes < K), mask=lanes < K)
         else:
             acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for j in range(K):
-                s = tl.load(mrow + 2 + j)
-                acc += tl.load(x + s.to(tl.int64) * H + offs, mask=m & (s >= 0), other=0.0).to(tl.float32)
+            ss = tl.load(mrow + 2 + lanes, mask=lanes < K, other=-1)
+            for j in tl.static_range(K):  # unrolled: the K loads are issued together, added in lane order
+                sj = tl.sum(tl.where(lanes == j, ss, 0), 0)
+                acc += tl.load(x + sj.to(tl.int64) * H + offs, mask=m & (sj >= 0), other=0.0).to(tl.float32)
             tl.store(out + offs, _bf16(acc), mask=m)
             if HAS_W:
                 if hb == 0:
-                    s = tl.load(mrow + 2 + lanes, mask=lanes < K, other=-1)
-                    tl.store(wout + lanes, tl.load(w + s, mask=s >= 0, other=0.0), mask=lanes < K)
+                    tl.store(wout + lanes, tl.load(w + ss, mask=ss >= 0, other=0.0), mask=lanes < K)
 
 
 @triton.jit(do_not_specialize=["M", "J0", "J1"])
@@ -352,13 +367,15 @@ def _combine_reduce_epilogue_impl_kernel(got, topk, b0, b1, acc_io, out, out_w, 
             acc = tl.load(b0 + t * H + offs, mask=m, other=0.0).to(tl.float32)
         if NB == 2:
             acc = acc + tl.load(b1 + t * H + offs, mask=m, other=0.0).to(tl.float32)
-    for j in range(J0, J1):
+    for j in tl.static_range(K):  # unrolled: the loads are issued together; lanes outside J0..J1-1 add nothing
         oj = tl.sum(tl.where(lanes == j, own, 0), 0)
-        use = tl.sum(tl.where(lanes == j, ids, 0), 0) >= 0
+        inr = (j >= J0) & (j < J1)
+        use = (tl.sum(tl.where(lanes == j, ids, 0), 0) >= 0) & inr
         if MASTER:
             use = use & (tl.sum(((own == oj) & (lanes > j)).to(tl.int32), 0) == 0)
         row = (oj.to(tl.int64) * M + t) * (ROW // 2)
-        acc += tl.load(rows + row + offs, mask=m & use, other=0.0).to(tl.float32)
+        v = tl.load(rows + row + offs, mask=m & use, other=0.0).to(tl.float32)
+        acc = tl.where(inr, acc + v, acc)
     if ACC_OUT:
         tl.store(acc_io + t * H + offs, acc, mask=m)
     else:

@@ -22,22 +22,24 @@ def main() -> None:
     k8 = dict(K=8, KP=8)
     cases = [
         *[(v2._recv_meta_kernel, META, dict(k8, R=8, LE=32, BN=128, RB=8, COPY=not e, EXPAND=e)) for e in (0, 1)],
-        *[(v2._expert_layout_kernel, LAYOUT, dict(k8, R=8, LE=32, LEP=32, BN=128, EXPAND=e, HAS_CUM=e))
+        *[(v2._expert_layout_kernel, LAYOUT, dict(k8, R=8, LE=32, LEP=32, BN=512, EXPAND=e, HAS_CUM=e))
           for e in (0, 1)],
         *[(v2._dispatch_copy_epilogue_impl_kernel, COPY, dict(
             K=8, ROW=7168, SRC_STRIDE=7168, SFB=224, SFBP=256, SF_OFF=0, SF_STRIDE=224, W_OFF=0, W_STRIDE=32,
-            HAS_SF=sf, HAS_W=w, ZERO=z, BLOCK=1024)) for sf, w, z in ((0, 1, 0), (1, 1, 1), (1, 0, 0))],
+            HAS_SF=sf, HAS_W=w, ZERO=z, RB=8, BLOCK=2048)) for sf, w, z in ((0, 1, 0), (1, 1, 1), (1, 0, 0))],
         *[(v2._combine_pack_kernel, PACK, dict(k8, H=7168, W=14352, HAS_W=w, MODE=mode, BLOCK=1024))
           for mode, w in ((0, 0), (0, 1), (1, 1), (2, 0))],
         *[(v2._combine_reduce_epilogue_impl_kernel, REDUCE, dict(
             k8, LE=128, ROW=14352, H=7168, W_OFF=3584, NB=nb, MASTER=ms, HAS_W=w, ACC_IN=ai, ACC_OUT=ao, BLOCK=1024))
           for nb, ms, w, ai, ao in ((0, 1, 0, 0, 0), (2, 1, 1, 0, 0), (1, 0, 0, 0, 1), (0, 0, 0, 1, 0))],
-        (v2._combine_impl_kernel, TRANSPORT, dict(W=3588, HAS_TIMER=True, BLOCK=512)),
+        *[(v2._combine_impl_kernel, TRANSPORT, dict(W=w, HAS_TIMER=True, RB=8, BLOCK=1024, ALIGNED=a))
+          for w, a in ((3592, True), (3587, False))],
         (v2._combine_arrive_kernel, TRANSPORT, dict(HAS_TIMER=True)),
     ]
     print("plan", len(cases))  # the test asks for one "ok" line each
     for fn, types, consts in cases:
-        w = 1 if fn is v2._combine_arrive_kernel else 4  # as the launchers launch them
+        w = {v2._combine_arrive_kernel: 1, v2._combine_impl_kernel: 8, v2._dispatch_copy_epilogue_impl_kernel: 8}.get(
+            fn, 16 if consts.get("EXPAND") and fn is v2._expert_layout_kernel else 4)  # as the launchers launch them
         print("ok", fn.fn.__name__, compile_one(fn, types, consts, w), "bytes of cubin")
 
 

@@ -1,0 +1,54 @@
+"""Compile the row movers of ``ElasticBuffer`` (``kernels/v2.py``) for sm_90 as the JIT does for 16-byte aligned
+tensors (Triton's own compiler, no GPU) and check in the PTX that their rows move as 16-byte vectors
+(``ld/st.global.v4.b32``): the combine transport with DSv3's rows (3592 words, destinations known aligned: a
+pointer built from a loaded address is 4-byte aligned to the compiler unless told) and the expanded copy
+(BF16 and FP8 rows of bytes; it moved 8 bytes a thread a step). Run by ``tests/unit/test_elastic_launches.py``;
+alone: ``PYTHONPATH=src python tests/unit/sims/vectors_elastic.py``."""
+import inspect
+import re
+
+import triton
+from sm90 import TARGET
+from triton.compiler import ASTSource
+
+from epcomm.backends import elastic_kernels as ek
+from epcomm.backends import nvlink_v2
+from epcomm.kernels import v2
+
+COPY = dict(src="*bf16", source="*i64", out="*bf16", sf_src="*fp32", sf_out="*i32", w_src="*fp32", w_out="*fp32")
+TRANSPORT = dict(rows="*u8", dst="*i64", ptr_table="*i64", flags="*i32", epoch_ptr="*i32", err_ptr="*i32",
+                 timeout_ns="i64")
+
+
+def ptx(fn, types: dict, consts: dict, warps: int) -> str:
+    """``fn``'s PTX with every pointer argument 16-byte aligned (the JIT's specialisation)."""
+    params = list(inspect.signature(fn.fn).parameters)
+    sig = {p: "constexpr" if p in consts else types.get(p, "*i32" if p.endswith("_ptr") else "i32") for p in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p].startswith("*")}
+    src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": warps}).asm["ptx"]
+
+
+def vectors(text: str, op: str) -> int:
+    return len(re.findall(rf"\b{op}\.global(?:\.[a-z0-9:_]+)*\.v4\.b32", text))
+
+
+def main() -> None:
+    _, consts = nvlink_v2.transport_launch(8192, 14368, 24, True)
+    copy = [dict(ROW=14336, SRC_STRIDE=14336, SFB=0, SFBP=1, HAS_SF=False, HAS_W=True),
+            dict(ROW=7168, SRC_STRIDE=7168, SFB=224, SFBP=256, HAS_SF=True, HAS_W=False)]
+    print("plan", 1 + len(copy))
+    warps = consts.pop("num_warps")
+    text = ptx(v2._combine_impl_kernel, TRANSPORT, consts, warps)
+    assert vectors(text, "ld") and vectors(text, "st"), "transport: rows not moved as 16-byte vectors"
+    print("ok transport", vectors(text, "ld"), "v4 loads", vectors(text, "st"), "v4 stores")
+    for c in copy:
+        cc = dict(K=8, SF_OFF=0, SF_STRIDE=c["SFB"], W_OFF=0, W_STRIDE=32, ZERO=False, RB=ek.COPY_RB,
+                  BLOCK=ek.COPY_BLOCK, **c)
+        text = ptx(v2._dispatch_copy_epilogue_impl_kernel, COPY, cc, ek.COPY_WARPS)
+        assert vectors(text, "ld") and vectors(text, "st"), f"copy ROW={c['ROW']}: rows not moved as 16-byte vectors"
+        print("ok copy ROW", c["ROW"], vectors(text, "ld"), "v4 loads", vectors(text, "st"), "v4 stores")
+
+
+if __name__ == "__main__":
+    main()
