@@ -58,19 +58,19 @@ class Payload:
             self.scales = None
         self.width = self.data.shape[1] * 2 if self.packed else self.xb  # bytes of a received row
 
-    def unpack(self, recv_x: torch.Tensor, recv_scales: torch.Tensor | None):
-        """The received rows -> ``(x, sf or None, extra or None)``."""
+    def unpack(self, recv_x: torch.Tensor, recv_scales: torch.Tensor | None, extra: bool = True):
+        """The received rows -> ``(x, sf or None, extra or None)`` (``extra=False``: None, left in place)."""
         if not self.packed:
             return recv_x, None if recv_scales is None else recv_scales.view(self.sf_dtype), None
         specs = [(self.x_dtype, self.h)]
         if self.p:
             specs.append((self.sf_dtype, self.p))
-        if self.k:
+        if self.k and extra:
             specs.append((torch.float32, self.k))
         parts = EL.unpack_rows(recv_x.view(torch.uint8), specs)
         x = parts.pop(0)
         sf = parts.pop(0) if self.p else None
-        return x, sf, parts.pop(0) if self.k else None
+        return x, sf, parts.pop(0) if self.k and extra else None
 
     def rows(self, recv_x: torch.Tensor, recv_scales: torch.Tensor | None, recv_w: torch.Tensor | None):
         """Where x, the scale packs and the weights (``recv_w [N, K]`` of the backend, or the payload's own)
@@ -87,7 +87,7 @@ class Payload:
 class DispatchState:
     """What a dispatch leaves behind for its cached replays and its combine (private to the handle)."""
 
-    def __init__(self, v1, local, gid, meta, source, num_rows, num_expanded, device_sms=0):
+    def __init__(self, v1, local, gid, meta, source, num_rows, num_expanded, device_sms=0, num_topk=0):
         self.v1 = v1                      # the backend's DispatchHandle
         self.local = local                # int64[N, K] local expert ids (-1: not here, padding rows)
         self.gid = gid                    # int64[N] src_rank * M + src_token, -1 for padding rows
@@ -96,6 +96,7 @@ class DispatchState:
         self.num_rows = num_rows
         self.num_expanded = num_expanded
         self.device_sms = device_sms      # the copy epilogue's programs: 4 a SM
+        self.num_topk = num_topk          # K (a cached call's host path reads no shape)
 
     @property
     def slots(self) -> torch.Tensor:
@@ -142,7 +143,7 @@ def dispatch(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, num_s
         "dst_buffer_slot_idx": rm.dst_slot,
     }
     state = DispatchState(v1, rm.local, rm.gid, rm.meta, rm.source if expand else None, n, x_rows if expand else 0,
-                          eb.device_sms)
+                          eb.device_sms, k)
     recv_w = res.recv_topk_weights if topk_weights is not None else None
     if expand:
         return (*_expanded(eb, state, pay, res.recv_x, res.recv_x_scales, recv_w, zero_pad, tma_sf, k), fields,
@@ -154,13 +155,17 @@ def dispatch(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, num_s
 def cached_dispatch(eb, state: DispatchState, expand: bool, x, sf, topk_weights, zero_pad, tma_sf,
                     before_epilogue):
     """A dispatch replayed on a handle: the same rows as the dispatch that made it."""
-    k = state.local.shape[1]
+    k = state.num_topk
     pay = Payload(x, sf, topk_weights)
     recv, recv_scales = eb._backend.cached_dispatch(pay.data, pay.scales, state.v1, None)
     _wait_event(before_epilogue)
     if expand:  # (an expanded row takes its own lane's weight: a local one)
         return _expanded(eb, state, pay, recv, recv_scales, None, zero_pad, tma_sf, k)
-    recv_x, recv_sf, recv_w = pay.unpack(recv, recv_scales)
+    kern = eb._kernels
+    recv_x, recv_sf, recv_w = pay.unpack(recv, recv_scales, extra=kern is None)
+    if kern is not None:  # the copy epilogue: ids, and the weights read where they landed
+        recv_k, recv_w = kern.cached_epilogue(state.local, state.num_rows, k, pay.rows(recv, recv_scales, None)[2])
+        return recv_x, EL.sf_layout(recv_sf, tma_sf), recv_k, recv_w
     if recv_w is not None:  # the local lanes' weights, 0 elsewhere, as a fresh dispatch gives them
         recv_w.masked_fill_(state.local < 0, 0)  # (recv_w is unpacked: its own copy)
     return recv_x, EL.sf_layout(recv_sf, tma_sf), state.local.clone(), recv_w

@@ -186,7 +186,7 @@ def test_eager_dispatch_combine_and_cached(rig):
     b = rig.b[0]
     res = b.dispatch(_args())
     assert _names(rig.log) == ["_ce_wait_kernel"] + ["_ce_signal_kernel"] * 4 + ["_dispatch_notify_kernel",
-                                                                              "_gather_kernel"]
+                                                                              "_dispatch_impl_kernel"]
     handle = res.handle
     assert handle.rank_prefix_matrix.shape == (R, R) and handle.send_head.shape == (T, R)
     # the eager path checks the expert ids in the exchange kernel too, before its one synchronisation, which
@@ -199,7 +199,7 @@ def test_eager_dispatch_combine_and_cached(rig):
     rig.log.clear()
     fp8 = _args(fp8=True)
     b.cached_dispatch(fp8.x, fp8.x_scales, handle)
-    assert _names(rig.log)[-1] == "_gather_kernel" and rig.log[-1][2]["CACHED"] and rig.log[-1][2]["HAS_SCALES"]
+    assert _names(rig.log)[-1] == "_dispatch_impl_kernel" and rig.log[-1][2]["CACHED"] and rig.log[-1][2]["HAS_SCALES"]
 
 
 def test_worst_dispatch_checks_on_the_device(rig):
@@ -207,7 +207,7 @@ def test_worst_dispatch_checks_on_the_device(rig):
     res = b.dispatch(_args(worst=R * T))
     assert res.recv_x.shape == (R * T, H) and res.num_recv_tokens_per_expert_list == []
     handle_launch = rig.log[-2]
-    assert handle_launch[0] == "_dispatch_notify_kernel" and rig.log[-1][0] == "_gather_kernel"
+    assert handle_launch[0] == "_dispatch_notify_kernel" and rig.log[-1][0] == "_dispatch_impl_kernel"
     assert handle_launch[2]["CHECK_WORST"] and handle_launch[2]["CHECK_TOPK"] and handle_launch[2]["num_worst"] == R * T
     assert not handle_launch[2]["HOST_COUNTS"]  # nothing for the host to read: no synchronisation
     rig.log.clear()
@@ -219,7 +219,7 @@ def test_captured_calls_push_with_sms(rig):
     rig.capturing["on"] = True
     rig.b[0].dispatch(_args(worst=R * T))
     # the gather kernel pushes (after notify: its own block and the push at once), no copy engine
-    assert _names(rig.log) == ["_dispatch_notify_kernel", "_gather_kernel"]
+    assert _names(rig.log) == ["_dispatch_notify_kernel", "_dispatch_impl_kernel"]
     gather = rig.log[1][2]
     assert gather["PUSH"] and gather["PUSH_TOPK"] and gather["PUSH_RB"] == params.TUNE["push_rb"]
     assert gather["PUSH_BLOCK"] == params.TUNE["push_block"] and rig.log[1][1] == (rig.b[0].num_sms, 1, 1)
@@ -230,7 +230,7 @@ def test_captured_calls_without_fusion_use_the_push_kernel(rig, monkeypatch):
     rig.capturing["on"] = True
     rig.b[0].dispatch(_args(worst=R * T))
     names = _names(rig.log)
-    assert names == ["_push_kernel", "_dispatch_notify_kernel", "_gather_kernel"]
+    assert names == ["_push_kernel", "_dispatch_notify_kernel", "_dispatch_impl_kernel"]
     push = rig.log[0][2]
     assert push["RB"] == params.TUNE["push_rb"] and push["BLOCK"] == params.TUNE["push_block"] and push["HAS_TOPK"]
     assert not rig.log[2][2]["PUSH"]
@@ -247,7 +247,7 @@ def test_copy_engine_chunks_raise_the_flag_by_what_they_carry(rig, monkeypatch, 
 def test_gather_variant_flag_reaches_the_kernel(rig, monkeypatch):
     monkeypatch.setitem(params.TUNE, "gather_one_load", True)
     rig.b[0].dispatch(_args())
-    assert [a for n, _, a in rig.log if n == "_gather_kernel"][0]["ONE_LOAD"] is True
+    assert [a for n, _, a in rig.log if n == "_dispatch_impl_kernel"][0]["ONE_LOAD"] is True
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -282,13 +282,13 @@ def test_eager_calls_push_with_sms_by_default(rig, monkeypatch):
     b = rig.b[0]
     b.transfer = _env.ht_transfer()
     res = b.dispatch(_args())
-    assert _names(rig.log) == ["_dispatch_notify_kernel", "_gather_kernel"] and rig.log[-1][2]["PUSH"]
+    assert _names(rig.log) == ["_dispatch_notify_kernel", "_dispatch_impl_kernel"] and rig.log[-1][2]["PUSH"]
     rig.log.clear()
     b.combine(res.recv_x, res.handle, res.recv_topk_weights, ())  # push and reduce: one kernel
     assert _names(rig.log) == ["_combine_kernel"]
     rig.log.clear()
     b.cached_dispatch(res.recv_x[:0].new_empty(T, H), None, res.handle)  # the gather pushes, as uncached
-    assert _names(rig.log) == ["_gather_kernel"] and rig.log[0][2]["PUSH"] and rig.log[0][2]["CACHED"]
+    assert _names(rig.log) == ["_dispatch_impl_kernel"] and rig.log[0][2]["PUSH"] and rig.log[0][2]["CACHED"]
 
 
 def test_a_calls_config_sets_its_sms(rig):
@@ -302,10 +302,10 @@ def test_a_calls_config_sets_its_sms(rig):
     b.transfer = "sm"  # the push kernels' grids are num_sms programs
     assert b._buf().num_sms == 24
     res = b.dispatch(dataclasses.replace(_args(), num_sms=4))
-    assert [g for n, g, _ in rig.log if n == "_gather_kernel"] == [(4, 1, 1)]
+    assert [g for n, g, _ in rig.log if n == "_dispatch_impl_kernel"] == [(4, 1, 1)]
     rig.log.clear()
     b.cached_dispatch(res.recv_x[:0].new_empty(T, H), None, res.handle, Config(num_sms=6))
-    assert [g for n, g, _ in rig.log if n == "_gather_kernel"] == [(6, 1, 1)]
+    assert [g for n, g, _ in rig.log if n == "_dispatch_impl_kernel"] == [(6, 1, 1)]
     rig.log.clear()
     b.combine(res.recv_x, res.handle, None, (), Config(num_sms=2))
     assert [g for n, g, _ in rig.log if n == "_combine_kernel"] == [(2, 1, 1)]
@@ -323,7 +323,7 @@ def test_fused_push_grid_is_at_most_one_program_per_sm(rig):
     import dataclasses
 
     rig.b[0].dispatch(dataclasses.replace(_args(worst=R * T), num_sms=256))  # Config allows 256; the GPU has 132
-    assert [g for n, g, _ in rig.log if n == "_gather_kernel"] == [(132, 1, 1)]
+    assert [g for n, g, _ in rig.log if n == "_dispatch_impl_kernel"] == [(132, 1, 1)]
 
 
 def test_ce_always_uses_the_copy_engine_under_capture(rig):
@@ -332,7 +332,7 @@ def test_ce_always_uses_the_copy_engine_under_capture(rig):
     rig.b[0].dispatch(_args(worst=R * T))
     names = _names(rig.log)
     assert names[0] == "_ce_wait_kernel" and "_ce_signal_kernel" in names and "_push_kernel" not in names
-    assert not [a for n, _, a in rig.log if n == "_gather_kernel"][0]["PUSH"]
+    assert not [a for n, _, a in rig.log if n == "_dispatch_impl_kernel"][0]["PUSH"]
 
 
 def test_transfer_variable_is_checked(monkeypatch):
@@ -405,7 +405,7 @@ def test_notify_first_queues_the_exchange_before_the_copies(rig, monkeypatch):
     rig.b[0].dispatch(_args())
     names = _names(rig.log)
     assert names[:2] == ["_dispatch_notify_kernel", "_ce_wait_kernel"] and names.count("_ce_signal_kernel") == 4
-    assert names[-1] == "_gather_kernel"
+    assert names[-1] == "_dispatch_impl_kernel"
 
 
 @pytest.mark.parametrize("hook", [False, True])

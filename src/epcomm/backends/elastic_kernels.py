@@ -64,7 +64,8 @@ class Kernels:
 
     def recv_meta(self, rpm, me: int, recv_src_idx, recv_local, send_head, topk_idx, m: int, le: int,
                   alignment: int, x_rows: int, expand: bool, cum) -> EL.RecvMeta:
-        """``elastic_layout.recv_meta`` in two launches (``_recv_meta_kernel`` then ``_expert_layout_kernel``);
+        """``elastic_layout.recv_meta`` in two launches (``_recv_meta_kernel``, or for a contiguous dispatch the
+        same kernel as ``_dispatch_copy_epilogue_impl_meta_kernel``, then ``_expert_layout_kernel``);
         ``cum`` (``int32[LE]`` or None) gains the counts. The kernels read rows in place: every tensor is
         made contiguous first (a no-op for the backend's and most callers' tensors)."""
         n, k = recv_local.shape
@@ -85,7 +86,8 @@ class Kernels:
         kp, rb = _pow2(k), min(RB, _pow2(r_))
         key = (r_, k, le, expand, cum is not None, recv_src_idx.dtype, send_head.dtype,
                _aligned(topk_idx, rpm, recv_src_idx, recv_local, send_head, stats))
-        self.launch("_recv_meta_kernel", key, dict(
+        # a contiguous dispatch's epilogue is this kernel (named for DeepEP's timing); an expanded one's the copy
+        self.launch("_recv_meta_kernel" if expand else "_dispatch_copy_epilogue_impl_meta_kernel", key, dict(
             R=r_, K=k, LE=le, KP=kp, BN=BN, RB=rb, COPY=not expand, EXPAND=expand, num_warps=4),
             (max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, 1, 1),
             rpm, me, recv_src_idx, recv_local, n, local, local if expand else local_out, meta, gid, counts,
@@ -131,6 +133,23 @@ class Kernels:
                 out_sf if out_sf is not None else out, sf_rs, sf_cs, w_src.tensor,
                 out_w if out_w is not None else out)
         return out, out_sf, out_w
+
+    def cached_epilogue(self, local: torch.Tensor, n: int, k: int, w: EL.Rows | None):
+        """A cached contiguous dispatch's ``(recv_topk_idx int64[N, K], recv_topk_weights f32[N, K] or None)``
+        (``dispatch_copy_epilogue_impl``): the handle's local ids ``local int64[N, K]`` (its own, contiguous),
+        and the received weights (``w``: where they lie in the received rows) masked to the local lanes; one
+        launch, even of no rows."""
+        dev = local.device
+        out_k = torch.empty(n, k, dtype=torch.int64, device=dev)
+        out_w = None if w is None else torch.empty(n, k, dtype=torch.float32, device=dev)
+        # (the weights travel packed, in BF16 rows: their dtype is fixed)
+        key = (k,) if w is None else (k, w.offset, w.stride, _aligned(w.tensor))
+        self.launch("_dispatch_copy_epilogue_impl_cached_kernel", key, dict(
+            K=k, KP=_pow2(k), W_OFF=0 if w is None else w.offset, W_STRIDE=0 if w is None else w.stride,
+            HAS_W=w is not None, BN=BN, num_warps=4),
+            (max(1, (n + BN - 1) // BN), 1, 1), local, out_k, n, out_k if w is None else w.tensor,
+            out_k if w is None else out_w)
+        return out_k, out_w
 
     # ------------------------------------------------------------------ combine
 

@@ -101,7 +101,7 @@ class HTDispatch:
         r_, me = self.num_ranks, self.rank
         has_k = has_topk and k > 0
         cached = counts is None
-        p = self.k["_gather_kernel"].prepared(key, dict(
+        p = self.k["_dispatch_impl_kernel"].prepared(key, dict(
             PUSH=push, PUSH_RB=TUNE["push_rb"], PUSH_BLOCK=TUNE["push_block"], ELEM=torch_to_tl(torch.int32),
             PUSH_TOPK=push and has_k, CACHED=cached, IS_PREFIX=cached, HAS_SCALES=has_s,
             HAS_TOPK=has_topk and not cached, NC=NC, RB=TUNE["gather_rb"], BLOCK=TUNE["gather_block"],

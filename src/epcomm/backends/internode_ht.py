@@ -202,7 +202,7 @@ class InternodeHighThroughput:
         self.k_notify = Launcher(nvshmem.nvshmem_kernel(ih._hn_notify_kernel, sim))
         self.k_handle = Launcher(_handle_kernel)
         self.k_prep = Launcher(ih._hn_prep_kernel)
-        self.k_dispatch = Launcher(nvshmem.nvshmem_kernel(ih._hd_kernel, sim))
+        self.k_dispatch = Launcher(nvshmem.nvshmem_kernel(ih._internode_dispatch_impl_kernel, sim))
         self.k_combine = Launcher(nvshmem.nvshmem_kernel(ihc._hc_kernel, sim))
         # the layout exchange's region (InternodeBackend: signals, staging, two receive parities) and the
         # private copy of the rows received (what the handle kernel and the host read)

@@ -176,7 +176,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         self.k = {name: Launcher(getattr(mod, name)) for mod, names in (
             (ht_transfer, ("_push_kernel", "_ce_wait_kernel", "_ce_signal_kernel", "_ce_flag_value_kernel",
                            "_combine_push_kernel")),
-            (ht_receive, ("_gather_kernel", "_reduce_kernel", "_combine_kernel")),
+            (ht_receive, ("_dispatch_impl_kernel", "_reduce_kernel", "_combine_kernel")),
             (ht_notify, ("_dispatch_notify_kernel",)), (ht_layout, ("_layout_kernel",))) for name in names}
         self.p_table, self.p_err, self.p_nctr = Ptr(self.ptr_table), Ptr(self.err), Ptr(self.nctr)
         self.p_host_counts = Ptr(self.host_counts_addr)

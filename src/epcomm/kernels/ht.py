@@ -34,7 +34,7 @@ send list [0, 2] into rank 1's buffer and send_head_rel[:, 1] = [0, -1, 1].
 
 from .ht_common import CCONSUMED, CDATA, DCONSUMED, DDATA, NOTIFY  # noqa: F401
 from .ht_notify import _handle_kernel, _notify_kernel  # noqa: F401
-from .ht_receive import _gather_kernel, _reduce_kernel  # noqa: F401
+from .ht_receive import _dispatch_impl_kernel, _reduce_kernel  # noqa: F401
 from .ht_transfer import (  # noqa: F401
     _ce_flag_value_kernel,
     _ce_signal_kernel,

@@ -1,8 +1,9 @@
-"""High-throughput kernels, receive phase: ``gather`` (dispatch: rows from local x or the staging slots
-into ``recv_x`` in (source rank, token) order, top-k ids rewritten to local experts; with ``PUSH`` it
-also does the dispatch's SM push: push and own block first, then the peers' rows), ``reduce`` (combine:
-float32 sum, rank by rank, of the rows every rank returned, plus bias) and ``combine`` (the combine's SM
-push, then ``reduce``, in one launch).
+"""High-throughput kernels, receive phase: ``_dispatch_impl_kernel`` (the dispatch's transfer, a gather:
+rows from local x or the staging slots into ``recv_x`` in (source rank, token) order, top-k ids rewritten
+to local experts; with ``PUSH`` it also does the dispatch's SM push: push and own block first, then the
+peers' rows; named as DeepEP names its dispatch kernel, so that DeepEP's profiler-based timing finds it:
+docs/v2.md, "Kernel names"), ``reduce`` (combine: float32 sum, rank by rank, of the rows every rank
+returned, plus bias) and ``combine`` (the combine's SM push, then ``reduce``, in one launch).
 
 Letters: ``T`` tokens, ``H`` hidden (elements of the row dtype), ``K`` top-k, ``R`` ranks, ``L = E/R``,
 ``N`` received rows, ``P`` programs.
@@ -136,22 +137,22 @@ def _gather_rows(v_lo, v_hi, pid, P, known, x_ptr, xs_ptr, topk_ptr, w_ptr, row_
 
 
 @triton.jit(do_not_specialize=['n_rows', 'T_send'])
-def _gather_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
-                   counts_ptr, counts_stride, me, R, lo_expert, L, tok_ptr,
-                   src_lists_ptr, src_lists_stride, n_rows,
-                   stage_ptr, stage_src_elems, stage_s_ptr, stage_s_src, stage_k_ptr, stage_k_src,
-                   stage_w_ptr, stage_w_src,
-                   out_x, out_s, out_s_stride_row, out_s_stride_col, out_k, out_w, out_src,
-                   ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
-                   is_in_ptr, T_send, push_off, push_slot_bytes, push_s_off, push_k_off, push_w_off,
-                   send_ctr_ptr, push_ticket_ptr,
-                   CACHED: tl.constexpr, IS_PREFIX: tl.constexpr, HAS_SCALES: tl.constexpr,
-                   HAS_TOPK: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
-                   R_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
-                   STAGES: tl.constexpr = 3, ONE_LOAD: tl.constexpr = False, PUSH: tl.constexpr = False,
-                   PUSH_RB: tl.constexpr = 8, PUSH_BLOCK: tl.constexpr = 512, ELEM: tl.constexpr = tl.int32,
-                   PUSH_TOPK: tl.constexpr = False, PREFETCH: tl.constexpr = False):
-    """Dispatch receive: row ``n`` of the outputs = token ``s`` of source rank ``i`` (rank-major order).
+def _dispatch_impl_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
+                        counts_ptr, counts_stride, me, R, lo_expert, L, tok_ptr,
+                        src_lists_ptr, src_lists_stride, n_rows,
+                        stage_ptr, stage_src_elems, stage_s_ptr, stage_s_src, stage_k_ptr, stage_k_src,
+                        stage_w_ptr, stage_w_src,
+                        out_x, out_s, out_s_stride_row, out_s_stride_col, out_k, out_w, out_src,
+                        ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
+                        is_in_ptr, T_send, push_off, push_slot_bytes, push_s_off, push_k_off, push_w_off,
+                        send_ctr_ptr, push_ticket_ptr,
+                        CACHED: tl.constexpr, IS_PREFIX: tl.constexpr, HAS_SCALES: tl.constexpr,
+                        HAS_TOPK: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
+                        R_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
+                        STAGES: tl.constexpr = 3, ONE_LOAD: tl.constexpr = False, PUSH: tl.constexpr = False,
+                        PUSH_RB: tl.constexpr = 8, PUSH_BLOCK: tl.constexpr = 512, ELEM: tl.constexpr = tl.int32,
+                        PUSH_TOPK: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+    """The dispatch's transfer (the gather; ``dispatch_impl`` in DeepEP's names): row ``n`` of the outputs = token ``s`` of source rank ``i`` (rank-major order).
 
     Tiles of ``RB`` rows; rows are visited rotated so this rank's own block (no wait) comes first,
     then the peers' blocks in token order, waiting chunk by chunk (``NC`` copy-engine chunks per

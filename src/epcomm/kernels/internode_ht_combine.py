@@ -304,7 +304,7 @@ def _hc_kernel(x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc, C, rp
     """One combine (module docstring): program ``p`` is sender ``p - s_lo`` (of ``s_n``), then relay ``p -
     r_lo`` (of ``r_n``), then final ``p - f_lo`` (of ``f_n``), where it is in their ranges. ``x [rows, H]``
     BF16 (``xw`` the same as int32 words), ``w [rows, K]`` float32 weights as int32 words (``K = 0``: none);
-    the handle's layout as the dispatch's (``internode_ht._hd_kernel``), ``tbl [P-1, TM, N]`` the
+    the handle's layout as the dispatch's (``internode_ht._internode_dispatch_impl_kernel``), ``tbl [P-1, TM, N]`` the
     forwarder's positions. Areas at ``area_off + parity * par_bytes`` (the device's count of combines,
     ``cnt[0]``): relay slots at 0, staging at ``stage_rel``, final slots at ``fin_rel``, ``TM`` rows each."""
     pid = tl.program_id(0)

@@ -1,8 +1,11 @@
 """Kernels of ``ElasticBuffer`` (DeepEP V2's API), launched by ``backends/elastic_kernels.py`` wherever the
 backend runs kernels (each has a torch twin in ``elastic_layout.py``, the same bytes):
 
-- dispatch: ``_recv_meta_kernel`` and ``_expert_layout_kernel`` (the handle's metadata, counts, prefix sums
-  and the expanded layout), ``_dispatch_copy_epilogue_impl_kernel`` (the expanded rows);
+- dispatch: ``_recv_meta_kernel`` (launched as ``_dispatch_copy_epilogue_impl_meta_kernel`` by a contiguous
+  dispatch) and ``_expert_layout_kernel`` (the handle's metadata, counts, prefix sums and the expanded
+  layout), ``_dispatch_copy_epilogue_impl_kernel`` (the expanded rows),
+  ``_dispatch_copy_epilogue_impl_cached_kernel`` (a cached contiguous dispatch's ids and weights); each
+  dispatch launches one kernel named ``dispatch_copy_epilogue_impl`` (docs/v2.md, "Kernel names");
 - combine: ``_combine_pack_kernel`` (the rows sent back), ``_combine_reduce_epilogue_impl_kernel`` (the
   reduction at the owner);
 - the combine transport on the nvlink backend (``backends/nvlink_v2.py``), below.
@@ -169,6 +172,21 @@ def _recv_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, 
         tl.store(dst_slot + at, tl.where(ok, d * M + there, -1).to(tl.int32), mask=tm & lm[None, :])
 
 
+@triton.jit(do_not_specialize=["N", "T", "M"])
+def _dispatch_copy_epilogue_impl_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, gid, counts,
+                                             psum_rank, topk, send_head, T, dst_slot, M, R: tl.constexpr,
+                                             K: tl.constexpr, LE: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
+                                             RB: tl.constexpr, COPY: tl.constexpr, EXPAND: tl.constexpr):
+    """A contiguous dispatch's copy epilogue (``dispatch_copy_epilogue_impl`` in DeepEP's names, so that its
+    profiler-based timing finds one): ``_recv_meta_kernel`` with ``COPY``, launched under this name. The
+    transfer (``_dispatch_impl_kernel``) already wrote the rows, scales and weights into the outputs; what
+    is left to finish them is this kernel's: the received top-k ids copied into ``recv_topk_idx`` (padding
+    rows ``-1``) and the handle's per-row metadata. An expanded dispatch launches ``_recv_meta_kernel``:
+    its epilogue is the expanded copy, ``_dispatch_copy_epilogue_impl_kernel``."""
+    _recv_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, gid, counts, psum_rank, topk,
+                      send_head, T, dst_slot, M, R, K, LE, KP, BN, RB, COPY, EXPAND)
+
+
 @triton.jit(do_not_specialize=["me", "A", "X"])
 def _expert_layout_kernel(counts, psum, cum, local, rpm, me, A, meta, source, X, R: tl.constexpr, K: tl.constexpr,
                           LE: tl.constexpr, LEP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
@@ -280,6 +298,32 @@ def _dispatch_copy_epilogue_impl_kernel(src, source, out, X, sf_src, sf_out, sf_
             v = tl.load(w_src8 + W_OFF + r[:, None] * W_STRIDE + (tl.where(real, s, 0) % K)[:, None] * 4 + wb[None, :],
                         mask=real[:, None], other=0)
             tl.store(w_out8 + e[:, None] * 4 + wb[None, :], v, mask=put[:, None])
+
+
+@triton.jit(do_not_specialize=["N"])
+def _dispatch_copy_epilogue_impl_cached_kernel(local, out_k, N, w_src, w_out, K: tl.constexpr, KP: tl.constexpr,
+                                               W_OFF: tl.constexpr, W_STRIDE: tl.constexpr, HAS_W: tl.constexpr,
+                                               BN: tl.constexpr):
+    """A cached contiguous dispatch's copy epilogue (the transfer wrote the rows): ``BN`` rows a program,
+    ``out_k int64[N, K]`` = the handle's local expert ids ``local int64[N, K]`` (the call's
+    ``recv_topk_idx``); with ``HAS_W`` ``w_out f32[N, K]`` = the received weights (the 4 bytes of lane
+    ``j`` at byte ``W_OFF + 4j`` of row ``n`` of ``w_src``, rows ``W_STRIDE`` bytes apart: read in place in
+    the packed rows) where lane ``j`` is local (``local >= 0``), else 0, as a fresh dispatch gives them.
+
+    Example (``K = 2``): ``local = [[0, -1]]``, received weights ``[[0.5, 0.7]]`` -> ``[[0, -1]]``,
+    ``[[0.5, 0.0]]``."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    r64 = rows.to(tl.int64)[:, None]
+    lanes = tl.arange(0, KP)[None, :]
+    m = (rows[:, None] < N) & (lanes < K)
+    tl.store(out_k + r64 * K + lanes, tl.load(local + r64 * K + lanes, mask=m), mask=m)
+    if HAS_W:  # byte by byte: the packed weights need not be 4-byte aligned
+        cols = tl.arange(0, 4 * KP)[None, :]
+        here = tl.load(local + r64 * K + cols // 4, mask=(rows[:, None] < N) & (cols < 4 * K), other=-1) >= 0
+        w8 = w_src.to(tl.pointer_type(tl.uint8), bitcast=True)
+        v = tl.load(w8 + W_OFF + r64 * W_STRIDE + cols, mask=here, other=0)
+        wo8 = w_out.to(tl.pointer_type(tl.uint8), bitcast=True)
+        tl.store(wo8 + r64 * (4 * K) + cols, v, mask=(rows[:, None] < N) & (cols < 4 * K))
 
 
 # ----------------------------------------------------------------------------- combine: the epilogues

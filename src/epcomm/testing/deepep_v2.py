@@ -13,8 +13,10 @@ script's and the ranks it spawns) runs at start-up, after the switch's hook: it 
 ``deep_ep/utils`` to ``deep_ep.utils.__path__`` (epcomm's own ``deep_ep.utils.event`` stays first) and,
 with ``EPCOMM_TEST_SHARE_GPU=1``, wraps ``deep_ep.utils.envs.init_dist`` with
 :func:`epcomm.testing.shared_gpu.init_dist` (the ranks join through gloo and share GPUs; DeepEP's
-reference then moves its FP8 tensors through gloo as bytes, a type gloo lacks). ``--skip-perf-test``: the timing part looks kernels up by DeepEP's names, which
-epcomm's dispatch kernels do not carry (docs/v2.md).
+reference then moves its FP8 tensors through gloo as bytes, a type gloo lacks). The timing part (without
+``--skip-perf-test``) looks kernels up by DeepEP's names, which epcomm's kernels carry on the nvlink
+backend; on the reference backend (torch operations only) and for the internode combine it needs
+``--skip-perf-test`` (docs/v2.md, "Kernel names").
 """
 
 from __future__ import annotations

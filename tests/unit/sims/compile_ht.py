@@ -35,7 +35,7 @@ def main() -> None:
                                                 K_POW2=8), 4),
         (ht_layout._layout_kernel, COMMON, dict(K_POW2=8, RB=8, EB=32, TBR=64, TBE=128), 4),
     ] + [
-        (ht_receive._gather_kernel, GATHER, dict(gather, CACHED=cached, IS_PREFIX=cached, HAS_SCALES=True,
+        (ht_receive._dispatch_impl_kernel, GATHER, dict(gather, CACHED=cached, IS_PREFIX=cached, HAS_SCALES=True,
                                                  HAS_TOPK=not cached, PUSH=True, PUSH_TOPK=not cached),
          t["gather_warps"]) for cached in (False, True)
     ] + [

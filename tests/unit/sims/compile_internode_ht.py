@@ -47,7 +47,7 @@ def main() -> None:
         (ih._hn_prep_kernel, {"is_in_ptr": "*i8"}, dict(BLOCK=1024, R_POW2=8), 4),
         (ih._hn_notify_kernel, I64, dict(BLOCK=1024, CHECK=True, HAS_TIMER=True, SIM=True), 4),
         # one dispatch launch (every role: senders, forwarders, receivers); DSv3's shapes' constexprs
-        (ih._hd_kernel, dict(I64, rid_ptr="*i64", rw_ptr="*fp32"),
+        (ih._internode_dispatch_impl_kernel, dict(I64, rid_ptr="*i64", rw_ptr="*fp32"),
          dict(BLOCK=T["dispatch_block"], RB=T["dispatch_rb"], N_POW2=2, K_POW2=8, G_POW2=64, S_POW2=64,
               HAS_TIMER=True, SIM=True), T["dispatch_warps"]),
         # one combine launch (senders, relays, finals), with and without weights and biases
@@ -60,7 +60,7 @@ def main() -> None:
     # nodes of one rank (me, N) with chunks of 1 and one program a role; rank 1 of one node (P)
     for d_ones, c_ones in (({"me": 1, "N": 1, "CH": 1, "s_n": 1, "f_n": 1}, {"me": 1, "N": 1, "CH": 1, "r_n": 1}),
                            ({"me": 1, "P": 1, "f_n": 1, "v_n": 1}, {"me": 1, "P": 1, "s_n": 1, "f_n": 1})):
-        cases.append((ih._hd_kernel, cases[2][1], dict(cases[2][2], NSRC=1, SAVE=1, **d_ones), T["dispatch_warps"]))
+        cases.append((ih._internode_dispatch_impl_kernel, cases[2][1], dict(cases[2][2], NSRC=1, SAVE=1, **d_ones), T["dispatch_warps"]))
         cases.append((ihc._hc_kernel, cases[3][1], dict(cases[3][2], **c_ones), T["combine_warps"]))
     print("plan", len(cases))  # the test asks for one "ok" line each
     for fn, types, consts, w in cases:

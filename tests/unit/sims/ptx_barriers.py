@@ -119,7 +119,7 @@ def cases():
     # nodes of any size and of one rank (N=1: a constant)
     out += [(f"internode combine N={extra.get('N', 'any')}", ihc._hc_kernel, comb_types,
              dict(comb, HAS_W=True, NB=2, **extra), T["combine_warps"]) for extra in ({}, {"N": 1})]
-    out += [("internode dispatch", ih._hd_kernel, dict(cih.I64, rid_ptr="*i64", rw_ptr="*fp32"), disp,
+    out += [("internode dispatch", ih._internode_dispatch_impl_kernel, dict(cih.I64, rid_ptr="*i64", rw_ptr="*fp32"), disp,
              T["dispatch_warps"])]
     return out
 

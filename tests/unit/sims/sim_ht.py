@@ -115,7 +115,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
         stage_x = symm[me][dx:dx + R * d_slot].view(torch.int32)
         stage_k = symm[me][dk:dk + R * d_slot].view(torch.int64)
         stage_w = symm[me][dw:dw + R * d_slot].view(torch.float32)
-        ht._gather_kernel[(3,)](
+        ht._dispatch_impl_kernel[(3,)](
             s["x"].view(torch.int32), stage_w, s["topk"], s["w"], row_words, 0, K,
             s["counts"], R, me, R, me * L, L, s["toks"], s["src_lists"], s["src_lists"].stride(0), rows,
             stage_x, d_slot // 4, stage_w, d_slot // 4, stage_k, d_slot // 8, stage_w, d_slot // 4,
