@@ -49,12 +49,12 @@ class _Area:
         self.area = be.symm[self.area_off:self.area_off + r_ * slots * w].view(r_, slots, w)
 
 
-def transport_launch(n: int, w: int, num_sms: int, aligned: bool) -> tuple[tuple[int, int, int], dict]:
-    """``(grid, constexprs)`` of ``_combine_impl_kernel`` for ``n`` rows of ``w`` bytes: ``num_sms`` programs
-    (``PROGRAMS`` when 0), whatever ``n``: each waits for every peer's program 0 and the arrival counts every
+def transport_launch(w: int, num_sms: int, aligned: bool) -> tuple[tuple[int, int, int], dict]:
+    """``(grid, constexprs)`` of ``_combine_impl_kernel`` for rows of ``w`` bytes: ``num_sms`` programs
+    (``PROGRAMS`` when 0), whatever the number of rows: each waits for every peer's program 0 and the arrival counts every
     program of a call (``P``), so the grid is the call's ``num_sms`` and never depends on the rows.
 
-    Example: ``transport_launch(8192, 14368, 24, True) == ((24, 1, 1), dict(W=3592, RB=8, BLOCK=1024,
+    Example: ``transport_launch(14368, 24, True) == ((24, 1, 1), dict(W=3592, RB=8, BLOCK=1024,
     ALIGNED=True, HAS_TIMER=TIMER, num_warps=8))``."""
     return (num_sms or PROGRAMS, 1, 1), dict(W=w // 4, RB=RB, BLOCK=BLOCK, ALIGNED=aligned, HAS_TIMER=TIMER,
                                              num_warps=WARPS)
@@ -77,7 +77,7 @@ def return_rows(be, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: st
     if area is None:
         area = st[(slots, w)] = _Area(be, slots, w)
     r_, epoch, kern = be.num_ranks, st["epoch"], st["kernels"]
-    grid, consts = transport_launch(n, w, num_sms, area.aligned)
+    grid, consts = transport_launch(w, num_sms, area.aligned)
     programs = grid[0]
     rows = rows if n else area.flags  # (a placeholder: no row is read)
     kern.launch("_combine_impl_kernel", (w, slots, be._timeout_ns, rows.dtype, _aligned(rows), area.aligned), consts,

@@ -34,7 +34,7 @@ def vectors(text: str, op: str) -> int:
 
 
 def main() -> None:
-    _, consts = nvlink_v2.transport_launch(8192, 14368, 24, True)
+    _, consts = nvlink_v2.transport_launch(14368, 24, True)
     copy = [dict(ROW=14336, SRC_STRIDE=14336, SFB=0, SFBP=1, HAS_SF=False, HAS_W=True),
             dict(ROW=7168, SRC_STRIDE=7168, SFB=224, SFBP=256, HAS_SF=True, HAS_W=False)]
     print("plan", 1 + len(copy))
