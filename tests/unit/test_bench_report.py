@@ -190,3 +190,16 @@ def test_progress_off_a_terminal_writes_a_few_lines(capsys):
     assert len(lines) == 1 + 4, lines  # the message, then as each quarter is crossed: 17, 33, 49, 65 of 65
     assert [ln.split()[1] for ln in lines[1:]] == ["17/65", "33/65", "49/65", "65/65"]
 
+
+
+def test_a_gloo_peer_of_gpu_tensors_is_staged_whatever_the_group_calls_it():
+    """Ranks sharing a GPU run the peer on gloo for CUDA tensors: the group's name is "cpu:gloo,cuda:gloo"
+    (torch >= 2.11) or "gloo"; either way no speedup against it. NCCL for CUDA tensors is not staged,
+    and without GPUs nothing is."""
+    from epcomm.bench.report import staged_peer
+    gpu = {"gpu_count": 1}
+    assert staged_peer("cpu:gloo,cuda:gloo-a2a", gpu)
+    assert staged_peer("gloo-a2a", gpu)
+    assert not staged_peer("cpu:gloo,cuda:nccl-a2a", gpu)
+    assert not staged_peer("nccl-a2a", gpu)
+    assert not staged_peer("cpu:gloo,cuda:gloo-a2a", {"gpu_count": 0})

@@ -317,7 +317,10 @@ def merge_ranks(per_rank: list[list[dict]], *, env: dict, iters: int, warmup: in
 def staged_peer(peer_backend: str, env: dict) -> bool:
     """The peer baseline ran on gloo with GPU tensors (ranks sharing a GPU): every byte went through the
     host, so a ratio against it says nothing about the fast path (no speedup is reported)."""
-    return peer_backend.startswith("gloo") and bool(env.get("gpu_count"))
+    name = peer_backend.removesuffix("-a2a")
+    # a group's name is its one backend ("gloo", "nccl") or "device:backend" pairs ("cpu:gloo,cuda:gloo")
+    cuda = dict(p.split(":", 1) for p in name.split(",")).get("cuda", "") if ":" in name else name
+    return cuda == "gloo" and bool(env.get("gpu_count"))
 
 
 def _key_of_row(r: dict, backend: str) -> tuple:
