@@ -281,8 +281,8 @@ def cmd_bench(args) -> int:
         raise ValueError("--backend nvlink needs CUDA GPUs (this run is on CPU ranks)")
     num_sms, sweep = None, ()
     if args.api != "v1":
-        if args.cached or args.profile:
-            raise ValueError(f"--cached and --profile are V1 options (not with --api {args.api})")
+        if args.cached:
+            raise ValueError(f"--cached is a V1 option (not with --api {args.api})")
         sweep = tuple(args.num_sms or ())
     # V1's Buffer.set_num_sms: one even value (with --api both, a list sweeps V2 only and V1 keeps its default)
     if not v2 and args.num_sms is not None and (args.api == "v1" or len(args.num_sms) == 1):

@@ -297,3 +297,18 @@ def test_low_latency_rows_are_checked_as_timed_against_the_reference(how):
             assert r["check"] == "pass" and r["timed_check"].startswith("not checked: this backend's slots"), r
             assert report.timed_mark(r) == "NONE"
 
+
+
+def test_bench_profile_covers_elastic_buffer_ops(tmp_path, capsys):
+    """``epcomm bench --api v2 --profile DIR``: every V2 op (layout, sync choice, SM count in the name) gets
+    its host table, with ElasticBuffer's call among its functions, and its torch.profiler table, on each rank."""
+    from epcomm.bench.v2 import v2_ops
+
+    prof = tmp_path / "prof"
+    rc = cli.main(["bench", "--api", "v2", "--cases", "small", "--world-size", "2", "--device", "cpu",
+                   "--iters", "2", "--warmup", "0", "--sets", "2", "--no-progress", "--profile", str(prof)])
+    assert rc == 0, capsys.readouterr().out
+    host = sorted(prof.glob("v2_*.host.txt"))
+    assert len(host) == len(sorted(prof.glob("v2_*.torch.txt"))) == 2 * len(v2_ops()), [p.name for p in host]
+    table = (prof / "v2_small_T_64_combine-bf16_contiguous_no-sync_sms_20_reference.rank1.host.txt").read_text()
+    assert "host time per call" in table and re.search(r"elastic\.py:\d+\(combine\)", table), table

@@ -231,6 +231,11 @@ def run_v2_case(ctx, plan, case: BenchCase, buf, ref, sms_sweep: tuple[int, ...]
                             use_graphs=use_graphs)
                 if use_graphs and m.method != "graph":
                     continue  # the capture failed (logged): the eager row stands alone
+                if plan.profile and not use_graphs:
+                    from .profile import profile_op
+
+                    profile_op(top, f"{label} {name}", num_sets=plan.sets, iters=plan.iters, group=group, device=dev,
+                               rank=ctx.rank, out_dir=plan.profile)
                 out.append({"case": dataclasses.asdict(case), "backend": name, "op": op.op, "dtype": op.dtype,
                             "phase": "total", "logical_bytes": None, "link_bytes": None, "link_counting": None,
                             "sms": sms,
