@@ -152,6 +152,16 @@ def launch_cached(fn: Callable, world_size: int):
     return _launch(fn, world_size)
 
 
+@functools.cache
+def launch_gloo_once(fn: Callable, world_size: int, *args, timeout_s: float = LAUNCH_TIMEOUT_S):
+    """``fn(ctx, *args)`` on ``world_size`` CPU processes on gloo whatever this run's transport (checks on
+    simulated devices), once per pytest session: its result (or ``RankError``) for ``report``."""
+    try:
+        return parallel_launch(world_size, fn, *args, timeout_s=timeout_s, backend="gloo")
+    except RankError as e:
+        return e
+
+
 def report(outcome, name: str) -> None:
     """Turn one check's per-rank results into a pytest pass / fail / skip."""
     if isinstance(outcome, BaseException):

@@ -6,32 +6,58 @@ budget, with a rank that sends nothing and a hot expert, over the copy-engine pa
 copies), the SM push, and the tuning variants. Low-latency: BF16 / FP8 / UE8M0 dispatch, hook,
 zero-copy and out= combine. A rank that never arrives gives the deadline error. GPU memory
 ordering, the copy engine itself and CUDA graphs are tier 3's.
+
+All checks of a world size (2, and 3 for the rank loops) run in one launch of CPU processes, each with
+its own settings, and are reported one test each (``harness.launch_gloo_once``).
 """
+import contextlib
 import importlib.util
 import os
 import uuid
 
+import harness
 import pytest
-
-from epcomm.testing.launcher import parallel_launch
 
 # (not importorskip: the ranks must set TRITON_INTERPRET before anything imports Triton)
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
 
 
-def _setup(ctx, tag, env=None, tune=None):
+def _setup(ctx, tag):
+    """Once per rank process: the interpreter, the stand-ins and the shared symmetric memory."""
     from epcomm.testing import cpu_nvlink
 
-    os.environ.update(env or {})
     cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
-    from epcomm.backends import nvlink_params
-
-    nvlink_params.TUNE.update(tune or {})
     return cpu_nvlink
 
 
-def _ht(ctx, tag, env, tune):
-    cpu_nvlink = _setup(ctx, tag, env, tune)
+@contextlib.contextmanager
+def _variant(env=None, tune=None):
+    """One check's settings in this rank: ``env`` (read when a Buffer is built) and ``tune`` (entries of
+    the launch table), all put back afterwards (with ``EPCOMM_TUNE``'s effect on both tables and
+    ``Buffer.num_sms``), so the checks that share a launch see what a fresh process would."""
+    from epcomm import Buffer
+    from epcomm.backends import nvlink_ll, nvlink_params
+
+    saved_env = {k: os.environ.get(k) for k in (*(env or {}), "EPCOMM_HT_TRANSFER", "EPCOMM_TUNE")}
+    tables = [(t, dict(t)) for t in (nvlink_params.TUNE, nvlink_ll.TUNE)]
+    sms = Buffer.num_sms
+    os.environ.update(env or {})
+    nvlink_params.TUNE.update(tune or {})
+    try:
+        yield
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for t, before in tables:
+            t.clear()
+            t.update(before)
+        Buffer.num_sms = sms
+
+
+def _ht(ctx, cpu_nvlink):
     from epcomm import Buffer
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
@@ -39,6 +65,8 @@ def _ht(ctx, tag, env, tune):
     ref = Buffer(ctx.group)
     fast = cpu_nvlink.nvlink_buffer(ctx.group, num_nvl_bytes=32 << 20)
     assert fast.backend_name == "nvlink" and ref.backend_name == "reference"
+    transfer = os.environ.get("EPCOMM_HT_TRANSFER", "sm")
+    assert fast._backend.transfer == transfer, (fast._backend.transfer, transfer)  # the variant took effect
     r = ctx.world_size
     cases = [Case(num_ranks=r, tokens=tuple(5 + 3 * i for i in range(r)), hidden=128, num_topk=4,
                   num_experts=4 * r, seed=1),
@@ -49,23 +77,21 @@ def _ht(ctx, tag, env, tune):
         for fp8 in (False, True):
             out.append(G.check_ht_case(ref, fast, case, ctx.rank, fp8, with_bias=not fp8))
         out.append(G.check_ht_case(ref, fast, case, ctx.rank, False, worst=sum(case.tokens) + 3))
+    assert len(out) == 6 and any(o["n"] > 0 for o in out), out  # this rank received rows
     return [o["n"] for o in out]
 
 
-@pytest.mark.parametrize("env,tune", [
-    ({}, {}),  # the copy-engine path (copies are plain CPU copies here), NC chunks
-    ({"EPCOMM_HT_TRANSFER": "sm"}, {"push_rb": 2, "push_block": 64}),  # the SM push, several tiles per row
-    ({}, {"ce_chunks": 1, "gather_one_load": True, "gather_rb": 4, "gather_prefetch": True,  # tuning variants
-          "notify_first": True}),
-    ({"EPCOMM_TUNE": "ce_flag=copy,ce_chunks=2"}, {}),  # flags raised by copies of their value
-], ids=["copy-engine", "sm-push", "variants", "copy-flag"])
-def test_nvlink_high_throughput_on_cpu_processes(env, tune):
-    res = parallel_launch(2, _ht, uuid.uuid4().hex[:12], env, tune, backend="gloo", timeout_s=300)
-    assert all(len(r) == 6 for r in res) and any(n > 0 for r in res for n in r)
+CE = {"EPCOMM_HT_TRANSFER": "ce"}  # eager calls by the copy engine (the default is the SM push)
+HT_VARIANTS = {
+    "copy-engine": (CE, {}),  # the copy-engine path (copies are plain CPU copies here), NC chunks
+    "sm-push": ({"EPCOMM_HT_TRANSFER": "sm"}, {"push_rb": 2, "push_block": 64}),  # the SM push, several tiles a row
+    "variants": (CE, {"ce_chunks": 1, "gather_one_load": True, "gather_rb": 4, "gather_prefetch": True,  # tuning
+                      "notify_first": True}),
+    "copy-flag": ({**CE, "EPCOMM_TUNE": "ce_flag=copy,ce_chunks=2"}, {}),  # flags raised by copies of their value
+}
 
 
-def _ll(ctx, tag, env=None):
-    cpu_nvlink = _setup(ctx, tag, env)
+def _ll(ctx, cpu_nvlink):
     from epcomm import Buffer
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
@@ -86,20 +112,17 @@ def _ll(ctx, tag, env=None):
     ref = Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
     fast = cpu_nvlink.nvlink_buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
     out.append(G.check_ll_case(ref, fast, case, ctx.rank, m, use_fp8=False))
-    return len(out)
+    assert len(out) == 6, out
 
 
-@pytest.mark.parametrize("env", [{}, {"EPCOMM_TUNE": "ll.fused_dispatch=0,ll.fused_combine=0,ll.local_ticket=0"}],
-                         ids=["one-kernel-per-op", "separate-kernels"])
-def test_nvlink_low_latency_on_cpu_processes(env):
-    assert parallel_launch(2, _ll, uuid.uuid4().hex[:12], env, backend="gloo", timeout_s=300) == [6, 6]
+LL_VARIANTS = {"one-kernel-per-op": {},
+               "separate-kernels": {"EPCOMM_TUNE": "ll.fused_dispatch=0,ll.fused_combine=0,ll.local_ticket=0"}}
 
 
-def _ll_repeats(ctx, tag):
+def _ll_repeats(ctx, cpu_nvlink):
     """Repeated low-latency calls take the Buffer's repeat path (the launches made by the first call of
     their kind, no checks) and stay right; a call that differs in anything but its tensors' values is
     checked again."""
-    cpu_nvlink = _setup(ctx, tag)
     import torch
 
     from epcomm import Buffer
@@ -141,28 +164,10 @@ def _ll_repeats(ctx, tag):
     for l_, n in enumerate(b[1].tolist()):
         assert torch.equal(rows_a[l_].view(torch.int16), b[0][l_, :n].view(torch.int16))
     assert firsts[5:] == ["_ll_dispatch_first", "_ll_dispatch_first"], firsts
-    return len(firsts)
+    assert len(firsts) == 7, firsts
 
 
-def test_low_latency_repeats_on_cpu_processes():
-    assert parallel_launch(2, _ll_repeats, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [7, 7]
-
-
-def test_three_ranks_on_cpu_processes():
-    """Three ranks (non-power-of-two rank loops and masks; found a misaligned staging view and the
-    UE8M0 unpack of a one-row expert)."""
-    res = parallel_launch(3, _ht, uuid.uuid4().hex[:12], {}, {}, backend="gloo", timeout_s=300)
-    assert all(len(r) == 6 for r in res)
-    # the SM transfer (the gather kernel pushes to two peers)
-    res = parallel_launch(3, _ht, uuid.uuid4().hex[:12], {"EPCOMM_HT_TRANSFER": "sm"}, {}, backend="gloo",
-                          timeout_s=300)
-    assert all(len(r) == 6 for r in res)
-    # (copy-engine flags by copy, off by default, and the LL roles as separate kernels run at 2 ranks only)
-    assert parallel_launch(3, _ll, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [6, 6, 6]
-
-
-def _absent(ctx, tag):
-    cpu_nvlink = _setup(ctx, tag)
+def _absent(ctx, cpu_nvlink):
     from epcomm.backends.base import PeerTimeoutError
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
@@ -171,23 +176,18 @@ def _absent(ctx, tag):
     case = Case(num_ranks=ctx.world_size, tokens=(8,) * ctx.world_size, hidden=128, num_topk=2, num_experts=4)
     xin, x, topk, w = G.device_inputs(case, ctx.rank, fast.device)
     if ctx.rank == 1:
-        return "absent"  # never dispatches
+        return  # never dispatches
     try:
         G._dispatch(fast, xin, topk, w, case.num_experts)
     except PeerTimeoutError as e:
-        return str(e)
+        assert "rank 1" in str(e) and "dispatch" in str(e), str(e)
+        return
     raise AssertionError("a dispatch without its peer did not raise")
 
 
-def test_a_rank_that_never_arrives_gives_the_deadline_error():
-    res = parallel_launch(2, _absent, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
-    assert "rank 1" in res[0] and "dispatch" in res[0], res[0]
-
-
-def _device_side_errors(ctx, tag):
+def _device_side_errors(ctx, cpu_nvlink):
     """Errors the nvlink backend finds on the device: an expert id out of range (at the dispatch's
     own synchronisation; with num_worst_tokens at the next call) and num_worst_tokens too small."""
-    cpu_nvlink = _setup(ctx, tag)
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
 
@@ -230,42 +230,32 @@ def _device_side_errors(ctx, tag):
         seen.append("overflow: none")
     except RuntimeError as err:
         seen.append(f"overflow: {err}")
-    return seen
+    if ctx.rank == 0:
+        assert seen[0] == "eager: topk_idx holds expert id 11, outside [-1, 4) for num_experts=4", seen
+        assert seen[1].startswith("worst: topk_idx holds expert id 11, outside [-1, 4)"), seen
+    else:
+        assert seen[0] == "eager: none", seen
+    assert seen[-1].startswith(f"overflow: epcomm rank {ctx.rank}: num_worst_tokens=1 but "), seen
 
 
-def test_device_side_input_errors_on_cpu_processes():
-    res = parallel_launch(2, _device_side_errors, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
-    assert res[0][0] == "eager: topk_idx holds expert id 11, outside [-1, 4) for num_experts=4", res[0]
-    assert res[1][0] == "eager: none"
-    assert res[0][1].startswith("worst: topk_idx holds expert id 11, outside [-1, 4)"), res[0]
-    for r, seen in enumerate(res):
-        assert seen[-1].startswith(f"overflow: epcomm rank {r}: num_worst_tokens=1 but "), seen
-
-
-def _stress(ctx, tag):
-    """Many calls with changing routings and sizes: counters, parities and flag levels across calls."""
-    cpu_nvlink = _setup(ctx, tag)
+def _stress(ctx, cpu_nvlink):
+    """Many calls with changing routings and sizes: counters, parities and flag levels across calls
+    (6 pairs each: both parities three times, hot experts and drops change every call)."""
     from epcomm import Buffer
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
 
     ref, fast = Buffer(ctx.group), cpu_nvlink.nvlink_buffer(ctx.group, num_nvl_bytes=64 << 20)
-    G.check_ht_stress(fast, ref, ctx.rank, ctx.world_size, iters=12)  # full checks at 0 and 11
+    G.check_ht_stress(fast, ref, ctx.rank, ctx.world_size, iters=6)  # full checks at 0 and 5
     r, m = ctx.world_size, 8
     case = Case(num_ranks=r, tokens=(m,) * r, hidden=256, num_topk=4, num_experts=4 * r, seed=5)
     hint = Buffer.get_low_latency_rdma_size_hint(m, case.hidden, r, case.num_experts)
     llr = Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
     llf = cpu_nvlink.nvlink_buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
-    G.check_ll_stress(llr, llf, case, ctx.rank, m, iters=12)
-    return "ok"
+    G.check_ll_stress(llr, llf, case, ctx.rank, m, iters=6)  # BF16 and FP8 in turn, full checks at 0 and 5
 
 
-def test_stress_on_cpu_processes():
-    assert parallel_launch(2, _stress, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == ["ok", "ok"]
-
-
-def _ll_faults(ctx, tag, what):
-    cpu_nvlink = _setup(ctx, tag)
+def _ll_faults(ctx, cpu_nvlink, what):
     import torch
 
     from epcomm import Buffer
@@ -283,13 +273,14 @@ def _ll_faults(ctx, tag, what):
             buf.low_latency_dispatch(x, topk, m, e)
             buf.low_latency_dispatch(x, topk, m, e)  # the error surfaces at the next call
         except ValueError as err:
-            return str(err)
-        return "no error"
+            assert "num_max_dispatch_tokens_per_rank differs" in str(err) and "8 on rank 0" in str(err), str(err)
+            return
+        raise AssertionError("M differing across ranks raised nothing")
     # shrink: rank 1 never calls; rank 0 masks it at the deadline and carries on
     buf = cpu_nvlink.nvlink_buffer(ctx.group, spins=3e3, num_rdma_bytes=hint, low_latency_mode=True,
                                    enable_shrink=True)
     if ctx.rank == 1:
-        return "absent"
+        return  # absent
     rx, cnt, handle, _, _ = buf.low_latency_dispatch(x, topk, 8, e, use_fp8=False)
     out, _, _ = buf.low_latency_combine(rx, topk, w, handle)
     status = torch.zeros(r, dtype=torch.int32)
@@ -302,20 +293,12 @@ def _ll_faults(ctx, tag, what):
     assert_within_budget(out, x.double() * (w.double() * mine.double()).sum(1, keepdim=True),
                          x.double().abs() * (w.double().abs() * mine.double()).sum(1, keepdim=True),
                          2 * case.num_topk, "combine without the masked rank", extra_rel=2.0 ** -8)
-    return status.tolist()
+    assert status.tolist() == [0, 1], status
 
 
-def test_low_latency_faults_on_cpu_processes():
-    res = parallel_launch(2, _ll_faults, uuid.uuid4().hex[:12], "m-differs", backend="gloo", timeout_s=300)
-    assert all("num_max_dispatch_tokens_per_rank differs" in r and "8 on rank 0" in r for r in res), res
-    res = parallel_launch(2, _ll_faults, uuid.uuid4().hex[:12], "shrink", backend="gloo", timeout_s=300)
-    assert res[0] == [0, 1], res
-
-
-def _edges(ctx, tag):
+def _edges(ctx, cpu_nvlink):
     """No tokens anywhere, top-1, top-32 with drops, a hidden size that is not a multiple of 128, 2 and
     4 SMs (grids of one or two programs), expert_alignment, a combine with one bias tensor."""
-    cpu_nvlink = _setup(ctx, tag)
     import torch
 
     from epcomm import Buffer
@@ -343,9 +326,47 @@ def _edges(ctx, tag):
     ro, _, _ = ref.combine(rr[0], rr[4], bias=b)
     fo, _, _ = fast.combine(fr[0], fr[4], bias=b)
     G._combine_check(fo, ro, ref, rr[0], rr[4], "combine with one bias", bias=(b,))
-    return fr[3]
 
 
-def test_edge_cases_on_cpu_processes():
-    res = parallel_launch(2, _edges, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
-    assert len(res) == 2
+# Every check of a world size runs in one launch (a launch costs seconds of process start and imports), in
+# this order, each in its own settings (``_variant``); each is reported as its own test. The fault checks
+# come last: the ranks leave them at different times. A failed check stops its rank: later ones report
+# "not run".
+TWO_RANKS = [
+    *((f"high-throughput[{k}]", _ht, {}, env, tune) for k, (env, tune) in HT_VARIANTS.items()),
+    *((f"low-latency[{k}]", _ll, {}, env, {}) for k, env in LL_VARIANTS.items()),
+    ("low-latency-repeats", _ll_repeats, {}, {}, {}),
+    ("edge-cases", _edges, {}, {}, {}),
+    ("stress", _stress, {}, {}, {}),
+    ("device-side-input-errors", _device_side_errors, {}, {}, {}),
+    ("a-rank-that-never-arrives-gives-the-deadline-error", _absent, {}, {}, {}),
+    ("low-latency-m-differs", _ll_faults, {"what": "m-differs"}, {}, {}),
+    ("low-latency-shrink", _ll_faults, {"what": "shrink"}, {}, {}),
+]
+# Three ranks: non-power-of-two rank loops and masks (found a misaligned staging view and the UE8M0 unpack
+# of a one-row expert); both HT transfers (the SM gather kernel pushes to two peers). Copy-engine flags by
+# copy, the tuning variants and the LL roles as separate kernels run at 2 ranks only.
+THREE_RANKS = [
+    ("high-throughput[copy-engine]", _ht, {}, CE, {}),
+    ("high-throughput[sm-push]", _ht, {}, {"EPCOMM_HT_TRANSFER": "sm"}, {}),
+    ("low-latency", _ll, {}, {}, {}),
+]
+CHECKS = {2: TWO_RANKS, 3: THREE_RANKS}
+TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
+
+
+def _rank(ctx, tag):
+    cpu_nvlink = _setup(ctx, tag)
+
+    def one(fn, kw, env, tune):
+        def run(ctx):
+            with _variant(env, tune):
+                fn(ctx, cpu_nvlink, **kw)
+        return run
+
+    return harness.run_checks(ctx, [(name, one(*rest)) for name, *rest in CHECKS[ctx.world_size]], env={})
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w, checks in CHECKS.items() for n, *_ in checks])
+def test_nvlink_on_cpu_processes(world, name):
+    harness.report(harness.launch_gloo_once(_rank, world, TAG, timeout_s=600), name)
