@@ -29,25 +29,20 @@ the interpreter, the NVSHMEM device calls simulated — on CPU processes in virt
   block's puts and its count the relay reads poisoned rows, without the relay's the final sum is NaN.
 
 NVSHMEM itself is tier 3's (``tests/gpu/test_internode_nvshmem.py``). Shapes are tiny: the interpreter
-runs every program in Python.
+runs every program in Python. All checks of a world size (2, 4) run in one launch, one test each.
 """
 import importlib.util
 import os
 import uuid
 
+import harness
 import pytest
-
-from epcomm.testing.launcher import parallel_launch
 
 # (not importorskip: the ranks must set TRITON_INTERPRET before anything imports Triton)
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
 
 
-def _ht(ctx, tag, gpus_per_node, full=True):
-    os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
-    from epcomm.testing import cpu_nvlink
-
-    cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
+def _ht(ctx, gpus_per_node, full=True):
     import torch
 
     from epcomm import Buffer
@@ -97,7 +92,7 @@ def _ht(ctx, tag, gpus_per_node, full=True):
                             worst=sum(big.tokens) + 3, configs=cfgs)
     if not full:
         cpu_internode.check_delivery()
-        return sent
+        return _check_sent(ctx, sent)
     # combines in a row on one handle (the combine areas alternate by the device's count of combines): each
     # call its own expert outputs, each against the reference's combine of them (a combine that read an
     # earlier call's area would return that call's sums)
@@ -159,7 +154,23 @@ def _ht(ctx, tag, gpus_per_node, full=True):
     else:
         raise AssertionError("num_worst_tokens=2 was accepted")
     cpu_internode.check_delivery()
-    return sent
+    return _check_sent(ctx, sent)
+
+
+def _check_sent(ctx, sent):
+    """One message per (token, destination node); at two nodes of two, some token went to two ranks of one
+    node (summed over the ranks: else the case would not show the hierarchy)."""
+    import torch
+    import torch.distributed as dist
+
+    fewer = 0
+    for per_node_sent, per_node_layout, pairs in sent:
+        assert per_node_sent == per_node_layout, sent
+        fewer += sum(per_node_sent) < pairs
+    if int(os.environ["EPCOMM_GPUS_PER_NODE"]) > 1:
+        total = torch.tensor([fewer])
+        dist.all_reduce(total, group=ctx.group)
+        assert int(total) > 0, "no token went to two ranks of one node: the case does not show the hierarchy"
 
 
 def _check_free_words(buf, rank):
@@ -185,32 +196,7 @@ def _check_free_words(buf, rank):
     assert dc > 0 and cc > 0 and got == want, (rank, dc, cc, got)
 
 
-def test_internode_high_throughput_two_virtual_nodes():
-    res = parallel_launch(2, _ht, uuid.uuid4().hex[:12], 1, backend="gloo", timeout_s=300)
-    for sent in res:
-        for per_node_sent, per_node_layout, pairs in sent:
-            assert per_node_sent == per_node_layout, sent  # nodes of one rank: one message per (token, rank)
-
-
-def test_internode_high_throughput_four_nodes_of_one():
-    """Four nodes of one rank: nothing forwarded, the relay's rows go as BF16, three remote nodes a rank."""
-    res = parallel_launch(4, _ht, uuid.uuid4().hex[:12], 1, False, backend="gloo", timeout_s=300)
-    for sent in res:
-        for per_node_sent, per_node_layout, pairs in sent:
-            assert per_node_sent == per_node_layout, sent
-
-
-def test_internode_high_throughput_four_ranks_in_two_nodes():
-    res = parallel_launch(4, _ht, uuid.uuid4().hex[:12], 2, backend="gloo", timeout_s=300)
-    fewer = 0
-    for sent in res:
-        for per_node_sent, per_node_layout, pairs in sent:
-            assert per_node_sent == per_node_layout, sent
-            fewer += sum(per_node_sent) < pairs
-    assert fewer > 0, "no token went to two ranks of one node: the case does not show the hierarchy"
-
-
-def _slow_peer(ctx, tag, gpus_per_node):
+def _slow_peer(ctx, gpus_per_node):
     """The last rank starts each of its dispatch and combine launches late (its host sleeps 0.5 s first,
     more than a whole call of the others takes here, ~0.2 s): the others' consumers reach every chunk
     before it is sent, so each must wait for its rows (one that read what its counter does not yet count
@@ -218,10 +204,6 @@ def _slow_peer(ctx, tag, gpus_per_node):
     Two nodes of one (the network's consumers: forwarder, final) or one node of two (the node's: receiver,
     relay): BF16 with bias and top-k, FP8 with num_worst_tokens, a cached dispatch, and a config of 2 SMs
     (one channel of several blocks and chunks)."""
-    os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
-    from epcomm.testing import cpu_nvlink
-
-    cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
     import time
 
     from epcomm import Buffer, Config
@@ -245,25 +227,14 @@ def _slow_peer(ctx, tag, gpus_per_node):
     G.check_ht_case(ref, fast, Case(**{**case.__dict__, "seed": 42}), ctx.rank, True, worst=sum(case.tokens),
                     configs=cfgs)
     cpu_internode.check_delivery()
-    return "ok"
 
 
-@pytest.mark.parametrize("gpus_per_node", [1, 2], ids=["two-nodes-of-one", "one-node-of-two"])
-def test_internode_high_throughput_slow_peer(gpus_per_node):
-    assert parallel_launch(2, _slow_peer, uuid.uuid4().hex[:12], gpus_per_node, backend="gloo",
-                           timeout_s=300) == ["ok"] * 2
-
-
-def _absent_relay(ctx, tag, gpus_per_node):
+def _absent_relay(ctx, gpus_per_node):
     """The last rank joins the layout exchange of a dispatch but never runs its kernels. Two nodes of one
     rank: rank 0's receive waits for its send (the gather reads what node 1's rank put, nothing is
     forwarded) and gives up. Two nodes of two (rank 3 absent): rank 1, its relay in node 0, waits for its
     send in the forward, and rank 2, its node's peer, waits for its forward in the gather; both give up
     naming rank 3 (rank 0, whose relays are ranks 0 and 1, may wait on rank 1 meanwhile)."""
-    os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
-    from epcomm.testing import cpu_nvlink
-
-    cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
     from epcomm.backends.base import PeerTimeoutError
     from epcomm.testing import cpu_internode
     from epcomm.testing import gpu_cases as G
@@ -280,23 +251,50 @@ def _absent_relay(ctx, tag, gpus_per_node):
         try:
             G._dispatch(fast, xin, topk, w, case.num_experts)
         except RuntimeError as e:
-            return str(e)
+            assert str(e) == f"rank {last} stops after the notify", e
+            return
+        raise AssertionError("the absent rank's dispatch did not stop")
     try:
         G._dispatch(fast, xin, topk, w, case.num_experts)
     except PeerTimeoutError as e:
-        return str(e)
-    return "no error"
+        if r == 2 or ctx.rank in (1, 2):
+            assert f"rank {last}" in str(e) and "dispatch/receive-data" in str(e), (ctx.rank, str(e))
+        else:  # rank 0 (whose relays are ranks 0 and 1) may wait on rank 1 meanwhile
+            assert "dispatch/receive-data" in str(e), (ctx.rank, str(e))
+        return
+    assert r == 4 and ctx.rank == 0, f"rank {ctx.rank}: no error"
 
 
-def test_internode_high_throughput_deadline():
-    res = parallel_launch(2, _absent_relay, uuid.uuid4().hex[:12], 1, backend="gloo", timeout_s=300)
-    assert res[1] == "rank 1 stops after the notify"
-    assert "rank 1" in res[0] and "dispatch/receive-data" in res[0], res[0]
+# Every check of a world size runs in one launch (a launch costs seconds of process start and imports), in
+# this order, each with its own EPCOMM_GPUS_PER_NODE (read when a Buffer is built), and is reported as its
+# own test; the deadline checks come last (the ranks leave them at different times). A failed check stops
+# its rank: later ones report "not run".
+CHECKS = {
+    2: [("two-virtual-nodes", _ht, 1, {}),  # nodes of one rank: one message per (token, rank)
+        ("slow-peer[two-nodes-of-one]", _slow_peer, 1, {}),
+        ("slow-peer[one-node-of-two]", _slow_peer, 2, {}),
+        ("deadline", _absent_relay, 1, {})],
+    4: [("four-nodes-of-one", _ht, 1, {"full": False}),  # nothing forwarded, the relay's rows go as BF16,
+        ("four-ranks-in-two-nodes", _ht, 2, {}),             # three remote nodes a rank
+        ("deadline-two-nodes-of-two", _absent_relay, 2, {})],
+}
+TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 
-def test_internode_high_throughput_deadline_two_nodes_of_two():
-    res = parallel_launch(4, _absent_relay, uuid.uuid4().hex[:12], 2, backend="gloo", timeout_s=300)
-    assert res[3] == "rank 3 stops after the notify"
-    for r in (1, 2):
-        assert "rank 3" in res[r] and "dispatch/receive-data" in res[r], (r, res[r])
-    assert res[0] == "no error" or "dispatch/receive-data" in res[0], res[0]
+def _rank(ctx, tag):
+    from epcomm.testing import cpu_nvlink
+
+    cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
+
+    def one(fn, gpus_per_node, kw):
+        def run(ctx):
+            os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
+            fn(ctx, gpus_per_node, **kw)
+        return run
+
+    return harness.run_checks(ctx, [(name, one(*rest)) for name, *rest in CHECKS[ctx.world_size]], env={})
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w, checks in CHECKS.items() for n, *_ in checks])
+def test_internode_high_throughput_on_cpu_processes(world, name):
+    harness.report(harness.launch_gloo_once(_rank, world, TAG, timeout_s=600), name)
