@@ -302,6 +302,8 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
         stuck = [r for r in range(world_size)
                  if r not in out and r not in errors and r not in skips and procs[r].is_alive()]
         stacks = _dump_stacks(procs, stuck, init_file)
+        for r in stuck:  # their stacks are taken: waiting for them to end would only wait
+            procs[r].kill()
         for p in procs:
             p.join(timeout=5.0)
             if p.is_alive():
