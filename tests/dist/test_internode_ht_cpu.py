@@ -72,7 +72,9 @@ def _ht(ctx, gpus_per_node, full=True):
         npos = fast._backend._ht.last_npos
         _, per_node, _, in_rank, _ = fast.get_dispatch_layout(G.device_inputs(case, ctx.rank, "cpu")[2],
                                                               case.num_experts)
-        sent.append(((npos >= 0).sum(0).tolist(), per_node.tolist(), int(in_rank.sum())))
+        # (one node: the layout has no per-node count; every token that goes anywhere goes to it once)
+        per_node = per_node.tolist() if per_node is not None else [int(in_rank.any(1).sum())]
+        sent.append(((npos >= 0).sum(0).tolist(), per_node, int(in_rank.sum())))
     # Config's RDMA chunk (rows per put across nodes; dispatch and combine apart) and num_sms (programs
     # per launch): one row a put, and chunks that split the rows unevenly. The second runs 33+ tokens a
     # rank in one channel (2 programs: one sender, one forwarder and receiver): blocks of TUNE's 16 rows,
@@ -271,6 +273,7 @@ def _absent_relay(ctx, gpus_per_node):
 # its rank: later ones report "not run".
 CHECKS = {
     2: [("two-virtual-nodes", _ht, 1, {}),  # nodes of one rank: one message per (token, rank)
+        ("one-node-of-two", _ht, 2, {}),     # no sender: forwarders store to the peer, receivers unpack
         ("slow-peer[two-nodes-of-one]", _slow_peer, 1, {}),
         ("slow-peer[one-node-of-two]", _slow_peer, 2, {}),
         ("deadline", _absent_relay, 1, {})],
