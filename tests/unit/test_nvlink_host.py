@@ -37,7 +37,27 @@ def test_copy_engine_chunks(monkeypatch):
 
 
 def test_layout_kernel_launch():
-    """The layout kernel's programs: up to 8 ranks each, then up to 32 experts each (kernels/ht_layout.py)."""
-    assert nv.layout_launch(8, 256, 2) == (9, 1, dict(K_POW2=8, RB=2, EB=32, TBR=256, TBE=128))
-    grid, nr, c = nv.layout_launch(3, 24, 12)  # 12 ranks: two rank programs; 24 experts: one
-    assert (grid, nr, c["RB"], c["EB"], c["K_POW2"]) == (3, 2, 8, 32, 4)
+    """The layout kernel's groups: up to 8 ranks each, then up to 32 experts each (kernels/ht_layout.py);
+    the rank programs' tile divides the expert programs' (a chunk is a multiple of both)."""
+    assert nv.layout_launch(8, 256, 2) == (9, 1, dict(K_POW2=8, RB=2, EB=32, TBR=128, TBE=128, CP2=32))
+    ng, nr, c = nv.layout_launch(3, 24, 12)  # 12 ranks: two rank groups; 24 experts: one
+    assert (ng, nr, c["RB"], c["EB"], c["K_POW2"], c["TBR"], c["TBE"]) == (3, 2, 8, 32, 4, 128, 256)
+    for k in range(1, 33):
+        for r_ in range(1, 17):
+            c = nv.layout_launch(k, 8 * r_, r_)[2]
+            assert c["TBE"] % c["TBR"] == 0 and c["TBR"] * c["K_POW2"] * c["RB"] <= 4096, (k, r_, c)
+
+
+def test_layout_kernel_chunking():
+    """Token chunks of the layout kernel per call: a multiple of the expert tile, at most CP2 of them, at
+    least one (no tokens: one empty chunk, which writes the zero counts), together just covering T."""
+    from epcomm.kernels.ht_layout import chunking
+
+    assert chunking(4096, 128, 32) == (32, 128)  # DeepSeek-V3 (K = 8): 32 chunks of one tile
+    assert chunking(5000, 128, 32) == (20, 256)
+    assert chunking(0, 128, 32) == chunking(1, 128, 32) == chunking(128, 128, 32) == (1, 128)
+    assert chunking(129, 128, 32) == (2, 128)
+    for t in range(0, 20000, 37):
+        nch, s = chunking(t, 64, 32)
+        assert 1 <= nch <= 32 and s % 64 == 0 and (nch - 1) * s < max(t, 1) <= nch * s, (t, nch, s)
+        assert s == 64 or 32 * (s - 64) < t, (t, nch, s)  # the smallest multiple of the tile that does

@@ -27,6 +27,7 @@ import dataclasses
 
 import torch
 
+from ..kernels.ht_layout import chunking, scratch_words
 from ..kernels.launch import Direct
 from ..layout import DispatchHandle
 from .base import DispatchArgs, DispatchResult, bad_expert_id
@@ -285,17 +286,28 @@ class HTDispatch:
         return run(topk, t)
 
     def _make_layout(self, k: int, e: int):
+        """The layout kernel's run for top-k ``k`` and ``e`` experts: ``run(topk, t)``, one launch on
+        ``chunks * ng`` programs (``kernels/ht_layout.py``) with a scratch of its own, zeroed once (its
+        tickets reset themselves). Made while a graph is captured, that zeroing is a node of the graph, run
+        at its replays only: such a plan serves one call and leaves the plans (the next makes another)."""
         r_, dev = self.num_ranks, self.device
-        grid, nr, consts = layout_launch(k, e, r_)
+        ng, nr, consts = layout_launch(k, e, r_)
+        tbe, cp2 = consts["TBE"], consts["CP2"]
+        scratch = torch.zeros(scratch_words(ng, cp2, r_, e), dtype=torch.int32, device=dev)
+        captured = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        part, tickets = scratch[:cp2 * (r_ + e)], scratch[cp2 * (r_ + e):]
         p = self.k["_layout_kernel"].prepared((k, e), dict(consts, num_warps=4))
-        go = _Launch(Direct(p, (None, None, k, e, e // r_, r_, None, None, None, nr), (0, 1, 6, 7, 8)),
-                     (None, None, None, None, _bools))
+        go = _Launch(Direct(p, (None, None, None, k, e, e // r_, r_, None, None, None, part, tickets, nr, ng),
+                            (0, 1, 2, 7, 8, 9)), (None, None, None, None, None, _bools))
 
         def run(topk, t):
             per_rank = torch.empty(r_, dtype=torch.int32, device=dev)
             per_expert = torch.empty(e, dtype=torch.int32, device=dev)
             in_rank = torch.empty(t, r_, dtype=torch.bool, device=dev)
-            go(grid, topk, t, per_rank, per_expert, in_rank)
+            nch, s = chunking(t, tbe, cp2)
+            go(nch * ng, topk, t, s, per_rank, per_expert, in_rank)
+            if captured:
+                self._plans.pop(("l", k, e), None)
             return per_rank, per_expert, in_rank
 
         return run

@@ -129,16 +129,19 @@ def _host_counts(vals, r_: int, lx: int, me: int, alignment: int):
 
 
 def layout_launch(k: int, e: int, r_: int) -> tuple[int, int, dict]:
-    """The layout kernel's grid, its number of rank programs and its constexprs for top-k ``k``, ``e``
-    experts and ``r_`` ranks: rank programs of up to 8 ranks, expert programs of up to 32 experts, tiles
-    of about 4096 (rank programs) and 1024 (expert programs) ids.
+    """The layout kernel's groups per token chunk, its number of rank groups and its constexprs for top-k
+    ``k``, ``e`` experts and ``r_`` ranks: rank groups of up to 8 ranks, expert groups of up to 32 experts,
+    tiles of ``TBE`` tokens (about 1024 ids) in expert programs and ``TBR`` in rank programs (at most
+    ``TBE``, and ``TBR * K_POW2 * RB <= 4096``), at most ``CP2`` = 32 token chunks. A call on ``T`` tokens
+    launches ``chunks * groups`` programs, ``(chunks, S) = kernels.ht_layout.chunking(T, TBE, CP2)``.
 
-    Example: ``layout_launch(8, 256, 2) == (9, 1, dict(K_POW2=8, RB=2, EB=32, TBR=256, TBE=128))``: one rank
-    program, eight of 32 experts each."""
+    Example: ``layout_launch(8, 256, 2) == (9, 1, dict(K_POW2=8, RB=2, EB=32, TBR=128, TBE=128, CP2=32))``:
+    one rank group, eight of 32 experts each; at ``T = 4096``, 32 chunks of 128 tokens, 288 programs."""
     kp, rb, eb = _pow2(k), min(_pow2(r_), 8), min(_pow2(e), 32)
     nr = (r_ + rb - 1) // rb
-    return nr + (e + eb - 1) // eb, nr, dict(K_POW2=kp, RB=rb, EB=eb, TBR=max(1, 4096 // (kp * rb)),
-                                             TBE=max(1, 1024 // kp))
+    tbe = max(1, 1024 // kp)
+    return nr + (e + eb - 1) // eb, nr, dict(K_POW2=kp, RB=rb, EB=eb, TBR=min(tbe, max(1, 4096 // (kp * rb))),
+                                             TBE=tbe, CP2=32)
 
 
 def _aligned(*tensors) -> int:

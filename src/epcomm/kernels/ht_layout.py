@@ -3,10 +3,23 @@
 
 Letters: ``T`` tokens, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``.
 
-Programs ``0 .. NR-1`` take ``RB`` ranks each and write ``is_token_in_rank[:, ranks]`` and
-``num_tokens_per_rank[ranks]``; programs ``NR ..`` take ``EB`` experts each and count their entries
-(``num_tokens_per_expert``). Each scans every token: no atomics, no zeroed output, nothing kept between
-calls. An id outside ``[0, E)`` counts nowhere (the dispatch reports it), as in ``layout.dispatch_layout``.
+The grid is (token chunks) x (groups), flattened: program ``pid`` takes chunk ``pid // NG`` (``S`` tokens,
+the last one shorter) and group ``pid % NG``. Groups ``0 .. NR-1`` take ``RB`` ranks each: they write
+``is_token_in_rank[chunk, ranks]`` directly and count the chunk's tokens per rank; groups ``NR ..`` take
+``EB`` experts each and count the chunk's entries per expert (``tl.histogram``). Each program stores its
+counts into row ``chunk`` of a scratch ``part int32[CP2, R + E]`` (columns: ranks, then experts), then takes
+a ticket of its group (``tickets int32[NG]``, acquire-release at GPU scope); the last of a group's chunks
+sums the group's columns over the chunks (integers: the same bits in any order) into
+``num_tokens_per_rank`` / ``num_tokens_per_expert`` and puts the ticket back to 0, ready for the next
+launch or a graph's replay. So one launch, no zeroed output and no host sync; the scratch
+(``scratch_words``) is allocated zeroed once and kept: launches that share it must run in order, as a
+Buffer's calls do (``streams.py``). An id outside ``[0, E)`` counts nowhere (the dispatch reports it), as
+in ``layout.dispatch_layout``.
+
+The host picks the chunking per call (``chunking``): chunks of ``S`` tokens, a multiple of ``TBE`` (the
+expert programs' tile; ``TBR``, the rank programs', divides it), at most ``CP2`` of them and at least one
+(``T = 0``: one empty chunk writes the zero counts). At ``T = 4096``, ``K = 8`` that is 32 chunks of one
+128-token tile; up to ``TBE`` tokens, one chunk.
 
 Example (R = 2, E = 4, so L = 2; T = 3, K = 2): ``topk_idx = [[0, 3], [1, -1], [-1, -1]]`` gives
 ``is_token_in_rank = [[1, 1], [1, 0], [0, 0]]``, ``num_tokens_per_rank = [2, 1]``,
@@ -19,38 +32,86 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=['T'],
+def chunking(t: int, tbe: int, cp2: int) -> tuple[int, int]:
+    """``(chunks, S)`` of a launch over ``t`` tokens: ``S`` tokens a chunk, a multiple of ``tbe``, at most
+    ``cp2`` chunks and at least one. Example: ``chunking(4096, 128, 32) == (32, 128)``,
+    ``chunking(5000, 128, 32) == (20, 256)``, ``chunking(0, 128, 32) == (1, 128)``."""
+    s = tbe * max(1, -(-t // (tbe * cp2)))
+    return max(1, -(-t // s)), s
+
+
+def scratch_words(ng: int, cp2: int, r_: int, e: int) -> int:
+    """int32 words of the kernel's scratch: the partial counts ``[cp2, r_ + e]``, then ``ng`` tickets (the
+    tickets must start at 0: allocate it zeroed)."""
+    return cp2 * (r_ + e) + ng
+
+
+@triton.jit
+def _last_chunk(ticket_ptr, n):
+    """True in the last of the ``n`` programs that take this ticket; it puts the ticket back to 0. Each
+    program's earlier stores (all its threads': the barrier) are released before its ticket, and the last
+    acquires them all. GPU scope: the counts go to the next kernel on the stream only (``common.ticket_last``
+    is system scope, for counts other GPUs or the host read)."""
+    tl.debug_barrier()
+    last = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
+    if last:
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def _publish(cnt, cols, n, chunk, nch, W, part_ptr, col0, ticket_ptr, out_ptr, B: tl.constexpr,
+             CP2: tl.constexpr):
+    """Store this program's counts ``cnt`` (``int32[B]`` for the group's columns ``cols``, valid below ``n``)
+    into ``part[chunk, col0 + cols]``; the group's last chunk sums the column over the ``nch`` chunks into
+    ``out[cols]``."""
+    tl.store(part_ptr + chunk * W + col0 + cols, cnt, mask=cols < n)
+    if _last_chunk(ticket_ptr, nch):
+        cc = tl.arange(0, CP2)
+        m = (cc[:, None] < nch) & (cols[None, :] < n)
+        parts = tl.load(part_ptr + cc[:, None] * W + col0 + cols[None, :], mask=m, other=0)
+        tl.store(out_ptr + cols, tl.sum(parts, 0), mask=cols < n)
+
+
+@triton.jit(do_not_specialize=['T', 'S'],
             do_not_specialize_on_alignment=['topk_ptr', 'per_rank_ptr', 'per_expert_ptr', 'in_rank_ptr'])
-def _layout_kernel(topk_ptr, T, K, E, L, R, per_rank_ptr, per_expert_ptr, in_rank_ptr, NR,
-                   K_POW2: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr, TBR: tl.constexpr,
-                   TBE: tl.constexpr):
+def _layout_kernel(topk_ptr, T, S, K, E, L, R, per_rank_ptr, per_expert_ptr, in_rank_ptr, part_ptr,
+                   ticket_ptr, NR, NG, K_POW2: tl.constexpr, RB: tl.constexpr, EB: tl.constexpr,
+                   TBR: tl.constexpr, TBE: tl.constexpr, CP2: tl.constexpr):
     """``topk int64[T, K]`` -> ``per_rank int32[R]``, ``per_expert int32[E]``, ``in_rank int8[T, R]`` (the
-    bytes of a bool tensor); ``NR`` rank programs of ``RB`` ranks, then expert programs of ``EB``."""
+    bytes of a bool tensor), on ``chunks * NG`` programs (``chunking``); ``part`` and ``ticket`` the
+    scratch (``scratch_words``): ``NR`` rank groups of ``RB`` ranks, then expert groups of ``EB``."""
     pid = tl.program_id(0)
+    chunk = pid // NG
+    grp = pid % NG
+    nch = tl.num_programs(0) // NG
+    t_lo = chunk * S
+    t_hi = tl.minimum(t_lo + S, T)
+    W = R + E
     kk = tl.arange(0, K_POW2)
-    if pid < NR:
-        rr = pid * RB + tl.arange(0, RB)
+    if grp < NR:
+        rr = grp * RB + tl.arange(0, RB)
         rcnt = tl.zeros((RB,), dtype=tl.int32)
-        for t0 in range(0, T, TBR):
+        for t0 in range(t_lo, t_hi, TBR):
             tt = (t0 + tl.arange(0, TBR)).to(tl.int64)
-            mk = (tt[:, None] < T) & (kk[None, :] < K)
+            mk = (tt[:, None] < t_hi) & (kk[None, :] < K)
             ids = tl.load(topk_ptr + tt[:, None] * K + kk[None, :], mask=mk, other=-1)
             rank = tl.where(mk & (ids >= 0) & (ids < E), ids // L, -1)
             inr = tl.max((rank[:, :, None] == rr[None, None, :]).to(tl.int32), 1)  # [TBR, RB]
             tl.store(in_rank_ptr + tt[:, None] * R + rr[None, :], inr.to(tl.int8),
-                     mask=(tt[:, None] < T) & (rr[None, :] < R))
+                     mask=(tt[:, None] < t_hi) & (rr[None, :] < R))
             rcnt += tl.sum(inr, 0)
-        tl.store(per_rank_ptr + rr, rcnt, mask=rr < R)
+        _publish(rcnt, rr, R, chunk, nch, W, part_ptr, 0, ticket_ptr + grp, per_rank_ptr, RB, CP2)
     else:
-        e0 = (pid - NR) * EB
+        e0 = (grp - NR) * EB
         ecnt = tl.zeros((EB,), dtype=tl.int32)
-        for t0 in range(0, T, TBE):
+        for t0 in range(t_lo, t_hi, TBE):
             tt = (t0 + tl.arange(0, TBE)).to(tl.int64)
-            mk = (tt[:, None] < T) & (kk[None, :] < K)
+            mk = (tt[:, None] < t_hi) & (kk[None, :] < K)
             ids = tl.load(topk_ptr + tt[:, None] * K + kk[None, :], mask=mk, other=-1)
             rel = (ids - e0).to(tl.int32)
             mine = mk & (rel >= 0) & (rel < EB) & (ids < E)
             ecnt += tl.histogram(tl.reshape(tl.where(mine, rel, 0), [TBE * K_POW2]), EB,
                                 mask=tl.reshape(mine, [TBE * K_POW2]))
-        ee = e0 + tl.arange(0, EB)
-        tl.store(per_expert_ptr + ee, ecnt, mask=ee < E)
+        _publish(ecnt, e0 + tl.arange(0, EB), E, chunk, nch, W, part_ptr, R, ticket_ptr + grp, per_expert_ptr,
+                 EB, CP2)

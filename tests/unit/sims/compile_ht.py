@@ -6,7 +6,7 @@ arithmetic). Run by ``tests/unit/test_ht_kernels.py``; alone:
 import triton.language as tl
 from sm90 import compile_one
 
-from epcomm.backends.nvlink_params import TUNE
+from epcomm.backends.nvlink_params import TUNE, layout_launch
 from epcomm.kernels import ht_layout, ht_notify, ht_receive, ht_transfer
 
 COMMON = {"ptr_table": "*i64", "timeout_ns": "i64", "is_in_ptr": "*i8", "topk_ptr": "*i64",
@@ -33,7 +33,7 @@ def main() -> None:
                                                 HAS_TIMER=True), t["notify_warps"]),
         (ht_notify._handle_kernel, COMMON, dict(CHECK_WORST=True, R_POW2=8, C_POW2=32, TB=128, CHECK_TOPK=True,
                                                 K_POW2=8), 4),
-        (ht_layout._layout_kernel, COMMON, dict(K_POW2=8, RB=8, EB=32, TBR=64, TBE=128), 4),
+        (ht_layout._layout_kernel, COMMON, layout_launch(8, 256, 8)[2], 4),  # DeepSeek-V3 on 8 ranks
     ] + [
         (ht_receive._dispatch_impl_kernel, GATHER, dict(gather, CACHED=cached, IS_PREFIX=cached, HAS_SCALES=True,
                                                  HAS_TOPK=not cached, PUSH=True, PUSH_TOPK=not cached),

@@ -1,5 +1,6 @@
 """Two hazards of a CTA's barriers that only a GPU shows (the interpreter runs a program as one thread),
-checked in the sm_90 PTX of the kernels that wait on counters (Triton's compiler and ptxas; no GPU):
+checked in the sm_90 PTX of the kernels that wait on counters or take tickets (Triton's compiler and
+ptxas; no GPU):
 
 1. A spin loop that reads the clock (``%globaltimer``: ``common.wait_ge``'s deadline) must hold no
    barrier: its end differs per thread (each thread reads its own clock and the error word), and a
@@ -107,6 +108,8 @@ def cases():
     import compile_internode_ht as cih  # (installs the NVSHMEM stand-ins before the kernels load)
 
     from epcomm.backends.internode_ht import TUNE as T
+    from epcomm.backends.nvlink_params import layout_launch
+    from epcomm.kernels import ht_layout
     from epcomm.kernels import internode_ht as ih
     from epcomm.kernels import internode_ht_combine as ihc
 
@@ -121,6 +124,9 @@ def cases():
              dict(comb, HAS_W=True, NB=2, **extra), T["combine_warps"]) for extra in ({}, {"N": 1})]
     out += [("internode dispatch", ih._internode_dispatch_impl_kernel, dict(cih.I64, rid_ptr="*i64", rw_ptr="*fp32"), disp,
              T["dispatch_warps"])]
+    # the layout kernel's last chunk of a group (a ticket, then the sum of every chunk's counts)
+    out += [("layout", ht_layout._layout_kernel, {"topk_ptr": "*i64", "in_rank_ptr": "*i8"},
+             layout_launch(8, 256, 8)[2], 4)]
     return out
 
 
