@@ -295,6 +295,9 @@ class HTDispatch:
         tbe, cp2 = consts["TBE"], consts["CP2"]
         scratch = torch.zeros(scratch_words(ng, cp2, r_, e), dtype=torch.int32, device=dev)
         captured = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        # a graph captured with this plan replays into its scratch for the graph's life, also after the plans
+        # are cleared (_MAX_PLANS) or this one leaves them: freed, its block could be handed to other tensors
+        self._pinned.append(scratch)
         part, tickets = scratch[:cp2 * (r_ + e)], scratch[cp2 * (r_ + e):]
         p = self.k["_layout_kernel"].prepared((k, e), dict(consts, num_warps=4))
         go = _Launch(Direct(p, (None, None, None, k, e, e // r_, r_, None, None, None, part, tickets, nr, ng),

@@ -149,6 +149,9 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         self._stream_cache: dict = {}  # raw CUDA stream -> its torch Stream (_current_stream)
         self._layouts: dict = {}  # (row bytes, G, K, H) -> _ht_layout's offsets
         self._plans: dict = {}  # kind of high-throughput call -> its run (ht_dispatch.py, ht_combine.py)
+        # device memory a plan owns that a captured CUDA graph may still use after the plans are cleared
+        # (the layout kernel's scratch): kept for the backend's life
+        self._pinned: list = []
         self.ce_stream = torch.cuda.Stream(self.device)
         self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
         self._ready_event = torch.cuda.Event()  # TUNE["notify_first"]: the inputs are ready
