@@ -80,12 +80,14 @@ def _dsv3_calls(num_sms: int):
             take(x_rows)
             rows, _ = kern.pack(torch.empty(x_rows, H, dtype=torch.bfloat16, **meta), rm.meta,
                                 torch.empty(x_rows, dtype=torch.float32, **meta), 1)
-        else:
-            rows, _ = kern.pack(torch.empty(n, H, dtype=torch.bfloat16, **meta), rm.meta,
-                                torch.empty(n, K, dtype=torch.float32, **meta), 0)
-        take(n)
+            take(n)
         be = _fake_backend(kern)
-        got = nvlink_v2.return_rows(be, rows, torch.empty(n, dtype=torch.int64, **meta), M, "combine/rows", num_sms)
+        dst = torch.empty(n, dtype=torch.int64, **meta)
+        if expand:
+            got = nvlink_v2.return_rows(be, rows, dst, M, "combine/rows", num_sms)
+        else:  # the transport reads x and the weights in place (elastic_engine.combine on this backend): no pack
+            got = nvlink_v2.return_row_parts(be, torch.empty(n, H, dtype=torch.bfloat16, **meta), torch.empty(
+                n, K, dtype=torch.float32, **meta), dst, M, "combine/rows", num_sms)
         take(n)
         kern.reduce(got, torch.empty(t, K, dtype=torch.int64, **meta), LE, M, H, (), (0, K), True, True)
         take(t)
@@ -108,6 +110,7 @@ def test_dsv3_v2_launches_are_bounded_and_move_tiles(num_sms):
     calls = _dsv3_calls(num_sms)
     names = [c[0] for c in calls]
     assert names.count("_combine_impl_kernel") == 2 and names.count("_dispatch_copy_epilogue_impl_kernel") == 1, names
+    assert names.count("_combine_pack_kernel") == 1, names  # the expanded combine's local sum; contiguous: none
     assert _waiting_kernels() == {"_combine_impl_kernel", "_combine_arrive_kernel"}
     report = []
     for name, grid, consts, rows in calls:

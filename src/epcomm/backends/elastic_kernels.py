@@ -38,6 +38,13 @@ def copy_grid(x_rows: int, sms: int) -> int:
     return max(1, min((x_rows + COPY_RB - 1) // COPY_RB, COPY_PER_SM * max(sms, 1)))
 
 
+def combine_row_bytes(h: int, k: int) -> int:
+    """Bytes of a row a combine sends back: ``x bf16[H]`` from byte 0, then ``k`` float32 weights (0: none)
+    from byte ``2H``, padded to 16 (``Kernels.pack``'s rows, and the nvlink transport's when it reads the
+    two in place). Example: ``combine_row_bytes(7168, 8) == 14368``, ``combine_row_bytes(100, 0) == 208``."""
+    return EL.align(2 * h + 4 * k, 16)
+
+
 class Kernels:
     """The launches of one ``ElasticBuffer`` (bound per key on first use)."""
 
@@ -163,7 +170,7 @@ class Kernels:
         ``-1``. ``rows`` and ``dst``: a previous call's, to be written again (made here when None)."""
         n, k = meta.shape[0], meta.shape[1] - 2
         h = x.shape[1]
-        width = EL.align(2 * h + (4 * k if w is not None else 0), 16)
+        width = combine_row_bytes(h, k if w is not None else 0)
         dev = x.device
         if rows is None:
             rows = torch.empty(n, width, dtype=torch.uint8, device=dev)

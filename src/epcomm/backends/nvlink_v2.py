@@ -8,6 +8,10 @@ staging, which an ``ElasticBuffer`` does not use): ``free[R]`` and ``data[R]`` f
 ``[R, S, W]`` (block ``r`` from rank ``r``). The area is one region for every call: a rank writes into a
 peer's only after that peer announced it finished reading the previous call's (``free``).
 
+What: ``return_rows`` moves rows already packed; ``return_row_parts`` (which ``elastic_engine.combine`` takes
+on this backend, found by ``row_parts``) the contiguous combine's ``x`` and ``topk_weights`` read in place,
+landing as the same bytes as their packed rows, with no pack pass before the transport.
+
 Letters: ``R`` ranks, ``S`` slots a rank, ``W`` bytes a row, ``P`` programs a rank (the call's ``num_sms``).
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .elastic_kernels import Kernels, combine_row_bytes
 from .nvlink_params import TIMER, _aligned
 
 PROGRAMS = 16  # programs when num_sms is 0 (every rank passes the same num_sms to a call, as DeepEP asks)
@@ -49,15 +54,20 @@ class _Area:
         self.area = be.symm[self.area_off:self.area_off + r_ * slots * w].view(r_, slots, w)
 
 
-def transport_launch(w: int, num_sms: int, aligned: bool) -> tuple[tuple[int, int, int], dict]:
+def transport_launch(w: int, num_sms: int, aligned: bool, parts: tuple[int, int, int, int] | None = None
+                     ) -> tuple[tuple[int, int, int], dict]:
     """``(grid, constexprs)`` of ``_combine_impl_kernel`` for rows of ``w`` bytes: ``num_sms`` programs
     (``PROGRAMS`` when 0), whatever the number of rows: each waits for every peer's program 0 and the arrival counts every
-    program of a call (``P``), so the grid is the call's ``num_sms`` and never depends on the rows.
+    program of a call (``P``), so the grid is the call's ``num_sms`` and never depends on the rows. ``parts``:
+    ``(XW, XS, KW, KS)``, the words of a row read from its two sources and their row strides in words (None:
+    rows already packed, ``(w/4, w/4, 0, 0)``).
 
-    Example: ``transport_launch(14368, 24, True) == ((24, 1, 1), dict(W=3592, RB=8, BLOCK=1024,
-    ALIGNED=True, HAS_TIMER=TIMER, num_warps=8))``."""
-    return (num_sms or PROGRAMS, 1, 1), dict(W=w // 4, RB=RB, BLOCK=BLOCK, ALIGNED=aligned, HAS_TIMER=TIMER,
-                                             num_warps=WARPS)
+    Example: ``transport_launch(14368, 24, True) == ((24, 1, 1), dict(W=3592, XW=3592, XS=3592, KW=0, KS=0,
+    RB=8, BLOCK=1024, ALIGNED=True, HAS_TIMER=TIMER, num_warps=8))``; DSv3's ``x`` and weights read in
+    place: ``parts=(3584, 3584, 8, 8)``."""
+    xw, xs, kw, ks = parts if parts is not None else (w // 4, w // 4, 0, 0)
+    return (num_sms or PROGRAMS, 1, 1), dict(W=w // 4, XW=xw, XS=xs, KW=kw, KS=ks, RB=RB,
+                                             BLOCK=BLOCK, ALIGNED=aligned, HAS_TIMER=TIMER, num_warps=WARPS)
 
 
 def return_rows(be, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: str, num_sms: int = 0) -> torch.Tensor:
@@ -67,21 +77,58 @@ def return_rows(be, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: st
     n, w = rows.shape
     if w % 4:
         raise ValueError(f"return_rows needs rows of a multiple of 4 bytes, got {w}")
+    return _transport(be, rows, None, dst, n, w, None, slots, num_sms)
+
+
+def return_row_parts(be, x: torch.Tensor, wts: torch.Tensor | None, dst: torch.Tensor, slots: int, phase: str,
+                     num_sms: int = 0) -> torch.Tensor | None:
+    """``return_rows`` of the rows ``x bf16[n, H]`` and ``wts f32[n, K]`` (or None) side by side, as
+    ``elastic_kernels.Kernels.pack`` (mode 0) would make them (``combine_row_bytes(H, K)`` bytes a row: x
+    from byte 0, the weights from byte ``2H``, padding unwritten), but read in place by the transport: no
+    pass that builds them. None (nothing launched; the caller packs them) unless both move as 16-byte
+    vectors, as packed rows do: ``H`` a multiple of 8 and ``K`` of 4, rows contiguous, their strides
+    multiples of 16 bytes, both 16-byte aligned (a weight row of 8 bytes, ``K = 2``, would leave the whole
+    row's loads 8 bytes wide)."""
+    be._check_error()
+    n, h = x.shape
+    xs = x.stride()
+    if h % 8 or xs[1] != 1 or xs[0] % 8 or x.data_ptr() % 16:
+        return None
+    k, ws = 0, (0, 1)
+    if wts is not None:
+        k, ws = wts.shape[1], wts.stride()
+        if k % 4 or ws[0] % 4 or ws[1] != 1 or wts.data_ptr() % 16:
+            return None
+    return _transport(be, x, wts, dst, n, combine_row_bytes(h, k), (h // 2, xs[0] // 2, k, ws[0]), slots, num_sms)
+
+
+def row_parts(be):
+    """:func:`return_row_parts` where ``be`` combines through this module (the nvlink backend's
+    ``return_rows``, not overridden), else None (``Backend.return_rows`` of packed rows is the only way)."""
+    from .nvlink import NVLinkBackend
+
+    return return_row_parts if getattr(type(be), "return_rows", None) is NVLinkBackend.return_rows else None
+
+
+def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: int) -> torch.Tensor:
+    """Launch ``_combine_impl_kernel`` (rows of ``w`` bytes; ``parts`` as :func:`transport_launch`'s) and
+    ``_combine_arrive_kernel``; returns the area ``uint8[R, slots, w]``."""
     st = getattr(be, "_v2", None)
     if st is None:
-        from .elastic_kernels import Kernels
-
         st = be._v2 = {"epoch": torch.zeros(2, dtype=torch.int32, device=be.device),  # [calls, programs so far]
                        "kernels": Kernels()}
     area = st.get((slots, w))
     if area is None:
         area = st[(slots, w)] = _Area(be, slots, w)
     r_, epoch, kern = be.num_ranks, st["epoch"], st["kernels"]
-    grid, consts = transport_launch(w, num_sms, area.aligned)
+    grid, consts = transport_launch(w, num_sms, area.aligned, parts)
     programs = grid[0]
     rows = rows if n else area.flags  # (a placeholder: no row is read)
-    kern.launch("_combine_impl_kernel", (w, slots, be._timeout_ns, rows.dtype, _aligned(rows), area.aligned), consts,
-                grid, rows, dst, n, slots, be.ptr_table, area.area_off, area.flags_off, area.flags,
+    wts = wts if wts is not None and n else rows
+    # the alignment of both sources: return_row_parts passes only 16-byte aligned ones; else wts is rows
+    aligned = 0 if parts is not None and n else _aligned(rows)
+    kern.launch("_combine_impl_kernel", (w, parts, slots, be._timeout_ns, rows.dtype, aligned, area.aligned), consts,
+                grid, rows, wts, dst, n, slots, be.ptr_table, area.area_off, area.flags_off, area.flags,
                 epoch, be.rank, r_, be.err, be._timeout_ns)
     kern.launch("_combine_arrive_kernel", (be._timeout_ns,), dict(HAS_TIMER=TIMER, num_warps=1), (1, 1, 1), area.flags, epoch, r_,
                 programs, be.err, be._timeout_ns)

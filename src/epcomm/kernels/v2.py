@@ -6,8 +6,9 @@ backend runs kernels (each has a torch twin in ``elastic_layout.py``, the same b
   layout), ``_dispatch_copy_epilogue_impl_kernel`` (the expanded rows),
   ``_dispatch_copy_epilogue_impl_cached_kernel`` (a cached contiguous dispatch's ids and weights); each
   dispatch launches one kernel named ``dispatch_copy_epilogue_impl`` (docs/v2.md, "Kernel names");
-- combine: ``_combine_pack_kernel`` (the rows sent back), ``_combine_reduce_epilogue_impl_kernel`` (the
-  reduction at the owner);
+- combine: ``_combine_pack_kernel`` (the rows sent back, where the transport cannot read them in place: an
+  expanded combine's local sums, other backends), ``_combine_reduce_epilogue_impl_kernel`` (the reduction
+  at the owner);
 - the combine transport on the nvlink backend (``backends/nvlink_v2.py``), below.
 
 Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``LE = E/R``, ``M`` max tokens a
@@ -38,15 +39,22 @@ from .common import INTERPRETED, peer_ptr, signal, wait_ge
 
 
 @triton.jit(do_not_specialize=["n", "slots", "area_off", "flags_off", "me", "R", "timeout_ns"])
-def _combine_impl_kernel(rows, dst, n, slots, ptr_table, area_off, flags_off, flags, epoch_ptr, me, R, err_ptr,
-                         timeout_ns, W: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr,
+def _combine_impl_kernel(rows, wts, dst, n, slots, ptr_table, area_off, flags_off, flags, epoch_ptr, me, R, err_ptr,
+                         timeout_ns, W: tl.constexpr, XW: tl.constexpr, XS: tl.constexpr, KW: tl.constexpr,
+                         KS: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr,
                          BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-    """``rows [n, 4W]`` bytes (W words a row), ``dst int64[n]`` (-1: nowhere) -> the owners' areas, a tile of
-    ``RB`` rows x ``BLOCK`` words a step (program ``p`` takes rows ``p*RB ..``, then ``P*RB`` on), so that
-    each program keeps ``4 * RB * BLOCK`` bytes in flight: one row of ``BLOCK`` words a step left a program
-    waiting on one load's latency after another. ``ALIGNED``: every destination row starts 16 bytes
-    aligned (the launcher checked the bases, ``area_off`` and ``4W``), so the stores are 16-byte vectors."""
+    """Row ``i`` (``dst int64[n]``, -1: nowhere) -> its owner's area, ``W`` int32 words a row there, made of
+    two parts read in place: words ``0 .. XW-1`` from ``rows`` (rows ``XS`` words apart), then with
+    ``KW > 0`` words ``XW .. XW+KW-1`` from ``wts`` (rows ``KS`` words apart). Words after ``XW + KW`` (padding) are not written. So a contiguous combine's ``x bf16[N, H]``
+    and ``topk_weights f32[N, K]`` land as the row ``x | weights`` without a pass that builds it first;
+    rows already packed are ``XW = XS = W, KW = 0``. A tile of ``RB`` rows x ``BLOCK`` words a step
+    (program ``p`` takes rows ``p*RB ..``, then ``P*RB`` on), so that each program keeps ``4 * RB * BLOCK``
+    bytes in flight: one row of ``BLOCK`` words a step left a program waiting on one load's latency after
+    another. ``ALIGNED``: every destination row starts 16 bytes aligned (the launcher checked the bases,
+    ``area_off`` and ``4W``), so the stores are 16-byte vectors (the weights' too where ``XW`` and ``KS``
+    are multiples of 4: the column tiles run over both parts, each word loaded from the one it lies in)."""
     rows = rows.to(tl.pointer_type(tl.int32), bitcast=True)
+    wts = wts.to(tl.pointer_type(tl.int32), bitcast=True)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     e = tl.load(epoch_ptr) + 1
@@ -67,11 +75,15 @@ def _combine_impl_kernel(rows, dst, n, slots, ptr_table, area_off, flags_off, fl
         base = addr.to(tl.pointer_type(tl.int32))
         if ALIGNED:
             base = tl.multiple_of(base, 16)
-        src = rows + i * W
-        for c in range(0, W, BLOCK):
-            cc = c + cols
-            m = use[:, None] & (cc[None, :] < W)
-            tl.store(base[:, None] + cc[None, :], tl.load(src[:, None] + cc[None, :], mask=m), mask=m)
+        src = (rows + i * XS)[:, None]
+        wsrc = (wts + i * KS - XW)[:, None]  # word c >= XW of the row: wsrc + c
+        for c in range(0, XW + KW, BLOCK):
+            cc = (c + cols)[None, :]
+            m = use[:, None] & (cc < XW + KW)
+            at = src + cc
+            if KW > 0:  # one load a word from either source: a tile straddling XW stays one 16-byte vector path
+                at = tl.where(cc < XW, at, wsrc + cc)
+            tl.store(base[:, None] + cc, tl.load(at, mask=m), mask=m)
     for q in range(R):
         signal(peer_ptr(ptr_table, q, flags_off + (R + me) * 4, tl.int32), 1)  # data[me] on every peer
 

@@ -1,9 +1,11 @@
 """Compile the row movers of ``ElasticBuffer`` (``kernels/v2.py``) for sm_90 as the JIT does for 16-byte aligned
 tensors (Triton's own compiler, no GPU) and check in the PTX that their rows move as 16-byte vectors
 (``ld/st.global.v4.b32``): the combine transport with DSv3's rows (3592 words, destinations known aligned: a
-pointer built from a loaded address is 4-byte aligned to the compiler unless told) and the expanded copy
+pointer built from a loaded address is 4-byte aligned to the compiler unless told), packed or read in place
+as ``x`` (3584 words) then the weights (8 words, whose loads and stores must be vectors too) and the expanded copy
 (BF16 and FP8 rows of bytes; it moved 8 bytes a thread a step). Run by ``tests/unit/test_elastic_launches.py``;
 alone: ``PYTHONPATH=src python tests/unit/sims/vectors_elastic.py``."""
+import collections
 import inspect
 import re
 
@@ -16,7 +18,7 @@ from epcomm.backends import nvlink_v2
 from epcomm.kernels import v2
 
 COPY = dict(src="*bf16", source="*i64", out="*bf16", sf_src="*fp32", sf_out="*i32", w_src="*fp32", w_out="*fp32")
-TRANSPORT = dict(rows="*u8", dst="*i64", ptr_table="*i64", flags="*i32", epoch_ptr="*i32", err_ptr="*i32",
+TRANSPORT = dict(rows="*u8", wts="*u8", dst="*i64", ptr_table="*i64", flags="*i32", epoch_ptr="*i32", err_ptr="*i32",
                  timeout_ns="i64")
 
 
@@ -34,14 +36,20 @@ def vectors(text: str, op: str) -> int:
 
 
 def main() -> None:
-    _, consts = nvlink_v2.transport_launch(14368, 24, True)
     copy = [dict(ROW=14336, SRC_STRIDE=14336, SFB=0, SFBP=1, HAS_SF=False, HAS_W=True),
             dict(ROW=7168, SRC_STRIDE=7168, SFB=224, SFBP=256, HAS_SF=True, HAS_W=False)]
-    print("plan", 1 + len(copy))
-    warps = consts.pop("num_warps")
-    text = ptx(v2._combine_impl_kernel, TRANSPORT, consts, warps)
-    assert vectors(text, "ld") and vectors(text, "st"), "transport: rows not moved as 16-byte vectors"
-    print("ok transport", vectors(text, "ld"), "v4 loads", vectors(text, "st"), "v4 stores")
+    print("plan", 2 + len(copy))
+    ops = {}
+    for parts in (None, (3584, 3584, 8, 8)):  # packed rows; x | weights read in place (the nvlink combine)
+        _, consts = nvlink_v2.transport_launch(14368, 24, True, parts)
+        warps = consts.pop("num_warps")
+        text = ptx(v2._combine_impl_kernel, TRANSPORT, consts, warps)
+        assert vectors(text, "ld") and vectors(text, "st"), f"transport parts={parts}: rows not moved as 16-byte vectors"
+        ops[parts] = collections.Counter(re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9:_]+)*", text))
+        print("ok transport parts", parts, vectors(text, "ld"), "v4 loads", vectors(text, "st"), "v4 stores")
+    # read in place, x and the weights move as the packed rows do: the same loads and stores, all of the
+    # row's words as 16-byte vectors (no 4-byte ones for the weights)
+    assert ops[None] == ops[(3584, 3584, 8, 8)], ops
     for c in copy:
         cc = dict(K=8, SF_OFF=0, SF_STRIDE=c["SFB"], W_OFF=0, W_STRIDE=32, ZERO=False, RB=ek.COPY_RB,
                   BLOCK=ek.COPY_BLOCK, **c)
