@@ -21,7 +21,7 @@ BN = 128    # rows (or tokens) a program of the metadata kernels
 RB = 64     # ranks a step of the metadata kernels
 BLOCK = 1024
 # the expanded copy (``_dispatch_copy_epilogue_impl_kernel``): a tile of COPY_RB rows x COPY_BLOCK bytes a
-# step (16 KB in flight a program; one row of 1 KB a step, as before 2026-11-28, left each program waiting
+# step (16 KB in flight a program; one row of 1 KB a step, as before 29a75e2, left each program waiting
 # on one load after another), COPY_PER_SM programs of COPY_WARPS warps an SM of the device at most
 LBN = 512   # rows a step of the expanded layout's scan (``_expert_layout_kernel``: a program an expert reads
             # every row, one step after another: 128 rows a step took 64 dependent steps at DSv3's 8192 rows)

@@ -24,7 +24,7 @@ from .nvlink_params import TIMER, _aligned
 
 PROGRAMS = 16  # programs when num_sms is 0 (every rank passes the same num_sms to a call, as DeepEP asks)
 # a program's step: a tile of RB rows x BLOCK int32 words (32 KB in flight, as the V1 combine's push keeps
-# 8 rows x 512 words and its gather 16 x 1024; one row of 512 words a step, as before 2026-11-28, kept 2 KB in
+# 8 rows x 512 words and its gather 16 x 1024; one row of 512 words a step, as before 29a75e2, kept 2 KB in
 # flight a program: a DSv3 combine, 8192 rows of 14 KB, took ~5.8 ms at 24 SMs on an H100, V1's ~0.45 ms)
 RB = 8
 BLOCK = 1024
