@@ -9,17 +9,22 @@ replays; combine bitwise with biases and weights back. GPU memory ordering and g
 Also the host budget of every ``ElasticBuffer`` call kind on the nvlink backend: the torch calls,
 allocations, kernel launches and host reads of device values of its host path above the backend's own
 dispatch (which the nvlink backend's tier-1 host budget bounds), counted on the same host code a GPU host runs.
+
+The checks of a world size (2: nvlink, internode direct, the host budget; 4: hierarchical) run in one launch,
+one test each.
 """
 import contextlib
 import importlib.util
 import os
 import uuid
 
+import harness
 import pytest
 
-from epcomm.testing.launcher import parallel_launch
-
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+
+
+_INSTALLED: list = []
 
 
 def _on_backend(ctx, tag, backend, gpus_per_node=0):
@@ -28,9 +33,13 @@ def _on_backend(ctx, tag, backend, gpus_per_node=0):
     os.environ["EPCOMM_TIMEOUT_S"] = "20"  # the buffer keeps the interpreter's spin count as its deadline
     if backend == "internode":
         os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
+    else:  # (an earlier check of this process may have set it)
+        os.environ.pop("EPCOMM_GPUS_PER_NODE", None)
     from epcomm.testing import cpu_nvlink
 
-    cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
+    if not _INSTALLED:  # once a process (the checks of a launch share it)
+        cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
+        _INSTALLED.append(tag)
     from epcomm import ElasticBuffer
     from epcomm.testing import cpu_internode
 
@@ -65,12 +74,8 @@ def _run(ctx, tag, backend, gpus_per_node):
     return buf.get_physical_domain_size()
 
 
-@pytest.mark.parametrize("backend,world,gpus_per_node,domain", [
-    ("nvlink", 2, 0, (1, 2)), ("internode", 2, 1, (2, 1)), ("internode", 4, 2, (2, 2))],
-    ids=["nvlink", "internode-direct", "internode-hierarchical"])
-def test_elastic_buffer_on_device_backends_on_cpu_processes(backend, world, gpus_per_node, domain):
-    res = parallel_launch(world, _run, uuid.uuid4().hex[:12], backend, gpus_per_node, backend="gloo", timeout_s=300)
-    assert res == [domain] * world
+BACKENDS = {"nvlink": ("nvlink", 2, 0, (1, 2)), "internode-direct": ("internode", 2, 1, (2, 1)),
+            "internode-hierarchical": ("internode", 4, 2, (2, 2))}
 
 
 def _host_budget(ctx, tag):
@@ -152,10 +157,34 @@ HOST_BOUND = {
 }
 
 
-def test_host_budget_of_every_elastic_call():
-    res = parallel_launch(2, _host_budget, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
-    for rank, got in enumerate(res):
-        print(f"rank {rank}:", *(f"{k:36s} {v}" for k, v in got.items()), sep="\n  ")
-        assert set(got) == set(HOST_BOUND), sorted(got)
-        over = {k: (got[k], b) for k, b in HOST_BOUND.items() if any(g > m for g, m in zip(got[k], b))}
-        assert not over, f"rank {rank}: host work per call above its bound (got, bound): {over}"
+def _check_host_budget(ctx, tag):
+    got = _host_budget(ctx, tag)
+    assert set(got) == set(HOST_BOUND), sorted(got)
+    over = {k: (got[k], b) for k, b in HOST_BOUND.items() if any(g > m for g, m in zip(got[k], b))}
+    assert not over, f"rank {ctx.rank}: host work per call above its bound (got, bound): {over}; all: {got}"
+
+
+# The checks of a world size run in one launch (a launch costs seconds of process start and imports), one test
+# each; each builds its own buffers (EPCOMM_GPUS_PER_NODE is read when one is built).
+CHECKS = {2: ["nvlink", "internode-direct", "host-budget"], 4: ["internode-hierarchical"]}
+TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
+
+
+def _rank(ctx, tag):
+    def one(name):
+        if name == "host-budget":
+            return lambda ctx: _check_host_budget(ctx, tag)
+        backend, _, gpus_per_node, domain = BACKENDS[name]
+
+        def run(ctx):
+            got = _run(ctx, tag, backend, gpus_per_node)
+            assert got == domain, (name, got, domain)
+        return run
+
+    return harness.run_checks(ctx, [(name, one(name)) for name in CHECKS[ctx.world_size]], env={})
+
+
+@pytest.mark.parametrize("name", [n for checks in CHECKS.values() for n in checks])
+def test_elastic_buffer_on_cpu_processes(name):
+    world = next(w for w, checks in CHECKS.items() if name in checks)
+    harness.report(harness.launch_gloo_once(_rank, world, TAG, timeout_s=600), name)

@@ -15,14 +15,14 @@ interpreter, the NVSHMEM device calls simulated — on CPU processes in virtual 
 Dispatch bitwise (FP8 within one e4m3 step, as the nvlink checks), combine within the BF16 budget
 (``gpu_cases.check_ll_case``). NVSHMEM itself (its transports, ordering on a network) is tier 3's
 (``tests/gpu/test_internode_nvshmem.py``). Shapes are tiny: the interpreter runs every program in Python.
+All checks of a world size (2, 4) run in one launch, one test each.
 """
 import importlib.util
 import os
 import uuid
 
+import harness
 import pytest
-
-from epcomm.testing.launcher import parallel_launch
 
 # (not importorskip: the ranks must set TRITON_INTERPRET before anything imports Triton)
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
@@ -30,11 +30,16 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 M = 8
 
 
+_INSTALLED: list = []  # the checks of a launch share one process: install once
+
+
 def _setup(ctx, tag, gpus_per_node):
-    os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
+    os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)  # read when a Buffer is built
     from epcomm.testing import cpu_nvlink
 
-    cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
+    if not _INSTALLED:
+        cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
+        _INSTALLED.append(tag)
     from epcomm.testing import cpu_internode
 
     return cpu_internode
@@ -239,41 +244,61 @@ def _faults_two_nodes_of_two(ctx, tag):
     return _m_differs_then_absent(ctx, differs, plain, x, topk, e, absent=3)
 
 
-def test_internode_low_latency_two_virtual_nodes():
-    res = parallel_launch(2, _two_nodes, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
-    for r, done in enumerate(res):
-        assert done[:4] == [0, 1, 2, "async"], done
-    assert res[0][4] == "ht bad id: topk_idx holds expert id -3, outside [-1, 8) for num_experts=8", res[0]
-    assert res[0][5] == "bad id: topk_idx holds expert id 13, outside [-1, 8) for num_experts=8 (found on the " \
-                        "device; this Buffer is now unusable)", res[0]
-    assert res[1][4:] == ["ht bad id: none", "bad id: none"], res[1]
+def _check_two_nodes(ctx, tag):
+    done = _two_nodes(ctx, tag)
+    assert done[:4] == [0, 1, 2, "async"], done
+    if ctx.rank == 0:
+        assert done[4] == "ht bad id: topk_idx holds expert id -3, outside [-1, 8) for num_experts=8", done
+        assert done[5] == "bad id: topk_idx holds expert id 13, outside [-1, 8) for num_experts=8 (found on the " \
+                          "device; this Buffer is now unusable)", done
+    else:
+        assert done[4:] == ["ht bad id: none", "bad id: none"], done
 
 
-@pytest.mark.parametrize("world,gpus_per_node,nvl,kws", [
+def _check_mixed_nodes(ctx, tag, gpus_per_node, nvl, kws):
+    assert _mixed_nodes(ctx, tag, gpus_per_node, nvl, kws) == "ok"
+
+
+def _check_faults(ctx, tag):
+    seen = _faults(ctx, tag)
+    assert seen[0] == "num_max_dispatch_tokens_per_rank differs across ranks: 8 on rank 0, 16 on rank 1", seen
+    if ctx.rank == 0:
+        assert "rank 1" in seen[1] and "low_latency_dispatch/receive" in seen[1], seen
+        assert seen[2] == [0, 1], seen  # rank 1 masked
+
+
+def _check_faults_two_nodes_of_two(ctx, tag):
+    seen = _faults_two_nodes_of_two(ctx, tag)
+    assert seen[0].startswith("num_max_dispatch_tokens_per_rank differs across ranks: 8 on rank 0, 16 on "
+                              "rank"), seen
+    if ctx.rank < 3:
+        assert "rank 3" in seen[1] and "low_latency_dispatch/receive" in seen[1], (ctx.rank, seen)
+
+
+# Every check of a world size runs in one launch (a launch costs seconds of process start and imports), in
+# this order, and is reported as its own test; the fault checks come last (the ranks leave them at
+# different times). A failed check stops its rank: later ones report "not run".
+CHECKS = {
+    2: [("two-virtual-nodes", _check_two_nodes, ()),
+        ("one-node-nvshmem-only", _check_mixed_nodes,  # one node, its peer through NVSHMEM too
+         (2, False, [{"use_fp8": False, "zero_copy": True}])),
+        ("faults", _check_faults, ())],
     # same-node peers by stores, the other node by NVSHMEM: FP8 with the hook, then BF16 zero-copy, on one
     # Buffer (its signal levels and parities across calls)
-    (4, 2, True, [{"use_fp8": True, "hook": True}, {"use_fp8": False, "zero_copy": True}]),
-    (2, 2, False, [{"use_fp8": False, "zero_copy": True}]),  # one node, its peer through NVSHMEM too
-], ids=["4-ranks-2-nodes-nvlink", "one-node-nvshmem-only"])
-def test_internode_low_latency_mixed_nodes(world, gpus_per_node, nvl, kws):
-    res = parallel_launch(world, _mixed_nodes, uuid.uuid4().hex[:12], gpus_per_node, nvl, kws, backend="gloo",
-                          timeout_s=300)
-    assert res == ["ok"] * world
+    4: [("4-ranks-2-nodes-nvlink", _check_mixed_nodes,
+         (2, True, [{"use_fp8": True, "hook": True}, {"use_fp8": False, "zero_copy": True}])),
+        ("faults-two-nodes-of-two", _check_faults_two_nodes_of_two, ())],
+}
+TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 
-def test_internode_low_latency_faults():
-    res = parallel_launch(2, _faults, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
-    for seen in res:
-        assert seen[0] == "num_max_dispatch_tokens_per_rank differs across ranks: 8 on rank 0, 16 on rank 1", seen
-    timeout = res[0][1]
-    assert "rank 1" in timeout and "low_latency_dispatch/receive" in timeout, timeout
-    assert res[0][2] == [0, 1], res[0]  # rank 1 masked
+def _rank(ctx, tag):
+    def one(fn, args):
+        return lambda ctx: fn(ctx, tag, *args)
+
+    return harness.run_checks(ctx, [(name, one(fn, args)) for name, fn, args in CHECKS[ctx.world_size]], env={})
 
 
-def test_internode_low_latency_faults_two_nodes_of_two():
-    res = parallel_launch(4, _faults_two_nodes_of_two, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
-    for seen in res:
-        assert seen[0].startswith("num_max_dispatch_tokens_per_rank differs across ranks: 8 on rank 0, 16 on "
-                                  "rank"), seen
-    for r in range(3):
-        assert "rank 3" in res[r][1] and "low_latency_dispatch/receive" in res[r][1], (r, res[r])
+@pytest.mark.parametrize("world,name", [(w, n) for w, checks in CHECKS.items() for n, *_ in checks])
+def test_internode_low_latency_on_cpu_processes(world, name):
+    harness.report(harness.launch_gloo_once(_rank, world, TAG, timeout_s=600), name)
