@@ -26,11 +26,13 @@ def _one_hangs(ctx):
 def test_a_failure_reports_the_other_ranks_stacks():
     t0 = time.monotonic()
     with pytest.raises(RankError) as e:
-        parallel_launch(2, _one_fails_one_hangs, backend="gloo", timeout_s=60)
+        parallel_launch(2, _one_fails_one_hangs, backend="gloo", timeout_s=60, grace_s=3.0)
     msg = str(e.value)
     assert "rank 0 gives up" in msg
     assert "rank 1 was still running" in msg and "_stuck_here" in msg, msg
     assert time.monotonic() - t0 < 45  # the survivors get a short grace period, not the whole timeout
+    with pytest.raises(ValueError, match="grace_s must be > 0, got 0"):
+        parallel_launch(2, _one_fails_one_hangs, grace_s=0)
 
 
 def test_a_timeout_names_the_rank_and_where_it_hangs():

@@ -251,9 +251,13 @@ def _worker(rank, world_size, init_file, backend, pg_timeout_s, fn, args, result
 
 
 def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = None,
-                    timeout_s: float = 300.0, pg_timeout_s: float = 120.0) -> list:
+                    timeout_s: float = 300.0, pg_timeout_s: float = 120.0, grace_s: float = 10.0) -> list:
     """Run ``fn(ctx, *args)`` on ``world_size`` fresh processes; return their results by rank.
+    Once a rank failed or skipped, the others get ``grace_s`` seconds to report, then their stacks are
+    taken and they are stopped.
     Inside ``with from_env(world):`` it runs on that launcher-made world instead (``env_launch``)."""
+    if not grace_s > 0:
+        raise ValueError(f"grace_s must be > 0, got {grace_s!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if _FROM_ENV is not None:
@@ -298,7 +302,7 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
                 continue
             {"ok": out, "skip": skips}.get(status, errors)[rank] = value
             if errors or skips:  # one rank failed or skipped: give the others a moment to report, then stop
-                deadline = min(deadline, time.monotonic() + 10.0)
+                deadline = min(deadline, time.monotonic() + grace_s)
         stuck = [r for r in range(world_size)
                  if r not in out and r not in errors and r not in skips and procs[r].is_alive()]
         stacks = _dump_stacks(procs, stuck, init_file)
