@@ -10,9 +10,16 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("numpy")
 
-from test_kernel_sims import test_kernels_under_the_interpreter as run_script  # noqa: E402
+from test_kernel_sims import collect, started_scripts  # noqa: E402
+
+SCRIPTS = ["compile_ht.py", "sim_ht_layout.py"]
 
 
-@pytest.mark.parametrize("script", ["compile_ht.py", "sim_ht_layout.py"])
-def test_ht_kernels(script):
-    run_script(script)
+@pytest.fixture(scope="module")
+def started():
+    yield from started_scripts(SCRIPTS)  # both at once
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_ht_kernels(started, script):
+    collect(script, started[script])

@@ -21,28 +21,30 @@ SIMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sims")
 SCRIPTS = ["sim_ht.py", "sim_ll.py", "sim_internode_prep.py", "compile_internode_ht.py"]
 
 
-@pytest.fixture(scope="module")
-def started():
-    """Every script started at once: each is one single-threaded Python process, so on a machine of two
-    cores two of them run in the time of one (the tests then collect their own)."""
-    procs = {}
-    for script in SCRIPTS:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"),
-                                                           os.environ.get("PYTHONPATH", "")]))
-        if script.startswith("compile"):
-            env.pop("TRITON_INTERPRET", None)  # Triton's compiler itself, for sm_90
-        procs[script] = subprocess.Popen([sys.executable, os.path.join(SIMS, script)], env=env, cwd=ROOT,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    yield procs
-    for p in procs.values():
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+def start(script: str) -> subprocess.Popen:
+    """``sims/<script>`` started in its own process."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+    if script.startswith("compile"):
+        env.pop("TRITON_INTERPRET", None)  # Triton's compiler itself, for sm_90
+    return subprocess.Popen([sys.executable, os.path.join(SIMS, script)], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_kernels_under_the_interpreter(started, script):
-    p = started[script]
+def started_scripts(scripts):
+    """Every script started at once (the body of a module fixture): each is one single-threaded Python
+    process, so on a machine of two cores two of them run in the time of one; the tests collect their own."""
+    procs = {script: start(script) for script in scripts}
+    try:
+        yield procs
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def collect(script: str, p: subprocess.Popen) -> None:
+    """Wait for ``p`` (300 s at most); it must exit 0 and report every check it plans as passed."""
     try:
         out, err = p.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -58,3 +60,13 @@ def test_kernels_under_the_interpreter(started, script):
     oks = [line for line in lines if line.startswith("ok")]
     assert len(plans) == 1 and plans[0] > 0, proc.stdout
     assert len(oks) == plans[0], f"{len(oks)} of {plans[0]} checks reported ok:\n{proc.stdout}"
+
+
+@pytest.fixture(scope="module")
+def started():
+    yield from started_scripts(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_kernels_under_the_interpreter(started, script):
+    collect(script, started[script])
