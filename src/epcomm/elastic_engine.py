@@ -197,7 +197,7 @@ def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_
     """``(combined_x bf16[T, H], combined_topk_weights f32[T, K] or None)``; ``num_sms``: the transport's
     programs (``Backend.return_rows``). The rows sent back are ``x`` as it is where it can be (contiguous,
     no weights), else packed (``Kernels.pack``); on the nvlink backend a contiguous combine's transport reads
-    ``x`` and the weights in place instead (``nvlink_v2.return_row_parts``: the same bytes land, no pack)."""
+    ``x`` and the weights in place instead (``NVLinkBackend.return_row_parts``: the same bytes land, no pack)."""
     kern = eb._kernels
     if kern is None:
         return _combine_torch(eb, x, state, topk_idx, num_experts, m, expand, topk_weights, bias, multi,
@@ -222,10 +222,8 @@ def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_
     elif topk_weights is None and (2 * h) % 16 == 0 and x.is_contiguous() and x.data_ptr() % 16 == 0:
         rows = x.view(torch.uint8)  # the rows as they are
     else:
-        from .backends.nvlink_v2 import row_parts
-
-        parts = row_parts(be)  # the nvlink transport reads x and the weights in place: no pack pass
-        got = parts and parts(be, x, topk_weights, state.gid, m, "combine/rows", num_sms)
+        parts = getattr(be, "return_row_parts", None)  # the nvlink transport reads x and the weights in place
+        got = parts and parts(x, topk_weights, state.gid, m, "combine/rows", num_sms)
         if got is None:
             rows, _ = kern.pack(x, state.meta, topk_weights, 0)
     if got is None:

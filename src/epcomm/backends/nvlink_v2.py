@@ -102,14 +102,6 @@ def return_row_parts(be, x: torch.Tensor, wts: torch.Tensor | None, dst: torch.T
     return _transport(be, x, wts, dst, n, combine_row_bytes(h, k), (h // 2, xs[0] // 2, k, ws[0]), slots, num_sms)
 
 
-def row_parts(be):
-    """:func:`return_row_parts` where ``be`` combines through this module (the nvlink backend's
-    ``return_rows``, not overridden), else None (``Backend.return_rows`` of packed rows is the only way)."""
-    from .nvlink import NVLinkBackend
-
-    return return_row_parts if getattr(type(be), "return_rows", None) is NVLinkBackend.return_rows else None
-
-
 def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: int) -> torch.Tensor:
     """Launch ``_combine_impl_kernel`` (rows of ``w`` bytes; ``parts`` as :func:`transport_launch`'s) and
     ``_combine_arrive_kernel``; returns the area ``uint8[R, slots, w]``."""
