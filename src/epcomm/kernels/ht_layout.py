@@ -8,7 +8,7 @@ the last one shorter) and group ``pid % NG``. Groups ``0 .. NR-1`` take ``RB`` r
 ``is_token_in_rank[chunk, ranks]`` directly and count the chunk's tokens per rank; groups ``NR ..`` take
 ``EB`` experts each and count the chunk's entries per expert (``tl.histogram``). Each program stores its
 counts into row ``chunk`` of a scratch ``part int32[CP2, R + E]`` (columns: ranks, then experts), then takes
-a ticket of its group (``tickets int32[NG]``, acquire-release at GPU scope); the last of a group's chunks
+a ticket of its group (``tickets int32[NG]``, ``common.ticket_last_n``); the last of a group's chunks
 sums the group's columns over the chunks (integers: the same bits in any order) into
 ``num_tokens_per_rank`` / ``num_tokens_per_expert`` and puts the ticket back to 0, ready for the next
 launch or a graph's replay. So one launch, no zeroed output and no host sync; the scratch
@@ -31,6 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .common import ticket_last_n
+
 
 def chunking(t: int, tbe: int, cp2: int) -> tuple[int, int]:
     """``(chunks, S)`` of a launch over ``t`` tokens: ``S`` tokens a chunk, a multiple of ``tbe``, at most
@@ -47,26 +49,13 @@ def scratch_words(ng: int, cp2: int, r_: int, e: int) -> int:
 
 
 @triton.jit
-def _last_chunk(ticket_ptr, n):
-    """True in the last of the ``n`` programs that take this ticket; it puts the ticket back to 0. Each
-    program's earlier stores (all its threads': the barrier) are released before its ticket, and the last
-    acquires them all. GPU scope: the counts go to the next kernel on the stream only (``common.ticket_last``
-    is system scope, for counts other GPUs or the host read)."""
-    tl.debug_barrier()
-    last = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
-    if last:
-        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
-    return last
-
-
-@triton.jit
 def _publish(cnt, cols, n, chunk, nch, W, part_ptr, col0, ticket_ptr, out_ptr, B: tl.constexpr,
              CP2: tl.constexpr):
     """Store this program's counts ``cnt`` (``int32[B]`` for the group's columns ``cols``, valid below ``n``)
     into ``part[chunk, col0 + cols]``; the group's last chunk sums the column over the ``nch`` chunks into
     ``out[cols]``."""
     tl.store(part_ptr + chunk * W + col0 + cols, cnt, mask=cols < n)
-    if _last_chunk(ticket_ptr, nch):
+    if ticket_last_n(ticket_ptr, nch):  # (each program's stores released before its ticket)
         cc = tl.arange(0, CP2)
         m = (cc[:, None] < nch) & (cols[None, :] < n)
         parts = tl.load(part_ptr + cc[:, None] * W + col0 + cols[None, :], mask=m, other=0)
