@@ -40,6 +40,7 @@ from ..testing.compare import assert_bitwise
 from ..testing.gpu_cases import forced_backend
 from . import workloads
 from .cases import BenchCase
+from .profile import profile_op
 from .timing import TimedOp, checked_set, fail_text, measure, timed_fields
 
 log = logging.getLogger(__name__)
@@ -232,8 +233,6 @@ def run_v2_case(ctx, plan, case: BenchCase, buf, ref, sms_sweep: tuple[int, ...]
                 if use_graphs and m.method != "graph":
                     continue  # the capture failed (logged): the eager row stands alone
                 if plan.profile and not use_graphs:
-                    from .profile import profile_op
-
                     profile_op(top, f"{label} {name}", num_sets=plan.sets, iters=plan.iters, group=group, device=dev,
                                rank=ctx.rank, out_dir=plan.profile)
                 out.append({"case": dataclasses.asdict(case), "backend": name, "op": op.op, "dtype": op.dtype,
