@@ -50,6 +50,9 @@ from .nvlink_params import (
 )
 
 _MAX_PLANS = 4096  # the token count is part of a kind: bounded, whatever the callers vary
+# programs of the exchange kernel that only check expert ids (a tile of 128 rows each, at most this many;
+# they wait for nothing): DSv3's 4096 tokens take 32, one tile each
+NOTIFY_CHECK_PROGRAMS = 32
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -190,6 +193,10 @@ class HTDispatch:
         worst, alignment, num_sms, x_dtype = a.num_worst_tokens, a.expert_alignment, a.num_sms, a.x.dtype
         counts, per_expert, chan, toks = self._notify_views(lx, c)
         tb = 128
+        # the exchange's programs, one a rank (one under the interpreter, which runs programs one after
+        # another: see the kernel), then programs that only check expert ids, a tile of tb rows each
+        rp = r_ if TIMER else 1
+        notify_grid = rp + (min((t + tb - 1) // tb, NOTIFY_CHECK_PROGRAMS if TIMER else 1) if has_topk else 0)
         notify = _Launch(Direct(self.k["_dispatch_notify_kernel"].prepared((lx, c, k, e), dict(
             BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), C_POW2=_pow2(c), K_POW2=_pow2(k), TB=tb,
             CHECK_WORST=bool(worst), CHECK_TOPK=has_topk, HOST_COUNTS=not worst, HAS_TIMER=TIMER,
@@ -198,11 +205,10 @@ class HTDispatch:
             self.p_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
             self.list_off, self.list_parity_bytes, self.list_src_bytes,
             self.p_nctr, None, counts, per_expert, chan, toks, self.p_src_lists, self.src_lists.stride(0),
-            self.p_err, self._timeout_ns, None, None, None, worst, self.p_err, k, e, self.p_host_counts),
+            self.p_err, self._timeout_ns, None, None, None, worst, self.p_err, k, e, self.p_host_counts, rp),
             (0, 4, 5, 18, 27, 28, 29) + ((31,) if has_topk else ())),
             (_bools, None, None, None, None, None, None, None))
         bulk = not push and r_ > 1  # the transport's own transfer (copy engine, or the separate push kernel)
-        notify_grid = r_ if TIMER else 1  # (one program under the interpreter: see the kernel)
         gather = self._gather_plan(key, h, x_dtype, t, lay, g, k, lx, push, has_s, has_topk, counts, toks)
         first, n_worst = TUNE["notify_first"], worst
         i32, f32 = torch.int32, torch.float32

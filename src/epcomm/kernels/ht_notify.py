@@ -193,7 +193,7 @@ def _handle_kernel(counts_ptr, CS, chan_ptr, CHS, C, rel_ptr, T, R, me, rpm_ptr,
             _check_topk_tile(tt, topk_ptr, T, K, E, err_ptr, K_POW2)
 
 
-@triton.jit(do_not_specialize=['T', 'per_chan', 'num_worst'],
+@triton.jit(do_not_specialize=['T', 'per_chan', 'num_worst', 'RP'],
             do_not_specialize_on_alignment=['is_in_ptr', 'ntpr_ptr', 'ntpe_ptr', 'cpm_ptr', 'rpm_ptr', 'rcp_ptr',
                                             'send_head_ptr', 'topk_ptr'])
 def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
@@ -201,26 +201,56 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
                             list_off, list_parity_bytes, list_src_bytes,
                             nctr_ptr, cpm_ptr, counts_ptr, per_expert_ptr, chan_ptr, tok_ptr, src_lists_ptr,
                             src_lists_stride, err_ptr, timeout_ns,
-                            rpm_ptr, rcp_ptr, send_head_ptr, num_worst, topk_ptr, K, E, host_addr_ptr,
+                            rpm_ptr, rcp_ptr, send_head_ptr, num_worst, topk_ptr, K, E, host_addr_ptr, RP,
                             BLOCK: tl.constexpr, R_POW2: tl.constexpr, C_POW2: tl.constexpr,
                             K_POW2: tl.constexpr, TB: tl.constexpr, CHECK_WORST: tl.constexpr,
                             CHECK_TOPK: tl.constexpr, HOST_COUNTS: tl.constexpr, HAS_TIMER: tl.constexpr):
     """The eager dispatch's layout exchange and its handle in one launch (``_notify_kernel`` then
     ``_handle_kernel``, without the ``send_head_rel`` scratch between them).
 
-    Programs take the ranks ``j = pid, pid + P, ...`` (``P = R`` on a GPU; one program under the
-    interpreter, which runs programs one after another): first every send (``_notify_send``), then every
-    receive (``_notify_recv``, with ``HOST_COUNTS`` the counts also into pinned host words), then each
-    program waits until every rank's part is in this rank's meta area and reads ``counts`` and the
+    The first ``RP`` programs take the ranks ``j = pid, pid + RP, ...`` (``RP = R`` on a GPU; one program
+    under the interpreter, which runs programs one after another): first every send (``_notify_send``),
+    then every receive (``_notify_recv``, with ``HOST_COUNTS`` the counts also into pinned host words),
+    then each waits until every rank's part is in this rank's meta area and reads ``counts`` and the
     channel prefixes from there: ``rank_prefix_matrix``, ``recv_channel_prefix_matrix`` and the
     ``num_worst`` check by program 0 (``_handle_prefix``); ``send_head[:, j]`` for its ranks (the send list
-    positions again, plus ``rpm[me-1][j]``); the expert-id check on its share of the rows.
+    positions again, plus ``rpm[me-1][j]``). The expert-id check (``CHECK_TOPK``) is done by the programs
+    after those (tiles of ``TB`` rows, ``q, q + P - RP, ...`` for program ``RP + q``), which wait for nothing:
+    the launcher adds them (``notify_grid``); with none, by every program. (Checked by the rank programs alone, a rank's program walked
+    ``T / TB`` tiles one after another: at world 1 the kernel took ~45 us of a DSv3 dispatch on an H100.)
 
     Example (R = 2, me = 1, T = 3, is_token_in_rank = [[1, 1], [0, 1], [1, 0]], rank 0 sends 2 tokens to
     rank 0 and 4 to rank 1): ``send_head = [[2, 4], [-1, 5], [3, -1]]``.
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
+    if pid < RP:
+        _dispatch_notify_ranks(pid, RP, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan, ptr_table,
+                               flags_off, meta_off, meta_parity_bytes, meta_src_bytes, list_off, list_parity_bytes,
+                               list_src_bytes, nctr_ptr, cpm_ptr, counts_ptr, per_expert_ptr, chan_ptr, tok_ptr,
+                               src_lists_ptr, src_lists_stride, err_ptr, timeout_ns, rpm_ptr, rcp_ptr,
+                               send_head_ptr, num_worst, host_addr_ptr, BLOCK, R_POW2, C_POW2, CHECK_WORST,
+                               HOST_COUNTS, HAS_TIMER)
+    if CHECK_TOPK:  # by the programs after the rank programs where there are any, else by every program
+        q = pid - RP
+        Q = P - RP
+        if Q == 0:
+            q = pid
+            Q = P
+        if q >= 0:
+            for t0 in range(q * TB, T, Q * TB):
+                _check_topk_tile((t0 + tl.arange(0, TB)).to(tl.int64), topk_ptr, T, K, E, err_ptr, K_POW2)
+
+
+@triton.jit
+def _dispatch_notify_ranks(pid, P, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan, ptr_table, flags_off,
+                           meta_off, meta_parity_bytes, meta_src_bytes, list_off, list_parity_bytes, list_src_bytes,
+                           nctr_ptr, cpm_ptr, counts_ptr, per_expert_ptr, chan_ptr, tok_ptr, src_lists_ptr,
+                           src_lists_stride, err_ptr, timeout_ns, rpm_ptr, rcp_ptr, send_head_ptr, num_worst,
+                           host_addr_ptr, BLOCK: tl.constexpr, R_POW2: tl.constexpr, C_POW2: tl.constexpr,
+                           CHECK_WORST: tl.constexpr, HOST_COUNTS: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Rank program ``pid`` of ``P``'s share of ``_dispatch_notify_kernel``: the exchange with ranks
+    ``pid, pid + P, ...``, the wait for every rank's part, the handle's prefixes and ``send_head``."""
     n0 = tl.load(nctr_ptr + pid)  # every rank's counter is the same at the start of a call
     for j in range(pid, R, P):
         n = tl.load(nctr_ptr + j)
@@ -252,6 +282,3 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
             pos = running + tl.cumsum(f, 0) - f
             tl.store(send_head_ptr + tt.to(tl.int64) * R + j, tl.where(f != 0, pos + off, -1), mask=m)
             running += tl.sum(f, 0)
-    if CHECK_TOPK:
-        for t0 in range(pid * TB, T, P * TB):
-            _check_topk_tile((t0 + tl.arange(0, TB)).to(tl.int64), topk_ptr, T, K, E, err_ptr, K_POW2)
