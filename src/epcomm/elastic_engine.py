@@ -197,7 +197,9 @@ def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_
     """``(combined_x bf16[T, H], combined_topk_weights f32[T, K] or None)``; ``num_sms``: the transport's
     programs (``Backend.return_rows``). The rows sent back are ``x`` as it is where it can be (contiguous,
     no weights), else packed (``Kernels.pack``); on the nvlink backend a contiguous combine's transport reads
-    ``x`` and the weights in place instead (``NVLinkBackend.return_row_parts``: the same bytes land, no pack)."""
+    ``x`` and the weights in place instead (``NVLinkBackend.return_row_parts``: the same bytes land, no pack)
+    and moves only the rows other ranks own: the reduction reads this rank's own from ``x`` and the weights
+    (at world 1 nothing moves)."""
     kern = eb._kernels
     if kern is None:
         return _combine_torch(eb, x, state, topk_idx, num_experts, m, expand, topk_weights, bias, multi,
@@ -216,20 +218,22 @@ def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_
             _wait_event(before_epilogue if j == 0 else None)
             out, _ = kern.reduce(got, topk_idx, le, m, h, bias, (j, j + 1), False, False, acc, j > 0, j < k - 1, out)
         return out, None
-    got = None
-    if expand:
-        rows, _ = kern.pack(x, state.meta, topk_weights, 1)
-    elif topk_weights is None and (2 * h) % 16 == 0 and x.is_contiguous() and x.data_ptr() % 16 == 0:
-        rows = x.view(torch.uint8)  # the rows as they are
-    else:
-        parts = getattr(be, "return_row_parts", None)  # the nvlink transport reads x and the weights in place
-        got = parts and parts(x, topk_weights, state.gid, m, "combine/rows", num_sms)
-        if got is None:
-            rows, _ = kern.pack(x, state.meta, topk_weights, 0)
+    got = own = None
+    parts = None if expand else getattr(be, "return_row_parts", None)
+    if parts is not None:  # nvlink: x and the weights read in place; this rank's own rows do not move at all
+        got = parts(x, topk_weights, state.gid, m, "combine/rows", num_sms, skip_self=True)
+        if got is not None:  # (the reduction reads them from x at the handle's send_head[:, me])
+            own = (x, topk_weights, state.v1.send_head, eb.rank_idx, eb.num_ranks)
     if got is None:
+        if expand:
+            rows, _ = kern.pack(x, state.meta, topk_weights, 1)
+        elif topk_weights is None and (2 * h) % 16 == 0 and x.is_contiguous() and x.data_ptr() % 16 == 0:
+            rows = x.view(torch.uint8)  # the rows as they are
+        else:
+            rows, _ = kern.pack(x, state.meta, topk_weights, 0)
         got = be.return_rows(rows, state.gid, m, "combine/rows", num_sms)
     _wait_event(before_epilogue)
-    return kern.reduce(got, topk_idx, le, m, h, bias, (0, k), True, topk_weights is not None)
+    return kern.reduce(got, topk_idx, le, m, h, bias, (0, k), True, topk_weights is not None, self_rows=own)
 
 
 def _combine_torch(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_weights, bias, multi,

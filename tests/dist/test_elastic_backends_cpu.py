@@ -145,8 +145,8 @@ HOST_BOUND = {
     "dispatch contiguous": (53, 34, 11, 5, 0),
     "cached contiguous": (14, 12, 1, 1, 0),
     "cached contiguous weights": (51, 31, 5, 6, 0),
-    "combine contiguous": (22, 19, 1, 3, 0),
-    "combine contiguous weights 2 biases": (45, 37, 3, 4, 0),
+    "combine contiguous": (21, 19, 1, 3, 0),
+    "combine contiguous weights 2 biases": (42, 37, 2, 3, 0),  # x and weights read in place: no pack
     "dispatch sync expanded": (65, 43, 12, 6, 0),
     "dispatch expanded": (65, 43, 12, 6, 0),
     "cached expanded": (23, 20, 1, 1, 0),

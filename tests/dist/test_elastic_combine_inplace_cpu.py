@@ -1,7 +1,8 @@
 """Tier 2: on the nvlink backend a contiguous ``ElasticBuffer.combine`` with ``topk_weights`` builds no packed
 rows: the transport (``_combine_impl_kernel``) reads ``x`` and the weights in place and stores each row as
 ``x | weights`` into its owner's area (``nvlink_v2.return_row_parts``), so no ``_combine_pack_kernel`` runs.
-Its results are bitwise those of the reference engine (``elastic_engine._combine_torch``: torch operations,
+Only the rows other ranks own move: the reduction reads this rank's own in place from ``x`` and the weights
+(with and without weights). Its results are bitwise those of the reference engine (``elastic_engine._combine_torch``: torch operations,
 rows packed by ``elastic_layout.pack_rows``, through the same backend) and of the oracle
 (``testing.elastic_cases``), with two biases, for contiguous and strided ``x``. Where the transport could not
 move the rows as 16-byte vectors (``x`` 8 bytes off alignment, ``K = 3``) the pack runs as before, with the
@@ -49,28 +50,33 @@ def _run(ctx, tag):
             wide = torch.full((y.shape[0], h + 24), float("nan"), dtype=torch.bfloat16)
             for layout, yy in zip(LAYOUTS, (y, wide[:, 8:8 + h], wide[:, 4:4 + h])):
                 yy.copy_(y)
-                what = f"K={k} sync={sync} {layout}"
-                with HostCount(log=True) as c:
-                    out, ow, _ = buf.combine(yy, hd, topk_weights=rw, bias=b)
-                names = [n[len("triton:"):] for n in c.kernels if n.startswith("triton:")]
-                kern, buf._kernels = buf._kernels, None  # the reference engine, through the same transport
-                try:
-                    ref, ref_w, _ = buf.combine(yy, hd, topk_weights=rw, bias=b)
-                finally:
-                    buf._kernels = kern
-                C._eq(f"{what}: combined x vs the reference engine", out, ref)
-                C._eq(f"{what}: weights back vs the reference engine", ow, ref_w)
-                C._eq(f"{what}: combined x vs the oracle", out, want)
-                C._eq(f"{what}: weights back vs the oracle", ow, w)
-                got[(k, sync, layout)] = (names.count("_combine_pack_kernel"), names.count("_combine_impl_kernel"))
+                for ww in (rw, None) if layout != "unaligned" else (rw,):
+                    what = f"K={k} sync={sync} {layout} weights={ww is not None}"
+                    with HostCount(log=True) as c:
+                        out, ow, _ = buf.combine(yy, hd, topk_weights=ww, bias=b)
+                    names = [n[len("triton:"):] for n in c.kernels if n.startswith("triton:")]
+                    kern, buf._kernels = buf._kernels, None  # the reference engine, through the same transport
+                    try:
+                        ref, ref_w, _ = buf.combine(yy, hd, topk_weights=ww, bias=b)
+                    finally:
+                        buf._kernels = kern
+                    C._eq(f"{what}: combined x vs the reference engine", out, ref)
+                    C._eq(f"{what}: combined x vs the oracle", out, want)
+                    if ww is None:
+                        assert ow is None and ref_w is None, what
+                    else:
+                        C._eq(f"{what}: weights back vs the reference engine", ow, ref_w)
+                        C._eq(f"{what}: weights back vs the oracle", ow, w)
+                    got[(k, sync, layout, ww is not None)] = (names.count("_combine_pack_kernel"),
+                                                              names.count("_combine_impl_kernel"))
     return got
 
 
 def test_nvlink_contiguous_combine_with_weights_packs_nothing_and_is_bitwise_the_reference():
     res = parallel_launch(2, _run, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
     for rank, got in enumerate(res):
-        for (k, sync, layout), (packs, transports) in got.items():
-            in_place = k % 4 == 0 and layout != "unaligned"
-            assert transports == 1, (rank, k, sync, layout, transports)
-            assert packs == (0 if in_place else 1), f"rank {rank} K={k} sync={sync} {layout}: {packs} pack launches"
-        assert len(got) == 2 * 2 * len(LAYOUTS), sorted(got)
+        for (k, sync, layout, with_w), (packs, transports) in got.items():
+            in_place = (k % 4 == 0 or not with_w) and layout != "unaligned"
+            assert transports == 1, (rank, k, sync, layout, with_w, transports)
+            assert packs == (0 if in_place else 1), f"rank {rank} K={k} sync={sync} {layout} weights={with_w}: {packs} packs"
+        assert len(got) == 2 * 2 * (2 * len(LAYOUTS) - 1), sorted(got)

@@ -190,12 +190,15 @@ class Kernels:
 
     def reduce(self, got: torch.Tensor, topk_idx: torch.Tensor, le: int, m: int, h: int, bias: tuple,
                lanes: tuple[int, int], master: bool, with_w: bool, acc: torch.Tensor | None = None,
-               acc_in: bool = False, acc_out: bool = False, out: torch.Tensor | None = None):
+               acc_in: bool = False, acc_out: bool = False, out: torch.Tensor | None = None, self_rows=None):
         """``combine_reduce_epilogue_impl``: lanes ``lanes[0] .. lanes[1]-1`` of the rows sent back (``got
         uint8[R, M, W]``, BF16 from byte 0, weights from byte ``2H``) added in lane order in float32 from
         the biases (or ``acc`` with ``acc_in``), one BF16 rounding into ``out`` (made here when None;
         ``acc_out``: into ``acc`` in float32, for a later call). ``master``: each rank's partial once, at
-        its highest lane; else every lane. Returns ``(out bf16[T, H], weights f32[T, K] or None)``."""
+        its highest lane; else every lane. ``self_rows``: ``(x bf16[N, H], weights f32[N, K] or None,
+        send_head int32[T, R] (contiguous, as the nvlink handle's), me, R)``, where this rank's own partials lie (the transport skipped them:
+        ``return_row_parts(skip_self=True)``), read in place from row ``send_head[t, me]``; rows of unit
+        column stride. Returns ``(out bf16[T, H], weights f32[T, K] or None)``."""
         t, k = topk_idx.shape
         dev = got.device
         if out is None:
@@ -206,10 +209,20 @@ class Kernels:
             b0 = bias[0].contiguous() if bias else out
             b1 = bias[1].contiguous() if len(bias) > 1 else out
             row = got.shape[-1]
-            key = (k, le, row, h, len(bias), master, with_w, acc_in, acc_out, _aligned(got, topk_idx, b0, b1))
+            if self_rows is None:
+                xs, ws, sh, me, r_ = out, out, topk_idx, 0, 0
+                sx = sw = 0
+            else:  # (x and the weights passed return_row_parts' 16-byte checks; send_head is the handle's own)
+                xs, ws, sh, me, r_ = self_rows
+                sx = xs.stride(0)
+                sw = ws.stride(0) if ws is not None else 0
+                ws = ws if ws is not None else xs
+            key = (k, le, row, h, len(bias), master, with_w, acc_in, acc_out, self_rows is not None, sx, sw,
+                   _aligned(got, topk_idx, b0, b1))
             self.launch("_combine_reduce_epilogue_impl_kernel", key, dict(
                 K=k, KP=_pow2(k), LE=le, ROW=row, H=h, W_OFF=h // 2, NB=len(bias), MASTER=master, HAS_W=with_w,
-                ACC_IN=acc_in, ACC_OUT=acc_out, BLOCK=BLOCK, num_warps=4),
+                ACC_IN=acc_in, ACC_OUT=acc_out, BLOCK=BLOCK, SELF=self_rows is not None, XS=sx, WS=sw,
+                num_warps=4),
                 (t, (h + BLOCK - 1) // BLOCK, 1), got, topk_idx, b0, b1, acc if acc is not None else out, out,
-                out_w if out_w is not None else out, m, lanes[0], lanes[1])
+                out_w if out_w is not None else out, m, lanes[0], lanes[1], xs, ws, sh, me, r_)
         return out, out_w

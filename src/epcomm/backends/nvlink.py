@@ -342,15 +342,16 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
 
         return return_rows(self, rows, dst, slots, phase, num_sms)
 
-    def return_row_parts(self, x, wts, dst, slots: int, phase: str, num_sms: int = 0):
+    def return_row_parts(self, x, wts, dst, slots: int, phase: str, num_sms: int = 0, skip_self: bool = False):
         """``return_rows`` of ``x`` and the top-k weights read in place (``nvlink_v2.return_row_parts``: the
         bytes a pack would build, no pack pass), or None where the caller must pack them: parts that do not
-        move as 16-byte vectors, or a subclass that moves rows its own way (its ``return_rows``)."""
+        move as 16-byte vectors, or a subclass that moves rows its own way (its ``return_rows``).
+        ``skip_self``: this rank's own rows stay in ``x`` and ``wts`` (not stored into its area)."""
         if type(self).return_rows is not NVLinkBackend.return_rows:
             return None
         from .nvlink_v2 import return_row_parts
 
-        return return_row_parts(self, x, wts, dst, slots, phase, num_sms)
+        return return_row_parts(self, x, wts, dst, slots, phase, num_sms, skip_self)
 
     def barrier(self, phase: str) -> None:
         """Synchronise the device, then a barrier bounded by the deadline (``PeerTimeoutError`` naming

@@ -54,20 +54,21 @@ class _Area:
         self.area = be.symm[self.area_off:self.area_off + r_ * slots * w].view(r_, slots, w)
 
 
-def transport_launch(w: int, num_sms: int, aligned: bool, parts: tuple[int, int, int, int] | None = None
-                     ) -> tuple[tuple[int, int, int], dict]:
+def transport_launch(w: int, num_sms: int, aligned: bool, parts: tuple[int, int, int, int] | None = None,
+                     skip_self: bool = False) -> tuple[tuple[int, int, int], dict]:
     """``(grid, constexprs)`` of ``_combine_impl_kernel`` for rows of ``w`` bytes: ``num_sms`` programs
     (``PROGRAMS`` when 0), whatever the number of rows: each waits for every peer's program 0 and the arrival counts every
     program of a call (``P``), so the grid is the call's ``num_sms`` and never depends on the rows. ``parts``:
     ``(XW, XS, KW, KS)``, the words of a row read from its two sources and their row strides in words (None:
-    rows already packed, ``(w/4, w/4, 0, 0)``).
+    rows already packed, ``(w/4, w/4, 0, 0)``). ``skip_self``: rows this rank owns are not stored (the
+    reduction reads them in place).
 
     Example: ``transport_launch(14368, 24, True) == ((24, 1, 1), dict(W=3592, XW=3592, XS=3592, KW=0, KS=0,
-    RB=8, BLOCK=1024, ALIGNED=True, HAS_TIMER=TIMER, num_warps=8))``; DSv3's ``x`` and weights read in
-    place: ``parts=(3584, 3584, 8, 8)``."""
+    RB=8, BLOCK=1024, ALIGNED=True, HAS_TIMER=TIMER, SKIP_SELF=False, num_warps=8))``; DSv3's ``x`` and
+    weights read in place: ``parts=(3584, 3584, 8, 8)``."""
     xw, xs, kw, ks = parts if parts is not None else (w // 4, w // 4, 0, 0)
-    return (num_sms or PROGRAMS, 1, 1), dict(W=w // 4, XW=xw, XS=xs, KW=kw, KS=ks, RB=RB,
-                                             BLOCK=BLOCK, ALIGNED=aligned, HAS_TIMER=TIMER, num_warps=WARPS)
+    return (num_sms or PROGRAMS, 1, 1), dict(W=w // 4, XW=xw, XS=xs, KW=kw, KS=ks, RB=RB, BLOCK=BLOCK,
+                                             ALIGNED=aligned, HAS_TIMER=TIMER, SKIP_SELF=skip_self, num_warps=WARPS)
 
 
 def return_rows(be, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: str, num_sms: int = 0) -> torch.Tensor:
@@ -81,14 +82,16 @@ def return_rows(be, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: st
 
 
 def return_row_parts(be, x: torch.Tensor, wts: torch.Tensor | None, dst: torch.Tensor, slots: int, phase: str,
-                     num_sms: int = 0) -> torch.Tensor | None:
+                     num_sms: int = 0, skip_self: bool = False) -> torch.Tensor | None:
     """``return_rows`` of the rows ``x bf16[n, H]`` and ``wts f32[n, K]`` (or None) side by side, as
     ``elastic_kernels.Kernels.pack`` (mode 0) would make them (``combine_row_bytes(H, K)`` bytes a row: x
     from byte 0, the weights from byte ``2H``, padding unwritten), but read in place by the transport: no
     pass that builds them. None (nothing launched; the caller packs them) unless both move as 16-byte
     vectors, as packed rows do: ``H`` a multiple of 8 and ``K`` of 4, rows contiguous, their strides
     multiples of 16 bytes, both 16-byte aligned (a weight row of 8 bytes, ``K = 2``, would leave the whole
-    row's loads 8 bytes wide)."""
+    row's loads 8 bytes wide). ``skip_self``: rows this rank owns are not stored (block ``me`` of the
+    result is then unspecified; the caller reads them from ``x`` and ``wts``, as the contiguous combine's
+    reduction does: at world 1 nothing moves, with 2 ranks half as much)."""
     be._check_error()
     n, h = x.shape
     xs = x.stride()
@@ -99,10 +102,12 @@ def return_row_parts(be, x: torch.Tensor, wts: torch.Tensor | None, dst: torch.T
         k, ws = wts.shape[1], wts.stride()
         if k % 4 or ws[0] % 4 or ws[1] != 1 or wts.data_ptr() % 16:
             return None
-    return _transport(be, x, wts, dst, n, combine_row_bytes(h, k), (h // 2, xs[0] // 2, k, ws[0]), slots, num_sms)
+    return _transport(be, x, wts, dst, n, combine_row_bytes(h, k), (h // 2, xs[0] // 2, k, ws[0]), slots, num_sms,
+                      skip_self)
 
 
-def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: int) -> torch.Tensor:
+def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: int,
+               skip_self: bool = False) -> torch.Tensor:
     """Launch ``_combine_impl_kernel`` (rows of ``w`` bytes; ``parts`` as :func:`transport_launch`'s) and
     ``_combine_arrive_kernel``; returns the area ``uint8[R, slots, w]``."""
     st = getattr(be, "_v2", None)
@@ -113,13 +118,14 @@ def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: i
     if area is None:
         area = st[(slots, w)] = _Area(be, slots, w)
     r_, epoch, kern = be.num_ranks, st["epoch"], st["kernels"]
-    grid, consts = transport_launch(w, num_sms, area.aligned, parts)
+    grid, consts = transport_launch(w, num_sms, area.aligned, parts, skip_self)
     programs = grid[0]
     rows = rows if n else area.flags  # (a placeholder: no row is read)
     wts = wts if wts is not None and n else rows
     # the alignment of both sources: return_row_parts passes only 16-byte aligned ones; else wts is rows
     aligned = 0 if parts is not None and n else _aligned(rows)
-    kern.launch("_combine_impl_kernel", (w, parts, slots, be._timeout_ns, rows.dtype, aligned, area.aligned), consts,
+    kern.launch("_combine_impl_kernel", (w, parts, slots, be._timeout_ns, rows.dtype, aligned, area.aligned,
+                                         skip_self), consts,
                 grid, rows, wts, dst, n, slots, be.ptr_table, area.area_off, area.flags_off, area.flags,
                 epoch, be.rank, r_, be.err, be._timeout_ns)
     kern.launch("_combine_arrive_kernel", (be._timeout_ns,), dict(HAS_TIMER=TIMER, num_warps=1), (1, 1, 1), area.flags, epoch, r_,

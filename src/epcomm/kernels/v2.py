@@ -42,7 +42,7 @@ from .common import INTERPRETED, peer_ptr, signal, wait_ge
 def _combine_impl_kernel(rows, wts, dst, n, slots, ptr_table, area_off, flags_off, flags, epoch_ptr, me, R, err_ptr,
                          timeout_ns, W: tl.constexpr, XW: tl.constexpr, XS: tl.constexpr, KW: tl.constexpr,
                          KS: tl.constexpr, HAS_TIMER: tl.constexpr, RB: tl.constexpr,
-                         BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+                         BLOCK: tl.constexpr, ALIGNED: tl.constexpr, SKIP_SELF: tl.constexpr = False):
     """Row ``i`` (``dst int64[n]``, -1: nowhere) -> its owner's area, ``W`` int32 words a row there, made of
     two parts read in place: words ``0 .. XW-1`` from ``rows`` (rows ``XS`` words apart), then with
     ``KW > 0`` words ``XW .. XW+KW-1`` from ``wts`` (rows ``KS`` words apart). Words after ``XW + KW`` (padding) are not written. So a contiguous combine's ``x bf16[N, H]``
@@ -52,7 +52,9 @@ def _combine_impl_kernel(rows, wts, dst, n, slots, ptr_table, area_off, flags_of
     bytes in flight: one row of ``BLOCK`` words a step left a program waiting on one load's latency after
     another. ``ALIGNED``: every destination row starts 16 bytes aligned (the launcher checked the bases,
     ``area_off`` and ``4W``), so the stores are 16-byte vectors (the weights' too where ``XW`` and ``KS``
-    are multiples of 4: the column tiles run over both parts, each word loaded from the one it lies in)."""
+    are multiples of 4: the column tiles run over both parts, each word loaded from the one it lies in).
+    ``SKIP_SELF``: rows this rank owns stay where they are (block ``me`` of its own area is not written):
+    the reduction reads them in place (``_combine_reduce_epilogue_impl_kernel``'s ``SELF``)."""
     rows = rows.to(tl.pointer_type(tl.int32), bitcast=True)
     wts = wts.to(tl.pointer_type(tl.int32), bitcast=True)
     pid = tl.program_id(0)
@@ -69,6 +71,8 @@ def _combine_impl_kernel(rows, wts, dst, n, slots, ptr_table, area_off, flags_of
         i = (i0 + rr).to(tl.int64)
         d = tl.load(dst + i, mask=i < n, other=-1)
         use = d >= 0
+        if SKIP_SELF:
+            use = use & (d // slots != me)
         owner = tl.where(use, d // slots, 0)
         # the byte address of each row's slot in its owner's area
         addr = tl.load(ptr_table + owner, mask=use, other=0) + area_off + (me * slots + d % slots) * (W * 4)
@@ -392,12 +396,14 @@ def _combine_pack_kernel(x, meta, w, rows, dst, lane, K: tl.constexpr, KP: tl.co
                     tl.store(wout + lanes, tl.load(w + ss, mask=ss >= 0, other=0.0), mask=lanes < K)
 
 
-@triton.jit(do_not_specialize=["M", "J0", "J1"])
-def _combine_reduce_epilogue_impl_kernel(got, topk, b0, b1, acc_io, out, out_w, M, J0, J1, K: tl.constexpr,
+@triton.jit(do_not_specialize=["M", "J0", "J1", "me", "R"])
+def _combine_reduce_epilogue_impl_kernel(got, topk, b0, b1, acc_io, out, out_w, M, J0, J1, x_self, w_self,
+                                         send_head, me, R, K: tl.constexpr,
                                          KP: tl.constexpr, LE: tl.constexpr, ROW: tl.constexpr, H: tl.constexpr,
                                          W_OFF: tl.constexpr, NB: tl.constexpr, MASTER: tl.constexpr,
                                          HAS_W: tl.constexpr, ACC_IN: tl.constexpr, ACC_OUT: tl.constexpr,
-                                         BLOCK: tl.constexpr):
+                                         BLOCK: tl.constexpr, SELF: tl.constexpr = False, XS: tl.constexpr = 0,
+                                         WS: tl.constexpr = 0):
     """The combine's reduction at the owner, in DeepEP's fixed order, for token ``t`` (program 0) and a
     block of the hidden dim (program 1): ``acc = b0 + b1`` (``NB`` biases; float32, or zeros; ``ACC_IN``:
     the float32 ``acc_io`` of a previous call instead), then for lanes ``j = J0 .. J1-1``
@@ -407,7 +413,10 @@ def _combine_reduce_epilogue_impl_kernel(got, topk, b0, b1, acc_io, out, out_w, 
     ``topk[t, j] // LE``; it is used where its id is not ``-1`` and, with ``MASTER``, no later lane has the
     same owner (each rank's partial added once, at its highest lane: ``elastic_layout.master_lanes``).
     ``HAS_W``: ``out_w f32[T, K]`` = the float32 each lane's owner sent at element ``W_OFF`` + lane of its
-    row (0 for ``-1`` lanes)."""
+    row (0 for ``-1`` lanes). ``SELF``: the partial this rank (``me`` of ``R``) holds of its own token is
+    read in place, not from ``got`` (the transport left it there: ``SKIP_SELF``): row
+    ``send_head[t, me]`` of ``x_self bf16`` (rows ``XS`` elements apart) and with ``HAS_W`` of ``w_self f32``
+    (``WS`` apart): the same values, added at the same place of the same order."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
@@ -423,6 +432,9 @@ def _combine_reduce_epilogue_impl_kernel(got, topk, b0, b1, acc_io, out, out_w, 
             acc = tl.load(b0 + t * H + offs, mask=m, other=0.0).to(tl.float32)
         if NB == 2:
             acc = acc + tl.load(b1 + t * H + offs, mask=m, other=0.0).to(tl.float32)
+    srow = tl.full((), -1, tl.int64)
+    if SELF:
+        srow = tl.load(send_head + t.to(tl.int64) * R + me).to(tl.int64)  # -1 where no lane is mine
     for j in tl.static_range(K):  # unrolled: the loads are issued together; lanes outside J0..J1-1 add nothing
         oj = tl.sum(tl.where(lanes == j, own, 0), 0)
         inr = (j >= J0) & (j < J1)
@@ -430,7 +442,13 @@ def _combine_reduce_epilogue_impl_kernel(got, topk, b0, b1, acc_io, out, out_w, 
         if MASTER:
             use = use & (tl.sum(((own == oj) & (lanes > j)).to(tl.int32), 0) == 0)
         row = (oj.to(tl.int64) * M + t) * (ROW // 2)
-        v = tl.load(rows + row + offs, mask=m & use, other=0.0).to(tl.float32)
+        if SELF:  # (a select, not a sum of the two loads: -0.0 stays -0.0)
+            mine = oj == me
+            v = tl.load(rows + row + offs, mask=m & use & ~mine, other=0.0).to(tl.float32)
+            vs = tl.load(x_self + srow * XS + offs, mask=m & use & mine, other=0.0).to(tl.float32)
+            v = tl.where(mine, vs, v)
+        else:
+            v = tl.load(rows + row + offs, mask=m & use, other=0.0).to(tl.float32)
         acc = tl.where(inr, acc + v, acc)
     if ACC_OUT:
         tl.store(acc_io + t * H + offs, acc, mask=m)
@@ -439,6 +457,13 @@ def _combine_reduce_epilogue_impl_kernel(got, topk, b0, b1, acc_io, out, out_w, 
     if HAS_W:
         if tl.program_id(1) == 0:
             wrows = got.to(tl.pointer_type(tl.float32), bitcast=True)
-            wv = tl.load(wrows + (tl.where(own >= 0, own, 0).to(tl.int64) * M + t) * (ROW // 4) + W_OFF + lanes,
-                         mask=(ids >= 0) & (lanes < K), other=0.0)
+            wm = (ids >= 0) & (lanes < K)
+            if SELF:
+                wv = tl.load(wrows + (tl.where(own >= 0, own, 0).to(tl.int64) * M + t) * (ROW // 4) + W_OFF + lanes,
+                             mask=wm & (own != me), other=0.0)
+                ws = tl.load(w_self + srow * WS + lanes, mask=wm & (own == me), other=0.0)
+                wv = tl.where(own == me, ws, wv)
+            else:
+                wv = tl.load(wrows + (tl.where(own >= 0, own, 0).to(tl.int64) * M + t) * (ROW // 4) + W_OFF + lanes,
+                             mask=wm, other=0.0)
             tl.store(out_w + t * K + lanes, wv, mask=lanes < K)

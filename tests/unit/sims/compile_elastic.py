@@ -14,7 +14,8 @@ META = dict(rpm=I32, recv_src=I32, recv_local=I64, local=I64, local_out=I64, met
 LAYOUT = dict(counts=I32, psum=I32, cum=I32, local=I64, rpm=I32, meta=I32, source=I64)
 COPY = dict(src=BF16, source=I64, out=BF16, sf_src=F32, sf_out=I32, w_src=F32, w_out=F32)
 PACK = dict(x=BF16, meta=I32, w=F32, rows=U8, dst=I64)
-REDUCE = dict(got=U8, topk=I64, b0=BF16, b1=BF16, acc_io=F32, out=BF16, out_w=F32)
+REDUCE = dict(got=U8, topk=I64, b0=BF16, b1=BF16, acc_io=F32, out=BF16, out_w=F32, x_self=BF16, w_self=F32,
+              send_head=I32)
 TRANSPORT = dict(rows=U8, wts=U8, dst=I64, ptr_table=I64, flags=I32, epoch_ptr=I32, err_ptr=I32, timeout_ns="i64")
 
 
@@ -32,11 +33,17 @@ def main() -> None:
         *[(v2._combine_reduce_epilogue_impl_kernel, REDUCE, dict(
             k8, LE=128, ROW=14352, H=7168, W_OFF=3584, NB=nb, MASTER=ms, HAS_W=w, ACC_IN=ai, ACC_OUT=ao, BLOCK=1024))
           for nb, ms, w, ai, ao in ((0, 1, 0, 0, 0), (2, 1, 1, 0, 0), (1, 0, 0, 0, 1), (0, 0, 0, 1, 0))],
+        # this rank's own rows read in place (x and weights of DSv3, and strided x without weights)
+        *[(v2._combine_reduce_epilogue_impl_kernel, REDUCE, dict(
+            k8, LE=128, ROW=14368, H=7168, W_OFF=3584, NB=nb, MASTER=1, HAS_W=w, ACC_IN=0, ACC_OUT=0, BLOCK=1024,
+            SELF=True, XS=xs, WS=8 if w else 0)) for nb, w, xs in ((2, 1, 7168), (0, 0, 7200))],
         # packed rows (XW = XS = W, KW = 0), and x | weights read in place (aligned DSv3; odd words)
         *[(v2._combine_impl_kernel, TRANSPORT, dict(W=w, XW=xw, XS=xs, KW=kw, KS=ks, HAS_TIMER=True, RB=8, BLOCK=1024,
                                                     ALIGNED=a))
           for w, xw, xs, kw, ks, a in ((3592, 3592, 3592, 0, 0, True), (3587, 3587, 3587, 0, 0, False),
                                        (3592, 3584, 3584, 8, 8, True), (3588, 3583, 3590, 3, 5, False))],
+        (v2._combine_impl_kernel, TRANSPORT, dict(W=3592, XW=3584, XS=3584, KW=8, KS=8, HAS_TIMER=True, RB=8,
+                                                  BLOCK=1024, ALIGNED=True, SKIP_SELF=True)),
         (v2._combine_arrive_kernel, TRANSPORT, dict(HAS_TIMER=True)),
     ]
     print("plan", len(cases))  # the test asks for one "ok" line each
