@@ -1,0 +1,375 @@
+"""The host cost of a repeat low-latency call, measured where it is spent: the exact Python that
+``Buffer.low_latency_dispatch`` / ``low_latency_combine`` run for a kind of call seen before (key, lookup,
+the backend's closure, the bound launch of ``kernels/launch.py``), on a CPU with Triton's C launcher
+replaced by a no-op, or on a GPU with its real launches.
+
+Why on a CPU: an eager low-latency call on a GPU host is this Python plus one C launch per kernel (about
+4.5 us each on an H100 host, ``benchmarks/2026-11-25/h100-host-primitives.txt``), and a GPU host's eager
+rows move 1.5-2x from run to run. The Python part can be timed and counted here, call by call, and
+compared between source trees without that noise.
+
+The rig (:func:`install`): world 1 on gloo, a ``Buffer`` whose backend is the nvlink backend
+(``testing.cpu_nvlink``'s CUDA stand-ins, a local symmetric buffer), every ``@triton.jit`` kernel of
+``kernels/ll.py`` replaced by a stand-in that ``Launcher`` binds as it binds a compiled kernel: later
+launches go, as on a GPU host, straight to the stand-in's C-launcher slot, which does nothing.
+
+Measured per call kind (``dispatch``: FP8, DeepSeek-V3 shapes by default; ``combine``: BF16, after an
+untimed dispatch, as ``epcomm bench`` times it; with ``--hook`` the send and its hook as one step), in one
+of three modes, each in a process of its own:
+
+- ``python`` (any machine): the CPU rig. ``us``: ``time.perf_counter_ns`` around each call, median and p10;
+  ``fn`` torch calls at the Python level (``TorchFunctionMode``: every function and method; on a repeat all
+  are metadata reads), ``aten`` operators (``TorchDispatchMode``), ``allocs`` (a result whose storage no
+  input had), ``launches`` and ``args`` (the arguments handed to the C launcher), in one repeat call;
+- ``call`` (a GPU): the same calls with their real launches, the GPU idle at each call's start (synchronised
+  before, untimed), as ``epcomm bench`` times an eager call's host time;
+- ``launches`` (a GPU): one call's C launches, recorded, then replayed alone (the same idle GPU): what the
+  call costs below Python. ``call`` minus ``launches`` is the Python on that host; ``python`` on that host
+  should agree.
+
+Trees: ``--tree LABEL=PATH`` (repeatable) runs each mode in a subprocess per tree and round, importing
+epcomm from ``PATH/src`` (``git worktree add /tmp/wt-SHA SHA`` or ``git archive SHA src | tar -x -C DIR``
+makes one), alternated ``A, B, C, A, B, C, ...`` so that drift hits every tree alike; the table gives each
+tree's median of round medians, the spread (min..max) and the median p10.
+
+Example: ``python3 -m epcomm.bench.hostprobe --tree old=/tmp/wt-59e45d1 --tree new=. --rounds 5``; on a GPU
+``--modes call,launches,python``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+
+ME = os.path.abspath(__file__)
+
+
+# ----------------------------------------------------------------------------- the CPU rig
+
+
+_ARGS = [0]  # arguments handed to the C launcher (after its 13 fixed ones), summed, for the report
+
+
+class _NoLaunch:
+    """The compiled kernel's launcher slot (``CompiledKernel.run``): ``launch`` does nothing."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+    @staticmethod
+    def launch(*a) -> None:
+        _ARGS[0] += len(a) - 13
+
+
+class _Kernel:
+    """Stands in for a ``@triton.jit`` kernel where ``kernels/launch.Launcher`` binds it: ``run`` (the first
+    launch of a key) returns a compiled kernel whose launcher is :class:`_NoLaunch`."""
+
+    def __init__(self, jit) -> None:
+        self.fn, self.params, self.device_caches, self.debug = jit.fn, jit.params, {}, False
+        self.kernel = types.SimpleNamespace(run=_NoLaunch(), function=0, packed_metadata=(4, 1, 0))
+
+    def run(self, *args, grid, warmup, **kw):
+        return self.kernel
+
+
+def install(set_attr=setattr, setitem=None) -> None:
+    """The CPU rig's stand-ins, through ``set_attr`` / ``setitem`` (pytest's monkeypatch undoes them):
+    CUDA streams and events, the symmetric memory of one rank, Triton's driver, the LL kernels."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+    import triton
+    from triton.runtime import driver
+
+    from epcomm.kernels import ll
+    from epcomm.testing.cpu_nvlink import cuda_stand_ins
+
+    cuda_stand_ins(set_attr, sms=132)
+    mod = types.ModuleType("torch.distributed._symmetric_memory")
+    mod.empty = lambda n, dtype=torch.uint8, device=None: torch.zeros(n, dtype=dtype)
+    mod.rendezvous = lambda t, name: types.SimpleNamespace(
+        buffer_ptrs=[t.data_ptr()], get_buffer=lambda r, shape, dtype: t.view(dtype).view(shape))
+    setitem = setitem or (lambda d, key, v: d.__setitem__(key, v))
+    setitem(sys.modules, "torch.distributed._symmetric_memory", mod)
+    setitem(vars(torch.distributed), "_symmetric_memory", mod)
+    set_attr(driver, "_active", types.SimpleNamespace(get_current_stream={0: 0}.get, get_current_device=lambda: 0))
+    for name, obj in list(vars(ll).items()):
+        if isinstance(obj, triton.runtime.jit.JITFunction):
+            set_attr(ll, name, _Kernel(obj))
+
+
+def cpu_buffer(m: int, h: int, e: int, set_attr=setattr):
+    """A world-1 ``Buffer`` on gloo whose backend is the nvlink backend (after :func:`install`)."""
+    import torch.distributed as dist
+
+    import epcomm.buffer as bm
+    from epcomm.backends.nvlink import NVLinkBackend
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    set_attr(bm, "select_backend", lambda buf: (NVLinkBackend(buf), "the host probe"))
+    rdma = bm.Buffer.get_low_latency_rdma_size_hint(m, h, 1, e)
+    return bm.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, low_latency_mode=True)
+
+
+def gpu_buffer(m: int, h: int, e: int):
+    """A world-1 ``Buffer`` on NCCL (real kernels)."""
+    import torch
+    import torch.distributed as dist
+
+    from epcomm import Buffer
+
+    if not dist.is_initialized():
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    return Buffer(dist.group.WORLD, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(m, h, 1, e),
+                  low_latency_mode=True)
+
+
+# ----------------------------------------------------------------------------- the calls
+
+
+def ll_calls(buf, t: int, m: int, h: int, k: int, e: int, hook: bool = False, seed: int = 0) -> dict:
+    """``name -> (prep, call)``: each call kind as ``epcomm bench`` times it (``prep`` untimed, may be
+    None). Each call's first run (its checks, its binding) happens here."""
+    import torch
+
+    dev = buf.device
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+    topk = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(dev) if t else \
+        torch.empty(0, k, dtype=torch.int64, device=dev)
+    w = torch.rand(t, k, generator=g).to(dev)
+    y = torch.empty(e, m, h, dtype=torch.bfloat16, device=dev)  # L = E at world 1; values do not matter
+    if dev.type == "cuda":
+        y.normal_()
+    state: dict = {}
+
+    def dispatch():
+        out = buf.low_latency_dispatch(x, topk, m, e, use_fp8=True, return_recv_hook=hook)
+        state["handle"] = out[2]
+        return out
+
+    def combine():
+        return buf.low_latency_combine(y, topk, w, state["handle"], return_recv_hook=hook)
+
+    def dispatched():  # the combine's untimed dispatch, received
+        out = dispatch()
+        if hook:
+            out[-1]()
+
+    tag = "+hook" if hook else ""
+    calls = {f"dispatch{tag}": (None, dispatch), f"combine{tag}": (dispatched, combine)}
+    for prep, call in calls.values():
+        for i in range(9):  # every parity's kind seen twice (checks, then binding), whatever the phase
+            if i == 4:
+                dispatched()  # a combine after a dispatch of the other parity
+            if prep is not None:
+                prep()
+            out = call()
+            if hook:
+                out[-1]()
+    return calls
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def time_calls(prep, call, n: int, sync=None) -> list[int]:
+    """Nanoseconds of ``call()`` each of ``n`` times (``prep()`` and ``sync()`` untimed, before)."""
+    clock = time.perf_counter_ns
+    out = []
+    for _ in range(n):
+        if prep is not None:
+            prep()
+        if sync is not None:
+            sync()
+        t0 = clock()
+        call()
+        out.append(clock() - t0)
+    return out
+
+
+def _torch_calls():
+    """``testing/torch_calls`` of this file's own tree, whichever tree the process imports epcomm from (the
+    trees probed may predate it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_hostprobe_torch_calls", os.path.join(os.path.dirname(os.path.dirname(ME)), "testing", "torch_calls.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def count_call(prep, call) -> dict:
+    """The torch work, launches and launch arguments of one call (after ``prep()``): ``fn``, ``meta`` and
+    ``allocs`` as ``testing/torch_calls.TorchCalls`` counts them, ``aten`` operators, and ``names`` in order."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from epcomm.kernels.launch import Launcher
+
+    calls = _torch_calls().TorchCalls(log=True)
+    aten: list = []
+
+    class Aten(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            aten.append(f"aten.{func.__name__}")
+            return func(*args, **(kwargs or {}))
+
+    if prep is not None:
+        prep()
+    before = Launcher.launches
+    _ARGS[0] = 0
+    with calls, Aten():
+        call()
+    return dict(fn=calls.ops, meta=calls.meta, aten=len(aten), allocs=calls.allocs,
+                launches=Launcher.launches - before, args=_ARGS[0], names=calls.names + aten)
+
+
+def record_launches() -> dict:
+    """From now on, every kernel bound by ``kernels/launch.Launcher`` also appends ``(launcher, args)`` of each
+    C launch to ``rec["on"]`` while that is a list (``--modes launches``: a call's launches, replayed alone)."""
+    from epcomm.kernels import launch
+
+    rec: dict = {"on": None}
+    init = launch._Bound.__init__
+
+    def bound_init(self, *a, **kw):
+        init(self, *a, **kw)
+        real = self.launch
+        if real is not None:
+            def recorded(*args):
+                if rec["on"] is not None:
+                    rec["on"].append((real, args))
+                return real(*args)
+            self.launch = recorded
+
+    launch._Bound.__init__ = bound_init
+    return rec
+
+
+def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: int = 256, calls: int = 2000,
+          hook: bool = False) -> dict:
+    """This process's epcomm, every call kind at each token count: ``{"T=..": {kind: row}}``. ``mode``:
+    ``python`` (the CPU rig: the calls' Python, counted too), ``call`` (a GPU: whole calls) or ``launches``
+    (a GPU: one call's C launches, recorded, then replayed alone)."""
+    rec = sync = None
+    if mode == "python":
+        install()
+    else:
+        import torch
+
+        sync = torch.cuda.synchronize
+        if mode == "launches":
+            rec = record_launches()
+    m = max(tokens)
+    buf = cpu_buffer(m, h, e) if mode == "python" else gpu_buffer(m, h, e)
+    out = {}
+    for t in tokens:
+        for kind, (prep, call) in ll_calls(buf, t, m, h, k, e, hook).items():
+            if hook:
+                call = lambda base=call: base()[-1]()
+            row = {}
+            if mode == "python":
+                row.update({k_: v for k_, v in count_call(prep, call).items() if k_ != "names"})
+            elif mode == "launches":
+                if prep is not None:
+                    prep()
+                rec["on"] = []
+                call()
+                recs, rec["on"] = rec["on"], None
+                prep, call = None, lambda recs=recs: [f(*a) for f, a in recs]
+                row["launches"] = len(recs)
+            ns = sorted(time_calls(prep, call, calls, sync))
+            row.update(us=ns[len(ns) // 2] / 1e3, p10=ns[len(ns) // 10] / 1e3)
+            out.setdefault(f"T={t}", {})[kind] = row
+    return out
+
+
+# ----------------------------------------------------------------------------- trees and the command line
+
+
+def _child(tree: str, argv: list[str]) -> dict | None:
+    """One mode's rows for ``tree`` from a fresh process, or None (its error printed) if it failed."""
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(tree), "src"))
+    env.pop("TRITON_INTERPRET", None)
+    code = f"import runpy, sys; sys.argv = {[ME, '--child', *argv]!r}; runpy.run_path({ME!r}, run_name='__main__')"
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    if p.returncode:
+        print(f"probe of {tree} ({' '.join(argv)}) failed:\n{p.stderr[-3000:]}", file=sys.stderr, flush=True)
+        return None
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _summary(res: dict) -> list[str]:
+    """Per tree, mode, token count and call: the median of the rounds' medians, their spread, the median
+    p10, and (python) the counts of one call."""
+    lines = [(f"{'tree':10s} {'mode':8s} {'T':>4s} {'call':14s} {'us':>7s} {'spread':>15s} {'p10':>7s} "
+              f"{'fn':>4s} {'aten':>4s} {'alloc':>5s} {'launch':>6s} {'args':>4s}")]
+    for (label, mode), runs in res.items():
+        for tk, kinds in runs[0].items():
+            for kind, row in kinds.items():
+                meds = [r[tk][kind]["us"] for r in runs]
+                p10 = statistics.median(r[tk][kind]["p10"] for r in runs)
+                lines.append(f"{label:10s} {mode:8s} {tk[2:]:>4s} {kind:14s} {statistics.median(meds):7.2f} "
+                             f"{min(meds):7.2f}..{max(meds):6.2f} {p10:7.2f} {row.get('fn', -1):4d} "
+                             f"{row.get('aten', -1):4d} {row.get('allocs', -1):5d} {row.get('launches', -1):6d} "
+                             f"{row.get('args', -1):4d}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m epcomm.bench.hostprobe", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tree", action="append", default=[],
+                    help="LABEL=PATH of a source tree (repeatable; default: this file's tree)")
+    ap.add_argument("--modes", default="python", help="python (CPU rig), call, launches (GPU): comma-separated")
+    ap.add_argument("--tokens", default="1,128")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--calls", type=int, default=2000, help="timed calls per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--hook", action="store_true", help="with return_recv_hook (send + hook timed together)")
+    ap.add_argument("--json", help="write every round's rows here")
+    ap.add_argument("--mode", help=argparse.SUPPRESS)  # a child's one mode
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    kw = dict(tokens=tuple(int(s) for s in a.tokens.split(",")), h=a.hidden, k=a.topk, e=a.experts,
+              calls=a.calls, hook=a.hook)
+    if a.child:
+        print(json.dumps(probe(a.mode, **kw)))
+        return 0
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(ME))))
+    trees = [s.split("=", 1) if "=" in s else (s, s) for s in a.tree] or [("here", here)]
+    fwd = ["--tokens", a.tokens, "--hidden", str(a.hidden), "--topk", str(a.topk), "--experts", str(a.experts),
+           "--calls", str(a.calls)] + (["--hook"] if a.hook else [])
+    modes = a.modes.split(",")
+    res: dict = {(label, mode): [] for label, _ in trees for mode in modes}
+    failed = 0
+    for r in range(a.rounds):  # A, B, ... per round, every mode of a tree together
+        for label, path in trees:
+            for mode in modes:
+                got = _child(path, fwd + ["--mode", mode])
+                if got is None:
+                    failed += 1
+                    continue
+                res[(label, mode)].append(got)
+                print(f"round {r + 1}/{a.rounds} {label} {mode}: " + ", ".join(
+                    f"T={tk[2:]} {kind} {row['us']:.2f}" for tk, kinds in got.items() for kind, row in kinds.items()),
+                    file=sys.stderr, flush=True)
+                if a.json:  # after every run: what a run cut short leaves is kept
+                    with open(a.json, "w") as f:
+                        json.dump([{"tree": label_, "mode": mode_, "round": i, "rows": run}
+                                   for (label_, mode_), runs in res.items() for i, run in enumerate(runs)], f)
+    print("\n".join(_summary({k: v for k, v in res.items() if v})))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
