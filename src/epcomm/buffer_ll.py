@@ -97,11 +97,11 @@ class LowLatencyMethods:
         run = self._ll_fast.get(key)
         if run is not None and not self._streams.comm_pending:
             self._ll_calls += 1
-            res, receive = run(x, topk_idx, cum, wst)
+            (recv_x, recv_count, handle), receive = run(x, topk_idx, cum, wst)
             if return_recv_hook:
-                return res.recv_x, res.recv_count, res.handle, _NO_EVENT, receive
+                return recv_x, recv_count, handle, _NO_EVENT, receive
             receive()
-            return res.recv_x, res.recv_count, res.handle, _NO_EVENT, None
+            return recv_x, recv_count, handle, _NO_EVENT, None
         return self._ll_dispatch_first(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cum, wst,
                                        use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook, key)
 
@@ -158,7 +158,8 @@ class LowLatencyMethods:
         ``use_logfmt`` is accepted for compatibility; the payload always travels as lossless BF16."""
         wst = combine_wait_recv_cost_stats
         try:  # the repeat of a call seen before (as in low_latency_dispatch); the handle by identity
-            key = (id(handle), None if zero_copy else V.repeat_signature(x), topk_idx.shape, topk_idx.dtype,
+            key = (id(handle), None if zero_copy else (x.shape, x.dtype, x.get_device(), x.data_ptr() & 15,
+                                                        x.is_contiguous()), topk_idx.shape, topk_idx.dtype,
                    topk_idx.get_device(), topk_idx.data_ptr() & 15, topk_idx.is_contiguous(), topk_weights.shape,
                    topk_weights.dtype, topk_weights.get_device(), topk_weights.data_ptr() & 15,
                    topk_weights.is_contiguous(), None if out is None else V.repeat_signature(out),

@@ -6,7 +6,9 @@ flags, parities, and the 16-byte alignment of every per-call tensor (Triton spec
 it; ``kernels/launch.py``). The first call of a kind builds a ``_Call`` through the engine's
 ``_dispatch_call`` / ``_combine_call``; ``dispatch_run`` / ``combine_run`` hand its ``run`` to
 ``Buffer``'s repeat path. Outputs are two persistent sets that alternate by parity, like the receive
-areas (results of at most two low-latency calls are alive at once).
+areas (results of at most two low-latency calls are alive at once). A ``run`` launches through
+``launch_cell``: once bound, a repeat's launch writes its tensors' addresses into a prebuilt argument list
+and calls Triton's C launcher, and nothing else (a placeholder where a kind has no tensor is written once).
 
 An engine sets ``backend_name``, calls ``_init_calls(num_ranks, device)``, and provides ``_plan`` (a
 ``Plan`` per ``(M, H, E)``, from ``get_plan``), ``_dispatch_call``, ``_combine_call`` and ``_announce`` (M in the place where a peer with another M is
@@ -20,6 +22,7 @@ import dataclasses
 import torch
 
 from .. import layout
+from ..kernels.launch import Direct, Launcher
 from ..layout import LowLatencyHandle
 from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs, LowLatencyDispatchResult
 
@@ -59,6 +62,45 @@ def get_plan(plans: dict, be, m: int, h: int, e: int, sig_base: int | None = Non
 
 class _Call:
     """The launches and fixed arguments of one kind of low-latency call, made on its first occurrence."""
+
+
+def launch_cell(d: Direct, gx: int, gy: int, gz: int) -> list:
+    """``[go]``: ``go[0](*holes)`` launches ``d`` on the grid ``(gx, gy, gz)``, its holes filled with per-call
+    tensors or, where a kind of call has none, a persistent buffer's ``Ptr`` (which must then be the same
+    ``Ptr`` at every call through this cell). Until ``d`` is bound (always, while verifying or under the
+    interpreter) ``go[0]`` launches through ``d``; from the first call that binds it, ``go[0]`` is a closure
+    over a copy of ``d``'s prebuilt argument list, the ``Ptr`` holes written once, that writes only the
+    tensors' addresses and calls the C launcher: per launch, a ``data_ptr()`` per tensor and no ``zip``,
+    ``isinstance`` or hole for a placeholder (``Direct``'s generic loop was a third of a repeat's host time)."""
+    cell: list = []
+
+    def first(*holes) -> None:
+        d(gx, gy, gz, *holes)
+        if d.launch is not None:
+            cell[0] = _bound(d, gx, gy, gz, holes)
+
+    cell.append(first)
+    return cell
+
+
+def _bound(d: Direct, gx: int, gy: int, gz: int, holes: tuple):
+    """``launch_cell``'s closure for a bound ``d``, whose holes took ``holes`` at the binding call."""
+    a, launch, stream, dev, f = list(d.args), d.launch, d.get_stream, d.dev, d.first
+    live = []
+    for i, (j, t) in enumerate(zip(d.holes, holes)):
+        if isinstance(t, int):
+            a[f + j] = t  # a persistent buffer's address (a Ptr), fixed for the kind
+        else:
+            live.append((f + j, i))
+    live = tuple(live)
+
+    def go(*holes) -> None:
+        for j, i in live:
+            a[j] = holes[i].data_ptr()
+        Launcher.launches += 1
+        launch(gx, gy, gz, stream(dev), *a)
+
+    return go
 
 
 def _align(t: torch.Tensor | None):

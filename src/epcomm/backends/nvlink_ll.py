@@ -34,7 +34,7 @@ import torch
 from ..kernels.launch import Direct, Ptr
 from ..layout import LowLatencyHandle
 from .base import LowLatencyCombineArgs, LowLatencyDispatchArgs
-from .ll_calls import LowLatencyCalls, Plan, _Call, get_plan
+from .ll_calls import LowLatencyCalls, Plan, _Call, get_plan, launch_cell
 from .nvlink_params import TIMER, _pow2
 
 # local counters (int32 device memory): dispatch-receive level [2], combine weight level [2],
@@ -121,7 +121,7 @@ class LowLatencyEngine(LowLatencyCalls):
         # (out rows, scales, src info, layout range, count); the stats are holes (placeholders when absent)
         recv_out = (Ptr(words), Ptr(sc) if sc is not None else Ptr(recv_count), Ptr(recv_src),
                     Ptr(recv_range), Ptr(recv_count))
-        cum_dummy, wst_dummy = recv_count, recv_range
+        cum_d, wst_d = Ptr(recv_count), Ptr(recv_range)  # in the statistics' places where a kind has none
         consts = dict(SHRINK=shrink, USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=has_cum, HAS_WAIT=has_wst,
                       TB=TUNE["recv_tb"], QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"],
                       G_POW2=max(_pow2(g), 4), HAS_TIMER=TIMER, K_POW2=_pow2(k), LOCAL_TICKET=TUNE["local_ticket"])
@@ -138,12 +138,12 @@ class LowLatencyEngine(LowLatencyCalls):
             holes = (0, 1, i_stats, i_stats + 1)
             n_recv = lx * r_ * split
             if not a.hook:  # both roles in one kernel: its receive tile sets the send programs' registers too
-                go = Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=3, QB=TUNE["both_qb"],
-                                                             BLOCK=TUNE["both_block"])), tmpl, holes)
-                grid = n_send + n_recv
+                go = launch_cell(Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=3, QB=TUNE["both_qb"],
+                                                                         BLOCK=TUNE["both_block"])), tmpl, holes),
+                                 n_send + n_recv, 1, 1)
 
                 def run(x, topk, cum, wst):
-                    go(grid, 1, 1, x, topk, cum_dummy if cum is None else cum, wst_dummy if wst is None else wst)
+                    go[0](x, topk, cum_d if cum is None else cum, wst_d if wst is None else wst)
                     return result, _nothing
 
                 c.run = run
@@ -151,40 +151,39 @@ class LowLatencyEngine(LowLatencyCalls):
             # the hook: the same kernel twice, every program a sender, then (hook()) every one a receiver,
             # each compiled for its roles only (one name in a profile)
             i_nsend = len(tmpl) - 2
-            go = Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=1)), tmpl, holes)
-            go_recv = Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=2)), (*tmpl[:i_nsend], 0, split),
-                             holes)
+            go = launch_cell(Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=1)), tmpl, holes), n_send,
+                             1, 1)
+            go_recv = launch_cell(Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=2)),
+                                         (*tmpl[:i_nsend], 0, split), holes), n_recv, 1, 1)
 
             def run(x, topk, cum, wst):
-                go(n_send, 1, 1, x, topk, cum_dummy, wst_dummy)
-                cum = cum_dummy if cum is None else cum
-                wst = wst_dummy if wst is None else wst
-                return result, lambda: go_recv(n_recv, 1, 1, x, topk, cum, wst)
+                go[0](x, topk, cum_d, wst_d)
+                cum = cum_d if cum is None else cum
+                wst = wst_d if wst is None else wst
+                return result, lambda: go_recv[0](x, topk, cum, wst)
 
             c.run = run
             return c
-        send = Direct(self.k_send.prepared(key, dict(USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc,
-                                                     K_POW2=_pow2(k), R_POW2=_pow2(r_), SHRINK=shrink,
-                                                     num_warps=TUNE["send_warps"])),
-                      (None, None, t, *send_args), (0, 1))
-        rx, ry, rz = lx, r_, TUNE["recv_split"]
+        send = launch_cell(Direct(self.k_send.prepared(key, dict(USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc,
+                                                                 K_POW2=_pow2(k), R_POW2=_pow2(r_), SHRINK=shrink,
+                                                                 num_warps=TUNE["send_warps"])),
+                                  (None, None, t, *send_args), (0, 1)), max(t, 1), n_gb, 1)
         head = (self.p_table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig, area + lay.slot_offset,
                 me, r_, lx, m, h, g, k, *recv_out)
-        recv = Direct(self.k_recv.prepared(key, dict(consts, num_warps=TUNE["recv_warps"])),
-                      (*head, None, None, self.p_dlevel[parity], self.p_t[_T_DRECV], self.p_err, nv._timeout_ns,
-                       mask), (len(head), len(head) + 1))
-        sx = max(t, 1)
+        recv = launch_cell(Direct(self.k_recv.prepared(key, dict(consts, num_warps=TUNE["recv_warps"])),
+                                  (*head, None, None, self.p_dlevel[parity], self.p_t[_T_DRECV], self.p_err,
+                                   nv._timeout_ns, mask), (len(head), len(head) + 1)), lx, r_, TUNE["recv_split"])
 
         def receive_plain() -> None:
-            recv(rx, ry, rz, cum_dummy, wst_dummy)
+            recv[0](cum_d, wst_d)
 
         def run(x, topk, cum, wst):
-            send(sx, n_gb, 1, x, topk)
+            send[0](x, topk)
             if cum is None and wst is None:
                 return result, receive_plain
-            cum = cum_dummy if cum is None else cum
-            wst = wst_dummy if wst is None else wst
-            return result, lambda: recv(rx, ry, rz, cum, wst)
+            cum = cum_d if cum is None else cum
+            wst = wst_d if wst is None else wst
+            return result, lambda: recv[0](cum, wst)
 
         c.run = run
         return c
@@ -217,7 +216,8 @@ class LowLatencyEngine(LowLatencyCalls):
         cb = TUNE["crecv_block"]
         c = _Call()
         own = self._combine_output(m, h, parity, t) if a.out is None else None
-        wait_dummy = self.levels
+        # in the places of out and the wait statistics where a kind has none: this parity's output, the levels
+        p_own, p_wait = Ptr(own) if own is not None else None, self.p_levels
         n_cs, n_cb = (h + cw - 1) // cw, (h + cb - 1) // cb
         n_w = max(t, 1)
         # the per-call tensors are holes: topk, weights, y, then out and the wait statistics
@@ -237,47 +237,52 @@ class LowLatencyEngine(LowLatencyCalls):
             cconsts = dict(K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, RBLOCK=blk, HAS_WAIT=has_wait,
                            HAS_TIMER=TIMER, SHRINK=shrink, DO_RECV=recv_too, LOCAL_TICKET=TUNE["local_ticket"],
                            num_warps=TUNE["csend_warps"])
-            fused = Direct(self.k_cfused.prepared(key, cconsts), tmpl, holes)
-            if a.hook:  # hook(): the same kernel, every program a receiver (no weights or reduce roles)
-                fused_recv = Direct(self.k_cfused.prepared(key, dict(cconsts, DO_RECV=True, RECV_ONLY=True)),
-                                    (*tmpl[:-4], 0, n_cs, 0, n_cb), holes)
+            fused = launch_cell(Direct(self.k_cfused.prepared(key, cconsts), tmpl, holes), grid, 1, 1)
+            if recv_too:  # the default: one launch does the whole combine
 
-                def receive(y, topk, w, out, wst):
-                    fused_recv(n_w * n_cb, 1, 1, topk, w, y, out, wst)
+                def run(y, topk, w, out, wst):
+                    fused[0](topk, w, y, p_own if out is None else out, p_wait if wst is None else wst)
+                    return own if out is None else out, _nothing
+
+                c.run = run
+                return c
+            # hook(): the same kernel, every program a receiver (no weights or reduce roles)
+            fused_recv = launch_cell(Direct(self.k_cfused.prepared(key, dict(cconsts, DO_RECV=True, RECV_ONLY=True)),
+                                            (*tmpl[:-4], 0, n_cs, 0, n_cb), holes), n_w * n_cb, 1, 1)
 
             def send(y, topk, w, out, wst):
-                fused(grid, 1, 1, topk, w, y, out, wst)
+                fused[0](topk, w, y, out, wst)
+
+            def receive(y, topk, w, out, wst):
+                fused_recv[0](topk, w, y, out, wst)
         else:
-            recv_too = False
-            weights = Direct(self.k_weights.prepared(key, dict(SHRINK=shrink, num_warps=1)), w_head, (0, 1))
-            reduce = Direct(self.k_reduce.prepared(key, dict(K_POW2=_pow2(k), BLOCK=blk, HAS_TIMER=TIMER,
-                                                             SHRINK=shrink, num_warps=TUNE["csend_warps"])),
-                            (None, h, k, me, r_, lx, m, self.p_table, d_area, lay.dispatch_src_bytes,
-                             area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset, sig, cw,
-                             self.p_wlevel[parity], self.p_t[_T_CSEND + 1], self.p_err, nv._timeout_ns, mask), (0,))
-            rx = r_ * m
-
-            def send(y, topk, w, out, wst):
-                weights(n_w, 1, 1, topk, w)
-                reduce(rx, n_cs, 1, y)
-            crecv = Direct(self.k_crecv.prepared(key, dict(
+            weights = launch_cell(Direct(self.k_weights.prepared(key, dict(SHRINK=shrink, num_warps=1)), w_head,
+                                         (0, 1)), n_w, 1, 1)
+            reduce = launch_cell(Direct(self.k_reduce.prepared(key, dict(K_POW2=_pow2(k), BLOCK=blk, HAS_TIMER=TIMER,
+                                                                         SHRINK=shrink, num_warps=TUNE["csend_warps"])),
+                                        (None, h, k, me, r_, lx, m, self.p_table, d_area, lay.dispatch_src_bytes,
+                                         area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset,
+                                         sig, cw, self.p_wlevel[parity], self.p_t[_T_CSEND + 1], self.p_err,
+                                         nv._timeout_ns, mask), (0,)), r_ * m, n_cs, 1)
+            crecv = launch_cell(Direct(self.k_crecv.prepared(key, dict(
                 K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, HAS_WAIT=has_wait, HAS_TIMER=TIMER, SHRINK=shrink,
                 LOCAL_TICKET=TUNE["local_ticket"], num_warps=TUNE["crecv_warps"])),
                 (None, t, h, k, me, r_, lx, m, self.p_table, area + lay.combine_offset, sig, None, None,
-                 self.p_clevel[parity], self.p_t[_T_CRECV], self.p_err, nv._timeout_ns, mask), (0, 11, 12))
+                 self.p_clevel[parity], self.p_t[_T_CRECV], self.p_err, nv._timeout_ns, mask), (0, 11, 12)),
+                n_w, n_cb, 1)
+
+            def send(y, topk, w, out, wst):
+                weights[0](topk, w)
+                reduce[0](y)
 
             def receive(y, topk, w, out, wst):
-                crecv(n_w, n_cb, 1, topk, out, wst)
+                crecv[0](topk, out, wst)
 
         def run(y, topk, w, out, wst):
-            if out is None:
-                out = own
-            if wst is None:
-                wst = wait_dummy
-            send(y, topk, w, out, wst)
-            if recv_too:
-                return out, _nothing
-            return out, lambda: receive(y, topk, w, out, wst)
+            o = p_own if out is None else out
+            s = p_wait if wst is None else wst
+            send(y, topk, w, o, s)
+            return own if out is None else out, lambda: receive(y, topk, w, o, s)
 
         c.run = run
         return c
