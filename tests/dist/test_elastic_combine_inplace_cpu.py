@@ -34,6 +34,8 @@ def _run(ctx, tag):
     from epcomm.testing.torch_calls import HostCount
 
     OnBackend = _on_backend(ctx, tag, "nvlink")
+    from epcomm.backends import nvlink_v2  # (after the interpreter is set up: kernels/common reads it at import)
+    from epcomm.backends.elastic_kernels import combine_row_bytes
     got = {}
     for k in (8, 3):
         case = C.V2Case(num_ranks=ctx.world_size, tokens=(12, 16), hidden=128, num_topk=k, num_experts=16, seed=7,
@@ -52,9 +54,14 @@ def _run(ctx, tag):
                 yy.copy_(y)
                 for ww in (rw, None) if layout != "unaligned" else (rw,):
                     what = f"K={k} sync={sync} {layout} weights={ww is not None}"
+                    # the call's area (areas of every row width share their bytes): this rank's own block
+                    # filled with a byte no row has
+                    area = nvlink_v2._Area(buf._backend, case.m, combine_row_bytes(h, k if ww is not None else 0))
+                    area.area[ctx.rank].fill_(0xAB)
                     with HostCount(log=True) as c:
                         out, ow, _ = buf.combine(yy, hd, topk_weights=ww, bias=b)
                     names = [n[len("triton:"):] for n in c.kernels if n.startswith("triton:")]
+                    own_moved = bool((area.area[ctx.rank] != 0xAB).any())
                     kern, buf._kernels = buf._kernels, None  # the reference engine, through the same transport
                     try:
                         ref, ref_w, _ = buf.combine(yy, hd, topk_weights=ww, bias=b)
@@ -68,15 +75,18 @@ def _run(ctx, tag):
                         C._eq(f"{what}: weights back vs the reference engine", ow, ref_w)
                         C._eq(f"{what}: weights back vs the oracle", ow, w)
                     got[(k, sync, layout, ww is not None)] = (names.count("_combine_pack_kernel"),
-                                                              names.count("_combine_impl_kernel"))
+                                                              names.count("_combine_impl_kernel"), own_moved)
     return got
 
 
 def test_nvlink_contiguous_combine_with_weights_packs_nothing_and_is_bitwise_the_reference():
     res = parallel_launch(2, _run, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
     for rank, got in enumerate(res):
-        for (k, sync, layout, with_w), (packs, transports) in got.items():
+        for (k, sync, layout, with_w), (packs, transports, own_moved) in got.items():
             in_place = (k % 4 == 0 or not with_w) and layout != "unaligned"
             assert transports == 1, (rank, k, sync, layout, with_w, transports)
+            # read in place, this rank's own rows stay where they are (its block of its area is not written)
+            assert own_moved != in_place, f"rank {rank} K={k} sync={sync} {layout} weights={with_w}: " \
+                f"own rows moved: {own_moved}"
             assert packs == (0 if in_place else 1), f"rank {rank} K={k} sync={sync} {layout} weights={with_w}: {packs} packs"
         assert len(got) == 2 * 2 * (2 * len(LAYOUTS) - 1), sorted(got)

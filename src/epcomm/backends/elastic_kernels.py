@@ -20,6 +20,17 @@ from .nvlink_params import _aligned, _contiguous, _pow2
 BN = 128    # rows (or tokens) a program of the metadata kernels
 RB = 64     # ranks a step of the metadata kernels
 BLOCK = 1024
+# the reduction (``_combine_reduce_epilogue_impl_kernel``): a program takes a token's whole row up to this
+# many columns (DSv3's 7168 in one program of 8 warps): with 1024 columns a program, the per-program work
+# (ids, owners, bias, the self row) was paid 7 times a token, 28672 programs for 4096 tokens
+REDUCE_BLOCK_MAX = 8192
+
+
+def reduce_block(h: int) -> tuple[int, int]:
+    """``(BLOCK, num_warps)`` of the reduction for rows of ``h`` columns.
+    Example: ``reduce_block(7168) == (8192, 8)``, ``reduce_block(128) == (128, 4)``."""
+    b = min(_pow2(h), REDUCE_BLOCK_MAX)
+    return b, 8 if b >= 4096 else 4
 # the expanded copy (``_dispatch_copy_epilogue_impl_kernel``): a tile of COPY_RB rows x COPY_BLOCK bytes a
 # step (16 KB in flight a program; one row of 1 KB a step, as before 29a75e2, left each program waiting
 # on one load after another), COPY_PER_SM programs of COPY_WARPS warps an SM of the device at most
@@ -219,10 +230,11 @@ class Kernels:
                 ws = ws if ws is not None else xs
             key = (k, le, row, h, len(bias), master, with_w, acc_in, acc_out, self_rows is not None, sx, sw,
                    _aligned(got, topk_idx, b0, b1))
+            rblock, rwarps = reduce_block(h)
             self.launch("_combine_reduce_epilogue_impl_kernel", key, dict(
                 K=k, KP=_pow2(k), LE=le, ROW=row, H=h, W_OFF=h // 2, NB=len(bias), MASTER=master, HAS_W=with_w,
-                ACC_IN=acc_in, ACC_OUT=acc_out, BLOCK=BLOCK, SELF=self_rows is not None, XS=sx, WS=sw,
-                num_warps=4),
-                (t, (h + BLOCK - 1) // BLOCK, 1), got, topk_idx, b0, b1, acc if acc is not None else out, out,
+                ACC_IN=acc_in, ACC_OUT=acc_out, BLOCK=rblock, SELF=self_rows is not None, XS=sx, WS=sw,
+                num_warps=rwarps),
+                (t, (h + rblock - 1) // rblock, 1), got, topk_idx, b0, b1, acc if acc is not None else out, out,
                 out_w if out_w is not None else out, m, lanes[0], lanes[1], xs, ws, sh, me, r_)
         return out, out_w

@@ -81,13 +81,17 @@ def _combine_impl_kernel(rows, wts, dst, n, slots, ptr_table, area_off, flags_of
             base = tl.multiple_of(base, 16)
         src = (rows + i * XS)[:, None]
         wsrc = (wts + i * KS - XW)[:, None]  # word c >= XW of the row: wsrc + c
-        for c in range(0, XW + KW, BLOCK):
-            cc = (c + cols)[None, :]
-            m = use[:, None] & (cc < XW + KW)
-            at = src + cc
-            if KW > 0:  # one load a word from either source: a tile straddling XW stays one 16-byte vector path
-                at = tl.where(cc < XW, at, wsrc + cc)
-            tl.store(base[:, None] + cc, tl.load(at, mask=m), mask=m)
+        # a tile with no row to move (padding, or rows this rank owns under SKIP_SELF) takes no column steps:
+        # with every row skipped the kernel still took 94 us of a DSv3 combine at world 1 (4096 rows, 24
+        # programs; profile of 928ee47), its masked column steps run whether or not a row moves
+        if tl.sum(use.to(tl.int32), 0) > 0:
+            for c in range(0, XW + KW, BLOCK):
+                cc = (c + cols)[None, :]
+                m = use[:, None] & (cc < XW + KW)
+                at = src + cc
+                if KW > 0:  # one load a word from either source: a tile straddling XW stays one 16-byte vector path
+                    at = tl.where(cc < XW, at, wsrc + cc)
+                tl.store(base[:, None] + cc, tl.load(at, mask=m), mask=m)
     for q in range(R):
         signal(peer_ptr(ptr_table, q, flags_off + (R + me) * 4, tl.int32), 1)  # data[me] on every peer
 
@@ -420,9 +424,6 @@ def _combine_reduce_epilogue_impl_kernel(got, topk, b0, b1, acc_io, out, out_w, 
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
-    lanes = tl.arange(0, KP)
-    ids = tl.load(topk + t * K + lanes, mask=lanes < K, other=-1)
-    own = tl.where(ids >= 0, ids // LE, -1)
     rows = got.to(tl.pointer_type(tl.bfloat16), bitcast=True)
     if ACC_IN:
         acc = tl.load(acc_io + t * H + offs, mask=m, other=0.0)
@@ -435,12 +436,19 @@ def _combine_reduce_epilogue_impl_kernel(got, topk, b0, b1, acc_io, out, out_w, 
     srow = tl.full((), -1, tl.int64)
     if SELF:
         srow = tl.load(send_head + t.to(tl.int64) * R + me).to(tl.int64)  # -1 where no lane is mine
-    for j in tl.static_range(K):  # unrolled: the loads are issued together; lanes outside J0..J1-1 add nothing
-        oj = tl.sum(tl.where(lanes == j, own, 0), 0)
+    tk = topk + t * K
+    # unrolled: the loads are issued together; lanes outside J0..J1-1 add nothing. A lane's id and owner
+    # are scalars (loads of one cached line): picking them out of a [KP] vector took two block-wide
+    # reductions a lane, which with one 1024-column block a program cost more than the rows' bytes
+    for j in tl.static_range(K):
+        idj = tl.load(tk + j)
+        oj = tl.where(idj >= 0, idj // LE, -1)
         inr = (j >= J0) & (j < J1)
-        use = (tl.sum(tl.where(lanes == j, ids, 0), 0) >= 0) & inr
-        if MASTER:
-            use = use & (tl.sum(((own == oj) & (lanes > j)).to(tl.int32), 0) == 0)
+        use = (idj >= 0) & inr
+        if MASTER:  # a later lane of the same owner: this one is not its master
+            for j2 in tl.static_range(j + 1, K):
+                i2 = tl.load(tk + j2)
+                use = use & ((i2 < 0) | (i2 // LE != oj))
         row = (oj.to(tl.int64) * M + t) * (ROW // 2)
         if SELF:  # (a select, not a sum of the two loads: -0.0 stays -0.0)
             mine = oj == me
@@ -456,6 +464,9 @@ def _combine_reduce_epilogue_impl_kernel(got, topk, b0, b1, acc_io, out, out_w, 
         tl.store(out + t * H + offs, _bf16(acc), mask=m)
     if HAS_W:
         if tl.program_id(1) == 0:
+            lanes = tl.arange(0, KP)
+            ids = tl.load(topk + t * K + lanes, mask=lanes < K, other=-1)
+            own = tl.where(ids >= 0, ids // LE, -1)
             wrows = got.to(tl.pointer_type(tl.float32), bitcast=True)
             wm = (ids >= 0) & (lanes < K)
             if SELF:

@@ -6,6 +6,7 @@ them (``sm90.compile_one``). Run by ``tests/unit/test_elastic_layout.py``;
 alone: ``PYTHONPATH=src python tests/unit/sims/compile_elastic.py``."""
 from sm90 import compile_one
 
+from epcomm.backends.elastic_kernels import reduce_block
 from epcomm.kernels import v2
 
 I32, I64, U8, BF16, F32 = "*i32", "*i64", "*u8", "*bf16", "*fp32"
@@ -31,11 +32,13 @@ def main() -> None:
         *[(v2._combine_pack_kernel, PACK, dict(k8, H=7168, W=14352, HAS_W=w, MODE=mode, BLOCK=1024))
           for mode, w in ((0, 0), (0, 1), (1, 1), (2, 0))],
         *[(v2._combine_reduce_epilogue_impl_kernel, REDUCE, dict(
-            k8, LE=128, ROW=14352, H=7168, W_OFF=3584, NB=nb, MASTER=ms, HAS_W=w, ACC_IN=ai, ACC_OUT=ao, BLOCK=1024))
+            k8, LE=128, ROW=14352, H=7168, W_OFF=3584, NB=nb, MASTER=ms, HAS_W=w, ACC_IN=ai, ACC_OUT=ao,
+            BLOCK=reduce_block(7168)[0]))
           for nb, ms, w, ai, ao in ((0, 1, 0, 0, 0), (2, 1, 1, 0, 0), (1, 0, 0, 0, 1), (0, 0, 0, 1, 0))],
         # this rank's own rows read in place (x and weights of DSv3, and strided x without weights)
         *[(v2._combine_reduce_epilogue_impl_kernel, REDUCE, dict(
-            k8, LE=128, ROW=14368, H=7168, W_OFF=3584, NB=nb, MASTER=1, HAS_W=w, ACC_IN=0, ACC_OUT=0, BLOCK=1024,
+            k8, LE=128, ROW=14368, H=7168, W_OFF=3584, NB=nb, MASTER=1, HAS_W=w, ACC_IN=0, ACC_OUT=0,
+            BLOCK=reduce_block(7168)[0],
             SELF=True, XS=xs, WS=8 if w else 0)) for nb, w, xs in ((2, 1, 7168), (0, 0, 7200))],
         # packed rows (XW = XS = W, KW = 0), and x | weights read in place (aligned DSv3; odd words)
         *[(v2._combine_impl_kernel, TRANSPORT, dict(W=w, XW=xw, XS=xs, KW=kw, KS=ks, HAS_TIMER=True, RB=8, BLOCK=1024,
@@ -48,7 +51,8 @@ def main() -> None:
     ]
     print("plan", len(cases))  # the test asks for one "ok" line each
     for fn, types, consts in cases:
-        w = {v2._combine_arrive_kernel: 1, v2._combine_impl_kernel: 8, v2._dispatch_copy_epilogue_impl_kernel: 8}.get(
+        w = {v2._combine_arrive_kernel: 1, v2._combine_impl_kernel: 8, v2._dispatch_copy_epilogue_impl_kernel: 8,
+             v2._combine_reduce_epilogue_impl_kernel: reduce_block(7168)[1]}.get(
             fn, 16 if consts.get("EXPAND") and fn is v2._expert_layout_kernel else 4)  # as the launchers launch them
         print("ok", fn.fn.__name__, compile_one(fn, types, consts, w), "bytes of cubin")
 
