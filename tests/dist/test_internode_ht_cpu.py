@@ -23,6 +23,11 @@ the interpreter, the NVSHMEM device calls simulated — on CPU processes in virt
   forwarder, the receiver, the relay and the final each tried; elsewhere only as timing allows).
 - A rank that never sends gives the deadline error naming the rank and the phase (two nodes of one; two
   nodes of two, where the waits are the relay's forward and its node peer's receive).
+- Senders and relays to another node either stage and put (``TUNE["p2p"] = 0``, as over RDMA) or store into
+  the peer's slot (1: every peer's buffer is mapped here, as NVSHMEM maps the peers of one host): two nodes
+  of one, the slow peer and two nodes of two run both ways (the stores' runs with fewer cases), and each
+  check asserts which ran (simulated puts, or none). A direct row written to the wrong slot failed the
+  three store runs.
 - Every run: no simulated put was overtaken by a signal to its PE or left undelivered
   (``cpu_internode.check_delivery``). The simulation is as weak as NVSHMEM (``kernels/nvshmem_sim.py``),
   so a kernel that signals before its puts are fenced fails here: without the sender's fence between a
@@ -198,6 +203,22 @@ def _check_free_words(buf, rank):
     assert dc > 0 and cc > 0 and got == want, (rank, dc, cc, got)
 
 
+def _tuned(p2p, fn):
+    """``fn()`` with ``TUNE["p2p"] = p2p`` (restored after it); with 0 it made simulated NVSHMEM puts (staging
+    and puts to the other nodes), with 1 none (every peer is mapped here: stores)."""
+    from epcomm.backends.internode_ht import TUNE
+    from epcomm.kernels import nvshmem_sim
+
+    old, TUNE["p2p"] = TUNE["p2p"], p2p
+    before = nvshmem_sim.stats["puts"]
+    try:
+        fn()
+    finally:
+        TUNE["p2p"] = old
+    puts = nvshmem_sim.stats["puts"] - before
+    assert (puts > 0) == (p2p == 0), f"p2p={p2p}: {puts} simulated puts"
+
+
 def _slow_peer(ctx, gpus_per_node):
     """The last rank starts each of its dispatch and combine launches late (its host sleeps 0.5 s first,
     more than a whole call of the others takes here, ~0.2 s): the others' consumers reach every chunk
@@ -271,14 +292,21 @@ def _absent_relay(ctx, gpus_per_node):
 # this order, each with its own EPCOMM_GPUS_PER_NODE (read when a Buffer is built), and is reported as its
 # own test; the deadline checks come last (the ranks leave them at different times). A failed check stops
 # its rank: later ones report "not run".
+# ``p2p``: TUNE["p2p"] for the check. Every rank's buffer is mapped in every process here (as NVSHMEM maps the
+# peers of one host), so with 1 the senders and relays store into the other nodes' slots (no simulated put),
+# with 0 they stage and put as over RDMA (the path whose fences the weak simulation checks); ``_tuned``
+# asserts which one ran.
 CHECKS = {
-    2: [("two-virtual-nodes", _ht, 1, {}),  # nodes of one rank: one message per (token, rank)
+    2: [("two-virtual-nodes", _ht, 1, {"p2p": 0}),  # nodes of one rank: one message per (token, rank), puts
+        ("two-virtual-nodes[p2p]", _ht, 1, {"p2p": 1, "full": False}),  # the same rows by stores
         ("one-node-of-two", _ht, 2, {}),     # no sender: forwarders store to the peer, receivers unpack
-        ("slow-peer[two-nodes-of-one]", _slow_peer, 1, {}),
+        ("slow-peer[two-nodes-of-one]", _slow_peer, 1, {"p2p": 0}),
+        ("slow-peer[two-nodes-of-one,p2p]", _slow_peer, 1, {"p2p": 1}),
         ("slow-peer[one-node-of-two]", _slow_peer, 2, {}),
         ("deadline", _absent_relay, 1, {})],
-    4: [("four-nodes-of-one", _ht, 1, {"full": False}),  # nothing forwarded, the relay's rows go as BF16,
-        ("four-ranks-in-two-nodes", _ht, 2, {}),             # three remote nodes a rank
+    4: [("four-nodes-of-one", _ht, 1, {"full": False, "p2p": 0}),  # nothing forwarded, the relay's rows go as
+        ("four-ranks-in-two-nodes", _ht, 2, {"p2p": 0}),             # BF16, three remote nodes a rank
+        ("four-ranks-in-two-nodes[p2p]", _ht, 2, {"p2p": 1, "full": False}),
         ("deadline-two-nodes-of-two", _absent_relay, 2, {})],
 }
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
@@ -292,7 +320,12 @@ def _rank(ctx, tag):
     def one(fn, gpus_per_node, kw):
         def run(ctx):
             os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
-            fn(ctx, gpus_per_node, **kw)
+            kw2 = dict(kw)
+            p2p = kw2.pop("p2p", None)
+            if p2p is None:
+                fn(ctx, gpus_per_node, **kw2)
+            else:
+                _tuned(p2p, lambda: fn(ctx, gpus_per_node, **kw2))
         return run
 
     return harness.run_checks(ctx, [(name, one(*rest)) for name, *rest in CHECKS[ctx.world_size]], env={})

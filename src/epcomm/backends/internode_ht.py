@@ -51,8 +51,15 @@ _BLOCK = 1024
 # relays, finals; a role with nothing to do in this layout gets none). The stage-by-stage kernels this
 # replaced were measured on H100, 2 virtual nodes under MPS, DSv3, 24 SMs (2026-11-25, graph replays): a
 # row a step (4 KB) ran ~4 GB/s a program; tiles of 16 rows and 16 warps were the fastest tried.
+# The weights follow the bytes each role moves per row in nodes of one rank with ``p2p``: a sender writes a
+# row once, a forwarder twice (its own rows and the relayed ones into the outputs); a relay once, a final
+# reads two rows and writes one (docs/internode.md, "Cost model").
+# ``p2p`` (1): senders and relays store straight into a peer's slot where NVSHMEM maps that peer's buffer,
+# counting rows by a release atomic (0: staging and NVSHMEM puts to every other node, as over RDMA);
+# ``own_first`` (1): a forwarder takes its own node's units (no wait) before the other nodes'.
 TUNE = dict(dispatch_warps=16, dispatch_rb=16, dispatch_block=1024, combine_warps=16, combine_rb=16,
-            combine_block=512, d_send=1, d_forward=1, d_receive=1, c_send=1, c_relay=2, c_final=1)
+            combine_block=512, d_send=1, d_forward=2, d_receive=1, c_send=1, c_relay=2, c_final=3, p2p=1,
+            own_first=1)
 _T_NOTIFY, _T_DISPATCH, _T_COMBINE = range(3)
 
 
@@ -104,16 +111,21 @@ def _counter_bytes(r_: int, n_: int) -> int:
     return _align(ctr_words(r_, n_, C_MAX)[-1] * 8)
 
 
+def _pad4(words: int) -> int:
+    """A row stride: ``words`` rounded up to 16 bytes (``kernels/internode_ht_rows.pad4``)."""
+    return (words + 3) // 4 * 4
+
+
 def _dispatch_areas(tm: int, w: int, r_: int, n_: int) -> tuple[int, int, int]:
     """Offsets in a dispatch area (relative to its start) of the RDMA slots and the NVL slots, and the
     bytes it needs (words: ``w`` a row, messages ``w`` plus a position per rank of a node of more than
-    one): staging, one slot per other node, then the RDMA slots, as many, then one NVL slot per source
-    whose relay is another rank of the node."""
+    one, each stride padded to 16 bytes): staging, one slot per other node, then the RDMA slots, as many,
+    then one NVL slot per source whose relay is another rank of the node."""
     p_ = r_ // n_
-    mw = w + (n_ if n_ > 1 else 0)
+    mw = _pad4(w + (n_ if n_ > 1 else 0))
     rdma = _align((p_ - 1) * tm * mw * 4)
     nvl = rdma + _align((p_ - 1) * tm * mw * 4)
-    return rdma, nvl, nvl + p_ * (n_ - 1) * tm * w * 4
+    return rdma, nvl, nvl + p_ * (n_ - 1) * tm * _pad4(w) * 4
 
 
 def _combine_areas(tm: int, cw: int, fw: int, n_: int, p_: int) -> tuple[int, int, int]:
@@ -128,9 +140,10 @@ def _combine_areas(tm: int, cw: int, fw: int, n_: int, p_: int) -> tuple[int, in
 
 def _combine_words(h: int, k: int, n_: int) -> tuple[int, int]:
     """Words of a combine's relay row (BF16 ``x``, ``k`` weights) and of its partial sum: float32 (``h``
-    words, the weights), or the relay row itself in nodes of one rank (a sum of one row, sent as BF16)."""
-    cw = (2 * h + 3) // 4 + k
-    return cw, cw if n_ == 1 else h + k
+    words, the weights), or the relay row itself in nodes of one rank (a sum of one row, sent as BF16);
+    strides padded to 16 bytes."""
+    cw = _pad4((2 * h + 3) // 4 + k)
+    return cw, cw if n_ == 1 else _pad4(h + k)
 
 
 def high_throughput_bytes(num_tokens: int, hidden: int, num_topk: int, num_ranks: int, ranks_per_node: int,
@@ -139,8 +152,8 @@ def high_throughput_bytes(num_tokens: int, hidden: int, num_topk: int, num_ranks
     mode) this path needs for batches of up to ``num_tokens`` per rank: the counters, then four areas
     (dispatch and combine, two parities each), each the larger of a BF16 dispatch with top-k and a
     combine. Rounded up to MiB unless ``round_mib`` is false.
-    Example: 4096 tokens of 7168 with top-8 at 2 ranks in nodes of 1 -> 452 MiB (the combine is the
-    larger part: staging and final slots of BF16 rows)."""
+    Example: 4096 tokens of 7168 with top-8 at 2 ranks in nodes of 1 -> 452 MiB (four areas of the
+    dispatch's messages, 3609 words padded to 3612, the larger part; the combine's rows are 3592)."""
     r_, n_ = num_ranks, ranks_per_node
     p_, tm = r_ // n_, max(1, num_tokens)
     w = (2 * hidden + 12 * num_topk + 4 + 3) // 4  # x, topk_idx (int64), weights, token index
@@ -195,6 +208,11 @@ class InternodeHighThroughput:
         self.tickets = torch.zeros(4, dtype=torch.int32, device=dev)
         self.bases = torch.zeros(ih.ctr_words(r_, n_, C_MAX)[-1], dtype=torch.int32, device=dev)
         self.p_table, self.p_err = Ptr(be.ptr_table), Ptr(be.err)
+        # the kernels take every row to start 16-byte aligned (kernels/internode_ht_rows.py): the areas'
+        # offsets are multiples of 128 bytes, the symmetric buffers' bases must be multiples of 16
+        odd = [(r, hex(p)) for r, p in enumerate(be.ptr_table.tolist()) if p % 16]
+        if odd:
+            raise RuntimeError(f"symmetric buffers not 16-byte aligned (rank, address): {odd}")
         self.p_lv = [Ptr(self.state[i:]) for i in range(3)]
         self.p_t = [Ptr(self.tickets[i:]) for i in range(3)]
         self.p_bases = Ptr(self.bases)
@@ -236,7 +254,7 @@ class InternodeHighThroughput:
         """The slots' rows for calls with ``num_worst_tokens`` (no host copy of the token counts): as many
         as the areas hold, for the dispatch (``w`` words per row) and its combine (BF16 ``h``, ``k``
         weights); the same on every rank (equal buffers). Example: 2 ranks in nodes of 1, 32 MiB
-        buffer, H = 128, K = 4 -> 13614 rows (BF16 with top-k: 77 words a row)."""
+        buffer, H = 128, K = 4 -> 13103 rows (BF16 with top-k: 77 words a row, padded to 80)."""
         key = (w, h, k)
         tm = self._caps.get(key)
         if tm is None:
@@ -335,8 +353,9 @@ class InternodeHighThroughput:
             recv_w if recv_w is not None else self._dummy(torch.float32), recv_src if src else i32, rows, me * lx, lx,
             me, n_, p_, r_, ch, self.p_table, self.areas[0], self.area_bytes, rdma_rel, nvl_rel, tm, self.ctr_off,
             self.cm, info.tbl if info.tbl is not None else i32, int(save), self.p_bases, self.p_lv[1],
-            self.p_t[_T_DISPATCH], self.p_err, be.timeout_ns, s_lo, s_n, f_lo, f_n, v_lo, v_n,
-            BLOCK=min(TUNE["dispatch_block"], _pow2(w)), RB=TUNE["dispatch_rb"], N_POW2=_pow2(n_),
+            self.p_t[_T_DISPATCH], self.p_err, be.timeout_ns, s_lo, s_n, f_lo, f_n, v_lo, v_n, int(TUNE["p2p"]),
+            int(TUNE["own_first"]), BLOCK=min(TUNE["dispatch_block"], _pow2(w)), RB=TUNE["dispatch_rb"],
+            N_POW2=_pow2(n_),
             K_POW2=_pow2(max(k, 1)), G_POW2=_pow2(max(g, 1)), S_POW2=_pow2(max(g, 2 * k, n_, 1)),
             HAS_TIMER=self._timer, SIM=be.sim, num_warps=TUNE["dispatch_warps"])
         be.check_mirror()
@@ -456,7 +475,7 @@ class InternodeHighThroughput:
             info.tbl if info.tbl is not None else i32, out, w_out if w_out is not None else out, *(bs + [out, out])[:2],
             me, n_, p_, r_, ch, self.p_table, self.areas[2], self.area_bytes, stage_rel, fin_rel, tm, self.ctr_off,
             self.cm, self.p_bases, self.p_lv[2], self.p_t[_T_COMBINE], self.p_err, be.timeout_ns, s_lo, s_n, r_lo,
-            r_n, f_lo, f_n, BLOCK=min(TUNE["combine_block"], _pow2(h)), RB=TUNE["combine_rb"],
+            r_n, f_lo, f_n, int(TUNE["p2p"]), BLOCK=min(TUNE["combine_block"], _pow2(h)), RB=TUNE["combine_rb"],
             K_POW2=_pow2(max(k, 1)), HAS_W=w_out is not None, NB=len(bs), HAS_TIMER=self._timer,
             SIM=be.sim, num_warps=TUNE["combine_warps"])
         be.check_mirror()

@@ -35,9 +35,12 @@ a later program of its launch, the Triton interpreter's order):
    ``npos[t, b]`` (stage slot of ``b``); after each block of ``RB`` tokens, the rows staged for ``b`` so
    far go to relay ``(b, i)`` in puts of at most ``CH`` rows (Config's RDMA chunk, counted from the
    channel's first row; a chunk not full yet waits for the next block, or the channel's end), then a
-   ``fence``, then one ``signal_add`` of the rows to counter ``D_RD[a][c]`` there.
-2. **forwarders**, unit ``(a, c)`` (source ``s = (a, i)``, channel ``c``): for ``a`` this node, this rank's
-   own tokens straight from the inputs; else the rows of slot ``a`` as ``D_RD[a][c]`` says they arrived.
+   ``fence``, then one ``signal_add`` of the rows to counter ``D_RD[a][c]`` there. A relay whose buffer
+   NVSHMEM maps here (``P2P``: ``internode_ht_rows``) gets the message rows written straight into its
+   RDMA slot instead, and after each block their count by a release atomic: no staging, no put.
+2. **forwarders**, unit ``(a, c)`` (source ``s = (a, i)``, channel ``c``; with ``OWN_FIRST`` this node's
+   units first): for ``a`` this node, this rank's own tokens straight from the inputs; else the rows of
+   slot ``a`` as ``D_RD[a][c]`` says they arrived.
    Each row is stored to the NVL slot of ``s`` at every other rank ``j`` of the node that wants it (row
    ``rel[t, j]``), whose counter ``D_NV[s][c]`` then grows by its rows (a release atomic after each
    tile); rows for this rank go straight into the outputs (unpacked as the receivers do).
@@ -49,8 +52,9 @@ a later program of its launch, the Triton interpreter's order):
 
 In nodes of one rank there are no receivers, and nothing is stored to a peer: the forwarder is the
 receiver. Passes over the payload: a token read once per node from the inputs; rows for another node
-staged, put, then unpacked at its relay (or forwarded, then unpacked); a rank's own rows for its node
-go from its inputs to the outputs, with no staging.
+staged, put, then unpacked at its relay (or forwarded, then unpacked), or with ``P2P`` stored into the
+relay's slot, then unpacked; a rank's own rows for its node go from its inputs to the outputs, with no
+staging. Rows start 16-byte aligned (strides ``pad4``): ``internode_ht_rows``.
 
 **Slots free.** Areas alternate between two parities by the device's count of dispatches (a CUDA graph
 alternates too). Before its first write of a call a producer waits until each consumer has finished the
@@ -73,10 +77,25 @@ import triton
 import triton.language as tl
 
 from . import nvshmem as nv
-from .common import signal, ticket_last_n
+from .common import ticket_last_n
 
-# the layout exchange's kernels and the signal-word helpers live in internode_ht_prep.py (re-exported here)
-from .internode_ht_prep import _copy_words, _hn_notify_kernel, _hn_prep_kernel, _sig, _wait  # noqa: F401
+# the layout exchange's kernels live in internode_ht_prep.py (re-exported here), the row movers in internode_ht_rows.py
+from .internode_ht_prep import _hn_notify_kernel, _hn_prep_kernel, _wait  # noqa: F401
+from .internode_ht_rows import (
+    _copy_rows,
+    _fan,
+    _fan_row,
+    _free,
+    _mapped,
+    _msg_rows,
+    _node_unit,
+    _nvl_publish,
+    _nvl_rows,
+    _publish_direct,
+    _put_chunks,
+    _unpack,
+    pad4,
+)
 
 
 def ctr_words(r: int, n: int, cm: int) -> tuple[int, ...]:
@@ -92,68 +111,10 @@ def ctr_words(r: int, n: int, cm: int) -> tuple[int, ...]:
 
 
 @triton.jit
-def _copy_rows(dst, src, ld_ok, st_ok, n, BLOCK: tl.constexpr):
-    """Rows of ``n`` int32 words, ``dst[r] <- src[r]`` (``[RB]`` row pointers) where ``st_ok``, zeros where
-    not ``ld_ok``: a tile of ``RB x BLOCK`` words a step, so that many loads are in flight at once (a
-    row a step, 4 KB, left a program latency-bound at ~4 GB/s)."""
-    cc = tl.arange(0, BLOCK)
-    for c0 in range(0, n, BLOCK):
-        cm = (c0 + cc)[None, :] < n
-        v = tl.load(src[:, None] + c0 + cc[None, :], mask=ld_ok[:, None] & cm, other=0)
-        tl.store(dst[:, None] + c0 + cc[None, :], v, mask=st_ok[:, None] & cm)
-
-
-@triton.jit
-def _free(ptr_table, me, N, P, ctr_off, F_NODE, F_NET, cnt_ptr, count, SIM: tl.constexpr):
-    """The end of a launch (its last program): this rank ``(b, i)`` has read every slot its producers wrote
-    this call, so it raises its word in theirs, ``F_NODE[i]`` at the other ranks of its node (a release
-    atomic) and ``F_NET[b]`` at rank ``i`` of every other node (NVSHMEM), then counts the call."""
-    b = me // N
-    i = me % N
-    for j in range(N):
-        if j != i:
-            signal(_sig(ptr_table, b * N + j, ctr_off, F_NODE + i), 1)
-    for a in range(P):
-        if a != b:
-            nv.signal_add(ptr_table, me, a * N + i, ctr_off + (F_NET + b) * 8, 1, SIM)
-    nv.quiet(SIM)
-    tl.store(cnt_ptr, count + 1)
-
-
-@triton.jit
-def _unpack(orow, got, inb, xs, ss, ids, ws, tok, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, XW, G, K, NSRC, lo,
-            LX, BLOCK: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr):
-    """Output rows ``orow`` (``[RB]``) from a message's fields at ``xs, ss, ids, ws`` (``[RB]`` int32 row
-    pointers) where ``got``, padding where ``inb`` but not ``got`` (zeros, -1 for the ids and the token
-    index, as the reference pads): ``rx`` the ``XW`` words of ``x``, ``rs`` the ``G`` scales, where ``K``:
-    ``rid`` (int64) the top-k ids made local (``id - lo`` for ids in ``[lo, lo + LX)``, else -1) and ``rw``
-    their weights (0 where not local), where ``NSRC``: ``rsrc`` the token index ``tok``. Never past the
-    outputs' ``rows`` (more rows than ``num_worst_tokens`` arriving: error 9, from the handle kernel)."""
-    inb = inb & (orow < rows)
-    got = got & inb
-    _copy_rows(rx_ptr + orow * XW, xs, got, inb, XW, BLOCK)
-    if G > 0:
-        _copy_rows(rs_ptr + orow * G, ss, got, inb, G, G_POW2)
-    if K > 0:
-        kk = tl.arange(0, K_POW2)
-        km = kk[None, :] < K
-        m2 = got[:, None] & km
-        idw = ids[:, None] + 2 * kk[None, :]  # int64 as two int32 words (rows need not be 8-aligned)
-        e = (tl.load(idw + 1, mask=m2, other=0).to(tl.int64) << 32) | \
-            (tl.load(idw, mask=m2, other=0).to(tl.int64) & 0xFFFFFFFF)
-        here = m2 & (e >= lo) & (e < lo + LX)
-        tl.store(rid_ptr + orow[:, None] * K + kk[None, :], tl.where(here, e - lo, -1), mask=inb[:, None] & km)
-        wt = tl.load(ws[:, None] + kk[None, :], mask=m2, other=0).to(tl.float32, bitcast=True)
-        tl.store(rw_ptr + orow[:, None] * K + kk[None, :], tl.where(here, wt, 0.0), mask=inb[:, None] & km)
-    if NSRC > 0:
-        tl.store(rsrc_ptr + orow, tl.where(got, tok, -1), mask=inb)
-
-
-@triton.jit
-def _stage(src, ok, n, col, stage, npos, a, P, slot_words, MW, BLK: tl.constexpr):
-    """``n`` words of rows ``src`` (``[RB]`` int32 pointers, read once where ``ok``) to column ``col`` of
-    their message for every other node ``b``: stage slot ``(b - a - 1) mod P``, row ``npos[:, b]`` (``[RB]``
-    pointers to the rows of ``npos``; -1: not sent there)."""
+def _stage(src, ok, n, col, npos, a, i, N, P, ptr_table, stage, rdma_off, slot_words, MW, P2P, BLK: tl.constexpr):
+    """``n`` words of rows ``src`` (``[RB]`` int32 pointers, read once where ``ok``) to column ``col`` of their
+    message for every other node ``b`` (row ``npos[:, b]``; ``npos``: ``[RB]`` pointers to the rows of
+    ``npos``, -1: not sent there): in the relay's slot or this rank's stage (``_msg_rows``)."""
     cc = tl.arange(0, BLK)
     for c0 in range(0, n, BLK):
         cm = (c0 + cc)[None, :] < n
@@ -161,56 +122,22 @@ def _stage(src, ok, n, col, stage, npos, a, P, slot_words, MW, BLK: tl.constexpr
         for b in range(P):
             if b != a:
                 q = tl.load(npos + b, mask=ok, other=-1).to(tl.int64)
-                dst = stage + (((b - a - 1 + P) % P) * slot_words + q * MW + col)
-                tl.store(dst[:, None] + c0 + cc[None, :], v, mask=(q >= 0)[:, None] & cm)
-
-
-@triton.jit
-def _fan(src, ok, n, col, relp, ptr_table, nvl_off, b, i, N, a, TM, W, BLK: tl.constexpr):
-    """``n`` words of rows ``src`` (``[RB]`` int32 pointers, read where ``ok``) to column ``col`` of source
-    ``(a, i)``'s NVL slot at every other rank ``j`` of node ``b`` that wants them (row ``relp[:, j]``, -1:
-    not; ``relp``: ``[RB]`` pointers to each row's positions at the node's ranks; the slot is the
-    source's index among those whose relay is not ``j``)."""
-    cc = tl.arange(0, BLK)
-    for c0 in range(0, n, BLK):
-        cm = (c0 + cc)[None, :] < n
-        v = tl.load(src[:, None] + c0 + cc[None, :], mask=ok[:, None] & cm)
-        for j in range(N):
-            if j != i:
-                pj = tl.load(relp + j, mask=ok, other=-1).to(tl.int64)
-                slot = a * (N - 1) + i - (i > j).to(tl.int32)
-                dst = (tl.load(ptr_table + b * N + j).to(tl.pointer_type(tl.uint8)) + nvl_off).to(
-                    tl.pointer_type(tl.int32)) + ((slot.to(tl.int64) * TM + pj) * W + col)
-                tl.store(dst[:, None] + c0 + cc[None, :], v, mask=(pj >= 0)[:, None] & cm)
-
-
-@triton.jit
-def _nvl_publish(relp, ok, ptr_table, ctr_off, b, i, N, idx):
-    """After a tile of forwarded rows (``relp``: ``[RB]`` pointers to each row's positions at the node's
-    ranks): each other rank ``j`` of node ``b`` that got rows gets them counted in its word ``idx``
-    (release, after the tile's stores)."""
-    tl.debug_barrier()
-    for j in range(N):
-        if j != i:
-            pj = tl.sum(((tl.load(relp + j, mask=ok, other=-1) >= 0) & ok).to(tl.int64), 0)
-            if pj > 0:
-                ctr = (tl.load(ptr_table + b * N + j).to(tl.pointer_type(tl.uint8)) + ctr_off).to(
-                    tl.pointer_type(tl.int64))
-                tl.atomic_add(ctr + idx, pj, sem="release", scope="sys")
+                row, _ = _msg_rows(q, b, a, i, N, P, ptr_table, stage, rdma_off, slot_words, MW, P2P)
+                tl.store(row[:, None] + col + c0 + cc[None, :], v, mask=(q >= 0)[:, None] & cm)
 
 
 @triton.jit
 def _hd_send(g, GS, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, pc, C, XW, G, K, NSRC, NR, me, N, P,
-             R, CH, ptr_table, stage, rdma_off, slot_words, ctr_off, ctr32, CM, F_RD, dc, err_ptr, timeout_ns,
-             BLOCK: tl.constexpr, RB: tl.constexpr, N_POW2: tl.constexpr, S_POW2: tl.constexpr,
+             R, CH, ptr_table, stage, rdma_off, slot_words, MW, ctr_off, ctr32, CM, F_RD, dc, P2P, err_ptr,
+             timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, N_POW2: tl.constexpr, S_POW2: tl.constexpr,
              HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
     """Sender ``g`` of ``GS``: channels ``g, g + GS, ...`` of this rank ``(a, i)`` to the relays ``(b, i)`` of
     the other nodes (module docstring, 1). ``nco [P, C]``: this rank's channel prefix for each node (the
-    rows a channel gives it: ``[nco[b][c-1], nco[b][c])``)."""
+    rows a channel gives it: ``[nco[b][c-1], nco[b][c])``). A relay NVSHMEM maps gets its rows by stores
+    and their count by a release atomic after each block (``P2P``: ``internode_ht_rows``)."""
     a = me // N
     i = me % N
     W = XW + G + 3 * K + NSRC
-    MW = W + NR
     for b in range(P):  # the relays' RDMA slots of this parity are free once they read the call before last
         if b != a:
             if tl.atomic_add(ctr32 + 2 * (F_RD + b), 0, sem="acquire", scope="sys") - (dc - 1) < 0:
@@ -226,68 +153,71 @@ def _hd_send(g, GS, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, 
             away = ok & (tl.load(npos + (a + 1) % P, mask=ok, other=-1) >= 0)  # sent to another node
             for b in range(2, P):
                 away = away | (ok & (tl.load(npos + (a + b) % P, mask=ok, other=-1) >= 0))
-            _stage(x_ptr + tt * XW, away, XW, 0, stage, npos, a, P, slot_words, MW, BLOCK)
+            _stage(x_ptr + tt * XW, away, XW, 0, npos, a, i, N, P, ptr_table, stage, rdma_off, slot_words, MW, P2P,
+                   BLOCK)
             if G > 0:
-                _stage(s_ptr + tt * G, away, G, XW, stage, npos, a, P, slot_words, MW, S_POW2)
+                _stage(s_ptr + tt * G, away, G, XW, npos, a, i, N, P, ptr_table, stage, rdma_off, slot_words, MW, P2P,
+                       S_POW2)
             if K > 0:
-                _stage(id_ptr + tt * (2 * K), away, 2 * K, XW + G, stage, npos, a, P, slot_words, MW, S_POW2)
-                _stage(w_ptr + tt * K, away, K, XW + G + 2 * K, stage, npos, a, P, slot_words, MW, S_POW2)
+                _stage(id_ptr + tt * (2 * K), away, 2 * K, XW + G, npos, a, i, N, P, ptr_table, stage, rdma_off,
+                       slot_words, MW, P2P, S_POW2)
+                _stage(w_ptr + tt * K, away, K, XW + G + 2 * K, npos, a, i, N, P, ptr_table, stage, rdma_off,
+                       slot_words, MW, P2P, S_POW2)
             for b in range(P):
                 if b != a:
                     q = tl.load(npos + b, mask=ok, other=-1).to(tl.int64)
-                    row = stage + (((b - a - 1 + P) % P) * slot_words + q * MW)
+                    row, _ = _msg_rows(q, b, a, i, N, P, ptr_table, stage, rdma_off, slot_words, MW, P2P)
                     if NSRC > 0:
                         tl.store(row + W - 1, tt.to(tl.int32), mask=q >= 0)
                     if NR > 0:  # the token's rows at the ranks of b (-1: none)
                         _copy_rows(row + W, rel_ptr + tt * R + b * N, q >= 0, q >= 0, NR, N_POW2)
-            tl.debug_barrier()  # (the block's rows staged by every thread before the puts read them)
+            tl.debug_barrier()  # (the block's rows written by every thread before the puts read them or the count)
             last = t0 + RB >= t_hi
             for b in range(P):
                 if b != a:
                     q = tl.load(npos + b, mask=ok, other=-1).to(tl.int64)
-                    f_b = tl.load(nco_ptr + b * C + c - 1, mask=c > 0, other=0).to(tl.int64)
-                    total = tl.load(nco_ptr + b * C + c).to(tl.int64) - f_b
-                    q_max = tl.max(q, 0)
-                    # rows staged before this block (all of them where it has none), and after it
-                    before = tl.where(q_max >= 0, tl.min(tl.where(q >= 0, q, 1 << 40), 0) - f_b, total)
-                    after = tl.where(q_max >= 0, q_max + 1 - f_b, before)
-                    p0 = before // CH * CH  # what the earlier blocks put: their whole chunks
-                    upto = tl.where(last, total, after // CH * CH)  # whole chunks; the rest at the channel's end
-                    if upto > p0:
-                        relay = b * N + i
-                        src = stage + ((b - a - 1 + P) % P) * slot_words
-                        dst = rdma_off + ((a - b - 1 + P) % P) * slot_words * 4
-                        add = upto - p0
-                        while p0 < upto:
-                            p1 = tl.minimum((p0 // CH + 1) * CH, upto)
-                            nv.put(ptr_table, me, relay, dst + (f_b + p0) * MW * 4, src + (f_b + p0) * MW,
-                                   (p1 - p0) * MW * 4, SIM)
-                            p0 = p1
-                        nv.fence(SIM)  # (the rows land before the count that publishes them)
-                        nv.signal_add(ptr_table, me, relay, ctr_off + (a * CM + c) * 8, add, SIM)
+                    relay = b * N + i
+                    base, direct = _mapped(ptr_table, relay, P2P)
+                    if direct:  # the block's rows are in the relay's slot: count them there
+                        _publish_direct(base, ctr_off, a * CM + c, tl.sum((q >= 0).to(tl.int32), 0))
+                    else:
+                        f_b = tl.load(nco_ptr + b * C + c - 1, mask=c > 0, other=0).to(tl.int64)
+                        total = tl.load(nco_ptr + b * C + c).to(tl.int64) - f_b
+                        q_max = tl.max(q, 0)
+                        # rows staged before this block (all of them where it has none), and after it
+                        before = tl.where(q_max >= 0, tl.min(tl.where(q >= 0, q, 1 << 40), 0) - f_b, total)
+                        after = tl.where(q_max >= 0, q_max + 1 - f_b, before)
+                        p0 = before // CH * CH  # what the earlier blocks put: their whole chunks
+                        upto = tl.where(last, total, after // CH * CH)  # whole chunks; the rest at the channel's end
+                        if upto > p0:
+                            src = stage + ((b - a - 1 + P) % P) * slot_words + f_b * MW
+                            dst = rdma_off + (((a - b - 1 + P) % P) * slot_words + f_b * MW) * 4
+                            _put_chunks(ptr_table, me, relay, dst, src, p0, upto, CH, MW, ctr_off + (a * CM + c) * 8,
+                                        SIM)
     nv.quiet(SIM)
 
 
 @triton.jit
 def _hd_forward(g, GF, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K, NSRC, NR, me, N, P, R,
                 rpm_ptr, ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, ptr_table, rdma,
-                slot_words, nvl_off, TM, ctr_off, ctr32, CM, D_NV, F_NV, dc, base_ptr, tbl_ptr, SAVE, err_ptr,
-                timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, N_POW2: tl.constexpr, K_POW2: tl.constexpr,
+                slot_words, MW, nvl_off, TM, ctr_off, ctr32, CM, D_NV, F_NV, dc, base_ptr, tbl_ptr, SAVE, OWN_FIRST,
+                err_ptr, timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, N_POW2: tl.constexpr, K_POW2: tl.constexpr,
                 G_POW2: tl.constexpr, S_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
     """Forwarder ``g`` of ``GF`` at relay ``(b, i)``: units ``(a, c)`` (module docstring, 2), then the padding
     rows ``[n, rows)``. With ``SAVE`` each forwarded row's positions at the node's ranks are kept for the
-    combine: ``tbl[slot a][row][j]``."""
+    combine: ``tbl[slot a][row][j]``. With ``OWN_FIRST`` the units of this rank's own node come first (its
+    own tokens: no wait), then the other nodes' in turn."""
     b = me // N
     i = me % N
     W = XW + G + 3 * K + NSRC
-    MW = W + NR
+    WP = pad4(W)  # an NVL row
     for j in range(N):  # the node's receivers freed their NVL slots of this parity (the call before last)
         if j != i:
             if tl.atomic_add(ctr32 + 2 * (F_NV + j), 0, sem="acquire", scope="sys") - (dc - 1) < 0:
                 _wait(ptr_table, me, ctr_off, F_NV + j, dc - 1, err_ptr, 2, b * N + j, timeout_ns, HAS_TIMER)
     uu = tl.arange(0, RB)
     for u in range(g, P * C, GF):
-        a = u // C
+        a = (u // C + b * OWN_FIRST) % P
         c = u % C
         s = a * N + i
         first = tl.load(rpm_ptr + (s - 1) * R, mask=s > 0, other=0)  # source s's first row here
@@ -304,22 +234,19 @@ def _hd_forward(g, GF, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K,
                     for j in range(N):
                         if j != i:
                             peer = peer | (tl.load(relp + j, mask=ok, other=-1) >= 0)
-                    _fan(x_ptr + tt * XW, peer, XW, 0, relp, ptr_table, nvl_off, b, i, N, a, TM, W, BLOCK)
+                    _fan(x_ptr + tt * XW, peer, XW, 0, relp, ptr_table, nvl_off, b, i, N, a, TM, WP, BLOCK)
                     if G > 0:
-                        _fan(s_ptr + tt * G, peer, G, XW, relp, ptr_table, nvl_off, b, i, N, a, TM, W, S_POW2)
+                        _fan(s_ptr + tt * G, peer, G, XW, relp, ptr_table, nvl_off, b, i, N, a, TM, WP, S_POW2)
                     if K > 0:
-                        _fan(id_ptr + tt * (2 * K), peer, 2 * K, XW + G, relp, ptr_table, nvl_off, b, i, N, a, TM, W,
+                        _fan(id_ptr + tt * (2 * K), peer, 2 * K, XW + G, relp, ptr_table, nvl_off, b, i, N, a, TM, WP,
                              S_POW2)
-                        _fan(w_ptr + tt * K, peer, K, XW + G + 2 * K, relp, ptr_table, nvl_off, b, i, N, a, TM, W,
+                        _fan(w_ptr + tt * K, peer, K, XW + G + 2 * K, relp, ptr_table, nvl_off, b, i, N, a, TM, WP,
                              S_POW2)
                     if NSRC > 0:  # the token index, the message's last word
                         for j in range(N):
                             if j != i:
-                                pj = tl.load(relp + j, mask=ok, other=-1).to(tl.int64)
-                                slot = a * (N - 1) + i - (i > j).to(tl.int32)
-                                dst = (tl.load(ptr_table + b * N + j).to(tl.pointer_type(tl.uint8)) + nvl_off).to(
-                                    tl.pointer_type(tl.int32)) + ((slot.to(tl.int64) * TM + pj) * W + W - 1)
-                                tl.store(dst, tt.to(tl.int32), mask=pj >= 0)
+                                dst, want = _nvl_rows(relp, j, i, a, b, N, ok, ptr_table, nvl_off, TM, WP)
+                                tl.store(dst + W - 1, tt.to(tl.int32), mask=want)
                 ri = tl.load(relp + i, mask=ok, other=-1).to(tl.int64)
                 _unpack(first + ri, ri >= 0, ri >= 0, x_ptr + tt * XW, s_ptr + tt * G, id_ptr + tt * (2 * K),
                         w_ptr + tt * K, tt.to(tl.int32), rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, XW, G, K,
@@ -339,14 +266,14 @@ def _hd_forward(g, GF, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K,
                 if tl.atomic_add(ctr32 + 2 * ridx, 0, sem="acquire", scope="sys") - target < 0:
                     _wait(ptr_table, me, ctr_off, ridx, target, err_ptr, 3, s, timeout_ns, HAS_TIMER)
                 tl.debug_barrier()
-                msg = slot + qq * MW
+                msg = tl.multiple_of(slot + qq * MW, 16)
                 if N > 1:
                     relp = msg + W
                     peer = qq < 0
                     for j in range(N):
                         if j != i:
                             peer = peer | (tl.load(relp + j, mask=ok, other=-1) >= 0)
-                    _fan(msg, peer, W, 0, relp, ptr_table, nvl_off, b, i, N, a, TM, W, BLOCK)
+                    _fan_row(msg, peer, XW, W, relp, ptr_table, nvl_off, b, i, N, a, TM, WP, BLOCK, S_POW2)
                     if SAVE:
                         rs_ = (a - b - 1 + P) % P
                         _copy_rows(tbl_ptr + (rs_ * TM + qq) * N, relp, ok, ok, N, N_POW2)
@@ -370,24 +297,6 @@ def _hd_forward(g, GF, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K,
 
 
 @triton.jit
-def _node_unit(u, C, N, j, R, rpm_ptr, rcp_ptr):
-    """Unit ``u`` of the ``P * (N-1) * C`` (source, channel) pairs of rank ``(b, j)`` whose relay is another rank
-    of its node: ``(a, i, c, k, first, q_lo, q_hi)``: source ``(a, i)``, channel ``c``, the source's slot
-    ``k`` among those, the source's first row here (``rpm`` column ``me``, stride ``R``), and the channel's
-    rows ``[q_lo, q_hi)`` of its block (``rcp``: the handle's receive channel prefix ``[R, C]``)."""
-    c = u % C
-    k = u // C
-    i = k % (N - 1)
-    a = k // (N - 1)
-    i = i + (i >= j).to(tl.int32)
-    s = a * N + i
-    first = tl.load(rpm_ptr + (s - 1) * R, mask=s > 0, other=0)
-    q_lo = tl.load(rcp_ptr + s * C + c) - first
-    q_hi = tl.load(rcp_ptr + s * C + c + 1, mask=c + 1 < C, other=tl.load(rpm_ptr + s * R)) - first
-    return a, i, c, k, first, q_lo, q_hi
-
-
-@triton.jit
 def _hd_receive(g, GV, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr,
                 rows, lo, LX, nvl, TM, ptr_table, ctr_off, ctr32, CM, D_NV, base_ptr, err_ptr, timeout_ns,
                 BLOCK: tl.constexpr, RB: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr,
@@ -397,13 +306,14 @@ def _hd_receive(g, GV, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr,
     b = me // N
     j = me % N
     W = XW + G + 3 * K + NSRC
+    WP = pad4(W)
     uu = tl.arange(0, RB)
     for u in range(g, P * (N - 1) * C, GV):
         a, i, c, k, first, q_lo, q_hi = _node_unit(u, C, N, j, R, rpm_ptr, rcp_ptr)
         s = a * N + i
         nidx = D_NV + s * CM + c
         base = tl.load(base_ptr + nidx)
-        slot = nvl + k.to(tl.int64) * TM * W
+        slot = nvl + k.to(tl.int64) * TM * WP
         for q0 in range(q_lo, q_hi, RB):
             qq = q0 + uu.to(tl.int64)
             ok = qq < q_hi
@@ -411,7 +321,7 @@ def _hd_receive(g, GV, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr,
             if tl.atomic_add(ctr32 + 2 * nidx, 0, sem="acquire", scope="sys") - target < 0:
                 _wait(ptr_table, me, ctr_off, nidx, target, err_ptr, 3, b * N + i, timeout_ns, HAS_TIMER)
             tl.debug_barrier()
-            row = slot + qq * W
+            row = tl.multiple_of(slot + qq * WP, 16)
             tok = tl.load(row + W - 1, mask=ok & (NSRC > 0), other=-1)
             _unpack(first + qq, ok, ok, row, row + XW, row + XW + G, row + XW + G + 2 * K, tok, rx_ptr, rs_ptr,
                     rid_ptr, rw_ptr, rsrc_ptr, rows, XW, G, K, NSRC, lo, LX, BLOCK, K_POW2, G_POW2)
@@ -422,7 +332,7 @@ def _hd_receive(g, GV, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr,
 def _internode_dispatch_impl_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, pc, C, XW, G, K, NSRC, rpm_ptr, rcp_ptr,
                ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, me, N, P, R, CH, ptr_table, area_off,
                par_bytes, rdma_rel, nvl_rel, TM, ctr_off, CM, tbl_ptr, SAVE, base_ptr, cnt_ptr, ticket_ptr, err_ptr,
-               timeout_ns, s_lo, s_n, f_lo, f_n, v_lo, v_n, BLOCK: tl.constexpr, RB: tl.constexpr,
+               timeout_ns, s_lo, s_n, f_lo, f_n, v_lo, v_n, P2P, OWN_FIRST, BLOCK: tl.constexpr, RB: tl.constexpr,
                N_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, S_POW2: tl.constexpr,
                HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
     """One dispatch (module docstring): program ``p`` is sender ``p - s_lo`` if ``s_lo <= p < s_lo + s_n``,
@@ -433,7 +343,9 @@ def _internode_dispatch_impl_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_p
     channel prefix for each node; ``rpm`` column ``me`` of the rank prefix matrix (stride ``R``), ``rcp [R,
     C]`` the handle's receive channel prefix, ``ncp [R, C]`` each source's channel prefix for this node.
     Outputs ``rows`` rows. Areas at ``area_off + parity * par_bytes`` (the device's count of dispatches,
-    ``cnt[0]``): staging at 0, RDMA slots at ``rdma_rel``, NVL slots at ``nvl_rel``, ``TM`` rows each."""
+    ``cnt[0]``): staging at 0, RDMA slots at ``rdma_rel``, NVL slots at ``nvl_rel``, ``TM`` rows each, of
+    ``pad4`` strides. ``P2P``: senders store to the relays NVSHMEM maps (``internode_ht_rows``);
+    ``OWN_FIRST``: forwarders take their own node's units first."""
     pid = tl.program_id(0)
     dc = tl.load(cnt_ptr)
     area = area_off + (dc % 2).to(tl.int64) * par_bytes  # (offsets past 2 GiB)
@@ -441,7 +353,7 @@ def _internode_dispatch_impl_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_p
     ctr32 = (me8 + ctr_off).to(tl.pointer_type(tl.int32))  # (a counter's low word: 2 * its index)
     W = XW + G + 3 * K + NSRC
     NR = tl.where(N > 1, N, 0)  # a message's positions at the destination node's ranks
-    MW = W + NR
+    MW = pad4(W + NR)  # a message's stride (16-byte aligned rows)
     slot_words = (TM + tl.full((), 0, tl.int64)) * MW
     D_NV = P * CM
     F_RD = (2 * P + 2 * R) * CM
@@ -449,14 +361,14 @@ def _internode_dispatch_impl_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_p
     if (pid >= s_lo) & (pid < s_lo + s_n):
         _hd_send(pid - s_lo, s_n, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, pc, C, XW, G, K, NSRC,
                  NR, me, N, P, R, CH, ptr_table, (me8 + area).to(tl.pointer_type(tl.int32)), area + rdma_rel,
-                 slot_words, ctr_off, ctr32, CM, F_RD, dc, err_ptr, timeout_ns, BLOCK, RB, N_POW2, S_POW2, HAS_TIMER,
-                 SIM)
+                 slot_words, MW, ctr_off, ctr32, CM, F_RD, dc, P2P, err_ptr, timeout_ns, BLOCK, RB, N_POW2, S_POW2,
+                 HAS_TIMER, SIM)
     if (pid >= f_lo) & (pid < f_lo + f_n):
         _hd_forward(pid - f_lo, f_n, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K, NSRC, NR, me, N, P, R,
                     rpm_ptr, ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, ptr_table,
-                    (me8 + area + rdma_rel).to(tl.pointer_type(tl.int32)), slot_words, area + nvl_rel, TM, ctr_off,
-                    ctr32, CM, D_NV, F_NV, dc, base_ptr, tbl_ptr, SAVE, err_ptr, timeout_ns, BLOCK, RB, N_POW2, K_POW2,
-                    G_POW2, S_POW2, HAS_TIMER)
+                    (me8 + area + rdma_rel).to(tl.pointer_type(tl.int32)), slot_words, MW, area + nvl_rel, TM,
+                    ctr_off, ctr32, CM, D_NV, F_NV, dc, base_ptr, tbl_ptr, SAVE, OWN_FIRST, err_ptr, timeout_ns, BLOCK,
+                    RB, N_POW2, K_POW2, G_POW2, S_POW2, HAS_TIMER)
     if (pid >= v_lo) & (pid < v_lo + v_n):
         _hd_receive(pid - v_lo, v_n, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr, rs_ptr, rid_ptr,
                     rw_ptr, rsrc_ptr, rows, lo, LX, (me8 + area + nvl_rel).to(tl.pointer_type(tl.int32)), TM,

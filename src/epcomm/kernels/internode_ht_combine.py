@@ -3,8 +3,9 @@ dispatch in ``internode_ht.py`` (its letters, channels, counters and free words)
 node first, in one launch of ``Config.num_sms`` programs in three roles (as the dispatch's: programs
 ``[lo, lo + n)`` each, in this order, never waiting on a later program of the launch).
 
-Rows: ``CW = H/2 + K`` words (a BF16 row of ``x``, then its ``K`` float32 weights); a partial sum ``FW = H +
-K`` float32 words, or in nodes of one rank the row itself (``FW = CW``: a sum of one row, exact).
+Rows: ``CW = pad4(H/2 + K)`` words (a BF16 row of ``x``, then its ``K`` float32 weights); a partial sum ``FW =
+pad4(H + K)`` float32 words, or in nodes of one rank the row itself (``FW = CW``: a sum of one row, exact).
+Strides are padded to 16 bytes (``internode_ht_rows``).
 
 1. **senders** (nodes of more than one rank) at ``(b, j)``, unit ``(s, c)`` for sources ``s = (a, i)``
    whose relay ``(b, i)`` is another rank: this rank's rows of ``x`` from channel ``c`` of ``s`` (rows
@@ -18,7 +19,9 @@ K`` float32 words, or in nodes of one rank the row itself (``FW = CW``: a sum of
    ``C_CS[a][j][c]`` counts them. For another node the partials are staged and put to ``s``'s final area,
    slot of ``b``, in puts of at most ``CH`` rows (Config's RDMA chunk of the combine, from the channel's
    first row), then a ``fence`` and one ``signal_add`` of the rows to ``C_FN[b][c]`` at ``s``; for this
-   node they go to this rank's own final slot, counted in its ``C_FN[b][c]`` by a release atomic. In
+   node they go to this rank's own final slot, counted in its ``C_FN[b][c]`` by a release atomic. A source
+   whose buffer NVSHMEM maps here (``P2P``) gets the partials stored straight into its final slot, each
+   tile counted by a release atomic (no staging, no put). In
    nodes of one rank the rows of ``x`` are the partials (staged as they are, BF16), and a rank's own
    rows stay where they are (the final reads ``x``).
 3. **finals** at ``(a, i)``, channel ``c`` of its tokens: ``out[t] = Σ_b partial_b[npos[t, b]]`` over the
@@ -38,7 +41,8 @@ import triton.language as tl
 
 from . import nvshmem as nv
 from .common import ticket_last_n
-from .internode_ht import _copy_rows, _free, _node_unit, _wait
+from .internode_ht_prep import _wait
+from .internode_ht_rows import _copy_rows, _free, _mapped, _node_unit, _publish_direct, _put_chunks, pad4
 
 
 @triton.jit
@@ -48,7 +52,7 @@ def _hc_send(g, GC, x_ptr, w_ptr, rows, HW, K, me, N, P, R, C, rpm_ptr, rcp_ptr,
     """Sender ``g`` of ``GC`` at ``(b, j)`` (module docstring, 1)."""
     b = me // N
     j = me % N
-    CW = HW + K
+    CW = pad4(HW + K)
     for i2 in range(N):  # the node's relays freed their relay areas of this parity (the call before last)
         if i2 != j:
             if tl.atomic_add(ctr32 + 2 * (F_CS + i2), 0, sem="acquire", scope="sys") - (cc - 1) < 0:
@@ -65,9 +69,10 @@ def _hc_send(g, GC, x_ptr, w_ptr, rows, HW, K, me, N, P, R, C, rpm_ptr, rcp_ptr,
             qq = q0 + uu.to(tl.int64)
             ok = qq < q_hi
             have = ok & (first + qq < rows)  # (rows past x's: more arrived than num_worst_tokens, error 9)
-            _copy_rows(dst + qq * CW, x_ptr + (first + qq) * HW, have, ok, HW, BLOCK)
+            row = tl.multiple_of(dst + qq * CW, 16)
+            _copy_rows(row, x_ptr + (first + qq) * HW, have, ok, HW, BLOCK)
             if K > 0:
-                _copy_rows(dst + qq * CW + HW, w_ptr + (first + qq) * K, have, ok, K, K_POW2)
+                _copy_rows(row + HW, w_ptr + (first + qq) * K, have, ok, K, K_POW2)
             tl.debug_barrier()  # (the tile stored by every thread before the count that publishes it)
             tl.atomic_add(ctr, (tl.minimum(q0 + RB, q_hi) - q0).to(tl.int64), sem="release", scope="sys")
 
@@ -83,7 +88,7 @@ def _partial(acc_rows, relp, ok, i, N, own_rows, own_w, own_ok, rel, a, TM, CW, 
     cc = tl.arange(0, BLOCK)
     kk = tl.arange(0, K_POW2)
     km = kk[None, :] < K
-    HW = (H + 1) // 2
+    HW = H // 2
     for c0 in range(0, H, BLOCK):
         cm = (c0 + cc)[None, :] < H
         acc = tl.full((RB, BLOCK), 0.0, tl.float32)
@@ -95,7 +100,8 @@ def _partial(acc_rows, relp, ok, i, N, own_rows, own_w, own_ok, rel, a, TM, CW, 
                 mj = mj & own_ok[:, None]
             else:
                 slot = a * (N - 1) + j - (j > i).to(tl.int32)
-                row = (rel + (slot.to(tl.int64) * TM + rj) * CW).to(tl.pointer_type(tl.bfloat16))
+                row = tl.multiple_of((rel + (slot.to(tl.int64) * TM + rj) * CW).to(tl.pointer_type(tl.bfloat16)),
+                                     16)
             acc += tl.load(row[:, None] + c0 + cc[None, :], mask=mj, other=0.0).to(tl.float32)
         tl.store(acc_rows[:, None] + c0 + cc[None, :], acc, mask=ok[:, None] & cm)
     if K > 0:
@@ -142,16 +148,17 @@ def _node_rows(relp, ok, i, N, a, c, CM, C_CS, base_ptr, ctr32, ptr_table, me, c
 
 @triton.jit
 def _hc_relay(g, GR, x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc, me, N, P, R, C, CH, rpm_ptr, ncp_ptr,
-              tbl_ptr, ptr_table, area, stage_rel, fin_rel, TM, ctr_off, ctr32, CM, C_CS, C_FN, F_FN, cc, base_ptr,
+              tbl_ptr, ptr_table, area, stage_rel, fin_rel, TM, ctr_off, ctr32, CM, C_CS, C_FN, F_FN, cc, base_ptr, P2P,
               err_ptr, timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, K_POW2: tl.constexpr,
               HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
     """Relay ``g`` of ``GR`` at ``(b, i)`` (module docstring, 2). ``x_ptr`` BF16 ``[rows, H]`` (``xw_ptr`` the
-    same as int32 words), ``w_ptr`` its weights (float32 as int32 words)."""
+    same as int32 words), ``w_ptr`` its weights (float32 as int32 words). Partials for a source NVSHMEM
+    maps go straight into its final slot, counted by a release atomic after each tile (``P2P``)."""
     b = me // N
     i = me % N
-    HW = (H + 1) // 2
-    CW = HW + K
-    FW = tl.where(N > 1, H + K, CW)
+    HW = H // 2
+    CW = pad4(HW + K)
+    FW = tl.where(N > 1, pad4(H + K), CW)
     for a2 in range(P):  # the other nodes' finals freed their slots of this parity (the call before last)
         if a2 != b:
             if tl.atomic_add(ctr32 + 2 * (F_FN + a2), 0, sem="acquire", scope="sys") - (cc - 1) < 0:
@@ -178,9 +185,9 @@ def _hc_relay(g, GR, x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc,
                     _node_rows(relp, ok, i, N, a, c, CM, C_CS, base_ptr, ctr32, ptr_table, me, ctr_off, b, err_ptr,
                                timeout_ns, HAS_TIMER)
                     mine = first + tl.load(relp + i, mask=ok, other=-1)
-                    _partial((fin + ((P - 1) * TM + q) * FW).to(tl.pointer_type(tl.float32)), relp, ok, i, N,
-                             x_ptr + mine * H, (w_ptr + mine * K).to(tl.pointer_type(tl.float32)), mine < rows, rel,
-                             a, TM, CW, H, K, RB, BLOCK, K_POW2)
+                    acc = tl.multiple_of((fin + ((P - 1) * TM + q) * FW).to(tl.pointer_type(tl.float32)), 16)
+                    _partial(acc, relp, ok, i, N, x_ptr + mine * H, (w_ptr + mine * K).to(tl.pointer_type(tl.float32)),
+                             mine < rows, rel, a, TM, CW, H, K, RB, BLOCK, K_POW2)
                     tl.debug_barrier()  # (this rank's final reads the partials after the count)
                     tl.atomic_add(ctr32.to(tl.pointer_type(tl.int64)) + C_FN + b * CM + c,
                                   tl.sum(ok.to(tl.int64), 0), sem="release", scope="sys")
@@ -189,36 +196,36 @@ def _hc_relay(g, GR, x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc,
             q_hi = tl.load(ncp_ptr + s * C + c)
             src = stage + ((a - b - 1 + P) % P).to(tl.int64) * TM * FW
             dst = area + fin_rel + ((b - a - 1 + P) % P).to(tl.int64) * TM * FW * 4  # (at s)
+            s8, direct = _mapped(ptr_table, s, P2P)
+            if direct:  # the partials go straight into s's final slot
+                src = (s8 + dst).to(tl.pointer_type(tl.int32))
             for q0 in range(q_lo, q_hi, RB):
                 qq = q0 + uu.to(tl.int64)
                 ok = qq < q_hi
+                prow = tl.multiple_of(src + qq * FW, 16)
                 if N > 1:
                     relp = tbl_ptr + (((a - b - 1 + P) % P) * TM + qq) * N
                     _node_rows(relp, ok, i, N, a, c, CM, C_CS, base_ptr, ctr32, ptr_table, me, ctr_off, b, err_ptr,
                                timeout_ns, HAS_TIMER)
                     mine = first + tl.load(relp + i, mask=ok, other=-1)
-                    _partial((src + qq * FW).to(tl.pointer_type(tl.float32)), relp, ok, i, N, x_ptr + mine * H,
+                    _partial(tl.multiple_of(prow.to(tl.pointer_type(tl.float32)), 16), relp, ok, i, N, x_ptr + mine * H,
                              (w_ptr + mine * K).to(tl.pointer_type(tl.float32)), mine < rows, rel, a, TM, CW, H, K, RB,
                              BLOCK, K_POW2)
                 else:  # the row itself (x and its weights), staged for the put
                     have = ok & (first + qq < rows)
-                    _copy_rows(src + qq * FW, xw_ptr + (first + qq) * HW, have, ok, HW, BLOCK)
+                    _copy_rows(prow, xw_ptr + (first + qq) * HW, have, ok, HW, BLOCK)
                     if K > 0:
-                        _copy_rows(src + qq * FW + HW, w_ptr + (first + qq) * K, have, ok, K, K_POW2)
-                tl.debug_barrier()  # (the tile staged by every thread before the puts read it)
+                        _copy_rows(prow + HW, w_ptr + (first + qq) * K, have, ok, K, K_POW2)
+                tl.debug_barrier()  # (the tile written by every thread before the puts read it or the count)
                 before = (q0 - q_lo).to(tl.int64)
                 after = (tl.minimum(q0 + RB, q_hi) - q_lo).to(tl.int64)
                 p0 = before // CH * CH  # the earlier tiles put their whole chunks
                 upto = tl.where(q0 + RB >= q_hi, after, after // CH * CH)  # (the rest at the channel's end)
-                if upto > p0:
-                    add = upto - p0
-                    while p0 < upto:
-                        p1 = tl.minimum((p0 // CH + 1) * CH, upto)
-                        nv.put(ptr_table, me, s, dst + (q_lo + p0) * FW * 4, src + (q_lo + p0) * FW,
-                               (p1 - p0) * FW * 4, SIM)
-                        p0 = p1
-                    nv.fence(SIM)  # (the rows land before the count that publishes them)
-                    nv.signal_add(ptr_table, me, s, ctr_off + (C_FN + b * CM + c) * 8, add, SIM)
+                if direct:
+                    _publish_direct(s8, ctr_off, C_FN + b * CM + c, after - before)
+                elif upto > p0:
+                    _put_chunks(ptr_table, me, s, dst + q_lo * FW * 4, src + q_lo * FW, p0, upto, CH, FW,
+                                ctr_off + (C_FN + b * CM + c) * 8, SIM)
     nv.quiet(SIM)
 
 
@@ -231,8 +238,8 @@ def _hc_final(g, GF, x_ptr, w_ptr, rows, out_ptr, wout_ptr, b0_ptr, b1_ptr, H, K
     weights (float32 as int32 words), ``out [T, H]`` BF16, ``wout [T, K]``, the biases ``[T, H]`` BF16."""
     a = me // N
     i = me % N
-    HW = (H + 1) // 2
-    FW = tl.where(N > 1, H + K, HW + K)
+    HW = H // 2
+    FW = tl.where(N > 1, pad4(H + K), pad4(HW + K))
     WO = tl.where(N > 1, H, HW)  # where a partial's weights start
     uu = tl.arange(0, RB)
     cl = tl.arange(0, BLOCK)
@@ -268,12 +275,11 @@ def _hc_final(g, GF, x_ptr, w_ptr, rows, out_ptr, wout_ptr, b0_ptr, b1_ptr, H, K
                         slot = tl.where(b == a, P - 1, (b - a - 1 + P) % P)
                         part = fin + (slot.to(tl.int64) * TM + q) * FW
                         if N > 1:
-                            acc += tl.load(part.to(tl.pointer_type(tl.float32))[:, None] + c0 + cl[None, :], mask=m,
-                                           other=0.0)
+                            pf = tl.multiple_of(part.to(tl.pointer_type(tl.float32)), 16)
+                            acc += tl.load(pf[:, None] + c0 + cl[None, :], mask=m, other=0.0)
                         else:
-                            v = tl.load(part.to(tl.pointer_type(tl.bfloat16))[:, None] + c0 + cl[None, :], mask=m,
-                                        other=0.0)
-                            acc += v.to(tl.float32)
+                            pb = tl.multiple_of(part.to(tl.pointer_type(tl.bfloat16)), 16)
+                            acc += tl.load(pb[:, None] + c0 + cl[None, :], mask=m, other=0.0).to(tl.float32)
                 o = tt[:, None] * H + c0 + cl[None, :]
                 if NB > 0:
                     acc += tl.load(b0_ptr + o, mask=ok[:, None] & cm, other=0.0).to(tl.float32)
@@ -298,7 +304,7 @@ def _hc_final(g, GF, x_ptr, w_ptr, rows, out_ptr, wout_ptr, b0_ptr, b1_ptr, H, K
 @triton.jit(do_not_specialize=['T', 'pc', 'rows'])
 def _hc_kernel(x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc, C, rpm_ptr, rcp_ptr, ncp_ptr, tbl_ptr,
                out_ptr, wout_ptr, b0_ptr, b1_ptr, me, N, P, R, CH, ptr_table, area_off, par_bytes, stage_rel, fin_rel,
-               TM, ctr_off, CM, base_ptr, cnt_ptr, ticket_ptr, err_ptr, timeout_ns, s_lo, s_n, r_lo, r_n, f_lo, f_n,
+               TM, ctr_off, CM, base_ptr, cnt_ptr, ticket_ptr, err_ptr, timeout_ns, s_lo, s_n, r_lo, r_n, f_lo, f_n, P2P,
                BLOCK: tl.constexpr, RB: tl.constexpr, K_POW2: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr,
                HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
     """One combine (module docstring): program ``p`` is sender ``p - s_lo`` (of ``s_n``), then relay ``p -
@@ -306,13 +312,14 @@ def _hc_kernel(x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc, C, rp
     BF16 (``xw`` the same as int32 words), ``w [rows, K]`` float32 weights as int32 words (``K = 0``: none);
     the handle's layout as the dispatch's (``internode_ht._internode_dispatch_impl_kernel``), ``tbl [P-1, TM, N]`` the
     forwarder's positions. Areas at ``area_off + parity * par_bytes`` (the device's count of combines,
-    ``cnt[0]``): relay slots at 0, staging at ``stage_rel``, final slots at ``fin_rel``, ``TM`` rows each."""
+    ``cnt[0]``): relay slots at 0, staging at ``stage_rel``, final slots at ``fin_rel``, ``TM`` rows each, of
+    ``pad4`` strides. ``P2P``: relays store to the finals NVSHMEM maps (``internode_ht_rows``)."""
     pid = tl.program_id(0)
     cc = tl.load(cnt_ptr)
     area = area_off + (cc % 2).to(tl.int64) * par_bytes  # (offsets past 2 GiB)
     me8 = tl.load(ptr_table + me).to(tl.pointer_type(tl.uint8))
     ctr32 = (me8 + ctr_off).to(tl.pointer_type(tl.int32))  # (a counter's low word: 2 * its index)
-    HW = (H + 1) // 2
+    HW = H // 2  # (H is even: x is viewed as int32 words)
     C_CS = (P + R) * CM
     C_FN = C_CS + R * CM
     F_CS = (2 * P + 2 * R) * CM + P + N
@@ -323,7 +330,7 @@ def _hc_kernel(x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc, C, rp
     if (pid >= r_lo) & (pid < r_lo + r_n):
         _hc_relay(pid - r_lo, r_n, x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc, me, N, P, R, C, CH,
                   rpm_ptr, ncp_ptr, tbl_ptr, ptr_table, area, stage_rel, fin_rel, TM, ctr_off, ctr32, CM, C_CS, C_FN,
-                  F_FN, cc, base_ptr, err_ptr, timeout_ns, BLOCK, RB, K_POW2, HAS_TIMER, SIM)
+                  F_FN, cc, base_ptr, P2P, err_ptr, timeout_ns, BLOCK, RB, K_POW2, HAS_TIMER, SIM)
     if (pid >= f_lo) & (pid < f_lo + f_n):
         _hc_final(pid - f_lo, f_n, x_ptr, w_ptr, rows, out_ptr, wout_ptr, b0_ptr, b1_ptr, H, K, rel_ptr, npos_ptr, T,
                   pc, me, N, P, R, C, rpm_ptr, ptr_table, (me8 + area + fin_rel).to(tl.pointer_type(tl.int32)), TM,
