@@ -203,20 +203,21 @@ def _check_free_words(buf, rank):
     assert dc > 0 and cc > 0 and got == want, (rank, dc, cc, got)
 
 
-def _tuned(p2p, fn):
-    """``fn()`` with ``TUNE["p2p"] = p2p`` (restored after it); with 0 it made simulated NVSHMEM puts (staging
-    and puts to the other nodes), with 1 none (every peer is mapped here: stores)."""
+def _tuned(tune, fn):
+    """``fn()`` with the entries ``tune`` in ``TUNE`` (restored after it); with ``p2p`` 0 it made simulated
+    NVSHMEM puts (staging and puts to the other nodes), with 1 none (every peer is mapped here: stores)."""
     from epcomm.backends.internode_ht import TUNE
     from epcomm.kernels import nvshmem_sim
 
-    old, TUNE["p2p"] = TUNE["p2p"], p2p
+    old = dict(TUNE)
+    TUNE.update(tune)
     before = nvshmem_sim.stats["puts"]
     try:
         fn()
     finally:
-        TUNE["p2p"] = old
+        TUNE.update(old)
     puts = nvshmem_sim.stats["puts"] - before
-    assert (puts > 0) == (p2p == 0), f"p2p={p2p}: {puts} simulated puts"
+    assert (puts > 0) == (tune["p2p"] == 0), f"{tune}: {puts} simulated puts"
 
 
 def _slow_peer(ctx, gpus_per_node):
@@ -292,21 +293,21 @@ def _absent_relay(ctx, gpus_per_node):
 # this order, each with its own EPCOMM_GPUS_PER_NODE (read when a Buffer is built), and is reported as its
 # own test; the deadline checks come last (the ranks leave them at different times). A failed check stops
 # its rank: later ones report "not run".
-# ``p2p``: TUNE["p2p"] for the check. Every rank's buffer is mapped in every process here (as NVSHMEM maps the
-# peers of one host), so with 1 the senders and relays store into the other nodes' slots (no simulated put),
-# with 0 they stage and put as over RDMA (the path whose fences the weak simulation checks); ``_tuned``
-# asserts which one ran.
+# ``tune``: TUNE entries for the check. Every rank's buffer is mapped in every process here (as NVSHMEM maps
+# the peers of one host), so with ``p2p`` 1 the senders and relays store into the other nodes' slots (no
+# simulated put), with 0 they stage and put as over RDMA (the path whose fences the weak simulation checks);
+# ``_tuned`` asserts which one ran. ``own_split`` 0: a rank's own rows move as the forwarders' units.
 CHECKS = {
-    2: [("two-virtual-nodes", _ht, 1, {"p2p": 0}),  # nodes of one rank: one message per (token, rank), puts
-        ("two-virtual-nodes[p2p]", _ht, 1, {"p2p": 1, "full": False}),  # the same rows by stores
+    2: [("two-virtual-nodes", _ht, 1, {"tune": {"p2p": 0, "own_split": 0}}),  # one message per (token, rank)
+        ("two-virtual-nodes[p2p]", _ht, 1, {"tune": {"p2p": 1}, "full": False}),  # the same rows by stores
         ("one-node-of-two", _ht, 2, {}),     # no sender: forwarders store to the peer, receivers unpack
-        ("slow-peer[two-nodes-of-one]", _slow_peer, 1, {"p2p": 0}),
-        ("slow-peer[two-nodes-of-one,p2p]", _slow_peer, 1, {"p2p": 1}),
+        ("slow-peer[two-nodes-of-one]", _slow_peer, 1, {"tune": {"p2p": 0}}),
+        ("slow-peer[two-nodes-of-one,p2p]", _slow_peer, 1, {"tune": {"p2p": 1}}),
         ("slow-peer[one-node-of-two]", _slow_peer, 2, {}),
         ("deadline", _absent_relay, 1, {})],
-    4: [("four-nodes-of-one", _ht, 1, {"full": False, "p2p": 0}),  # nothing forwarded, the relay's rows go as
-        ("four-ranks-in-two-nodes", _ht, 2, {"p2p": 0}),             # BF16, three remote nodes a rank
-        ("four-ranks-in-two-nodes[p2p]", _ht, 2, {"p2p": 1, "full": False}),
+    4: [("four-nodes-of-one", _ht, 1, {"full": False, "tune": {"p2p": 0}}),  # nothing forwarded, the relay's
+        ("four-ranks-in-two-nodes", _ht, 2, {"tune": {"p2p": 0}}),  # rows go as BF16, three remote nodes a rank
+        ("four-ranks-in-two-nodes[p2p]", _ht, 2, {"tune": {"p2p": 1}, "full": False}),
         ("deadline-two-nodes-of-two", _absent_relay, 2, {})],
 }
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
@@ -321,11 +322,11 @@ def _rank(ctx, tag):
         def run(ctx):
             os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
             kw2 = dict(kw)
-            p2p = kw2.pop("p2p", None)
-            if p2p is None:
+            tune = kw2.pop("tune", None)
+            if tune is None:
                 fn(ctx, gpus_per_node, **kw2)
             else:
-                _tuned(p2p, lambda: fn(ctx, gpus_per_node, **kw2))
+                _tuned(tune, lambda: fn(ctx, gpus_per_node, **kw2))
         return run
 
     return harness.run_checks(ctx, [(name, one(*rest)) for name, *rest in CHECKS[ctx.world_size]], env={})

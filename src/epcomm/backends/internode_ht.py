@@ -51,15 +51,18 @@ _BLOCK = 1024
 # relays, finals; a role with nothing to do in this layout gets none). The stage-by-stage kernels this
 # replaced were measured on H100, 2 virtual nodes under MPS, DSv3, 24 SMs (2026-11-25, graph replays): a
 # row a step (4 KB) ran ~4 GB/s a program; tiles of 16 rows and 16 warps were the fastest tried.
-# The weights follow the bytes each role moves per row in nodes of one rank with ``p2p``: a sender writes a
-# row once, a forwarder twice (its own rows and the relayed ones into the outputs); a relay once, a final
-# reads two rows and writes one (docs/internode.md, "Cost model").
+# Work comes in units of a channel (12 at 24 SMs), each moved in order by one program (its counters count
+# rows in order): in nodes of one rank, with ``own_split``, 12 sender and 12 forwarder units, equal, and the
+# rank's own rows spread over all programs; a combine's 12 relay units (a copy) and 12 final units (two reads,
+# a write): equal weights (docs/internode.md, "Cost model").
 # ``p2p`` (1): senders and relays store straight into a peer's slot where NVSHMEM maps that peer's buffer,
 # counting rows by a release atomic (0: staging and NVSHMEM puts to every other node, as over RDMA);
-# ``own_first`` (1): a forwarder takes its own node's units (no wait) before the other nodes'.
+# ``own_first`` (1): a forwarder takes its own node's units (no wait) before the other nodes';
+# ``own_split`` (1): in nodes of one rank, a rank's own rows go to its outputs in tiles over every program of
+# the dispatch (after their role's work), not as the forwarders' channel units.
 TUNE = dict(dispatch_warps=16, dispatch_rb=16, dispatch_block=1024, combine_warps=16, combine_rb=16,
-            combine_block=512, d_send=1, d_forward=2, d_receive=1, c_send=1, c_relay=2, c_final=3, p2p=1,
-            own_first=1)
+            combine_block=512, d_send=1, d_forward=1, d_receive=1, c_send=1, c_relay=2, c_final=2, p2p=1,
+            own_first=1, own_split=1)
 _T_NOTIFY, _T_DISPATCH, _T_COMBINE = range(3)
 
 
@@ -354,7 +357,7 @@ class InternodeHighThroughput:
             me, n_, p_, r_, ch, self.p_table, self.areas[0], self.area_bytes, rdma_rel, nvl_rel, tm, self.ctr_off,
             self.cm, info.tbl if info.tbl is not None else i32, int(save), self.p_bases, self.p_lv[1],
             self.p_t[_T_DISPATCH], self.p_err, be.timeout_ns, s_lo, s_n, f_lo, f_n, v_lo, v_n, int(TUNE["p2p"]),
-            int(TUNE["own_first"]), BLOCK=min(TUNE["dispatch_block"], _pow2(w)), RB=TUNE["dispatch_rb"],
+            int(TUNE["own_first"]), int(TUNE["own_split"] and n_ == 1), BLOCK=min(TUNE["dispatch_block"], _pow2(w)), RB=TUNE["dispatch_rb"],
             N_POW2=_pow2(n_),
             K_POW2=_pow2(max(k, 1)), G_POW2=_pow2(max(g, 1)), S_POW2=_pow2(max(g, 2 * k, n_, 1)),
             HAS_TIMER=self._timer, SIM=be.sim, num_warps=TUNE["dispatch_warps"])

@@ -201,12 +201,13 @@ def _hd_send(g, GS, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, 
 def _hd_forward(g, GF, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K, NSRC, NR, me, N, P, R,
                 rpm_ptr, ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, ptr_table, rdma,
                 slot_words, MW, nvl_off, TM, ctr_off, ctr32, CM, D_NV, F_NV, dc, base_ptr, tbl_ptr, SAVE, OWN_FIRST,
-                err_ptr, timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, N_POW2: tl.constexpr, K_POW2: tl.constexpr,
+                OWN_SPLIT, err_ptr, timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, N_POW2: tl.constexpr, K_POW2: tl.constexpr,
                 G_POW2: tl.constexpr, S_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
     """Forwarder ``g`` of ``GF`` at relay ``(b, i)``: units ``(a, c)`` (module docstring, 2), then the padding
     rows ``[n, rows)``. With ``SAVE`` each forwarded row's positions at the node's ranks are kept for the
     combine: ``tbl[slot a][row][j]``. With ``OWN_FIRST`` the units of this rank's own node come first (its
-    own tokens: no wait), then the other nodes' in turn."""
+    own tokens: no wait), then the other nodes' in turn; with ``OWN_SPLIT`` (nodes of one rank) there are no
+    units of its own node (``_hd_own``)."""
     b = me // N
     i = me % N
     W = XW + G + 3 * K + NSRC
@@ -216,8 +217,8 @@ def _hd_forward(g, GF, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K,
             if tl.atomic_add(ctr32 + 2 * (F_NV + j), 0, sem="acquire", scope="sys") - (dc - 1) < 0:
                 _wait(ptr_table, me, ctr_off, F_NV + j, dc - 1, err_ptr, 2, b * N + j, timeout_ns, HAS_TIMER)
     uu = tl.arange(0, RB)
-    for u in range(g, P * C, GF):
-        a = (u // C + b * OWN_FIRST) % P
+    for u in range(g, (P - OWN_SPLIT) * C, GF):  # (OWN_SPLIT: no unit of this node, _hd_own moves its rows)
+        a = (u // C + OWN_SPLIT + b * (OWN_FIRST | OWN_SPLIT)) % P
         c = u % C
         s = a * N + i
         first = tl.load(rpm_ptr + (s - 1) * R, mask=s > 0, other=0)  # source s's first row here
@@ -297,6 +298,25 @@ def _hd_forward(g, GF, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K,
 
 
 @triton.jit
+def _hd_own(g, NG, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, XW, G, K, NSRC, me, R, rpm_ptr, rx_ptr, rs_ptr, rid_ptr,
+            rw_ptr, rsrc_ptr, rows, lo, LX, BLOCK: tl.constexpr, RB: tl.constexpr, K_POW2: tl.constexpr,
+            G_POW2: tl.constexpr):
+    """Nodes of one rank with ``OWN_SPLIT``: this rank's own rows from the inputs into the outputs, tile ``k`` of
+    ``RB`` tokens by program ``k mod NG`` of the whole launch, after its role's work. Nothing waits on these
+    rows (no peer in the node, no counter), so they need no channel order; spread over every program they
+    even out the roles (a forwarder's unit of its own tokens was as long as a sender's or a relayed unit: 36
+    such units on 24 programs at DSv3, two on the busiest, where the same rows over 24 make 1.5)."""
+    first = tl.load(rpm_ptr + (me - 1) * R, mask=me > 0, other=0)  # this rank's first row of its own block
+    uu = tl.arange(0, RB)
+    for t0 in range(g * RB, T, NG * RB):
+        tt = t0 + uu.to(tl.int64)
+        ri = tl.load(rel_ptr + tt * R + me, mask=tt < T, other=-1).to(tl.int64)
+        _unpack(first + ri, ri >= 0, ri >= 0, x_ptr + tt * XW, s_ptr + tt * G, id_ptr + tt * (2 * K), w_ptr + tt * K,
+                tt.to(tl.int32), rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, XW, G, K, NSRC, lo, LX, BLOCK,
+                K_POW2, G_POW2)
+
+
+@triton.jit
 def _hd_receive(g, GV, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr,
                 rows, lo, LX, nvl, TM, ptr_table, ctr_off, ctr32, CM, D_NV, base_ptr, err_ptr, timeout_ns,
                 BLOCK: tl.constexpr, RB: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr,
@@ -332,7 +352,8 @@ def _hd_receive(g, GV, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr,
 def _internode_dispatch_impl_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, pc, C, XW, G, K, NSRC, rpm_ptr, rcp_ptr,
                ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, me, N, P, R, CH, ptr_table, area_off,
                par_bytes, rdma_rel, nvl_rel, TM, ctr_off, CM, tbl_ptr, SAVE, base_ptr, cnt_ptr, ticket_ptr, err_ptr,
-               timeout_ns, s_lo, s_n, f_lo, f_n, v_lo, v_n, P2P, OWN_FIRST, BLOCK: tl.constexpr, RB: tl.constexpr,
+               timeout_ns, s_lo, s_n, f_lo, f_n, v_lo, v_n, P2P, OWN_FIRST, OWN_SPLIT, BLOCK: tl.constexpr,
+               RB: tl.constexpr,
                N_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, S_POW2: tl.constexpr,
                HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
     """One dispatch (module docstring): program ``p`` is sender ``p - s_lo`` if ``s_lo <= p < s_lo + s_n``,
@@ -345,7 +366,8 @@ def _internode_dispatch_impl_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_p
     Outputs ``rows`` rows. Areas at ``area_off + parity * par_bytes`` (the device's count of dispatches,
     ``cnt[0]``): staging at 0, RDMA slots at ``rdma_rel``, NVL slots at ``nvl_rel``, ``TM`` rows each, of
     ``pad4`` strides. ``P2P``: senders store to the relays NVSHMEM maps (``internode_ht_rows``);
-    ``OWN_FIRST``: forwarders take their own node's units first."""
+    ``OWN_FIRST``: forwarders take their own node's units first; ``OWN_SPLIT`` (nodes of one rank only): every
+    program moves a share of this rank's own rows after its role's work (``_hd_own``)."""
     pid = tl.program_id(0)
     dc = tl.load(cnt_ptr)
     area = area_off + (dc % 2).to(tl.int64) * par_bytes  # (offsets past 2 GiB)
@@ -367,12 +389,15 @@ def _internode_dispatch_impl_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_p
         _hd_forward(pid - f_lo, f_n, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K, NSRC, NR, me, N, P, R,
                     rpm_ptr, ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, ptr_table,
                     (me8 + area + rdma_rel).to(tl.pointer_type(tl.int32)), slot_words, MW, area + nvl_rel, TM,
-                    ctr_off, ctr32, CM, D_NV, F_NV, dc, base_ptr, tbl_ptr, SAVE, OWN_FIRST, err_ptr, timeout_ns, BLOCK,
-                    RB, N_POW2, K_POW2, G_POW2, S_POW2, HAS_TIMER)
+                    ctr_off, ctr32, CM, D_NV, F_NV, dc, base_ptr, tbl_ptr, SAVE, OWN_FIRST, OWN_SPLIT, err_ptr,
+                    timeout_ns, BLOCK, RB, N_POW2, K_POW2, G_POW2, S_POW2, HAS_TIMER)
     if (pid >= v_lo) & (pid < v_lo + v_n):
         _hd_receive(pid - v_lo, v_n, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr, rs_ptr, rid_ptr,
                     rw_ptr, rsrc_ptr, rows, lo, LX, (me8 + area + nvl_rel).to(tl.pointer_type(tl.int32)), TM,
                     ptr_table, ctr_off, ctr32, CM, D_NV, base_ptr, err_ptr, timeout_ns, BLOCK, RB, K_POW2, G_POW2,
                     HAS_TIMER)
+    if OWN_SPLIT != 0:
+        _hd_own(pid, tl.num_programs(0), x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, XW, G, K, NSRC, me, R, rpm_ptr, rx_ptr,
+                rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, BLOCK, RB, K_POW2, G_POW2)
     if ticket_last_n(ticket_ptr, tl.num_programs(0)):  # every program has read its slots: free them
         _free(ptr_table, me, N, P, ctr_off, F_NV, F_RD, cnt_ptr, dc, SIM)

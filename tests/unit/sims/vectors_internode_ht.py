@@ -24,7 +24,7 @@ from epcomm.kernels import internode_ht_combine as ihc
 
 LAYOUTS = {"nodes of one": dict(N=1, P=2, me=1), "one node of two": dict(N=2, P=1, me=1), "any": {}}
 # (dispatch v4 loads, v4 stores, combine v4 loads, v4 stores) at least, per layout
-MIN_V4 = {"nodes of one": (40, 40, 16, 10), "one node of two": (32, 32, 20, 14), "any": (56, 56, 24, 18)}
+MIN_V4 = {"nodes of one": (48, 48, 16, 10), "one node of two": (40, 40, 20, 14), "any": (64, 64, 24, 18)}
 
 
 def ptx(fn, types: dict, consts: dict, ints16: set, warps: int) -> str:
