@@ -348,7 +348,8 @@ def _hd_receive(g, GV, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr,
         tl.store(base_ptr + nidx, base + q_hi - q_lo)
 
 
-@triton.jit(do_not_specialize=['T', 'pc', 'rows'])
+@triton.jit(do_not_specialize=['T', 'pc', 'rows', 's_lo', 's_n', 'f_lo', 'f_n', 'v_lo', 'v_n', 'P2P', 'OWN_FIRST',
+                              'OWN_SPLIT'])  # (a TUNE variant: the same binary)
 def _internode_dispatch_impl_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, pc, C, XW, G, K, NSRC, rpm_ptr, rcp_ptr,
                ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, me, N, P, R, CH, ptr_table, area_off,
                par_bytes, rdma_rel, nvl_rel, TM, ctr_off, CM, tbl_ptr, SAVE, base_ptr, cnt_ptr, ticket_ptr, err_ptr,

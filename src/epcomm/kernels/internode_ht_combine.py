@@ -301,7 +301,7 @@ def _hc_final(g, GF, x_ptr, w_ptr, rows, out_ptr, wout_ptr, b0_ptr, b1_ptr, H, K
                 tl.store(wout_ptr + tt[:, None] * K + kk[None, :], wacc, mask=ok[:, None] & km)
 
 
-@triton.jit(do_not_specialize=['T', 'pc', 'rows'])
+@triton.jit(do_not_specialize=['T', 'pc', 'rows', 's_lo', 's_n', 'r_lo', 'r_n', 'f_lo', 'f_n', 'P2P'])  # (TUNE variants)
 def _hc_kernel(x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc, C, rpm_ptr, rcp_ptr, ncp_ptr, tbl_ptr,
                out_ptr, wout_ptr, b0_ptr, b1_ptr, me, N, P, R, CH, ptr_table, area_off, par_bytes, stage_rel, fin_rel,
                TM, ctr_off, CM, base_ptr, cnt_ptr, ticket_ptr, err_ptr, timeout_ns, s_lo, s_n, r_lo, r_n, f_lo, f_n, P2P,
