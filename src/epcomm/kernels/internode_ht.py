@@ -127,6 +127,21 @@ def _stage(src, ok, n, col, npos, a, i, N, P, ptr_table, stage, rdma_off, slot_w
 
 
 @triton.jit
+def _await(seen, target, ptr_table, me, ctr_off, ctr32, idx, err_ptr, peer, timeout_ns, HAS_TIMER: tl.constexpr):
+    """Until this rank's counter word ``idx`` reaches ``target`` (phase 3, naming ``peer``), then a barrier;
+    returns what it last read of it. ``seen``: its value at an earlier read (an acquire, by this program):
+    rows it counted are here already, so a tile within it reads no counter (one acquire atomic at system
+    scope a tile cost a round trip to memory each; a producer ahead publishes many tiles at once)."""
+    if seen - target < 0:  # (wrapped, as the counters)
+        seen = tl.atomic_add(ctr32 + 2 * idx, 0, sem="acquire", scope="sys")
+        if seen - target < 0:
+            _wait(ptr_table, me, ctr_off, idx, target, err_ptr, 3, peer, timeout_ns, HAS_TIMER)
+            seen = target
+    tl.debug_barrier()
+    return seen
+
+
+@triton.jit
 def _hd_send(g, GS, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, pc, C, XW, G, K, NSRC, NR, me, N, P,
              R, CH, ptr_table, stage, rdma_off, slot_words, MW, ctr_off, ctr32, CM, F_RD, dc, P2P, err_ptr,
              timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, N_POW2: tl.constexpr, S_POW2: tl.constexpr,
@@ -134,7 +149,8 @@ def _hd_send(g, GS, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, 
     """Sender ``g`` of ``GS``: channels ``g, g + GS, ...`` of this rank ``(a, i)`` to the relays ``(b, i)`` of
     the other nodes (module docstring, 1). ``nco [P, C]``: this rank's channel prefix for each node (the
     rows a channel gives it: ``[nco[b][c-1], nco[b][c])``). A relay NVSHMEM maps gets its rows by stores
-    and their count by a release atomic after each block (``P2P``: ``internode_ht_rows``)."""
+    and their count by a release atomic, a whole number of chunks at a time as the puts would send them
+    (``P2P``: ``internode_ht_rows``)."""
     a = me // N
     i = me % N
     W = XW + G + 3 * K + NSRC
@@ -177,23 +193,23 @@ def _hd_send(g, GS, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, 
                 if b != a:
                     q = tl.load(npos + b, mask=ok, other=-1).to(tl.int64)
                     relay = b * N + i
-                    base, direct = _mapped(ptr_table, relay, P2P)
-                    if direct:  # the block's rows are in the relay's slot: count them there
-                        _publish_direct(base, ctr_off, a * CM + c, tl.sum((q >= 0).to(tl.int32), 0))
-                    else:
-                        f_b = tl.load(nco_ptr + b * C + c - 1, mask=c > 0, other=0).to(tl.int64)
-                        total = tl.load(nco_ptr + b * C + c).to(tl.int64) - f_b
-                        q_max = tl.max(q, 0)
-                        # rows staged before this block (all of them where it has none), and after it
-                        before = tl.where(q_max >= 0, tl.min(tl.where(q >= 0, q, 1 << 40), 0) - f_b, total)
-                        after = tl.where(q_max >= 0, q_max + 1 - f_b, before)
-                        p0 = before // CH * CH  # what the earlier blocks put: their whole chunks
-                        upto = tl.where(last, total, after // CH * CH)  # whole chunks; the rest at the channel's end
-                        if upto > p0:
+                    f_b = tl.load(nco_ptr + b * C + c - 1, mask=c > 0, other=0).to(tl.int64)
+                    total = tl.load(nco_ptr + b * C + c).to(tl.int64) - f_b
+                    q_max = tl.max(q, 0)
+                    # rows written before this block (all of them where it has none), and after it
+                    before = tl.where(q_max >= 0, tl.min(tl.where(q >= 0, q, 1 << 40), 0) - f_b, total)
+                    after = tl.where(q_max >= 0, q_max + 1 - f_b, before)
+                    p0 = before // CH * CH  # what the earlier blocks sent: their whole chunks
+                    upto = tl.where(last, total, after // CH * CH)  # whole chunks; the rest at the channel's end
+                    if upto > p0:
+                        base, direct = _mapped(ptr_table, relay, P2P)
+                        if direct:  # the chunks' rows are in the relay's slot already: count them there
+                            _publish_direct(base, ctr_off, a * CM + c, upto - p0)
+                        else:
                             src = stage + ((b - a - 1 + P) % P) * slot_words + f_b * MW
                             dst = rdma_off + (((a - b - 1 + P) % P) * slot_words + f_b * MW) * 4
-                            _put_chunks(ptr_table, me, relay, dst, src, p0, upto, CH, MW, ctr_off + (a * CM + c) * 8,
-                                        SIM)
+                            _put_chunks(ptr_table, me, relay, dst, src, p0, upto, CH, MW,
+                                        ctr_off + (a * CM + c) * 8, SIM)
     nv.quiet(SIM)
 
 
@@ -260,13 +276,12 @@ def _hd_forward(g, GF, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K,
             q_lo = tl.load(ncp_ptr + s * C + c - 1, mask=c > 0, other=0)
             q_hi = tl.load(ncp_ptr + s * C + c)
             slot = rdma + ((a - b - 1 + P) % P) * slot_words
+            seen = base  # the counter as last read (at least what earlier calls consumed)
             for q0 in range(q_lo, q_hi, RB):
                 qq = q0 + uu.to(tl.int64)
                 ok = qq < q_hi
                 target = base + tl.minimum(q0 + RB, q_hi) - q_lo
-                if tl.atomic_add(ctr32 + 2 * ridx, 0, sem="acquire", scope="sys") - target < 0:
-                    _wait(ptr_table, me, ctr_off, ridx, target, err_ptr, 3, s, timeout_ns, HAS_TIMER)
-                tl.debug_barrier()
+                seen = _await(seen, target, ptr_table, me, ctr_off, ctr32, ridx, err_ptr, s, timeout_ns, HAS_TIMER)
                 msg = tl.multiple_of(slot + qq * MW, 16)
                 if N > 1:
                     relp = msg + W
@@ -334,13 +349,12 @@ def _hd_receive(g, GV, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr,
         nidx = D_NV + s * CM + c
         base = tl.load(base_ptr + nidx)
         slot = nvl + k.to(tl.int64) * TM * WP
+        seen = base
         for q0 in range(q_lo, q_hi, RB):
             qq = q0 + uu.to(tl.int64)
             ok = qq < q_hi
             target = base + tl.minimum(q0 + RB, q_hi) - q_lo
-            if tl.atomic_add(ctr32 + 2 * nidx, 0, sem="acquire", scope="sys") - target < 0:
-                _wait(ptr_table, me, ctr_off, nidx, target, err_ptr, 3, b * N + i, timeout_ns, HAS_TIMER)
-            tl.debug_barrier()
+            seen = _await(seen, target, ptr_table, me, ctr_off, ctr32, nidx, err_ptr, b * N + i, timeout_ns, HAS_TIMER)
             row = tl.multiple_of(slot + qq * WP, 16)
             tok = tl.load(row + W - 1, mask=ok & (NSRC > 0), other=-1)
             _unpack(first + qq, ok, ok, row, row + XW, row + XW + G, row + XW + G + 2 * K, tok, rx_ptr, rs_ptr,

@@ -221,8 +221,8 @@ def _hc_relay(g, GR, x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc,
                 after = (tl.minimum(q0 + RB, q_hi) - q_lo).to(tl.int64)
                 p0 = before // CH * CH  # the earlier tiles put their whole chunks
                 upto = tl.where(q0 + RB >= q_hi, after, after // CH * CH)  # (the rest at the channel's end)
-                if direct:
-                    _publish_direct(s8, ctr_off, C_FN + b * CM + c, after - before)
+                if direct:  # (the chunks' rows are at s already)
+                    _publish_direct(s8, ctr_off, C_FN + b * CM + c, upto - p0)
                 elif upto > p0:
                     _put_chunks(ptr_table, me, s, dst + q_lo * FW * 4, src + q_lo * FW, p0, upto, CH, FW,
                                 ctr_off + (C_FN + b * CM + c) * 8, SIM)
