@@ -18,7 +18,8 @@
   NVSHMEM's P2P mapping). BF16, FP8 with plain, power-of-two and UE8M0 scales, the receive hook,
   zero-copy, out=, a one-token case, CUDA-graph capture and replay, a stress loop.
 - ``test_internode_high_throughput``: the hierarchical high-throughput path against the reference, the
-  same two layouts: BF16 and FP8 dispatch bitwise with the handle, cached dispatch, num_worst_tokens,
+  same two layouts (two nodes of one twice: the senders and relays store into the peer's slots, which
+  NVSHMEM maps on one host, ``TUNE["p2p"]``, and with ``EPCOMM_TUNE=iht.p2p=0`` they stage and put): BF16 and FP8 dispatch bitwise with the handle, cached dispatch, num_worst_tokens,
   combine with bias and weights within the budget, two programs a launch with RDMA chunks of 1 and 3,
   async events; dispatch + combine with
   num_worst_tokens captured in a CUDA graph and replayed on new inputs, and three combines alone, each in its
@@ -147,8 +148,10 @@ def test_internode_low_latency(gpus_per_node, m, hidden, experts):
         assert r["stress"].checked == 2 and r["stress"].remote_rows > 0, res  # iterations 0 and 99 checked
 
 
-def _ht_rank(ctx, gpus_per_node):
+def _ht_rank(ctx, gpus_per_node, tune):
     os.environ["EPCOMM_GPUS_PER_NODE"] = str(gpus_per_node)
+    if tune:  # (read by the backend when the Buffer is made)
+        os.environ["EPCOMM_TUNE"] = tune
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
 
@@ -177,13 +180,14 @@ def _ht_rank(ctx, gpus_per_node):
 
 
 @pytest.mark.skipif(WORLD != 2 or not TWO, reason="two virtual nodes: two GPUs, or one under MPS (scripts/gpu_check.sh shared-nvshmem)")
-@pytest.mark.parametrize("gpus_per_node", [1, 2], ids=["two-nodes-nvshmem", "one-node-p2p-stores"])
-def test_internode_high_throughput(gpus_per_node):
+@pytest.mark.parametrize("gpus_per_node,tune", [(1, ""), (1, "iht.p2p=0"), (2, "")],
+                         ids=["two-nodes-nvshmem", "two-nodes-nvshmem-puts", "one-node-p2p-stores"])
+def test_internode_high_throughput(gpus_per_node, tune):
     from epcomm.kernels import nvshmem
 
     if not nvshmem.available():
         pytest.skip("torch's NVSHMEM Triton bindings are unavailable")
-    res = parallel_launch(2, _ht_rank, gpus_per_node, backend="nccl", timeout_s=300)
+    res = parallel_launch(2, _ht_rank, gpus_per_node, tune, backend="nccl", timeout_s=300)
     # every case moved rows between the ranks: to both in the first case, to rank 0 in the second (rank 0
     # has no tokens of its own there) and in the two-program one
     assert all(len(r) == 7 for r in res) and min(res[0]) > 0 and min(res[1][:3]) > 0, res
