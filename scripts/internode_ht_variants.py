@@ -13,8 +13,9 @@ Usage (the ranks' environment as for ``epcomm bench --backend internode`` under 
         python3 scripts/internode_ht_variants.py --out $OUT/variants.jsonl
 
 ``--variants`` replaces the default list: ``name:key=v/key=v;name2:...`` (``TUNE`` keys; ``old:`` with
-no keys runs a tree as it is: with ``--src`` another commit's tree, e.g. the one before issue 28's changes). Prints one line per
-(variant, op): the median over rounds of each round's time (a round's time: the slowest rank's median).
+no keys runs a tree as it is: with ``--src`` another commit's tree, e.g. the one before issue 28's changes).
+Prints one line per (variant, op): the median over rounds of each round's time (a round's time: the slowest
+rank's median).
 ``--cpu``: a dry run of this script on two CPU processes (the simulated backend, ``testing/cpu_internode``,
 and a small case; wall-clock times of the interpreter, meaningless as timings).
 """
