@@ -47,15 +47,37 @@ _T_ROLE, _T_CROLE = 9, 10  # the fused dispatch's and the fused combine's role t
 # Launch parameters (measure a variant with EPCOMM_TUNE=ll.<key>=<value> epcomm bench).
 TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_block=2048, recv_split=1,
             csend_warps=4, csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024,
-            fused_dispatch=True, fused_combine=True, local_ticket=True, both_qb=4, both_block=2048)
+            fused_dispatch=True, fused_combine=True, local_ticket=True, both_qb=4, both_block=2048, both_sends=256,
+            both_gc=0, both_warps=0)
 # fused_dispatch / fused_combine: one kernel per operation, its programs taking the roles (see the module
 # docstring; send_warps / csend_warps for every role); off: separate send and receive kernels, which
 # DeepEP's LL timing cannot attribute to one operation; local_ticket: the receive kernels count their
 # programs with a relaxed GPU-scope ticket (their last program only stores the next expected level)
 # instead of a system-scope acq_rel one; both_qb / both_block: recv_qb / recv_block of a dispatch
-# that sends and receives in one launch (the receive tile sets the registers of every program there)
+# that sends and receives in one launch (the receive tile sets the registers of every program there);
+# both_sends / both_gc / both_warps: its send programs (one_launch_sends)
 # (one H200, one rank, 128 tokens, graph replays, same run: dispatch receive 12.9 -> 12.1 us, combine
 # receive 8.7 -> 8.0 us; 1 token: 7.4 -> 7.2, 5.9 -> 5.5 us)
+
+
+def one_launch_sends(t: int, g: int) -> tuple[int, int]:
+    """``(GC, warps)`` of the one-launch dispatch (no hook) of ``t`` tokens of ``g`` 128-channel groups.
+
+    Its send roles share the kernel's registers with the receive roles (137 a thread on sm_90, a send-only
+    program needs 25), so few programs are resident (3 an SM at 4 warps) and every program also takes the
+    role ticket (one atomic on one word) and the send ticket (a system-scope acq_rel atomic on one word):
+    with ``send_gc`` = 8 at 128 tokens that is 896 send programs in ~2.3 waves and 1152 serial role
+    atomics, ~7 us more than the separate send and receive kernels on an H100. So each send program takes
+    ``GC`` groups, doubled from ``send_gc`` (at most ``g`` rounded up to a power of two) until the send
+    programs number at most ``TUNE["both_sends"]``; ``warps``: 8 where ``GC >= 16`` (a 16-32-group FP8 cast
+    over 4 warps is too long a chain), else ``send_warps``. ``TUNE["both_gc"]`` / ``["both_warps"]`` set
+    either (0: by this rule). Example: DSv3 (``g = 56``): 128 tokens (32, 8): 256 send programs; 64
+    tokens (16, 8); 16 tokens and fewer (8, 4), as the separate send kernel."""
+    gc, cap, top = TUNE["send_gc"], TUNE["both_sends"], _pow2(g)
+    while cap > 0 and gc < top and max(t, 1) * ((g + gc - 1) // gc) > cap:
+        gc *= 2
+    gc = TUNE["both_gc"] or gc
+    return gc, TUNE["both_warps"] or (8 if gc >= 16 else TUNE["send_warps"])
 
 
 def _nothing() -> None:
@@ -137,10 +159,16 @@ class LowLatencyEngine(LowLatencyCalls):
             i_stats = 3 + len(send_args) + 1 + len(recv_out)  # x, topk, t, send_args, slot, outputs
             holes = (0, 1, i_stats, i_stats + 1)
             n_recv = lx * r_ * split
+            i_nsend = len(tmpl) - 2
             if not a.hook:  # both roles in one kernel: its receive tile sets the send programs' registers too
+                bgc, bwarps = one_launch_sends(t, g)
+                b_gb = (g + bgc - 1) // bgc
+                b_send = max(t, 1) * b_gb
+                b_tmpl = (*tmpl[:i_nsend - 1], b_gb, b_send, split)
                 go = launch_cell(Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=3, QB=TUNE["both_qb"],
-                                                                         BLOCK=TUNE["both_block"])), tmpl, holes),
-                                 n_send + n_recv, 1, 1)
+                                                                         BLOCK=TUNE["both_block"], GC=bgc,
+                                                                         num_warps=bwarps)),
+                                        b_tmpl, holes), b_send + n_recv, 1, 1)
 
                 def run(x, topk, cum, wst):
                     go[0](x, topk, cum_d if cum is None else cum, wst_d if wst is None else wst)
@@ -150,7 +178,6 @@ class LowLatencyEngine(LowLatencyCalls):
                 return c
             # the hook: the same kernel twice, every program a sender, then (hook()) every one a receiver,
             # each compiled for its roles only (one name in a profile)
-            i_nsend = len(tmpl) - 2
             go = launch_cell(Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=1)), tmpl, holes), n_send,
                              1, 1)
             go_recv = launch_cell(Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=2)),
