@@ -20,17 +20,18 @@ from .nvlink_params import _aligned, _contiguous, _pow2
 BN = 128    # rows (or tokens) a program of the metadata kernels
 RB = 64     # ranks a step of the metadata kernels
 BLOCK = 1024
-# the reduction (``_combine_reduce_epilogue_impl_kernel``): a program takes a token's whole row up to this
-# many columns (DSv3's 7168 in one program of 8 warps): with 1024 columns a program, the per-program work
-# (ids, owners, bias, the self row) was paid 7 times a token, 28672 programs for 4096 tokens
-REDUCE_BLOCK_MAX = 8192
+# the reduction (``_combine_reduce_epilogue_impl_kernel``): a program takes up to this many columns of a token's
+# row, 4 warps. DSv3 combine at world 1 on an H100, graph replays of one process (benchmarks/2026-11-27/s4):
+# 1024 columns 110 us, 2048 94, 4096 (8 warps) 102, 8192 (8 warps) 141
+REDUCE_BLOCK_MAX = 2048
 
 
 def reduce_block(h: int) -> tuple[int, int]:
     """``(BLOCK, num_warps)`` of the reduction for rows of ``h`` columns.
-    Example: ``reduce_block(7168) == (8192, 8)``, ``reduce_block(128) == (128, 4)``."""
-    b = min(_pow2(h), REDUCE_BLOCK_MAX)
-    return b, 8 if b >= 4096 else 4
+    Example: ``reduce_block(7168) == (2048, 4)``, ``reduce_block(128) == (128, 4)``."""
+    return min(_pow2(h), REDUCE_BLOCK_MAX), 4
+
+
 # the expanded copy (``_dispatch_copy_epilogue_impl_kernel``): a tile of COPY_RB rows x COPY_BLOCK bytes a
 # step (16 KB in flight a program; one row of 1 KB a step, as before 29a75e2, left each program waiting
 # on one load after another), COPY_PER_SM programs of COPY_WARPS warps an SM of the device at most

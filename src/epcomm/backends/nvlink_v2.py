@@ -120,6 +120,8 @@ def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: i
     r_, epoch, kern = be.num_ranks, st["epoch"], st["kernels"]
     grid, consts = transport_launch(w, num_sms, area.aligned, parts, skip_self)
     programs = grid[0]
+    if skip_self and r_ == 1:  # every row is this rank's own: the call keeps its handshake, moves nothing
+        n = 0                  # (its row loop took ~75 us of a DSv3 combine on an H100 with no row to move)
     rows = rows if n else area.flags  # (a placeholder: no row is read)
     wts = wts if wts is not None and n else rows
     # the alignment of both sources: return_row_parts passes only 16-byte aligned ones; else wts is rows
