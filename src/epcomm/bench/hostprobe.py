@@ -86,7 +86,7 @@ def install(set_attr=setattr, setitem=None) -> None:
     import triton
     from triton.runtime import driver
 
-    from epcomm.kernels import ll
+    from epcomm.kernels import ht_layout, ht_notify, ht_receive, ht_transfer, ll, v2
     from epcomm.testing.cpu_nvlink import cuda_stand_ins
 
     cuda_stand_ins(set_attr, sms=132)
@@ -98,9 +98,10 @@ def install(set_attr=setattr, setitem=None) -> None:
     setitem(sys.modules, "torch.distributed._symmetric_memory", mod)
     setitem(vars(torch.distributed), "_symmetric_memory", mod)
     set_attr(driver, "_active", types.SimpleNamespace(get_current_stream={0: 0}.get, get_current_device=lambda: 0))
-    for name, obj in list(vars(ll).items()):
-        if isinstance(obj, triton.runtime.jit.JITFunction):
-            set_attr(ll, name, _Kernel(obj))
+    for mod in (ll, v2, ht_layout, ht_notify, ht_receive, ht_transfer):
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, triton.runtime.jit.JITFunction):
+                set_attr(mod, name, _Kernel(obj))
 
 
 def cpu_buffer(m: int, h: int, e: int, set_attr=setattr):
@@ -115,6 +116,35 @@ def cpu_buffer(m: int, h: int, e: int, set_attr=setattr):
     set_attr(bm, "select_backend", lambda buf: (NVLinkBackend(buf), "the host probe"))
     rdma = bm.Buffer.get_low_latency_rdma_size_hint(m, h, 1, e)
     return bm.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, low_latency_mode=True)
+
+
+def v2_buffer(m: int, h: int, k: int, cpu: bool):
+    """A world-1 ``ElasticBuffer`` sized for ``(m, h, k)``: on the CPU rig (``cpu``, after :func:`install`)
+    its engine's backend the nvlink backend, else on NCCL (real kernels)."""
+    import torch
+    import torch.distributed as dist
+
+    from epcomm.elastic import ElasticBuffer
+
+    if not dist.is_initialized():
+        if not cpu:
+            torch.cuda.set_device(0)
+        dist.init_process_group("gloo" if cpu else "nccl", store=dist.HashStore(), rank=0, world_size=1)
+    cls = ElasticBuffer
+    if cpu:
+        class OnNVLink(ElasticBuffer):
+            @staticmethod
+            def _engine_cls(group, **kw):
+                import epcomm.buffer as bm
+                from epcomm.backends.nvlink import NVLinkBackend
+
+                buf = bm.Buffer(group, **kw)
+                buf._backend.destroy()
+                buf._backend = NVLinkBackend(buf)
+                buf._host_checks = False  # (the nvlink backend checks expert ids on the device)
+                return buf
+        cls = OnNVLink
+    return cls(dist.group.WORLD, num_max_tokens_per_rank=m, hidden=h, num_topk=k)
 
 
 def gpu_buffer(m: int, h: int, e: int):
@@ -174,6 +204,48 @@ def ll_calls(buf, t: int, m: int, h: int, k: int, e: int, hook: bool = False, se
             out = call()
             if hook:
                 out[-1]()
+    return calls
+
+
+def v2_calls(buf, t: int, m: int, h: int, k: int, e: int, sms: int = 24, seed: int = 0) -> dict:
+    """``name -> (prep, call)``: ``ElasticBuffer`` calls as ``epcomm bench --api v2`` times them (BF16, the
+    top-k weights given, alignment 1 contiguous and 128 expanded, ``num_sms`` fixed); ``d``: dispatch,
+    ``c``: contiguous, ``x``: expanded, ``s``: with CPU sync; ``cached``: a dispatch on a no-sync handle;
+    ``combine``: the weights sent back, after an untimed no-sync dispatch. On the CPU rig a synchronised
+    dispatch reads counts the probe wrote where the layout exchange writes them (``T`` rows, ``T*K/LE``
+    an expert, as uniform routing gives). Each call's first run (checks, binding) happens here."""
+    import torch
+
+    dev = buf.device
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+    topk = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(dev)
+    w = torch.rand(t, k, generator=g).to(dev)
+    host = getattr(buf._backend, "_notify_view", None)
+    if dev.type == "cpu" and host is not None:  # world 1: counts[0][0], then the experts' counts
+        host[0] = t
+        host[1:1 + e] = t * k // e
+    state: dict = {}
+
+    def dispatch(expand: bool, sync: bool):
+        kw = dict(topk_idx=topk, topk_weights=w, num_experts=e, num_max_tokens_per_rank=m,
+                  expert_alignment=128 if expand else 1, do_expand=expand, do_cpu_sync=sync, num_sms=sms)
+        return lambda: state.__setitem__(expand, buf.dispatch(x, **kw))
+
+    def combine(expand: bool):
+        return lambda: buf.combine(state[expand][0], state[expand][3], topk_weights=state[expand][2], num_sms=sms)
+
+    calls = {}
+    for expand, tag in ((False, "c"), (True, "x")):
+        for sync in (False, True):
+            calls[f"d{tag}{'s' if sync else ''}"] = (None, dispatch(expand, sync))
+        calls[f"combine {tag}"] = (dispatch(expand, False), combine(expand))
+    calls["cached c"] = (dispatch(False, False), lambda: buf.dispatch(x, handle=state[False][3], num_sms=sms))
+    for prep, call in calls.values():
+        for _ in range(3):
+            if prep is not None:
+                prep()
+            call()
     return calls
 
 
@@ -255,7 +327,7 @@ def record_launches() -> dict:
 
 
 def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: int = 256, calls: int = 2000,
-          hook: bool = False) -> dict:
+          hook: bool = False, api: str = "ll") -> dict:
     """This process's epcomm, every call kind at each token count: ``{"T=..": {kind: row}}``. ``mode``:
     ``python`` (the CPU rig: the calls' Python, counted too), ``call`` (a GPU: whole calls) or ``launches``
     (a GPU: one call's C launches, recorded, then replayed alone)."""
@@ -269,10 +341,14 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
         if mode == "launches":
             rec = record_launches()
     m = max(tokens)
-    buf = cpu_buffer(m, h, e) if mode == "python" else gpu_buffer(m, h, e)
+    if api == "v2":
+        buf = v2_buffer(m, h, k, mode == "python")
+    else:
+        buf = cpu_buffer(m, h, e) if mode == "python" else gpu_buffer(m, h, e)
     out = {}
     for t in tokens:
-        for kind, (prep, call) in ll_calls(buf, t, m, h, k, e, hook).items():
+        made = v2_calls(buf, t, m, h, k, e) if api == "v2" else ll_calls(buf, t, m, h, k, e, hook)
+        for kind, (prep, call) in made.items():
             if hook:
                 call = lambda base=call: base()[-1]()
             row = {}
@@ -336,19 +412,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=2000, help="timed calls per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--hook", action="store_true", help="with return_recv_hook (send + hook timed together)")
+    ap.add_argument("--api", default="ll", choices=("ll", "v2"),
+                    help="ll: Buffer's low-latency calls; v2: ElasticBuffer's (v2_calls)")
     ap.add_argument("--json", help="write every round's rows here")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # a child's one mode
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     kw = dict(tokens=tuple(int(s) for s in a.tokens.split(",")), h=a.hidden, k=a.topk, e=a.experts,
-              calls=a.calls, hook=a.hook)
+              calls=a.calls, hook=a.hook, api=a.api)
     if a.child:
         print(json.dumps(probe(a.mode, **kw)))
         return 0
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(ME))))
     trees = [s.split("=", 1) if "=" in s else (s, s) for s in a.tree] or [("here", here)]
     fwd = ["--tokens", a.tokens, "--hidden", str(a.hidden), "--topk", str(a.topk), "--experts", str(a.experts),
-           "--calls", str(a.calls)] + (["--hook"] if a.hook else [])
+           "--calls", str(a.calls), "--api", a.api] + (["--hook"] if a.hook else [])
     modes = a.modes.split(",")
     res: dict = {(label, mode): [] for label, _ in trees for mode in modes}
     failed = 0
