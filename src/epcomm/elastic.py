@@ -31,6 +31,8 @@ topk_idx_t = torch.int64  # DeepEP's top-k index dtype (int64 unless DeepEP is b
 
 
 def _flag(name: str, v) -> bool:
+    if v is True or v is False:  # (the common case, first: one comparison)
+        return v
     if not isinstance(v, (bool, int)) or isinstance(v, int) and not isinstance(v, bool) and v not in (0, 1):
         raise TypeError(f"{name} must be a bool, got {v!r}")
     return bool(v)

@@ -130,9 +130,9 @@ def dispatch(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, num_s
     x_rows = sum(lst) if sync else EL.worst_expanded_rows(r_, m, k, le, alignment)
     rm = (kern.recv_meta if kern else EL.recv_meta)(v1.rank_prefix_matrix, me, v1.recv_src_idx, res.recv_topk_idx,
                                                     v1.send_head, topk_idx, m, le, alignment, x_rows, expand,
-                                                    cum_stats)
+                                                    cum_stats, handle_copy)
     fields = {
-        "topk_idx": topk_idx.clone() if handle_copy else topk_idx,
+        "topk_idx": rm.topk if handle_copy else topk_idx,
         "num_recv_tokens": n if sync else r_ * m,
         "num_expanded_tokens": x_rows,
         "num_recv_tokens_per_expert_list": lst if sync else [],

@@ -191,6 +191,7 @@ class RecvMeta(NamedTuple):
       (contiguous: inclusive sums of the aligned counts; expanded: aligned start + count).
     - ``source int64[X]``: expanded only, ``row * K + lane`` filling each expanded row, ``-1`` padding.
     - ``dst_slot int32[T, K]``: ``dst_buffer_slot_idx`` (``rank * M + row`` where each lane landed).
+    - ``topk``: a copy of ``topk_idx`` (the handle's, ``do_handle_copy``), or None where none was asked for.
     """
 
     psum_rank: torch.Tensor
@@ -202,16 +203,18 @@ class RecvMeta(NamedTuple):
     psum: torch.Tensor
     source: torch.Tensor
     dst_slot: torch.Tensor
+    topk: torch.Tensor | None = None
 
 
 def recv_meta(rank_prefix_matrix: torch.Tensor, rank: int, recv_src_idx: torch.Tensor, recv_local: torch.Tensor,
               send_head: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens_per_rank: int, num_local_experts: int,
               expert_alignment: int, num_expanded_rows: int, expand: bool,
-              cum_stats: torch.Tensor | None = None) -> RecvMeta:
+              cum_stats: torch.Tensor | None = None, copy_topk: bool = False) -> RecvMeta:
     """:class:`RecvMeta` of a dispatch from the backend's handle (``rank_prefix_matrix int32[R, R]``,
     ``recv_src_idx int32[N]``, ``send_head int32[T, R]``), its rows' local ids ``recv_local int64[N, K]``
     (rows past ``rank_prefix_matrix[-1, rank]`` are padding) and this rank's ``topk_idx int64[T, K]``;
-    ``cum_stats int32[LE]`` gains the counts. ``backends.elastic_kernels.Kernels.recv_meta`` computes the same.
+    ``cum_stats int32[LE]`` gains the counts; ``copy_topk``: with a copy of ``topk_idx``.
+    ``backends.elastic_kernels.Kernels.recv_meta`` computes the same.
 
     Example (``R = 2, M = 4, LE = 2, K = 2``, rank 1, ``rank_prefix_matrix[:, 1] = [1, 3]``,
     ``recv_src_idx = [2, 0, 3, *]``, ``recv_local = [[0, -1], [1, 0], [-1, 1], *]``): gid ``[2, 4, 7, -1]``,
@@ -238,7 +241,8 @@ def recv_meta(rank_prefix_matrix: torch.Tensor, rank: int, recv_src_idx: torch.T
     row_there = send_head.to(torch.int64).gather(1, d)
     dst_slot = torch.where(topk_idx >= 0, d * m + row_there, torch.full_like(d, -1)).to(torch.int32)
     return RecvMeta(psum_rank, gid, local, None if expand else local.clone(), meta, lay.counts,
-                    lay.psum_expanded if expand else lay.psum_contiguous, lay.source, dst_slot)
+                    lay.psum_expanded if expand else lay.psum_contiguous, lay.source, dst_slot,
+                    topk_idx.clone() if copy_topk else None)
 
 
 class Rows(NamedTuple):

@@ -57,12 +57,29 @@ def combine_row_bytes(h: int, k: int) -> int:
     return EL.align(2 * h + 4 * k, 16)
 
 
+def _parts(rows: tuple, k: int) -> tuple[list, tuple]:
+    """One block of int64 rows of ``k`` for parts of ``rows[i]`` rows (None: no such part), each from a 16-byte
+    boundary: ``(sizes of its split, the last item the block's rows; index of each part in the split or None)``.
+    Example: ``_parts((3, None, 2), 1) == ([3, 1, 2, 6], (0, None, 2))``."""
+    sizes, at = [], []
+    for r in rows:
+        if r is None:
+            at.append(None)
+            continue
+        if sum(sizes) * k % 2:  # (an odd number of int64 before: a pad row)
+            sizes.append(1)
+        at.append(len(sizes))
+        sizes.append(r)
+    return sizes + [sum(sizes)], tuple(at)
+
+
 class Kernels:
     """The launches of one ``ElasticBuffer`` (bound per key on first use)."""
 
     def __init__(self):
         self._launchers: dict = {}
         self._go: dict = {}
+        self._plans: dict = {}  # recv_meta's, per kind of call
 
     def launch(self, name: str, key: tuple, consts: dict, grid: tuple, *args) -> None:
         """``kernels/v2.<name>`` on ``grid`` (3 ints) with ``args`` (all positional, tensors and ints);
@@ -82,43 +99,84 @@ class Kernels:
     # ------------------------------------------------------------------ dispatch
 
     def recv_meta(self, rpm, me: int, recv_src_idx, recv_local, send_head, topk_idx, m: int, le: int,
-                  alignment: int, x_rows: int, expand: bool, cum) -> EL.RecvMeta:
+                  alignment: int, x_rows: int, expand: bool, cum, copy_topk: bool = False) -> EL.RecvMeta:
         """``elastic_layout.recv_meta`` in two launches (``_recv_meta_kernel``, or for a contiguous dispatch the
         same kernel as ``_dispatch_copy_epilogue_impl_meta_kernel``, then ``_expert_layout_kernel``);
         ``cum`` (``int32[LE]`` or None) gains the counts. The kernels read rows in place: every tensor is
-        made contiguous first (a no-op for the backend's and most callers' tensors)."""
+        made contiguous first (a no-op for the backend's and most callers' tensors). A kind of call (sizes,
+        dtypes, flags, alignment) is planned once (:meth:`_meta_plan`): a repeat costs its outputs and
+        the two launches."""
         n, k = recv_local.shape
         t = topk_idx.shape[0]
-        r_ = rpm.shape[0]
+        rpm, recv_src_idx, recv_local = _contiguous(rpm), _contiguous(recv_src_idx), _contiguous(recv_local)
+        send_head, topk_idx, stats = _contiguous(send_head), _contiguous(topk_idx), _contiguous(cum)
+        key = (n, t, k, rpm.shape[0], le, m, me, alignment, x_rows, expand, cum is not None, copy_topk,
+               recv_src_idx.dtype, send_head.dtype, recv_local.device, _aligned(topk_idx, rpm, recv_src_idx, recv_local, send_head, stats))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 64:
+                self._plans.clear()
+            plan = self._plans[key] = self._meta_plan(key)
+        go_rows, g_rows, go_layout, g_layout, small, r_, (wide, rows_at), (ones, ones_at) = plan
         dev = recv_local.device
-        rpm, recv_src_idx, recv_local = rpm.contiguous(), recv_src_idx.contiguous(), recv_local.contiguous()
-        send_head, topk_idx = send_head.contiguous(), topk_idx.contiguous()
-        stats = _contiguous(cum)
-        small = torch.zeros(2 * le + r_, dtype=torch.int32, device=dev)
-        counts, psum, psum_rank = small.split((le, le, r_))
-        gid = torch.empty(n, dtype=torch.int64, device=dev)
-        local = torch.empty(n, k, dtype=torch.int64, device=dev)
-        local_out = None if expand else torch.empty(n, k, dtype=torch.int64, device=dev)
+        counts, psum, psum_rank = torch.zeros(small, dtype=torch.int32, device=dev).split_with_sizes((le, le, r_))
         meta = torch.empty(n, k + 2, dtype=torch.int32, device=dev)
         dst = torch.empty(t, k, dtype=torch.int32, device=dev)
-        source = torch.empty(x_rows if expand else 0, dtype=torch.int64, device=dev)
-        kp, rb = _pow2(k), min(RB, _pow2(r_))
-        key = (r_, k, le, expand, cum is not None, recv_src_idx.dtype, send_head.dtype,
-               _aligned(topk_idx, rpm, recv_src_idx, recv_local, send_head, stats))
-        # a contiguous dispatch's epilogue is this kernel (named for DeepEP's timing); an expanded one's the copy
-        self.launch("_recv_meta_kernel" if expand else "_dispatch_copy_epilogue_impl_meta_kernel", key, dict(
-            R=r_, K=k, LE=le, KP=kp, BN=BN, RB=rb, COPY=not expand, EXPAND=expand, num_warps=4),
-            (max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, 1, 1),
-            rpm, me, recv_src_idx, recv_local, n, local, local if expand else local_out, meta, gid, counts,
-            psum_rank, topk_idx, send_head, t, dst, m)
-        self.launch("_expert_layout_kernel", key, dict(
-            R=r_, K=k, LE=le, LEP=_pow2(le), KP=kp, BN=LBN, EXPAND=expand, HAS_CUM=cum is not None,
-            num_warps=16 if expand else 4),
-            (le if expand else 1, 1, 1), counts, psum, stats if cum is not None else counts, local, rpm, me,
-            alignment, meta, source if expand else counts, x_rows if expand else 0)
+        # the int64 outputs from two blocks, each part 16-byte aligned (pads where K is odd): rows of K ids
+        # (local, recv_topk_idx of a contiguous dispatch, the handle's copy of topk_idx), then gid and source
+        parts = torch.empty(wide[-1], k, dtype=torch.int64, device=dev).split_with_sizes(wide[:-1])
+        local, local_out, topk_copy = (None if i is None else parts[i] for i in rows_at)
+        if expand:
+            parts = torch.empty(ones[-1], dtype=torch.int64, device=dev).split_with_sizes(ones[:-1])
+            gid, source = parts[0], parts[ones_at[1]]
+        else:  # (no expanded rows: an empty source, the plan's, as the torch twin's; read by no one)
+            gid, source = torch.empty(n, dtype=torch.int64, device=dev), ones
+        go_rows(g_rows, 1, 1, rpm, recv_src_idx, recv_local, local, local if expand else local_out, meta, gid, counts,
+                psum_rank, topk_idx, send_head, dst)
+        go_layout(g_layout, 1, 1, counts, psum, stats if cum is not None else counts, local, rpm, meta,
+                  source if expand else counts)
         if stats is not cum:  # a strided cumulative_local_expert_recv_stats: updated through a copy
             cum.copy_(stats)
-        return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, source, dst)
+        if copy_topk:
+            topk_copy.copy_(topk_idx)
+        return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, source, dst, topk_copy)
+
+    def _meta_plan(self, key: tuple):
+        """``recv_meta``'s launches for ``key``, their sizes and grids resolved: ``(go_rows (12 tensors), its
+        grid, go_layout (7 tensors), its grid, size of the small int32 outputs, R, an empty int64 source)``."""
+        n, t, k, r_, le, m, me, alignment, x_rows, expand, has_cum, copy_topk = key[:12]
+        kp, rb = _pow2(k), min(RB, _pow2(r_))
+        lkey = (r_, k, le, expand, has_cum) + key[-4:-2] + key[-1:]  # the compiled kernels' key
+        # a contiguous dispatch's epilogue is this kernel (named for DeepEP's timing); an expanded one's the copy
+        go_rows = self.bound("_recv_meta_kernel" if expand else "_dispatch_copy_epilogue_impl_meta_kernel", lkey,
+                             dict(R=r_, K=k, LE=le, KP=kp, BN=BN, RB=rb, COPY=not expand, EXPAND=expand, num_warps=4),
+                             (None, me, None, None, n, None, None, None, None, None, None, None, None, t, None, m))
+        go_layout = self.bound("_expert_layout_kernel", lkey, dict(
+            R=r_, K=k, LE=le, LEP=_pow2(le), KP=kp, BN=LBN, EXPAND=expand, HAS_CUM=has_cum,
+            num_warps=16 if expand else 4),
+            (None, None, None, None, None, me, alignment, None, None, x_rows if expand else 0))
+        return (go_rows, max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, go_layout, le if expand else 1,
+                2 * le + r_, r_, _parts((n, None if expand else n, t if copy_topk else None), k),
+                _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=key[-2]), 0))
+
+    def bound(self, name: str, key: tuple, consts: dict, template: tuple):
+        """``go(gx, gy, gz, *tensors)``: ``kernels/v2.<name>`` with ``template``'s fixed arguments and the
+        ``tensors`` in its None positions (``key`` as :meth:`launch`'s). Where this object's ``launch`` is
+        replaced (the tests record launches that way), ``go`` calls it with every argument."""
+        holes = tuple(i for i, a in enumerate(template) if a is None)
+        if "launch" in vars(self):
+            def go(gx, gy, gz, *tensors):
+                args = list(template)
+                for i, a in zip(holes, tensors):
+                    args[i] = a
+                self.launch(name, key, consts, (gx, gy, gz), *args)
+            return go
+        lau = self._launchers.get(name)
+        if lau is None:
+            from ..kernels import v2
+
+            lau = self._launchers[name] = Launcher(getattr(v2, name))
+        return Direct(lau.prepared((name, key), consts), template, holes)
 
     def copy_epilogue(self, source: torch.Tensor, k: int, zero_pad: bool, sms: int, x: EL.Rows, x_dtype,
                       h: int, sf: EL.Rows | None, sf_dtype, p: int, tma_sf: bool, w: EL.Rows | None):
