@@ -10,6 +10,11 @@
 CI runs tiers 1-2: ``python -m pytest -q tests/unit tests/dist``. Spawned ranks unpickle their
 target by module name, so the test modules must be importable by name in a child process: keep
 pytest's default ``prepend`` import mode (``--import-mode=importlib`` breaks spawning).
+
+Without CUDA (CI), every launch whose environment is the session's forks its ranks from one server process
+that imported torch once (``launcher.fork_from_server``): a rank then starts in a fraction of a second
+instead of importing torch itself (about 2 s of CPU a rank, 130 ranks a run). With CUDA the ranks spawn, as
+a user's launches do.
 """
 
 from __future__ import annotations
@@ -22,3 +27,15 @@ import sys
 _DIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist")
 if _DIST not in sys.path:
     sys.path.insert(0, _DIST)
+
+
+def _fork_ranks_from_a_server() -> None:
+    import torch
+
+    from epcomm.testing import launcher
+
+    if not torch.cuda.is_available():
+        launcher.fork_from_server()
+
+
+_fork_ranks_from_a_server()

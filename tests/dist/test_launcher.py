@@ -98,3 +98,35 @@ def test_a_failure_beside_a_skip_still_fails():
     with pytest.raises(RankError) as e:
         parallel_launch(2, _skips_in_rank_1_fails_in_rank_0, backend="gloo", timeout_s=60)
     assert "rank 0 breaks" in str(e.value)
+
+
+
+def _start_up(ctx):
+    """How this rank started: its parent process, the variables it sees, and whether the interpreter's
+    start-up hook for ``EPCOMM_AS_DEEP_EP`` answered ``import deep_ep``."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("deep_ep")
+    return (os.getppid(), *(os.environ.get(k) for k in ("PYTEST_CURRENT_TEST", "EPCOMM_TIMEOUT_S", "EPCOMM_AS_DEEP_EP")),
+            spec is not None and "epcomm" in (spec.origin or ""))
+
+
+def test_ranks_fork_from_the_server_with_the_launchs_variables_and_spawn_for_start_up_ones(monkeypatch):
+    """The session's launches fork their ranks from the server that imported torch (their parent is not this
+    process), each with the launch's variables: the test's own PYTEST_CURRENT_TEST and an epcomm variable set
+    since (read in the rank). A launch with a variable that the interpreter's start-up reads set since
+    (EPCOMM_AS_DEEP_EP, epcomm_as_deep_ep.pth) spawns: a fresh interpreter, whose start-up hook sees it."""
+    import os
+
+    from epcomm.testing import launcher
+
+    if launcher._SERVER_ENV is None:
+        pytest.skip("this session spawns every rank (with CUDA, tests/conftest.py starts no fork server)")
+    here = os.environ["PYTEST_CURRENT_TEST"]
+    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "17")
+    for got in parallel_launch(2, _start_up, backend="gloo", timeout_s=60):
+        assert got[0] != os.getpid() and got[1:] == (here, "17", None, False), got
+    monkeypatch.setenv("EPCOMM_AS_DEEP_EP", "1")
+    for got in parallel_launch(2, _start_up, backend="gloo", timeout_s=60):
+        assert got[0] == os.getpid() and got[1:] == (here, "17", "1", True), got

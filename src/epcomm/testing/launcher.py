@@ -1,6 +1,6 @@
 """One process launcher for every distributed test, demo and benchmark.
 
-``parallel_launch(world_size, fn, *args)`` spawns ``world_size`` processes (spawn context), joins
+``parallel_launch(world_size, fn, *args)`` starts ``world_size`` processes (spawned; see start-up), joins
 them through a ``file://`` rendezvous in a fresh temporary directory (no fixed port), calls
 ``fn(ctx, *args)`` in each, and returns the list of per-rank return values. An exception in any rank
 is re-raised in the parent as ``RankError`` naming the rank, with the remote traceback; a rank that
@@ -12,6 +12,13 @@ places rank r on GPU ``r % device_count`` and joins the ranks through gloo for b
 tensors (``cpu:gloo,cuda:gloo``; NCCL refuses two ranks on one GPU), with torch symmetric memory told
 that ranks may share a device. The ranks' kernels then time-share the GPU: the mode checks
 correctness of the multi-rank paths, its timings mean nothing.
+
+Start-up: a spawned rank is a fresh interpreter that imports torch itself, about 2 s of CPU a rank and
+a launch. After ``fork_from_server()`` (the test suite calls it, ``tests/conftest.py``), a launch forks its
+ranks from one server process that imported torch once (multiprocessing's forkserver), as long as the
+launch's environment differs from the server's in nothing but variables the rank reads itself (epcomm's,
+pytest's, Triton's, TorchInductor's; not the start-up hook's ``EPCOMM_AS_DEEP_EP``); a launch with any other
+variable set since (which the interpreter's start-up or torch's import may read) spawns, as before.
 
 Under ``torchrun`` (one process per rank, on one node or many) nothing is spawned: ``env_world()`` reads
 the world torchrun put in the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
@@ -199,11 +206,54 @@ def share_gpu(world_size: int) -> bool:
             and torch.cuda.device_count() < world_size)
 
 
+# The environment the fork server started in (``fork_from_server``), or None: every launch spawns.
+_SERVER_ENV: dict[str, str] | None = None
+# The server ran the interpreter's start-up and imported torch, nothing else: the variables of packages it did
+# not import (epcomm, pytest, Triton, TorchInductor: tests and torch.compile set some) are read in the rank,
+# after it takes the launch's environment; but the switch that epcomm's start-up hook (epcomm_as_deep_ep.pth)
+# reads. Any other variable set or changed since makes the launch spawn.
+_READ_IN_RANK = ("EPCOMM_", "PYTEST_", "TRITON_", "TORCHINDUCTOR_")
+_START_UP = "EPCOMM_AS_DEEP_EP"
+
+
+def _read_in_rank(name: str) -> bool:
+    return name.startswith(_READ_IN_RANK) and name != _START_UP
+
+
+def fork_from_server() -> bool:
+    """From now on, a launch whose environment is this one (see the module doc) forks its ranks from a server
+    process that has imported torch, instead of spawning interpreters that each import it; a rank still
+    starts with the launch's environment and ``sys.path``, and unpickles its target by module name. False
+    where the platform has no forkserver: launches spawn."""
+    global _SERVER_ENV
+    if "forkserver" not in mp.get_all_start_methods():
+        return False
+    from multiprocessing import forkserver
+
+    os.environ.update(SAFE_ENV)  # as every launch sets them
+    mp.get_context("forkserver").set_forkserver_preload(["torch"])
+    forkserver.ensure_running()
+    _SERVER_ENV = dict(os.environ)
+    return True
+
+
+def _start_method() -> str:
+    """"forkserver" where ``fork_from_server`` ran and this launch's environment differs from the server's in
+    variables that the rank reads itself at most, else "spawn"."""
+    if _SERVER_ENV is None:
+        return "spawn"
+    now, then = ({k: v for k, v in env.items() if not _read_in_rank(k)} for env in (os.environ, _SERVER_ENV))
+    return "forkserver" if now == then else "spawn"
+
+
 def _stack_file(init_file: str, rank: int) -> str:
     return f"{init_file}.stack-{rank}"
 
 
-def _worker(rank, world_size, init_file, backend, pg_timeout_s, fn, args, results, dump_at=None):
+def _worker(rank, world_size, init_file, backend, pg_timeout_s, fn, args, results, dump_at=None, env=None):
+    if env is not None:  # forked from the server: the launch's environment, not the server's
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update(SAFE_ENV)
     # A rank that does not finish in time leaves every thread's Python stack in a file the parent puts
     # into the error, so a hang says where it hangs: the parent asks with SIGUSR1, and a watchdog thread
@@ -266,13 +316,15 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
         backend = ("nccl" if torch.cuda.is_available()
                    and (torch.cuda.device_count() >= world_size or share_gpu(world_size)) else "gloo")
     os.environ.update(SAFE_ENV)
-    ctx = mp.get_context("spawn")
+    method = _start_method()
+    env = dict(os.environ) if method == "forkserver" else None
+    ctx = mp.get_context(method)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="epcomm-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             ctx.Process(target=_worker, args=(r, world_size, init_file, backend, pg_timeout_s, fn, args, results,
-                                                   time.time() + max(timeout_s - 5.0, 0.5 * timeout_s)),
+                                                   time.time() + max(timeout_s - 5.0, 0.5 * timeout_s), env),
                         daemon=False)
             for r in range(world_size)
         ]
