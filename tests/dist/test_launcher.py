@@ -1,4 +1,5 @@
 """Tier 2: the process launcher reports hangs with the stuck ranks' Python stacks."""
+import concurrent.futures
 import time
 
 import pytest
@@ -23,29 +24,6 @@ def _one_hangs(ctx):
     return ctx.rank
 
 
-def test_a_failure_reports_the_other_ranks_stacks():
-    t0 = time.monotonic()
-    with pytest.raises(RankError) as e:
-        parallel_launch(2, _one_fails_one_hangs, backend="gloo", timeout_s=60, grace_s=3.0)
-    msg = str(e.value)
-    assert "rank 0 gives up" in msg
-    assert "rank 1 was still running" in msg and "_stuck_here" in msg, msg
-    assert time.monotonic() - t0 < 45  # the survivors get a short grace period, not the whole timeout
-    with pytest.raises(ValueError, match="grace_s must be > 0, got 0"):
-        parallel_launch(2, _one_fails_one_hangs, grace_s=0)
-
-
-def test_a_timeout_names_the_rank_and_where_it_hangs():
-    t0 = time.monotonic()
-    with pytest.raises(RankError) as e:
-        parallel_launch(2, _one_hangs, backend="gloo", timeout_s=12)
-    # the deadline, the stack dump (1 s), a margin: a hung rank is killed once its stacks are taken
-    assert time.monotonic() - t0 < 12 + 1 + 3, time.monotonic() - t0
-    msg = str(e.value)
-    assert "ranks [1] did not finish within 12 s" in msg
-    assert "rank 1 was still running" in msg and "_stuck_here" in msg, msg
-
-
 def _hangs_deaf(ctx):
     if ctx.rank == 1:
         import signal
@@ -55,10 +33,55 @@ def _hangs_deaf(ctx):
     return ctx.rank
 
 
-def test_a_rank_that_cannot_take_the_signal_still_leaves_its_stacks():
-    with pytest.raises(RankError) as e:
-        parallel_launch(2, _hangs_deaf, backend="gloo", timeout_s=14)  # its watchdog writes at 9 s
-    msg = str(e.value)
+# The launches that wait out a grace period or a deadline (3, 12 and 14 s): started together, each in a
+# thread of this process, by the first test that asks for one (they sleep: one after the other they took
+# ~33 s of a CI run, together ~15 s).
+HANGS = {"failure": (_one_fails_one_hangs, {"timeout_s": 60, "grace_s": 3.0}),
+         "timeout": (_one_hangs, {"timeout_s": 12}),
+         "deaf": (_hangs_deaf, {"timeout_s": 14})}  # its watchdog writes at 9 s
+
+
+def _timed_launch(fn, kw):
+    """``(the RankError raised or None, seconds the launch took)``."""
+    t0 = time.monotonic()
+    try:
+        parallel_launch(2, fn, backend="gloo", **kw)
+    except RankError as e:
+        return e, time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def hangs():
+    with concurrent.futures.ThreadPoolExecutor(len(HANGS)) as pool:
+        yield {name: pool.submit(_timed_launch, fn, kw) for name, (fn, kw) in HANGS.items()}
+
+
+def test_a_failure_reports_the_other_ranks_stacks(hangs):
+    err, took = hangs["failure"].result()
+    assert isinstance(err, RankError), err
+    msg = str(err)
+    assert "rank 0 gives up" in msg
+    assert "rank 1 was still running" in msg and "_stuck_here" in msg, msg
+    assert took < 45  # the survivors get a short grace period, not the whole timeout
+    with pytest.raises(ValueError, match="grace_s must be > 0, got 0"):
+        parallel_launch(2, _one_fails_one_hangs, grace_s=0)
+
+
+def test_a_timeout_names_the_rank_and_where_it_hangs(hangs):
+    err, took = hangs["timeout"].result()
+    assert isinstance(err, RankError), err
+    # the deadline, the stack dump (1 s), a margin: a hung rank is killed once its stacks are taken
+    assert took < 12 + 1 + 3, took
+    msg = str(err)
+    assert "ranks [1] did not finish within 12 s" in msg
+    assert "rank 1 was still running" in msg and "_stuck_here" in msg, msg
+
+
+def test_a_rank_that_cannot_take_the_signal_still_leaves_its_stacks(hangs):
+    err, _ = hangs["deaf"].result()
+    assert isinstance(err, RankError), err
+    msg = str(err)
     assert "rank 1 was still running" in msg and "_stuck_here" in msg, msg
 
 
