@@ -15,6 +15,10 @@ Without CUDA (CI), every launch whose environment is the session's forks its ran
 that imported torch once (``launcher.fork_from_server``): a rank then starts in a fraction of a second
 instead of importing torch itself (about 2 s of CPU a rank, 130 ranks a run). With CUDA the ranks spawn, as
 a user's launches do.
+
+Tier 1's kernel scripts (``tests/unit/test_kernel_sims.py``, ``test_ht_kernels.py``: single-threaded processes,
+the longest about 30 s) start as soon as the tests are collected, at the lowest priority: they take the core
+that the in-process tests before theirs leave idle, instead of the time of their own tests.
 """
 
 from __future__ import annotations
@@ -39,3 +43,18 @@ def _fork_ranks_from_a_server() -> None:
 
 
 _fork_ranks_from_a_server()
+
+
+def pytest_collection_finish(session):
+    sims = sys.modules.get("test_kernel_sims")  # (test_ht_kernels imports its machinery from there)
+    if sims is None or session.config.option.collectonly:
+        return
+    scripts = [getattr(item, "callspec", None) and item.callspec.params.get("script") for item in session.items
+               if hasattr(getattr(item, "module", None), "started_scripts")]
+    sims.start_early([s for s in scripts if s])
+
+
+def pytest_sessionfinish(session):
+    sims = sys.modules.get("test_kernel_sims")
+    if sims is not None:
+        sims.stop_early()

@@ -3,7 +3,7 @@ tests/unit/test_kernel_sims.py runs its scripts (``plan N``, then one ``ok`` per
 sims/compile_ht.py compiles them for sm_90 with Triton's compiler and ptxas, in the variants the backend
 launches (the exchange with the handle, the gather that pushes, cached too, the combine in one kernel,
 the layout); sims/sim_ht_layout.py runs the layout kernel under the interpreter against
-``layout.dispatch_layout``, bitwise. The fused kernels' logic runs end to end in tier 2
+``layout.dispatch_layout``, bitwise. Both start as soon as the session's tests are collected (tests/conftest.py). The fused kernels' logic runs end to end in tier 2
 (tests/dist/test_nvlink_cpu.py) against the reference backend."""
 import pytest
 
