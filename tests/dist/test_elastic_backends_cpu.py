@@ -89,7 +89,9 @@ def _host_budget(ctx, tag):
     from epcomm.testing.torch_calls import HostCount
 
     OnBackend = _on_backend(ctx, tag, "nvlink")
-    case = C.V2Case(num_ranks=2, tokens=(12, 16), hidden=128, num_topk=8, num_experts=16, seed=7, masked=0.1)
+    # (few tokens: the counts do not depend on T, 3 and 5 give every count that 12 and 16 did, and every program
+    # of every launch runs in Python here)
+    case = C.V2Case(num_ranks=2, tokens=(3, 5), hidden=128, num_topk=8, num_experts=16, seed=7, masked=0.1)
     counting: list = []
 
     def make(**kw):
