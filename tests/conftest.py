@@ -16,9 +16,10 @@ that imported torch once (``launcher.fork_from_server``): a rank then starts in 
 instead of importing torch itself (about 2 s of CPU a rank, 130 ranks a run). With CUDA the ranks spawn, as
 a user's launches do.
 
-Tier 1's kernel scripts (``tests/unit/test_kernel_sims.py``, ``test_ht_kernels.py``: single-threaded processes,
-the longest about 30 s) start as soon as the tests are collected, at the lowest priority: they take the core
-that the in-process tests before theirs leave idle, instead of the time of their own tests.
+Work that leaves cores idle starts as soon as the tests are collected (``pytest_collection_finish`` below), and
+runs while tier 1 runs in this one process: tier 1's kernel scripts (``tests/unit/test_kernel_sims.py``,
+``test_ht_kernels.py``: single-threaded processes, the longest about 30 s) at the lowest priority, and
+``tests/dist/test_launcher.py``'s launches that sleep out a deadline; their tests collect the results.
 """
 
 from __future__ import annotations
@@ -45,16 +46,24 @@ def _fork_ranks_from_a_server() -> None:
 _fork_ranks_from_a_server()
 
 
+_EARLY: list = []  # the test modules whose start_early ran
+
+
 def pytest_collection_finish(session):
-    sims = sys.modules.get("test_kernel_sims")  # (test_ht_kernels imports its machinery from there)
-    if sims is None or session.config.option.collectonly:
+    """A test module that defines ``start_early(items)`` gets its selected tests once all are collected (it
+    starts what they will collect), and ``stop_early()`` at the end of the session."""
+    if session.config.option.collectonly:
         return
-    scripts = [getattr(item, "callspec", None) and item.callspec.params.get("script") for item in session.items
-               if hasattr(getattr(item, "module", None), "started_scripts")]
-    sims.start_early([s for s in scripts if s])
+    by_module: dict = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if hasattr(module, "start_early"):
+            by_module.setdefault(module, []).append(item)
+    for module, items in by_module.items():
+        _EARLY.append(module)
+        module.start_early(items)
 
 
 def pytest_sessionfinish(session):
-    sims = sys.modules.get("test_kernel_sims")
-    if sims is not None:
-        sims.stop_early()
+    for module in _EARLY:
+        module.stop_early()

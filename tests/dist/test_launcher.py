@@ -34,8 +34,9 @@ def _hangs_deaf(ctx):
 
 
 # The launches that wait out a grace period or a deadline (3, 12 and 14 s): started together, each in a
-# thread of this process, by the first test that asks for one (they sleep: one after the other they took
-# ~33 s of a CI run, together ~15 s).
+# thread of this process, once the session's tests are collected (``start_early``, from tests/conftest.py), or
+# else by the first test that asks for one. Their ranks sleep: one after the other they took ~33 s of a CI
+# run, together ~15 s, and from the start of the session none of its time.
 HANGS = {"failure": (_one_fails_one_hangs, {"timeout_s": 60, "grace_s": 3.0}),
          "timeout": (_one_hangs, {"timeout_s": 12}),
          "deaf": (_hangs_deaf, {"timeout_s": 14})}  # its watchdog writes at 9 s
@@ -51,10 +52,31 @@ def _timed_launch(fn, kw):
     return None, time.monotonic() - t0
 
 
+_STARTED: dict = {}  # name -> the future of its launch
+_POOL: list = []
+
+
+def _start_hangs() -> dict:
+    if not _STARTED:
+        _POOL.append(concurrent.futures.ThreadPoolExecutor(len(HANGS)))
+        _STARTED.update({name: _POOL[0].submit(_timed_launch, fn, kw) for name, (fn, kw) in HANGS.items()})
+    return _STARTED
+
+
+def start_early(items) -> None:
+    if any("hangs" in item.fixturenames for item in items):
+        _start_hangs()
+
+
+def stop_early() -> None:
+    while _POOL:
+        _POOL.pop().shutdown(wait=True)  # (each launch ends within its deadline)
+
+
 @pytest.fixture(scope="module")
 def hangs():
-    with concurrent.futures.ThreadPoolExecutor(len(HANGS)) as pool:
-        yield {name: pool.submit(_timed_launch, fn, kw) for name, (fn, kw) in HANGS.items()}
+    yield _start_hangs()
+    stop_early()
 
 
 def test_a_failure_reports_the_other_ranks_stacks(hangs):

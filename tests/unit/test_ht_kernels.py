@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("numpy")
 
-from test_kernel_sims import collect, started_scripts  # noqa: E402
+from test_kernel_sims import collect, start_early, started_scripts, stop_early  # noqa: E402, F401 (tests/conftest.py)
 
 SCRIPTS = ["compile_ht.py", "sim_ht_layout.py"]
 

@@ -41,10 +41,12 @@ def start(script: str, nice: int = 0) -> subprocess.Popen:
 _EARLY: dict[str, subprocess.Popen] = {}
 
 
-def start_early(scripts) -> None:
-    """Start ``scripts`` now, at the lowest priority: they run on the cores the tests before theirs leave idle
-    (tier 1 runs in this one process) and are done, or nearly, when their tests come."""
-    for script in scripts:
+def start_early(items) -> None:
+    """The scripts of ``items`` (this session's tests of this module, or of one that imports this) started now,
+    at the lowest priority: they run on the cores the tests before theirs leave idle (tier 1 runs in this one
+    process) and are done, or nearly, when their tests come."""
+    for item in items:
+        script = item.callspec.params["script"]
         if script not in _EARLY:
             _EARLY[script] = start(script, nice=19)
 
