@@ -39,6 +39,15 @@ def test_a_timeout_names_the_phase_the_peer_and_what_it_waited_for():
         raise_error_word(_be(), [42, 2, 1, 2])
 
 
+def test_an_error_word_no_kernel_writes_is_not_called_a_timeout():
+    # a word of -1s (seen on a GPU when recorded launches were replayed outside their calls) once read
+    # "phase -1 waited 2.5 s for rank -1"
+    for word in ([-1, -1, -1, -1], [5, -1, 3, 4]):
+        with pytest.raises(RuntimeError, match=r"error word reads \[.*no epcomm kernel records") as e:
+            raise_error_word(_be(), word)
+        assert not isinstance(e.value, PeerTimeoutError)
+
+
 def test_a_low_latency_timeout_blames_differing_m_first():
     with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank differs across ranks: 8 on rank 0, "
                                          "0 on rank 1, 16 on rank 2"):

@@ -129,6 +129,12 @@ def raise_error_word(be, word: list, announced_ms: Callable[[], list] | None = N
     if code == 11:
         raise ValueError(f"num_tokens_per_rank on rank {word[1]} says {word[2]} tokens for a rank to which its "
                          f"is_token_in_rank sends {word[3]} (found on the device; this Buffer is now unusable)")
+    if code < 0 or word[1] < 0:
+        # record_error writes positive codes and a real rank; anything else is a word that was overwritten
+        # (a kernel writing out of bounds, or launches replayed outside their calls), not a peer's timeout
+        raise RuntimeError(f"epcomm rank {be.rank}: the device error word reads {list(word)}, which no epcomm "
+                           "kernel records (codes are positive, the peer a rank): the error area was "
+                           "overwritten; this Buffer is now unusable")
     if code == 6 and announced_ms is not None:
         ms = announced_ms()
         if len({m for m in ms if m}) > 1:
