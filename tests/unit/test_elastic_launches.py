@@ -111,6 +111,12 @@ def test_dsv3_v2_launches_are_bounded_and_move_tiles(num_sms):
     names = [c[0] for c in calls]
     assert names.count("_combine_impl_kernel") == 2 and names.count("_dispatch_copy_epilogue_impl_kernel") == 1, names
     assert names.count("_combine_pack_kernel") == 1, names  # the expanded combine's local sum; contiguous: none
+    # a contiguous dispatch's epilogue is one launch (metadata, counts and prefix sums); an expanded one adds
+    # the layout (then the copy)
+    assert names[:2] == ["_dispatch_copy_epilogue_impl_meta_kernel", "_combine_impl_kernel"], names
+    at = names.index("_recv_meta_kernel")
+    want = ["_recv_meta_kernel", "_expert_layout_kernel", "_dispatch_copy_epilogue_impl_kernel"]
+    assert names[at:at + 3] == want, names
     assert _waiting_kernels() == {"_combine_impl_kernel", "_combine_arrive_kernel"}
     report = []
     for name, grid, consts, rows in calls:
@@ -129,7 +135,7 @@ def test_dsv3_v2_launches_are_bounded_and_move_tiles(num_sms):
             step = consts["RB"] * consts["BLOCK"]
             steps = math.ceil(rows / (programs * consts["RB"])) * math.ceil(consts["ROW"] / consts["BLOCK"])
         elif name == "_expert_layout_kernel":
-            assert grid[0] in (1, LE), grid  # program e scans every row for expert e
+            assert grid[0] == LE, grid  # program e scans every row for expert e (expanded dispatches only)
             steps = math.ceil(rows / consts["BN"])
             assert steps <= 16, (name, consts["BN"], steps)
             continue

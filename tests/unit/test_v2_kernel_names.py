@@ -66,9 +66,11 @@ def entry(fn, types, consts):
     ptx = triton.compile(src, target=TARGET, options={"num_warps": 4}).asm["ptx"]
     print("entry", [l.split()[-1].rstrip("(") for l in ptx.splitlines() if ".entry" in l][0])
 META = dict(rpm=I32, recv_src=I32, recv_local=I64, local=I64, local_out=I64, meta=I32, gid=I64, counts=I32,
-            psum_rank=I32, topk=I64, send_head=I32, dst_slot=I32)
+            psum=I32, psum_rank=I32, cum=I32, topk=I64, topk_copy=I64, send_head=I32, dst_slot=I32, part=I32,
+            ticket=I32)
 entry(v2._dispatch_copy_epilogue_impl_meta_kernel, META,
-      dict(R=8, K=8, LE=32, KP=8, BN=128, RB=8, COPY=True, EXPAND=False))
+      dict(R=8, K=8, LE=32, LEP=32, HB=32, KP=8, BN=128, RB=8, COPY=True, EXPAND=False, HAS_CUM=False,
+           COPY_TOPK=True))
 for w in (False, True):
     entry(v2._dispatch_copy_epilogue_impl_cached_kernel, dict(local=I64, out_k=I64, w_src="*bf16", w_out="*fp32"),
           dict(K=8, KP=8, W_OFF=14338, W_STRIDE=14400, HAS_W=w, BN=128))

@@ -80,6 +80,8 @@ class Kernels:
         self._launchers: dict = {}
         self._go: dict = {}
         self._plans: dict = {}  # recv_meta's, per kind of call
+        self._scratch: dict = {}  # recv_meta's counts and ticket, per device (_counts_scratch)
+        self._pinned: list = []  # scratches made while a graph was captured: that graph replays into them
 
     def launch(self, name: str, key: tuple, consts: dict, grid: tuple, *args) -> None:
         """``kernels/v2.<name>`` on ``grid`` (3 ints) with ``args`` (all positional, tensors and ints);
@@ -100,12 +102,13 @@ class Kernels:
 
     def recv_meta(self, rpm, me: int, recv_src_idx, recv_local, send_head, topk_idx, m: int, le: int,
                   alignment: int, x_rows: int, expand: bool, cum, copy_topk: bool = False) -> EL.RecvMeta:
-        """``elastic_layout.recv_meta`` in two launches (``_recv_meta_kernel``, or for a contiguous dispatch the
-        same kernel as ``_dispatch_copy_epilogue_impl_meta_kernel``, then ``_expert_layout_kernel``);
-        ``cum`` (``int32[LE]`` or None) gains the counts. The kernels read rows in place: every tensor is
-        made contiguous first (a no-op for the backend's and most callers' tensors). A kind of call (sizes,
-        dtypes, flags, alignment) is planned once (:meth:`_meta_plan`): a repeat costs its outputs and
-        the two launches."""
+        """``elastic_layout.recv_meta``: for a contiguous dispatch one launch (``_recv_meta_kernel``'s body as
+        ``_dispatch_copy_epilogue_impl_meta_kernel``: every output, the counts and prefix sums, ``cum``, the
+        copy of ``topk_idx``); an expanded one launches ``_recv_meta_kernel`` and then
+        ``_expert_layout_kernel`` (the layout). ``cum`` (``int32[LE]`` or None) gains the counts. No output
+        is zeroed first. The kernels read rows in place: every tensor is made contiguous first (a no-op
+        for the backend's and most callers' tensors). A kind of call (sizes, dtypes, flags, alignment) is
+        planned once (:meth:`_meta_plan`): a repeat costs its outputs and the launches."""
         n, k = recv_local.shape
         t = topk_idx.shape[0]
         rpm, recv_src_idx, recv_local = _contiguous(rpm), _contiguous(recv_src_idx), _contiguous(recv_local)
@@ -117,9 +120,11 @@ class Kernels:
             if len(self._plans) > 64:
                 self._plans.clear()
             plan = self._plans[key] = self._meta_plan(key)
-        go_rows, g_rows, go_layout, g_layout, small, r_, (wide, rows_at), (ones, ones_at) = plan
+        go_rows, g_rows, go_layout, small, r_, (wide, rows_at), (ones, ones_at) = plan
         dev = recv_local.device
-        counts, psum, psum_rank = torch.zeros(small, dtype=torch.int32, device=dev).split_with_sizes((le, le, r_))
+        part, ticket = self._counts_scratch(dev)
+        small = torch.empty(small, dtype=torch.int32, device=dev)
+        counts, psum, psum_rank = small.split_with_sizes((le, le, r_))
         meta = torch.empty(n, k + 2, dtype=torch.int32, device=dev)
         dst = torch.empty(t, k, dtype=torch.int32, device=dev)
         # the int64 outputs from two blocks, each part 16-byte aligned (pads where K is odd): rows of K ids
@@ -131,32 +136,51 @@ class Kernels:
             gid, source = parts[0], parts[ones_at[1]]
         else:  # (no expanded rows: an empty source, the plan's, as the torch twin's; read by no one)
             gid, source = torch.empty(n, dtype=torch.int64, device=dev), ones
-        go_rows(g_rows, 1, 1, rpm, recv_src_idx, recv_local, local, local if expand else local_out, meta, gid, counts,
-                psum_rank, topk_idx, send_head, dst)
-        go_layout(g_layout, 1, 1, counts, psum, stats if cum is not None else counts, local, rpm, meta,
-                  source if expand else counts)
+        go_rows(g_rows, 1, 1, rpm, recv_src_idx, recv_local, local, local if expand else local_out, meta, gid,
+                counts, psum, psum_rank, stats if cum is not None else counts, topk_idx,
+                topk_copy if copy_topk else topk_idx, send_head, dst, part, ticket)
+        if expand:
+            go_layout(le, 1, 1, counts, local, rpm, meta, source)
         if stats is not cum:  # a strided cumulative_local_expert_recv_stats: updated through a copy
             cum.copy_(stats)
-        if copy_topk:
-            topk_copy.copy_(topk_idx)
         return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, source, dst, topk_copy)
 
+    def _counts_scratch(self, dev) -> tuple:
+        """``(part int32[256], ticket int32[4])`` of ``_recv_meta_kernel`` on ``dev``: allocated zeroed once
+        (each launch leaves them at 0). Allocated while a graph is captured, the zeroing is a node of the
+        graph, run at its replays only: such a scratch serves that call alone, kept alive for the graph."""
+        got = self._scratch.get(dev)
+        if got is None:
+            got = torch.zeros(EL.MAX_LOCAL_EXPERTS + 4, dtype=torch.int32, device=dev).split_with_sizes(
+                (EL.MAX_LOCAL_EXPERTS, 4))
+            if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                self._pinned.append(got)
+            else:
+                self._scratch[dev] = got
+        return got
+
     def _meta_plan(self, key: tuple):
-        """``recv_meta``'s launches for ``key``, their sizes and grids resolved: ``(go_rows (12 tensors), its
-        grid, go_layout (7 tensors), its grid, size of the small int32 outputs, R, an empty int64 source)``."""
+        """``recv_meta``'s launches for ``key``, their sizes and grids resolved: ``(go_rows (17 tensors), its
+        grid, go_layout (5 tensors; None: contiguous), size of the small int32 outputs, R, the int64 blocks'
+        parts)``."""
         n, t, k, r_, le, m, me, alignment, x_rows, expand, has_cum, copy_topk = key[:12]
-        kp, rb = _pow2(k), min(RB, _pow2(r_))
-        lkey = (r_, k, le, expand, has_cum) + key[-4:-2] + key[-1:]  # the compiled kernels' key
+        assert le <= EL.MAX_LOCAL_EXPERTS, le  # (ElasticBuffer checks it): the counts' scratch holds them
+        kp, rb, lep = _pow2(k), min(RB, _pow2(r_)), _pow2(le)
+        lkey = (r_, k, le, expand) + key[-4:-2] + key[-1:]  # the compiled kernels' key
         # a contiguous dispatch's epilogue is this kernel (named for DeepEP's timing); an expanded one's the copy
-        go_rows = self.bound("_recv_meta_kernel" if expand else "_dispatch_copy_epilogue_impl_meta_kernel", lkey,
-                             dict(R=r_, K=k, LE=le, KP=kp, BN=BN, RB=rb, COPY=not expand, EXPAND=expand, num_warps=4),
-                             (None, me, None, None, n, None, None, None, None, None, None, None, None, t, None, m))
-        go_layout = self.bound("_expert_layout_kernel", lkey, dict(
-            R=r_, K=k, LE=le, LEP=_pow2(le), KP=kp, BN=LBN, EXPAND=expand, HAS_CUM=has_cum,
-            num_warps=16 if expand else 4),
-            (None, None, None, None, None, me, alignment, None, None, x_rows if expand else 0))
-        return (go_rows, max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, go_layout, le if expand else 1,
-                2 * le + r_, r_, _parts((n, None if expand else n, t if copy_topk else None), k),
+        go_rows = self.bound("_recv_meta_kernel" if expand else "_dispatch_copy_epilogue_impl_meta_kernel",
+                             lkey + (has_cum, copy_topk),
+                             dict(R=r_, K=k, LE=le, LEP=lep, HB=max(lep, 32), KP=kp, BN=BN, RB=rb,
+                                  COPY=not expand, EXPAND=expand, HAS_CUM=has_cum, COPY_TOPK=copy_topk,
+                                  num_warps=4),
+                             (None, me, None, None, n) + (None,) * 11 + (t, None, m, alignment, None, None))
+        go_layout = None
+        if expand:
+            go_layout = self.bound("_expert_layout_kernel", lkey,
+                                   dict(R=r_, K=k, LE=le, LEP=lep, KP=kp, BN=LBN, num_warps=16),
+                                   (None, None, None, me, alignment, None, None, x_rows))
+        return (go_rows, max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, go_layout, 2 * le + r_, r_,
+                _parts((n, None if expand else n, t if copy_topk else None), k),
                 _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=key[-2]), 0))
 
     def bound(self, name: str, key: tuple, consts: dict, template: tuple):

@@ -1,9 +1,10 @@
 """Kernels of ``ElasticBuffer`` (DeepEP V2's API), launched by ``backends/elastic_kernels.py`` wherever the
 backend runs kernels (each has a torch twin in ``elastic_layout.py``, the same bytes):
 
-- dispatch: ``_recv_meta_kernel`` (launched as ``_dispatch_copy_epilogue_impl_meta_kernel`` by a contiguous
-  dispatch) and ``_expert_layout_kernel`` (the handle's metadata, counts, prefix sums and the expanded
-  layout), ``_dispatch_copy_epilogue_impl_kernel`` (the expanded rows),
+- dispatch: ``_recv_meta_kernel`` (the handle's metadata, counts and prefix sums; launched as
+  ``_dispatch_copy_epilogue_impl_meta_kernel`` by a contiguous dispatch, its one launch after the
+  transfer), ``_expert_layout_kernel`` (the expanded layout), ``_dispatch_copy_epilogue_impl_kernel`` (the
+  expanded rows),
   ``_dispatch_copy_epilogue_impl_cached_kernel`` (a cached contiguous dispatch's ids and weights); each
   dispatch launches one kernel named ``dispatch_copy_epilogue_impl`` (docs/v2.md, "Kernel names");
 - combine: ``_combine_pack_kernel`` (the rows sent back, where the transport cannot read them in place: an
@@ -126,34 +127,47 @@ def _bf16(acc):
         return acc.to(tl.bfloat16)
 
 
-@triton.jit(do_not_specialize=["N", "T", "M"])
-def _recv_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, gid, counts, psum_rank, topk,
-                      send_head, T, dst_slot, M, R: tl.constexpr, K: tl.constexpr, LE: tl.constexpr,
+@triton.jit(do_not_specialize=["N", "T", "M", "A"])
+def _recv_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, gid, counts, psum, psum_rank,
+                      cum, topk, topk_copy, send_head, T, dst_slot, M, A, part, ticket, R: tl.constexpr,
+                      K: tl.constexpr, LE: tl.constexpr, LEP: tl.constexpr, HB: tl.constexpr,
                       KP: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr, COPY: tl.constexpr,
-                      EXPAND: tl.constexpr):
-    """Per received row (programs ``0 .. ceil(N/BN)-1``, ``BN`` rows each) and per sent token (the programs
-    after, ``BN`` tokens each), what ``elastic_layout.recv_meta`` computes in torch:
+                      EXPAND: tl.constexpr, HAS_CUM: tl.constexpr, COPY_TOPK: tl.constexpr):
+    """Per received row (programs ``0 .. P-1``, ``P = max(1, ceil(N/BN))``, ``BN`` rows each) and per sent
+    token (the programs after, ``BN`` tokens each), what ``elastic_layout.recv_meta`` computes in torch:
 
     - ``rpm int32[R, R]`` (``rank_prefix_matrix``): column ``me`` -> ``psum_rank int32[R]``; a row's source
       rank is the number of entries ``<=`` its index; rows from the last entry on are padding.
     - ``gid int64[N]`` = ``src_rank * M + recv_src[row]`` (``-1``: padding), ``local int64[N, K]`` (and
-      ``local_out`` with ``COPY``) = ``recv_local`` with padding rows ``-1``; ``counts int32[LE]``
-      (zeroed) gains each local id once.
+      ``local_out`` with ``COPY``) = ``recv_local`` with padding rows ``-1``.
     - ``meta int32[N, K+2]``: ``[gid, src_rank * K + highest local lane or -1, -1 ...]``; with ``EXPAND``
       the local lanes' columns are left to ``_expert_layout_kernel``.
+    - the counts: each row program adds the histogram of its local ids (``HB >= LE`` bins) into ``part
+      int32[LE]`` and takes a ticket (``ticket int32[1]``); the last of the ``P`` takes the sums (putting
+      ``part`` and the ticket back to 0 for the next launch or a graph's replay) and writes ``counts
+      int32[LE]``, ``psum int32[LE]`` with alignment ``A`` (inclusive sums of the aligned counts;
+      ``EXPAND``: aligned start + count) and adds the counts to ``cum`` (``HAS_CUM``). So no output is
+      zeroed first and no second launch sums them. ``part`` and ``ticket`` start at 0 (allocated zeroed
+      once); launches that share them run in order, as a buffer's calls do.
     - ``dst_slot int32[T, K]`` = ``d * M + send_head[t, d]`` with ``d = topk[t, j] // LE``, ``-1`` for
-      ``-1`` lanes.
+      ``-1`` lanes; ``COPY_TOPK``: ``topk_copy int64[T, K]`` = ``topk`` (the handle's copy).
 
     Example (``R = 2, M = 4, K = 2``, rank 1, ``rpm[:, 1] = [1, 3]``, ``N = 4``, ``recv_src = [2, 0, 3, *]``,
-    ``recv_local = [[0, -1], [1, 0], [-1, 1], *]``): gid ``[2, 4, 7, -1]``, meta column 1 ``[0, 3, 3, -1]``,
-    counts ``[2, 2]``."""
+    ``recv_local = [[0, -1], [1, 0], [-1, 1], *]``, ``A = 2``): gid ``[2, 4, 7, -1]``, meta column 1
+    ``[0, 3, 3, -1]``, counts ``[2, 2]``, psum ``[2, 4]``."""
     pid = tl.program_id(0)
-    nbn = tl.maximum((N + BN - 1) // BN, 1)  # program 0 handles rows (psum_rank) even when N = 0
+    nbn = tl.maximum((N + BN - 1) // BN, 1)  # program 0 handles rows (psum_rank, the counts) even when N = 0
     lanes = tl.arange(0, KP)
     lm = lanes < K
     if pid < nbn:
         rows = pid * BN + tl.arange(0, BN)
         rm = rows < N
+        at = rows[:, None] * K + lanes[None, :]
+        m2 = rm[:, None] & lm[None, :]
+        # every load at once (padding rows are read too, and masked below: no load waits for the rank prefix)
+        sidx = tl.load(recv_src + rows, mask=rm, other=0)
+        raw = tl.load(recv_local + at, mask=m2, other=-1)
+        total = tl.load(rpm + (R - 1) * R + me)
         src = tl.zeros([BN], dtype=tl.int32)
         for r0 in range(0, R, RB):
             rs = r0 + tl.arange(0, RB)
@@ -161,19 +175,36 @@ def _recv_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, 
             src += tl.sum((rows[:, None] >= p[None, :]).to(tl.int32), 1)
             if pid == 0:
                 tl.store(psum_rank + rs, p, mask=rs < R)
-        total = tl.load(rpm + (R - 1) * R + me)
         valid = rows < total
-        sidx = tl.load(recv_src + rows, mask=valid & rm, other=0)
+        loc = tl.where(valid[:, None], raw, -1)
+        here = loc >= 0
+        # the counts first: the ticket's release then waits for these adds only, not for the rows' stores
+        hist = tl.histogram(tl.reshape(tl.where(here, loc, 0).to(tl.int32), [BN * KP]), HB,
+                            mask=tl.reshape(here, [BN * KP]))
+        hb = tl.arange(0, HB)
+        tl.atomic_add(part + hb, hist, mask=hb < LE, sem="relaxed", scope="gpu")
+        tl.debug_barrier()
+        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == nbn - 1:  # the last row program
+            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+            es = tl.arange(0, LEP)
+            em = es < LE
+            zero = tl.zeros([LEP], dtype=tl.int32)
+            c = tl.atomic_xchg(part + es, zero, mask=em, sem="relaxed", scope="gpu")
+            c = tl.where(em, c, 0)
+            al = (c + A - 1) // A * A
+            incl = tl.cumsum(al, 0)
+            tl.store(counts + es, c, mask=em)
+            if EXPAND:
+                tl.store(psum + es, incl - al + c, mask=em)
+            else:
+                tl.store(psum + es, incl, mask=em)
+            if HAS_CUM:
+                tl.store(cum + es, tl.load(cum + es, mask=em, other=0) + c, mask=em)
         g = tl.where(valid, src.to(tl.int64) * M + sidx, -1)
         tl.store(gid + rows, g, mask=rm)
-        m2 = rm[:, None] & lm[None, :]
-        at = rows[:, None] * K + lanes[None, :]
-        loc = tl.load(recv_local + at, mask=valid[:, None] & lm[None, :], other=-1)
         tl.store(local + at, loc, mask=m2)
         if COPY:
             tl.store(local_out + at, loc, mask=m2)
-        here = loc >= 0
-        tl.atomic_add(counts + tl.where(here, loc, 0), 1, mask=here, sem="relaxed")
         master = tl.max(tl.where(here, lanes[None, :], -1), 1)
         mrow = meta + rows * (K + 2)
         tl.store(mrow, g.to(tl.int32), mask=rm)
@@ -190,75 +221,70 @@ def _recv_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, 
         ok = (ids >= 0) & (d < R)
         there = tl.load(send_head + t[:, None] * R + d, mask=ok & tm, other=0)
         tl.store(dst_slot + at, tl.where(ok, d * M + there, -1).to(tl.int32), mask=tm & lm[None, :])
+        if COPY_TOPK:
+            tl.store(topk_copy + at, ids, mask=tm & lm[None, :])
 
 
-@triton.jit(do_not_specialize=["N", "T", "M"])
-def _dispatch_copy_epilogue_impl_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, gid, counts,
-                                             psum_rank, topk, send_head, T, dst_slot, M, R: tl.constexpr,
-                                             K: tl.constexpr, LE: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
-                                             RB: tl.constexpr, COPY: tl.constexpr, EXPAND: tl.constexpr):
+@triton.jit(do_not_specialize=["N", "T", "M", "A"])
+def _dispatch_copy_epilogue_impl_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, gid,
+                                             counts, psum, psum_rank, cum, topk, topk_copy, send_head, T,
+                                             dst_slot, M, A, part, ticket, R: tl.constexpr, K: tl.constexpr,
+                                             LE: tl.constexpr, LEP: tl.constexpr, HB: tl.constexpr,
+                                             KP: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
+                                             COPY: tl.constexpr, EXPAND: tl.constexpr, HAS_CUM: tl.constexpr,
+                                             COPY_TOPK: tl.constexpr):
     """A contiguous dispatch's copy epilogue (``dispatch_copy_epilogue_impl`` in DeepEP's names, so that its
     profiler-based timing finds one): ``_recv_meta_kernel`` with ``COPY``, launched under this name. The
     transfer (``_dispatch_impl_kernel``) already wrote the rows, scales and weights into the outputs; what
     is left to finish them is this kernel's: the received top-k ids copied into ``recv_topk_idx`` (padding
-    rows ``-1``) and the handle's per-row metadata. An expanded dispatch launches ``_recv_meta_kernel``:
-    its epilogue is the expanded copy, ``_dispatch_copy_epilogue_impl_kernel``."""
-    _recv_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, gid, counts, psum_rank, topk,
-                      send_head, T, dst_slot, M, R, K, LE, KP, BN, RB, COPY, EXPAND)
+    rows ``-1``) and the handle's metadata, counts and prefix sums: the dispatch's only launch after the
+    transfer. An expanded dispatch launches ``_recv_meta_kernel``: its epilogue is the expanded copy,
+    ``_dispatch_copy_epilogue_impl_kernel``."""
+    _recv_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, gid, counts, psum, psum_rank,
+                      cum, topk, topk_copy, send_head, T, dst_slot, M, A, part, ticket, R, K, LE, LEP, HB, KP,
+                      BN, RB, COPY, EXPAND, HAS_CUM, COPY_TOPK)
 
 
 @triton.jit(do_not_specialize=["me", "A", "X"])
-def _expert_layout_kernel(counts, psum, cum, local, rpm, me, A, meta, source, X, R: tl.constexpr, K: tl.constexpr,
-                          LE: tl.constexpr, LEP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
-                          EXPAND: tl.constexpr, HAS_CUM: tl.constexpr):
-    """From the real counts ``counts int32[LE]`` (``_recv_meta_kernel``'s) and alignment ``A``: program 0
-    writes ``psum int32[LE]`` (contiguous: inclusive sums of the aligned counts; ``EXPAND``: aligned start +
-    count) and adds the counts to ``cum`` (``HAS_CUM``). With ``EXPAND`` program ``e`` lays out expert
-    ``e``: its rows in row order from its aligned start (``meta[row, 2 + lane]``, and ``source int64[X]`` =
-    ``row * K + lane``), its padding and a share of the tail ``source`` rows set to ``-1``. Only the real
-    rows (``rpm[R-1, me]``) of ``local int64[N, K]`` are read.
+def _expert_layout_kernel(counts, local, rpm, me, A, meta, source, X, R: tl.constexpr, K: tl.constexpr,
+                          LE: tl.constexpr, LEP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr):
+    """The expanded layout, from the real counts ``counts int32[LE]`` (``_recv_meta_kernel``'s) and alignment
+    ``A``: program ``e`` lays out expert ``e``: its rows in row order from its aligned start (``meta[row, 2 +
+    lane]``, and ``source int64[X]`` = ``row * K + lane``), its padding and a share of the tail ``source``
+    rows set to ``-1``. Only the real rows (``rpm[R-1, me]``) of ``local int64[N, K]`` are read.
 
-    Example (``LE = 2, A = 2``): ``local = [[0, 1], [-1, 1]]`` -> counts ``[1, 2]``, psum ``[1, 4]``, meta
-    lanes ``[[0, 2], [-1, 3]]``, source ``[0, -1, 1, 3]``."""
+    Example (``LE = 2, A = 2``): ``local = [[0, 1], [-1, 1]]``, counts ``[1, 2]`` -> meta lanes
+    ``[[0, 2], [-1, 3]]``, source ``[0, -1, 1, 3]``."""
     es = tl.arange(0, LEP)
     em = es < LE
     c = tl.load(counts + es, mask=em, other=0)
     al = (c + A - 1) // A * A
-    incl = tl.cumsum(al, 0)
-    start = incl - al
+    start = tl.cumsum(al, 0) - al
     pid = tl.program_id(0)
-    if pid == 0:
-        if EXPAND:
-            tl.store(psum + es, start + c, mask=em)
-        else:
-            tl.store(psum + es, incl, mask=em)
-        if HAS_CUM:
-            tl.store(cum + es, tl.load(cum + es, mask=em, other=0) + c, mask=em)
-    if EXPAND:
-        s_e = tl.sum(tl.where(es == pid, start, 0), 0)
-        pad_lo = s_e + tl.sum(tl.where(es == pid, c, 0), 0)
-        pad_hi = s_e + tl.sum(tl.where(es == pid, al, 0), 0)
-        lanes = tl.arange(0, KP)
-        lm = lanes < K
-        total = tl.load(rpm + (R - 1) * R + me)
-        run = s_e
-        for b in range(0, total, BN):
-            rows = b + tl.arange(0, BN)
-            at = rows[:, None] * K + lanes[None, :]
-            loc = tl.load(local + at, mask=(rows[:, None] < total) & lm[None, :], other=-1)
-            hit = loc == pid
-            has = tl.sum(hit.to(tl.int32), 1)
-            pos = run + tl.cumsum(has, 0) - has
-            pos2 = tl.broadcast_to(pos[:, None], [BN, KP])
-            tl.store(meta + rows[:, None] * (K + 2) + 2 + lanes[None, :], pos2, mask=hit)
-            tl.store(source + pos2, at.to(tl.int64), mask=hit)
-            run += tl.sum(has, 0)
-        offs = tl.arange(0, BN)
-        for p0 in range(pad_lo, pad_hi, BN):
-            tl.store(source + p0 + offs, tl.full([BN], -1, tl.int64), mask=p0 + offs < pad_hi)
-        end = tl.sum(al, 0)
-        for p0 in range(end + pid * BN, X, LE * BN):
-            tl.store(source + p0 + offs, tl.full([BN], -1, tl.int64), mask=p0 + offs < X)
+    s_e = tl.sum(tl.where(es == pid, start, 0), 0)
+    pad_lo = s_e + tl.sum(tl.where(es == pid, c, 0), 0)
+    pad_hi = s_e + tl.sum(tl.where(es == pid, al, 0), 0)
+    lanes = tl.arange(0, KP)
+    lm = lanes < K
+    total = tl.load(rpm + (R - 1) * R + me)
+    run = s_e
+    for b in range(0, total, BN):
+        rows = b + tl.arange(0, BN)
+        at = rows[:, None] * K + lanes[None, :]
+        loc = tl.load(local + at, mask=(rows[:, None] < total) & lm[None, :], other=-1)
+        hit = loc == pid
+        has = tl.sum(hit.to(tl.int32), 1)
+        pos = run + tl.cumsum(has, 0) - has
+        pos2 = tl.broadcast_to(pos[:, None], [BN, KP])
+        tl.store(meta + rows[:, None] * (K + 2) + 2 + lanes[None, :], pos2, mask=hit)
+        tl.store(source + pos2, at.to(tl.int64), mask=hit)
+        run += tl.sum(has, 0)
+    offs = tl.arange(0, BN)
+    for p0 in range(pad_lo, pad_hi, BN):
+        tl.store(source + p0 + offs, tl.full([BN], -1, tl.int64), mask=p0 + offs < pad_hi)
+    end = tl.sum(al, 0)
+    for p0 in range(end + pid * BN, X, LE * BN):
+        tl.store(source + p0 + offs, tl.full([BN], -1, tl.int64), mask=p0 + offs < X)
 
 
 @triton.jit(do_not_specialize=["X", "sf_rs", "sf_cs"])

@@ -39,8 +39,13 @@ def _received(g, r, me, m, k, le, sync):
     return rpm, src, local, n
 
 
-def recv_meta(seed, r, me, m, k, le, alignment, expand, sync, cum, strided=False):
-    """``strided``: the caller's top-k ids and statistics as strided views (the kernels read copies)."""
+META_KERNELS = ek.Kernels()  # every recv_meta check on one: each launch must leave its counts' scratch at 0
+
+
+def recv_meta(seed, r, me, m, k, le, alignment, expand, sync, cum, strided=False, copy_topk=False):
+    """``strided``: the caller's top-k ids and statistics as strided views (the kernels read copies);
+    ``copy_topk``: with the handle's copy of the top-k ids. The checks share one ``Kernels`` (and so the
+    counts' scratch) and each runs twice: a launch that left its scratch dirty fails the next."""
     g = torch.Generator().manual_seed(seed)
     rpm, src, local, n = _received(g, r, me, m, k, le, sync)
     t = int(torch.randint(0, m + 1, (), generator=g))
@@ -51,18 +56,21 @@ def recv_meta(seed, r, me, m, k, le, alignment, expand, sync, cum, strided=False
     if strided:
         topk = topk.t().contiguous().t()
         stats[0] = torch.arange(le, dtype=torch.int32).repeat_interleave(2)[::2]
-    got = ek.Kernels().recv_meta(rpm, me, src, local, send_head, topk, m, le, alignment, x_rows, expand, stats[0])
-    want = EL.recv_meta(rpm, me, src, local, send_head, topk, m, le, alignment, x_rows, expand, stats[1])
     what = f"recv_meta r={r} me={me} m={m} k={k} le={le} a={alignment} expand={expand} sync={sync} n={n}" + \
-        (" strided" if strided else "")
-    for name in EL.RecvMeta._fields:
-        a, b = getattr(got, name), getattr(want, name)
-        if b is None:
-            assert a is None, f"{what}: {name} should be None"
-        else:
-            assert_bitwise(a, b, f"{what}: {name}")
-    if cum:
-        assert_bitwise(stats[0], stats[1], f"{what}: cumulative stats")
+        (" strided" if strided else "") + (" copy_topk" if copy_topk else "")
+    for call in range(2):
+        got = META_KERNELS.recv_meta(rpm, me, src, local, send_head, topk, m, le, alignment, x_rows, expand,
+                                     stats[0], copy_topk)
+        want = EL.recv_meta(rpm, me, src, local, send_head, topk, m, le, alignment, x_rows, expand, stats[1],
+                            copy_topk)
+        for name in EL.RecvMeta._fields:
+            a, b = getattr(got, name), getattr(want, name)
+            if b is None:
+                assert a is None, f"{what}, call {call}: {name} should be None"
+            else:
+                assert_bitwise(a, b, f"{what}, call {call}: {name}")
+        if cum:
+            assert_bitwise(stats[0], stats[1], f"{what}, call {call}: cumulative stats")
     print("ok", what)
 
 
@@ -183,12 +191,14 @@ def reduce(seed, n_bias, with_w, master):
 
 if __name__ == "__main__":
     RUNS = [  # every check; the test asks for one "ok" line each
-        *[(recv_meta, dict(seed=10 + i, r=r, me=me, m=m, k=k, le=le, alignment=a, expand=ex, sync=sy, cum=cu))
-          for i, (r, me, m, k, le, a, ex, sy, cu) in enumerate([
-              (2, 1, 20, 3, 4, 1, False, True, False), (2, 0, 20, 3, 4, 4, True, False, True),
-              (3, 2, 9, 4, 3, 4, True, True, False), (3, 1, 9, 2, 5, 128, True, False, False),
-              (1, 0, 40, 3, 4, 1, True, True, True), (2, 1, 1, 1, 1, 1, True, False, False),
-              (3, 0, 12, 3, 2, 2, False, False, True)])],
+        *[(recv_meta, dict(seed=10 + i, r=r, me=me, m=m, k=k, le=le, alignment=a, expand=ex, sync=sy, cum=cu,
+                           copy_topk=ct))
+          for i, (r, me, m, k, le, a, ex, sy, cu, ct) in enumerate([
+              (2, 1, 20, 3, 4, 1, False, True, False, True), (2, 0, 20, 3, 4, 4, True, False, True, False),
+              (3, 2, 9, 4, 3, 4, True, True, False, True), (3, 1, 9, 2, 5, 128, True, False, False, False),
+              (1, 0, 40, 3, 4, 1, True, True, True, False), (2, 1, 1, 1, 1, 1, True, False, False, True),
+              (3, 0, 12, 3, 2, 2, False, False, True, False),
+              (1, 0, 40, 4, 6, 3, False, False, True, True)])],
         (recv_meta, dict(seed=20, r=2, me=1, m=12, k=3, le=4, alignment=2, expand=True, sync=False, cum=True,
                          strided=True)),
         *[(copy_epilogue, dict(seed=30 + i, dtype=dt, p=p, packed=pk, tma=tm, zero_pad=z, with_w=w))
