@@ -1,4 +1,4 @@
-"""Tier 1: the launches of ``ElasticBuffer``'s own kernels (``kernels/v2.py``) in a DeepSeek-V3-shaped call on
+"""Tier 1: the launches of ``ElasticBuffer``'s own kernels (``kernels/v2*.py``) in a DeepSeek-V3-shaped call on
 the nvlink backend (2 ranks, 4096 tokens a rank, hidden 7168, top-8, 256 experts; no CPU sync, so ``N = R*M``
 rows and the worst expanded rows), recorded from their launchers (``backends/elastic_kernels.py``,
 ``backends/nvlink_v2.py``) on meta tensors: which kernels spin-wait and how many programs they get, and how much
@@ -76,8 +76,10 @@ def _dsv3_calls(num_sms: int):
         if expand:
             x = EL.Rows(torch.empty(n, H, dtype=torch.bfloat16, **meta), 0, 2 * H)
             w = EL.Rows(torch.empty(n, K, dtype=torch.float32, **meta), 0, 4 * K)
-            kern.copy_epilogue(rm.source, K, False, DEVICE_SMS, x, torch.bfloat16, H, None, None, 0, False, w)
-            take(x_rows)
+            # by contiguous row (each read once, stored to its lanes' rows), from the handle's slots
+            kern.copy_epilogue(rm.source, K, False, DEVICE_SMS, x, torch.bfloat16, H, None, None, 0, False, w,
+                               slots=rm.meta[:, 2:])
+            take(n)
             rows, _ = kern.pack(torch.empty(x_rows, H, dtype=torch.bfloat16, **meta), rm.meta,
                                 torch.empty(x_rows, dtype=torch.float32, **meta), 1)
             take(n)
@@ -95,14 +97,15 @@ def _dsv3_calls(num_sms: int):
 
 
 def _waiting_kernels() -> set:
-    """The kernels of ``kernels/v2.py`` that spin-wait (call ``wait_ge``): their programs wait on other
-    programs or ranks, so their grids must fit on the SMs at once."""
+    """The kernels of ``kernels/v2.py`` and ``kernels/v2_dispatch.py`` that spin-wait (call ``wait_ge``): their
+    programs wait on other programs or ranks, so their grids must fit on the SMs at once."""
     pytest.importorskip("triton")
     import inspect
 
-    from epcomm.kernels import v2
+    from epcomm.kernels import v2, v2_dispatch
 
-    return {name for name, f in vars(v2).items() if name.endswith("_kernel") and "wait_ge(" in inspect.getsource(f.fn)}
+    return {name for mod in (v2, v2_dispatch) for name, f in vars(mod).items()
+            if name.endswith("_kernel") and "wait_ge(" in inspect.getsource(f.fn)}
 
 
 @pytest.mark.parametrize("num_sms", [4, 8, 12, 24])

@@ -57,7 +57,7 @@ sys.path.insert(0, "tests/unit/sims")
 from sm90 import TARGET
 import inspect, triton
 from triton.compiler import ASTSource
-from epcomm.kernels import v2
+from epcomm.kernels import v2_dispatch as v2
 I32, I64 = "*i32", "*i64"
 def entry(fn, types, consts):
     params = list(inspect.signature(fn.fn).parameters)

@@ -1,4 +1,4 @@
-"""Launchers of ``ElasticBuffer``'s kernels (``kernels/v2.py``): allocate the outputs, derive the grid and
+"""Launchers of ``ElasticBuffer``'s kernels (``kernels/v2_dispatch.py``, ``kernels/v2.py``): allocate the outputs, derive the grid and
 the launch key, launch. Each kind of launch is bound once (``kernels/launch.Direct``), so a call costs no
 Triton binder and no driver query per pointer; under the Triton interpreter (CPU runs) the kernels run
 as Python. Every function here returns what its torch twin in ``elastic_layout`` returns (the same bytes;
@@ -73,6 +73,14 @@ def _parts(rows: tuple, k: int) -> tuple[list, tuple]:
     return sizes + [sum(sizes)], tuple(at)
 
 
+def _kernel(name: str):
+    """The ``@triton.jit`` kernel ``name`` of ``kernels/v2_dispatch.py`` or ``kernels/v2.py`` (imported on first
+    use: importing this module compiles nothing)."""
+    from ..kernels import v2, v2_dispatch
+
+    return getattr(v2_dispatch, name, None) or getattr(v2, name)
+
+
 class Kernels:
     """The launches of one ``ElasticBuffer`` (bound per key on first use)."""
 
@@ -84,16 +92,14 @@ class Kernels:
         self._pinned: list = []  # scratches made while a graph was captured: that graph replays into them
 
     def launch(self, name: str, key: tuple, consts: dict, grid: tuple, *args) -> None:
-        """``kernels/v2.<name>`` on ``grid`` (3 ints) with ``args`` (all positional, tensors and ints);
+        """Kernel ``name`` (:func:`_kernel`) on ``grid`` (3 ints) with ``args`` (all positional, tensors and ints);
         ``key`` must fix ``consts`` (the constexprs and options) and the alignment of the tensors a
         caller may pass unaligned: it names the compiled kernel."""
         go = self._go.get((name, key))
         if go is None:
-            from ..kernels import v2
-
             lau = self._launchers.get(name)
             if lau is None:
-                lau = self._launchers[name] = Launcher(getattr(v2, name))
+                lau = self._launchers[name] = Launcher(_kernel(name))
             go = self._go[(name, key)] = Direct(lau.prepared((name, key), consts), (None,) * len(args),
                                                 tuple(range(len(args))))
         go(*grid, *args)
@@ -184,7 +190,7 @@ class Kernels:
                 _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=key[-2]), 0))
 
     def bound(self, name: str, key: tuple, consts: dict, template: tuple):
-        """``go(gx, gy, gz, *tensors)``: ``kernels/v2.<name>`` with ``template``'s fixed arguments and the
+        """``go(gx, gy, gz, *tensors)``: kernel ``name`` with ``template``'s fixed arguments and the
         ``tensors`` in its None positions (``key`` as :meth:`launch`'s). Where this object's ``launch`` is
         replaced (the tests record launches that way), ``go`` calls it with every argument."""
         holes = tuple(i for i, a in enumerate(template) if a is None)
@@ -197,16 +203,18 @@ class Kernels:
             return go
         lau = self._launchers.get(name)
         if lau is None:
-            from ..kernels import v2
-
-            lau = self._launchers[name] = Launcher(getattr(v2, name))
+            lau = self._launchers[name] = Launcher(_kernel(name))
         return Direct(lau.prepared((name, key), consts), template, holes)
 
     def copy_epilogue(self, source: torch.Tensor, k: int, zero_pad: bool, sms: int, x: EL.Rows, x_dtype,
-                      h: int, sf: EL.Rows | None, sf_dtype, p: int, tma_sf: bool, w: EL.Rows | None):
+                      h: int, sf: EL.Rows | None, sf_dtype, p: int, tma_sf: bool, w: EL.Rows | None,
+                      slots: torch.Tensor | None = None):
         """The expanded layout's rows (``dispatch_copy_epilogue_impl``): ``(x [X, H], sf [X, P] or None,
         weights f32[X] or None)`` from the contiguous rows' sources (``elastic_layout.Rows``: a tensor, the
-        byte offset of the part in a row, the bytes between rows), as ``elastic_layout.expand_rows``."""
+        byte offset of the part in a row, the bytes between rows), as ``elastic_layout.expand_rows``.
+        ``slots`` (``int32[N, K]``, the handle's ``recv_src_metadata[:, 2:]``; unit column stride): the
+        copy goes by contiguous row, each read once for all its lanes (``BY_ROW``); None: by expanded row,
+        each contiguous row read once per local lane."""
         x_rows = source.shape[0]
         dev = source.device
         x, sf, w = (None if r is None else r._replace(tensor=r.tensor.contiguous()) for r in (x, sf, w))
@@ -223,16 +231,20 @@ class Kernels:
         if x_rows:
             sf_src = sf if sf is not None else x
             w_src = w if w is not None else x
-            key = (k, row, x.stride, sf is not None and (p, sf.offset, sf.stride), w is not None and (w.offset, w.stride),
-                   bool(zero_pad), x.tensor.dtype, sf_src.tensor.dtype, w_src.tensor.dtype, sf_dtype,
-                   _aligned(x.tensor, sf_src.tensor, w_src.tensor))
+            n = 0 if slots is None else slots.shape[0]
+            stride = 0 if slots is None else slots.stride(0)
+            key = (k, row, x.stride, sf is not None and (p, sf.offset, sf.stride),
+                   w is not None and (w.offset, w.stride), bool(zero_pad), x.tensor.dtype, sf_src.tensor.dtype,
+                   w_src.tensor.dtype, sf_dtype, slots is not None, stride, _aligned(x.tensor, sf_src.tensor,
+                                                                                      w_src.tensor, slots))
             self.launch("_dispatch_copy_epilogue_impl_kernel", key, dict(
-                K=k, ROW=row, SRC_STRIDE=x.stride, SFB=4 * p, SFBP=_pow2(4 * p), SF_OFF=sf_src.offset,
-                SF_STRIDE=sf_src.stride, W_OFF=w_src.offset, W_STRIDE=w_src.stride, HAS_SF=sf is not None,
-                HAS_W=w is not None, ZERO=bool(zero_pad), RB=COPY_RB, BLOCK=COPY_BLOCK, num_warps=COPY_WARPS),
-                (copy_grid(x_rows, sms), 1, 1), x.tensor, source, out, x_rows, sf_src.tensor,
-                out_sf if out_sf is not None else out, sf_rs, sf_cs, w_src.tensor,
-                out_w if out_w is not None else out)
+                K=k, KP=_pow2(k), ROW=row, SRC_STRIDE=x.stride, SFB=4 * p, SFBP=_pow2(4 * p),
+                SF_OFF=sf_src.offset, SF_STRIDE=sf_src.stride, W_OFF=w_src.offset, W_STRIDE=w_src.stride,
+                HAS_SF=sf is not None, HAS_W=w is not None, ZERO=bool(zero_pad), RB=COPY_RB, BLOCK=COPY_BLOCK,
+                BY_ROW=slots is not None, SLOT_STRIDE=stride, num_warps=COPY_WARPS),
+                (copy_grid(max(n, x_rows if zero_pad or slots is None else 0), sms), 1, 1), x.tensor, source, out,
+                x_rows, sf_src.tensor, out_sf if out_sf is not None else out, sf_rs, sf_cs, w_src.tensor,
+                out_w if out_w is not None else out, slots if slots is not None else source, n)
         return out, out_sf, out_w
 
     def cached_epilogue(self, local: torch.Tensor, n: int, k: int, w: EL.Rows | None):

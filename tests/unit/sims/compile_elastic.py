@@ -1,4 +1,4 @@
-"""Compile every kernel of ``ElasticBuffer`` (``kernels/v2.py``) for sm_90 with Triton's own compiler (PTX
+"""Compile every kernel of ``ElasticBuffer`` (``kernels/v2_dispatch.py``, ``kernels/v2.py``) for sm_90 with Triton's own compiler (PTX
 and ptxas; no GPU needed), in each variant the launchers (``backends/elastic_kernels.py``,
 ``backends/nvlink_v2.py``) pick: the interpreter the CPU tests use runs kernels as Python and lets through
 what the compiler rejects (types, pointer casts, loop-carried values). Argument types as the launchers pass
@@ -7,14 +7,14 @@ alone: ``PYTHONPATH=src python tests/unit/sims/compile_elastic.py``."""
 from sm90 import compile_one
 
 from epcomm.backends.elastic_kernels import reduce_block
-from epcomm.kernels import v2
+from epcomm.kernels import v2, v2_dispatch
 
 I32, I64, U8, BF16, F32 = "*i32", "*i64", "*u8", "*bf16", "*fp32"
 META = dict(rpm=I32, recv_src=I32, recv_local=I64, local=I64, local_out=I64, meta=I32, gid=I64, counts=I32,
             psum=I32, psum_rank=I32, cum=I32, topk=I64, topk_copy=I64, send_head=I32, dst_slot=I32, part=I32,
             ticket=I32)
 LAYOUT = dict(counts=I32, local=I64, rpm=I32, meta=I32, source=I64)
-COPY = dict(src=BF16, source=I64, out=BF16, sf_src=F32, sf_out=I32, w_src=F32, w_out=F32)
+COPY = dict(src=BF16, source=I64, out=BF16, sf_src=F32, sf_out=I32, w_src=F32, w_out=F32, slots=I32)
 PACK = dict(x=BF16, meta=I32, w=F32, rows=U8, dst=I64)
 REDUCE = dict(got=U8, topk=I64, b0=BF16, b1=BF16, acc_io=F32, out=BF16, out_w=F32, x_self=BF16, w_self=F32,
               send_head=I32)
@@ -27,14 +27,16 @@ def main() -> None:
         # (DSv3 at 8 ranks, at world 1 with 256 local experts and the handle's copy of the ids, 8 experts)
         *[(fn, META, dict(k8, R=r, LE=le, LEP=le, HB=max(le, 32), BN=128, RB=r, COPY=not e, EXPAND=e,
                           HAS_CUM=c, COPY_TOPK=ct))
-          for fn, r, le, e, c, ct in ((v2._dispatch_copy_epilogue_impl_meta_kernel, 8, 32, 0, 0, 1),
-                                      (v2._dispatch_copy_epilogue_impl_meta_kernel, 1, 256, 0, 1, 1),
-                                      (v2._recv_meta_kernel, 8, 32, 1, 1, 0),
-                                      (v2._recv_meta_kernel, 2, 8, 1, 0, 1))],
-        (v2._expert_layout_kernel, LAYOUT, dict(k8, R=8, LE=32, LEP=32, BN=512)),
-        *[(v2._dispatch_copy_epilogue_impl_kernel, COPY, dict(
-            K=8, ROW=7168, SRC_STRIDE=7168, SFB=224, SFBP=256, SF_OFF=0, SF_STRIDE=224, W_OFF=0, W_STRIDE=32,
-            HAS_SF=sf, HAS_W=w, ZERO=z, RB=8, BLOCK=2048)) for sf, w, z in ((0, 1, 0), (1, 1, 1), (1, 0, 0))],
+          for fn, r, le, e, c, ct in ((v2_dispatch._dispatch_copy_epilogue_impl_meta_kernel, 8, 32, 0, 0, 1),
+                                      (v2_dispatch._dispatch_copy_epilogue_impl_meta_kernel, 1, 256, 0, 1, 1),
+                                      (v2_dispatch._recv_meta_kernel, 8, 32, 1, 1, 0),
+                                      (v2_dispatch._recv_meta_kernel, 2, 8, 1, 0, 1))],
+        (v2_dispatch._expert_layout_kernel, LAYOUT, dict(k8, R=8, LE=32, LEP=32, BN=512)),
+        # by expanded row, and by contiguous row (the handle's slots, rows K + 2 apart)
+        *[(v2_dispatch._dispatch_copy_epilogue_impl_kernel, COPY, dict(
+            k8, ROW=7168, SRC_STRIDE=7168, SFB=224, SFBP=256, SF_OFF=0, SF_STRIDE=224, W_OFF=0, W_STRIDE=32,
+            HAS_SF=sf, HAS_W=w, ZERO=z, RB=8, BLOCK=2048, BY_ROW=br, SLOT_STRIDE=10))
+          for br in (0, 1) for sf, w, z in ((0, 1, 0), (1, 1, 1), (1, 0, 0))],
         *[(v2._combine_pack_kernel, PACK, dict(k8, H=7168, W=14352, HAS_W=w, MODE=mode, BLOCK=1024))
           for mode, w in ((0, 0), (0, 1), (1, 1), (2, 0))],
         *[(v2._combine_reduce_epilogue_impl_kernel, REDUCE, dict(
@@ -57,9 +59,9 @@ def main() -> None:
     ]
     print("plan", len(cases))  # the test asks for one "ok" line each
     for fn, types, consts in cases:
-        w = {v2._combine_arrive_kernel: 1, v2._combine_impl_kernel: 8, v2._dispatch_copy_epilogue_impl_kernel: 8,
+        w = {v2._combine_arrive_kernel: 1, v2._combine_impl_kernel: 8, v2_dispatch._dispatch_copy_epilogue_impl_kernel: 8,
              v2._combine_reduce_epilogue_impl_kernel: reduce_block(7168)[1]}.get(
-            fn, 16 if fn is v2._expert_layout_kernel else 4)  # as the launchers launch them
+            fn, 16 if fn is v2_dispatch._expert_layout_kernel else 4)  # as the launchers launch them
         print("ok", fn.fn.__name__, compile_one(fn, types, consts, w), "bytes of cubin")
 
 

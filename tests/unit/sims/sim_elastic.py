@@ -1,7 +1,8 @@
-"""Run ``ElasticBuffer``'s kernels (``kernels/v2.py``, launched by ``backends/elastic_kernels.py``) under
-TRITON_INTERPRET=1 on CPU against their torch twins (``elastic_layout``: the reference the CPU backends
-run), bitwise, on random routings: the received rows' metadata and the expanded layout (``recv_meta``:
-every field, padding rows included), the expanded copy (``expand_rows``: BF16 and FP8 with fp32 or int32
+"""Run ``ElasticBuffer``'s kernels (``kernels/v2_dispatch.py``, ``kernels/v2.py``, launched by
+``backends/elastic_kernels.py``) under TRITON_INTERPRET=1 on CPU against their torch twins (``elastic_layout``:
+the reference the CPU backends run), bitwise, on random routings: the received rows' metadata and the expanded
+layout (``recv_meta``: every field, padding rows included), the expanded copy (``expand_rows``, by expanded
+row and by contiguous row: BF16 and FP8 with fp32 or int32
 packs, packed rows, TMA-aligned scales, zero padding), the combine's rows (``local_reduce`` and ``pack_rows``) and its reduction (``ordered_reduce`` at the
 master lanes, or every lane one call at a time), with biases and weights. Blocks of 16 rows, so every
 kernel runs several. Run by ``tests/unit/test_elastic_layout.py``; alone:
@@ -74,12 +75,17 @@ def recv_meta(seed, r, me, m, k, le, alignment, expand, sync, cum, strided=False
     print("ok", what)
 
 
-def copy_epilogue(seed, dtype, p, packed, tma, zero_pad, with_w):
+def copy_epilogue(seed, dtype, p, packed, tma, zero_pad, with_w, by_row):
+    """``by_row``: the copy by contiguous row, from the slots as the handle holds them (``recv_src_metadata[:,
+    2:]``, rows ``K + 2`` apart); the last 3 rows are padding (no local lane)."""
     g = torch.Generator().manual_seed(seed)
     n, k, le, h, a = 37, 3, 4, 64, 4
     local = _routing(g, n, k, le + 3)
     local = torch.where(local < le, local, torch.full_like(local, -1))
+    local[-3:] = -1
     lay = EL.expanded_layout(local, le, a, EL.align(n * k + (a - 1) * le, a) + 5)
+    meta = torch.full((n, k + 2), -7, dtype=torch.int32)
+    meta[:, 2:] = lay.slots
     x = torch.randint(0, 256, (n, h * dtype.itemsize), generator=g, dtype=torch.uint8).view(dtype)
     sf = torch.randint(-2**31, 2**31 - 1, (n, p), generator=g, dtype=torch.int64).to(torch.int32) if p else None
     w = torch.rand(n, k, generator=g) if with_w else None
@@ -92,9 +98,9 @@ def copy_epilogue(seed, dtype, p, packed, tma, zero_pad, with_w):
         rows = (EL.Rows(x, 0, h * dtype.itemsize), EL.Rows(sf.view(torch.float32), 0, 4 * p) if p else None,
                 EL.Rows(w, 0, 4 * k) if with_w else None)
     parts = (rows[0], dtype, h, rows[1], torch.int32, p, tma, rows[2])
-    got = ek.Kernels().copy_epilogue(lay.source, k, zero_pad, 1, *parts)
+    got = ek.Kernels().copy_epilogue(lay.source, k, zero_pad, 1, *parts, slots=meta[:, 2:] if by_row else None)
     want = EL.expand_rows(lay.source, k, zero_pad, *parts)
-    what = f"copy_epilogue {dtype} p={p} packed={packed} tma={tma} zero={zero_pad} w={with_w}"
+    what = f"copy_epilogue {dtype} p={p} packed={packed} tma={tma} zero={zero_pad} w={with_w} by_row={by_row}"
     real = lay.source >= 0  # padding rows are unspecified without zero padding
     for name, a, b in zip(("x", "sf", "w"), got, want):
         if b is None:
@@ -201,8 +207,8 @@ if __name__ == "__main__":
               (1, 0, 40, 4, 6, 3, False, False, True, True)])],
         (recv_meta, dict(seed=20, r=2, me=1, m=12, k=3, le=4, alignment=2, expand=True, sync=False, cum=True,
                          strided=True)),
-        *[(copy_epilogue, dict(seed=30 + i, dtype=dt, p=p, packed=pk, tma=tm, zero_pad=z, with_w=w))
-          for i, (dt, p, pk, tm, z, w) in enumerate([
+        *[(copy_epilogue, dict(seed=30 + i, dtype=dt, p=p, packed=pk, tma=tm, zero_pad=z, with_w=w, by_row=br))
+          for br in (False, True) for i, (dt, p, pk, tm, z, w) in enumerate([
               (torch.bfloat16, 0, False, False, False, True), (torch.bfloat16, 0, False, False, True, True),
               (torch.float8_e4m3fn, 3, False, True, True, False), (torch.float8_e4m3fn, 3, True, True, True, True),
               (torch.float8_e4m3fn, 5, True, False, False, True), (torch.bfloat16, 0, True, False, True, True)])],
