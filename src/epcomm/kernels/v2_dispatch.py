@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["N", "T", "M", "A"])
+@triton.jit(do_not_specialize=["me", "N", "T", "M", "A"])
 def _recv_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, gid, counts, psum, psum_rank,
                       cum, topk, topk_copy, send_head, T, dst_slot, M, A, part, ticket, R: tl.constexpr,
                       K: tl.constexpr, LE: tl.constexpr, LEP: tl.constexpr, HB: tl.constexpr,
@@ -115,7 +115,7 @@ def _recv_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, 
             tl.store(topk_copy + at, ids, mask=tm & lm[None, :])
 
 
-@triton.jit(do_not_specialize=["N", "T", "M", "A"])
+@triton.jit(do_not_specialize=["me", "N", "T", "M", "A"])
 def _dispatch_copy_epilogue_impl_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, gid,
                                              counts, psum, psum_rank, cum, topk, topk_copy, send_head, T,
                                              dst_slot, M, A, part, ticket, R: tl.constexpr, K: tl.constexpr,
