@@ -89,14 +89,18 @@ def ticket_last(ticket_ptr):
 
 
 @triton.jit
-def ticket_last_n(ticket_ptr, n, LOCAL: tl.constexpr = False):
+def ticket_last_n(ticket_ptr, n, LOCAL: tl.constexpr = False, GPU: tl.constexpr = False):
     """``ticket_last`` among ``n`` programs (the ones of a grid that took one role of a fused kernel).
     ``LOCAL``: a relaxed GPU-scope ticket, for a last program that publishes nothing to other GPUs or
     to the host (it only stores a counter the next kernel on the stream reads); the programs' writes
-    are then not released, only counted."""
+    are then not released, only counted. ``GPU``: an acquire-release ticket of GPU scope, for a last
+    program that reads the other programs' stores and whose own results only later work on this GPU
+    reads (no system-scope fence: the ``MEMBAR.SYS`` of the default is for peers and the host)."""
     tl.debug_barrier()
     if LOCAL:
         old = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+    elif GPU:
+        old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
     else:
         old = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="sys")
     last = old == n - 1

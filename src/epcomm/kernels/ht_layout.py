@@ -55,7 +55,9 @@ def _publish(cnt, cols, n, chunk, nch, W, part_ptr, col0, ticket_ptr, out_ptr, B
     into ``part[chunk, col0 + cols]``; the group's last chunk sums the column over the ``nch`` chunks into
     ``out[cols]``."""
     tl.store(part_ptr + chunk * W + col0 + cols, cnt, mask=cols < n)
-    if ticket_last_n(ticket_ptr, nch):  # (each program's stores released before its ticket)
+    # each program's stores released before its ticket, at GPU scope: only the next kernels on this GPU
+    # read the sums (the notify kernel publishes them to peers with its own system-scope release)
+    if ticket_last_n(ticket_ptr, nch, GPU=True):
         cc = tl.arange(0, CP2)
         m = (cc[:, None] < nch) & (cols[None, :] < n)
         parts = tl.load(part_ptr + cc[:, None] * W + col0 + cols[None, :], mask=m, other=0)

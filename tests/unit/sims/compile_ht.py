@@ -4,7 +4,9 @@ kernels as Python and lets through what the compiler rejects (types, loop-carrie
 arithmetic). Run by ``tests/unit/test_ht_kernels.py``; alone:
 ``PYTHONPATH=src python tests/unit/sims/compile_ht.py``."""
 import triton.language as tl
-from sm90 import compile_one
+import re
+
+from sm90 import compile_kernel, compile_one
 
 from epcomm.backends.nvlink_params import TUNE, layout_launch
 from epcomm.kernels import ht_layout, ht_notify, ht_receive, ht_transfer
@@ -46,7 +48,15 @@ def main() -> None:
          dict(HAS_W=True, NC=4, RB=t["cpush_rb"], BLOCK=t["cpush_block"], K_POW2=8, HAS_TIMER=True),
          t["cpush_warps"]),
     ]
-    print("plan", len(cases))  # the test asks for one "ok" line each
+    print("plan", len(cases) + 1)  # the test asks for one "ok" line each
+    # the layout kernel's sums are read only by later kernels on its GPU: its ticket is acq_rel at GPU scope,
+    # with no system-scope atomic or fence (a MEMBAR.SYS per program)
+    ptx = compile_kernel(ht_layout._layout_kernel, COMMON, layout_launch(8, 256, 8)[2], 4).asm["ptx"]
+    sys_ops = re.findall(r"\b(?:atom|red|fence|membar)\.[\w.]*\bsys\b[\w.]*", ptx)
+    gpu_ticket = re.findall(r"atom\.global\.gpu\.acq_rel\.add\.u32", ptx)
+    if sys_ops or not gpu_ticket:
+        raise SystemExit(f"layout kernel: system-scope operations {sys_ops[:4]}, GPU-scope tickets {gpu_ticket[:2]}")
+    print("ok _layout_kernel scope: no system-scope atomic or fence,", len(gpu_ticket), "acq_rel.gpu ticket(s)")
     for fn, types, consts, warps in cases:
         name = fn.fn.__name__
         flags = ",".join(f"{k}={v}" for k, v in consts.items() if isinstance(v, bool))

@@ -9,11 +9,15 @@ from triton.compiler import ASTSource
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_one(fn, types: dict, consts: dict, warps: int = 4) -> int:
+def compile_kernel(fn, types: dict, consts: dict, warps: int = 4):
     """``fn`` (a ``@triton.jit`` kernel) with the constexprs ``consts`` and argument types ``types`` (by name;
-    else ``*i32`` for a name ending in ``_ptr``, ``i32`` otherwise), ``warps`` warps: its cubin's bytes."""
+    else ``*i32`` for a name ending in ``_ptr``, ``i32`` otherwise), ``warps`` warps, compiled for sm_90."""
     params = list(inspect.signature(fn.fn).parameters)
     sig = {p: "constexpr" if p in consts else types.get(p, "*i32" if p.endswith("_ptr") else "i32") for p in params}
     src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in consts.items()})
-    kernel = triton.compile(src, target=TARGET, options={"num_warps": warps})
-    return len(kernel.asm["cubin"])
+    return triton.compile(src, target=TARGET, options={"num_warps": warps})
+
+
+def compile_one(fn, types: dict, consts: dict, warps: int = 4) -> int:
+    """``compile_kernel``'s cubin's bytes."""
+    return len(compile_kernel(fn, types, consts, warps).asm["cubin"])
