@@ -21,6 +21,8 @@ the interpreter, the NVSHMEM device calls simulated — on CPU processes in virt
   network: the relay forwards by stores, the final reads its node's partials only): every consumer
   reaches rows before they are sent and must wait for them; a consumer that read one tile before its counter said failed here (the
   forwarder, the receiver, the relay and the final each tried; elsewhere only as timing allows).
+- Nodes of one rank (two, four): the paired combine (``TUNE["c_pair"]``, the default there) and the split
+  roles give the same bits, modes alternating on one handle, at 4, 2 and 6 programs (``_pair_and_split``).
 - A rank that never sends gives the deadline error naming the rank and the phase (two nodes of one; two
   nodes of two, where the waits are the relay's forward and its node peer's receive).
 - Senders and relays to another node either stage and put (``TUNE["p2p"] = 0``, as over RDMA) or store into
@@ -253,6 +255,54 @@ def _slow_peer(ctx, gpus_per_node):
     cpu_internode.check_delivery()
 
 
+def _pair_and_split(ctx, gpus_per_node):
+    """Nodes of one rank: the paired combine (``TUNE["c_pair"]`` 1, ``kernels/internode_ht_pair.py``: every
+    program copies half a channel's rows to the other nodes, then reduces half a channel of its own tokens) gives
+    the bits of the split roles (0: relays and finals apart; both sum the nodes' rows in node order), with top-k
+    weights and two biases, each call on expert outputs of its own (a final that read a row before its count
+    said would take an earlier call's), modes alternating on one handle (the counters of both stay in step), and
+    against the reference within the budget. Combines of 4 programs (two channels: a unit each), 2 (a program's
+    second unit waits on the first's half) and 6 (two programs idle); each call says which mode ran. A half cut
+    one token later (the first token of the second half reduced with the first) failed here."""
+    import torch
+
+    from epcomm import Buffer, Config
+    from epcomm.backends.internode_ht import TUNE
+    from epcomm.testing import cpu_internode
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    r = ctx.world_size
+    ref = Buffer(ctx.group)
+    fast = cpu_internode.internode_buffer(ctx.group, num_nvl_bytes=32 << 20)
+    case = Case(num_ranks=r, tokens=tuple(37 + 8 * i for i in range(r)), hidden=128, num_topk=4, num_experts=4 * r,
+                seed=51)
+    xin, x, topk, w = G.device_inputs(case, ctx.rank, "cpu")
+    four = Config(4, 6, 256, 3, 128)
+    res = G._dispatch(fast, xin, topk, w, case.num_experts, config=four)
+    rref = G._dispatch(ref, xin, topk, w, case.num_experts, config=four)
+    gb = torch.Generator()
+    gb.manual_seed(ctx.rank + 5)
+    bias = tuple(torch.randn(x.shape, generator=gb).to(torch.bfloat16) for _ in range(2))
+    old = TUNE["c_pair"]
+    try:
+        for k, sms in enumerate((4, 2, 6)):
+            y = (res[0].float() * (1 + k) - k / 3).to(torch.bfloat16)
+            outs = []
+            for pair in (0, 1, 1, 0):
+                TUNE["c_pair"] = pair
+                outs.append(fast.combine(y, res[4], topk_weights=res[2], bias=bias, config=Config(sms, 6, 256, 2, 128)))
+                assert fast._backend._ht.last_pair == pair, (pair, sms)
+            for o, ow, _ in outs[1:]:
+                assert torch.equal(o.view(torch.int16), outs[0][0].view(torch.int16)), f"{sms} SMs, rank {ctx.rank}"
+                assert torch.equal(ow, outs[0][1]), f"combined weights, {sms} SMs, rank {ctx.rank}"
+        G._combine_check(outs[0][0], ref.combine(y, rref[4], topk_weights=rref[2], bias=bias)[0], ref, y, rref[4],
+                         f"paired combine, rank {ctx.rank}", bias)
+    finally:
+        TUNE["c_pair"] = old
+    cpu_internode.check_delivery()
+
+
 def _absent_relay(ctx, gpus_per_node):
     """The last rank joins the layout exchange of a dispatch but never runs its kernels. Two nodes of one
     rank: rank 0's receive waits for its send (the gather reads what node 1's rank put, nothing is
@@ -304,10 +354,13 @@ CHECKS = {
         ("slow-peer[two-nodes-of-one]", _slow_peer, 1, {"tune": {"p2p": 0}}),
         ("slow-peer[two-nodes-of-one,p2p]", _slow_peer, 1, {"tune": {"p2p": 1}}),
         ("slow-peer[one-node-of-two]", _slow_peer, 2, {}),
+        ("pair-and-split[two-nodes-of-one]", _pair_and_split, 1, {"tune": {"p2p": 0}}),
+        ("pair-and-split[two-nodes-of-one,p2p]", _pair_and_split, 1, {"tune": {"p2p": 1}}),
         ("deadline", _absent_relay, 1, {})],
     4: [("four-nodes-of-one", _ht, 1, {"full": False, "tune": {"p2p": 0}}),  # nothing forwarded, the relay's
         ("four-ranks-in-two-nodes", _ht, 2, {"tune": {"p2p": 0}}),  # rows go as BF16, three remote nodes a rank
         ("four-ranks-in-two-nodes[p2p]", _ht, 2, {"tune": {"p2p": 1}, "full": False}),
+        ("pair-and-split[four-nodes-of-one]", _pair_and_split, 1, {"tune": {"p2p": 1}}),
         ("deadline-two-nodes-of-two", _absent_relay, 2, {})],
 }
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files

@@ -1,9 +1,10 @@
 """Tier 1: the internode high-throughput path's host arithmetic (``backends/internode_ht.py``,
 ``kernels/internode_ht.py``): how a launch's programs are split between its roles, the counter region's
-layout and the buffer size, with the worked examples of their docstrings."""
+layout and the buffer size, the paired combine's pipeline depth, with the worked examples of their
+docstrings."""
 import itertools
 
-from epcomm.backends.internode_ht import high_throughput_bytes, roles
+from epcomm.backends.internode_ht import TUNE, _final_stages, high_throughput_bytes, roles
 from epcomm.kernels.internode_ht import ctr_words
 
 
@@ -41,3 +42,21 @@ def test_counter_words_and_buffer_size():
     assert high_throughput_bytes(4096, 7168, 8, 2, 1) == 452 << 20
     exact = high_throughput_bytes(4096, 7168, 8, 2, 1, round_mib=False)
     assert (451 << 20) < exact <= (452 << 20)
+
+
+def test_paired_combine_pipeline_depth_fits_shared_memory():
+    """``TUNE["c_stages"]`` where its stages of ``P_POW2`` BF16 tiles (``combine_rb`` x ``final_block``) fit the
+    shared memory a kernel may plan for (``nvlink_params.SMEM_BUDGET``), else 1 (unpipelined)."""
+    old = dict(TUNE)
+    try:
+        TUNE.update(c_stages=3, combine_rb=16)
+        assert _final_stages(2, 512) == 3  # the docstring's example: 2 x 32 KiB in flight
+        assert _final_stages(2, 1024) == 3  # 128 KiB
+        assert _final_stages(8, 1024) == 1  # 512 KiB would not fit
+        TUNE.update(c_stages=1)
+        assert _final_stages(2, 512) == 1
+        TUNE.update(c_stages=0)  # (0 means unpipelined too)
+        assert _final_stages(2, 512) == 1
+    finally:
+        TUNE.clear()
+        TUNE.update(old)

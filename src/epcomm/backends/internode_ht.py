@@ -53,21 +53,36 @@ _BLOCK = 1024
 # row a step (4 KB) ran ~4 GB/s a program; tiles of 16 rows and 16 warps were the fastest tried.
 # Work comes in units of a channel (12 at 24 SMs), each moved in order by one program (its counters count
 # rows in order): in nodes of one rank, with ``own_split``, 12 sender and 12 forwarder units, equal, and the
-# rank's own rows spread over all programs; a combine's 12 relay units (a copy) and 12 final units (two reads,
-# a write): equal weights (docs/internode.md, "Cost model").
+# rank's own rows spread over all programs (docs/internode.md, "Cost model").
 # ``p2p`` (1): senders and relays store straight into a peer's slot where NVSHMEM maps that peer's buffer,
 # counting rows by a release atomic (0: staging and NVSHMEM puts to every other node, as over RDMA);
 # ``own_first`` (1): a forwarder takes its own node's units (no wait) before the other nodes';
 # ``own_split`` (1): in nodes of one rank, a rank's own rows go to its outputs in tiles over every program of
 # the dispatch (after their role's work), not as the forwarders' channel units.
+# ``c_pair`` (1): in nodes of one rank (at most ``_PAIR_NODES``, ``2 * channels <= C_MAX``) every program of the
+# combine copies, then reduces, half a channel (``kernels/internode_ht_pair.py``), as nvlink's push, then reduce;
+# 0: relays and finals apart (``c_relay``, ``c_final``, a channel each). The same on every rank (each mode waits on
+# counters the other does not raise: the deadline error). ``final_block`` columns a step of its reduction,
+# ``c_stages`` its loads in flight (Triton's software pipeline, as the nvlink reduce's; 1 where they would not fit).
 TUNE = dict(dispatch_warps=16, dispatch_rb=16, dispatch_block=1024, combine_warps=16, combine_rb=16,
             combine_block=512, d_send=1, d_forward=1, d_receive=1, c_send=1, c_relay=2, c_final=2, p2p=1,
-            own_first=1, own_split=1)
+            own_first=1, own_split=1, c_pair=1, final_block=512, c_stages=3)
+_PAIR_NODES = 16
 _T_NOTIFY, _T_DISPATCH, _T_COMBINE = range(3)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _final_stages(p_pow2: int, fblock: int) -> int:
+    """The pipeline depth of the paired combine's reduction (``TUNE["c_stages"]``): 1 where its stages would not
+    fit in shared memory (each holds ``p_pow2`` BF16 tiles of ``combine_rb x fblock``, as the nvlink reduce
+    budgets its own, ``nvlink_params.reduce_stages``). Example: 2 nodes, 512 columns, 3 stages -> 3 (64 KiB)."""
+    from .nvlink_params import SMEM_BUDGET
+
+    s = max(1, TUNE["c_stages"])
+    return s if (s - 1) * p_pow2 * TUNE["combine_rb"] * fblock * 2 <= SMEM_BUDGET else 1
 
 
 def _knobs(config) -> tuple[int, int]:
@@ -467,19 +482,24 @@ class InternodeHighThroughput:
         stage_rel, fin_rel, need = _combine_areas(tm, cw, fw, n_, p_)
         self._need(need, "combine", record=not info.worst)
         sms, ch = _knobs(config)
+        pair = int(bool(TUNE["c_pair"]) and n_ == 1 and 1 < p_ <= _PAIR_NODES and 2 * info.c <= self.cm
+                   and sms % 2 == 0)
         (s_lo, s_n), (r_lo, r_n), (f_lo, f_n) = roles(sms, [TUNE["c_send"] * (n_ > 1), TUNE["c_relay"],
                                                             TUNE["c_final"]])
+        fblock = min(TUNE["final_block"], _pow2(h))
+        self.last_pair = pair  # (the tests read which mode ran)
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         w_out = torch.empty(t, k, dtype=torch.float32, device=dev) if topk_weights is not None else None
         bs = [b_.contiguous() for b_ in bias]  # the biases, added in the kernel as the reference adds them
         i32 = self._dummy(torch.int32)
-        _go(self.k_combine, "combine", (sms,), xc, xc.view(torch.int32), ww, rows, h, k, info.rel, info.npos, t,
-            info.pc, info.c, handle.rank_prefix_matrix[:, me:], handle.recv_channel_prefix_matrix, info.ncp,
+        _go(self.k_combine, "combine", (sms,), xc, xc.view(torch.int32), ww, rows, h, k, info.rel, info.npos, info.nco,
+            t, info.pc, info.c, handle.rank_prefix_matrix[:, me:], handle.recv_channel_prefix_matrix, info.ncp,
             info.tbl if info.tbl is not None else i32, out, w_out if w_out is not None else out, *(bs + [out, out])[:2],
             me, n_, p_, r_, ch, self.p_table, self.areas[2], self.area_bytes, stage_rel, fin_rel, tm, self.ctr_off,
             self.cm, self.p_bases, self.p_lv[2], self.p_t[_T_COMBINE], self.p_err, be.timeout_ns, s_lo, s_n, r_lo,
-            r_n, f_lo, f_n, int(TUNE["p2p"]), BLOCK=min(TUNE["combine_block"], _pow2(h)), RB=TUNE["combine_rb"],
-            K_POW2=_pow2(max(k, 1)), HAS_W=w_out is not None, NB=len(bs), HAS_TIMER=self._timer,
+            r_n, f_lo, f_n, int(TUNE["p2p"]), pair, BLOCK=min(TUNE["combine_block"], _pow2(h)), FBLOCK=fblock,
+            RB=TUNE["combine_rb"], K_POW2=_pow2(max(k, 1)), P_POW2=_pow2(p_), HAS_W=w_out is not None, NB=len(bs),
+            STAGES=_final_stages(_pow2(p_), fblock), HAS_TIMER=self._timer,
             SIM=be.sim, num_warps=TUNE["combine_warps"])
         be.check_mirror()
         return out, w_out

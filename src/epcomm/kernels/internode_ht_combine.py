@@ -28,6 +28,10 @@ Strides are padded to 16 bytes (``internode_ht_rows``).
    nodes ``b`` it went to, in node order, float32, once ``C_FN[b][c]`` counts them, then the ``NB``
    (0-2) BF16 biases in order, rounded once to BF16 (and the weights, float32).
 
+In nodes of one rank the launch's programs take both relay and final roles instead, half a channel at a
+time (``PAIR``, ``backends/internode_ht.TUNE["c_pair"]``: ``internode_ht_pair``; its halves are counted in
+``C_FN[b][c]`` and the channels in ``C_FN[b][C + c]``).
+
 Free words: a sender waits for ``F_CS[i]`` (relay ``i`` read the call before last of this parity), a
 relay for ``F_FN[a]`` (source node ``a``'s final read its slots); the last program raises them and counts
 the combine. A combine's parity is the device's count of combines modulo 2, so a CUDA graph of combines
@@ -41,8 +45,19 @@ import triton.language as tl
 
 from . import nvshmem as nv
 from .common import ticket_last_n
+from .internode_ht_pair import _hc_pair
 from .internode_ht_prep import _wait
-from .internode_ht_rows import _copy_rows, _free, _mapped, _node_unit, _publish_direct, _put_chunks, pad4
+from .internode_ht_rows import (
+    _base_add,
+    _biased_store,
+    _copy_rows,
+    _free,
+    _mapped,
+    _node_unit,
+    _publish_direct,
+    _put_chunks,
+    pad4,
+)
 
 
 @triton.jit
@@ -117,17 +132,6 @@ def _partial(acc_rows, relp, ok, i, N, own_rows, own_w, own_ok, rel, a, TM, CW, 
                 row = (rel + (slot.to(tl.int64) * TM + rj) * CW + HW).to(tl.pointer_type(tl.float32))
             wacc += tl.load(row[:, None] + kk[None, :], mask=mj, other=0.0)
         tl.store(acc_rows[:, None] + H + kk[None, :], wacc, mask=ok[:, None] & km)
-
-
-@triton.jit
-def _base_add(ptr, n):
-    """This call's target of a counter whose private base is ``*ptr``: the base grows by ``n`` (a tile's rows),
-    and the new base is the target, the same in every thread. One atomic (one thread does it; Triton
-    broadcasts its result): a plain load of the base by every thread and a store by one (Triton stores a
-    scalar from thread 0 only) let a warp that loaded after thread 0's store see the next base, wait for
-    a target too high, and part from the other warps around the wait's barriers (the final of a combine
-    with weights hung so on an H100)."""
-    return tl.atomic_add(ptr, n, sem="relaxed", scope="cta") + n
 
 
 @triton.jit
@@ -280,12 +284,7 @@ def _hc_final(g, GF, x_ptr, w_ptr, rows, out_ptr, wout_ptr, b0_ptr, b1_ptr, H, K
                         else:
                             pb = tl.multiple_of(part.to(tl.pointer_type(tl.bfloat16)), 16)
                             acc += tl.load(pb[:, None] + c0 + cl[None, :], mask=m, other=0.0).to(tl.float32)
-                o = tt[:, None] * H + c0 + cl[None, :]
-                if NB > 0:
-                    acc += tl.load(b0_ptr + o, mask=ok[:, None] & cm, other=0.0).to(tl.float32)
-                if NB > 1:
-                    acc += tl.load(b1_ptr + o, mask=ok[:, None] & cm, other=0.0).to(tl.float32)
-                tl.store(out_ptr + o, acc.to(tl.bfloat16), mask=ok[:, None] & cm)
+                _biased_store(acc, tt[:, None] * H + c0 + cl[None, :], ok[:, None] & cm, out_ptr, b0_ptr, b1_ptr, NB)
             if HAS_W:
                 wacc = tl.full((RB, K_POW2), 0.0, tl.float32)
                 for b in range(P):
@@ -301,19 +300,22 @@ def _hc_final(g, GF, x_ptr, w_ptr, rows, out_ptr, wout_ptr, b0_ptr, b1_ptr, H, K
                 tl.store(wout_ptr + tt[:, None] * K + kk[None, :], wacc, mask=ok[:, None] & km)
 
 
-@triton.jit(do_not_specialize=['T', 'pc', 'rows', 's_lo', 's_n', 'r_lo', 'r_n', 'f_lo', 'f_n', 'P2P'])  # (TUNE variants)
-def _hc_kernel(x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc, C, rpm_ptr, rcp_ptr, ncp_ptr, tbl_ptr,
-               out_ptr, wout_ptr, b0_ptr, b1_ptr, me, N, P, R, CH, ptr_table, area_off, par_bytes, stage_rel, fin_rel,
-               TM, ctr_off, CM, base_ptr, cnt_ptr, ticket_ptr, err_ptr, timeout_ns, s_lo, s_n, r_lo, r_n, f_lo, f_n, P2P,
-               BLOCK: tl.constexpr, RB: tl.constexpr, K_POW2: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr,
+@triton.jit(do_not_specialize=['T', 'pc', 'rows', 's_lo', 's_n', 'r_lo', 'r_n', 'f_lo', 'f_n', 'P2P', 'PAIR'])  # (TUNE)
+def _hc_kernel(x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, nco_ptr, T, pc, C, rpm_ptr, rcp_ptr, ncp_ptr,
+               tbl_ptr, out_ptr, wout_ptr, b0_ptr, b1_ptr, me, N, P, R, CH, ptr_table, area_off, par_bytes, stage_rel,
+               fin_rel, TM, ctr_off, CM, base_ptr, cnt_ptr, ticket_ptr, err_ptr, timeout_ns, s_lo, s_n, r_lo, r_n, f_lo,
+               f_n, P2P, PAIR, BLOCK: tl.constexpr, FBLOCK: tl.constexpr, RB: tl.constexpr, K_POW2: tl.constexpr,
+               P_POW2: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr,
                HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
     """One combine (module docstring): program ``p`` is sender ``p - s_lo`` (of ``s_n``), then relay ``p -
-    r_lo`` (of ``r_n``), then final ``p - f_lo`` (of ``f_n``), where it is in their ranges. ``x [rows, H]``
-    BF16 (``xw`` the same as int32 words), ``w [rows, K]`` float32 weights as int32 words (``K = 0``: none);
-    the handle's layout as the dispatch's (``internode_ht._internode_dispatch_impl_kernel``), ``tbl [P-1, TM, N]`` the
-    forwarder's positions. Areas at ``area_off + parity * par_bytes`` (the device's count of combines,
-    ``cnt[0]``): relay slots at 0, staging at ``stage_rel``, final slots at ``fin_rel``, ``TM`` rows each, of
-    ``pad4`` strides. ``P2P``: relays store to the finals NVSHMEM maps (``internode_ht_rows``)."""
+    r_lo`` (of ``r_n``), then final ``p - f_lo`` (of ``f_n``), where it is in their ranges; with ``PAIR`` (nodes
+    of one rank, ``2C <= CM``) every program is both, a unit at a time (``internode_ht_pair``: ``nco [P, C]``
+    this rank's channel prefix for each node, ``FBLOCK`` columns a step ``STAGES`` deep, ``P_POW2`` nodes
+    unrolled). ``x [rows, H]`` BF16 (``xw`` the same as int32 words), ``w [rows, K]`` float32 weights as int32
+    words (``K = 0``: none); the handle's layout as the dispatch's (``internode_ht._internode_dispatch_impl_kernel``),
+    ``tbl [P-1, TM, N]`` the forwarder's positions. Areas at ``area_off + parity * par_bytes`` (the device's
+    count of combines, ``cnt[0]``): relay slots at 0, staging at ``stage_rel``, final slots at ``fin_rel``, ``TM``
+    rows each, of ``pad4`` strides. ``P2P``: relays store to the finals NVSHMEM maps (``internode_ht_rows``)."""
     pid = tl.program_id(0)
     cc = tl.load(cnt_ptr)
     area = area_off + (cc % 2).to(tl.int64) * par_bytes  # (offsets past 2 GiB)
@@ -324,14 +326,19 @@ def _hc_kernel(x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc, C, rp
     C_FN = C_CS + R * CM
     F_CS = (2 * P + 2 * R) * CM + P + N
     F_FN = F_CS + N
-    if (pid >= s_lo) & (pid < s_lo + s_n):
+    if PAIR != 0:
+        _hc_pair(pid, tl.num_programs(0), x_ptr, xw_ptr, w_ptr, rows, H, K, npos_ptr, nco_ptr, T, pc, me, P, R, C, CH,
+                 rpm_ptr, ncp_ptr, out_ptr, wout_ptr, b0_ptr, b1_ptr, ptr_table, area, stage_rel, fin_rel, TM, ctr_off,
+                 ctr32, CM, C_FN, F_FN, cc, base_ptr, P2P, err_ptr, timeout_ns, BLOCK, FBLOCK, RB, K_POW2, P_POW2,
+                 HAS_W, NB, STAGES, HAS_TIMER, SIM)
+    if (PAIR == 0) & (pid >= s_lo) & (pid < s_lo + s_n):
         _hc_send(pid - s_lo, s_n, xw_ptr, w_ptr, rows, HW, K, me, N, P, R, C, rpm_ptr, rcp_ptr, ptr_table, area, TM,
                  ctr_off, ctr32, CM, C_CS, F_CS, cc, err_ptr, timeout_ns, BLOCK, RB, K_POW2, HAS_TIMER)
-    if (pid >= r_lo) & (pid < r_lo + r_n):
+    if (PAIR == 0) & (pid >= r_lo) & (pid < r_lo + r_n):
         _hc_relay(pid - r_lo, r_n, x_ptr, xw_ptr, w_ptr, rows, H, K, rel_ptr, npos_ptr, T, pc, me, N, P, R, C, CH,
                   rpm_ptr, ncp_ptr, tbl_ptr, ptr_table, area, stage_rel, fin_rel, TM, ctr_off, ctr32, CM, C_CS, C_FN,
                   F_FN, cc, base_ptr, P2P, err_ptr, timeout_ns, BLOCK, RB, K_POW2, HAS_TIMER, SIM)
-    if (pid >= f_lo) & (pid < f_lo + f_n):
+    if (PAIR == 0) & (pid >= f_lo) & (pid < f_lo + f_n):
         _hc_final(pid - f_lo, f_n, x_ptr, w_ptr, rows, out_ptr, wout_ptr, b0_ptr, b1_ptr, H, K, rel_ptr, npos_ptr, T,
                   pc, me, N, P, R, C, rpm_ptr, ptr_table, (me8 + area + fin_rel).to(tl.pointer_type(tl.int32)), TM,
                   ctr_off, ctr32, CM, C_FN, base_ptr, err_ptr, timeout_ns, BLOCK, RB, K_POW2, HAS_W, NB, HAS_TIMER)

@@ -102,18 +102,45 @@ def _publish_direct(base, ctr_off, idx, n):
 
 
 @triton.jit
-def _put_chunks(ptr_table, me, pe, dst, src, p0, upto, CH, RW, sig_off, SIM: tl.constexpr):
+def _put_rows(ptr_table, me, pe, dst, src, p0, upto, CH, RW, SIM: tl.constexpr):
     """Rows ``[p0, upto)`` of a channel (``RW`` words each; chunks end at multiples of ``CH`` rows from the
     channel's first row) from ``src`` (this rank's int32 pointer to the channel's first row) to byte offset
-    ``dst`` (the channel's first row) at ``pe``, in puts of at most a chunk; then a ``fence`` (the rows land
-    before the count that publishes them) and one ``signal_add`` of their number to ``sig_off`` there."""
-    add = upto - p0
+    ``dst`` (the channel's first row) at ``pe``, in puts of at most a chunk (no fence, no count)."""
     while p0 < upto:
         p1 = tl.minimum((p0 // CH + 1) * CH, upto)
         nv.put(ptr_table, me, pe, dst + p0 * RW * 4, src + p0 * RW, (p1 - p0) * RW * 4, SIM)
         p0 = p1
+
+
+@triton.jit
+def _put_chunks(ptr_table, me, pe, dst, src, p0, upto, CH, RW, sig_off, SIM: tl.constexpr):
+    """:func:`_put_rows`, then a ``fence`` (the rows land before the count that publishes them) and one
+    ``signal_add`` of their number to ``sig_off`` at ``pe``."""
+    _put_rows(ptr_table, me, pe, dst, src, p0, upto, CH, RW, SIM)
     nv.fence(SIM)
-    nv.signal_add(ptr_table, me, pe, sig_off, add, SIM)
+    nv.signal_add(ptr_table, me, pe, sig_off, upto - p0, SIM)
+
+
+@triton.jit
+def _biased_store(acc, o, om, out_ptr, b0_ptr, b1_ptr, NB: tl.constexpr):
+    """A final's sums ``acc`` (float32) plus the ``NB`` (0-2) BF16 biases in order, rounded once to BF16, into
+    ``out`` at offsets ``o`` where ``om``."""
+    if NB > 0:
+        acc += tl.load(b0_ptr + o, mask=om, other=0.0).to(tl.float32)
+    if NB > 1:
+        acc += tl.load(b1_ptr + o, mask=om, other=0.0).to(tl.float32)
+    tl.store(out_ptr + o, acc.to(tl.bfloat16), mask=om)
+
+
+@triton.jit
+def _base_add(ptr, n):
+    """This call's target of a counter whose private base is ``*ptr``: the base grows by ``n`` (a tile's rows),
+    and the new base is the target, the same in every thread. One atomic (one thread does it; Triton
+    broadcasts its result): a plain load of the base by every thread and a store by one (Triton stores a
+    scalar from thread 0 only) let a warp that loaded after thread 0's store see the next base, wait for
+    a target too high, and part from the other warps around the wait's barriers (the final of a combine
+    with weights hung so on an H100)."""
+    return tl.atomic_add(ptr, n, sem="relaxed", scope="cta") + n
 
 
 @triton.jit

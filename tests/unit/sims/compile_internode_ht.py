@@ -53,8 +53,9 @@ def main() -> None:
         # one combine launch (senders, relays, finals), with and without weights and biases
         *[(ihc._hc_kernel, dict(I64, x_ptr="*bf16", out_ptr="*bf16", wout_ptr="*fp32", b0_ptr="*bf16",
                                 b1_ptr="*bf16"),
-           dict(BLOCK=T["combine_block"], RB=T["combine_rb"], K_POW2=8, HAS_W=hw, NB=nb,
-                HAS_TIMER=True, SIM=True), T["combine_warps"]) for hw, nb in ((True, 2), (False, 0))],
+           dict(BLOCK=T["combine_block"], FBLOCK=T["final_block"], RB=T["combine_rb"], K_POW2=8, P_POW2=2,
+                HAS_W=hw, NB=nb, STAGES=T["c_stages"], HAS_TIMER=True, SIM=True), T["combine_warps"])
+          for hw, nb in ((True, 2), (False, 0))],
     ]
     # integers Triton turns into constants when they are 1 (launch.py), as real calls pass them: rank 1 of
     # nodes of one rank (me, N) with chunks of 1 and one program a role; rank 1 of one node (P)

@@ -114,7 +114,8 @@ def cases():
     from epcomm.kernels import internode_ht_combine as ihc
 
     comb_types = dict(cih.I64, x_ptr="*bf16", out_ptr="*bf16", wout_ptr="*fp32", b0_ptr="*bf16", b1_ptr="*bf16")
-    comb = dict(BLOCK=T["combine_block"], RB=T["combine_rb"], K_POW2=8, HAS_TIMER=True, SIM=True)
+    comb = dict(BLOCK=T["combine_block"], FBLOCK=T["final_block"], RB=T["combine_rb"], K_POW2=8, P_POW2=2,
+                STAGES=T["c_stages"], HAS_TIMER=True, SIM=True)
     disp = dict(BLOCK=T["dispatch_block"], RB=T["dispatch_rb"], N_POW2=2, K_POW2=8, G_POW2=64, S_POW2=64,
                 HAS_TIMER=True, SIM=True)
     out = [(f"wait_ge SHRINK={s}", _wait_kernel, {"timeout_ns": "i64"}, dict(SHRINK=s), 16) for s in (False, True)]

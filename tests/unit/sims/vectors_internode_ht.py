@@ -7,7 +7,11 @@ every hint in place each tile copy of a row's ``x`` part is 8 vector loads and 8
 ([16 rows x 1024 words] at 16 warps; combine tiles of BF16 [16 x 512], 2), and no BF16 element is read alone.
 The minimum counts are this tree's; a hint lost costs a tile copy (8 or 2 fewer). Before the hints: the
 dispatch 24-32 of each, the combine 2-6, and 16-64 two-byte loads (the finals' partial rows read element by
-element). Run by ``tests/unit/test_internode_vectors.py``; alone:
+element). In nodes of one rank the paired combine (``internode_ht_pair``) reduces [16 x 512] BF16 tiles of two
+rows and two biases a step (2 vector loads each, 2 stores a thread; without its partial rows' hint: 16 two-byte
+loads), compiled here with its loads unpipelined (``STAGES=1``); pipelined (``TUNE["c_stages"]``), the same
+loads become 16-byte ``cp.async`` copies to shared memory (24 at 3 stages; at least 8 asked). Run by
+``tests/unit/test_internode_vectors.py``; alone:
 ``PYTHONPATH=src python tests/unit/sims/vectors_internode_ht.py``."""
 import collections
 import inspect
@@ -24,7 +28,7 @@ from epcomm.kernels import internode_ht_combine as ihc
 
 LAYOUTS = {"nodes of one": dict(N=1, P=2, me=1), "one node of two": dict(N=2, P=1, me=1), "any": {}}
 # (dispatch v4 loads, v4 stores, combine v4 loads, v4 stores) at least, per layout
-MIN_V4 = {"nodes of one": (48, 48, 16, 10), "one node of two": (40, 40, 20, 14), "any": (64, 64, 24, 18)}
+MIN_V4 = {"nodes of one": (48, 48, 28, 16), "one node of two": (40, 40, 20, 14), "any": (64, 64, 24, 18)}
 
 
 def ptx(fn, types: dict, consts: dict, ints16: set, warps: int) -> str:
@@ -45,11 +49,12 @@ def counts(text: str) -> collections.Counter:
         mods = m.group(2)
         width = re.findall(r"\.[bsuf](8|16|32|64)\b", mods)
         c[f"{m.group(1)}.{'v4' if '.v4' in mods else 'v2' if '.v2' in mods else 'b' + (width[-1] if width else '?')}"] += 1
+    c["cp.async16"] = len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*, 0x10", text))  # 16-byte async copies
     return c
 
 
 def main() -> None:
-    print("plan", 2 * len(LAYOUTS))
+    print("plan", 2 * len(LAYOUTS) + 1)
     dtypes = dict(cih.I64, rid_ptr="*i64", rw_ptr="*fp32")
     ctypes = dict(cih.I64, x_ptr="*bf16", out_ptr="*bf16", wout_ptr="*fp32", b0_ptr="*bf16", b1_ptr="*bf16")
     for name, lay in LAYOUTS.items():
@@ -59,11 +64,15 @@ def main() -> None:
         got = counts(ptx(ih._internode_dispatch_impl_kernel, dtypes, dc, {"XW", "TM"}, T["dispatch_warps"]))
         assert got["ld.v4"] >= d_ld and got["st.v4"] >= d_st, f"dispatch, {name}: {dict(got)}"
         print("ok dispatch", name, dict(got))
-        cc = dict(BLOCK=T["combine_block"], RB=T["combine_rb"], K_POW2=8, HAS_W=True, NB=2, HAS_TIMER=True, SIM=True,
-                  **lay)
+        cc = dict(BLOCK=T["combine_block"], FBLOCK=T["final_block"], RB=T["combine_rb"], K_POW2=8, P_POW2=2,
+                  HAS_W=True, NB=2, STAGES=1, HAS_TIMER=True, SIM=True, **lay)
         got = counts(ptx(ihc._hc_kernel, ctypes, cc, {"H", "TM"}, T["combine_warps"]))
         assert got["ld.v4"] >= c_ld and got["st.v4"] >= c_st and not got["ld.b16"], f"combine, {name}: {dict(got)}"
         print("ok combine", name, dict(got))
+        if name == "nodes of one" and T["c_stages"] > 1:
+            got = counts(ptx(ihc._hc_kernel, ctypes, dict(cc, STAGES=T["c_stages"]), {"H", "TM"}, T["combine_warps"]))
+            assert got["cp.async16"] >= 8 and not got["ld.b16"], f"combine, pipelined: {dict(got)}"
+            print("ok combine pipelined", name, dict(got))
 
 
 if __name__ == "__main__":
