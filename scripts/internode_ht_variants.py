@@ -14,6 +14,7 @@ Usage (the ranks' environment as for ``epcomm bench --backend internode`` under 
 
 ``--variants`` replaces the default list: ``name:key=v/key=v;name2:...`` (``TUNE`` keys; ``old:`` with
 no keys runs a tree as it is: with ``--src`` another commit's tree, e.g. the one before issue 28's changes).
+``--ops`` times only the listed operations (``combine-bf16,dispatch-bf16-worst,dispatch-fp8-worst``).
 Prints one line per (variant, op): the median over rounds of each round's time (a round's time: the slowest
 rank's median).
 ``--cpu``: a dry run of this script on two CPU processes (the simulated backend, ``testing/cpu_internode``,
@@ -34,18 +35,18 @@ _SRC = (sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv[:-1]
         else os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 sys.path.insert(0, os.path.abspath(_SRC))
 
-# (name, TUNE overrides): the protocol and roles of c1154de (NVSHMEM puts to the other node, 12 senders and 12
-# forwarders, the own rows as forwarder units in node order; relays 16, finals 8), then one change at a time
-OLD_ROLES = dict(own_first=0, own_split=0, d_forward=1, c_relay=2, c_final=1)
+# (name, TUNE overrides): the combine's split roles of 501f1b8 (12 relays, 12 finals; docs/internode.md, "Cost
+# model"), then the paired combine (every program copies, then reduces: the default) unpipelined, as it is, with
+# wider reduction steps, and over NVSHMEM puts. (c1154de's protocol and roles: ``p2p=0/own_first=0/own_split=0/
+# d_forward=1/c_relay=2/c_final=1/c_pair=0``.)
 VARIANTS = [
-    ("puts-old-roles", dict(OLD_ROLES, p2p=0)),
-    ("puts", dict(p2p=0)),
-    ("p2p-old-roles", dict(OLD_ROLES, p2p=1)),
-    ("p2p", dict(p2p=1)),
-    ("p2p-nosplit", dict(p2p=1, own_split=0, d_forward=2)),
-    ("p2p-fwd2", dict(p2p=1, d_forward=2)),
-    ("p2p-c23", dict(p2p=1, c_final=3)),
+    ("split", dict(c_pair=0)),
+    ("pair-s1", dict(c_pair=1, c_stages=1)),
+    ("pair", dict(c_pair=1)),
+    ("pair-b1024", dict(c_pair=1, final_block=1024)),
+    ("pair-puts", dict(c_pair=1, p2p=0)),
 ]
+OPS = ("combine-bf16", "dispatch-bf16-worst", "dispatch-fp8-worst")
 
 
 def _parse(spec: str) -> list:
@@ -56,7 +57,7 @@ def _parse(spec: str) -> list:
     return out
 
 
-def _rank(ctx, variants, rounds, iters, warmup, sms, cpu_tag):
+def _rank(ctx, variants, rounds, iters, warmup, sms, cpu_tag, want=OPS):
     if cpu_tag:
         from epcomm.testing import cpu_nvlink
 
@@ -92,8 +93,7 @@ def _rank(ctx, variants, rounds, iters, warmup, sms, cpu_tag):
         for name, over in variants:
             TUNE.clear()
             TUNE.update(default, **over)
-            ops = [op for op in workloads.ht_ops(fast, sets, expect=expect)
-                   if op.dtype in ("bf16-worst", "fp8-worst") or op.op == "combine"]
+            ops = [op for op in workloads.ht_ops(fast, sets, expect=expect) if f"{op.op}-{op.dtype}" in want]
             for op in ops:
                 t0 = time.time()
                 m = timing.measure(op, num_sets=len(sets), iters=iters, warmup=warmup, group=ctx.group,
@@ -115,6 +115,7 @@ def _rank(ctx, variants, rounds, iters, warmup, sms, cpu_tag):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default="", help="name:key=v/key=v;... (default: the built-in list)")
+    ap.add_argument("--ops", default=",".join(OPS), help="operations to time (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
@@ -128,8 +129,11 @@ def main() -> int:
     from epcomm.testing.launcher import parallel_launch
 
     variants = _parse(a.variants) if a.variants else VARIANTS
+    want = tuple(filter(None, a.ops.split(",")))
+    if not want or set(want) - set(OPS):
+        ap.error(f"--ops: a comma list of {', '.join(OPS)}, got {a.ops!r}")
     tag = f"ihv{os.getpid()}" if a.cpu else ""
-    res = parallel_launch(2, _rank, variants, a.rounds, a.iters, a.warmup, a.num_sms, tag,
+    res = parallel_launch(2, _rank, variants, a.rounds, a.iters, a.warmup, a.num_sms, tag, want,
                           backend="gloo" if a.cpu else "nccl", timeout_s=a.timeout)
     print("epcomm from", res[0]["tree"], "| case check:", {r["rank"]: r["case_check"] for r in res})
     # a round's time of an op: the slowest rank's median; then the median over rounds
