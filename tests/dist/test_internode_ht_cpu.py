@@ -25,6 +25,8 @@ the interpreter, the NVSHMEM device calls simulated — on CPU processes in virt
   roles give the same bits, modes alternating on one handle, at 4, 2 and 6 programs (``_pair_and_split``).
 - A rank that never sends gives the deadline error naming the rank and the phase (two nodes of one; two
   nodes of two, where the waits are the relay's forward and its node peer's receive).
+- A dispatch's rows stored into a relay's slot counted 24 at a time (``TUNE["d_p2p_rows"]``; else as the puts'
+  chunks) in the stores' runs of two nodes of one and of two.
 - Senders and relays to another node either stage and put (``TUNE["p2p"] = 0``, as over RDMA) or store into
   the peer's slot (1: every peer's buffer is mapped here, as NVSHMEM maps the peers of one host): two nodes
   of one, the slow peer and two nodes of two run both ways (the stores' runs with fewer cases), and each
@@ -349,7 +351,8 @@ def _absent_relay(ctx, gpus_per_node):
 # ``_tuned`` asserts which one ran. ``own_split`` 0: a rank's own rows move as the forwarders' units.
 CHECKS = {
     2: [("two-virtual-nodes", _ht, 1, {"tune": {"p2p": 0, "own_split": 0}}),  # one message per (token, rank)
-        ("two-virtual-nodes[p2p]", _ht, 1, {"tune": {"p2p": 1}, "full": False}),  # the same rows by stores
+        # the same rows by stores, counted 24 at a time (d_p2p_rows: Config's chunk at most 5 here)
+        ("two-virtual-nodes[p2p]", _ht, 1, {"tune": {"p2p": 1, "d_p2p_rows": 24}, "full": False}),
         ("one-node-of-two", _ht, 2, {}),     # no sender: forwarders store to the peer, receivers unpack
         ("slow-peer[two-nodes-of-one]", _slow_peer, 1, {"tune": {"p2p": 0}}),
         ("slow-peer[two-nodes-of-one,p2p]", _slow_peer, 1, {"tune": {"p2p": 1}}),
@@ -359,7 +362,7 @@ CHECKS = {
         ("deadline", _absent_relay, 1, {})],
     4: [("four-nodes-of-one", _ht, 1, {"full": False, "tune": {"p2p": 0}}),  # nothing forwarded, the relay's
         ("four-ranks-in-two-nodes", _ht, 2, {"tune": {"p2p": 0}}),  # rows go as BF16, three remote nodes a rank
-        ("four-ranks-in-two-nodes[p2p]", _ht, 2, {"tune": {"p2p": 1}, "full": False}),
+        ("four-ranks-in-two-nodes[p2p]", _ht, 2, {"tune": {"p2p": 1, "d_p2p_rows": 24}, "full": False}),
         ("pair-and-split[four-nodes-of-one]", _pair_and_split, 1, {"tune": {"p2p": 1}}),
         ("deadline-two-nodes-of-two", _absent_relay, 2, {})],
 }

@@ -58,7 +58,8 @@ _BLOCK = 1024
 # counting rows by a release atomic (0: staging and NVSHMEM puts to every other node, as over RDMA);
 # ``own_first`` (1): a forwarder takes its own node's units (no wait) before the other nodes';
 # ``own_split`` (1): in nodes of one rank, a rank's own rows go to its outputs in tiles over every program of
-# the dispatch (after their role's work), not as the forwarders' channel units.
+# the dispatch (after their role's work), not as the forwarders' channel units; ``d_p2p_rows`` (0): a dispatch's
+# rows stored into a relay's slot are counted at least that many at a time (0: Config's RDMA chunk, as puts).
 # ``c_pair`` (1): in nodes of one rank (at most ``_PAIR_NODES``, ``2 * channels <= C_MAX``) every program of the
 # combine copies, then reduces, half a channel (``kernels/internode_ht_pair.py``), as nvlink's push, then reduce;
 # 0: relays and finals apart (``c_relay``, ``c_final``, a channel each). The same on every rank (each mode waits on
@@ -66,7 +67,7 @@ _BLOCK = 1024
 # ``c_stages`` its loads in flight (Triton's software pipeline, as the nvlink reduce's; 1 where they would not fit).
 TUNE = dict(dispatch_warps=16, dispatch_rb=16, dispatch_block=1024, combine_warps=16, combine_rb=16,
             combine_block=512, d_send=1, d_forward=1, d_receive=1, c_send=1, c_relay=2, c_final=2, p2p=1,
-            own_first=1, own_split=1, c_pair=1, final_block=512, c_stages=3)
+            own_first=1, own_split=1, d_p2p_rows=0, c_pair=1, final_block=512, c_stages=3)
 _PAIR_NODES = 16
 _T_NOTIFY, _T_DISPATCH, _T_COMBINE = range(3)
 
@@ -369,8 +370,9 @@ class InternodeHighThroughput:
             recv_x.view(torch.int32), recv_s.view(torch.int32) if recv_s is not None else i32,
             recv_id if recv_id is not None else self._dummy(torch.int64),
             recv_w if recv_w is not None else self._dummy(torch.float32), recv_src if src else i32, rows, me * lx, lx,
-            me, n_, p_, r_, ch, self.p_table, self.areas[0], self.area_bytes, rdma_rel, nvl_rel, tm, self.ctr_off,
-            self.cm, info.tbl if info.tbl is not None else i32, int(save), self.p_bases, self.p_lv[1],
+            me, n_, p_, r_, ch, max(ch, TUNE["d_p2p_rows"]), self.p_table, self.areas[0], self.area_bytes, rdma_rel,
+            nvl_rel, tm, self.ctr_off, self.cm, info.tbl if info.tbl is not None else i32, int(save), self.p_bases,
+            self.p_lv[1],
             self.p_t[_T_DISPATCH], self.p_err, be.timeout_ns, s_lo, s_n, f_lo, f_n, v_lo, v_n, int(TUNE["p2p"]),
             int(TUNE["own_first"]), int(TUNE["own_split"] and n_ == 1), BLOCK=min(TUNE["dispatch_block"], _pow2(w)), RB=TUNE["dispatch_rb"],
             N_POW2=_pow2(n_),

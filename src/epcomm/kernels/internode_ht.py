@@ -143,14 +143,15 @@ def _await(seen, target, ptr_table, me, ctr_off, ctr32, idx, err_ptr, peer, time
 
 @triton.jit
 def _hd_send(g, GS, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, pc, C, XW, G, K, NSRC, NR, me, N, P,
-             R, CH, ptr_table, stage, rdma_off, slot_words, MW, ctr_off, ctr32, CM, F_RD, dc, P2P, err_ptr,
+             R, CH, CHD, ptr_table, stage, rdma_off, slot_words, MW, ctr_off, ctr32, CM, F_RD, dc, P2P, err_ptr,
              timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, N_POW2: tl.constexpr, S_POW2: tl.constexpr,
              HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
     """Sender ``g`` of ``GS``: channels ``g, g + GS, ...`` of this rank ``(a, i)`` to the relays ``(b, i)`` of
     the other nodes (module docstring, 1). ``nco [P, C]``: this rank's channel prefix for each node (the
     rows a channel gives it: ``[nco[b][c-1], nco[b][c])``). A relay NVSHMEM maps gets its rows by stores
-    and their count by a release atomic, a whole number of chunks at a time as the puts would send them
-    (``P2P``: ``internode_ht_rows``)."""
+    and their count by a release atomic, a whole number of ``CHD`` rows at a time (``CH``, as the puts
+    would send them, or more: ``TUNE["d_p2p_rows"]``, fewer counts and the fences before them; the rest at
+    the channel's end) (``P2P``: ``internode_ht_rows``)."""
     a = me // N
     i = me % N
     W = XW + G + 3 * K + NSRC
@@ -199,10 +200,11 @@ def _hd_send(g, GS, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, 
                     # rows written before this block (all of them where it has none), and after it
                     before = tl.where(q_max >= 0, tl.min(tl.where(q >= 0, q, 1 << 40), 0) - f_b, total)
                     after = tl.where(q_max >= 0, q_max + 1 - f_b, before)
-                    p0 = before // CH * CH  # what the earlier blocks sent: their whole chunks
-                    upto = tl.where(last, total, after // CH * CH)  # whole chunks; the rest at the channel's end
+                    base, direct = _mapped(ptr_table, relay, P2P)
+                    chb = tl.where(direct, CHD, CH)  # (rows a count covers)
+                    p0 = before // chb * chb  # what the earlier blocks sent: their whole chunks
+                    upto = tl.where(last, total, after // chb * chb)  # whole chunks; the rest at the channel's end
                     if upto > p0:
-                        base, direct = _mapped(ptr_table, relay, P2P)
                         if direct:  # the chunks' rows are in the relay's slot already: count them there
                             _publish_direct(base, ctr_off, a * CM + c, upto - p0)
                         else:
@@ -363,9 +365,9 @@ def _hd_receive(g, GV, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr,
 
 
 @triton.jit(do_not_specialize=['T', 'pc', 'rows', 's_lo', 's_n', 'f_lo', 'f_n', 'v_lo', 'v_n', 'P2P', 'OWN_FIRST',
-                              'OWN_SPLIT'])  # (a TUNE variant: the same binary)
+                              'OWN_SPLIT', 'CHD'])  # (a TUNE variant: the same binary)
 def _internode_dispatch_impl_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, pc, C, XW, G, K, NSRC, rpm_ptr, rcp_ptr,
-               ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, me, N, P, R, CH, ptr_table, area_off,
+               ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, me, N, P, R, CH, CHD, ptr_table, area_off,
                par_bytes, rdma_rel, nvl_rel, TM, ctr_off, CM, tbl_ptr, SAVE, base_ptr, cnt_ptr, ticket_ptr, err_ptr,
                timeout_ns, s_lo, s_n, f_lo, f_n, v_lo, v_n, P2P, OWN_FIRST, OWN_SPLIT, BLOCK: tl.constexpr,
                RB: tl.constexpr,
@@ -380,8 +382,8 @@ def _internode_dispatch_impl_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_p
     C]`` the handle's receive channel prefix, ``ncp [R, C]`` each source's channel prefix for this node.
     Outputs ``rows`` rows. Areas at ``area_off + parity * par_bytes`` (the device's count of dispatches,
     ``cnt[0]``): staging at 0, RDMA slots at ``rdma_rel``, NVL slots at ``nvl_rel``, ``TM`` rows each, of
-    ``pad4`` strides. ``P2P``: senders store to the relays NVSHMEM maps (``internode_ht_rows``);
-    ``OWN_FIRST``: forwarders take their own node's units first; ``OWN_SPLIT`` (nodes of one rank only): every
+    ``pad4`` strides. ``P2P``: senders store to the relays NVSHMEM maps (``internode_ht_rows``), counting
+    ``CHD`` rows at a time (``CH``: Config's RDMA chunk, the puts' most rows); ``OWN_FIRST``: forwarders take their own node's units first; ``OWN_SPLIT`` (nodes of one rank only): every
     program moves a share of this rank's own rows after its role's work (``_hd_own``)."""
     pid = tl.program_id(0)
     dc = tl.load(cnt_ptr)
@@ -397,7 +399,7 @@ def _internode_dispatch_impl_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_p
     F_NV = F_RD + P
     if (pid >= s_lo) & (pid < s_lo + s_n):
         _hd_send(pid - s_lo, s_n, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, pc, C, XW, G, K, NSRC,
-                 NR, me, N, P, R, CH, ptr_table, (me8 + area).to(tl.pointer_type(tl.int32)), area + rdma_rel,
+                 NR, me, N, P, R, CH, CHD, ptr_table, (me8 + area).to(tl.pointer_type(tl.int32)), area + rdma_rel,
                  slot_words, MW, ctr_off, ctr32, CM, F_RD, dc, P2P, err_ptr, timeout_ns, BLOCK, RB, N_POW2, S_POW2,
                  HAS_TIMER, SIM)
     if (pid >= f_lo) & (pid < f_lo + f_n):
