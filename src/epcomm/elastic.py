@@ -1,9 +1,10 @@
 """``ElasticBuffer`` and ``EPHandle``: DeepEP V2's API (v2.1.0) as a second front door to epcomm's engine.
 
 ``ElasticBuffer`` holds a ``Buffer`` as its engine (the same backend selection, backends, streams and
-events) and adds only the V2 surface: argument checks, sizing and the call sequence; the V2 steps
-themselves are in ``elastic_engine.py`` and the layout math in ``elastic_layout.py``. docs/v2.md says
-what differs from DeepEP.
+events) and adds only the V2 surface: sizing and the call sequence; the argument checks are in
+``elastic_args.py``, the V2 steps themselves in ``elastic_engine.py`` and the layout math in
+``elastic_layout.py``. A call of a kind seen before skips its checks and runs the plan its first call
+left (as ``Buffer``'s calls do). docs/v2.md says what differs from DeepEP.
 
 Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``LE = E/R``,
 ``M`` = ``num_max_tokens_per_rank``, ``N`` contiguous rows, ``X`` expanded rows, ``P`` scale packs.
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from . import _env
 from . import _validate as V
+from . import elastic_args as A
 from . import elastic_engine as engine
 from . import elastic_layout as EL
 from .backends import deadline
@@ -28,35 +30,6 @@ from .event import EventHandle, EventOverlap
 log = logging.getLogger(__name__)
 
 topk_idx_t = torch.int64  # DeepEP's top-k index dtype (int64 unless DeepEP is built otherwise)
-
-
-def _flag(name: str, v) -> bool:
-    if v is True or v is False:  # (the common case, first: one comparison)
-        return v
-    if not isinstance(v, (bool, int)) or isinstance(v, int) and not isinstance(v, bool) and v not in (0, 1):
-        raise TypeError(f"{name} must be a bool, got {v!r}")
-    return bool(v)
-
-
-def _event(name: str, ev):
-    if ev is None or isinstance(ev, EventHandle):
-        return ev
-    if isinstance(ev, EventOverlap):  # DeepEP wants the raw EventHandle; an EventOverlap is harmless here
-        return ev.event if isinstance(ev.event, EventHandle) or ev.event is None else _Recorded(ev.event)
-    raise TypeError(f"{name} must be an EventHandle (ElasticBuffer.capture()), got {type(ev).__name__}")
-
-
-class _Recorded:
-    """A ``torch.cuda.Event`` behind ``EventHandle``'s interface."""
-
-    def __init__(self, ev):
-        self.event = ev
-
-    def current_stream_wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
-
-    def wait(self, stream=None) -> None:
-        self.event.wait(stream)
 
 
 class ElasticBuffer:
@@ -108,12 +81,12 @@ class ElasticBuffer:
         self.num_ranks = dist.get_world_size(group)
         if self.num_ranks > EL.MAX_RANKS:
             raise ValueError(f"at most {EL.MAX_RANKS} ranks are supported, the group has {self.num_ranks}")
-        self.allow_hybrid_mode = _flag("allow_hybrid_mode", allow_hybrid_mode)
-        self.allow_multiple_reduction = _flag("allow_multiple_reduction", allow_multiple_reduction)
-        self.prefer_overlap_with_compute = _flag("prefer_overlap_with_compute", prefer_overlap_with_compute)
-        self.deterministic = _flag("deterministic", deterministic)  # rows are always in routing order
-        self.explicitly_destroy = _flag("explicitly_destroy", explicitly_destroy)
-        self.use_fp8_dispatch = _flag("use_fp8_dispatch", use_fp8_dispatch)
+        self.allow_hybrid_mode = A.flag("allow_hybrid_mode", allow_hybrid_mode)
+        self.allow_multiple_reduction = A.flag("allow_multiple_reduction", allow_multiple_reduction)
+        self.prefer_overlap_with_compute = A.flag("prefer_overlap_with_compute", prefer_overlap_with_compute)
+        self.deterministic = A.flag("deterministic", deterministic)  # rows are always in routing order
+        self.explicitly_destroy = A.flag("explicitly_destroy", explicitly_destroy)
+        self.use_fp8_dispatch = A.flag("use_fp8_dispatch", use_fp8_dispatch)
         self.num_max_tokens_per_rank = m
         self.hidden, self.num_topk = h, k
         self.sl_idx = sl_idx
@@ -148,6 +121,7 @@ class ElasticBuffer:
         self.runtime = self._engine
         self._destroyed = False
         self._sms_cache: dict = {}
+        self._fast: dict = {}  # kind of fresh dispatch -> its run (dispatch)
         self._fits: set = set()  # (M, H, K, FP8) whose layout fits num_bytes
         self._configs: dict = {}  # num_sms -> the engine's Config for it (elastic_engine)
         self.device_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -261,6 +235,7 @@ class ElasticBuffer:
         if not gave_up(self.group):  # (after a deadline the ranks are out of step: no collective teardown)
             self.barrier(with_cpu_sync=True)
         self._engine.destroy()
+        self._fast.clear()
         self._destroyed = True
         self.runtime = None
 
@@ -296,108 +271,79 @@ class ElasticBuffer:
         int64[N, K]`` (local ids, -1 elsewhere), ``recv_topk_weights f32[N, K]`` (local lanes, 0 elsewhere);
         expanded (``do_expand``) ``recv_x [X, H]``, ``recv_topk_idx`` None, ``recv_topk_weights f32[X]``.
         Without CPU sync ``N = R*M`` and ``X`` is the worst case; the handle's prefix sums say which rows
-        are real. See docs/v2.md."""
-        self._check_alive()
-        data, sf = (x if isinstance(x, (tuple, list)) else (x, None))
-        if isinstance(x, (tuple, list)) and len(x) != 2:
-            raise ValueError(f"x as a tuple must be (x, sf), got {len(x)} items")
-        V.tensor("x", data, data.dtype if isinstance(data, torch.Tensor) else torch.bfloat16, 2, self.device)
-        t, h = data.shape
-        if sf is not None:
-            if not isinstance(sf, torch.Tensor) or sf.element_size() != 4:
-                raise TypeError(f"sf must be a tensor of 4-byte scale packs (fp32 or int32), got "
-                                f"{getattr(sf, 'dtype', type(sf).__name__)}")
-            V.tensor("sf", sf, sf.dtype, 2, self.device)
-            if sf.shape[0] != t:
-                raise ValueError(f"sf must have the {t} rows of x, got shape {tuple(sf.shape)}")
-        do_expand = _flag("do_expand", do_expand)
-        do_zero_padding = _flag("do_zero_padding", do_zero_padding)
-        async_ = _flag("async_with_compute_stream", async_with_compute_stream)
-        alloc = _flag("allocate_on_comm_stream", allocate_on_comm_stream)
-        tma = _flag("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
-        if do_zero_padding and not do_expand:
-            raise ValueError("do_zero_padding=True needs do_expand=True")
-        prev, before = self._events(previous_event, previous_event_before_epilogue, alloc)
-        self._sms_qps(num_sms, num_qps)
-        if handle is not None:
-            return self._cached(handle, data, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
-                                num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, do_cpu_sync,
-                                do_expand, do_zero_padding, tma, prev, before, async_)
-        e = V.num_experts(num_experts, self.num_ranks) if num_experts is not None else None
-        if e is None:
-            raise ValueError("num_experts is required without a handle, got None")
-        if e > EL.MAX_EXPERTS or e // self.num_ranks > EL.MAX_LOCAL_EXPERTS:
-            raise ValueError(f"num_experts={e} exceeds the limits ({EL.MAX_EXPERTS} experts, "
-                             f"{EL.MAX_LOCAL_EXPERTS} a rank)")
-        m = self._tokens_arg(num_max_tokens_per_rank, t)
-        a = 1 if expert_alignment is None else V.int_arg("expert_alignment", expert_alignment, 1)
-        sync = True if do_cpu_sync is None else _flag("do_cpu_sync", do_cpu_sync)
-        if topk_idx is None:
-            raise ValueError("topk_idx is required without a handle, got None")
-        V.topk_idx(topk_idx, t, e, self.device, check_values=self._host_checks)
-        k = topk_idx.shape[1]
-        if k < 1:
-            raise ValueError(f"topk_idx must have 1 to {EL.MAX_TOPK} columns, got shape {tuple(topk_idx.shape)}")
-        if self._host_checks and k > 1 and t and not V.is_capturing(self.device):
-            s = torch.sort(topk_idx, 1).values
-            dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(1)
-            if bool(dup.any()):
-                row = int(dup.nonzero()[0, 0])
-                raise ValueError(f"topk_idx repeats an expert within token {row}: {topk_idx[row].tolist()}")
-        if topk_weights is not None:
-            V.topk_weights(topk_weights, topk_idx, self.device)
+        are real. See docs/v2.md.
+
+        A dispatch of a kind seen before (``elastic_args.dispatch_key``) skips its checks (unless expert ids are
+        checked on the host) and runs the plan its first call left (``elastic_engine.dispatch_plan`` /
+        ``cached_plan``)."""
         cum = cumulative_local_expert_recv_stats
-        if cum is not None:
-            V.tensor("cumulative_local_expert_recv_stats", cum, torch.int32, 1, self.device)
-            V.shape("cumulative_local_expert_recv_stats", cum, (e // self.num_ranks,))
-        self._check_fits(m, h, k, sf is not None)
-        sms = num_sms or ElasticBuffer._num_sms_override or self.get_theoretical_num_sms(e, k)
+        prev, before = previous_event, previous_event_before_epilogue
+        try:
+            data, sf = (x, None) if isinstance(x, torch.Tensor) else x
+            key = A.dispatch_key(data, sf, topk_idx, topk_weights, cum, handle, (
+                num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, async_with_compute_stream,
+                allocate_on_comm_stream, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
+                use_tma_aligned_col_major_sf, ElasticBuffer._num_sms_override, prev is None, before is None))
+            go = self._fast.get(key)
+        except (AttributeError, TypeError, ValueError):  # not tensors, or not hashable: the checks say which
+            key = go = None
+        if go is not None and not self._host_checks and (handle is None or A.owned(handle, self)):
+            if prev is not None or before is not None:
+                prev, before = A.events(prev, before, allocate_on_comm_stream)
+            return go(data, sf, topk_idx, topk_weights, cum, handle, prev, before)
+        self._check_alive()
+        data, sf, expand, zero_pad, async_, tma, prev, before = A.common(
+            self, x, do_expand, do_zero_padding, async_with_compute_stream, allocate_on_comm_stream,
+            use_tma_aligned_col_major_sf, prev, before, num_sms, num_qps)
+        if handle is not None:
+            A.cached(self, handle, data, sf, topk_idx, topk_weights, cum, num_experts, num_max_tokens_per_rank,
+                     expert_alignment, do_cpu_sync, expand)
+            if go is None:
+                go = self._cached_go(engine.cached_plan(self, expand, data, sf, topk_weights, zero_pad, tma), async_)
+        else:
+            e, m, a, sync, k = A.fresh(self, data, sf, topk_idx, topk_weights, cum, num_experts,
+                                       num_max_tokens_per_rank, expert_alignment, do_cpu_sync)
+            if go is None:
+                sms = num_sms or ElasticBuffer._num_sms_override or self.get_theoretical_num_sms(e, k)
+                plan = engine.dispatch_plan(self, data, sf, topk_idx, topk_weights, e, m, a, sms, expand, sync,
+                                            zero_pad, tma, cum, A.flag("do_handle_copy", do_handle_copy))
+                go = self._fresh_go(plan, async_, (expand, e, a, m, sms))
+        self._keep(key, go)
+        return go(data, sf, topk_idx, topk_weights, cum, handle, prev, before)
 
-        def fn():
-            return engine.dispatch(self, data, sf, topk_idx, topk_weights, e, m, a, sms, do_expand, sync,
-                                   do_zero_padding, tma, cum, _flag("do_handle_copy", do_handle_copy), before)
+    def _fresh_go(self, plan, async_: bool, kind: tuple):
+        """A fresh dispatch's call of ``plan``: ``go(x, sf, topk_idx, topk_weights, cum, None[, prev, before])``
+        -> the five results; ``kind``: the handle's ``(do_expand, E, alignment, M, num_sms)``."""
+        def go(data, sf, topk_idx, topk_weights, cum, _handle, prev=None, before=None):
+            def fn():
+                return plan(data, sf, topk_idx, topk_weights, cum, before)
 
-        (rx, rsf, ridx, rw, fields, state), ev = self._run(fn, [data, sf, topk_idx, topk_weights], prev, async_)
-        if ev.event is not None:  # the handle's tensors were made on the communication stream
-            for v in fields.values():
-                if isinstance(v, torch.Tensor) and v.is_cuda:
-                    v.record_stream(torch.cuda.current_stream())
-        hd = EPHandle(do_expand, e, a, m, sms, **fields)
-        hd._state, hd._owner = state, self
-        return (rx if rsf is None else (rx, rsf)), ridx, rw, hd, ev
+            (rx, rsf, ridx, rw, fields, state), ev = self._run(fn, [data, sf, topk_idx, topk_weights], prev, async_)
+            if ev.event is not None:  # the handle's tensors were made on the communication stream
+                for v in fields:
+                    if isinstance(v, torch.Tensor) and v.is_cuda:
+                        v.record_stream(torch.cuda.current_stream())
+            hd = EPHandle(*kind, *fields)
+            hd._state, hd._owner = state, self
+            return (rx if rsf is None else (rx, rsf)), ridx, rw, hd, ev
+        return go
 
-    def _cached(self, hd, data, sf, topk_idx, topk_weights, cum, num_experts, m, a, num_sms, do_cpu_sync, do_expand,
-                zero_pad, tma, prev, before, async_):
-        if not isinstance(hd, EPHandle) or hd._state is None:
-            raise TypeError(f"handle must be the EPHandle a dispatch returned, got {type(hd).__name__}")
-        if hd._owner is not self:
-            raise ValueError("handle was made by another ElasticBuffer")
-        if topk_idx is not None:
-            raise ValueError("topk_idx must be None with a handle (the handle's is used)")
-        if do_cpu_sync:
-            raise ValueError(f"do_cpu_sync={do_cpu_sync!r} cannot be used with a cached handle")
-        if cum is not None:
-            raise ValueError("cumulative_local_expert_recv_stats must be None with a cached handle")
-        for name, given, own in (("num_experts", num_experts, hd.num_experts),
-                                 ("expert_alignment", a, hd.expert_alignment),
-                                 ("num_max_tokens_per_rank", m, hd.num_max_tokens_per_rank)):
-            if given is not None and given != own:
-                raise ValueError(f"{name}={given!r} differs from the handle's {own}")
-        if do_expand != hd.do_expand:
-            raise ValueError(f"do_expand={do_expand} differs from the handle's layout (do_expand={hd.do_expand})")
-        t, k = hd.topk_idx.shape
-        if data.shape[0] != t:
-            raise ValueError(f"x has {data.shape[0]} tokens but the handle was made for {t}")
-        if topk_weights is not None:
-            V.topk_weights(topk_weights, hd.topk_idx, self.device)
-        self._check_fits(hd.num_max_tokens_per_rank, data.shape[1], k, sf is not None)
+    def _cached_go(self, plan, async_: bool):
+        """A cached dispatch's call of ``plan`` (as :meth:`_fresh_go`'s, on the handle given)."""
+        def go(data, sf, _topk_idx, topk_weights, _cum, hd, prev=None, before=None):
+            def fn():
+                return plan(hd._state, data, sf, topk_weights, before)
 
-        def fn():
-            return engine.cached_dispatch(self, hd._state, hd.do_expand, data, sf, topk_weights, zero_pad, tma,
-                                          before)
+            (rx, rsf, ridx, rw), ev = self._run(fn, [data, sf, topk_weights], prev, async_)
+            return (rx if rsf is None else (rx, rsf)), ridx, rw, hd, ev
+        return go
 
-        (rx, rsf, ridx, rw), ev = self._run(fn, [data, sf, topk_weights], prev, async_)
-        return (rx if rsf is None else (rx, rsf)), ridx, rw, hd, ev
+    def _keep(self, key, go) -> None:
+        """Keep ``go`` (a call's plan, checked) for the repeats of ``key`` (None: arguments that are not a kind)."""
+        if key is not None:
+            if len(self._fast) >= 256:  # bounded, whatever the callers vary
+                self._fast.clear()
+            self._fast[key] = go
 
     def combine(self, x, handle, topk_weights=None, bias=None, num_sms: int = 0, num_qps: int = 0,
                 previous_event=None, previous_event_before_epilogue=None, async_with_compute_stream: bool = False,
@@ -407,79 +353,39 @@ class ElasticBuffer:
         multiplied by weights. ``topk_weights`` (f32 ``[N, K]`` or ``[X]``) travel back; ``bias``: None,
         one or two ``bf16[T, H]``. Returns ``(combined_x bf16[T, H], combined_topk_weights f32[T, K] or None,
         EventOverlap)``. The sum: float32, biases first, then each rank's partial at its highest top-k lane,
-        in lane order, one BF16 rounding (docs/v2.md)."""
+        in lane order, one BF16 rounding (docs/v2.md). A combine of a kind seen before
+        (``elastic_args.combine_key``) skips its checks; it runs on the handle given."""
+        prev, before = previous_event, previous_event_before_epilogue
+        try:
+            key = A.combine_key(x, handle, topk_weights, bias, (num_sms, num_qps, async_with_compute_stream,
+                                                                allocate_on_comm_stream, prev is None, before is None))
+            go = self._fast.get(key)
+        except (AttributeError, TypeError):  # not tensors, or not hashable: the checks say which
+            key = go = None
+        if go is not None and A.owned(handle, self):
+            if prev is not None or before is not None:
+                prev, before = A.events(prev, before, allocate_on_comm_stream)
+            return go(x, handle, topk_weights, bias, prev, before)
         self._check_alive()
-        if not isinstance(handle, EPHandle) or handle._state is None:
-            raise TypeError(f"handle must be the EPHandle a dispatch returned, got {type(handle).__name__}")
-        if handle._owner is not self:
-            raise ValueError("handle was made by another ElasticBuffer")
-        st = handle._state
-        V.tensor("x", x, torch.bfloat16, 2, self.device)
-        t, k = handle.topk_idx.shape
-        expand = handle.do_expand
-        if expand and x.shape[0] < st.num_expanded:
-            raise ValueError(f"x must cover the {st.num_expanded} expanded rows of the dispatch, got shape "
-                             f"{tuple(x.shape)}")
-        if not expand and x.shape[0] != st.num_rows:
-            raise ValueError(f"x must have the {st.num_rows} rows the dispatch returned, got shape {tuple(x.shape)}")
-        if topk_weights is not None:
-            if expand and not self.allow_multiple_reduction:
-                raise ValueError("topk_weights cannot travel back through an expanded combine with "
-                                 "allow_multiple_reduction=False (every row travels on its own)")
-            V.tensor("topk_weights", topk_weights, torch.float32, 1 if expand else 2, self.device)
-            want = (x.shape[0],) if expand else (st.num_rows, k)
-            V.shape("topk_weights", topk_weights, want)
-        biases = () if bias is None else (tuple(bias) if isinstance(bias, (tuple, list)) else (bias,))
-        if len(biases) > 2:
-            raise ValueError(f"bias takes one or two tensors, got {len(biases)}")
-        for i, b in enumerate(biases):
-            if b is not None:
-                V.tensor(f"bias[{i}]", b, torch.bfloat16, 2, self.device)
-                V.shape(f"bias[{i}]", b, (t, x.shape[1]))
-        biases = tuple(b for b in biases if b is not None)
-        async_ = _flag("async_with_compute_stream", async_with_compute_stream)
-        prev, before = self._events(previous_event, previous_event_before_epilogue,
-                                    _flag("allocate_on_comm_stream", allocate_on_comm_stream))
-        self._sms_qps(num_sms, num_qps)
+        async_, prev, before = A.combine(self, x, handle, topk_weights, bias, async_with_compute_stream,
+                                         allocate_on_comm_stream, prev, before, num_sms, num_qps)
+        if go is None:
+            go = self._combine_go(handle.do_expand, async_, num_sms)
+        self._keep(key, go)
+        return go(x, handle, topk_weights, bias, prev, before)
 
-        def fn():
-            return engine.combine(self, x, st, handle.topk_idx, handle.num_experts, handle.num_max_tokens_per_rank,
-                                  expand, topk_weights, biases, self.allow_multiple_reduction, before,
-                                  num_sms or handle.num_sms)
+    def _combine_go(self, expand: bool, async_: bool, num_sms: int):
+        """A combine's call: ``go(x, handle, topk_weights, bias[, prev, before])`` -> the three results."""
+        multi = self.allow_multiple_reduction
 
-        (out, w), ev = self._run(fn, [x, topk_weights, *biases], prev, async_)
-        return out, w, ev
+        def go(x, handle, topk_weights, bias, prev=None, before=None):
+            biases = A.biases(bias)
 
-    # ------------------------------------------------------------------ argument checks
+            def fn():
+                return engine.combine(self, x, handle._state, handle.topk_idx, handle.num_experts,
+                                      handle.num_max_tokens_per_rank, expand, topk_weights, biases, multi, before,
+                                      num_sms or handle.num_sms)
 
-    def _events(self, previous_event, before_epilogue, alloc: bool):
-        prev = _event("previous_event", previous_event)
-        before = _event("previous_event_before_epilogue", before_epilogue)
-        if previous_event is not None and not alloc:
-            raise ValueError("previous_event needs allocate_on_comm_stream=True (as in DeepEP)")
-        return prev, before
-
-    def _sms_qps(self, num_sms, num_qps) -> None:
-        V.int_arg("num_sms", num_sms, 0)
-        V.int_arg("num_qps", num_qps, 0)
-        if num_qps > self.num_allocated_qps:
-            raise ValueError(f"num_qps={num_qps} exceeds num_allocated_qps={self.num_allocated_qps}")
-        if self.device_sms and num_sms > self.device_sms:
-            raise ValueError(f"num_sms={num_sms} exceeds the device's SMs")
-
-    def _tokens_arg(self, m, t: int) -> int:
-        m = self.num_max_tokens_per_rank if m is None else V.int_arg("num_max_tokens_per_rank", m, 1)
-        if m < 1:
-            raise ValueError("num_max_tokens_per_rank must be given (here or to the constructor), got 0")
-        if t > m:
-            raise ValueError(f"x has {t} tokens, more than num_max_tokens_per_rank={m}")
-        return m
-
-    def _check_fits(self, m: int, h: int, k: int, fp8: bool) -> None:
-        if (m, h, k, fp8) in self._fits:
-            return
-        need = self._size_for(m, h, k, fp8)
-        if need > self.num_bytes:
-            raise ValueError(f"num_bytes={self.num_bytes} is too small for num_max_tokens_per_rank={m}, hidden={h}, "
-                             f"num_topk={k}: get_buffer_size_hint gives {need}")
-        self._fits.add((m, h, k, fp8))
+            (out, w), ev = self._run(fn, [x, topk_weights, *biases], prev, async_)
+            return out, w, ev
+        return go

@@ -36,9 +36,11 @@ from .elastic_layout import Rows
 class Payload:
     """How a dispatch's ``x`` (and ``sf``, and top-k weights of a cached dispatch) travel: as the backend's
     own BF16 or FP8 + float32-per-128 rows when they are that (bytes unchanged: ``sf`` viewed as
-    float32), else packed side by side as bytes in a BF16 row."""
+    float32), else packed side by side as bytes in a BF16 row. ``rows=False``: the kind only (what a plan
+    keeps: no rows made, no tensor kept; ``data`` and ``scales`` None)."""
 
-    def __init__(self, x: torch.Tensor, sf: torch.Tensor | None, extra: torch.Tensor | None = None):
+    def __init__(self, x: torch.Tensor, sf: torch.Tensor | None, extra: torch.Tensor | None = None,
+                 rows: bool = True):
         h = x.shape[1]
         self.x_dtype, self.h = x.dtype, h
         self.xb = h * self.x_dtype.itemsize  # bytes of x in a row
@@ -49,14 +51,29 @@ class Payload:
         direct_fp8 = (extra is None and sf is not None and x.dtype == torch.float8_e4m3fn and h % 128 == 0
                       and self.p == h // 128)
         self.packed = not (direct_bf16 or direct_fp8)
+        # bytes of a received row (packed: the parts' bytes padded to 16, as elastic_layout.pack_rows pads them)
+        self.width = EL.align(self.xb + 4 * self.p + 4 * self.k, 16) if self.packed else self.xb
+        self.data = self.scales = None
+        if not rows:  # (the kind: what take() needs of it)
+            self.contiguous = x.is_contiguous() and (sf is None or sf.is_contiguous())
+            self.sf32 = sf is None or sf.dtype == torch.float32
+            return
         if not self.packed:
             self.data = x.contiguous()
             self.scales = None if sf is None else sf.contiguous().view(torch.float32)
         else:
             parts = [x] + ([sf.contiguous()] if sf is not None else []) + ([extra] if extra is not None else [])
             self.data = EL.pack_rows(parts).view(torch.bfloat16)
-            self.scales = None
-        self.width = self.data.shape[1] * 2 if self.packed else self.xb  # bytes of a received row
+
+    def take(self, x: torch.Tensor, sf: torch.Tensor | None, extra: torch.Tensor | None = None):
+        """A call's ``(payload, rows, scales)`` for this kind (``self`` made with ``rows=False`` from a call like
+        it): rows that move as they are, without a ``Payload`` a call, else packed."""
+        if self.packed:
+            pay = Payload(x, sf, extra)
+            return pay, pay.data, pay.scales
+        if not self.contiguous:
+            x, sf = x.contiguous(), None if sf is None else sf.contiguous()
+        return self, x, sf if self.sf32 else sf.view(torch.float32)
 
     def unpack(self, recv_x: torch.Tensor, recv_scales: torch.Tensor | None, extra: bool = True):
         """The received rows -> ``(x, sf or None, extra or None)`` (``extra=False``: None, left in place)."""
@@ -72,6 +89,10 @@ class Payload:
         sf = parts.pop(0) if self.p else None
         return x, sf, parts.pop(0) if self.k and extra else None
 
+    def weight_rows(self, recv_x: torch.Tensor):
+        """Where the payload's own weights (``extra``) lie in the received rows (``Rows``), None without."""
+        return Rows(recv_x, self.xb + 4 * self.p, self.width) if self.k else None
+
     def rows(self, recv_x: torch.Tensor, recv_scales: torch.Tensor | None, recv_w: torch.Tensor | None):
         """Where x, the scale packs and the weights (``recv_w [N, K]`` of the backend, or the payload's own)
         lie in the received rows, unpacked or not, as ``elastic_layout.Rows`` (no copy)."""
@@ -81,7 +102,7 @@ class Payload:
             x, sf = Rows(recv_x, 0, self.width), Rows(recv_x, self.xb, self.width) if self.p else None
         if recv_w is not None:
             return x, sf, Rows(recv_w, 0, 4 * recv_w.shape[1])
-        return x, sf, Rows(recv_x, self.xb + 4 * self.p, self.width) if self.k else None
+        return x, sf, self.weight_rows(recv_x)
 
 
 class DispatchState:
@@ -98,77 +119,127 @@ class DispatchState:
         self.device_sms = device_sms      # the copy epilogue's programs: 4 a SM
         self.num_topk = num_topk          # K (a cached call's host path reads no shape)
 
+    _slots = None
+
     @property
     def slots(self) -> torch.Tensor:
-        """``int32[N, K]``: the expanded row of each (row, lane), ``-1`` elsewhere (expanded dispatches)."""
-        return self.meta[:, 2:]
+        """``int32[N, K]``: the expanded row of each (row, lane), ``-1`` elsewhere (expanded dispatches); the
+        view made once (a cached dispatch reads it each call)."""
+        if self._slots is None:
+            self._slots = self.meta[:, 2:]
+        return self._slots
 
 
-def dispatch(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, num_sms, expand, sync, zero_pad,
-             tma_sf, cum_stats, handle_copy, before_epilogue):
-    """A fresh dispatch on ``eb``'s backend; returns ``(recv_x, recv_sf, recv_topk_idx, recv_topk_weights,
-    fields of the handle (dict), DispatchState)``."""
+def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, num_sms, expand, sync, zero_pad,
+                  tma_sf, cum_stats, handle_copy):
+    """A fresh dispatch of this kind on ``eb``'s backend: ``run(x, sf, topk_idx, topk_weights, cum_stats,
+    before_epilogue) -> (recv_x, recv_sf, recv_topk_idx, recv_topk_weights, the handle's fields (a tuple, in
+    ``EPHandle``'s order after its kind), DispatchState)`` for every call like this one (the same shapes,
+    dtypes, contiguity, 16-byte alignment and arguments; ``ElasticBuffer`` keeps it for the repeats). What
+    depends on no value or address is resolved once: the payload's kind, the ``Config``, the worst-case
+    sizes, and on a backend that plans its dispatches (``dispatch_run``) its plan, whose transient tensors
+    (the layout's counts, the received ids before ``recv_meta`` reads them, the channel matrices no V2 call
+    reads) are its scratch, not allocations."""
     be, r_, me, kern = eb._backend, eb.num_ranks, eb.rank_idx, eb._kernels
     t, k = topk_idx.shape
     le = num_experts // r_
-    pay = Payload(x, sf)
+    dev = x.device
+    probe = Payload(x, sf, rows=False)  # (its kind: the plan keeps no caller's tensor)
     lay = getattr(be, "dispatch_layout", None)  # a backend's layout kernel, as Buffer.get_dispatch_layout uses
-    per_rank, per_expert, in_rank = (lay(topk_idx, num_experts) if lay is not None
-                                     else layout.dispatch_layout(topk_idx, num_experts, r_))
-    w = topk_weights if topk_weights is not None else torch.zeros(t, k, dtype=torch.float32, device=x.device)
+    plans = getattr(be, "dispatch_run", None)
     config = eb._configs.get(num_sms)
     if config is None:
         config = eb._configs[num_sms] = Config.default_dispatch(r_, EL.align(max(num_sms, 2), 2))
-    args = DispatchArgs(pay.data, pay.scales, topk_idx, w, per_rank, in_rank, per_expert, alignment,
-                        0 if sync else r_ * m, config.num_channels, config.num_sms,
-                        config.num_max_rdma_chunked_send_tokens)
-    res = be.dispatch(args)
-    _wait_event(before_epilogue)
-    v1 = res.handle
-    n = res.recv_x.shape[0]
-    lst = list(res.num_recv_tokens_per_expert_list)
-    x_rows = sum(lst) if sync else EL.worst_expanded_rows(r_, m, k, le, alignment)
-    rm = (kern.recv_meta if kern else EL.recv_meta)(v1.rank_prefix_matrix, me, v1.recv_src_idx, res.recv_topk_idx,
-                                                    v1.send_head, topk_idx, m, le, alignment, x_rows, expand,
-                                                    cum_stats, handle_copy)
-    fields = {
-        "topk_idx": rm.topk if handle_copy else topk_idx,
-        "num_recv_tokens": n if sync else r_ * m,
-        "num_expanded_tokens": x_rows,
-        "num_recv_tokens_per_expert_list": lst if sync else [],
-        "psum_num_recv_tokens_per_scaleup_rank": rm.psum_rank,
-        "psum_num_recv_tokens_per_expert": rm.psum,
-        "num_unaligned_recv_tokens_per_expert": rm.counts,
-        "recv_src_metadata": rm.meta,
-        "dst_buffer_slot_idx": rm.dst_slot,
-    }
-    state = DispatchState(v1, rm.local, rm.gid, rm.meta, rm.source if expand else None, n, x_rows if expand else 0,
-                          eb.device_sms, k)
-    recv_w = res.recv_topk_weights if topk_weights is not None else None
-    if expand:
-        return (*_expanded(eb, state, pay, res.recv_x, res.recv_x_scales, recv_w, zero_pad, tma_sf, k), fields,
-                state)
-    recv_x, recv_sf, _ = pay.unpack(res.recv_x, res.recv_x_scales)
-    return recv_x, EL.sf_layout(recv_sf, tma_sf), rm.local_out, recv_w, fields, state
+    worst = 0 if sync else r_ * m
+    chan, sms, chunk = config.num_channels, config.num_sms, config.num_max_rdma_chunked_send_tokens
+    worst_x_rows = EL.worst_expanded_rows(r_, m, k, le, alignment)
+    rows_of = kern.recv_meta if kern else EL.recv_meta
+    has_w = topk_weights is not None
+    bound: list = []  # the backend's plan, made at the first call (it needs that call's layout tensors)
+
+    def run(x, sf, topk_idx, topk_weights, cum_stats, before_epilogue):
+        pay, data, scales = probe.take(x, sf)
+        if lay is not None:
+            per_rank, per_expert, in_rank = lay(topk_idx, num_experts, True)  # (counts: read by this call only)
+        else:
+            per_rank, per_expert, in_rank = layout.dispatch_layout(topk_idx, num_experts, r_)
+        w = topk_weights if has_w else torch.zeros(t, k, dtype=torch.float32, device=dev)
+        go = bound[0] if bound else None
+        if go is None:
+            args = DispatchArgs(data, scales, topk_idx, w, per_rank, in_rank, per_expert, alignment, worst, chan,
+                                sms, chunk)
+            if not bound:
+                fits = plans is not None and all(a.is_contiguous() for a in (data, topk_idx, w, per_rank, in_rank,
+                                                                             per_expert)) and (
+                    scales is None or scales.is_contiguous())
+                bound.append(plans(args, r_ * m) if fits else None)
+                go = bound[0]
+            if go is None:  # (a backend without plans, or a call its plan cannot take: the whole dispatch)
+                res = be.dispatch(args)
+        if go is not None:
+            res = go(data, scales, topk_idx, w, per_rank, in_rank, per_expert)
+        _wait_event(before_epilogue)
+        v1 = res.handle
+        n = res.recv_x.shape[0]
+        if sync:
+            lst = list(res.num_recv_tokens_per_expert_list)
+            x_rows = sum(lst)
+        else:
+            lst, x_rows = [], worst_x_rows
+        rm = rows_of(v1.rank_prefix_matrix, me, v1.recv_src_idx, res.recv_topk_idx, v1.send_head, topk_idx, m, le,
+                     alignment, x_rows, expand, cum_stats, handle_copy)
+        # the handle's fields after its kind, in EPHandle's order (topk_idx ... dst_buffer_slot_idx)
+        fields = (rm.topk if handle_copy else topk_idx, n if sync else worst, x_rows, lst, rm.psum_rank, rm.psum,
+                  rm.counts, rm.meta, rm.dst_slot)
+        state = DispatchState(v1, rm.local, rm.gid, rm.meta, rm.source if expand else None, n,
+                              x_rows if expand else 0, eb.device_sms, k)
+        recv_w = res.recv_topk_weights if has_w else None
+        if expand:
+            return (*_expanded(eb, state, pay, res.recv_x, res.recv_x_scales, recv_w, zero_pad, tma_sf, k), fields,
+                    state)
+        recv_x, recv_sf, _ = pay.unpack(res.recv_x, res.recv_x_scales)
+        return recv_x, EL.sf_layout(recv_sf, tma_sf), rm.local_out, recv_w, fields, state
+
+    return run
 
 
-def cached_dispatch(eb, state: DispatchState, expand: bool, x, sf, topk_weights, zero_pad, tma_sf,
-                    before_epilogue):
-    """A dispatch replayed on a handle: the same rows as the dispatch that made it."""
-    k = state.num_topk
-    pay = Payload(x, sf, topk_weights)
-    recv, recv_scales = eb._backend.cached_dispatch(pay.data, pay.scales, state.v1, None)
-    _wait_event(before_epilogue)
-    if expand:  # (an expanded row takes its own lane's weight: a local one)
-        return _expanded(eb, state, pay, recv, recv_scales, None, zero_pad, tma_sf, k)
-    kern = eb._kernels
-    recv_x, recv_sf, recv_w = pay.unpack(recv, recv_scales, extra=kern is None)
-    if kern is not None:  # the copy epilogue: ids, and the weights read where they landed
-        recv_k, recv_w = kern.cached_epilogue(state.local, state.num_rows, k, pay.rows(recv, recv_scales, None)[2])
-        return recv_x, EL.sf_layout(recv_sf, tma_sf), recv_k, recv_w
-    if recv_w is not None:  # the local lanes' weights, 0 elsewhere, as a fresh dispatch gives them
-        recv_w.masked_fill_(state.local < 0, 0)  # (recv_w is unpacked: its own copy)
-    return recv_x, EL.sf_layout(recv_sf, tma_sf), state.local.clone(), recv_w
+def cached_plan(eb, expand: bool, x, sf, topk_weights, zero_pad, tma_sf):
+    """A dispatch replayed on a handle, of this kind: ``run(state, x, sf, topk_weights, before_epilogue) ->
+    (recv_x, recv_sf, recv_topk_idx, recv_topk_weights)``, the same rows as the dispatch that made the
+    handle (``state``), for every call like this one (as :func:`dispatch_plan`'s; on a backend that plans
+    its cached dispatches, ``cached_dispatch_run``, its plan: the handles' tensors are this backend's own
+    allocations, contiguous and aligned, whichever handle a call brings)."""
+    be, kern = eb._backend, eb._kernels
+    probe = Payload(x, sf, topk_weights, rows=False)  # (its kind: the plan keeps no caller's tensor)
+    plans = getattr(be, "cached_dispatch_run", None)
+    bound: list = []  # the backend's plan, made at the first call
+
+    def run(state, x, sf, topk_weights, before_epilogue):
+        pay, data, scales = probe.take(x, sf, topk_weights)
+        v1 = state.v1
+        if not bound:
+            fits = plans is not None and all(t.is_contiguous() for t in (
+                data, v1.is_token_in_rank, v1.rank_prefix_matrix, v1.recv_src_idx)) and (
+                scales is None or scales.is_contiguous())
+            bound.append(plans(data, scales, v1, None) if fits else None)
+        go = bound[0]
+        if go is not None:
+            recv, recv_scales = go(data, scales, v1)
+        else:
+            recv, recv_scales = be.cached_dispatch(data, scales, v1, None)
+        _wait_event(before_epilogue)
+        k = state.num_topk
+        if expand:  # (an expanded row takes its own lane's weight: a local one)
+            return _expanded(eb, state, pay, recv, recv_scales, None, zero_pad, tma_sf, k)
+        recv_x, recv_sf, recv_w = pay.unpack(recv, recv_scales, extra=kern is None)
+        if kern is not None:  # the copy epilogue: ids, and the weights read where they landed
+            recv_k, recv_w = kern.cached_epilogue(state.local, state.num_rows, k, pay.weight_rows(recv))
+            return recv_x, EL.sf_layout(recv_sf, tma_sf), recv_k, recv_w
+        if recv_w is not None:  # the local lanes' weights, 0 elsewhere, as a fresh dispatch gives them
+            recv_w.masked_fill_(state.local < 0, 0)  # (recv_w is unpacked: its own copy)
+        return recv_x, EL.sf_layout(recv_sf, tma_sf), state.local.clone(), recv_w
+
+    return run
 
 
 def _expanded(eb, state: DispatchState, pay: Payload, recv, recv_scales, recv_w, zero_pad, tma_sf, k):
@@ -179,7 +250,8 @@ def _expanded(eb, state: DispatchState, pay: Payload, recv, recv_scales, recv_w,
     if eb._kernels is None:
         ex, esf, ew = EL.expand_rows(state.source, k, zero_pad, *parts)
     else:
-        ex, esf, ew = eb._kernels.copy_epilogue(state.source, k, zero_pad, state.device_sms, *parts)
+        ex, esf, ew = eb._kernels.copy_epilogue(state.source, k, zero_pad, state.device_sms, *parts,
+                                                slots=state.slots)  # (by contiguous row: each read once)
     return ex, esf, None, ew
 
 

@@ -152,31 +152,45 @@ class HTDispatch:
         rb = TUNE["gather_rb"]
         return max(1, min(self.num_sms, (n_rows + rb - 1) // rb))
 
-    def dispatch_run(self, a: DispatchArgs):
+    def dispatch_run(self, a: DispatchArgs, scratch_rows: int = 0):
         """``run(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
         num_tokens_per_expert) -> DispatchResult``, made once for every dispatch like ``a`` (same shapes,
         dtypes, flags, Config, 16-byte alignment of x, its scales, ids, weights and is_token_in_rank;
         contiguous tensors), or None where a call's launches depend on more (the copy engine's, by
-        capture state): ``Buffer`` keeps it for the repeats."""
-        run = self._dispatch_plan(a)
+        capture state): ``Buffer`` keeps it for the repeats.
+
+        ``scratch_rows`` (``ElasticBuffer``'s dispatches, at least the rows a call can receive): the
+        result's ``recv_topk_idx`` and the handle's channel matrices are the backend's scratch, written
+        again by the next such call (:meth:`_scratch`), not fresh tensors: for a caller that only reads them
+        before its next call (the V2 steps read the ids once, and no V2 call reads the channel matrices)."""
+        run = self._dispatch_plan(a, scratch_rows)
         return run if self.transfer == "sm" else None
 
-    def _dispatch_plan(self, a: DispatchArgs):
+    def _dispatch_plan(self, a: DispatchArgs, scratch_rows: int = 0):
         x, s, topk, w, is_in = a.x, a.x_scales, a.topk_idx, a.topk_weights, a.is_token_in_rank
         t, h = x.shape
         push = self._fused_push()
         ce = self.num_ranks > 1 and self._use_ce()
         key = ("d", t, h, x.dtype, None if s is None else s.shape[1], None if topk is None else topk.shape[1],
                a.num_tokens_per_expert.numel(), a.num_channels, a.num_sms, a.num_worst_tokens, a.expert_alignment,
-               push, ce, _aligned(x, s, topk, w, is_in))
+               push, ce, scratch_rows, _aligned(x, s, topk, w, is_in))
         run = self._plans.get(key)
         if run is None:
             if len(self._plans) > _MAX_PLANS:
                 self._plans.clear()
-            run = self._plans[key] = self._make_dispatch(key, a, push, ce)
+            run = self._plans[key] = self._make_dispatch(key, a, push, ce, scratch_rows)
         return run
 
-    def _make_dispatch(self, key, a: DispatchArgs, push: bool, ce: bool):
+    def _scratch(self, what: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The backend's scratch ``what`` of ``shape``: made once and kept for the backend's life (a CUDA
+        graph captured with it replays into it), shared by every plan that asks for it. Calls of one backend
+        run in stream order (``streams.py``), as its staging does, so a call writes it after the last read."""
+        got = self._scratches.get((what, shape, dtype))
+        if got is None:
+            got = self._scratches[(what, shape, dtype)] = torch.empty(shape, dtype=dtype, device=self.device)
+        return got
+
+    def _make_dispatch(self, key, a: DispatchArgs, push: bool, ce: bool, scratch_rows: int = 0):
         r_, me, dev = self.num_ranks, self.rank, self.device
         t, h = a.x.shape
         e = a.num_tokens_per_expert.numel()
@@ -214,13 +228,21 @@ class HTDispatch:
         i32, f32 = torch.int32, torch.float32
         err_view, host_view, sync = self._err_view, self._notify_view, self._sync_event
 
+        keep_k = keep_cp = None
+        if scratch_rows:
+            keep_k = self._scratch("recv_topk_idx", (scratch_rows, k), torch.int64) if has_topk else None
+            keep_cp = self._scratch("channel_prefix_matrices", (2, r_, c), i32).unbind(0)
+
         def run(x, scales, topk, w, ntpr, is_in, ntpe):
             if err_view[0]:
                 self._check_error()
             self._call_sms = num_sms  # the call's Config.num_sms bounds every grid of the call
-            cpm = torch.empty(r_, c, dtype=i32, device=dev)
+            if keep_cp is None:
+                cpm = torch.empty(r_, c, dtype=i32, device=dev)
+                recv_cp = torch.empty(r_, c, dtype=i32, device=dev)
+            else:
+                cpm, recv_cp = keep_cp
             rpm = torch.empty(r_, r_, dtype=i32, device=dev)
-            recv_cp = torch.empty(r_, c, dtype=i32, device=dev)
             send_head = torch.empty(t, r_, dtype=i32, device=dev)
             nargs = (is_in, ntpr, ntpe, cpm, rpm, recv_cp, send_head, *((topk,) if has_topk else ()))
             if bulk and first:
@@ -248,7 +270,10 @@ class HTDispatch:
                 host_col, n_rows, lst = _host_counts(host_view, r_, lx, me, alignment)
             out_x = torch.empty(n_rows, h, dtype=x_dtype, device=dev)
             out_s = torch.empty(n_rows, g, dtype=f32, device=dev) if has_s else None
-            out_k = torch.empty(n_rows, k, dtype=torch.int64, device=dev) if has_topk else None
+            if keep_k is not None and n_rows <= scratch_rows:  # (more rows: peers with a larger M; fresh ones)
+                out_k = keep_k if n_rows == scratch_rows else keep_k[:n_rows]
+            else:
+                out_k = torch.empty(n_rows, k, dtype=torch.int64, device=dev) if has_topk else None
             out_w = torch.empty(n_rows, k, dtype=f32, device=dev) if has_topk else None
             out_src = torch.empty(n_rows, dtype=i32, device=dev)
             gather(self._gather_grid(push, n_rows), x, *((scales,) if has_s else ()),
@@ -280,38 +305,45 @@ class HTDispatch:
             res = res._replace(handle=res.handle._replace(is_token_in_rank=is_in))
         return res
 
-    def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+    def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, scratch_counts: bool = False):
         """``layout.dispatch_layout`` in one launch (``kernels/ht_layout.py``), bit for bit: ``topk_idx
         int64[T, K]`` -> ``(num_tokens_per_rank int32[R], num_tokens_per_expert int32[E], is_token_in_rank
-        bool[T, R])``."""
+        bool[T, R])``. ``scratch_counts``: the two counts are the plan's own, written again by its next call
+        (no allocation; for a caller that reads them only before then, as ``ElasticBuffer``'s dispatch)."""
         topk = _contiguous(topk_idx)
         t, k = topk.shape
         run = self._plans.get(("l", k, num_experts))
         if run is None:
             run = self._plans[("l", k, num_experts)] = self._make_layout(k, num_experts)
-        return run(topk, t)
+        return run(topk, t, scratch_counts)
 
     def _make_layout(self, k: int, e: int):
-        """The layout kernel's run for top-k ``k`` and ``e`` experts: ``run(topk, t)``, one launch on
-        ``chunks * ng`` programs (``kernels/ht_layout.py``) with a scratch of its own, zeroed once (its
-        tickets reset themselves). Made while a graph is captured, that zeroing is a node of the graph, run
+        """The layout kernel's run for top-k ``k`` and ``e`` experts: ``run(topk, t, scratch_counts)``, one launch
+        on ``chunks * ng`` programs (``kernels/ht_layout.py``) with a scratch of its own, zeroed once (its
+        tickets reset themselves), which also holds the counts ``scratch_counts`` returns. Made while a graph is captured, that zeroing is a node of the graph, run
         at its replays only: such a plan serves one call and leaves the plans (the next makes another)."""
         r_, dev = self.num_ranks, self.device
         ng, nr, consts = layout_launch(k, e, r_)
         tbe, cp2 = consts["TBE"], consts["CP2"]
-        scratch = torch.zeros(scratch_words(ng, cp2, r_, e), dtype=torch.int32, device=dev)
+        words = scratch_words(ng, cp2, r_, e)
+        at = (words + 3) // 4 * 4  # the scratch counts (scratch_counts), each from a 16-byte boundary
+        scratch = torch.zeros(at + (r_ + 3) // 4 * 4 + e, dtype=torch.int32, device=dev)
         captured = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
         # a graph captured with this plan replays into its scratch for the graph's life, also after the plans
         # are cleared (_MAX_PLANS) or this one leaves them: freed, its block could be handed to other tensors
         self._pinned.append(scratch)
-        part, tickets = scratch[:cp2 * (r_ + e)], scratch[cp2 * (r_ + e):]
+        part, tickets = scratch[:cp2 * (r_ + e)], scratch[cp2 * (r_ + e):words]
+        own = scratch[at:at + r_], scratch[at + (r_ + 3) // 4 * 4:]
         p = self.k["_layout_kernel"].prepared((k, e), dict(consts, num_warps=4))
         go = _Launch(Direct(p, (None, None, None, k, e, e // r_, r_, None, None, None, part, tickets, nr, ng),
                             (0, 1, 2, 7, 8, 9)), (None, None, None, None, None, _bools))
 
-        def run(topk, t):
-            per_rank = torch.empty(r_, dtype=torch.int32, device=dev)
-            per_expert = torch.empty(e, dtype=torch.int32, device=dev)
+        def run(topk, t, scratch_counts=False):
+            if scratch_counts:
+                per_rank, per_expert = own
+            else:
+                per_rank = torch.empty(r_, dtype=torch.int32, device=dev)
+                per_expert = torch.empty(e, dtype=torch.int32, device=dev)
             in_rank = torch.empty(t, r_, dtype=torch.bool, device=dev)
             nch, s = chunking(t, tbe, cp2)
             go(nch * ng, topk, t, s, per_rank, per_expert, in_rank)

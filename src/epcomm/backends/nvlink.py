@@ -37,7 +37,7 @@ import torch
 
 from .. import _env
 from ..kernels.launch import Ptr
-from . import deadline
+from . import deadline, nvlink_v2
 from .base import Backend, checked_run, gave_up, raise_error_word
 from .ht_combine import HTCombine
 from .ht_dispatch import HTDispatch
@@ -152,6 +152,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         # device memory a plan owns that a captured CUDA graph may still use after the plans are cleared
         # (the layout kernel's scratch): kept for the backend's life
         self._pinned: list = []
+        self._scratches: dict = {}  # ht_dispatch._scratch: a dispatch's outputs that ElasticBuffer reads once
         self.ce_stream = torch.cuda.Stream(self.device)
         self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
         self._ready_event = torch.cuda.Event()  # TUNE["notify_first"]: the inputs are ready
@@ -338,9 +339,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
 
     def return_rows(self, rows, dst, slots: int, phase: str, num_sms: int = 0):
         """``ElasticBuffer``'s combine transport by stores into the owners' symmetric buffers (nvlink_v2.py)."""
-        from .nvlink_v2 import return_rows
-
-        return return_rows(self, rows, dst, slots, phase, num_sms)
+        return nvlink_v2.return_rows(self, rows, dst, slots, phase, num_sms)
 
     def return_row_parts(self, x, wts, dst, slots: int, phase: str, num_sms: int = 0, skip_self: bool = False):
         """``return_rows`` of ``x`` and the top-k weights read in place (``nvlink_v2.return_row_parts``: the
@@ -349,9 +348,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         ``skip_self``: this rank's own rows stay in ``x`` and ``wts`` (not stored into its area)."""
         if type(self).return_rows is not NVLinkBackend.return_rows:
             return None
-        from .nvlink_v2 import return_row_parts
-
-        return return_row_parts(self, x, wts, dst, slots, phase, num_sms, skip_self)
+        return nvlink_v2.return_row_parts(self, x, wts, dst, slots, phase, num_sms, skip_self)
 
     def barrier(self, phase: str) -> None:
         """Synchronise the device, then a barrier bounded by the deadline (``PeerTimeoutError`` naming

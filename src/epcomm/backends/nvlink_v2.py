@@ -109,27 +109,45 @@ def return_row_parts(be, x: torch.Tensor, wts: torch.Tensor | None, dst: torch.T
 def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: int,
                skip_self: bool = False) -> torch.Tensor:
     """Launch ``_combine_impl_kernel`` (rows of ``w`` bytes; ``parts`` as :func:`transport_launch`'s) and
-    ``_combine_arrive_kernel``; returns the area ``uint8[R, slots, w]``."""
+    ``_combine_arrive_kernel``; returns the area ``uint8[R, slots, w]``. Each kind of call (the area, the
+    parts, the grid, the dtype and alignment of the rows) binds its two launches once, every argument but
+    the rows, weights, destinations and their count fixed: a repeat makes no torch call but the alignment."""
     st = getattr(be, "_v2", None)
     if st is None:
         st = be._v2 = {"epoch": torch.zeros(2, dtype=torch.int32, device=be.device),  # [calls, programs so far]
                        "kernels": Kernels()}
+    if skip_self and be.num_ranks == 1:  # every row is this rank's own: the call keeps its handshake, moves nothing
+        n = 0                           # (its row loop took ~75 us of a DSv3 combine on an H100 with no row to move)
+    # the alignment of both sources: return_row_parts passes only 16-byte aligned ones; else wts is rows
+    aligned = 0 if parts is not None and n else (_aligned(rows) if n else -1)
+    timeout = be._timeout_ns
+    key = (slots, w, parts, num_sms, skip_self, rows.dtype if n else None, aligned, timeout)
+    go = st.get(key)
+    if go is None:
+        go = st[key] = _bind(be, st, slots, w, parts, num_sms, skip_self, rows.dtype if n else None, aligned,
+                             timeout)
+    impl, arrive, area = go
+    if n:
+        impl(rows, wts if wts is not None else rows, dst, n)
+    else:  # (placeholders: no row is read)
+        impl(area.flags, area.flags, dst, 0)
+    arrive()
+    return area.area
+
+
+def _bind(be, st: dict, slots: int, w: int, parts, num_sms: int, skip_self: bool, dtype, aligned: int,
+          timeout: int):
+    """``(impl(rows, wts, dst, n), arrive(), _Area)`` of one kind of transport call (:func:`_transport`)."""
     area = st.get((slots, w))
     if area is None:
         area = st[(slots, w)] = _Area(be, slots, w)
     r_, epoch, kern = be.num_ranks, st["epoch"], st["kernels"]
     grid, consts = transport_launch(w, num_sms, area.aligned, parts, skip_self)
-    programs = grid[0]
-    if skip_self and r_ == 1:  # every row is this rank's own: the call keeps its handshake, moves nothing
-        n = 0                  # (its row loop took ~75 us of a DSv3 combine on an H100 with no row to move)
-    rows = rows if n else area.flags  # (a placeholder: no row is read)
-    wts = wts if wts is not None and n else rows
-    # the alignment of both sources: return_row_parts passes only 16-byte aligned ones; else wts is rows
-    aligned = 0 if parts is not None and n else _aligned(rows)
-    kern.launch("_combine_impl_kernel", (w, parts, slots, be._timeout_ns, rows.dtype, aligned, area.aligned,
-                                         skip_self), consts,
-                grid, rows, wts, dst, n, slots, be.ptr_table, area.area_off, area.flags_off, area.flags,
-                epoch, be.rank, r_, be.err, be._timeout_ns)
-    kern.launch("_combine_arrive_kernel", (be._timeout_ns,), dict(HAS_TIMER=TIMER, num_warps=1), (1, 1, 1), area.flags, epoch, r_,
-                programs, be.err, be._timeout_ns)
-    return area.area
+    if dtype is None:  # (no rows: the placeholders are the flags, int32 and aligned)
+        dtype, aligned = area.flags.dtype, _aligned(area.flags)
+    impl = kern.bound("_combine_impl_kernel", (w, parts, slots, timeout, dtype, aligned, area.aligned, skip_self),
+                      consts, (None, None, None, None, slots, be.ptr_table, area.area_off, area.flags_off,
+                               area.flags, epoch, be.rank, r_, be.err, timeout))
+    arrive = kern.bound("_combine_arrive_kernel", (timeout,), dict(HAS_TIMER=TIMER, num_warps=1),
+                        (area.flags, epoch, r_, grid[0], be.err, timeout))
+    return (lambda rows, wts, dst, n: impl(grid[0], 1, 1, rows, wts, dst, n)), (lambda: arrive(1, 1, 1)), area

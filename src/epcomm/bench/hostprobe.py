@@ -10,12 +10,13 @@ compared between source trees without that noise.
 
 The rig (:func:`install`): world 1 on gloo, a ``Buffer`` whose backend is the nvlink backend
 (``testing.cpu_nvlink``'s CUDA stand-ins, a local symmetric buffer), every ``@triton.jit`` kernel of
-``kernels/ll.py`` replaced by a stand-in that ``Launcher`` binds as it binds a compiled kernel: later
+``epcomm.kernels`` replaced by a stand-in that ``Launcher`` binds as it binds a compiled kernel: later
 launches go, as on a GPU host, straight to the stand-in's C-launcher slot, which does nothing.
 
-Measured per call kind (``dispatch``: FP8, DeepSeek-V3 shapes by default; ``combine``: BF16, after an
-untimed dispatch, as ``epcomm bench`` times it; with ``--hook`` the send and its hook as one step), in one
-of three modes, each in a process of its own:
+Measured per call kind (``--api ll``, the default: ``dispatch``: FP8, DeepSeek-V3 shapes by default;
+``combine``: BF16, after an untimed dispatch, as ``epcomm bench`` times it; with ``--hook`` the send and
+its hook as one step; ``--api ht``: ``Buffer``'s high-throughput calls; ``--api v2``: ``ElasticBuffer``'s;
+the buffers and calls are ``bench/probe_calls.py``'s), in one of three modes, each in a process of its own:
 
 - ``python`` (any machine): the CPU rig. ``us``: ``time.perf_counter_ns`` around each call, median and p10;
   ``fn`` torch calls at the Python level (``TorchFunctionMode``: every function and method; on a repeat all
@@ -78,15 +79,30 @@ class _Kernel:
         return self.kernel
 
 
+def _kernel_modules(package) -> list:
+    """Every module of ``package`` (``epcomm.kernels``) that imports here (the NVSHMEM ones may not)."""
+    import importlib
+    import pkgutil
+
+    out = []
+    for info in pkgutil.iter_modules(package.__path__):
+        try:
+            out.append(importlib.import_module(f"{package.__name__}.{info.name}"))
+        except ImportError:
+            pass
+    return out
+
+
 def install(set_attr=setattr, setitem=None) -> None:
     """The CPU rig's stand-ins, through ``set_attr`` / ``setitem`` (pytest's monkeypatch undoes them):
-    CUDA streams and events, the symmetric memory of one rank, Triton's driver, the LL kernels."""
+    CUDA streams and events, the symmetric memory of one rank, Triton's driver, every kernel of
+    ``epcomm.kernels``."""
     os.environ.pop("TRITON_INTERPRET", None)
     import torch
     import triton
     from triton.runtime import driver
 
-    from epcomm.kernels import ht_layout, ht_notify, ht_receive, ht_transfer, ll, v2
+    import epcomm.kernels
     from epcomm.testing.cpu_nvlink import cuda_stand_ins
 
     cuda_stand_ins(set_attr, sms=132)
@@ -98,155 +114,10 @@ def install(set_attr=setattr, setitem=None) -> None:
     setitem(sys.modules, "torch.distributed._symmetric_memory", mod)
     setitem(vars(torch.distributed), "_symmetric_memory", mod)
     set_attr(driver, "_active", types.SimpleNamespace(get_current_stream={0: 0}.get, get_current_device=lambda: 0))
-    for mod in (ll, v2, ht_layout, ht_notify, ht_receive, ht_transfer):
+    for mod in _kernel_modules(epcomm.kernels):
         for name, obj in list(vars(mod).items()):
             if isinstance(obj, triton.runtime.jit.JITFunction):
                 set_attr(mod, name, _Kernel(obj))
-
-
-def cpu_buffer(m: int, h: int, e: int, set_attr=setattr):
-    """A world-1 ``Buffer`` on gloo whose backend is the nvlink backend (after :func:`install`)."""
-    import torch.distributed as dist
-
-    import epcomm.buffer as bm
-    from epcomm.backends.nvlink import NVLinkBackend
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    set_attr(bm, "select_backend", lambda buf: (NVLinkBackend(buf), "the host probe"))
-    rdma = bm.Buffer.get_low_latency_rdma_size_hint(m, h, 1, e)
-    return bm.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, low_latency_mode=True)
-
-
-def v2_buffer(m: int, h: int, k: int, cpu: bool):
-    """A world-1 ``ElasticBuffer`` sized for ``(m, h, k)``: on the CPU rig (``cpu``, after :func:`install`)
-    its engine's backend the nvlink backend, else on NCCL (real kernels)."""
-    import torch
-    import torch.distributed as dist
-
-    from epcomm.elastic import ElasticBuffer
-
-    if not dist.is_initialized():
-        if not cpu:
-            torch.cuda.set_device(0)
-        dist.init_process_group("gloo" if cpu else "nccl", store=dist.HashStore(), rank=0, world_size=1)
-    cls = ElasticBuffer
-    if cpu:
-        class OnNVLink(ElasticBuffer):
-            @staticmethod
-            def _engine_cls(group, **kw):
-                import epcomm.buffer as bm
-                from epcomm.backends.nvlink import NVLinkBackend
-
-                buf = bm.Buffer(group, **kw)
-                buf._backend.destroy()
-                buf._backend = NVLinkBackend(buf)
-                buf._host_checks = False  # (the nvlink backend checks expert ids on the device)
-                return buf
-        cls = OnNVLink
-    return cls(dist.group.WORLD, num_max_tokens_per_rank=m, hidden=h, num_topk=k)
-
-
-def gpu_buffer(m: int, h: int, e: int):
-    """A world-1 ``Buffer`` on NCCL (real kernels)."""
-    import torch
-    import torch.distributed as dist
-
-    from epcomm import Buffer
-
-    if not dist.is_initialized():
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    return Buffer(dist.group.WORLD, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(m, h, 1, e),
-                  low_latency_mode=True)
-
-
-# ----------------------------------------------------------------------------- the calls
-
-
-def ll_calls(buf, t: int, m: int, h: int, k: int, e: int, hook: bool = False, seed: int = 0) -> dict:
-    """``name -> (prep, call)``: each call kind as ``epcomm bench`` times it (``prep`` untimed, may be
-    None). Each call's first run (its checks, its binding) happens here."""
-    import torch
-
-    dev = buf.device
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
-    topk = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(dev) if t else \
-        torch.empty(0, k, dtype=torch.int64, device=dev)
-    w = torch.rand(t, k, generator=g).to(dev)
-    y = torch.empty(e, m, h, dtype=torch.bfloat16, device=dev)  # L = E at world 1; values do not matter
-    if dev.type == "cuda":
-        y.normal_()
-    state: dict = {}
-
-    def dispatch():
-        out = buf.low_latency_dispatch(x, topk, m, e, use_fp8=True, return_recv_hook=hook)
-        state["handle"] = out[2]
-        return out
-
-    def combine():
-        return buf.low_latency_combine(y, topk, w, state["handle"], return_recv_hook=hook)
-
-    def dispatched():  # the combine's untimed dispatch, received
-        out = dispatch()
-        if hook:
-            out[-1]()
-
-    tag = "+hook" if hook else ""
-    calls = {f"dispatch{tag}": (None, dispatch), f"combine{tag}": (dispatched, combine)}
-    for prep, call in calls.values():
-        for i in range(9):  # every parity's kind seen twice (checks, then binding), whatever the phase
-            if i == 4:
-                dispatched()  # a combine after a dispatch of the other parity
-            if prep is not None:
-                prep()
-            out = call()
-            if hook:
-                out[-1]()
-    return calls
-
-
-def v2_calls(buf, t: int, m: int, h: int, k: int, e: int, sms: int = 24, seed: int = 0) -> dict:
-    """``name -> (prep, call)``: ``ElasticBuffer`` calls as ``epcomm bench --api v2`` times them (BF16, the
-    top-k weights given, alignment 1 contiguous and 128 expanded, ``num_sms`` fixed); ``d``: dispatch,
-    ``c``: contiguous, ``x``: expanded, ``s``: with CPU sync; ``cached``: a dispatch on a no-sync handle;
-    ``combine``: the weights sent back, after an untimed no-sync dispatch. On the CPU rig a synchronised
-    dispatch reads counts the probe wrote where the layout exchange writes them (``T`` rows, ``T*K/LE``
-    an expert, as uniform routing gives). Each call's first run (checks, binding) happens here."""
-    import torch
-
-    dev = buf.device
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
-    topk = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(dev)
-    w = torch.rand(t, k, generator=g).to(dev)
-    host = getattr(buf._backend, "_notify_view", None)
-    if dev.type == "cpu" and host is not None:  # world 1: counts[0][0], then the experts' counts
-        host[0] = t
-        host[1:1 + e] = t * k // e
-    state: dict = {}
-
-    def dispatch(expand: bool, sync: bool):
-        kw = dict(topk_idx=topk, topk_weights=w, num_experts=e, num_max_tokens_per_rank=m,
-                  expert_alignment=128 if expand else 1, do_expand=expand, do_cpu_sync=sync, num_sms=sms)
-        return lambda: state.__setitem__(expand, buf.dispatch(x, **kw))
-
-    def combine(expand: bool):
-        return lambda: buf.combine(state[expand][0], state[expand][3], topk_weights=state[expand][2], num_sms=sms)
-
-    calls = {}
-    for expand, tag in ((False, "c"), (True, "x")):
-        for sync in (False, True):
-            calls[f"d{tag}{'s' if sync else ''}"] = (None, dispatch(expand, sync))
-        calls[f"combine {tag}"] = (dispatch(expand, False), combine(expand))
-    calls["cached c"] = (dispatch(False, False), lambda: buf.dispatch(x, handle=state[False][3], num_sms=sms))
-    for prep, call in calls.values():
-        for _ in range(3):
-            if prep is not None:
-                prep()
-            call()
-    return calls
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -267,16 +138,30 @@ def time_calls(prep, call, n: int, sync=None) -> list[int]:
     return out
 
 
-def _torch_calls():
-    """``testing/torch_calls`` of this file's own tree, whichever tree the process imports epcomm from (the
-    trees probed may predate it)."""
+def _own(*path: str):
+    """The module at ``path`` (under ``src/epcomm``) of this file's own tree, whichever tree the process
+    imports epcomm from (the trees probed may predate it): ``testing/torch_calls.py``, ``bench/probe_calls.py``."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(
-        "_hostprobe_torch_calls", os.path.join(os.path.dirname(os.path.dirname(ME)), "testing", "torch_calls.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    name = "_hostprobe_" + path[-1][:-3]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.dirname(ME)), *path))
+        mod = sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def _torch_calls():
+    return _own("testing", "torch_calls.py")
+
+
+def __getattr__(name: str):
+    """The buffers and call sets of ``bench/probe_calls.py`` (``cpu_buffer``, ``ll_calls``, ...) as this
+    module's."""
+    mod = _own("bench", "probe_calls.py")
+    if name.startswith("__") or not hasattr(mod, name):
+        raise AttributeError(name)
+    return getattr(mod, name)
 
 
 def count_call(prep, call) -> dict:
@@ -341,13 +226,17 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
         if mode == "launches":
             rec = record_launches()
     m = max(tokens)
+    pc = _own("bench", "probe_calls.py")
     if api == "v2":
-        buf = v2_buffer(m, h, k, mode == "python")
+        buf = pc.v2_buffer(m, h, k, mode == "python")
+    elif api == "ht":
+        buf = pc.ht_buffer(m, h, k, mode == "python")
     else:
-        buf = cpu_buffer(m, h, e) if mode == "python" else gpu_buffer(m, h, e)
+        buf = pc.cpu_buffer(m, h, e) if mode == "python" else pc.gpu_buffer(m, h, e)
     out = {}
     for t in tokens:
-        made = v2_calls(buf, t, m, h, k, e) if api == "v2" else ll_calls(buf, t, m, h, k, e, hook)
+        made = (pc.v2_calls(buf, t, m, h, k, e) if api == "v2" else pc.ht_calls(buf, t, h, k, e) if api == "ht"
+                else pc.ll_calls(buf, t, m, h, k, e, hook))
         for kind, (prep, call) in made.items():
             if hook:
                 call = lambda base=call: base()[-1]()
@@ -412,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=2000, help="timed calls per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--hook", action="store_true", help="with return_recv_hook (send + hook timed together)")
-    ap.add_argument("--api", default="ll", choices=("ll", "v2"),
-                    help="ll: Buffer's low-latency calls; v2: ElasticBuffer's (v2_calls)")
+    ap.add_argument("--api", default="ll", choices=("ll", "ht", "v2"),
+                    help="ll: Buffer's low-latency calls; ht: its high-throughput ones; v2: ElasticBuffer's "
+                         "(bench/probe_calls.py)")
     ap.add_argument("--json", help="write every round's rows here")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # a child's one mode
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
