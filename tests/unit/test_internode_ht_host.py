@@ -45,14 +45,18 @@ def test_counter_words_and_buffer_size():
 
 
 def test_paired_combine_pipeline_depth_fits_shared_memory():
-    """``TUNE["c_stages"]`` where its stages of ``P_POW2`` BF16 tiles (``combine_rb`` x ``final_block``) fit the
-    shared memory a kernel may plan for (``nvlink_params.SMEM_BUDGET``), else 1 (unpipelined)."""
+    """``TUNE["c_stages"]`` where ``stages - 1`` steps of BF16 tiles (``combine_rb`` x ``final_block``: a row per
+    node, ``P_POW2``, and each bias) fit the shared memory a kernel may plan for (``nvlink_params.SMEM_BUDGET``),
+    else 1 (unpipelined). The sm_90 compile of the DSv3 combine needs 65536 bytes at 2 nodes, 512 columns, 3
+    stages; 262144 (over the H100's 227 KiB: a launch that fails) with 2 biases at 1024 columns."""
     old = dict(TUNE)
     try:
         TUNE.update(c_stages=3, combine_rb=16)
-        assert _final_stages(2, 512) == 3  # the docstring's example: 2 x 32 KiB in flight
+        assert _final_stages(2, 512) == 3  # the docstring's example: 2 x 32 KiB
         assert _final_stages(2, 1024) == 3  # 128 KiB
-        assert _final_stages(8, 1024) == 1  # 512 KiB would not fit
+        assert _final_stages(4, 512) == 3  # 2 nodes and 2 biases: 128 KiB
+        assert _final_stages(4, 1024) == 1  # 256 KiB would not fit
+        assert _final_stages(8, 1024) == 1  # 512 KiB
         TUNE.update(c_stages=1)
         assert _final_stages(2, 512) == 1
         TUNE.update(c_stages=0)  # (0 means unpipelined too)

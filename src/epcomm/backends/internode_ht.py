@@ -76,14 +76,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _final_stages(p_pow2: int, fblock: int) -> int:
+def _final_stages(tiles: int, fblock: int) -> int:
     """The pipeline depth of the paired combine's reduction (``TUNE["c_stages"]``): 1 where its stages would not
-    fit in shared memory (each holds ``p_pow2`` BF16 tiles of ``combine_rb x fblock``, as the nvlink reduce
-    budgets its own, ``nvlink_params.reduce_stages``). Example: 2 nodes, 512 columns, 3 stages -> 3 (64 KiB)."""
+    fit in shared memory (Triton keeps ``stages - 1`` steps of loads there, each ``tiles`` BF16 tiles of
+    ``combine_rb x fblock``: a row per node, unrolled to a power of two, and each bias; as the nvlink reduce
+    budgets its own, ``nvlink_params.reduce_stages``). Example: 2 nodes, no bias, 512 columns, 3 stages -> 3
+    (64 KiB; sm_90 compile: 65536 bytes of shared memory); 2 nodes and 2 biases at 1024 columns -> 1 (256 KiB)."""
     from .nvlink_params import SMEM_BUDGET
 
     s = max(1, TUNE["c_stages"])
-    return s if (s - 1) * p_pow2 * TUNE["combine_rb"] * fblock * 2 <= SMEM_BUDGET else 1
+    return s if (s - 1) * tiles * TUNE["combine_rb"] * fblock * 2 <= SMEM_BUDGET else 1
 
 
 def _knobs(config) -> tuple[int, int]:
@@ -501,7 +503,7 @@ class InternodeHighThroughput:
             self.cm, self.p_bases, self.p_lv[2], self.p_t[_T_COMBINE], self.p_err, be.timeout_ns, s_lo, s_n, r_lo,
             r_n, f_lo, f_n, int(TUNE["p2p"]), pair, BLOCK=min(TUNE["combine_block"], _pow2(h)), FBLOCK=fblock,
             RB=TUNE["combine_rb"], K_POW2=_pow2(max(k, 1)), P_POW2=_pow2(p_), HAS_W=w_out is not None, NB=len(bs),
-            STAGES=_final_stages(_pow2(p_), fblock), HAS_TIMER=self._timer,
+            STAGES=_final_stages(_pow2(p_) + len(bs), fblock), HAS_TIMER=self._timer,
             SIM=be.sim, num_warps=TUNE["combine_warps"])
         be.check_mirror()
         return out, w_out

@@ -31,18 +31,26 @@ I64 = {"ptr_table": "*i64", "timeout_ns": "i64", "stage_off": "i64", "area_off":
        "nsig_off": "i64", "recv_off": "i64"}
 
 
+SMEM_MAX = 227 << 10  # shared memory a block may have on an H100 or H200 (a launch asking more fails)
+
+
 def compile_one(fn, types: dict, consts: dict, warps: int = 4) -> int:
+    """``fn``'s cubin bytes; asserts that its shared memory fits a block."""
     params = list(inspect.signature(fn.fn).parameters)
     sig = {p: "constexpr" if p in consts else types.get(p, "*i32" if p.endswith("_ptr") else "i32") for p in params}
     src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in consts.items()})
     kernel = triton.compile(src, target=TARGET, options={"num_warps": warps})
+    assert kernel.metadata.shared <= SMEM_MAX, (fn.fn.__name__, consts, kernel.metadata.shared)
     return len(kernel.asm["cubin"])
 
 
 def main() -> None:
-    from epcomm.backends.internode_ht import TUNE
+    from epcomm.backends.internode_ht import TUNE, _final_stages
 
     T = TUNE
+    # the paired combine's pipeline depth as the backend picks it (2 nodes, NB biases; its shared memory at DSv3's
+    # alignment: vectors_internode_ht.py)
+    comb = [(T["final_block"], True, 2), (T["final_block"], False, 0)]
     cases = [
         (ih._hn_prep_kernel, {"is_in_ptr": "*i8"}, dict(BLOCK=1024, R_POW2=8), 4),
         (ih._hn_notify_kernel, I64, dict(BLOCK=1024, CHECK=True, HAS_TIMER=True, SIM=True), 4),
@@ -50,12 +58,12 @@ def main() -> None:
         (ih._internode_dispatch_impl_kernel, dict(I64, rid_ptr="*i64", rw_ptr="*fp32"),
          dict(BLOCK=T["dispatch_block"], RB=T["dispatch_rb"], N_POW2=2, K_POW2=8, G_POW2=64, S_POW2=64,
               HAS_TIMER=True, SIM=True), T["dispatch_warps"]),
-        # one combine launch (senders, relays, finals), with and without weights and biases
+        # one combine launch (senders, relays, finals; paired), with and without weights and biases
         *[(ihc._hc_kernel, dict(I64, x_ptr="*bf16", out_ptr="*bf16", wout_ptr="*fp32", b0_ptr="*bf16",
                                 b1_ptr="*bf16"),
-           dict(BLOCK=T["combine_block"], FBLOCK=T["final_block"], RB=T["combine_rb"], K_POW2=8, P_POW2=2,
-                HAS_W=hw, NB=nb, STAGES=T["c_stages"], HAS_TIMER=True, SIM=True), T["combine_warps"])
-          for hw, nb in ((True, 2), (False, 0))],
+           dict(BLOCK=T["combine_block"], FBLOCK=fb, RB=T["combine_rb"], K_POW2=8, P_POW2=2, HAS_W=hw, NB=nb,
+                STAGES=_final_stages(2 + nb, fb), HAS_TIMER=True, SIM=True), T["combine_warps"])
+          for fb, hw, nb in comb],
     ]
     # integers Triton turns into constants when they are 1 (launch.py), as real calls pass them: rank 1 of
     # nodes of one rank (me, N) with chunks of 1 and one program a role; rank 1 of one node (P)

@@ -10,7 +10,8 @@ dispatch 24-32 of each, the combine 2-6, and 16-64 two-byte loads (the finals' p
 element). In nodes of one rank the paired combine (``internode_ht_pair``) reduces [16 x 512] BF16 tiles of two
 rows and two biases a step (2 vector loads each, 2 stores a thread; without its partial rows' hint: 16 two-byte
 loads), compiled here with its loads unpipelined (``STAGES=1``); pipelined (``TUNE["c_stages"]``), the same
-loads become 16-byte ``cp.async`` copies to shared memory (24 at 3 stages; at least 8 asked). Run by
+loads become 16-byte ``cp.async`` copies to shared memory (24 at 3 stages; at least 8 asked), and the
+shared memory the backend's pipeline depth asks (``_final_stages``) fits a block, at 512 and 1024 columns. Run by
 ``tests/unit/test_internode_vectors.py``; alone:
 ``PYTHONPATH=src python tests/unit/sims/vectors_internode_ht.py``."""
 import collections
@@ -23,6 +24,7 @@ from sm90 import TARGET
 from triton.compiler import ASTSource
 
 from epcomm.backends.internode_ht import TUNE as T
+from epcomm.backends.internode_ht import _final_stages
 from epcomm.kernels import internode_ht as ih
 from epcomm.kernels import internode_ht_combine as ihc
 
@@ -31,15 +33,20 @@ LAYOUTS = {"nodes of one": dict(N=1, P=2, me=1), "one node of two": dict(N=2, P=
 MIN_V4 = {"nodes of one": (48, 48, 28, 16), "one node of two": (40, 40, 20, 14), "any": (64, 64, 24, 18)}
 
 
-def ptx(fn, types: dict, consts: dict, ints16: set, warps: int) -> str:
-    """``fn``'s PTX with every pointer argument 16-byte aligned and the integers ``ints16`` divisible by 16
+def compiled(fn, types: dict, consts: dict, ints16: set, warps: int):
+    """``fn`` compiled with every pointer argument 16-byte aligned and the integers ``ints16`` divisible by 16
     (the JIT's specialisation of DSv3's hidden words and slot rows)."""
     params = list(inspect.signature(fn.fn).parameters)
     sig = {p: "constexpr" if p in consts else types.get(p, "*i32" if p.endswith("_ptr") else "i32") for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
              if sig[p].startswith("*") or p in ints16}
     src = ASTSource(fn, sig, constexprs={(params.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": warps}).asm["ptx"]
+    return triton.compile(src, target=TARGET, options={"num_warps": warps})
+
+
+def ptx(fn, types: dict, consts: dict, ints16: set, warps: int) -> str:
+    """:func:`compiled`'s PTX."""
+    return compiled(fn, types, consts, ints16, warps).asm["ptx"]
 
 
 def counts(text: str) -> collections.Counter:
@@ -54,7 +61,7 @@ def counts(text: str) -> collections.Counter:
 
 
 def main() -> None:
-    print("plan", 2 * len(LAYOUTS) + 1)
+    print("plan", 2 * len(LAYOUTS) + 2)
     dtypes = dict(cih.I64, rid_ptr="*i64", rw_ptr="*fp32")
     ctypes = dict(cih.I64, x_ptr="*bf16", out_ptr="*bf16", wout_ptr="*fp32", b0_ptr="*bf16", b1_ptr="*bf16")
     for name, lay in LAYOUTS.items():
@@ -70,9 +77,14 @@ def main() -> None:
         assert got["ld.v4"] >= c_ld and got["st.v4"] >= c_st and not got["ld.b16"], f"combine, {name}: {dict(got)}"
         print("ok combine", name, dict(got))
         if name == "nodes of one" and T["c_stages"] > 1:
-            got = counts(ptx(ihc._hc_kernel, ctypes, dict(cc, STAGES=T["c_stages"]), {"H", "TM"}, T["combine_warps"]))
-            assert got["cp.async16"] >= 8 and not got["ld.b16"], f"combine, pipelined: {dict(got)}"
-            print("ok combine pipelined", name, dict(got))
+            for fb in (T["final_block"], 1024):  # (at 1024 columns 3 stages of 2 rows and 2 biases: 256 KiB)
+                k = compiled(ihc._hc_kernel, ctypes, dict(cc, FBLOCK=fb, STAGES=_final_stages(2 + 2, fb)), {"H", "TM"},
+                             T["combine_warps"])
+                got = counts(k.asm["ptx"])
+                assert k.metadata.shared <= cih.SMEM_MAX, f"combine, {fb} columns: {k.metadata.shared} bytes shared"
+                if fb == T["final_block"]:
+                    assert got["cp.async16"] >= 8 and not got["ld.b16"], f"combine, pipelined: {dict(got)}"
+                print("ok combine pipelined", name, fb, "columns", k.metadata.shared, "bytes shared", dict(got))
 
 
 if __name__ == "__main__":
