@@ -165,7 +165,11 @@ def _check_plans(ctx, tag):
     """A kind's plan (elastic_engine) and its scratch serve every later call of the kind: a second input set
     of the same shapes goes the repeat path (no checks; dispatch, cached replay on its own handle, combine) and
     gives the oracle's results, and the first call's results, handle included, are unchanged by it (fresh
-    tensors, never the scratch). A repeat with events still checks them."""
+    tensors, never the scratch). A repeat with events still checks them. A plan keeps none of the tensors of
+    the call that made it."""
+    import gc
+    import weakref
+
     import pytest
     import torch
 
@@ -202,6 +206,13 @@ def _check_plans(ctx, tag):
     buf.combine(first[0], first[3], previous_event=EventHandle(), allocate_on_comm_stream=True)
     with pytest.raises(TypeError, match="previous_event"):  # (now a kind seen before)
         buf.combine(first[0], first[3], previous_event=object(), allocate_on_comm_stream=True)
+    # a plan keeps none of its first call's tensors (an x of a new kind, dispatched, then dropped)
+    x2 = x[:2].clone()
+    got = buf.dispatch(x2, **dict(kw, topk_idx=idx[:2].clone(), topk_weights=w[:2].clone()))
+    dropped = weakref.ref(x2)
+    del x2, got
+    gc.collect()
+    assert dropped() is None, "a plan keeps its first call's x alive"
 
 
 # The checks of a world size run in one launch (a launch costs seconds of process start and imports), one test
