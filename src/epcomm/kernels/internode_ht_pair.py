@@ -23,13 +23,13 @@ launch's time: 12 finals each reducing a whole channel).
    the whole channel, ``C_FN[b][C + c]``. ``out[t] = Σ_b row_b`` in node order (this rank's own row read from
    ``x``), float32, then the biases, rounded once: the split-role finals' sum, the same bits.
 
-A final waits only on units of its own index or one less (half 1 on half 0, at program ``u - 1 mod S``, which
-is ``u - 1`` itself or a later unit of the program before: ``S`` is even), each sent before its program's
-final: the Triton interpreter, which runs the programs of a launch one after another, needs no program to wait
-on a later one. Each counter word is counted and consumed by one unit a call, and the split-role combine uses
-only words ``C_FN[b][c < C]`` with their own consumers, so every word's private base (the total its consumer
-has taken) stays equal to what its producers added whatever mode each call runs (``2C <= CM``: the backend
-checks).
+Unit ``u``'s final waits on the peers' unit ``u`` (program ``u mod S`` there too) and, for ``h = 1``, on their
+unit ``u - 1`` (program ``u mod S - 1``: ``S`` is even, ``u`` odd), each of which relays before it reduces: no
+program waits on a later program of a launch (the Triton interpreter runs them one after another; the peers'
+programs of one index run alongside). Each counter word is counted and consumed by one unit a call, and the
+split-role combine uses only words ``C_FN[b][c < C]`` with their own consumers, so every word's private base
+(the total its consumer has taken) stays equal to what its producers added whatever mode each call runs
+(``2C <= CM`` and at most 16 nodes, unrolled in the reduction: the backend checks).
 """
 
 from __future__ import annotations
