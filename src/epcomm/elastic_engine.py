@@ -24,6 +24,8 @@ Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import elastic_layout as EL
@@ -154,6 +156,8 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     chan, sms, chunk = config.num_channels, config.num_sms, config.num_max_rdma_chunked_send_tokens
     worst_x_rows = EL.worst_expanded_rows(r_, m, k, le, alignment)
     rows_of = kern.recv_meta if kern else EL.recv_meta
+    if kern and not sync:  # (the same N and X each call: recv_meta keeps its plan in a slot of this kind's)
+        rows_of = functools.partial(kern.recv_meta, slot=[])
     has_w = topk_weights is not None
     bound: list = []  # the backend's plan, made at the first call (it needs that call's layout tensors)
 

@@ -59,9 +59,11 @@ def recv_meta(seed, r, me, m, k, le, alignment, expand, sync, cum, strided=False
         stats[0] = torch.arange(le, dtype=torch.int32).repeat_interleave(2)[::2]
     what = f"recv_meta r={r} me={me} m={m} k={k} le={le} a={alignment} expand={expand} sync={sync} n={n}" + \
         (" strided" if strided else "") + (" copy_topk" if copy_topk else "")
+    slot, kept = [], []  # (the second call takes the plan the first left in slot, where its tensors were contiguous)
     for call in range(2):
         got = META_KERNELS.recv_meta(rpm, me, src, local, send_head, topk, m, le, alignment, x_rows, expand,
-                                     stats[0], copy_topk)
+                                     stats[0], copy_topk, slot)
+        kept.append(got)  # (alive: the second call cannot reuse its memory)
         want = EL.recv_meta(rpm, me, src, local, send_head, topk, m, le, alignment, x_rows, expand, stats[1],
                             copy_topk)
         for name in EL.RecvMeta._fields:
@@ -72,6 +74,9 @@ def recv_meta(seed, r, me, m, k, le, alignment, expand, sync, cum, strided=False
                 assert_bitwise(a, b, f"{what}, call {call}: {name}")
         if cum:
             assert_bitwise(stats[0], stats[1], f"{what}, call {call}: cumulative stats")
+    assert len(slot) == (not strided), f"{what}: slot {slot}"
+    ptrs = [{a.untyped_storage().data_ptr() for a in rm if a is not None and a.numel()} for rm in kept]
+    assert not ptrs[0] & ptrs[1], f"{what}: the second call's outputs share memory with the first's"
     print("ok", what)
 
 
