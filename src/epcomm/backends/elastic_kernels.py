@@ -64,7 +64,7 @@ def _parts(rows: tuple, k: int, per16: int = 2) -> tuple[list, tuple]:
     ``rows[i]`` rows (None: no such part), each from a 16-byte boundary: ``(sizes of its split, the last
     item the block's rows; index of each part in the split or None)``.
     Example: ``_parts((3, None, 2), 1) == ([3, 1, 2, 6], (0, None, 2))``,
-    ``_parts((2, 2, 1, 10), 1, 4) == ([2, 2, 2, 2, 1, 3, 10, 22], (0, 2, 4, 6))``."""
+    ``_parts((2, 2, 1, 10), 1, 4) == ([2, 2, 1, 3, 10, 18], (0, 1, 2, 4))``."""
     sizes, at = [], []
     for r in rows:
         if r is None:
