@@ -138,14 +138,14 @@ def _host_budget(ctx, tag):
 # 124/30/79/84/0, expanded 150/39/88/96/0; combine 85/19/30/39/0, expanded 169/22/88/105/0.
 HOST_BOUND = {
     # the layout's counts, the received ids before recv_meta and the channel matrices are scratch
-    "dispatch sync contiguous": (56, 37, 8, 4, 0),  # recv_meta: its int32 outputs one block, int64 another
-    "dispatch contiguous": (40, 22, 8, 4, 0),  # recv_meta takes its plan from the kind's slot: no key
+    "dispatch sync contiguous": (56, 37, 11, 4, 0),
+    "dispatch contiguous": (41, 23, 11, 4, 0),  # recv_meta takes its plan from the kind's slot: no key
     "cached contiguous": (15, 10, 2, 2, 0),  # the kind's plan: no checks, no backend key
     "cached contiguous weights": (51, 32, 5, 4, 0),
     "combine contiguous": (22, 20, 1, 3, 0),
     "combine contiguous weights 2 biases": (44, 39, 2, 3, 0),  # x and weights read in place: no pack
-    "dispatch sync expanded": (74, 49, 10, 6, 0),
-    "dispatch expanded": (58, 34, 10, 6, 0),
+    "dispatch sync expanded": (74, 49, 13, 6, 0),
+    "dispatch expanded": (59, 35, 13, 6, 0),
     "cached expanded": (26, 20, 2, 2, 0),
     "cached expanded weights": (54, 38, 4, 3, 0),
     "combine expanded": (27, 23, 2, 4, 0),

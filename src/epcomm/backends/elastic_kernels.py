@@ -11,8 +11,6 @@ Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from .. import elastic_layout as EL
@@ -59,22 +57,17 @@ def combine_row_bytes(h: int, k: int) -> int:
     return EL.align(2 * h + 4 * k, 16)
 
 
-def _parts(rows: tuple, k: int, per16: int = 2) -> tuple[list, tuple]:
-    """One block of rows of ``k`` items, ``per16`` items in 16 bytes (2: int64, 4: int32), for parts of
-    ``rows[i]`` rows (None: no such part), each from a 16-byte boundary: ``(sizes of its split, the last
-    item the block's rows; index of each part in the split or None)``.
-    Example: ``_parts((3, None, 2), 1) == ([3, 1, 2, 6], (0, None, 2))``,
-    ``_parts((2, 2, 1, 10), 1, 4) == ([2, 2, 1, 3, 10, 18], (0, 1, 2, 4))``."""
+def _parts(rows: tuple, k: int) -> tuple[list, tuple]:
+    """One block of int64 rows of ``k`` for parts of ``rows[i]`` rows (None: no such part), each from a 16-byte
+    boundary: ``(sizes of its split, the last item the block's rows; index of each part in the split or None)``.
+    Example: ``_parts((3, None, 2), 1) == ([3, 1, 2, 6], (0, None, 2))``."""
     sizes, at = [], []
     for r in rows:
         if r is None:
             at.append(None)
             continue
-        pad = 0
-        while (sum(sizes) + pad) * k % per16:  # (pad rows up to the next 16-byte boundary)
-            pad += 1
-        if pad:
-            sizes.append(pad)
+        if sum(sizes) * k % 2:  # (an odd number of int64 before: a pad row)
+            sizes.append(1)
         at.append(len(sizes))
         sizes.append(r)
     return sizes + [sum(sizes)], tuple(at)
@@ -122,9 +115,7 @@ class Kernels:
         ``_expert_layout_kernel`` (the layout). ``cum`` (``int32[LE]`` or None) gains the counts. No output
         is zeroed first. The kernels read rows in place: every tensor is made contiguous first (a no-op
         for the backend's and most callers' tensors). A kind of call (sizes, dtypes, flags, alignment) is
-        planned once (:meth:`_meta_plan`): a repeat costs two allocations (every int32 output carved from
-        one, every int64 one from the other, each part from a 16-byte boundary: fresh for each call) and
-        the launches.
+        planned once (:meth:`_meta_plan`): a repeat costs its outputs and the launches.
 
         ``slot`` (a list, empty at first; ``elastic_engine.dispatch_plan``'s, one per kind of dispatch that
         reads no counts on the host): the plan of the first call whose tensors were all contiguous is kept
@@ -133,6 +124,7 @@ class Kernels:
         alignment (the caller's are in ``ElasticBuffer``'s key of the kind, the backend's are made alike
         by one plan; ``EPCOMM_VERIFY_LAUNCH`` checks it at every launch)."""
         n, k = recv_local.shape
+        t = topk_idx.shape[0]
         got = slot[0] if slot else None
         if got is not None and got[0] == n and got[1] == x_rows:
             plan, stats = got[2], cum
@@ -140,7 +132,7 @@ class Kernels:
             given = (rpm, recv_src_idx, recv_local, send_head, topk_idx, cum)
             rpm, recv_src_idx, recv_local = _contiguous(rpm), _contiguous(recv_src_idx), _contiguous(recv_local)
             send_head, topk_idx, stats = _contiguous(send_head), _contiguous(topk_idx), _contiguous(cum)
-            key = (n, topk_idx.shape[0], k, rpm.shape[0], le, m, me, alignment, x_rows, expand, cum is not None,
+            key = (n, t, k, rpm.shape[0], le, m, me, alignment, x_rows, expand, cum is not None,
                    copy_topk, recv_src_idx.dtype, send_head.dtype, recv_local.device,
                    _aligned(topk_idx, rpm, recv_src_idx, recv_local, send_head, stats))
             plan = self._plans.get(key)
@@ -151,22 +143,22 @@ class Kernels:
             if slot is not None and not slot and all(a is b for a, b in zip(given, (
                     rpm, recv_src_idx, recv_local, send_head, topk_idx, stats))):
                 slot.append((n, x_rows, plan))
-        go_rows, g_rows, go_layout, (i32, pick32, meta_shape, dst_shape), (i64, i64_at, gid_at, source_at), \
-            empty = plan
+        go_rows, g_rows, go_layout, small, r_, (wide, rows_at), (ones, ones_at) = plan
         dev = recv_local.device
         part, ticket = self._counts_scratch(dev)
-        # the int32 outputs from one block, the int64 ones from another (rows of K ids: local, recv_topk_idx of
-        # a contiguous dispatch, the handle's copy of topk_idx; then gid and an expanded dispatch's source at
-        # item offsets); each part from a 16-byte boundary (pads between them)
-        meta, dst, counts, psum, psum_rank = pick32(
-            torch.empty(i32[-1], dtype=torch.int32, device=dev).split_with_sizes(i32[:-1]))
-        meta, dst = meta.view(meta_shape), dst.view(dst_shape)
-        block = torch.empty(i64[-1], k, dtype=torch.int64, device=dev)
-        parts = block.split_with_sizes(i64[:-1])
-        local, local_out, topk_copy = (None if i is None else parts[i] for i in i64_at)
-        gid = torch.as_strided(block, (n,), (1,), gid_at)
-        source = torch.as_strided(block, (x_rows,), (1,), source_at) if expand else empty
-        # (no expanded rows: an empty source, the plan's, as the torch twin's; read by no one)
+        small = torch.empty(small, dtype=torch.int32, device=dev)
+        counts, psum, psum_rank = small.split_with_sizes((le, le, r_))
+        meta = torch.empty(n, k + 2, dtype=torch.int32, device=dev)
+        dst = torch.empty(t, k, dtype=torch.int32, device=dev)
+        # the int64 outputs from two blocks, each part 16-byte aligned (pads where K is odd): rows of K ids
+        # (local, recv_topk_idx of a contiguous dispatch, the handle's copy of topk_idx), then gid and source
+        parts = torch.empty(wide[-1], k, dtype=torch.int64, device=dev).split_with_sizes(wide[:-1])
+        local, local_out, topk_copy = (None if i is None else parts[i] for i in rows_at)
+        if expand:
+            parts = torch.empty(ones[-1], dtype=torch.int64, device=dev).split_with_sizes(ones[:-1])
+            gid, source = parts[0], parts[ones_at[1]]
+        else:  # (no expanded rows: an empty source, the plan's, as the torch twin's; read by no one)
+            gid, source = torch.empty(n, dtype=torch.int64, device=dev), ones
         go_rows(g_rows, 1, 1, rpm, recv_src_idx, recv_local, local, local if expand else local_out, meta, gid,
                 counts, psum, psum_rank, stats if cum is not None else counts, topk_idx,
                 topk_copy if copy_topk else topk_idx, send_head, dst, part, ticket)
@@ -192,10 +184,8 @@ class Kernels:
 
     def _meta_plan(self, key: tuple):
         """``recv_meta``'s launches for ``key``, their sizes and grids resolved: ``(go_rows (17 tensors), its
-        grid, go_layout (5 tensors; None: contiguous), the int32 block (its split, meta, dst, counts, psum
-        and psum_rank picked from it, meta's and dst's shapes), the int64 block (its split of rows of K,
-        where local, local_out and the copy of topk_idx lie in it, gid's and source's first items), an empty
-        int64 source (a contiguous dispatch's))``."""
+        grid, go_layout (5 tensors; None: contiguous), size of the small int32 outputs, R, the int64 blocks'
+        parts)``."""
         n, t, k, r_, le, m, me, alignment, x_rows, expand, has_cum, copy_topk = key[:12]
         assert le <= EL.MAX_LOCAL_EXPERTS, le  # (ElasticBuffer checks it): the counts' scratch holds them
         kp, rb, lep = _pow2(k), min(RB, _pow2(r_)), _pow2(le)
@@ -212,16 +202,9 @@ class Kernels:
             go_layout = self.bound("_expert_layout_kernel", lkey,
                                    dict(R=r_, K=k, LE=le, LEP=lep, KP=kp, BN=LBN, num_warps=16),
                                    (None, None, None, me, alignment, None, None, x_rows))
-        i32, i32_at = _parts((n * (k + 2), t * k, le, le, r_), 1, 4)  # (pads only where a size asks for one)
-        # the int64 block: rows of K (local, local_out, the copy of topk_idx), then gid and source by items
-        rows_of = (lambda items: (items + k - 1) // k)
-        i64, i64_at = _parts((n, None if expand else n, t if copy_topk else None, rows_of(n),
-                              rows_of(x_rows) if expand else None), k)
-        gid_at = sum(i64[:i64_at[3]]) * k
-        source_at = sum(i64[:i64_at[4]]) * k if expand else 0
-        return (go_rows, max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, go_layout,
-                (i32, operator.itemgetter(*i32_at), (n, k + 2), (t, k)), (i64, i64_at[:3], gid_at, source_at),
-                torch.empty(0, dtype=torch.int64, device=key[-2]))
+        return (go_rows, max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, go_layout, 2 * le + r_, r_,
+                _parts((n, None if expand else n, t if copy_topk else None), k),
+                _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=key[-2]), 0))
 
     def bound(self, name: str, key: tuple, consts: dict, template: tuple):
         """``go(gx, gy, gz, *tensors)``: kernel ``name`` with ``template``'s fixed arguments and the
