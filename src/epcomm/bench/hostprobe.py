@@ -24,7 +24,8 @@ the buffers and calls are ``bench/probe_calls.py``'s), in one of three modes, ea
   input had), ``launches`` and ``args`` (the arguments handed to the C launcher), in one repeat call;
 - ``call`` (a GPU): the same calls with their real launches, the GPU idle at each call's start (synchronised
   before, untimed), as ``epcomm bench`` times an eager call's host time;
-- ``launches`` (a GPU): one call's C launches, recorded, then replayed alone (the same idle GPU): what the
+- ``launches`` (a GPU, ``--api ll`` only: the HT and V2 kernels wait on counters each call advances, so
+  their launches cannot be replayed outside their calls): one call's C launches, recorded, then replayed alone (the same idle GPU): what the
   call costs below Python. ``call`` minus ``launches`` is the Python on that host; ``python`` on that host
   should agree.
 
@@ -318,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     fwd = ["--tokens", a.tokens, "--hidden", str(a.hidden), "--topk", str(a.topk), "--experts", str(a.experts),
            "--calls", str(a.calls), "--api", a.api] + (["--hook"] if a.hook else [])
     modes = a.modes.split(",")
+    if "launches" in modes and a.api != "ll":
+        # a high-throughput or V2 call's kernels wait on counters that each call advances (the exchange, the
+        # transport): replayed outside their calls they wait for arrivals that never come and write garbage
+        ap.error(f"--modes launches replays one call's recorded launches on their own: only --api ll, got "
+                 f"--api {a.api} (its kernels wait on counters each call advances)")
     res: dict = {(label, mode): [] for label, _ in trees for mode in modes}
     failed = 0
     for r in range(a.rounds):  # A, B, ... per round, every mode of a tree together
