@@ -280,6 +280,12 @@ def _worker(rank, world_size, init_file, backend, pg_timeout_s, fn, args, result
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s), **kw,
         )
+        if backend == "gloo":
+            # Gloo's full mesh is connected when every rank has returned from init_process_group, not when
+            # this one has: a rank whose target ends at once (a skip, an early error) could exit while a
+            # peer still completed its pairs, which then failed with "connectFullMesh failed ... Connection
+            # closed by peer" (~2 % of such launches on a loaded 2-core host). One barrier first.
+            dist.barrier()
         ctx = RankContext(rank, world_size, device, backend, dist.group.WORLD)
         try:
             out = fn(ctx, *args)
