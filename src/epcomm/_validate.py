@@ -207,7 +207,7 @@ def repeat_signature(t) -> tuple:
 
 def call_signature(t) -> tuple | None:
     """``repeat_signature``, None for None (an optional argument)."""
-    return None if t is None else (t.shape, t.dtype, t.get_device(), t.data_ptr() & 15, t.is_contiguous())
+    return None if t is None else repeat_signature(t)
 
 
 def rows_signature(t) -> tuple | None:

@@ -57,12 +57,10 @@ def dispatch_key(data, sf, topk_idx, topk_weights, cum, handle, rest: tuple) -> 
     on. A fresh dispatch's includes ``topk_idx`` and ``cum``; a cached one's the handle's layout and top-k
     shape (its owner is checked at each call: :func:`owned`). Raises ``AttributeError``/``TypeError`` for
     arguments that are not what they should be (the checks then say which)."""
-    sig = V.call_signature
-    key = (data.shape, data.dtype, data.get_device(), data.data_ptr() & 15, data.is_contiguous(), sig(sf),
-           sig(topk_weights), rest)
+    sig, rep = V.call_signature, V.repeat_signature
+    key = (rep(data), sig(sf), sig(topk_weights), rest)
     if handle is None:
-        return key + (topk_idx.shape, topk_idx.dtype, topk_idx.get_device(), topk_idx.data_ptr() & 15,
-                      topk_idx.is_contiguous(), sig(cum))
+        return key + (rep(topk_idx), sig(cum))
     return key + (handle.do_expand, handle.num_experts, handle.expert_alignment, handle.num_max_tokens_per_rank,
                   handle.topk_idx.shape, topk_idx is None, cum is None)
 
