@@ -16,12 +16,12 @@
 #   shared-nvshmem [WORLD]  the internode tier 3 with WORLD ranks (2 or 4) on one GPU: NVSHMEM takes
 #                   several PEs per GPU only under MPS (else "not supported with limited MPG"), so this mode
 #                   starts a private MPS daemon (its own pipe directory) and stops it after, each process at
-#                   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/WORLD (two took 50; four at 25 not yet tried).
+#                   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/WORLD (two take 50, four 25).
 #                   WORLD 2: tests/gpu/test_internode_nvshmem.py, two virtual nodes of one (~9 min; with
 #                   EPCOMM_VERIFY_LAUNCH=1 more than the 560 s cap: split it, PYTEST_ARGS="-k high_throughput"
 #                   then PYTEST_ARGS="-k 'not high_throughput'"). WORLD 4: tests/gpu/test_internode_2x2.py,
 #                   two nodes of two (EPCOMM_GPUS_PER_NODE=2: the forwarding path) and four nodes of one;
-#                   if it outlasts the cap, split it the same way (-k high_throughput / -k low_latency)
+#                   ~13 min: split it over calls or lanes (PYTEST_ARGS="-k 2-nodes-of-2", "-k 4-nodes-of-1", "-k low_latency")
 #   bench-nvshmem [WORLD]  epcomm bench --backend internode, then --backend nvlink, WORLD ranks (2 or 4)
 #                   on one GPU under the same private MPS daemon (virtual nodes: of one GPU at 2, of two at 4):
 #                   ht-dsv3 and ll-dsv3-288, 24 SMs, 12 iterations; JSONL in $OUT/bench-mps-<backend>.jsonl
