@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--api", choices=("v1", "v2", "both"), default="v1",
                    help="v1: DeepEP V1's Buffer (default); v2: DeepEP V2's ElasticBuffer, both layouts, with and "
                    "without CPU sync, each op checked as timed against a reference-backend ElasticBuffer "
-                   "(bench/v2.py; default cases: ht-dsv3 on GPUs, small on CPU); both: the V1 rows, then the V2 "
-                   "rows of the high-throughput cases, in one run")
+                   "(bench/v2.py; default cases: ht-dsv3 on GPUs, small on CPU); both: the V1 rows (with "
+                   "'<dtype>-worst-layout': get_dispatch_layout + a num_worst_tokens dispatch, the work a V2 dispatch "
+                   "does), then the V2 rows of the high-throughput cases, in one run")
     b.add_argument("--num-sms", type=_int_list, default=None,
                    help="v1: Buffer.set_num_sms (one even value); v2: ElasticBuffer's num_sms, a comma list "
                    "sweeps it (default: get_theoretical_num_sms); both: a list sweeps V2 only, one value sets both")

@@ -10,6 +10,7 @@ paired with the reference's (speedup, the same checks).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -206,12 +207,12 @@ def test_correctness_check_catches_a_broken_backend():
             assert out[(mode, "reorder")]["fake-reorder"] == "pass", (rank, mode, out)
 
 
-def _two_backend_worker(ctx):
+def _two_backend_worker(ctx, api="v1"):
     os.environ["EPCOMM_TIMEOUT_S"] = "60"
     from epcomm.bench.runner import BenchPlan, _run_case
 
     ht, ll = CASE_SETS["small"]
-    plan = BenchPlan(cases=(ht, ll), iters=2, warmup=0, sets=2)
+    plan = BenchPlan(cases=(ht, ll), iters=2, warmup=0, sets=2, api=api)
     rdma = Buffer.get_low_latency_rdma_size_hint(ll.tokens, ll.hidden, ctx.world_size, ll.experts)
     out = []
     for case, kw in ((ht, {}), (ll, {"num_rdma_bytes": rdma, "low_latency_mode": True})):
@@ -220,23 +221,28 @@ def _two_backend_worker(ctx):
     return out
 
 
-def test_rows_pair_a_fast_backend_with_the_reference():
+@pytest.mark.parametrize("api", ["v1", "both"])
+def test_rows_pair_a_fast_backend_with_the_reference(api):
     from epcomm.bench import report
 
-    res = parallel_launch(2, _two_backend_worker, backend="gloo", timeout_s=120)
+    res = parallel_launch(2, functools.partial(_two_backend_worker, api=api), backend="gloo", timeout_s=120)
     rows = report.merge_ranks(res, env={}, iters=2, warmup=0)
     fast = [r for r in rows if r["backend"] == "fake-ok"]
     ref = [r for r in rows if r["backend"] == "reference"]
     assert len(ref) == 3 + 2 + 4
-    assert len(fast) == len(ref) + 2  # plus dispatch bf16/fp8 with num_worst_tokens (capturable)
-    assert {r["dtype"] for r in fast if r["dtype"].endswith("-worst")} == {"bf16-worst", "fp8-worst"}
+    # plus dispatch bf16/fp8 with num_worst_tokens (capturable); with --api both also those whose step computes
+    # the layout (get_dispatch_layout, then dispatch: V1's row beside an ElasticBuffer dispatch)
+    layout = {"bf16-worst-layout", "fp8-worst-layout"} if api == "both" else set()
+    assert len(fast) == len(ref) + 2 + len(layout)
+    assert {r["dtype"] for r in fast if "-worst" in r["dtype"]} == {"bf16-worst", "fp8-worst"} | layout
     for r in fast:
         assert r["check"] == "pass" and r["timing"] == "wall"
         assert r["ref_median_us"] is not None  # the oracle's time, kept beside the peer's
         if r["phase"] == "total":
             assert r["speedup"] == pytest.approx(r["peer_us"] / r["median_us"])
-    assert [r["op"] for r in rows[:5]] == ["dispatch", "dispatch", "combine", "dispatch", "dispatch"]  # fast first
-    assert [r["op"] for r in rows[5:8]] == ["dispatch", "dispatch", "combine"]  # then the reference
+    n = 5 + len(layout)
+    assert [r["op"] for r in rows[:n]] == ["dispatch", "dispatch", "combine"] + ["dispatch"] * (n - 3)  # fast first
+    assert [r["op"] for r in rows[n:n + 3]] == ["dispatch", "dispatch", "combine"]  # then the reference
 
 
 def _late_worker(ctx):
@@ -244,7 +250,7 @@ def _late_worker(ctx):
     from epcomm.bench.runner import BenchPlan, _run_case
 
     ht, _ = CASE_SETS["small"]
-    plan = BenchPlan(cases=(ht,), iters=2, warmup=0, sets=2)
+    plan = BenchPlan(cases=(ht,), iters=2, warmup=0, sets=2, api="both")  # (V1's rows: the layout rows too)
     late = _Wrapped(Buffer(ctx.group), "late")
     return _run_case(ctx, plan, ht, {late.backend_name: late, "reference": Buffer(ctx.group)}, None)
 
@@ -255,7 +261,7 @@ def test_a_path_broken_only_as_timed_fails_its_rows():
     rows = report.merge_ranks(parallel_launch(2, _late_worker, backend="gloo", timeout_s=120), env={}, iters=2,
                               warmup=0)
     late = {r["dtype"]: r for r in rows if r["backend"] == "fake-late" and r["op"] == "dispatch"}
-    for dtype in ("bf16", "bf16-worst"):
+    for dtype in ("bf16", "bf16-worst", "bf16-worst-layout"):
         assert "rank 0: FAIL as timed (FAIL: timed dispatch (bf16, set 0) bf16 recv_x" in late[dtype]["check"]
         assert late[dtype]["timed_check"].startswith("rank 0: FAIL: timed dispatch"), late[dtype]
     assert late["fp8"]["check"] == "pass" and late["fp8"]["timed_check"] == "pass"  # FP8 rows are not damaged

@@ -216,7 +216,7 @@ def _run_case(ctx, plan: BenchPlan, case: BenchCase, bufs: dict[str, Buffer], pr
         if buf is None:
             ops = workloads.a2a_ops(group, sets, case)
         else:
-            ops = (workloads.ht_ops(buf, sets, plan.cached, expect) if case.mode == "ht"
+            ops = (workloads.ht_ops(buf, sets, plan.cached, expect, layout_rows=plan.api == "both") if case.mode == "ht"
                    else workloads.ll_ops(buf, sets, case, expect))
         reset = None
         if case.mode == "ll" and buf is not None:

@@ -83,11 +83,14 @@ def make_ht_sets(case: BenchCase, rank: int, num_ranks: int, device: torch.devic
     return out
 
 
-def ht_ops(buf, sets: list[HTSet], cached: bool = False, expect: HTExpect | None = None) -> list[TimedOp]:
+def ht_ops(buf, sets: list[HTSet], cached: bool = False, expect: HTExpect | None = None,
+           layout_rows: bool = False) -> list[TimedOp]:
     """Dispatch BF16, dispatch FP8, combine BF16 on ``buf`` (an ``epcomm.Buffer``).
 
     ``cached``: time dispatch with a handle (no layout exchange), as DeepEP's tuning loop does.
     ``expect``: the reference's results on the checked set; each op is then verified as it was timed.
+    ``layout_rows``: also ``<dtype>-worst-layout``, a ``num_worst_tokens`` dispatch whose step also runs
+    ``get_dispatch_layout`` (what an ``ElasticBuffer`` dispatch does inside: the V1 row to set beside V2's).
     """
     r_ = buf.group_size
     dcfg, ccfg = buf.get_dispatch_config(r_), buf.get_combine_config(r_)
@@ -130,20 +133,30 @@ def ht_ops(buf, sets: list[HTSet], cached: bool = False, expect: HTExpect | None
         # a CUDA graph; rows are labelled "<dtype>-worst" (outputs padded to R*T rows).
         worst = r_ * sets[0].x.shape[0]
 
-        def dispatch_worst(fp8: bool):
+        def dispatch_worst(fp8: bool, with_layout: bool = False):
             def build(s: int):
                 st = sets[s]
                 x = st.x_fp8 if fp8 else st.x
+                e = st.num_tokens_per_expert.shape[0]
 
                 def step():
                     return buf.dispatch(x, config=dcfg, num_worst_tokens=worst, **st.layout_kwargs())
-                return [], [step]
+
+                def step_layout():  # the layout computed in the call, as an ElasticBuffer dispatch computes it
+                    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(st.topk_idx, e)
+                    return buf.dispatch(x, config=dcfg, num_worst_tokens=worst, num_tokens_per_rank=per_rank,
+                                        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                        topk_idx=st.topk_idx, topk_weights=st.topk_weights)
+                return [], [step_layout if with_layout else step]
             return build
 
         ops += [TimedOp("dispatch", "bf16-worst", ("total",), dispatch_worst(False), capturable=True,
                         verify=verify_dispatch(False)),
                 TimedOp("dispatch", "fp8-worst", ("total",), dispatch_worst(True), capturable=True,
                         verify=verify_dispatch(True))]
+        if layout_rows:
+            ops += [TimedOp("dispatch", f"{d}-worst-layout", ("total",), dispatch_worst(d == "fp8", True),
+                            capturable=True, verify=verify_dispatch(d == "fp8")) for d in ("bf16", "fp8")]
     return ops
 
 
