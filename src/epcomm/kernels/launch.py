@@ -21,8 +21,9 @@ passes it to the driver as it is (no ``data_ptr()`` call and no driver query per
 binder sees the tensor when a key is bound. Make one per buffer view, once.
 
 :class:`Direct` is one launch of a :class:`Prepared` whose arguments are fixed but for a few per-call
-tensors (the holes): once bound, a call fills the holes with the tensors' addresses and goes straight
-into the C launcher with one prebuilt argument list (the low-latency calls' eager path).
+tensors (the holes): once bound, a call goes through ``Direct.fast``, a function generated for that
+launch (:func:`_direct_call`) that takes each hole's address and calls the C launcher with every fixed argument
+in place (no argument list to fill, no loop: the low-latency calls' eager path).
 
 Under the Triton interpreter (CPU runs: ``TRITON_INTERPRET=1``) a launcher calls ``fn[grid]`` as usual.
 """
@@ -208,26 +209,26 @@ class Direct:
     """``go(gx, gy, gz, *tensors)``: ``prepared`` launched with the arguments ``template``, where the
     positions ``holes`` take ``tensors`` (per-call tensors, or plain ``int`` scalars, in order). Until ``prepared`` is bound, and
     while verifying (``EPCOMM_VERIFY_LAUNCH``) or under the interpreter, the launch goes through
-    ``prepared`` with the tensors themselves; after, through the C launcher with their addresses.
+    ``prepared`` with the tensors themselves; after, through the C launcher with their addresses:
+    ``fast`` (None until then) is that launch as a function of its own (:func:`_direct_call`), which a caller
+    may call instead of the ``Direct`` (one frame less).
 
     Example: ``Direct(p, (None, None, 7, buf), (0, 1))(128, 2, 1, x, topk)`` launches ``p`` on the grid
     ``(128, 2, 1)`` with ``(x, topk, 7, buf)``."""
 
-    __slots__ = ("p", "template", "holes", "launch", "args", "first", "get_stream", "dev")
+    __slots__ = ("p", "template", "holes", "launch", "args", "first", "get_stream", "dev", "fast")
 
     def __init__(self, prepared: Prepared, template: tuple, holes: tuple) -> None:
         self.p, self.template, self.holes = prepared, tuple(template), tuple(holes)
-        self.launch = None
+        self.launch = self.fast = None
 
     def __call__(self, gx: int, gy: int, gz: int, *tensors) -> None:
-        launch = self.launch
-        if launch is not None:
-            a = self.args
-            f = self.first
-            for i, t in zip(self.holes, tensors):
-                a[f + i] = t if isinstance(t, int) else _data_ptr(t)  # an int, or a Ptr
-            Launcher.launches += 1
-            launch(gx, gy, gz, self.get_stream(self.dev), *a)
+        fast = self.fast
+        if fast is not None:
+            if len(tensors) == len(self.holes):
+                fast(gx, gy, gz, *tensors)
+            else:  # (fewer: the other holes keep what they held)
+                self._any(gx, gy, gz, *tensors)
             return
         args = list(self.template)
         for i, t in zip(self.holes, tensors):
@@ -242,3 +243,40 @@ class Direct:
                 + list(b.tail)
             self.get_stream, self.dev = p.get_stream, p.dev
             self.launch = b.launch
+            if len(tensors) == len(self.holes):
+                self.fast = _direct_call(self, tuple(isinstance(t, int) for t in tensors))
+
+    def _any(self, gx: int, gy: int, gz: int, *tensors) -> None:
+        """The bound launch with holes of any kind (a tensor, a ``Ptr`` or an ``int`` in any hole)."""
+        a = self.args
+        f = self.first
+        for i, t in zip(self.holes, tensors):
+            a[f + i] = t if isinstance(t, int) else _data_ptr(t)  # an int, or a Ptr
+        Launcher.launches += 1
+        self.launch(gx, gy, gz, self.get_stream(self.dev), *a)
+
+
+def _direct_call(d: Direct, ints: tuple):
+    """``d``'s bound launch as a generated function ``go(gx, gy, gz, h0, h1, ...)``: the C launcher called with
+    ``d``'s fixed arguments and, in the holes, each ``h`` as it is where the binding call passed an ``int``
+    there (``ints[i]``), else its ``data_ptr()``. A call whose holes are not of those kinds (an int or a
+    ``Ptr`` where a tensor was) goes through ``Direct._any``.
+
+    Example: for ``Direct(p, (None, 7, None), (0, 2))`` bound with ``(x, 5)``: ``go(gx, gy, gz, h0, h1)``
+    runs ``launch(gx, gy, gz, stream, <head>, dp(h0), 7, h1, <tail>)``."""
+    f = d.first
+    at = {f + j: i for i, j in enumerate(d.holes)}
+    names = [f"h{i}" for i in range(len(d.holes))]
+    ptrs = [f"p{i} = dp(h{i})" for i, is_int in enumerate(ints) if not is_int]
+    args = [(f"h{at[j]}" if ints[at[j]] else f"p{at[j]}") if j in at else f"c{j}" for j in range(len(d.args))]
+    hs = ", ".join(names)
+    src = (f"def go(gx, gy, gz, {hs}):\n"
+           f"    try:\n        {'; '.join(ptrs) or 'pass'}\n"
+           f"    except TypeError:\n        return slow(gx, gy, gz, {hs})\n"
+           f"    launch(gx, gy, gz, stream(dev), {', '.join(args)})\n"
+           f"    L.launches += 1\n")
+    # the fixed arguments, each a global name of the generated function (``c<position>``)
+    ns = dict(dp=_data_ptr, slow=d._any, launch=d.launch, stream=d.get_stream, dev=d.dev, L=Launcher)
+    ns.update((f"c{j}", v) for j, v in enumerate(d.args) if j not in at)
+    exec(compile(src, f"<Direct {d.p.launcher.name}>", "exec"), ns)
+    return ns["go"]
