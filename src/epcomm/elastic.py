@@ -243,19 +243,24 @@ class ElasticBuffer:
         if self._destroyed:
             raise RuntimeError("this ElasticBuffer was destroyed")
 
-    def _run(self, fn, inputs, previous_event, async_with_compute_stream: bool):
-        """``fn()`` on the current stream, or with ``async_with_compute_stream`` on the communication stream
-        after ``previous_event`` (else after the current stream); returns ``(result, EventOverlap)``."""
+    def _run(self, fn, inputs, previous_event):
+        """``fn()`` on the communication stream after ``previous_event`` (else after the current stream), on
+        the current stream where there is no communication stream (CPU); returns ``(result, EventOverlap)``.
+        (A call without ``async_with_compute_stream`` runs on the current stream: :meth:`_on_current`.)"""
         streams = self._engine._streams
         if streams.comm is None:
             return fn(), EventOverlap()
-        if not async_with_compute_stream:
+        prev = None if previous_event is None else EventOverlap(previous_event)
+        return streams.run(fn, inputs, prev, True, False)
+
+    def _on_current(self, previous_event) -> None:
+        """Before a call on the current stream: it waits for ``previous_event`` and for the communication
+        stream's pending work (nothing to do without a communication stream, on CPU)."""
+        streams = self._engine._streams
+        if streams.comm is not None:
             if previous_event is not None:
                 previous_event.current_stream_wait()
             streams.sync()
-            return fn(), EventOverlap()
-        prev = None if previous_event is None else EventOverlap(previous_event)
-        return streams.run(fn, inputs, prev, True, False)
 
     # ------------------------------------------------------------------ dispatch and combine
 
@@ -313,12 +318,22 @@ class ElasticBuffer:
 
     def _fresh_go(self, plan, async_: bool, kind: tuple):
         """A fresh dispatch's call of ``plan``: ``go(x, sf, topk_idx, topk_weights, cum, None[, prev, before])``
-        -> the five results; ``kind``: the handle's ``(do_expand, E, alignment, M, num_sms)``."""
+        -> the five results; ``kind``: the handle's ``(do_expand, E, alignment, M, num_sms)``. Without
+        ``async_``, the plan straight on the current stream (no closure, no stream switch)."""
+        if not async_:
+            def go(data, sf, topk_idx, topk_weights, cum, _handle, prev=None, before=None):
+                self._on_current(prev)
+                rx, rsf, ridx, rw, fields, state = plan(data, sf, topk_idx, topk_weights, cum, before)
+                hd = EPHandle(*kind, *fields)
+                hd._state, hd._owner = state, self
+                return (rx if rsf is None else (rx, rsf)), ridx, rw, hd, EventOverlap()
+            return go
+
         def go(data, sf, topk_idx, topk_weights, cum, _handle, prev=None, before=None):
             def fn():
                 return plan(data, sf, topk_idx, topk_weights, cum, before)
 
-            (rx, rsf, ridx, rw, fields, state), ev = self._run(fn, [data, sf, topk_idx, topk_weights], prev, async_)
+            (rx, rsf, ridx, rw, fields, state), ev = self._run(fn, [data, sf, topk_idx, topk_weights], prev)
             if ev.event is not None:  # the handle's tensors were made on the communication stream
                 for v in fields:
                     if isinstance(v, torch.Tensor) and v.is_cuda:
@@ -330,11 +345,18 @@ class ElasticBuffer:
 
     def _cached_go(self, plan, async_: bool):
         """A cached dispatch's call of ``plan`` (as :meth:`_fresh_go`'s, on the handle given)."""
+        if not async_:
+            def go(data, sf, _topk_idx, topk_weights, _cum, hd, prev=None, before=None):
+                self._on_current(prev)
+                rx, rsf, ridx, rw = plan(hd._state, data, sf, topk_weights, before)
+                return (rx if rsf is None else (rx, rsf)), ridx, rw, hd, EventOverlap()
+            return go
+
         def go(data, sf, _topk_idx, topk_weights, _cum, hd, prev=None, before=None):
             def fn():
                 return plan(hd._state, data, sf, topk_weights, before)
 
-            (rx, rsf, ridx, rw), ev = self._run(fn, [data, sf, topk_weights], prev, async_)
+            (rx, rsf, ridx, rw), ev = self._run(fn, [data, sf, topk_weights], prev)
             return (rx if rsf is None else (rx, rsf)), ridx, rw, hd, ev
         return go
 
@@ -377,6 +399,15 @@ class ElasticBuffer:
     def _combine_go(self, expand: bool, async_: bool, num_sms: int):
         """A combine's call: ``go(x, handle, topk_weights, bias[, prev, before])`` -> the three results."""
         multi = self.allow_multiple_reduction
+        if not async_:
+            def go(x, handle, topk_weights, bias, prev=None, before=None):
+                self._on_current(prev)
+                out, w = engine.combine(self, x, handle._state, handle.topk_idx, handle.num_experts,
+                                        handle.num_max_tokens_per_rank, expand, topk_weights,
+                                        () if bias is None else A.biases(bias), multi, before,
+                                        num_sms or handle.num_sms)
+                return out, w, EventOverlap()
+            return go
 
         def go(x, handle, topk_weights, bias, prev=None, before=None):
             biases = A.biases(bias)
@@ -386,6 +417,6 @@ class ElasticBuffer:
                                       handle.num_max_tokens_per_rank, expand, topk_weights, biases, multi, before,
                                       num_sms or handle.num_sms)
 
-            (out, w), ev = self._run(fn, [x, topk_weights, *biases], prev, async_)
+            (out, w), ev = self._run(fn, [x, topk_weights, *biases], prev)
             return out, w, ev
         return go
