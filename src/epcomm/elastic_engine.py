@@ -141,7 +141,9 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     depends on no value or address is resolved once: the payload's kind, the ``Config``, the worst-case
     sizes, and on a backend that plans its dispatches (``dispatch_run``) its plan, whose transient tensors
     (the layout's counts, the received ids before ``recv_meta`` reads them, the channel matrices no V2 call
-    reads) are its scratch, not allocations."""
+    reads) are its scratch, not allocations. Where the backend ``fuses_layout`` (nvlink, ``TUNE
+    ["v2_fused_layout"]``) that plan computes the layout in its exchange kernel: a call after the first launches
+    no layout kernel."""
     be, r_, me, kern = eb._backend, eb.num_ranks, eb.rank_idx, eb._kernels
     t, k = topk_idx.shape
     le = num_experts // r_
@@ -149,6 +151,7 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     probe = Payload(x, sf, rows=False)  # (its kind: the plan keeps no caller's tensor)
     lay = getattr(be, "dispatch_layout", None)  # a backend's layout kernel, as Buffer.get_dispatch_layout uses
     plans = getattr(be, "dispatch_run", None)
+    fused = plans is not None and getattr(be, "fuses_layout", bool)()  # (the plan makes the layout itself)
     config = eb._configs.get(num_sms)
     if config is None:
         config = eb._configs[num_sms] = Config.default_dispatch(r_, EL.align(max(num_sms, 2), 2))
@@ -163,12 +166,14 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
 
     def run(x, sf, topk_idx, topk_weights, cum_stats, before_epilogue):
         pay, data, scales = probe.take(x, sf)
-        if lay is not None:
+        w = topk_weights if has_w else torch.zeros(t, k, dtype=torch.float32, device=dev)
+        go = bound[0] if bound else None
+        if go is not None and fused:  # (the plan's exchange kernel makes the layout)
+            per_rank = per_expert = in_rank = None
+        elif lay is not None:
             per_rank, per_expert, in_rank = lay(topk_idx, num_experts, True)  # (counts: read by this call only)
         else:
             per_rank, per_expert, in_rank = layout.dispatch_layout(topk_idx, num_experts, r_)
-        w = topk_weights if has_w else torch.zeros(t, k, dtype=torch.float32, device=dev)
-        go = bound[0] if bound else None
         if go is None:
             args = DispatchArgs(data, scales, topk_idx, w, per_rank, in_rank, per_expert, alignment, worst, chan,
                                 sms, chunk)
@@ -176,7 +181,8 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
                 fits = plans is not None and all(a.is_contiguous() for a in (data, topk_idx, w, per_rank, in_rank,
                                                                              per_expert)) and (
                     scales is None or scales.is_contiguous())
-                bound.append(plans(args, r_ * m) if fits else None)
+                bound.append((plans(args, r_ * m, fused_layout=True) if fused else plans(args, r_ * m))
+                             if fits else None)
                 go = bound[0]
             if go is None:  # (a backend without plans, or a call its plan cannot take: the whole dispatch)
                 res = be.dispatch(args)

@@ -27,8 +27,8 @@ import dataclasses
 
 import torch
 
-from ..kernels.ht_layout import chunking, scratch_words
-from ..kernels.launch import Direct
+from ..kernels.ht_layout import chunking, fused_words, scratch_words
+from ..kernels.launch import Direct, Ptr
 from ..layout import DispatchHandle
 from .base import DispatchArgs, DispatchResult, bad_expert_id
 from .nvlink_params import (
@@ -51,8 +51,12 @@ from .nvlink_params import (
 
 _MAX_PLANS = 4096  # the token count is part of a kind: bounded, whatever the callers vary
 # programs of the exchange kernel that only check expert ids (a tile of 128 rows each, at most this many;
-# they wait for nothing): DSv3's 4096 tokens take 32, one tile each
+# they wait for nothing): DSv3's 4096 tokens take 32, one tile each. With the fused layout
+# (TUNE["v2_fused_layout"]) they also compute the layout, before the rank programs.
 NOTIFY_CHECK_PROGRAMS = 32
+# the fused layout's ticket and epoch flag: slots 4 and 5 of the backend's tickets (zeroed with the backend,
+# as nctr is; slots 0-3: nvlink_params.T_GATHER .. T_CPUSH)
+T_LAYOUT = 4
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -156,7 +160,12 @@ class HTDispatch:
         rb = TUNE["gather_rb"]
         return max(1, min(self.num_sms, (n_rows + rb - 1) // rb))
 
-    def dispatch_run(self, a: DispatchArgs, scratch_rows: int = 0):
+    def fuses_layout(self) -> bool:
+        """Whether ``ElasticBuffer``'s dispatch plans compute the layout in their exchange kernel
+        (``dispatch_run(..., fused_layout=True)``, ``TUNE["v2_fused_layout"]``; ``Buffer`` never asks)."""
+        return bool(TUNE["v2_fused_layout"]) and self.transfer == "sm" and self.num_ranks <= 64  # (rank bits)
+
+    def dispatch_run(self, a: DispatchArgs, scratch_rows: int = 0, fused_layout: bool = False):
         """``run(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
         num_tokens_per_expert) -> DispatchResult``, made once for every dispatch like ``a`` (same shapes,
         dtypes, flags, Config, 16-byte alignment of x, its scales, ids, weights and is_token_in_rank;
@@ -166,23 +175,28 @@ class HTDispatch:
         ``scratch_rows`` (``ElasticBuffer``'s dispatches, at least the rows a call can receive): the
         result's ``recv_topk_idx`` and the handle's channel matrices are the backend's scratch, written
         again by the next such call (:meth:`_scratch`), not fresh tensors: for a caller that only reads them
-        before its next call (the V2 steps read the ids once, and no V2 call reads the channel matrices)."""
-        run = self._dispatch_plan(a, scratch_rows)
+        before its next call (the V2 steps read the ids once, and no V2 call reads the channel matrices).
+
+        ``fused_layout`` (``ElasticBuffer``, where :meth:`fuses_layout`): the exchange kernel computes the
+        layout from ``topk_idx`` (``kernels/ht_layout.layout_tiles``), so ``run``'s three layout arguments are
+        not read (None will do); the handle's ``is_token_in_rank`` is a fresh tensor of each call, the
+        counts the plan's scratch. ``a``'s layout tensors are then only those of the first call."""
+        run = self._dispatch_plan(a, scratch_rows, fused_layout and self.fuses_layout())
         return run if self.transfer == "sm" else None
 
-    def _dispatch_plan(self, a: DispatchArgs, scratch_rows: int = 0):
+    def _dispatch_plan(self, a: DispatchArgs, scratch_rows: int = 0, fused: bool = False):
         x, s, topk, w, is_in = a.x, a.x_scales, a.topk_idx, a.topk_weights, a.is_token_in_rank
         t, h = x.shape
         push = self._fused_push()
         ce = self.num_ranks > 1 and self._use_ce()
         key = ("d", t, h, x.dtype, None if s is None else s.shape[1], None if topk is None else topk.shape[1],
                a.num_tokens_per_expert.numel(), a.num_channels, a.num_sms, a.num_worst_tokens, a.expert_alignment,
-               push, ce, scratch_rows, _aligned(x, s, topk, w, is_in))
+               push, ce, scratch_rows, fused, _aligned(x, s, topk, w, None if fused else is_in))
         run = self._plans.get(key)
         if run is None:
             if len(self._plans) > _MAX_PLANS:
                 self._plans.clear()
-            run = self._plans[key] = self._make_dispatch(key, a, push, ce, scratch_rows)
+            run = self._plans[key] = self._make_dispatch(key, a, push, ce, scratch_rows, fused)
         return run
 
     def _scratch(self, what: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -194,8 +208,9 @@ class HTDispatch:
             got = self._scratches[(what, shape, dtype)] = torch.empty(shape, dtype=dtype, device=self.device)
         return got
 
-    def _make_dispatch(self, key, a: DispatchArgs, push: bool, ce: bool, scratch_rows: int = 0):
+    def _make_dispatch(self, key, a: DispatchArgs, push: bool, ce: bool, scratch_rows: int = 0, fused: bool = False):
         r_, me, dev = self.num_ranks, self.rank, self.device
+        i32 = torch.int32
         t, h = a.x.shape
         e = a.num_tokens_per_expert.numel()
         lx = e // r_
@@ -210,26 +225,36 @@ class HTDispatch:
         lay = self._ht_layout(t, row_bytes, g, k, h)
         worst, alignment, num_sms, x_dtype = a.num_worst_tokens, a.expert_alignment, a.num_sms, a.x.dtype
         counts, per_expert, chan, toks = self._notify_views(lx, c)
-        tb = 128
+        tb, cp2 = 128, NOTIFY_CHECK_PROGRAMS
         # the exchange's programs, one a rank (one under the interpreter, which runs programs one after
-        # another: see the kernel), then programs that only check expert ids, a tile of tb rows each
+        # another: see the kernel), then programs that only check expert ids, a tile of tb rows each; with
+        # the fused layout those come first (at least one: T = 0 still writes the zero counts)
         rp = r_ if TIMER else 1
-        notify_grid = rp + (min((t + tb - 1) // tb, NOTIFY_CHECK_PROGRAMS if TIMER else 1) if has_topk else 0)
+        tiles = min((t + tb - 1) // tb, cp2 if TIMER else 1) if has_topk else 0
+        notify_grid = rp + (max(tiles, 1) if fused else tiles)
+        part, lay_ptr, own_rank, own_expert = self.p_err, self.p_err, None, None  # (unread without the fused layout)
+        if fused:
+            assert has_topk, "the fused layout reads topk_idx"
+            words = self._scratch("fused layout", (fused_words(cp2, r_, e),), i32)
+            part, lay_ptr = words, Ptr(self.tickets[T_LAYOUT:])
+            at = (cp2 + 1) * (r_ + e + 2)
+            own_rank, own_expert = words[at:at + r_], words[at + r_:]
         notify = _Launch(Direct(self.k["_dispatch_notify_kernel"].prepared((lx, c, k, e), dict(
             BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), C_POW2=_pow2(c), K_POW2=_pow2(k), TB=tb,
             CHECK_WORST=bool(worst), CHECK_TOPK=has_topk, HOST_COUNTS=not worst, HAS_TIMER=TIMER,
-            num_warps=TUNE["notify_warps"])), (
-            None, t, r_, me, None, None, lx, c, max((t + c - 1) // c, 1),
+            FUSED_LAYOUT=fused, EB=min(_pow2(e), 256), CP2=cp2, num_warps=TUNE["notify_warps"])), (
+            None, t, r_, me, own_rank, own_expert, lx, c, max((t + c - 1) // c, 1),
             self.p_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
             self.list_off, self.list_parity_bytes, self.list_src_bytes,
             self.p_nctr, None, counts, per_expert, chan, toks, self.p_src_lists, self.src_lists.stride(0),
-            self.p_err, self._timeout_ns, None, None, None, worst, self.p_err, k, e, self.p_host_counts, rp),
-            (0, 4, 5, 18, 27, 28, 29) + ((31,) if has_topk else ())),
-            (_bools, None, None, None, None, None, None, None))
+            self.p_err, self._timeout_ns, None, None, None, worst, self.p_err, k, e, self.p_host_counts, rp,
+            part, lay_ptr), (0,) + (() if fused else (4, 5)) + (18, 27, 28, 29) + ((31,) if has_topk else ())),
+            (_bools,) + (() if fused else (None, None)) + (None,) * (5 if has_topk else 4))
         bulk = not push and r_ > 1  # the transport's own transfer (copy engine, or the separate push kernel)
         gather = self._gather_plan(key, h, x_dtype, t, lay, g, k, lx, push, has_s, has_topk, counts, toks)
-        first, n_worst = TUNE["notify_first"], worst
-        i32, f32 = torch.int32, torch.float32
+        # (with the fused layout the separate push kernel reads is_token_in_rank: after the exchange kernel)
+        first, n_worst = TUNE["notify_first"] or fused, worst
+        f32 = torch.float32
         err_view, host_view, sync = self._err_view, self._notify_view, self._sync_event
 
         keep_k = keep_cp = None
@@ -248,7 +273,11 @@ class HTDispatch:
                 cpm, recv_cp = keep_cp
             rpm = torch.empty(r_, r_, dtype=i32, device=dev)
             send_head = torch.empty(t, r_, dtype=i32, device=dev)
-            nargs = (is_in, ntpr, ntpe, cpm, rpm, recv_cp, send_head, *((topk,) if has_topk else ()))
+            if fused:  # (the kernel writes it; the handle keeps it)
+                is_in = torch.empty(t, r_, dtype=torch.bool, device=dev)
+                nargs = (is_in, cpm, rpm, recv_cp, send_head, topk)
+            else:
+                nargs = (is_in, ntpr, ntpe, cpm, rpm, recv_cp, send_head, *((topk,) if has_topk else ()))
             if bulk and first:
                 # the exchange of counts runs while the host queues the copies (the synchronisation below then
                 # waits less); the copies wait for the inputs only, through an event recorded before it

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from .common import peer_ptr, record_error, signal, wait_ge
 from .ht_common import NOTIFY
+from .ht_layout import bad_id, layout_tiles
 
 
 @triton.jit
@@ -153,11 +154,9 @@ def _check_topk_tile(tt, topk_ptr, T, K, E, err_ptr, K_POW2: tl.constexpr):
     kk = tl.arange(0, K_POW2)
     mk = (tt[:, None] < T) & (kk[None, :] < K)
     ids = tl.load(topk_ptr + tt[:, None] * K + kk[None, :], mask=mk, other=-1).to(tl.int64)
-    bad = mk & ((ids < -1) | (ids >= E))
-    if tl.sum(tl.sum(bad.to(tl.int32), 1), 0) > 0:
-        lo = tl.min(tl.min(tl.where(bad, ids, 1 << 40), 1), 0)
-        hi = tl.max(tl.max(tl.where(bad, ids, -(1 << 40)), 1), 0)
-        record_error(err_ptr, 10, -1, tl.where(lo < -1, lo, hi).to(tl.int32), E)
+    found, v = bad_id(ids, mk, E)
+    if found:
+        record_error(err_ptr, 10, -1, v, E)
 
 
 @triton.jit(do_not_specialize=['T', 'num_worst'])
@@ -202,9 +201,11 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
                             nctr_ptr, cpm_ptr, counts_ptr, per_expert_ptr, chan_ptr, tok_ptr, src_lists_ptr,
                             src_lists_stride, err_ptr, timeout_ns,
                             rpm_ptr, rcp_ptr, send_head_ptr, num_worst, topk_ptr, K, E, host_addr_ptr, RP,
+                            part_ptr, lay_ptr,
                             BLOCK: tl.constexpr, R_POW2: tl.constexpr, C_POW2: tl.constexpr,
                             K_POW2: tl.constexpr, TB: tl.constexpr, CHECK_WORST: tl.constexpr,
-                            CHECK_TOPK: tl.constexpr, HOST_COUNTS: tl.constexpr, HAS_TIMER: tl.constexpr):
+                            CHECK_TOPK: tl.constexpr, HOST_COUNTS: tl.constexpr, HAS_TIMER: tl.constexpr,
+                            FUSED_LAYOUT: tl.constexpr, EB: tl.constexpr, CP2: tl.constexpr):
     """The eager dispatch's layout exchange and its handle in one launch (``_notify_kernel`` then
     ``_handle_kernel``, without the ``send_head_rel`` scratch between them).
 
@@ -219,19 +220,41 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
     the launcher adds them (``notify_grid``); with none, by every program. (Checked by the rank programs alone, a rank's program walked
     ``T / TB`` tiles one after another: at world 1 the kernel took ~45 us of a DSv3 dispatch on an H100.)
 
+    With ``FUSED_LAYOUT`` (``ElasticBuffer``'s dispatch, ``TUNE["v2_fused_layout"]``) the kernel also makes its
+    inputs ``is_token_in_rank`` (``is_in``, written), ``num_tokens_per_rank`` / ``num_tokens_per_expert`` (``ntpr``,
+    ``ntpe``: scratch) from ``topk``, so the layout needs no launch of its own: the tile programs come first,
+    ``P - RP`` of them (``ht_layout.layout_tiles``: tiles of ``TB`` rows, the expert-id check included, scratch
+    ``part``, ticket and epoch flag ``lay[0:2]``), the rank programs last (the Triton interpreter runs programs in
+    order, and on a GPU the waiting programs are the last dispatched). Each rank program waits for the epoch
+    ``nctr + 1`` on ``lay[1]`` before it reads them; rank program 0 records error 10 (the id the tile programs
+    found) once its own waits for every peer's part are over (a recorded error ends every later wait at once).
+
     Example (R = 2, me = 1, T = 3, is_token_in_rank = [[1, 1], [0, 1], [1, 0]], rank 0 sends 2 tokens to
     rank 0 and 4 to rank 1): ``send_head = [[2, 4], [-1, 5], [3, -1]]``.
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
-    if pid < RP:
-        _dispatch_notify_ranks(pid, RP, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan, ptr_table,
+    rk = pid
+    if FUSED_LAYOUT:
+        rk = pid - (P - RP)
+    if (rk >= 0) & (rk < RP):
+        if FUSED_LAYOUT:
+            wait_ge(lay_ptr + 1, tl.load(nctr_ptr + rk) + 1, err_ptr, 1, me, timeout_ns, HAS_TIMER)
+        _dispatch_notify_ranks(rk, RP, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan, ptr_table,
                                flags_off, meta_off, meta_parity_bytes, meta_src_bytes, list_off, list_parity_bytes,
                                list_src_bytes, nctr_ptr, cpm_ptr, counts_ptr, per_expert_ptr, chan_ptr, tok_ptr,
                                src_lists_ptr, src_lists_stride, err_ptr, timeout_ns, rpm_ptr, rcp_ptr,
                                send_head_ptr, num_worst, host_addr_ptr, BLOCK, R_POW2, C_POW2, CHECK_WORST,
                                HOST_COUNTS, HAS_TIMER)
-    if CHECK_TOPK:  # by the programs after the rank programs where there are any, else by every program
+        if FUSED_LAYOUT and CHECK_TOPK:  # noqa: SIM102 (constexprs, then a value)
+            if rk == 0:
+                bad = part_ptr + CP2 * (R + E + 2)  # (flag, id) from the last tile program
+                if tl.load(bad) != 0:
+                    record_error(err_ptr, 10, -1, tl.load(bad + 1), E)
+    elif FUSED_LAYOUT:
+        layout_tiles(pid, P - RP, topk_ptr, T, K, E, L, R, is_in_ptr, ntpr_ptr, ntpe_ptr, part_ptr, lay_ptr,
+                     nctr_ptr, TB, K_POW2, R_POW2, EB, CP2, CHECK_TOPK)
+    if CHECK_TOPK and not FUSED_LAYOUT:  # by the programs after the rank programs where there are any, else all
         q = pid - RP
         Q = P - RP
         if Q == 0:

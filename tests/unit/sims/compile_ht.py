@@ -6,7 +6,7 @@ arithmetic). Run by ``tests/unit/test_ht_kernels.py``; alone:
 import triton.language as tl
 import re
 
-from sm90 import compile_kernel, compile_one
+from sm90 import compile_kernel, compile_one, spill_bytes
 
 from epcomm.backends.nvlink_params import TUNE, layout_launch
 from epcomm.kernels import ht_layout, ht_notify, ht_receive, ht_transfer
@@ -26,10 +26,14 @@ def main() -> None:
                   STAGES=t["gather_stages"], ONE_LOAD=t["gather_one_load"], PUSH_RB=t["push_rb"],
                   PUSH_BLOCK=t["push_block"], PREFETCH=False, ELEM=tl.int32)
     reduce = dict(NC=4, TB=t["reduce_tb"], BLOCK=t["reduce_block"], R_POW2=2, K_POW2=8, HAS_TIMER=True, STAGES=3)
+    # the exchange kernel unfused (Buffer, and ElasticBuffer by default) and with the layout fused in
+    # (TUNE v2_fused_layout: DSv3 at world 1, and 8 ranks; 300 experts: two histogram blocks)
     cases = [
         (ht_notify._dispatch_notify_kernel, COMMON,
-         dict(BLOCK=t["notify_block"], R_POW2=8, C_POW2=32, K_POW2=8, TB=128, CHECK_WORST=w, CHECK_TOPK=True,
-              HOST_COUNTS=not w, HAS_TIMER=True), t["notify_warps"]) for w in (False, True)
+         dict(BLOCK=t["notify_block"], R_POW2=r, C_POW2=32, K_POW2=8, TB=128, CHECK_WORST=w, CHECK_TOPK=True,
+              HOST_COUNTS=not w, HAS_TIMER=True, FUSED_LAYOUT=f, EB=eb, CP2=32), t["notify_warps"])
+        for r, w, f, eb in ((8, False, False, 1), (8, True, False, 1), (1, False, True, 256), (1, True, True, 256),
+                            (8, False, True, 256), (4, False, True, 256))
     ] + [
         (ht_notify._notify_kernel, COMMON, dict(BLOCK=t["notify_block"], R_POW2=8, DO_SEND=True, DO_RECV=True,
                                                 HAS_TIMER=True), t["notify_warps"]),
@@ -48,7 +52,8 @@ def main() -> None:
          dict(HAS_W=True, NC=4, RB=t["cpush_rb"], BLOCK=t["cpush_block"], K_POW2=8, HAS_TIMER=True),
          t["cpush_warps"]),
     ]
-    print("plan", len(cases) + 1)  # the test asks for one "ok" line each
+    fused = [c for c in cases if c[2].get("FUSED_LAYOUT")]
+    print("plan", len(cases) + 1 + len(fused))  # the test asks for one "ok" line each
     # the layout kernel's sums are read only by later kernels on its GPU: its ticket is acq_rel at GPU scope,
     # with no system-scope atomic or fence (a MEMBAR.SYS per program)
     ptx = compile_kernel(ht_layout._layout_kernel, COMMON, layout_launch(8, 256, 8)[2], 4).asm["ptx"]
@@ -57,6 +62,13 @@ def main() -> None:
     if sys_ops or not gpu_ticket:
         raise SystemExit(f"layout kernel: system-scope operations {sys_ops[:4]}, GPU-scope tickets {gpu_ticket[:2]}")
     print("ok _layout_kernel scope: no system-scope atomic or fence,", len(gpu_ticket), "acq_rel.gpu ticket(s)")
+    # the exchange kernel with the layout fused in holds a tile's ids, its rank bits and a histogram besides the
+    # rank programs' scan: no register spills (ranks as a [TB, K, R] compare spilled at 8 ranks)
+    for fn, types, consts, warps in fused:
+        spilled = spill_bytes(compile_kernel(fn, types, consts, warps))
+        if spilled:
+            raise SystemExit(f"{fn.fn.__name__} R_POW2={consts['R_POW2']}: {spilled} bytes of register spills")
+        print("ok", fn.fn.__name__, f"FUSED_LAYOUT R_POW2={consts['R_POW2']}: no register spills")
     for fn, types, consts, warps in cases:
         name = fn.fn.__name__
         flags = ",".join(f"{k}={v}" for k, v in consts.items() if isinstance(v, bool))

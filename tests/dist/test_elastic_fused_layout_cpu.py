@@ -1,0 +1,73 @@
+"""Tier 2: ``ElasticBuffer``'s dispatch with its layout made in the exchange kernel (``EPCOMM_TUNE=v2_fused_layout=1``:
+``HTDispatch.fuses_layout``, ``kernels/ht_layout.layout_tiles``) on the nvlink backend, 2 CPU ranks (Triton kernels
+under the interpreter, symmetric memory simulated: ``epcomm.testing.cpu_nvlink``), against the oracles of
+``epcomm.testing.elastic_cases`` as ``test_elastic_backends_cpu.py`` checks the default: dispatch bitwise, contiguous
+and expanded, CPU sync and worst-case shapes, BF16 and FP8 with opaque packs, cached replays, a second dispatch;
+combine bitwise with biases and weights back. Every fresh dispatch plan made is a fused one.
+
+And the host budget in that mode: each fresh dispatch kind launches one kernel fewer than by default (no layout
+kernel) and does no more torch calls, allocations or host reads; every other kind does the same work. Both
+budgets counted in this launch (``EPCOMM_TUNE`` is read when a buffer is built).
+"""
+import importlib.util
+import os
+import sys
+import uuid
+
+import harness
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_elastic_backends_cpu import HOST_BOUND, _host_budget, _on_backend, _run  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+
+FUSED = "v2_fused_layout=1"
+
+
+def _check_fused(ctx, tag):
+    """``test_elastic_backends_cpu``'s nvlink checks with the fused layout; every fresh dispatch plan is fused."""
+    _on_backend(ctx, tag, "nvlink")  # (the interpreter first: before anything imports Triton)
+    from epcomm.backends.ht_dispatch import HTDispatch
+
+    made = []
+    make = HTDispatch._make_dispatch
+
+    def recording(self, key, a, push, ce, scratch_rows=0, fused=False):
+        made.append(fused)
+        return make(self, key, a, push, ce, scratch_rows, fused)
+
+    os.environ["EPCOMM_TUNE"] = FUSED
+    HTDispatch._make_dispatch = recording
+    try:
+        assert _run(ctx, tag, "nvlink", 0) == (1, 2)
+    finally:
+        HTDispatch._make_dispatch = make
+    assert made and all(made), f"dispatch plans made (fused or not): {made}"
+
+
+def _check_host_budget(ctx, tag):
+    os.environ["EPCOMM_TUNE"] = "v2_fused_layout=0"
+    base = _host_budget(ctx, tag)
+    os.environ["EPCOMM_TUNE"] = FUSED
+    got = _host_budget(ctx, tag)
+    assert set(got) == set(base) == set(HOST_BOUND), sorted(got)
+    for kind, (ops, meta, allocs, launches, syncs) in got.items():
+        b = base[kind]
+        fewer = 1 if kind.startswith("dispatch ") else 0  # a fresh dispatch: no layout kernel
+        assert launches == b[3] - fewer, f"rank {ctx.rank} {kind}: {launches} launches, {b[3]} by default"
+        assert all(g <= m for g, m in zip((ops, meta, allocs, syncs), (b[0], b[1], b[2], b[4]))), (kind, got[kind], b)
+
+
+CHECKS = ["fused", "host-budget"]
+TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
+
+
+def _rank(ctx, tag):
+    one = {"fused": _check_fused, "host-budget": _check_host_budget}
+    return harness.run_checks(ctx, [(name, lambda ctx, f=one[name]: f(ctx, tag)) for name in CHECKS], env={})
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_fused_layout_on_cpu_processes(name):
+    harness.report(harness.launch_gloo_once(_rank, 2, TAG, timeout_s=600), name)
