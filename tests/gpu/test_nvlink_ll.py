@@ -119,8 +119,10 @@ def _rank_bad_inputs(ctx):
     else:
         ht.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe, topk_idx=bad,
                     topk_weights=w)
-    # the Buffer stays in step: a good call works on every rank
-    G.check_ht_case(*G.make_buffers(ctx.group, num_nvl_bytes=64 << 20), case, ctx.rank, False)
+    # the Buffer stays in step: a good call works on every rank, on this Buffer (the one that raised) too
+    with G.forced_backend("reference"):
+        ref = Buffer(ctx.group, num_nvl_bytes=64 << 20)
+    G.check_ht_case(ref, ht, case, ctx.rank, False)
     # with num_worst_tokens (no host sync) the handle kernel records the id; the next call raises
     with G.forced_backend("nvlink"):
         ht2 = Buffer(ctx.group, num_nvl_bytes=64 << 20)
