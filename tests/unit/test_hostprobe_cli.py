@@ -1,6 +1,7 @@
 """Tier 1: ``python3 -m epcomm.bench.hostprobe`` refuses ``--modes launches`` where a call's launches cannot
 be replayed on their own (the high-throughput and V2 kernels wait on counters each call advances: on an
-H100 such a replay left the error word full of -1s, benchmarks/2026-11-27/s5/call1-501f1b8)."""
+H100 such a replay left the error word full of -1s, benchmarks/2026-11-27/s5/call1-501f1b8); its ``--json``
+records say where they ran (device, versions, the commit of the tree it runs from)."""
 import pytest
 
 from epcomm.bench import hostprobe
@@ -12,3 +13,25 @@ def test_launches_mode_is_refused_where_launches_wait_on_counters(api, capsys):
         hostprobe.main(["--api", api, "--modes", "call,launches", "--rounds", "1", "--calls", "1", "--tokens", "1"])
     assert e.value.code == 2
     assert f"only --api ll, got --api {api}" in capsys.readouterr().err
+
+
+def test_json_records_carry_provenance(tmp_path, monkeypatch):
+    """Every record of ``--json`` says where it ran: device, versions, EPCOMM_* variables, and this tree's commit
+    as ``epcomm bench`` records it (here from EPCOMM_COMMIT, as on a GPU machine's copy without .git)."""
+    import json
+    import os
+
+    monkeypatch.setenv("EPCOMM_COMMIT", "0123456789abcdef0123456789abcdef01234567")
+    monkeypatch.setenv("EPCOMM_COMMIT_DIRTY", "0")
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(hostprobe.__file__)))))
+    out = tmp_path / "hp.json"
+    assert hostprobe.main(["--api", "ll", "--modes", "python", "--tokens", "1", "--calls", "3", "--rounds", "1",
+                           "--tree", f"mine={here}", "--tree", f"other={tmp_path}", "--json", str(out)]) == 0
+    recs = json.loads(out.read_text())  # ("other" has no src/: its child imports the installed epcomm)
+    assert sorted(r["tree"] for r in recs) == ["mine", "other"] and all(r["env"] == recs[0]["env"] for r in recs)
+    env = recs[0]["env"]
+    assert env["device"] == "cpu" and env["torch"] and env["python"]
+    assert env["epcomm_env"]["EPCOMM_COMMIT"].startswith("0123456789")
+    assert env["trees"]["mine"] == {"path": here, "git_sha": "0123456789abcdef0123456789abcdef01234567",
+                                    "git_dirty": False, "commit_source": "EPCOMM_COMMIT"}
+    assert env["trees"]["other"] == {"path": str(tmp_path)}  # another tree: its label names its commit

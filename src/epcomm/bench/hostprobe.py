@@ -36,6 +36,11 @@ tree's median of round medians, the spread (min..max) and the median p10.
 
 Example: ``python3 -m epcomm.bench.hostprobe --tree old=/tmp/wt-59e45d1 --tree new=. --rounds 5``; on a GPU
 ``--modes call,launches,python``.
+
+``--json``: every round's rows, each record with ``env`` (:func:`provenance`): the date, the device (the GPU's
+name for ``call``/``launches``, ``cpu`` for the rig), driver, torch, triton, python, every ``EPCOMM_*`` variable,
+and per tree its path and, for the tree this probe runs from, epcomm's commit as ``epcomm bench`` records it
+(``EPCOMM_COMMIT`` on a copy without ``.git``); another tree's commit is what its label says.
 """
 
 from __future__ import annotations
@@ -273,6 +278,31 @@ def _child(tree: str, argv: list[str]) -> dict | None:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def provenance(trees: list, here: str, modes: list[str]) -> dict:
+    """What a probe's JSON records carry (``env``): see the module docstring. ``trees``: ``(label, path)``;
+    ``here``: the tree this file belongs to (whose commit ``report.commit_record`` knows)."""
+    import datetime
+    import platform
+
+    import torch
+
+    from . import report
+
+    gpu = any(m in ("call", "launches") for m in modes) and torch.cuda.is_available()
+    sha, dirty, where = report.commit_record()
+    mine = os.path.realpath(here)
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if gpu else "cpu",
+        "driver": report.driver_version() if gpu else None,
+        "torch": torch.__version__, "triton": report.package_version("triton"), "python": platform.python_version(),
+        "epcomm_env": report.epcomm_variables(),
+        "trees": {label: {"path": path, **({"git_sha": sha or "unknown", "git_dirty": dirty, "commit_source": where}
+                                            if os.path.realpath(path) == mine else {})}
+                  for label, path in trees},
+    }
+
+
 def _summary(res: dict) -> list[str]:
     """Per tree, mode, token count and call: the median of the rounds' medians, their spread, the median
     p10, and (python) the counts of one call."""
@@ -324,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         # transport): replayed outside their calls they wait for arrivals that never come and write garbage
         ap.error(f"--modes launches replays one call's recorded launches on their own: only --api ll, got "
                  f"--api {a.api} (its kernels wait on counters each call advances)")
+    env = provenance(trees, here, modes) if a.json else None
     res: dict = {(label, mode): [] for label, _ in trees for mode in modes}
     failed = 0
     for r in range(a.rounds):  # A, B, ... per round, every mode of a tree together
@@ -339,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr, flush=True)
                 if a.json:  # after every run: what a run cut short leaves is kept
                     with open(a.json, "w") as f:
-                        json.dump([{"tree": label_, "mode": mode_, "round": i, "rows": run}
+                        json.dump([{"tree": label_, "mode": mode_, "round": i, "rows": run, "env": env}
                                    for (label_, mode_), runs in res.items() for i, run in enumerate(runs)], f)
     print("\n".join(_summary({k: v for k, v in res.items() if v})))
     return 1 if failed else 0
