@@ -69,6 +69,15 @@ def _publish(cnt, cols, n, chunk, nch, W, part_ptr, col0, ticket_ptr, out_ptr, B
         tl.store(out_ptr + cols, tl.sum(parts, 0), mask=cols < n)
 
 
+@triton.jit
+def _expert_counts(ids, mk, e0, E, EB: tl.constexpr, N: tl.constexpr):
+    """``int32[EB]``: how many of the ids ``ids`` (``[rows, K]``, valid where ``mk``; ``N = rows * K``) are each of
+    the experts ``e0 .. e0 + EB - 1`` (ids at or past ``E`` count nowhere)."""
+    rel = (ids - e0).to(tl.int32)
+    mine = mk & (rel >= 0) & (rel < EB) & (ids < E)
+    return tl.histogram(tl.reshape(tl.where(mine, rel, 0), [N]), EB, mask=tl.reshape(mine, [N]))
+
+
 @triton.jit(do_not_specialize=['T', 'S'],
             do_not_specialize_on_alignment=['topk_ptr', 'per_rank_ptr', 'per_expert_ptr', 'in_rank_ptr'])
 def _layout_kernel(topk_ptr, T, S, K, E, L, R, per_rank_ptr, per_expert_ptr, in_rank_ptr, part_ptr,
@@ -105,10 +114,7 @@ def _layout_kernel(topk_ptr, T, S, K, E, L, R, per_rank_ptr, per_expert_ptr, in_
             tt = (t0 + tl.arange(0, TBE)).to(tl.int64)
             mk = (tt[:, None] < t_hi) & (kk[None, :] < K)
             ids = tl.load(topk_ptr + tt[:, None] * K + kk[None, :], mask=mk, other=-1)
-            rel = (ids - e0).to(tl.int32)
-            mine = mk & (rel >= 0) & (rel < EB) & (ids < E)
-            ecnt += tl.histogram(tl.reshape(tl.where(mine, rel, 0), [TBE * K_POW2]), EB,
-                                mask=tl.reshape(mine, [TBE * K_POW2]))
+            ecnt += _expert_counts(ids, mk, e0, E, EB, TBE * K_POW2)
         _publish(ecnt, e0 + tl.arange(0, EB), E, chunk, nch, W, part_ptr, R, ticket_ptr + grp, per_expert_ptr,
                  EB, CP2)
 
@@ -164,10 +170,7 @@ def layout_tiles(q, Q, topk_ptr, T, K, E, L, R, in_rank_ptr, per_rank_ptr, per_e
             tt = (t0 + tl.arange(0, TB)).to(tl.int64)
             mk = (tt[:, None] < T) & (kk[None, :] < K)
             ids = tl.load(topk_ptr + tt[:, None] * K + kk[None, :], mask=mk, other=-1)
-            rel = (ids - e0).to(tl.int32)
-            mine = mk & (rel >= 0) & (rel < EB) & (ids < E)
-            ecnt += tl.histogram(tl.reshape(tl.where(mine, rel, 0), [TB * K_POW2]), EB,
-                                 mask=tl.reshape(mine, [TB * K_POW2]))
+            ecnt += _expert_counts(ids, mk, e0, E, EB, TB * K_POW2)
             if e0 == 0:  # the rows and the rank counts once (the first expert block)
                 # a row's ranks as bits (R <= 64): [TB, K] and [TB, R] values, not [TB, K, R] (8 ranks spilled)
                 bits = tl.reduce(tl.where(mk & (ids >= 0) & (ids < E), 1 << (ids // L), 0), 1, _or)
