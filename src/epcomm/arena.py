@@ -15,15 +15,31 @@ alignment of pointers: a part is aligned as a fresh allocation is, for that purp
 when a plan is made (its kind of call), so the offsets are computed once; ``make()`` is one allocation and one
 view a part (plus one dtype view per dtype).
 
+Where outputs must share no storage (``epcomm.ops``: a custom op's outputs may not alias each other), the
+caller runs the call inside :func:`separate_allocations`: ``make()`` then allocates each part on its own.
+
 Example: ``Block([(torch.int32, (2, 2)), (torch.int64, (4, 8))], dev).make()`` gives an ``int32[2, 2]`` and an
 ``int64[4, 8]`` (at byte 16) of one 272-byte allocation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+
+_SEPARATE = [0]  # > 0 inside separate_allocations() (nested: a count)
+
+
+@contextlib.contextmanager
+def separate_allocations():
+    """Within it, every ``Block.make()`` allocates each part on its own (no two outputs share a storage)."""
+    _SEPARATE[0] += 1
+    try:
+        yield
+    finally:
+        _SEPARATE[0] -= 1
 
 
 class Block:
@@ -51,6 +67,8 @@ class Block:
         self.dtypes = tuple(dict.fromkeys(dt for dt, *_ in plan))
 
     def make(self) -> list:
+        if _SEPARATE[0]:
+            return [torch.empty(shape, dtype=dt, device=self.device) for dt, shape, _, _ in self.parts]
         blk = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         base = {dt: blk if dt == torch.uint8 else blk.view(dt) for dt in self.dtypes}
         return [base[dt].as_strided(shape, strides, at) for dt, shape, strides, at in self.parts]
