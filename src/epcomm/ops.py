@@ -46,7 +46,6 @@ from typing import NamedTuple
 import torch
 
 from . import _validate as V
-from .arena import separate_allocations
 from .buffer import Buffer
 from .config import MAX_TOPK
 from .layout import DispatchHandle
@@ -207,11 +206,10 @@ def _dispatch_op(buffer_id, x, topk_idx, topk_weights, num_experts, num_worst_to
     """Returns ``(recv_x bf16[N, H], recv_topk_idx int64[N, K], recv_topk_weights f32[N, K],
     num_recv_tokens_per_expert int32[L], *handle)`` (the six ``DispatchHandle`` tensors)."""
     buf = get_buffer(buffer_id)
-    with separate_allocations():  # (outputs of one storage would be cloned by _fresh: allocate them apart)
-        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, num_experts)
-        recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=num_worst_tokens)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, num_experts)
+    recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=num_worst_tokens)
     counts = _count_per_expert(recv_idx, num_experts // buf.group_size)
     return tuple(_fresh([recv_x, recv_idx, recv_w, counts, *handle], [x, topk_idx, topk_weights]))
 

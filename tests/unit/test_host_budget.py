@@ -249,39 +249,31 @@ def _report(got: dict[str, Counts], title: str) -> None:
 # (ops, meta, allocs, launches, syncs, stream/event calls) per call, at 2 ranks, SM transfer (the default).
 # Before the per-kind plans (1ddae3a, the same counting), for comparison: layout 20/9/15/17/0/0, dispatch
 # BF16 18/54/9/4/1/1, cached 6/31/1/2/0/0, num_worst_tokens 17/54/9/3/0/0, combine 7/35/2/2/0/0, dispatch
-# FP8 22/65/10/4/1/1 (the bf16 async ones 18/66/9/4/1/6 and 7/39/2/2/0/5). Before the small outputs were
-# views of one allocation (arena.Block), each its own torch.empty: layout 3/10/3, dispatch BF16 8/46/8,
-# num_worst_tokens 8/46/8 (ops/meta/allocs); a view (~1-2 us of host on a GPU) costs less than an allocation
-# and its free (~5-6 us), so ops rose as allocs fell.
+# FP8 22/65/10/4/1/1 (the bf16 async ones 18/66/9/4/1/6 and 7/39/2/2/0/5).
 BUFFER_BOUND = {
-    # the layout kernel and its three outputs: one allocation, two dtype views, three parts (arena.Block)
-    "layout": (6, 10, 1, 1, 0, 0),
-    # the outputs and two launches (the exchange with the handle; the gather that pushes): the rows, the
-    # handle's four before the exchange (one Block: allocation, dtype view, four parts), the ids, weights
-    # and sources after the synchronisation (one Block: allocation, three dtype views, three parts); the
-    # signature of the kind (5 reads a tensor), the launches' addresses
-    "dispatch bf16": (14, 46, 3, 2, 1, 1),
+    "layout": (3, 10, 3, 1, 0, 0),  # the layout kernel and its three outputs
+    # the outputs (handle: 4, rows, ids, weights, sources) and two launches (the exchange with the handle;
+    # the gather that pushes); the signature of the kind (5 reads a tensor), the launches' addresses
+    "dispatch bf16": (8, 46, 8, 2, 1, 1),
     "cached bf16": (1, 26, 1, 1, 0, 0),
-    "worst bf16": (12, 46, 2, 2, 0, 0),  # the rows and one Block of the other seven (three dtype views)
+    "worst bf16": (8, 46, 8, 2, 0, 0),
     "combine": (2, 31, 2, 1, 0, 0),  # the outputs and one launch (push and reduce)
-    "dispatch bf16 async": (14, 58, 3, 2, 1, 6),  # + the communication stream's joins and event (streams.py)
+    "dispatch bf16 async": (8, 58, 8, 2, 1, 6),  # + the communication stream's joins and event (streams.py)
     "combine async": (2, 35, 2, 1, 0, 5),
-    "dispatch fp8": (15, 53, 4, 2, 1, 1),  # + the scales
+    "dispatch fp8": (9, 53, 9, 2, 1, 1),
     "cached fp8": (2, 33, 2, 1, 0, 0),
-    "worst fp8": (13, 53, 3, 2, 0, 0),
-    "dispatch fp8 col-major": (16, 53, 5, 3, 1, 1),  # + the scales' contiguous copy
+    "worst fp8": (9, 53, 9, 2, 0, 0),
+    "dispatch fp8 col-major": (10, 53, 10, 3, 1, 1),  # + the scales' contiguous copy
 }
 # the backend's share, by transfer (EPCOMM_HT_TRANSFER). Before, SM push: dispatch 18/30/9/4/1/1, combine
 # 7/23/2/2/0/0, cached 6/24/1/2/0/0, num_worst_tokens 17/30/9/3/0/0; copy engine: dispatch 45/40/9/15/1/5,
 # combine 6/18/2/6/0/4, cached 5/19/1/6/0/4, num_worst_tokens 44/40/9/14/0/4 (the rig's counts are zeros: no
 # combine rows to copy). The low-latency repeats make no torch op (their launches read the tensors' addresses).
-# Before arena.Block (the same counting): SM dispatch 8/30/8, num_worst_tokens 8/30/8; copy engine 37/41/8
-# and 37/41/8 (ops/meta/allocs).
 BACKEND_BOUND = {
-    "sm": {"dispatch": (14, 30, 3, 2, 1, 1), "combine": (2, 18, 2, 1, 0, 0), "cached": (1, 16, 1, 1, 0, 0),
-           "worst": (12, 30, 2, 2, 0, 0)},
-    "ce": {"dispatch": (43, 41, 3, 13, 1, 5), "combine": (2, 18, 2, 6, 0, 4), "cached": (2, 17, 1, 6, 0, 4),
-           "worst": (41, 41, 2, 13, 0, 4)},
+    "sm": {"dispatch": (8, 30, 8, 2, 1, 1), "combine": (2, 18, 2, 1, 0, 0), "cached": (1, 16, 1, 1, 0, 0),
+           "worst": (8, 30, 8, 2, 0, 0)},
+    "ce": {"dispatch": (37, 41, 8, 13, 1, 5), "combine": (2, 18, 2, 6, 0, 4), "cached": (2, 17, 1, 6, 0, 4),
+           "worst": (37, 41, 8, 13, 0, 4)},
 }
 LL_BOUND = {"ll dispatch repeat": (0, 4, 0, 1, 0, 0), "ll combine repeat": (0, 5, 0, 1, 0, 0)}
 

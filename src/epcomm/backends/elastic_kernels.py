@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from .. import elastic_layout as EL
-from ..arena import Block
 from ..kernels.launch import Direct, Launcher
 from .nvlink_params import _aligned, _contiguous, _pow2
 
@@ -58,11 +57,20 @@ def combine_row_bytes(h: int, k: int) -> int:
     return EL.align(2 * h + 4 * k, 16)
 
 
-def _ids_weights(key: tuple) -> Block:
-    """A cached dispatch's ``recv_topk_idx int64[N, K]`` and ``recv_topk_weights f32[N, K]``, for ``key = (_, N,
-    K, device)``."""
-    _, n, k, dev = key
-    return Block([(torch.int64, (n, k)), (torch.float32, (n, k))], dev)
+def _parts(rows: tuple, k: int) -> tuple[list, tuple]:
+    """One block of int64 rows of ``k`` for parts of ``rows[i]`` rows (None: no such part), each from a 16-byte
+    boundary: ``(sizes of its split, the last item the block's rows; index of each part in the split or None)``.
+    Example: ``_parts((3, None, 2), 1) == ([3, 1, 2, 6], (0, None, 2))``."""
+    sizes, at = [], []
+    for r in rows:
+        if r is None:
+            at.append(None)
+            continue
+        if sum(sizes) * k % 2:  # (an odd number of int64 before: a pad row)
+            sizes.append(1)
+        at.append(len(sizes))
+        sizes.append(r)
+    return sizes + [sum(sizes)], tuple(at)
 
 
 def _kernel(name: str):
@@ -79,7 +87,7 @@ class Kernels:
     def __init__(self):
         self._launchers: dict = {}
         self._go: dict = {}
-        self._plans: dict = {}  # recv_meta's and the cached epilogue's output blocks, per kind of call
+        self._plans: dict = {}  # recv_meta's, per kind of call
         self._scratch: dict = {}  # recv_meta's counts and ticket, per device (_counts_scratch)
         self._pinned: list = []  # scratches made while a graph was captured: that graph replays into them
 
@@ -107,8 +115,7 @@ class Kernels:
         ``_expert_layout_kernel`` (the layout). ``cum`` (``int32[LE]`` or None) gains the counts. No output
         is zeroed first. The kernels read rows in place: every tensor is made contiguous first (a no-op
         for the backend's and most callers' tensors). A kind of call (sizes, dtypes, flags, alignment) is
-        planned once (:meth:`_meta_plan`): a repeat costs one allocation (every output a view of it:
-        ``arena.Block``) and the launches.
+        planned once (:meth:`_meta_plan`): a repeat costs its outputs and the launches.
 
         ``slot`` (a list, empty at first; ``elastic_engine.dispatch_plan``'s, one per kind of dispatch that
         reads no counts on the host): the plan of the first call whose tensors were all contiguous is kept
@@ -128,19 +135,30 @@ class Kernels:
             key = (n, t, k, rpm.shape[0], le, m, me, alignment, x_rows, expand, cum is not None,
                    copy_topk, recv_src_idx.dtype, send_head.dtype, recv_local.device,
                    _aligned(topk_idx, rpm, recv_src_idx, recv_local, send_head, stats))
-            plan = self._plan(key, self._meta_plan)
+            plan = self._plans.get(key)
+            if plan is None:
+                if len(self._plans) > 64:
+                    self._plans.clear()
+                plan = self._plans[key] = self._meta_plan(key)
             if slot is not None and not slot and all(a is b for a, b in zip(given, (
                     rpm, recv_src_idx, recv_local, send_head, topk_idx, stats))):
                 slot.append((n, x_rows, plan))
-        go_rows, g_rows, go_layout, block, none = plan
+        go_rows, g_rows, go_layout, small, r_, (wide, rows_at), (ones, ones_at) = plan
         dev = recv_local.device
         part, ticket = self._counts_scratch(dev)
-        # every output a view of one allocation (Block: each part contiguous, 16-byte aligned, apart)
-        ts = block.make()
-        counts, psum, psum_rank, meta, dst, local, gid, eighth = ts[:8]
-        topk_copy = ts[8] if copy_topk else None
-        # (no expanded rows: an empty source, the plan's, as the torch twin's; read by no one)
-        local_out, source = (None, eighth) if expand else (eighth, none)
+        small = torch.empty(small, dtype=torch.int32, device=dev)
+        counts, psum, psum_rank = small.split_with_sizes((le, le, r_))
+        meta = torch.empty(n, k + 2, dtype=torch.int32, device=dev)
+        dst = torch.empty(t, k, dtype=torch.int32, device=dev)
+        # the int64 outputs from two blocks, each part 16-byte aligned (pads where K is odd): rows of K ids
+        # (local, recv_topk_idx of a contiguous dispatch, the handle's copy of topk_idx), then gid and source
+        parts = torch.empty(wide[-1], k, dtype=torch.int64, device=dev).split_with_sizes(wide[:-1])
+        local, local_out, topk_copy = (None if i is None else parts[i] for i in rows_at)
+        if expand:
+            parts = torch.empty(ones[-1], dtype=torch.int64, device=dev).split_with_sizes(ones[:-1])
+            gid, source = parts[0], parts[ones_at[1]]
+        else:  # (no expanded rows: an empty source, the plan's, as the torch twin's; read by no one)
+            gid, source = torch.empty(n, dtype=torch.int64, device=dev), ones
         go_rows(g_rows, 1, 1, rpm, recv_src_idx, recv_local, local, local if expand else local_out, meta, gid,
                 counts, psum, psum_rank, stats if cum is not None else counts, topk_idx,
                 topk_copy if copy_topk else topk_idx, send_head, dst, part, ticket)
@@ -149,15 +167,6 @@ class Kernels:
         if stats is not cum:  # a strided cumulative_local_expert_recv_stats: updated through a copy
             cum.copy_(stats)
         return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, source, dst, topk_copy)
-
-    def _plan(self, key: tuple, make):
-        """The plan of ``key`` (``make(key)`` at its first call; at most 65 kept, whatever the callers vary)."""
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) > 64:
-                self._plans.clear()
-            plan = self._plans[key] = make(key)
-        return plan
 
     def _counts_scratch(self, dev) -> tuple:
         """``(part int32[256], ticket int32[4])`` of ``_recv_meta_kernel`` on ``dev``: allocated zeroed once
@@ -175,11 +184,8 @@ class Kernels:
 
     def _meta_plan(self, key: tuple):
         """``recv_meta``'s launches for ``key``, their sizes and grids resolved: ``(go_rows (17 tensors), its
-        grid, go_layout (5 tensors; None: contiguous), the outputs' Block, the empty source of a contiguous
-        dispatch)``. The block's parts: ``counts, psum int32[LE], psum_rank int32[R], meta int32[N, K+2], dst
-        int32[T, K], local int64[N, K], gid int64[N]``, then ``source int64[X]`` (expanded) or ``local_out
-        int64[N, K]`` (contiguous), then with ``copy_topk`` the copy ``int64[T, K]``: all live on the handle or
-        beside it (the received rows are the backend's own allocation)."""
+        grid, go_layout (5 tensors; None: contiguous), size of the small int32 outputs, R, the int64 blocks'
+        parts)``."""
         n, t, k, r_, le, m, me, alignment, x_rows, expand, has_cum, copy_topk = key[:12]
         assert le <= EL.MAX_LOCAL_EXPERTS, le  # (ElasticBuffer checks it): the counts' scratch holds them
         kp, rb, lep = _pow2(k), min(RB, _pow2(r_)), _pow2(le)
@@ -196,11 +202,9 @@ class Kernels:
             go_layout = self.bound("_expert_layout_kernel", lkey,
                                    dict(R=r_, K=k, LE=le, LEP=lep, KP=kp, BN=LBN, num_warps=16),
                                    (None, None, None, me, alignment, None, None, x_rows))
-        i32, i64 = torch.int32, torch.int64
-        block = Block([(i32, (le,)), (i32, (le,)), (i32, (r_,)), (i32, (n, k + 2)), (i32, (t, k)), (i64, (n, k)),
-                       (i64, (n,)), (i64, (x_rows,) if expand else (n, k))] + [(i64, (t, k))] * copy_topk, key[-2])
-        return (go_rows, max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, go_layout, block,
-                torch.empty(0, dtype=i64, device=key[-2]))
+        return (go_rows, max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, go_layout, 2 * le + r_, r_,
+                _parts((n, None if expand else n, t if copy_topk else None), k),
+                _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=key[-2]), 0))
 
     def bound(self, name: str, key: tuple, consts: dict, template: tuple):
         """``go(gx, gy, gz, *tensors)``: kernel ``name`` with ``template``'s fixed arguments and the
@@ -264,13 +268,10 @@ class Kernels:
         """A cached contiguous dispatch's ``(recv_topk_idx int64[N, K], recv_topk_weights f32[N, K] or None)``
         (``dispatch_copy_epilogue_impl``): the handle's local ids ``local int64[N, K]`` (its own, contiguous),
         and the received weights (``w``: where they lie in the received rows) masked to the local lanes; one
-        launch, even of no rows. With weights both outputs are views of one allocation (``arena.Block``, planned
-        once per ``(N, K)``): the caller's pair, dropped together."""
+        launch, even of no rows."""
         dev = local.device
-        if w is None:
-            out_k, out_w = torch.empty(n, k, dtype=torch.int64, device=dev), None
-        else:
-            out_k, out_w = self._plan(("cached", n, k, dev), _ids_weights).make()
+        out_k = torch.empty(n, k, dtype=torch.int64, device=dev)
+        out_w = None if w is None else torch.empty(n, k, dtype=torch.float32, device=dev)
         # (the weights travel packed, in BF16 rows: their dtype is fixed)
         key = (k,) if w is None else (k, w.offset, w.stride, _aligned(w.tensor))
         self.launch("_dispatch_copy_epilogue_impl_cached_kernel", key, dict(

@@ -7,12 +7,9 @@ error word's host mirror: no copy; none with ``num_worst_tokens``), and the rece
 
 A dispatch of one kind (shapes, dtypes, flags, Config, the 16-byte alignment of the caller's tensors)
 is planned once (``dispatch_run`` / ``cached_dispatch_run``): its launches bound (``kernels/launch.Direct``),
-every fixed argument resolved. A repeat then costs its outputs, two launches (one for a cached dispatch)
-and, without ``num_worst_tokens``, the synchronisation: no scratch tensor, no copy. Its small outputs (the
-handle's tensors, the received ids, weights and sources) are views of one allocation (``arena.Block``; two
-without ``num_worst_tokens``: the handle's before the exchange, the rest once the row count is known); the
-received rows and their scales are allocations of their own (a caller drops them long before the handle).
-``Buffer`` keeps the plans' ``run`` per kind, as it keeps the low-latency calls'.
+every fixed argument resolved. A repeat then costs its output allocations, two launches (one for a
+cached dispatch) and, without ``num_worst_tokens``, the synchronisation: no view, no scratch tensor,
+no copy. ``Buffer`` keeps the plans' ``run`` per kind, as it keeps the low-latency calls'.
 
 ``HTDispatch`` is a mixin of a backend that provides the symmetric-memory state (``ptr_table``,
 ``flags_off``, meta and list offsets, counters, tickets, the launchers ``k``, ``_ht_layout``,
@@ -30,7 +27,6 @@ import dataclasses
 
 import torch
 
-from ..arena import Block
 from ..kernels.ht_layout import chunking, fused_words, scratch_words
 from ..kernels.launch import Direct, Ptr
 from ..layout import DispatchHandle
@@ -61,17 +57,6 @@ NOTIFY_CHECK_PROGRAMS = 32
 # the fused layout's ticket and epoch flag: slots 4 and 5 of the backend's tickets (zeroed with the backend,
 # as nctr is; slots 0-3: nvlink_params.T_GATHER .. T_CPUSH)
 T_LAYOUT = 4
-_BLOCKS = 8  # a plan's Blocks by row count (tokens, or received rows): bounded, whatever the callers vary
-
-
-def _block(blocks: dict, n: int, parts, device) -> Block:
-    """The ``Block`` of ``parts(n)`` on ``device``, kept in ``blocks`` (at most ``_BLOCKS`` of them)."""
-    got = blocks.get(n)
-    if got is None:
-        if len(blocks) >= _BLOCKS:
-            blocks.clear()
-        got = blocks[n] = Block(parts(n), device)
-    return got
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -276,30 +261,20 @@ class HTDispatch:
         if scratch_rows:
             keep_k = self._scratch("recv_topk_idx", (scratch_rows, k), torch.int64) if has_topk else None
             keep_cp = self._scratch("channel_prefix_matrices", (2, r_, c), i32).unbind(0)
-        # the call's small outputs, views of one Block: the handle's [rpm, send_head, (is_in: fused),
-        # (cpm, recv_cp: not scratch)], written by the exchange kernel, then the received rows'
-        # [src, (w, (ids: not scratch))]; with num_worst_tokens one Block of both, otherwise one of the
-        # handle's and one for the row count the synchronisation tells (per count, _block)
-        head = [(i32, (r_, r_)), (i32, (t, r_))] + [(torch.bool, (t, r_))] * fused + [(i32, (r_, c))] * 2 * (
-            keep_cp is None)
-        nh = len(head)
-
-        def rows_parts(n: int) -> list:
-            fresh_k = has_topk and (keep_k is None or n > scratch_rows)  # (more rows: peers with a larger M)
-            return [(i32, (n,))] + [(f32, (n, k))] * has_topk + [(torch.int64, (n, k))] * fresh_k
-
-        whole = Block(head + rows_parts(worst), dev) if worst else Block(head, dev)
-        blocks = {}
 
         def run(x, scales, topk, w, ntpr, is_in, ntpe):
             if err_view[0]:
                 self._check_error()
             self._call_sms = num_sms  # the call's Config.num_sms bounds every grid of the call
-            parts = whole.make()
-            rpm, send_head = parts[0], parts[1]
-            cpm, recv_cp = keep_cp if keep_cp is not None else parts[nh - 2:nh]
+            if keep_cp is None:
+                cpm = torch.empty(r_, c, dtype=i32, device=dev)
+                recv_cp = torch.empty(r_, c, dtype=i32, device=dev)
+            else:
+                cpm, recv_cp = keep_cp
+            rpm = torch.empty(r_, r_, dtype=i32, device=dev)
+            send_head = torch.empty(t, r_, dtype=i32, device=dev)
             if fused:  # (the kernel writes it; the handle keeps it)
-                is_in = parts[2]
+                is_in = torch.empty(t, r_, dtype=torch.bool, device=dev)
                 nargs = (is_in, cpm, rpm, recv_cp, send_head, topk)
             else:
                 nargs = (is_in, ntpr, ntpe, cpm, rpm, recv_cp, send_head, *((topk,) if has_topk else ()))
@@ -328,10 +303,12 @@ class HTDispatch:
                 host_col, n_rows, lst = _host_counts(host_view, r_, lx, me, alignment)
             out_x = torch.empty(n_rows, h, dtype=x_dtype, device=dev)
             out_s = torch.empty(n_rows, g, dtype=f32, device=dev) if has_s else None
-            rows = parts[nh:] if n_worst else _block(blocks, n_rows, rows_parts, dev).make()
-            out_src, out_w, out_k = rows[0], rows[1] if has_topk else None, None
-            if has_topk:
-                out_k = rows[2] if len(rows) > 2 else keep_k if n_rows == scratch_rows else keep_k[:n_rows]
+            if keep_k is not None and n_rows <= scratch_rows:  # (more rows: peers with a larger M; fresh ones)
+                out_k = keep_k if n_rows == scratch_rows else keep_k[:n_rows]
+            else:
+                out_k = torch.empty(n_rows, k, dtype=torch.int64, device=dev) if has_topk else None
+            out_w = torch.empty(n_rows, k, dtype=f32, device=dev) if has_topk else None
+            out_src = torch.empty(n_rows, dtype=i32, device=dev)
             gather(self._gather_grid(push, n_rows), x, *((scales,) if has_s else ()),
                    *((topk, w) if has_topk else ()), n_rows, out_x, *((out_s,) if has_s else ()),
                    *((out_k, out_w) if has_topk else ()), out_src, *((is_in,) if push else ()))
@@ -390,10 +367,6 @@ class HTDispatch:
         self._pinned.append(scratch)
         part, tickets = scratch[:cp2 * (r_ + e)], scratch[cp2 * (r_ + e):words]
         own = scratch[at:at + r_], scratch[at + (r_ + 3) // 4 * 4:]
-        blocks = {}  # the three outputs, views of one Block per token count
-
-        def parts(t: int) -> list:
-            return [(torch.int32, (r_,)), (torch.int32, (e,)), (torch.bool, (t, r_))]
         p = self.k["_layout_kernel"].prepared((k, e), dict(consts, num_warps=4))
         go = _Launch(Direct(p, (None, None, None, k, e, e // r_, r_, None, None, None, part, tickets, nr, ng),
                             (0, 1, 2, 7, 8, 9)), (None, None, None, None, None, _bools))
@@ -401,9 +374,10 @@ class HTDispatch:
         def run(topk, t, scratch_counts=False):
             if scratch_counts:
                 per_rank, per_expert = own
-                in_rank = torch.empty(t, r_, dtype=torch.bool, device=dev)
             else:
-                per_rank, per_expert, in_rank = _block(blocks, t, parts, dev).make()
+                per_rank = torch.empty(r_, dtype=torch.int32, device=dev)
+                per_expert = torch.empty(e, dtype=torch.int32, device=dev)
+            in_rank = torch.empty(t, r_, dtype=torch.bool, device=dev)
             nch, s = chunking(t, tbe, cp2)
             go(nch * ng, topk, t, s, per_rank, per_expert, in_rank)
             if captured:
