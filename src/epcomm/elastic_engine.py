@@ -163,10 +163,11 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
         rows_of = functools.partial(kern.recv_meta, slot=[])
     has_w = topk_weights is not None
     bound: list = []  # the backend's plan, made at the first call (it needs that call's layout tensors)
+    zeros = _zero_weights(t, k, dev)
 
     def run(x, sf, topk_idx, topk_weights, cum_stats, before_epilogue):
         pay, data, scales = probe.take(x, sf)
-        w = topk_weights if has_w else torch.zeros(t, k, dtype=torch.float32, device=dev)
+        w = topk_weights if has_w else zeros()
         go = bound[0] if bound else None
         if go is not None and fused:  # (the plan's exchange kernel makes the layout)
             per_rank = per_expert = in_rank = None
@@ -250,6 +251,24 @@ def cached_plan(eb, expand: bool, x, sf, topk_weights, zero_pad, tma_sf):
         return recv_x, EL.sf_layout(recv_sf, tma_sf), state.local.clone(), recv_w
 
     return run
+
+
+def _zero_weights(t: int, k: int, dev):
+    """``zeros() -> f32[T, K]`` of zeros, the weights the backend moves for a dispatch given none (its kernels
+    only read them): one tensor, made at the first call and kept, for every eager call (no allocation and no
+    fill launch a call); a call while a CUDA graph is captured gets one of its own (the graph's pool: never kept
+    for eager calls, and a kept one could be freed with its plan while the graph still reads it)."""
+    kept: list = []
+    cuda = dev.type == "cuda"
+
+    def zeros() -> torch.Tensor:
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(t, k, dtype=torch.float32, device=dev)
+        if not kept:
+            kept.append(torch.zeros(t, k, dtype=torch.float32, device=dev))
+        return kept[0]
+
+    return zeros
 
 
 def _expanded(eb, state: DispatchState, pay: Payload, recv, recv_scales, recv_w, zero_pad, tma_sf, k):
