@@ -112,18 +112,24 @@ def _host_budget(ctx, tag):
     x, _, idx, w = C.inputs(case, ctx.rank)
     b = C.bias(case, ctx.rank, 2)
     kw = dict(topk_idx=idx, topk_weights=w, num_experts=case.num_experts, num_max_tokens_per_rank=case.m)
+    rows = {}
     for expand in (False, True):
         tag = "expanded" if expand else "contiguous"
         count(f"dispatch sync {tag}", buf.dispatch, x, **kw, do_expand=expand, expert_alignment=4)
-        rx, _, rw, hd, _ = count(f"dispatch {tag}", buf.dispatch, x, **kw, do_expand=expand, expert_alignment=4,
-                                 do_cpu_sync=False)
+        rx, ridx, rw, hd, _ = count(f"dispatch {tag}", buf.dispatch, x, **kw, do_expand=expand, expert_alignment=4,
+                                    do_cpu_sync=False)
+        rows.setdefault(expand, (rx, ridx, int(hd.psum_num_recv_tokens_per_scaleup_rank[-1])))
         count(f"cached {tag}", buf.dispatch, x, handle=hd, do_expand=expand)
         count(f"cached {tag} weights", buf.dispatch, x, handle=hd, do_expand=expand, topk_weights=w)
         y = torch.zeros(rx.shape[0], case.hidden, dtype=torch.bfloat16)
         count(f"combine {tag}", buf.combine, y, hd)
         count(f"combine {tag} weights 2 biases", buf.combine, y, hd, topk_weights=rw, bias=b)
     kw.pop("topk_weights")  # (the backend moves zeros: the plan's own tensor, no allocation or fill a call)
-    count("dispatch contiguous no weights", buf.dispatch, x, **kw, do_cpu_sync=False)
+    for _ in range(2):  # (its first call and a repeat: the kept zeros, read again)
+        nx, nidx, nw, _, _ = count("dispatch contiguous no weights", buf.dispatch, x, **kw, do_cpu_sync=False,
+                                   expert_alignment=4)
+        rx, ridx, n = rows[False]  # (the rows past n are padding, unwritten)
+        assert nw is None and torch.equal(nx[:n], rx[:n]) and torch.equal(nidx[:n], ridx[:n])
     single = make(allow_multiple_reduction=False)
     rx, _, _, hd, _ = single.dispatch(x, **kw, do_cpu_sync=False, do_expand=True)
     y = torch.zeros(rx.shape[0], case.hidden, dtype=torch.bfloat16)
