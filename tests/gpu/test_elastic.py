@@ -83,13 +83,26 @@ def _rank_graph(ctx):
                 y = (rx.float() * (ridx >= 0).sum(1, keepdim=True)).to(torch.bfloat16)
             out, ow, _ = buf.combine(y, hd, topk_weights=rw)
             outs += [out, ow, hd.psum_num_recv_tokens_per_expert]
+            if not expand:
+                n_rows, rows, ids = hd.psum_num_recv_tokens_per_scaleup_rank[-1:], rx, ridx
+        # no weights given: the backend moves zeros (the plan's own eagerly; a captured call makes its own)
+        nx, nidx, nw, _, _ = buf.dispatch(x, topk_idx=idx, num_experts=e, num_sms=sms, do_cpu_sync=False)
+        assert nw is None
+        real = torch.arange(nx.shape[0], device=nx.device)[:, None] < n_rows  # (rows past them: padding)
+        outs += [torch.where(real, nx, 0), torch.where(real, rows, 0), torch.where(real, nidx, 0),
+                 torch.where(real, ids, 0)]
         return outs
 
+    def same_rows(outs):  # the no-weights dispatch's rows and ids are the weighted one's
+        assert torch.equal(outs[-4], outs[-3]) and torch.equal(outs[-2], outs[-1]), "no-weights rows differ"
+
     eager = [t.clone() for t in step()]
+    same_rows(eager)
     graph, static = G.capture(step)
     for seed in (12, 13):
         graph.replay()
         torch.cuda.synchronize()
+        same_rows(static)
         for i, (a, b) in enumerate(zip(static, eager)):
             assert torch.equal(a, b), f"replay output {i} differs from the eager call"
         nx, _, nidx, nw = (t if t is None else t.to(dev) for t in C.inputs(_case(ctx.world_size, seed), ctx.rank))
