@@ -35,3 +35,26 @@ def test_json_records_carry_provenance(tmp_path, monkeypatch):
     assert env["trees"]["mine"] == {"path": here, "git_sha": "0123456789abcdef0123456789abcdef01234567",
                                     "git_dirty": False, "commit_source": "EPCOMM_COMMIT"}
     assert env["trees"]["other"] == {"path": str(tmp_path)}  # another tree: its label names its commit
+
+
+def test_norm_divides_out_a_slow_process():
+    """Two trees doing the same work in a fast and a slow process (every call, and the calibration row, twice
+    as slow in one): their ``norm`` agrees, their ``us`` does not."""
+    from epcomm.bench import hostprobe as hp
+
+    def run(f):
+        return {"T=1": {"dc": {"us": 20.0 * f, "p10": 18.0 * f}, hp.CALIB: {"us": 10.0 * f, "p10": 9.0 * f}}}
+
+    lines = hp._summary({("fast", "call"): [run(1)], ("slow", "call"): [run(2)]})
+    head = lines[0].split()
+    rows = {ln.split()[0]: ln.split() for ln in lines[1:] if ln.split()[3] == "dc"}
+    us, norm = head.index("us"), head.index("norm") + 1  # (the spread column is two words: min.. max)
+    assert (float(rows["fast"][us]), float(rows["slow"][us])) == (20.0, 40.0)
+    assert float(rows["fast"][norm]) == float(rows["slow"][norm]) == 30.0  # 2 x the calibration's median, 15
+
+
+def test_every_probe_process_times_the_calibration_row():
+    from epcomm.bench import hostprobe as hp
+
+    row = hp._calibration("cpu", 100)
+    assert row["us"] > 0 and row["p10"] <= row["us"]

@@ -32,7 +32,11 @@ the buffers and calls are ``bench/probe_calls.py``'s), in one of three modes, ea
 Trees: ``--tree LABEL=PATH`` (repeatable) runs each mode in a subprocess per tree and round, importing
 epcomm from ``PATH/src`` (``git worktree add /tmp/wt-SHA SHA`` or ``git archive SHA src | tar -x -C DIR``
 makes one), alternated ``A, B, C, A, B, C, ...`` so that drift hits every tree alike; the table gives each
-tree's median of round medians, the spread (min..max) and the median p10.
+tree's median of round medians, the spread (min..max), the median p10 and ``norm``: every process also times
+a fixed torch workload (row ``calib``: 8 small tensors and one launch, no epcomm code), and ``norm`` is a call's
+µs over that row's in the same process, times the row's median over all processes. A GPU host's processes
+differ up to 2x in speed, every call of a process alike (2026-11-27, s7 call 4: a call no tree changed moved
+as much as the calls under test); ``norm`` divides that out.
 
 Example: ``python3 -m epcomm.bench.hostprobe --tree old=/tmp/wt-59e45d1 --tree new=. --rounds 5``; on a GPU
 ``--modes call,launches,python``.
@@ -231,6 +235,7 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
         sync = torch.cuda.synchronize
         if mode == "launches":
             rec = record_launches()
+    calib = _calibration("cpu" if mode == "python" else "cuda", calls, sync)
     m = max(tokens)
     pc = _own("bench", "probe_calls.py")
     if api == "v2":
@@ -260,7 +265,33 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
             ns = sorted(time_calls(prep, call, calls, sync))
             row.update(us=ns[len(ns) // 2] / 1e3, p10=ns[len(ns) // 10] / 1e3)
             out.setdefault(f"T={t}", {})[kind] = row
+        out[f"T={t}"][CALIB] = calib
     return out
+
+
+CALIB = "calib"  # the row of a fixed torch workload, measured in every probe process (see _calibration)
+
+
+def _calibration(device: str, calls: int, sync=None) -> dict:
+    """The host µs of a fixed torch workload that no epcomm code runs: 8 small tensors made and freed and one
+    one-element in-place op (a launch on a GPU), timed like a call (median, p10). Host timings on a GPU
+    host swing up to 2x from process to process, and a slow process is slow in every call: each call's
+    ``norm`` in the summary is its µs over this row's, times the median of this row over every process,
+    which takes that factor out (an A/B's trees then differ by their own work)."""
+    import torch
+
+    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    one = torch.zeros(1, device=dev)
+
+    def work():
+        kept = [torch.empty(64, dtype=torch.int32, device=dev) for _ in range(8)]
+        one.add_(1)
+        return kept
+
+    for _ in range(50):
+        work()
+    ns = sorted(time_calls(None, work, max(calls, 100), sync))
+    return {"us": ns[len(ns) // 2] / 1e3, "p10": ns[len(ns) // 10] / 1e3}
 
 
 # ----------------------------------------------------------------------------- trees and the command line
@@ -305,16 +336,24 @@ def provenance(trees: list, here: str, modes: list[str]) -> dict:
 
 def _summary(res: dict) -> list[str]:
     """Per tree, mode, token count and call: the median of the rounds' medians, their spread, the median
-    p10, and (python) the counts of one call."""
+    p10, ``norm`` (the median over rounds of the call's µs over its process's calibration row, times that
+    row's median over every process of the mode: :func:`_calibration`; ``-`` where runs have none), and
+    (python) the counts of one call."""
     lines = [(f"{'tree':10s} {'mode':8s} {'T':>4s} {'call':14s} {'us':>7s} {'spread':>15s} {'p10':>7s} "
-              f"{'fn':>4s} {'aten':>4s} {'alloc':>5s} {'launch':>6s} {'args':>4s}")]
+              f"{'norm':>7s} {'fn':>4s} {'aten':>4s} {'alloc':>5s} {'launch':>6s} {'args':>4s}")]
+    ref = {}  # per mode: the calibration row's median over every process
+    for (_, mode), runs in res.items():
+        ref.setdefault(mode, []).extend(k[CALIB]["us"] for r in runs for k in r.values() if CALIB in k)
     for (label, mode), runs in res.items():
         for tk, kinds in runs[0].items():
             for kind, row in kinds.items():
                 meds = [r[tk][kind]["us"] for r in runs]
                 p10 = statistics.median(r[tk][kind]["p10"] for r in runs)
+                cal = [r[tk].get(CALIB, {}).get("us") for r in runs]
+                norm = (f"{statistics.median(m / c for m, c in zip(meds, cal)) * statistics.median(ref[mode]):7.2f}"
+                        if ref[mode] and all(cal) else f"{'-':>7s}")
                 lines.append(f"{label:10s} {mode:8s} {tk[2:]:>4s} {kind:14s} {statistics.median(meds):7.2f} "
-                             f"{min(meds):7.2f}..{max(meds):6.2f} {p10:7.2f} {row.get('fn', -1):4d} "
+                             f"{min(meds):7.2f}..{max(meds):6.2f} {p10:7.2f} {norm} {row.get('fn', -1):4d} "
                              f"{row.get('aten', -1):4d} {row.get('allocs', -1):5d} {row.get('launches', -1):6d} "
                              f"{row.get('args', -1):4d}")
     return lines
