@@ -10,8 +10,8 @@ from typing import NamedTuple
 
 from .core import PRESETS, Links, Workload, predict, routing_stats
 
-DEEPEP_SOURCE = ("DeepEP V1 performance tables, https://github.com/deepseek-ai/DeepEP/blob/0297fc8/docs/legacy.md; the same tables in its README "
-                 "at 0aaa674, whose news lines date them after PRs #130 (HT, 2025-04-22) and #173 (LL uses NVLink, "
+DEEPEP_SOURCE = ("DeepEP V1's published performance tables (deepseek-ai/DeepEP, its README at 0aaa674; in its docs "
+                 "since 0297fc8), transcribed below; the README's news lines date them after PRs #130 (HT, 2025-04-22) and #173 (LL uses NVLink, "
                  "2025-06-05)")
 EPCOMM_SOURCE = "BENCHMARKS.md, nvidia-h200-x2 2-rank tables (benchmarks/2026-11-22/h200x2-0653-ht-dsv3.jsonl, -0701-ll)"
 DEEPEP_H200_SOURCE = ("benchmarks/anchors/deepep-v1-h200x2-2026-11-23: DeepEP V1 1.2.1 (567632dd) built from source, "
