@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -59,6 +60,7 @@ import time
 import types
 
 ME = os.path.abspath(__file__)
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- the CPU rig
@@ -304,7 +306,7 @@ def _child(tree: str, argv: list[str]) -> dict | None:
     code = f"import runpy, sys; sys.argv = {[ME, '--child', *argv]!r}; runpy.run_path({ME!r}, run_name='__main__')"
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     if p.returncode:
-        print(f"probe of {tree} ({' '.join(argv)}) failed:\n{p.stderr[-3000:]}", file=sys.stderr, flush=True)
+        log.error("probe of %s (%s) failed:\n%s", tree, " ".join(argv), p.stderr[-3000:])
         return None
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -378,10 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # a child's one mode
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if not logging.getLogger().handlers:  # (run as a program: the rounds and failures on stderr, as they come)
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     kw = dict(tokens=tuple(int(s) for s in a.tokens.split(",")), h=a.hidden, k=a.topk, e=a.experts,
               calls=a.calls, hook=a.hook, api=a.api)
     if a.child:
-        print(json.dumps(probe(a.mode, **kw)))
+        sys.stdout.write(json.dumps(probe(a.mode, **kw)) + "\n")  # (the parent reads this last line)
         return 0
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(ME))))
     trees = [s.split("=", 1) if "=" in s else (s, s) for s in a.tree] or [("here", here)]
@@ -404,14 +408,13 @@ def main(argv: list[str] | None = None) -> int:
                     failed += 1
                     continue
                 res[(label, mode)].append(got)
-                print(f"round {r + 1}/{a.rounds} {label} {mode}: " + ", ".join(
-                    f"T={tk[2:]} {kind} {row['us']:.2f}" for tk, kinds in got.items() for kind, row in kinds.items()),
-                    file=sys.stderr, flush=True)
+                log.info("round %d/%d %s %s: %s", r + 1, a.rounds, label, mode, ", ".join(
+                    f"T={tk[2:]} {kind} {row['us']:.2f}" for tk, kinds in got.items() for kind, row in kinds.items()))
                 if a.json:  # after every run: what a run cut short leaves is kept
                     with open(a.json, "w") as f:
                         json.dump([{"tree": label_, "mode": mode_, "round": i, "rows": run, "env": env}
                                    for (label_, mode_), runs in res.items() for i, run in enumerate(runs)], f)
-    print("\n".join(_summary({k: v for k, v in res.items() if v})))
+    sys.stdout.write("\n".join(_summary({k: v for k, v in res.items() if v})) + "\n")
     return 1 if failed else 0
 
 
