@@ -81,9 +81,10 @@ def _kernel(name: str):
     return getattr(v2_dispatch, name, None) or getattr(v2, name)
 
 
-def _outputs(plan: tuple, n: int, t: int, k: int, le: int, expand: bool, dev) -> tuple:
-    """``recv_meta``'s outputs for ``plan`` (:meth:`Kernels._meta_plan`'s), unwritten, in ``RecvMeta``'s order."""
-    small, r_, (wide, rows_at), (ones, ones_at) = plan[3:]
+def _outputs(sizes: tuple, n: int, t: int, k: int, le: int, expand: bool, dev) -> tuple:
+    """``recv_meta``'s outputs of ``sizes`` (``(small int32 words, R, the int64 blocks' parts)``: the end of
+    :meth:`Kernels._meta_plan`'s plan), unwritten, in ``RecvMeta``'s order."""
+    small, r_, (wide, rows_at), (ones, ones_at) = sizes
     small = torch.empty(small, dtype=torch.int32, device=dev)
     counts, psum, psum_rank = small.split_with_sizes((le, le, r_))
     meta = torch.empty(n, k + 2, dtype=torch.int32, device=dev)
@@ -162,11 +163,11 @@ class Kernels:
             if slot is not None and not slot and all(a is b for a, b in zip(given, (
                     rpm, recv_src_idx, recv_local, send_head, topk_idx, stats))):
                 slot.append((n, x_rows, plan))
-        go_rows, g_rows, go_layout, _, _, _, _ = plan
+        go_rows, g_rows, go_layout = plan[:3]
         dev = recv_local.device
         part, ticket = self._counts_scratch(dev)
-        psum_rank, gid, local, local_out, meta, counts, psum, source, dst, topk_copy = _outputs(plan, n, t, k, le,
-                                                                                               expand, dev)
+        psum_rank, gid, local, local_out, meta, counts, psum, source, dst, topk_copy = _outputs(plan[3:], n, t, k,
+                                                                                               le, expand, dev)
         go_rows(g_rows, 1, 1, rpm, recv_src_idx, recv_local, local, local if expand else local_out, meta, gid,
                 counts, psum, psum_rank, stats if cum is not None else counts, topk_idx,
                 topk_copy if copy_topk else topk_idx, send_head, dst, part, ticket)
@@ -182,13 +183,13 @@ class Kernels:
         the gather's tensors in ``ht_v2meta.GATHER_ARGS``' order without send_head, the statistics the gather
         adds to)``; where ``cum`` is strided the statistics are a contiguous copy, to be copied back after."""
         key = ("gather", n, t, k, le, r_, copy_topk, dev)
-        plan = self._plans.get(key)
-        if plan is None:
+        sizes = self._plans.get(key)
+        if sizes is None:
             if len(self._plans) > 64:
                 self._plans.clear()
-            plan = self._plans[key] = (None, 0, None, 2 * le + r_, r_, _parts((n, n, t if copy_topk else None), k),
-                                       (torch.empty(0, dtype=torch.int64, device=dev), 0))
-        rm = EL.RecvMeta(*_outputs(plan, n, t, k, le, False, dev))
+            sizes = self._plans[key] = (2 * le + r_, r_, _parts((n, n, t if copy_topk else None), k),
+                                        (torch.empty(0, dtype=torch.int64, device=dev), 0))
+        rm = EL.RecvMeta(*_outputs(sizes, n, t, k, le, False, dev))
         stats = _contiguous(cum)
         return rm, (rm.gid, rm.local, rm.local_out, rm.meta, rm.counts, rm.psum, rm.psum_rank,
                     rm.counts if cum is None else stats, self._counts_scratch(dev)[0],
