@@ -31,7 +31,6 @@ import torch
 from . import elastic_layout as EL
 from . import layout
 from .backends.base import DispatchArgs
-from .backends.ht_v2meta import V2Meta
 from .config import Config
 from .elastic_layout import Rows
 
@@ -144,9 +143,7 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     (the layout's counts, the received ids before ``recv_meta`` reads them, the channel matrices no V2 call
     reads) are its scratch, not allocations. Where the backend ``fuses_layout`` (nvlink, ``TUNE
     ["v2_fused_layout"]``) that plan computes the layout in its exchange kernel: a call after the first launches
-    no layout kernel. Where it ``meta_in_gather`` (nvlink, ``TUNE["v2_meta_in_gather"]``), a contiguous no-sync
-    dispatch's plan writes ``recv_meta``'s outputs in its gather (allocated here as ``recv_meta`` allocates them):
-    no launch after the transfer; ``before_epilogue`` is then waited for before the transfer."""
+    no layout kernel."""
     be, r_, me, kern = eb._backend, eb.num_ranks, eb.rank_idx, eb._kernels
     t, k = topk_idx.shape
     le = num_experts // r_
@@ -155,9 +152,6 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     lay = getattr(be, "dispatch_layout", None)  # a backend's layout kernel, as Buffer.get_dispatch_layout uses
     plans = getattr(be, "dispatch_run", None)
     fused = plans is not None and getattr(be, "fuses_layout", bool)()  # (the plan makes the layout itself)
-    # (the plan's gather writes recv_meta's outputs: HTDispatch.meta_in_gather)
-    v2m = plans is not None and kern is not None and not sync and not expand and m > 0 and getattr(
-        be, "meta_in_gather", bool)()
     config = eb._configs.get(num_sms)
     if config is None:
         config = eb._configs[num_sms] = Config.default_dispatch(r_, EL.align(max(num_sms, 2), 2))
@@ -188,24 +182,14 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
                 fits = plans is not None and all(a.is_contiguous() for a in (data, topk_idx, w, per_rank, in_rank,
                                                                              per_expert)) and (
                     scales is None or scales.is_contiguous())
-                extra = dict(fused_layout=True) if fused else {}
-                if v2m:
-                    extra["v2_meta"] = V2Meta(m, alignment, cum_stats is not None, handle_copy)
-                bound.append(plans(args, r_ * m, **extra) if fits else None)
+                bound.append((plans(args, r_ * m, fused_layout=True) if fused else plans(args, r_ * m))
+                             if fits else None)
                 go = bound[0]
             if go is None:  # (a backend without plans, or a call its plan cannot take: the whole dispatch)
                 res = be.dispatch(args)
-        rm = None
-        if go is not None and v2m:  # (the epilogue's outputs are the gather's: the event before the transfer)
-            _wait_event(before_epilogue)
-            rm, meta_args, stats = kern.meta_outputs(r_ * m, t, k, le, r_, dev, handle_copy, cum_stats)
-            res = go(data, scales, topk_idx, w, per_rank, in_rank, per_expert, *meta_args)
-            if stats is not cum_stats:  # a strided cumulative_local_expert_recv_stats: updated through a copy
-                cum_stats.copy_(stats)
-        elif go is not None:
+        if go is not None:
             res = go(data, scales, topk_idx, w, per_rank, in_rank, per_expert)
-        if rm is None:
-            _wait_event(before_epilogue)
+        _wait_event(before_epilogue)
         v1 = res.handle
         n = res.recv_x.shape[0]
         if sync:
@@ -213,9 +197,8 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
             x_rows = sum(lst)
         else:
             lst, x_rows = [], worst_x_rows
-        if rm is None:
-            rm = rows_of(v1.rank_prefix_matrix, me, v1.recv_src_idx, res.recv_topk_idx, v1.send_head, topk_idx, m,
-                         le, alignment, x_rows, expand, cum_stats, handle_copy)
+        rm = rows_of(v1.rank_prefix_matrix, me, v1.recv_src_idx, res.recv_topk_idx, v1.send_head, topk_idx, m, le,
+                     alignment, x_rows, expand, cum_stats, handle_copy)
         # the handle's fields after its kind, in EPHandle's order (topk_idx ... dst_buffer_slot_idx)
         fields = (rm.topk if handle_copy else topk_idx, n if sync else worst, x_rows, lst, rm.psum_rank, rm.psum,
                   rm.counts, rm.meta, rm.dst_slot)

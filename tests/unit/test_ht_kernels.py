@@ -13,7 +13,7 @@ pytest.importorskip("numpy")
 
 from test_kernel_sims import collect, start_early, started_scripts, stop_early  # noqa: E402, F401 (tests/conftest.py)
 
-SCRIPTS = ["compile_ht.py", "sim_ht_layout.py", "sim_ht_fused_layout.py", "sim_ht_v2meta.py"]
+SCRIPTS = ["compile_ht.py", "sim_ht_layout.py", "sim_ht_fused_layout.py"]
 
 
 @pytest.fixture(scope="module")

@@ -81,26 +81,6 @@ def _kernel(name: str):
     return getattr(v2_dispatch, name, None) or getattr(v2, name)
 
 
-def _outputs(sizes: tuple, n: int, t: int, k: int, le: int, expand: bool, dev) -> tuple:
-    """``recv_meta``'s outputs of ``sizes`` (``(small int32 words, R, the int64 blocks' parts)``: the end of
-    :meth:`Kernels._meta_plan`'s plan), unwritten, in ``RecvMeta``'s order."""
-    small, r_, (wide, rows_at), (ones, ones_at) = sizes
-    small = torch.empty(small, dtype=torch.int32, device=dev)
-    counts, psum, psum_rank = small.split_with_sizes((le, le, r_))
-    meta = torch.empty(n, k + 2, dtype=torch.int32, device=dev)
-    dst = torch.empty(t, k, dtype=torch.int32, device=dev)
-    # the int64 outputs from two blocks, each part 16-byte aligned (pads where K is odd): rows of K ids
-    # (local, recv_topk_idx of a contiguous dispatch, the handle's copy of topk_idx), then gid and source
-    parts = torch.empty(wide[-1], k, dtype=torch.int64, device=dev).split_with_sizes(wide[:-1])
-    local, local_out, topk_copy = (None if i is None else parts[i] for i in rows_at)
-    if expand:
-        parts = torch.empty(ones[-1], dtype=torch.int64, device=dev).split_with_sizes(ones[:-1])
-        gid, source = parts[0], parts[ones_at[1]]
-    else:  # (no expanded rows: an empty source, the plan's, as the torch twin's; read by no one)
-        gid, source = torch.empty(n, dtype=torch.int64, device=dev), ones
-    return psum_rank, gid, local, local_out, meta, counts, psum, source, dst, topk_copy
-
-
 class Kernels:
     """The launches of one ``ElasticBuffer`` (bound per key on first use)."""
 
@@ -163,11 +143,22 @@ class Kernels:
             if slot is not None and not slot and all(a is b for a, b in zip(given, (
                     rpm, recv_src_idx, recv_local, send_head, topk_idx, stats))):
                 slot.append((n, x_rows, plan))
-        go_rows, g_rows, go_layout = plan[:3]
+        go_rows, g_rows, go_layout, small, r_, (wide, rows_at), (ones, ones_at) = plan
         dev = recv_local.device
         part, ticket = self._counts_scratch(dev)
-        psum_rank, gid, local, local_out, meta, counts, psum, source, dst, topk_copy = _outputs(plan[3:], n, t, k,
-                                                                                               le, expand, dev)
+        small = torch.empty(small, dtype=torch.int32, device=dev)
+        counts, psum, psum_rank = small.split_with_sizes((le, le, r_))
+        meta = torch.empty(n, k + 2, dtype=torch.int32, device=dev)
+        dst = torch.empty(t, k, dtype=torch.int32, device=dev)
+        # the int64 outputs from two blocks, each part 16-byte aligned (pads where K is odd): rows of K ids
+        # (local, recv_topk_idx of a contiguous dispatch, the handle's copy of topk_idx), then gid and source
+        parts = torch.empty(wide[-1], k, dtype=torch.int64, device=dev).split_with_sizes(wide[:-1])
+        local, local_out, topk_copy = (None if i is None else parts[i] for i in rows_at)
+        if expand:
+            parts = torch.empty(ones[-1], dtype=torch.int64, device=dev).split_with_sizes(ones[:-1])
+            gid, source = parts[0], parts[ones_at[1]]
+        else:  # (no expanded rows: an empty source, the plan's, as the torch twin's; read by no one)
+            gid, source = torch.empty(n, dtype=torch.int64, device=dev), ones
         go_rows(g_rows, 1, 1, rpm, recv_src_idx, recv_local, local, local if expand else local_out, meta, gid,
                 counts, psum, psum_rank, stats if cum is not None else counts, topk_idx,
                 topk_copy if copy_topk else topk_idx, send_head, dst, part, ticket)
@@ -176,24 +167,6 @@ class Kernels:
         if stats is not cum:  # a strided cumulative_local_expert_recv_stats: updated through a copy
             cum.copy_(stats)
         return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, source, dst, topk_copy)
-
-    def meta_outputs(self, n: int, t: int, k: int, le: int, r_: int, dev, copy_topk: bool, cum) -> tuple:
-        """A contiguous dispatch's ``recv_meta`` outputs, allocated as :meth:`recv_meta` allocates them but left
-        for the backend's gather to write (``backends/ht_v2meta.py``, ``TUNE["v2_meta_in_gather"]``): ``(RecvMeta,
-        the gather's tensors in ``ht_v2meta.GATHER_ARGS``' order without send_head, the statistics the gather
-        adds to)``; where ``cum`` is strided the statistics are a contiguous copy, to be copied back after."""
-        key = ("gather", n, t, k, le, r_, copy_topk, dev)
-        sizes = self._plans.get(key)
-        if sizes is None:
-            if len(self._plans) > 64:
-                self._plans.clear()
-            sizes = self._plans[key] = (2 * le + r_, r_, _parts((n, n, t if copy_topk else None), k),
-                                        (torch.empty(0, dtype=torch.int64, device=dev), 0))
-        rm = EL.RecvMeta(*_outputs(sizes, n, t, k, le, False, dev))
-        stats = _contiguous(cum)
-        return rm, (rm.gid, rm.local, rm.local_out, rm.meta, rm.counts, rm.psum, rm.psum_rank,
-                    rm.counts if cum is None else stats, self._counts_scratch(dev)[0],
-                    rm.topk if copy_topk else rm.local, rm.dst_slot), stats
 
     def _counts_scratch(self, dev) -> tuple:
         """``(part int32[256], ticket int32[4])`` of ``_recv_meta_kernel`` on ``dev``: allocated zeroed once

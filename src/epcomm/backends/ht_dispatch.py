@@ -31,7 +31,6 @@ from ..kernels.ht_layout import chunking, fused_words, scratch_words
 from ..kernels.launch import Direct, Ptr
 from ..layout import DispatchHandle
 from .base import DispatchArgs, DispatchResult, bad_expert_id
-from .ht_v2meta import GATHER_AT, V2Meta, gather_consts, gather_template, meta_in_gather
 from .nvlink_params import (
     C_MAX,
     DRECV,
@@ -100,13 +99,11 @@ class HTDispatch:
     # ------------------------------------------------------------------ plans
 
     def _gather_plan(self, key, h: int, row_dtype: torch.dtype, t: int, lay: dict, g: int, k: int, lx: int,
-                     push: bool, has_s: bool, has_topk: bool, counts=None, toks=None,
-                     v2: V2Meta | None = None) -> _Launch:
+                     push: bool, has_s: bool, has_topk: bool, counts=None, toks=None) -> _Launch:
         """The receive (gather) kernel's launch for one kind of dispatch: ``go(grid, x, [scales], [topk, w],
         [rank_prefix_matrix: cached], n_rows, out_x, [out_scales], [out_topk, out_w: not cached],
-        out_src, [is_token_in_rank: push], [the V2 metadata: v2])``, the bracketed ones where the kind has
-        them (``v2``: ``ht_v2meta.GATHER_ARGS``' tensors). A cached dispatch has no ``counts`` (the notify
-        output: its handle's rank_prefix_matrix instead) nor ``toks``."""
+        out_src, [is_token_in_rank: push])``, the bracketed ones where the kind has them. A cached dispatch
+        has no ``counts`` (the notify output: its handle's rank_prefix_matrix instead) nor ``toks``."""
         d_slot = lay["d_slot"]
         row = h * row_dtype.itemsize // 4  # int32 words per row
         stage_x = self._local(lay["dx"], d_slot, torch.int32)
@@ -121,8 +118,7 @@ class HTDispatch:
             PUSH_TOPK=push and has_k, CACHED=cached, IS_PREFIX=cached, HAS_SCALES=has_s,
             HAS_TOPK=has_topk and not cached, NC=NC, RB=TUNE["gather_rb"], BLOCK=TUNE["gather_block"],
             R_POW2=_pow2(r_), K_POW2=_pow2(k), G_POW2=_pow2(g), HAS_TIMER=TIMER, STAGES=TUNE["gather_stages"],
-            ONE_LOAD=TUNE["gather_one_load"], PREFETCH=TUNE["gather_prefetch"], num_warps=TUNE["gather_warps"],
-            **gather_consts(v2, _pow2(lx))))
+            ONE_LOAD=TUNE["gather_one_load"], PREFETCH=TUNE["gather_prefetch"], num_warps=TUNE["gather_warps"]))
         tmpl = [None, stage_s, stage_k, stage_w, row, g, k, counts, r_, me, r_, 0 if cached else me * lx, lx,
                 self.p_nctr if cached else toks, self.p_src_lists, self.src_lists.stride(0), None,
                 stage_x, d_slot // 4, stage_s, d_slot // 4, stage_k, d_slot // 8, stage_w, d_slot // 4,
@@ -130,9 +126,6 @@ class HTDispatch:
                 self.p_table, self.flags_off, self.p_ctr[DRECV], self.p_tk[T_GATHER], self.p_err, self._timeout_ns,
                 self.p_err, t, lay["dx"], d_slot, lay["ds"], lay["dk"], lay["dw"], self.p_ctr[DSEND],
                 self.p_tk[T_DPUSH]]
-        assert len(tmpl) == GATHER_AT and (v2 is None or (has_topk and not cached)), (len(tmpl), v2)
-        v2_tmpl, v2_holes = gather_template(v2, self.p_err)
-        tmpl += v2_tmpl
         holes, views = [0], [_words]
         if has_s:
             holes.append(1)
@@ -156,8 +149,6 @@ class HTDispatch:
         if push:
             holes.append(38)
             views.append(_bools)
-        holes += v2_holes
-        views += [None] * len(v2_holes)
         return _Launch(Direct(p, tmpl, tuple(holes)), tuple(views))
 
     def _gather_grid(self, push: bool, n_rows: int) -> int:
@@ -174,13 +165,7 @@ class HTDispatch:
         (``dispatch_run(..., fused_layout=True)``, ``TUNE["v2_fused_layout"]``; ``Buffer`` never asks)."""
         return bool(TUNE["v2_fused_layout"]) and self.transfer == "sm" and self.num_ranks <= 64  # (rank bits)
 
-    def meta_in_gather(self) -> bool:
-        """Whether ``ElasticBuffer``'s contiguous no-sync dispatch plans may write the V2 metadata in their gather
-        (``dispatch_run(..., v2_meta=)``, ``TUNE["v2_meta_in_gather"]``; ``Buffer`` never asks)."""
-        return meta_in_gather(TUNE, self.transfer, True)
-
-    def dispatch_run(self, a: DispatchArgs, scratch_rows: int = 0, fused_layout: bool = False,
-                     v2_meta: V2Meta | None = None):
+    def dispatch_run(self, a: DispatchArgs, scratch_rows: int = 0, fused_layout: bool = False):
         """``run(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
         num_tokens_per_expert) -> DispatchResult``, made once for every dispatch like ``a`` (same shapes,
         dtypes, flags, Config, 16-byte alignment of x, its scales, ids, weights and is_token_in_rank;
@@ -195,28 +180,23 @@ class HTDispatch:
         ``fused_layout`` (``ElasticBuffer``, where :meth:`fuses_layout`): the exchange kernel computes the
         layout from ``topk_idx`` (``kernels/ht_layout.layout_tiles``), so ``run``'s three layout arguments are
         not read (None will do); the handle's ``is_token_in_rank`` is a fresh tensor of each call, the
-        counts the plan's scratch. ``a``'s layout tensors are then only those of the first call.
-
-        ``v2_meta`` (``ElasticBuffer``'s contiguous no-sync dispatch, where :meth:`meta_in_gather`): the gather
-        also writes ``recv_meta``'s outputs (``ht_v2meta``), which ``run`` then takes after its 7 tensors, in
-        ``ht_v2meta.GATHER_ARGS``' order without ``send_head``."""
-        v2 = v2_meta if v2_meta is not None and meta_in_gather(TUNE, self.transfer, a.topk_idx is not None) else None
-        run = self._dispatch_plan(a, scratch_rows, fused_layout and self.fuses_layout(), v2)
+        counts the plan's scratch. ``a``'s layout tensors are then only those of the first call."""
+        run = self._dispatch_plan(a, scratch_rows, fused_layout and self.fuses_layout())
         return run if self.transfer == "sm" else None
 
-    def _dispatch_plan(self, a: DispatchArgs, scratch_rows: int = 0, fused: bool = False, v2: V2Meta | None = None):
+    def _dispatch_plan(self, a: DispatchArgs, scratch_rows: int = 0, fused: bool = False):
         x, s, topk, w, is_in = a.x, a.x_scales, a.topk_idx, a.topk_weights, a.is_token_in_rank
         t, h = x.shape
         push = self._fused_push()
         ce = self.num_ranks > 1 and self._use_ce()
         key = ("d", t, h, x.dtype, None if s is None else s.shape[1], None if topk is None else topk.shape[1],
                a.num_tokens_per_expert.numel(), a.num_channels, a.num_sms, a.num_worst_tokens, a.expert_alignment,
-               push, ce, scratch_rows, fused, v2, _aligned(x, s, topk, w, None if fused else is_in))
+               push, ce, scratch_rows, fused, _aligned(x, s, topk, w, None if fused else is_in))
         run = self._plans.get(key)
         if run is None:
             if len(self._plans) > _MAX_PLANS:
                 self._plans.clear()
-            run = self._plans[key] = self._make_dispatch(key, a, push, ce, scratch_rows, fused, v2)
+            run = self._plans[key] = self._make_dispatch(key, a, push, ce, scratch_rows, fused)
         return run
 
     def _scratch(self, what: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -228,8 +208,7 @@ class HTDispatch:
             got = self._scratches[(what, shape, dtype)] = torch.empty(shape, dtype=dtype, device=self.device)
         return got
 
-    def _make_dispatch(self, key, a: DispatchArgs, push: bool, ce: bool, scratch_rows: int = 0, fused: bool = False,
-                       v2: V2Meta | None = None):
+    def _make_dispatch(self, key, a: DispatchArgs, push: bool, ce: bool, scratch_rows: int = 0, fused: bool = False):
         r_, me, dev = self.num_ranks, self.rank, self.device
         i32 = torch.int32
         t, h = a.x.shape
@@ -272,7 +251,7 @@ class HTDispatch:
             part, lay_ptr), (0,) + (() if fused else (4, 5)) + (18, 27, 28, 29) + ((31,) if has_topk else ())),
             (_bools,) + (() if fused else (None, None)) + (None,) * (5 if has_topk else 4))
         bulk = not push and r_ > 1  # the transport's own transfer (copy engine, or the separate push kernel)
-        gather = self._gather_plan(key, h, x_dtype, t, lay, g, k, lx, push, has_s, has_topk, counts, toks, v2)
+        gather = self._gather_plan(key, h, x_dtype, t, lay, g, k, lx, push, has_s, has_topk, counts, toks)
         # (with the fused layout the separate push kernel reads is_token_in_rank: after the exchange kernel)
         first, n_worst = TUNE["notify_first"] or fused, worst
         f32 = torch.float32
@@ -283,7 +262,7 @@ class HTDispatch:
             keep_k = self._scratch("recv_topk_idx", (scratch_rows, k), torch.int64) if has_topk else None
             keep_cp = self._scratch("channel_prefix_matrices", (2, r_, c), i32).unbind(0)
 
-        def run(x, scales, topk, w, ntpr, is_in, ntpe, *v2_out):
+        def run(x, scales, topk, w, ntpr, is_in, ntpe):
             if err_view[0]:
                 self._check_error()
             self._call_sms = num_sms  # the call's Config.num_sms bounds every grid of the call
@@ -332,8 +311,7 @@ class HTDispatch:
             out_src = torch.empty(n_rows, dtype=i32, device=dev)
             gather(self._gather_grid(push, n_rows), x, *((scales,) if has_s else ()),
                    *((topk, w) if has_topk else ()), n_rows, out_x, *((out_s,) if has_s else ()),
-                   *((out_k, out_w) if has_topk else ()), out_src, *((is_in,) if push else ()),
-                   *((*v2_out[:-1], send_head, v2_out[-1]) if v2 else ()))
+                   *((out_k, out_w) if has_topk else ()), out_src, *((is_in,) if push else ()))
             if ce:
                 self._join_ce()
             if bad_id is not None:

@@ -27,7 +27,6 @@ from .ht_common import (
     _wait_sources,
 )
 from .ht_transfer import _combine_push_rows
-from .v2_dispatch import _meta_counts, _meta_hist, _meta_row_stores, _meta_tokens
 
 
 @triton.jit
@@ -54,17 +53,15 @@ def _gather_rows(v_lo, v_hi, pid, P, known, x_ptr, xs_ptr, topk_ptr, w_ptr, row_
                  stage_ptr, stage_src_elems, stage_s_ptr, stage_s_src, stage_k_ptr, stage_k_src,
                  stage_w_ptr, stage_w_src,
                  out_x, out_s, out_s_stride_row, out_s_stride_col, out_k, out_w, out_src,
-                 ptr_table, flags_off, base, err_ptr, timeout_ns, hist, v2_gid, v2_local, v2_local_out, v2_meta,
-                 v2_m,
+                 ptr_table, flags_off, base, err_ptr, timeout_ns,
                  CACHED: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, NC: tl.constexpr,
                  RB: tl.constexpr, BLOCK: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr,
                  HAS_TIMER: tl.constexpr, STAGES: tl.constexpr, ONE_LOAD: tl.constexpr,
-                 PREFETCH: tl.constexpr = False, V2META: tl.constexpr = False, V2_HB: tl.constexpr = 1):
+                 PREFETCH: tl.constexpr = False):
     """Output rows at rotated positions ``v_lo <= v < v_hi`` (``v = 0`` is this rank's own block),
-    tiles of ``RB`` rows, tile ``u`` by program ``u % P``; returns the updated ``known`` levels and
-    ``hist``. ``PREFETCH``: each tile's source-token load is issued one tile ahead, so it overlaps the row
-    copy before it instead of preceding its own. ``V2META`` (with ``HAS_TOPK``): each tile's rows of the
-    V2 metadata too (``_dispatch_impl_kernel``), its local ids' histogram added to ``hist int32[V2_HB]``."""
+    tiles of ``RB`` rows, tile ``u`` by program ``u % P``; returns the updated ``known`` levels.
+    ``PREFETCH``: each tile's source-token load is issued one tile ahead, so it overlaps the row copy
+    before it instead of preceding its own."""
     kk = tl.arange(0, K_POW2)
     gg = tl.arange(0, G_POW2)
     cols = tl.arange(0, BLOCK)
@@ -136,16 +133,10 @@ def _gather_rows(v_lo, v_hi, pid, P, known, x_ptr, xs_ptr, topk_ptr, w_ptr, row_
             tl.store(out_k + nn64[:, None] * K + kk[None, :], tl.where(here, kv - lo_expert, -1),
                      mask=inb[:, None] & km)
             tl.store(out_w + nn64[:, None] * K + kk[None, :], tl.where(here, wv, 0.0), mask=inb[:, None] & km)
-            if V2META:  # the rows of _recv_meta_kernel (COPY): real rows < total, so padding rows get -1s
-                loc = tl.where(here, kv - lo_expert, -1)
-                g = tl.where(real, i.to(tl.int64) * v2_m + s64, -1)
-                _meta_row_stores(nn64, inb, real, i, g, loc, here, kk, kk < K, v2_local, v2_local_out, v2_meta,
-                                 v2_gid, K, True, False)
-                hist += _meta_hist(loc, here, V2_HB)
-    return known, hist
+    return known
 
 
-@triton.jit(do_not_specialize=['n_rows', 'T_send', 'v2_m', 'v2_a'])
+@triton.jit(do_not_specialize=['n_rows', 'T_send'])
 def _dispatch_impl_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
                         counts_ptr, counts_stride, me, R, lo_expert, L, tok_ptr,
                         src_lists_ptr, src_lists_stride, n_rows,
@@ -154,17 +145,13 @@ def _dispatch_impl_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
                         out_x, out_s, out_s_stride_row, out_s_stride_col, out_k, out_w, out_src,
                         ptr_table, flags_off, ctr_ptr, ticket_ptr, err_ptr, timeout_ns,
                         is_in_ptr, T_send, push_off, push_slot_bytes, push_s_off, push_k_off, push_w_off,
-                        send_ctr_ptr, push_ticket_ptr, v2_gid, v2_local, v2_local_out, v2_meta, v2_counts,
-                        v2_psum, v2_psum_rank, v2_cum, v2_part, v2_topk_copy, v2_send_head, v2_dst_slot, v2_m, v2_a,
+                        send_ctr_ptr, push_ticket_ptr,
                         CACHED: tl.constexpr, IS_PREFIX: tl.constexpr, HAS_SCALES: tl.constexpr,
                         HAS_TOPK: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
                         R_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
                         STAGES: tl.constexpr = 3, ONE_LOAD: tl.constexpr = False, PUSH: tl.constexpr = False,
                         PUSH_RB: tl.constexpr = 8, PUSH_BLOCK: tl.constexpr = 512, ELEM: tl.constexpr = tl.int32,
-                        PUSH_TOPK: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                        V2META: tl.constexpr = False, V2_CUM: tl.constexpr = False,
-                        V2_COPY_TOPK: tl.constexpr = False, V2_HB: tl.constexpr = 1, V2_LEP: tl.constexpr = 1,
-                        V2_TB: tl.constexpr = 128):
+                        PUSH_TOPK: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """The dispatch's transfer (the gather; ``dispatch_impl`` in DeepEP's names): row ``n`` of the outputs = token ``s`` of source rank ``i`` (rank-major order).
 
     Tiles of ``RB`` rows; rows are visited rotated so this rank's own block (no wait) comes first,
@@ -178,16 +165,6 @@ def _dispatch_impl_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
     flags; then every program copies the peers' rows as they are flagged (``CACHED``: once every chunk of
     every peer is in). Every program of the grid must be resident (grid <= SMs), as for the waits
     elsewhere.
-
-    ``V2META`` (``ElasticBuffer``'s contiguous no-sync dispatch, ``TUNE["v2_meta_in_gather"]``; not cached,
-    with ids): the kernel also writes what ``v2_dispatch._dispatch_copy_epilogue_impl_meta_kernel`` would
-    after it (the same helpers, the same bytes), so that launch is left out: per row ``v2_gid int64[N]``,
-    ``v2_local`` and ``v2_local_out int64[N, K]``, ``v2_meta int32[N, K+2]`` (``M = v2_m``); per program the
-    histogram of its rows' local ids added to ``v2_part int32[L]`` (zero before, relaxed atomics) before
-    its ticket, and tokens ``pid * V2_TB, ...`` of ``v2_dst_slot int32[T, K]`` (from ``v2_send_head``, the
-    exchange kernel's) and ``v2_topk_copy`` (``V2_COPY_TOPK``); the last program (after the ticket's
-    acquire) takes the sums, puts ``v2_part`` back to 0 and writes ``v2_counts``, ``v2_psum`` (alignment
-    ``v2_a``), ``v2_psum_rank`` (this rank's rank-prefix column) and adds to ``v2_cum`` (``V2_CUM``).
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -205,7 +182,6 @@ def _dispatch_impl_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
     total = tl.minimum(tl.max(tl.where(rr < R, incl, 0), 0), n_rows)
     start_me = tl.sum(tl.where(rr == me, excl, 0), 0)
     known = tl.zeros((R_POW2,), dtype=tl.int32)
-    hist = tl.zeros((V2_HB,), dtype=tl.int32)
     if CACHED:
         if not PUSH:  # (with the push: after it, below)
             known = _wait_sources(tl.full((R_POW2,), NC, tl.int32), known, rr, ptr_table, flags_off, DDATA, R,
@@ -227,7 +203,7 @@ def _dispatch_impl_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
                            push_slot_bytes, xs_ptr, G, topk_ptr, w_ptr, K, push_s_off, push_k_off, push_w_off,
                            PUSH_RB, PUSH_BLOCK, ELEM, HAS_SCALES, PUSH_TOPK, G_POW2, K_POW2)
             if u < n_own:
-                known, hist = _gather_rows(u * RB, tl.minimum(u * RB + RB, own), 0, 1, known, x_ptr, xs_ptr,
+                known = _gather_rows(u * RB, tl.minimum(u * RB + RB, own), 0, 1, known, x_ptr, xs_ptr,
                                      topk_ptr,
                                      w_ptr, row_elems, G, K, me, R, lo_expert, L, src_lists_ptr,
                                      src_lists_stride,
@@ -236,9 +212,8 @@ def _dispatch_impl_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
                                      stage_w_ptr, stage_w_src, out_x, out_s, out_s_stride_row,
                                      out_s_stride_col,
                                      out_k, out_w, out_src, ptr_table, flags_off, base, err_ptr, timeout_ns,
-                                     hist, v2_gid, v2_local, v2_local_out, v2_meta, v2_m,
                                      CACHED, HAS_SCALES, HAS_TOPK, NC, RB, BLOCK, K_POW2, G_POW2, HAS_TIMER,
-                                     STAGES, ONE_LOAD, PREFETCH, V2META, V2_HB)
+                                     STAGES, ONE_LOAD, PREFETCH)
         if ticket_last(push_ticket_ptr):
             _signal_peers(ptr_table, flags_off, DDATA, R, me, NC)
             tl.store(send_ctr_ptr, n_send + 1)
@@ -246,29 +221,19 @@ def _dispatch_impl_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
         if CACHED:  # the rows of a cached call come from the slots as a whole
             known = _wait_sources(tl.full((R_POW2,), NC, tl.int32), known, rr, ptr_table, flags_off, DDATA, R,
                                   me, base, err_ptr, 3, timeout_ns, NC, HAS_TIMER)
-    known, hist = _gather_rows(v_lo, n_rows, pid, P, known, x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K, me, R,
+    known = _gather_rows(v_lo, n_rows, pid, P, known, x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K, me, R,
                          lo_expert, L, src_lists_ptr, src_lists_stride, n_rows, total, start_me, rr, incl,
                          excl,
                          chunk_rows, stage_ptr, stage_src_elems, stage_s_ptr, stage_s_src, stage_k_ptr,
                          stage_k_src, stage_w_ptr, stage_w_src, out_x, out_s, out_s_stride_row,
                          out_s_stride_col,
                          out_k, out_w, out_src, ptr_table, flags_off, base, err_ptr, timeout_ns,
-                         hist, v2_gid, v2_local, v2_local_out, v2_meta, v2_m,
                          CACHED, HAS_SCALES, HAS_TOPK, NC, RB, BLOCK, K_POW2, G_POW2, HAS_TIMER, STAGES,
-                         ONE_LOAD, PREFETCH, V2META, V2_HB)
-    if V2META:  # the sent tokens' slots, then this program's counts (before its ticket's release)
-        kl = tl.arange(0, K_POW2)
-        for t0 in range(pid * V2_TB, T_send, P * V2_TB):
-            _meta_tokens(t0 + tl.arange(0, V2_TB), kl, kl < K, topk_ptr, v2_send_head, v2_dst_slot, v2_topk_copy,
-                         T_send, v2_m, R, K, L, V2_COPY_TOPK)
-        hb = tl.arange(0, V2_HB)
-        tl.atomic_add(v2_part + hb, hist, mask=hb < L, sem="relaxed", scope="gpu")
+                         ONE_LOAD,
+                         PREFETCH)
     if ticket_last(ticket_ptr):
         _signal_peers(ptr_table, flags_off, DCONSUMED, R, me, 1)
         tl.store(ctr_ptr, base + 1)
-        if V2META:  # the last program: every program's counts are in (the ticket is acquire-release)
-            tl.store(v2_psum_rank + rr, incl, mask=rr < R)
-            _meta_counts(v2_part, v2_counts, v2_psum, v2_cum, v2_a, L, V2_LEP, False, V2_CUM)
 
 
 @triton.jit

@@ -17,68 +17,6 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def _meta_row_stores(rows, rm, valid, src, g, loc, here, lanes, lm, local, local_out, meta, gid, K,
-                     COPY: tl.constexpr, EXPAND: tl.constexpr):
-    """One tile's row outputs of ``_recv_meta_kernel`` (rows ``rows``, in range ``rm``, real ``valid``, source
-    rank ``src``, ``g`` the gid, ``loc`` the local ids with ``here = loc >= 0``, lanes ``lanes < K``): also
-    the gather's (``ht_receive._dispatch_impl_kernel`` with ``V2META``), so both write the same bytes."""
-    at = rows[:, None] * K + lanes[None, :]
-    m2 = rm[:, None] & lm[None, :]
-    tl.store(gid + rows, g, mask=rm)
-    tl.store(local + at, loc, mask=m2)
-    if COPY:
-        tl.store(local_out + at, loc, mask=m2)
-    master = tl.max(tl.where(here, lanes[None, :], -1), 1)
-    mrow = meta + rows * (K + 2)
-    tl.store(mrow, g.to(tl.int32), mask=rm)
-    tl.store(mrow + 1, tl.where(valid & (master >= 0), src * K + master, -1), mask=rm)
-    if EXPAND:
-        m2 = m2 & ~here
-    tl.store(mrow[:, None] + 2 + lanes[None, :], tl.full(m2.shape, -1, tl.int32), mask=m2)
-
-
-@triton.jit
-def _meta_hist(loc, here, HB: tl.constexpr):
-    """The histogram (``HB`` bins) of one tile's local ids ``loc`` where ``here``."""
-    n: tl.constexpr = loc.shape[0] * loc.shape[1]
-    return tl.histogram(tl.reshape(tl.where(here, loc, 0).to(tl.int32), [n]), HB, mask=tl.reshape(here, [n]))
-
-
-@triton.jit
-def _meta_counts(part, counts, psum, cum, A, LE, LEP: tl.constexpr, EXPAND: tl.constexpr, HAS_CUM: tl.constexpr):
-    """The last program's part of ``_recv_meta_kernel`` (after the ticket's acquire): the sums ``part
-    int32[LE]`` taken (and put back to 0), ``counts``, ``psum`` (alignment ``A``) written, ``cum`` gains them."""
-    es = tl.arange(0, LEP)
-    em = es < LE
-    zero = tl.zeros([LEP], dtype=tl.int32)
-    c = tl.atomic_xchg(part + es, zero, mask=em, sem="relaxed", scope="gpu")
-    c = tl.where(em, c, 0)
-    al = (c + A - 1) // A * A
-    incl = tl.cumsum(al, 0)
-    tl.store(counts + es, c, mask=em)
-    if EXPAND:
-        tl.store(psum + es, incl - al + c, mask=em)
-    else:
-        tl.store(psum + es, incl, mask=em)
-    if HAS_CUM:
-        tl.store(cum + es, tl.load(cum + es, mask=em, other=0) + c, mask=em)
-
-
-@triton.jit
-def _meta_tokens(t, lanes, lm, topk, send_head, dst_slot, topk_copy, T, M, R, K, LE, COPY_TOPK: tl.constexpr):
-    """The sent tokens ``t`` (a tile) of ``_recv_meta_kernel``: ``dst_slot`` and, with ``COPY_TOPK``, ``topk_copy``."""
-    tm = t[:, None] < T
-    at = t[:, None] * K + lanes[None, :]
-    ids = tl.load(topk + at, mask=tm & lm[None, :], other=-1)
-    d = tl.where(ids >= 0, ids // LE, 0)
-    ok = (ids >= 0) & (d < R)
-    there = tl.load(send_head + t[:, None] * R + d, mask=ok & tm, other=0)
-    tl.store(dst_slot + at, tl.where(ok, d * M + there, -1).to(tl.int32), mask=tm & lm[None, :])
-    if COPY_TOPK:
-        tl.store(topk_copy + at, ids, mask=tm & lm[None, :])
-
-
 @triton.jit(do_not_specialize=["me", "N", "T", "M", "A"])
 def _recv_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, gid, counts, psum, psum_rank,
                       cum, topk, topk_copy, send_head, T, dst_slot, M, A, part, ticket, R: tl.constexpr,
@@ -131,19 +69,50 @@ def _recv_meta_kernel(rpm, me, recv_src, recv_local, N, local, local_out, meta, 
         loc = tl.where(valid[:, None], raw, -1)
         here = loc >= 0
         # the counts first: the ticket's release then waits for these adds only, not for the rows' stores
-        hist = _meta_hist(loc, here, HB)
+        hist = tl.histogram(tl.reshape(tl.where(here, loc, 0).to(tl.int32), [BN * KP]), HB,
+                            mask=tl.reshape(here, [BN * KP]))
         hb = tl.arange(0, HB)
         tl.atomic_add(part + hb, hist, mask=hb < LE, sem="relaxed", scope="gpu")
         tl.debug_barrier()
         if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == nbn - 1:  # the last row program
             tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-            _meta_counts(part, counts, psum, cum, A, LE, LEP, EXPAND, HAS_CUM)
+            es = tl.arange(0, LEP)
+            em = es < LE
+            zero = tl.zeros([LEP], dtype=tl.int32)
+            c = tl.atomic_xchg(part + es, zero, mask=em, sem="relaxed", scope="gpu")
+            c = tl.where(em, c, 0)
+            al = (c + A - 1) // A * A
+            incl = tl.cumsum(al, 0)
+            tl.store(counts + es, c, mask=em)
+            if EXPAND:
+                tl.store(psum + es, incl - al + c, mask=em)
+            else:
+                tl.store(psum + es, incl, mask=em)
+            if HAS_CUM:
+                tl.store(cum + es, tl.load(cum + es, mask=em, other=0) + c, mask=em)
         g = tl.where(valid, src.to(tl.int64) * M + sidx, -1)
-        _meta_row_stores(rows, rm, valid, src, g, loc, here, lanes, lm, local, local_out, meta, gid, K, COPY,
-                         EXPAND)
+        tl.store(gid + rows, g, mask=rm)
+        tl.store(local + at, loc, mask=m2)
+        if COPY:
+            tl.store(local_out + at, loc, mask=m2)
+        master = tl.max(tl.where(here, lanes[None, :], -1), 1)
+        mrow = meta + rows * (K + 2)
+        tl.store(mrow, g.to(tl.int32), mask=rm)
+        tl.store(mrow + 1, tl.where(valid & (master >= 0), src * K + master, -1), mask=rm)
+        if EXPAND:
+            m2 = m2 & ~here
+        tl.store(mrow[:, None] + 2 + lanes[None, :], tl.full([BN, KP], -1, tl.int32), mask=m2)
     else:
-        _meta_tokens((pid - nbn) * BN + tl.arange(0, BN), lanes, lm, topk, send_head, dst_slot, topk_copy, T, M, R,
-                     K, LE, COPY_TOPK)
+        t = (pid - nbn) * BN + tl.arange(0, BN)
+        tm = t[:, None] < T
+        at = t[:, None] * K + lanes[None, :]
+        ids = tl.load(topk + at, mask=tm & lm[None, :], other=-1)
+        d = tl.where(ids >= 0, ids // LE, 0)
+        ok = (ids >= 0) & (d < R)
+        there = tl.load(send_head + t[:, None] * R + d, mask=ok & tm, other=0)
+        tl.store(dst_slot + at, tl.where(ok, d * M + there, -1).to(tl.int32), mask=tm & lm[None, :])
+        if COPY_TOPK:
+            tl.store(topk_copy + at, ids, mask=tm & lm[None, :])
 
 
 @triton.jit(do_not_specialize=["me", "N", "T", "M", "A"])

@@ -18,18 +18,13 @@ GATHER = dict(COMMON, x_ptr="*i32", xs_ptr="*fp32", w_ptr="*fp32", stage_ptr="*i
               out_src="*i32")
 COMBINE = dict(COMMON, x_ptr="*bf16", w_ptr="*fp32", stage_ptr="*bf16", stage_w_ptr="*fp32", bias0_ptr="*bf16",
                bias1_ptr="*bf16", out_ptr="*bf16", out_w_ptr="*fp32")
-# the gather's V2 metadata (TUNE v2_meta_in_gather: backends/ht_v2meta.py), off by default
-V2META = dict(GATHER, v2_gid="*i64", v2_local="*i64", v2_local_out="*i64", v2_meta="*i32", v2_counts="*i32",
-              v2_psum="*i32", v2_psum_rank="*i32", v2_cum="*i32", v2_part="*i32", v2_topk_copy="*i64",
-              v2_send_head="*i32", v2_dst_slot="*i32")
-V2_OFF = dict(V2META=False, V2_CUM=False, V2_COPY_TOPK=False, V2_HB=1, V2_LEP=1, V2_TB=128)
 
 
 def main() -> None:
     t = TUNE
     gather = dict(NC=4, RB=t["gather_rb"], BLOCK=t["gather_block"], R_POW2=8, K_POW2=8, G_POW2=64, HAS_TIMER=True,
                   STAGES=t["gather_stages"], ONE_LOAD=t["gather_one_load"], PUSH_RB=t["push_rb"],
-                  PUSH_BLOCK=t["push_block"], PREFETCH=False, ELEM=tl.int32, **V2_OFF)
+                  PUSH_BLOCK=t["push_block"], PREFETCH=False, ELEM=tl.int32)
     reduce = dict(NC=4, TB=t["reduce_tb"], BLOCK=t["reduce_block"], R_POW2=2, K_POW2=8, HAS_TIMER=True, STAGES=3)
     # the exchange kernel unfused (Buffer, and ElasticBuffer by default) and with the layout fused in
     # (TUNE v2_fused_layout: DSv3 at world 1, and 8 ranks; 300 experts: two histogram blocks)
@@ -49,12 +44,6 @@ def main() -> None:
         (ht_receive._dispatch_impl_kernel, GATHER, dict(gather, CACHED=cached, IS_PREFIX=cached, HAS_SCALES=True,
                                                  HAS_TOPK=not cached, PUSH=True, PUSH_TOPK=not cached),
          t["gather_warps"]) for cached in (False, True)
-    ] + [  # with the V2 metadata: DSv3 at world 1 (256 local experts) and at 8 ranks, BF16 and FP8
-        (ht_receive._dispatch_impl_kernel, V2META, dict(gather, R_POW2=r, G_POW2=g, CACHED=False, IS_PREFIX=False,
-                                                        HAS_SCALES=g > 1, HAS_TOPK=True, PUSH=True, PUSH_TOPK=True,
-                                                        V2META=True, V2_CUM=True, V2_COPY_TOPK=True,
-                                                        V2_HB=max(le, 32), V2_LEP=le), t["gather_warps"])
-        for r, le, g in ((1, 256, 1), (1, 256, 64), (8, 32, 64))
     ] + [
         (ht_receive._combine_kernel, COMBINE, dict(reduce, HAS_W=True, NUM_BIAS=2, PUSH_RB=t["cpush_rb"],
                                                    PUSH_BLOCK=t["cpush_block"]), t["reduce_warps"]),

@@ -120,8 +120,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
             s["counts"], R, me, R, me * L, L, s["toks"], s["src_lists"], s["src_lists"].stride(0), rows,
             stage_x, d_slot // 4, stage_w, d_slot // 4, stage_k, d_slot // 8, stage_w, d_slot // 4,
             out_x, stage_w, 0, 1, out_k, out_w, out_src, table, 0, s["ctrs"][nv.DRECV:], s["tickets"][0:],
-            s["err"], 100, s["err"], 0, 0, 0, 0, 0, 0, s["ctrs"][nv.DSEND:], s["tickets"][4:],
-            *(s["err"],) * 12, 0, 0, CACHED=False, IS_PREFIX=False, HAS_SCALES=False, HAS_TOPK=True, NC=nv.NC, RB=4,
+            s["err"], 100, s["err"], 0, 0, 0, 0, 0, 0, s["ctrs"][nv.DSEND:], s["tickets"][4:], CACHED=False, IS_PREFIX=False, HAS_SCALES=False, HAS_TOPK=True, NC=nv.NC, RB=4,
             BLOCK=16, R_POW2=4,
             K_POW2=4, G_POW2=1, HAS_TIMER=False, ONE_LOAD=one_load)
         assert s["err"][0] == 0, s["err"]
