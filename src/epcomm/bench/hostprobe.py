@@ -41,6 +41,14 @@ as much as the calls under test); ``norm`` divides that out.
 Example: ``python3 -m epcomm.bench.hostprobe --tree old=/tmp/wt-59e45d1 --tree new=. --rounds 5``; on a GPU
 ``--modes call,launches,python``.
 
+``norm`` does not take out everything: two processes of one tree have differed by 20-150 % in one lease with
+their calibration rows alike, pinned to one core or not, with the hash seed and address-space layout fixed
+(``benchmarks/2026-11-27/s8``). ``--variants LABEL=EPCOMM_TUNE;LABEL=...`` (one tree; ``python`` and ``call``)
+times ``EPCOMM_TUNE`` variants in one process per round, their calls interleaved one by one, and adds each later
+variant's paired ratio to the first (``bench/probe_variants.py``): the way to measure a host change of a few
+launches or tensors, with the change behind a ``TUNE`` key until it is measured. Example:
+``python3 -m epcomm.bench.hostprobe --api v2 --modes call --tokens 4096 --variants "off=;fused=v2_fused_layout=1"``.
+
 ``--json``: every round's rows, each record with ``env`` (:func:`provenance`): the date, the device (the GPU's
 name for ``call``/``launches``, ``cpu`` for the rig), driver, torch, triton, python, every ``EPCOMM_*`` variable,
 and per tree its path and, for the tree this probe runs from, epcomm's commit as ``epcomm bench`` records it
@@ -223,11 +231,31 @@ def record_launches() -> dict:
     return rec
 
 
+def _buffer(pc, api: str, mode: str, m: int, h: int, k: int, e: int):
+    """The probe's buffer for ``api`` (``bench/probe_calls.py``): on the CPU rig in ``python`` mode."""
+    if api == "v2":
+        return pc.v2_buffer(m, h, k, mode == "python")
+    if api == "ht":
+        return pc.ht_buffer(m, h, k, mode == "python")
+    return pc.cpu_buffer(m, h, e) if mode == "python" else pc.gpu_buffer(m, h, e)
+
+
+def _calls(pc, api: str, buf, t: int, m: int, h: int, k: int, e: int, hook: bool) -> dict:
+    """``{kind: (prep, call)}`` at ``t`` tokens (warmed); with ``hook`` the send and its hook as one call."""
+    made = (pc.v2_calls(buf, t, m, h, k, e) if api == "v2" else pc.ht_calls(buf, t, h, k, e) if api == "ht"
+            else pc.ll_calls(buf, t, m, h, k, e, hook))
+    if hook:
+        made = {kind: (prep, lambda base=call: base()[-1]()) for kind, (prep, call) in made.items()}
+    return made
+
+
 def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: int = 256, calls: int = 2000,
-          hook: bool = False, api: str = "ll") -> dict:
+          hook: bool = False, api: str = "ll", variants: list | None = None) -> dict:
     """This process's epcomm, every call kind at each token count: ``{"T=..": {kind: row}}``. ``mode``:
     ``python`` (the CPU rig: the calls' Python, counted too), ``call`` (a GPU: whole calls) or ``launches``
-    (a GPU: one call's C launches, recorded, then replayed alone)."""
+    (a GPU: one call's C launches, recorded, then replayed alone). ``variants`` (``[(label, EPCOMM_TUNE)]``,
+    ``python`` and ``call`` modes): ``{label: {"T=..": {kind: row}}}``, the variants' calls interleaved in this
+    process (``bench/probe_variants.py``)."""
     rec = sync = None
     if mode == "python":
         install()
@@ -240,19 +268,20 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
     calib = _calibration("cpu" if mode == "python" else "cuda", calls, sync)
     m = max(tokens)
     pc = _own("bench", "probe_calls.py")
-    if api == "v2":
-        buf = pc.v2_buffer(m, h, k, mode == "python")
-    elif api == "ht":
-        buf = pc.ht_buffer(m, h, k, mode == "python")
-    else:
-        buf = pc.cpu_buffer(m, h, e) if mode == "python" else pc.gpu_buffer(m, h, e)
+    if variants:
+        def make():
+            buf = _buffer(pc, api, mode, m, h, k, e)
+            return {f"T={t}": _calls(pc, api, buf, t, m, h, k, e, hook) for t in tokens}
+
+        out = _own("bench", "probe_variants.py").probe(variants, make, time_calls, calls, sync)
+        for rows in out.values():
+            for kinds in rows.values():
+                kinds[CALIB] = calib
+        return out
+    buf = _buffer(pc, api, mode, m, h, k, e)
     out = {}
     for t in tokens:
-        made = (pc.v2_calls(buf, t, m, h, k, e) if api == "v2" else pc.ht_calls(buf, t, h, k, e) if api == "ht"
-                else pc.ll_calls(buf, t, m, h, k, e, hook))
-        for kind, (prep, call) in made.items():
-            if hook:
-                call = lambda base=call: base()[-1]()
+        for kind, (prep, call) in _calls(pc, api, buf, t, m, h, k, e, hook).items():
             row = {}
             if mode == "python":
                 row.update({k_: v for k_, v in count_call(prep, call).items() if k_ != "names"})
@@ -376,14 +405,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api", default="ll", choices=("ll", "ht", "v2"),
                     help="ll: Buffer's low-latency calls; ht: its high-throughput ones; v2: ElasticBuffer's "
                          "(bench/probe_calls.py)")
+    ap.add_argument("--variants", help="LABEL=EPCOMM_TUNE;LABEL=EPCOMM_TUNE...: the variants' calls interleaved "
+                    "call by call in one process per round and mode, with their paired ratios "
+                    "(bench/probe_variants.py; one tree)")
     ap.add_argument("--json", help="write every round's rows here")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # a child's one mode
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if not logging.getLogger().handlers:  # (run as a program: the rounds and failures on stderr, as they come)
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    kw = dict(tokens=tuple(int(s) for s in a.tokens.split(",")), h=a.hidden, k=a.topk, e=a.experts,
-              calls=a.calls, hook=a.hook, api=a.api)
+    pv = _own("bench", "probe_variants.py")
+    try:
+        variants = pv.parse(a.variants) if a.variants is not None else None
+    except ValueError as err:
+        ap.error(str(err))
+    kw = {"tokens": tuple(int(s) for s in a.tokens.split(",")), "h": a.hidden, "k": a.topk, "e": a.experts,
+          "calls": a.calls, "hook": a.hook, "api": a.api, "variants": variants}
     if a.child:
         sys.stdout.write(json.dumps(probe(a.mode, **kw)) + "\n")  # (the parent reads this last line)
         return 0
@@ -392,13 +429,18 @@ def main(argv: list[str] | None = None) -> int:
     fwd = ["--tokens", a.tokens, "--hidden", str(a.hidden), "--topk", str(a.topk), "--experts", str(a.experts),
            "--calls", str(a.calls), "--api", a.api] + (["--hook"] if a.hook else [])
     modes = a.modes.split(",")
+    if variants:
+        if len(trees) != 1 or "launches" in modes:
+            ap.error("--variants takes one tree and the modes python and call")
+        fwd += ["--variants", a.variants]
     if "launches" in modes and a.api != "ll":
         # a high-throughput or V2 call's kernels wait on counters that each call advances (the exchange, the
         # transport): replayed outside their calls they wait for arrivals that never come and write garbage
         ap.error(f"--modes launches replays one call's recorded launches on their own: only --api ll, got "
                  f"--api {a.api} (its kernels wait on counters each call advances)")
     env = provenance(trees, here, modes) if a.json else None
-    res: dict = {(label, mode): [] for label, _ in trees for mode in modes}
+    labels = [label for label, _ in variants] if variants else [label for label, _ in trees]
+    res: dict = {(label, mode): [] for label in labels for mode in modes}
     failed = 0
     for r in range(a.rounds):  # A, B, ... per round, every mode of a tree together
         for label, path in trees:
@@ -407,14 +449,20 @@ def main(argv: list[str] | None = None) -> int:
                 if got is None:
                     failed += 1
                     continue
-                res[(label, mode)].append(got)
-                log.info("round %d/%d %s %s: %s", r + 1, a.rounds, label, mode, ", ".join(
-                    f"T={tk[2:]} {kind} {row['us']:.2f}" for tk, kinds in got.items() for kind, row in kinds.items()))
+                for lab, rows in (got.items() if variants else [(label, got)]):
+                    res[(lab, mode)].append(rows)
+                    log.info("round %d/%d %s %s: %s", r + 1, a.rounds, lab, mode, ", ".join(
+                        f"T={tk[2:]} {kind} {row['us']:.2f}" for tk, kinds in rows.items()
+                        for kind, row in kinds.items()))
                 if a.json:  # after every run: what a run cut short leaves is kept
                     with open(a.json, "w") as f:
                         json.dump([{"tree": label_, "mode": mode_, "round": i, "rows": run, "env": env}
                                    for (label_, mode_), runs in res.items() for i, run in enumerate(runs)], f)
     sys.stdout.write("\n".join(_summary({k: v for k, v in res.items() if v})) + "\n")
+    if variants:
+        for mode in modes:
+            sys.stdout.write(f"paired ratios, {mode}:\n" + "\n".join(
+                pv.summary({lab: res[(lab, mode)] for lab in labels})) + "\n")
     return 1 if failed else 0
 
 
