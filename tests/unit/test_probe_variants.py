@@ -31,7 +31,8 @@ def test_each_call_runs_under_its_own_variants_tables(monkeypatch):
     monkeypatch.setenv("EPCOMM_TUNE", "push_rb=4")
     before = dict(nvlink_params.TUNE)
     seen: list = []
-    out = pv.probe([("a", ""), ("b", "gather_rb=8")], lambda: _make(seen), hostprobe.time_calls, 5)  # (ends on b)
+    out = pv.probe([("a", ""), ("b", "gather_rb=8")], lambda: _make(seen), hostprobe.time_calls, hostprobe.us_row,
+                   5)  # (5 iterations: the last one ends on b)
     default = before["gather_rb"]
     assert default != 8
     assert sorted(set(seen)) == sorted({(default, default), (8, 8)})  # made with b's tables, b's when it ran
@@ -54,7 +55,7 @@ def test_the_ratio_pairs_each_call_with_the_first_variants(monkeypatch):
         nvlink_params.apply_tune(_env.tune())
         return {"T=1": {"dc": (None, lambda: nvlink_params.TUNE["gather_rb"])}}
 
-    out = pv.probe([("a", "gather_rb=4"), ("b", "gather_rb=8")], make, timed, 10)
+    out = pv.probe([("a", "gather_rb=4"), ("b", "gather_rb=8")], make, timed, hostprobe.us_row, 10)
     row = out["b"]["T=1"]["dc"]
     assert row["ratio"] == row["ratio_p10"] == row["ratio_p90"] == 1.5
     assert out["a"]["T=1"]["dc"]["us"] == 0.6 and row["us"] == 0.9  # (the medians of 100..1000 and 150..1500 ns)

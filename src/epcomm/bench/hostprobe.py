@@ -158,6 +158,12 @@ def time_calls(prep, call, n: int, sync=None) -> list[int]:
     return out
 
 
+def us_row(ns: list[int]) -> dict:
+    """A row of nanosecond samples: ``us`` (median) and ``p10``, in µs."""
+    ns = sorted(ns)
+    return {"us": ns[len(ns) // 2] / 1e3, "p10": ns[len(ns) // 10] / 1e3}
+
+
 def _own(*path: str):
     """The module at ``path`` (under ``src/epcomm``) of this file's own tree, whichever tree the process
     imports epcomm from (the trees probed may predate it): ``testing/torch_calls.py``, ``bench/probe_calls.py``."""
@@ -273,7 +279,7 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
             buf = _buffer(pc, api, mode, m, h, k, e)
             return {f"T={t}": _calls(pc, api, buf, t, m, h, k, e, hook) for t in tokens}
 
-        out = _own("bench", "probe_variants.py").probe(variants, make, time_calls, calls, sync)
+        out = _own("bench", "probe_variants.py").probe(variants, make, time_calls, us_row, calls, sync)
         for rows in out.values():
             for kinds in rows.values():
                 kinds[CALIB] = calib
@@ -293,8 +299,7 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
                 recs, rec["on"] = rec["on"], None
                 prep, call = None, lambda recs=recs: [f(*a) for f, a in recs]
                 row["launches"] = len(recs)
-            ns = sorted(time_calls(prep, call, calls, sync))
-            row.update(us=ns[len(ns) // 2] / 1e3, p10=ns[len(ns) // 10] / 1e3)
+            row.update(us_row(time_calls(prep, call, calls, sync)))
             out.setdefault(f"T={t}", {})[kind] = row
         out[f"T={t}"][CALIB] = calib
     return out
@@ -321,8 +326,7 @@ def _calibration(device: str, calls: int, sync=None) -> dict:
 
     for _ in range(50):
         work()
-    ns = sorted(time_calls(None, work, max(calls, 100), sync))
-    return {"us": ns[len(ns) // 2] / 1e3, "p10": ns[len(ns) // 10] / 1e3}
+    return us_row(time_calls(None, work, max(calls, 100), sync))
 
 
 # ----------------------------------------------------------------------------- trees and the command line

@@ -53,12 +53,13 @@ def parse(spec: str) -> list[tuple[str, str]]:
     return out
 
 
-def probe(variants: list[tuple[str, str]], make, time_calls, calls: int, sync=None) -> dict:
+def probe(variants: list[tuple[str, str]], make, time_calls, us_row, calls: int, sync=None) -> dict:
     """``{label: {"T=..": {kind: row}}}`` for each variant: ``make()`` builds this process's buffer and its call
     sets (``{"T=..": {kind: (prep, call)}}``, calls already warmed) under the tables and ``EPCOMM_TUNE`` of
     the variant being made; ``time_calls(prep, call, 1, sync)`` times one call (``hostprobe.time_calls``).
-    Each row: ``us`` and ``p10`` of its own calls; a variant after the first also ``ratio`` and ``ratio_p10``
-    / ``ratio_p90``: its calls over the first variant's call of the same iteration."""
+    Each row: ``us_row`` of its own calls' nanoseconds (``hostprobe.us_row``: ``us``, ``p10``); a variant after
+    the first also ``ratio`` and ``ratio_p10`` / ``ratio_p90``: its calls over the first variant's call of the
+    same iteration."""
     tabs = tables()
     defaults = [dict(t) for t in tabs]
     env = os.environ.get("EPCOMM_TUNE")
@@ -81,8 +82,7 @@ def probe(variants: list[tuple[str, str]], make, time_calls, calls: int, sync=No
                         prep, call = made[label][tk][kind]
                         ns[label].extend(time_calls(prep, call, 1, sync))
                 for label in labels:
-                    s = sorted(ns[label])
-                    row = {"us": s[len(s) // 2] / 1e3, "p10": s[len(s) // 10] / 1e3}
+                    row = us_row(ns[label])
                     if label != labels[0]:
                         r = sorted(b / a for a, b in zip(ns[labels[0]], ns[label]))
                         row.update(ratio=statistics.median(r), ratio_p10=r[len(r) // 10], ratio_p90=r[len(r) * 9 // 10])
