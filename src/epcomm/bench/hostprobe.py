@@ -27,7 +27,10 @@ the buffers and calls are ``bench/probe_calls.py``'s), in one of three modes, ea
 - ``launches`` (a GPU, ``--api ll`` only: the HT and V2 kernels wait on counters each call advances, so
   their launches cannot be replayed outside their calls): one call's C launches, recorded, then replayed alone (the same idle GPU): what the
   call costs below Python. ``call`` minus ``launches`` is the Python on that host; ``python`` on that host
-  should agree.
+  should agree;
+- ``profile`` (a GPU; without one, the CPU rig): ``call``'s calls under ``cProfile``, each function's own time
+  per call, C functions (``torch.empty``, Triton's C launcher) included (``bench/probe_profile.py``), then the
+  ``us`` of the same calls unprofiled.
 
 Trees: ``--tree LABEL=PATH`` (repeatable) runs each mode in a subprocess per tree and round, importing
 epcomm from ``PATH/src`` (``git worktree add /tmp/wt-SHA SHA`` or ``git archive SHA src | tar -x -C DIR``
@@ -237,13 +240,13 @@ def record_launches() -> dict:
     return rec
 
 
-def _buffer(pc, api: str, mode: str, m: int, h: int, k: int, e: int):
-    """The probe's buffer for ``api`` (``bench/probe_calls.py``): on the CPU rig in ``python`` mode."""
+def _buffer(pc, api: str, rig: bool, m: int, h: int, k: int, e: int):
+    """The probe's buffer for ``api`` (``bench/probe_calls.py``): on the CPU rig where ``rig``."""
     if api == "v2":
-        return pc.v2_buffer(m, h, k, mode == "python")
+        return pc.v2_buffer(m, h, k, rig)
     if api == "ht":
-        return pc.ht_buffer(m, h, k, mode == "python")
-    return pc.cpu_buffer(m, h, e) if mode == "python" else pc.gpu_buffer(m, h, e)
+        return pc.ht_buffer(m, h, k, rig)
+    return pc.cpu_buffer(m, h, e) if rig else pc.gpu_buffer(m, h, e)
 
 
 def _calls(pc, api: str, buf, t: int, m: int, h: int, k: int, e: int, hook: bool) -> dict:
@@ -262,21 +265,22 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
     (a GPU: one call's C launches, recorded, then replayed alone). ``variants`` (``[(label, EPCOMM_TUNE)]``,
     ``python`` and ``call`` modes): ``{label: {"T=..": {kind: row}}}``, the variants' calls interleaved in this
     process (``bench/probe_variants.py``)."""
+    import torch
+
     rec = sync = None
-    if mode == "python":
+    rig = mode == "python" or (mode == "profile" and not torch.cuda.is_available())
+    if rig:
         install()
     else:
-        import torch
-
         sync = torch.cuda.synchronize
         if mode == "launches":
             rec = record_launches()
-    calib = _calibration("cpu" if mode == "python" else "cuda", calls, sync)
+    calib = _calibration("cpu" if rig else "cuda", calls, sync)
     m = max(tokens)
     pc = _own("bench", "probe_calls.py")
     if variants:
         def make():
-            buf = _buffer(pc, api, mode, m, h, k, e)
+            buf = _buffer(pc, api, rig, m, h, k, e)
             return {f"T={t}": _calls(pc, api, buf, t, m, h, k, e, hook) for t in tokens}
 
         out = _own("bench", "probe_variants.py").probe(variants, make, time_calls, us_row, calls, sync)
@@ -284,7 +288,7 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
             for kinds in rows.values():
                 kinds[CALIB] = calib
         return out
-    buf = _buffer(pc, api, mode, m, h, k, e)
+    buf = _buffer(pc, api, rig, m, h, k, e)
     out = {}
     for t in tokens:
         for kind, (prep, call) in _calls(pc, api, buf, t, m, h, k, e, hook).items():
@@ -299,6 +303,8 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
                 recs, rec["on"] = rec["on"], None
                 prep, call = None, lambda recs=recs: [f(*a) for f, a in recs]
                 row["launches"] = len(recs)
+            elif mode == "profile":
+                row["top"] = _own("bench", "probe_profile.py").profile(prep, call, calls, sync)
             row.update(us_row(time_calls(prep, call, calls, sync)))
             out.setdefault(f"T={t}", {})[kind] = row
         out[f"T={t}"][CALIB] = calib
@@ -354,7 +360,7 @@ def provenance(trees: list, here: str, modes: list[str]) -> dict:
 
     from . import report
 
-    gpu = any(m in ("call", "launches") for m in modes) and torch.cuda.is_available()
+    gpu = any(m in ("call", "launches", "profile") for m in modes) and torch.cuda.is_available()
     sha, dirty, where = report.commit_record()
     mine = os.path.realpath(here)
     return {
@@ -398,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m epcomm.bench.hostprobe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tree", action="append", default=[],
                     help="LABEL=PATH of a source tree (repeatable; default: this file's tree)")
-    ap.add_argument("--modes", default="python", help="python (CPU rig), call, launches (GPU): comma-separated")
+    ap.add_argument("--modes", default="python", help="python (CPU rig), call, launches (GPU), profile (GPU, else the "
+                    "rig): comma-separated")
     ap.add_argument("--tokens", default="1,128")
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--topk", type=int, default=8)
@@ -463,6 +470,11 @@ def main(argv: list[str] | None = None) -> int:
                         json.dump([{"tree": label_, "mode": mode_, "round": i, "rows": run, "env": env}
                                    for (label_, mode_), runs in res.items() for i, run in enumerate(runs)], f)
     sys.stdout.write("\n".join(_summary({k: v for k, v in res.items() if v})) + "\n")
+    for mode in modes:
+        if mode == "profile" and res.get((labels[0], mode)):
+            for label in labels:  # the last round of each tree
+                sys.stdout.write(f"profile, {label}, round {len(res[(label, mode)])}:\n" + "\n".join(
+                    _own("bench", "probe_profile.py").summary(res[(label, mode)][-1])) + "\n")
     if variants:
         for mode in modes:
             sys.stdout.write(f"paired ratios, {mode}:\n" + "\n".join(
