@@ -15,8 +15,7 @@ import torch
 
 from .. import elastic_layout as EL
 from ..kernels.launch import Direct, Launcher
-from .carve import Carve
-from .nvlink_params import TUNE, _aligned, _contiguous, _pow2
+from .nvlink_params import _aligned, _contiguous, _pow2
 
 BN = 128    # rows (or tokens) a program of the metadata kernels
 RB = 64     # ranks a step of the metadata kernels
@@ -144,29 +143,22 @@ class Kernels:
             if slot is not None and not slot and all(a is b for a, b in zip(given, (
                     rpm, recv_src_idx, recv_local, send_head, topk_idx, stats))):
                 slot.append((n, x_rows, plan))
-        go_rows, g_rows, go_layout, small, r_, (wide, rows_at), (ones, ones_at), carves = plan
+        go_rows, g_rows, go_layout, small, r_, (wide, rows_at), (ones, ones_at) = plan
         dev = recv_local.device
         part, ticket = self._counts_scratch(dev)
-        if carves is not None:  # (TUNE["alloc_blocks"]: one int32 and one int64 allocation)
-            ints, longs = carves
-            counts, psum, psum_rank, meta, dst = ints(dev)
-            got = longs(dev)
-            local, local_out, topk_copy = (None if i is None else got[i] for i in rows_at)
-            gid, source = got[ones_at[0]], (got[ones_at[1]] if expand else ones)
-        else:
-            small = torch.empty(small, dtype=torch.int32, device=dev)
-            counts, psum, psum_rank = small.split_with_sizes((le, le, r_))
-            meta = torch.empty(n, k + 2, dtype=torch.int32, device=dev)
-            dst = torch.empty(t, k, dtype=torch.int32, device=dev)
-            # the int64 outputs from two blocks, each part 16-byte aligned (pads where K is odd): rows of K ids
-            # (local, recv_topk_idx of a contiguous dispatch, the handle's copy of topk_idx), then gid and source
-            parts = torch.empty(wide[-1], k, dtype=torch.int64, device=dev).split_with_sizes(wide[:-1])
-            local, local_out, topk_copy = (None if i is None else parts[i] for i in rows_at)
-            if expand:
-                parts = torch.empty(ones[-1], dtype=torch.int64, device=dev).split_with_sizes(ones[:-1])
-                gid, source = parts[0], parts[ones_at[1]]
-            else:  # (no expanded rows: an empty source, the plan's, as the torch twin's; read by no one)
-                gid, source = torch.empty(n, dtype=torch.int64, device=dev), ones
+        small = torch.empty(small, dtype=torch.int32, device=dev)
+        counts, psum, psum_rank = small.split_with_sizes((le, le, r_))
+        meta = torch.empty(n, k + 2, dtype=torch.int32, device=dev)
+        dst = torch.empty(t, k, dtype=torch.int32, device=dev)
+        # the int64 outputs from two blocks, each part 16-byte aligned (pads where K is odd): rows of K ids
+        # (local, recv_topk_idx of a contiguous dispatch, the handle's copy of topk_idx), then gid and source
+        parts = torch.empty(wide[-1], k, dtype=torch.int64, device=dev).split_with_sizes(wide[:-1])
+        local, local_out, topk_copy = (None if i is None else parts[i] for i in rows_at)
+        if expand:
+            parts = torch.empty(ones[-1], dtype=torch.int64, device=dev).split_with_sizes(ones[:-1])
+            gid, source = parts[0], parts[ones_at[1]]
+        else:  # (no expanded rows: an empty source, the plan's, as the torch twin's; read by no one)
+            gid, source = torch.empty(n, dtype=torch.int64, device=dev), ones
         go_rows(g_rows, 1, 1, rpm, recv_src_idx, recv_local, local, local if expand else local_out, meta, gid,
                 counts, psum, psum_rank, stats if cum is not None else counts, topk_idx,
                 topk_copy if copy_topk else topk_idx, send_head, dst, part, ticket)
@@ -193,8 +185,7 @@ class Kernels:
     def _meta_plan(self, key: tuple):
         """``recv_meta``'s launches for ``key``, their sizes and grids resolved: ``(go_rows (17 tensors), its
         grid, go_layout (5 tensors; None: contiguous), size of the small int32 outputs, R, the int64 blocks'
-        parts, carves)``; with ``TUNE["alloc_blocks"]`` ``carves`` is ``(int32 Carve, int64 Carve)`` of every output
-        (``backends/carve.py``; the parts' indexes where the blocks' would be), else None."""
+        parts)``."""
         n, t, k, r_, le, m, me, alignment, x_rows, expand, has_cum, copy_topk = key[:12]
         assert le <= EL.MAX_LOCAL_EXPERTS, le  # (ElasticBuffer checks it): the counts' scratch holds them
         kp, rb, lep = _pow2(k), min(RB, _pow2(r_)), _pow2(le)
@@ -211,20 +202,9 @@ class Kernels:
             go_layout = self.bound("_expert_layout_kernel", lkey,
                                    dict(R=r_, K=k, LE=le, LEP=lep, KP=kp, BN=LBN, num_warps=16),
                                    (None, None, None, me, alignment, None, None, x_rows))
-        rows = (n, None if expand else n, t if copy_topk else None)
-        carves = None
-        if TUNE["alloc_blocks"]:  # every int32 output from one allocation, every int64 one from another
-            ints = Carve(torch.int32, [(le,), (le,), (r_,), (n, k + 2), (t, k)])
-            shapes = [(r, k) for r in rows if r is not None] + [(n,)] + ([(x_rows,)] if expand else [])
-            at = iter(range(len(shapes)))
-            rows_at = tuple(None if r is None else next(at) for r in rows)
-            gid_at = next(at)
-            return (go_rows, max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, go_layout, None, r_, (None, rows_at),
-                    (torch.empty(0, dtype=torch.int64, device=key[-2]), (gid_at, gid_at + 1)),
-                    (ints, Carve(torch.int64, shapes)))
         return (go_rows, max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, go_layout, 2 * le + r_, r_,
-                _parts(rows, k),
-                _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=key[-2]), 0), carves)
+                _parts((n, None if expand else n, t if copy_topk else None), k),
+                _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=key[-2]), 0))
 
     def bound(self, name: str, key: tuple, consts: dict, template: tuple):
         """``go(gx, gy, gz, *tensors)``: kernel ``name`` with ``template``'s fixed arguments and the

@@ -31,7 +31,6 @@ from ..kernels.ht_layout import chunking, fused_words, scratch_words
 from ..kernels.launch import Direct, Ptr
 from ..layout import DispatchHandle
 from .base import DispatchArgs, DispatchResult, bad_expert_id
-from .carve import Carve
 from .nvlink_params import (
     C_MAX,
     DRECV,
@@ -262,36 +261,18 @@ class HTDispatch:
         if scratch_rows:
             keep_k = self._scratch("recv_topk_idx", (scratch_rows, k), torch.int64) if has_topk else None
             keep_cp = self._scratch("channel_prefix_matrices", (2, r_, c), i32).unbind(0)
-        # TUNE["alloc_blocks"]: the call's int32 tensors (the channel matrices where not kept, the rank prefix
-        # matrix, send_head, and with num_worst_tokens recv_src_idx) from one allocation, and with
-        # num_worst_tokens its float32 ones (scales, weights) from another (backends/carve.py)
-        ints = flts = None
-        if TUNE["alloc_blocks"]:
-            ints = Carve(i32, ([(r_, c), (r_, c)] if keep_cp is None else []) + [(r_, r_), (t, r_)]
-                         + ([(n_worst,)] if n_worst else []))
-            if n_worst and (has_s or has_topk):
-                flts = Carve(f32, ([(n_worst, g)] if has_s else []) + ([(n_worst, k)] if has_topk else []))
 
         def run(x, scales, topk, w, ntpr, is_in, ntpe):
             if err_view[0]:
                 self._check_error()
             self._call_sms = num_sms  # the call's Config.num_sms bounds every grid of the call
-            out_src = None
-            if ints is not None:
-                parts = ints(dev)
-                if keep_cp is None:
-                    cpm, recv_cp, rpm, send_head, *out_src = parts
-                else:
-                    (cpm, recv_cp), (rpm, send_head, *out_src) = keep_cp, parts
-                out_src = out_src[0] if out_src else None
+            if keep_cp is None:
+                cpm = torch.empty(r_, c, dtype=i32, device=dev)
+                recv_cp = torch.empty(r_, c, dtype=i32, device=dev)
             else:
-                if keep_cp is None:
-                    cpm = torch.empty(r_, c, dtype=i32, device=dev)
-                    recv_cp = torch.empty(r_, c, dtype=i32, device=dev)
-                else:
-                    cpm, recv_cp = keep_cp
-                rpm = torch.empty(r_, r_, dtype=i32, device=dev)
-                send_head = torch.empty(t, r_, dtype=i32, device=dev)
+                cpm, recv_cp = keep_cp
+            rpm = torch.empty(r_, r_, dtype=i32, device=dev)
+            send_head = torch.empty(t, r_, dtype=i32, device=dev)
             if fused:  # (the kernel writes it; the handle keeps it)
                 is_in = torch.empty(t, r_, dtype=torch.bool, device=dev)
                 nargs = (is_in, cpm, rpm, recv_cp, send_head, topk)
@@ -321,18 +302,13 @@ class HTDispatch:
                     bad_id = bad_expert_id(self, err_view.tolist())
                 host_col, n_rows, lst = _host_counts(host_view, r_, lx, me, alignment)
             out_x = torch.empty(n_rows, h, dtype=x_dtype, device=dev)
-            if flts is not None:
-                fl = flts(dev)
-                out_s, out_w = (fl[0] if has_s else None), (fl[-1] if has_topk else None)
-            else:
-                out_s = torch.empty(n_rows, g, dtype=f32, device=dev) if has_s else None
-                out_w = torch.empty(n_rows, k, dtype=f32, device=dev) if has_topk else None
+            out_s = torch.empty(n_rows, g, dtype=f32, device=dev) if has_s else None
             if keep_k is not None and n_rows <= scratch_rows:  # (more rows: peers with a larger M; fresh ones)
                 out_k = keep_k if n_rows == scratch_rows else keep_k[:n_rows]
             else:
                 out_k = torch.empty(n_rows, k, dtype=torch.int64, device=dev) if has_topk else None
-            if out_src is None:
-                out_src = torch.empty(n_rows, dtype=i32, device=dev)
+            out_w = torch.empty(n_rows, k, dtype=f32, device=dev) if has_topk else None
+            out_src = torch.empty(n_rows, dtype=i32, device=dev)
             gather(self._gather_grid(push, n_rows), x, *((scales,) if has_s else ()),
                    *((topk, w) if has_topk else ()), n_rows, out_x, *((out_s,) if has_s else ()),
                    *((out_k, out_w) if has_topk else ()), out_src, *((is_in,) if push else ()))
