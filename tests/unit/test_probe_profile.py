@@ -43,3 +43,29 @@ def test_the_probe_profiles_each_kind_on_the_cpu_rig(monkeypatch):
     for kind, row in out["T=1"].items():
         if kind != hostprobe.CALIB:
             assert row["top"][-1]["fn"] == "(all)" and row["us"] > 0, kind
+
+
+def test_before_bench_runs_what_the_bench_runs_before_an_eager_call(monkeypatch):
+    """``hostprobe --before bench``: before each call the bench's own barrier and start (``bench/timing``), then
+    an event: the order the bench's eager loop has (fails if the probe's sequence differs)."""
+    import torch.distributed as dist
+
+    from epcomm.bench import hostprobe, timing
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(timing, "make_barrier", lambda group, dev: lambda: seen.append("barrier"))
+    monkeypatch.setattr(timing, "make_start", lambda group, dev, graphs: (
+        lambda: seen.append(f"start graphs={graphs}")))
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            seen.append("event")
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(dist, "group", type("G", (), {"WORLD": object()}))
+    before = hostprobe.bench_position()
+    hostprobe.time_calls(None, lambda: seen.append("call"), 2, before)
+    assert seen == ["barrier", "start graphs=False", "event", "call"] * 2

@@ -258,13 +258,33 @@ def _calls(pc, api: str, buf, t: int, m: int, h: int, k: int, e: int, hook: bool
     return made
 
 
+def bench_position():
+    """What ``epcomm bench`` runs before each eager call it times (``bench/timing.measure``: its barrier, its start
+    (a one-element ``all_reduce``), then a timing event recorded) on the default group; ``--before bench``."""
+    import torch
+    import torch.distributed as dist
+
+    from epcomm.bench import timing
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    barrier, start = timing.make_barrier(dist.group.WORLD, dev), timing.make_start(dist.group.WORLD, dev, False)
+
+    def before() -> None:
+        barrier()
+        start()
+        torch.cuda.Event(enable_timing=True).record()
+    return before
+
+
 def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: int = 256, calls: int = 2000,
-          hook: bool = False, api: str = "ll", variants: list | None = None) -> dict:
+          hook: bool = False, api: str = "ll", variants: list | None = None, before: str = "sync") -> dict:
     """This process's epcomm, every call kind at each token count: ``{"T=..": {kind: row}}``. ``mode``:
     ``python`` (the CPU rig: the calls' Python, counted too), ``call`` (a GPU: whole calls) or ``launches``
     (a GPU: one call's C launches, recorded, then replayed alone). ``variants`` (``[(label, EPCOMM_TUNE)]``,
     ``python`` and ``call`` modes): ``{label: {"T=..": {kind: row}}}``, the variants' calls interleaved in this
-    process (``bench/probe_variants.py``)."""
+    process (``bench/probe_variants.py``). ``before`` (GPU modes): what runs, untimed, before each call: ``sync``
+    (``torch.cuda.synchronize``) or ``bench`` (:func:`bench_position`: what ``epcomm bench`` runs before an eager
+    call; the calibration row too)."""
     import torch
 
     rec = sync = None
@@ -275,6 +295,13 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
         sync = torch.cuda.synchronize
         if mode == "launches":
             rec = record_launches()
+        if before == "bench":
+            import torch.distributed as dist
+
+            if not dist.is_initialized():  # (as bench/probe_calls.py makes it: the buffers then take this one)
+                torch.cuda.set_device(0)
+                dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+            sync = bench_position()
     calib = _calibration("cpu" if rig else "cuda", calls, sync)
     m = max(tokens)
     pc = _own("bench", "probe_calls.py")
@@ -419,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", help="LABEL=EPCOMM_TUNE;LABEL=EPCOMM_TUNE...: the variants' calls interleaved "
                     "call by call in one process per round and mode, with their paired ratios "
                     "(bench/probe_variants.py; one tree)")
+    ap.add_argument("--before", default="sync", choices=("sync", "bench"),
+                    help="GPU modes: what runs untimed before each call: sync (torch.cuda.synchronize), or bench "
+                         "(what epcomm bench runs before an eager call: a barrier, a one-element all_reduce, an event)")
     ap.add_argument("--json", help="write every round's rows here")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # a child's one mode
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -431,14 +461,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         ap.error(str(err))
     kw = {"tokens": tuple(int(s) for s in a.tokens.split(",")), "h": a.hidden, "k": a.topk, "e": a.experts,
-          "calls": a.calls, "hook": a.hook, "api": a.api, "variants": variants}
+          "calls": a.calls, "hook": a.hook, "api": a.api, "variants": variants,
+          "before": a.before}
     if a.child:
         sys.stdout.write(json.dumps(probe(a.mode, **kw)) + "\n")  # (the parent reads this last line)
         return 0
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(ME))))
     trees = [s.split("=", 1) if "=" in s else (s, s) for s in a.tree] or [("here", here)]
     fwd = ["--tokens", a.tokens, "--hidden", str(a.hidden), "--topk", str(a.topk), "--experts", str(a.experts),
-           "--calls", str(a.calls), "--api", a.api] + (["--hook"] if a.hook else [])
+           "--calls", str(a.calls), "--api", a.api, "--before", a.before] + (["--hook"] if a.hook else [])
     modes = a.modes.split(",")
     if variants:
         if len(trees) != 1 or "launches" in modes:
