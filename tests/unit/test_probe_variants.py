@@ -82,3 +82,27 @@ def test_cli_refuses_variants_with_two_trees(capsys, tmp_path):
         hostprobe.main(["--modes", "python", "--variants", "a=;b=gather_rb=8", "--tree", f"x={tmp_path}",
                         "--tree", f"y={tmp_path}"])
     assert e.value.code == 2 and "--variants takes one tree" in capsys.readouterr().err
+
+
+def test_each_variant_runs_after_its_own_sync(monkeypatch):
+    """``syncs`` (``hostprobe --before sync,bench``: one code in two positions): every call of a variant runs right
+    after that variant's own ``sync``, and the pairs alternate as for TUNE variants."""
+    monkeypatch.delenv("EPCOMM_TUNE", raising=False)
+    last, seen = [], []
+
+    def make():
+        return {"T=1": {"dc": (None, lambda: seen.append(last[-1]))}}
+
+    syncs = {"sync": lambda: last.append("sync"), "bench": lambda: last.append("bench")}
+    out = pv.probe([("sync", ""), ("bench", "")], make, hostprobe.time_calls, hostprobe.us_row, 4, syncs=syncs)
+    assert seen == ["sync", "bench", "bench", "sync", "sync", "bench", "bench", "sync"]
+    assert "ratio" in out["bench"]["T=1"]["dc"]
+
+
+def test_the_probe_takes_two_positions_as_variants(monkeypatch):
+    """``probe(before="sync,bench")`` (on the CPU rig both positions are the rig's): rows for both labels, the
+    second with its paired ratio."""
+    real = hostprobe.install
+    monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
+    out = hostprobe.probe("python", tokens=(1,), calls=3, api="ll", before="sync,bench")
+    assert set(out) == {"sync", "bench"} and "ratio" in out["bench"]["T=1"]["dispatch"]

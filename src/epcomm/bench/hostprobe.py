@@ -284,7 +284,8 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
     ``python`` and ``call`` modes): ``{label: {"T=..": {kind: row}}}``, the variants' calls interleaved in this
     process (``bench/probe_variants.py``). ``before`` (GPU modes): what runs, untimed, before each call: ``sync``
     (``torch.cuda.synchronize``) or ``bench`` (:func:`bench_position`: what ``epcomm bench`` runs before an eager
-    call; the calibration row too)."""
+    call; the calibration row too); ``sync,bench``: both, as two variants of one code (labels ``sync`` and
+    ``bench``), each call of one paired with the other's next to it."""
     import torch
 
     rec = sync = None
@@ -295,13 +296,18 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
         sync = torch.cuda.synchronize
         if mode == "launches":
             rec = record_launches()
-        if before == "bench":
-            import torch.distributed as dist
+    positions = before.split(",")
+    syncs = {p: sync for p in positions}
+    if not rig and "bench" in positions:
+        import torch.distributed as dist
 
-            if not dist.is_initialized():  # (as bench/probe_calls.py makes it: the buffers then take this one)
-                torch.cuda.set_device(0)
-                dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-            sync = bench_position()
+        if not dist.is_initialized():  # (as bench/probe_calls.py makes it: the buffers then take this one)
+            torch.cuda.set_device(0)
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        syncs["bench"] = bench_position()
+    sync = syncs[positions[0]]
+    if len(positions) > 1:  # one code, the calls in two positions, paired as variants are
+        variants = [(p, "") for p in positions]
     calib = _calibration("cpu" if rig else "cuda", calls, sync)
     m = max(tokens)
     pc = _own("bench", "probe_calls.py")
@@ -310,7 +316,8 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
             buf = _buffer(pc, api, rig, m, h, k, e)
             return {f"T={t}": _calls(pc, api, buf, t, m, h, k, e, hook) for t in tokens}
 
-        out = _own("bench", "probe_variants.py").probe(variants, make, time_calls, us_row, calls, sync)
+        out = _own("bench", "probe_variants.py").probe(variants, make, time_calls, us_row, calls, sync,
+                                                        syncs if len(positions) > 1 else None)
         for rows in out.values():
             for kinds in rows.values():
                 kinds[CALIB] = calib
@@ -446,9 +453,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", help="LABEL=EPCOMM_TUNE;LABEL=EPCOMM_TUNE...: the variants' calls interleaved "
                     "call by call in one process per round and mode, with their paired ratios "
                     "(bench/probe_variants.py; one tree)")
-    ap.add_argument("--before", default="sync", choices=("sync", "bench"),
+    ap.add_argument("--before", default="sync", choices=("sync", "bench", "sync,bench"),
                     help="GPU modes: what runs untimed before each call: sync (torch.cuda.synchronize), or bench "
-                         "(what epcomm bench runs before an eager call: a barrier, a one-element all_reduce, an event)")
+                         "(what epcomm bench runs before an eager call: a barrier, a one-element all_reduce, an "
+                         "event); sync,bench: both in one process, paired as --variants are")
     ap.add_argument("--json", help="write every round's rows here")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # a child's one mode
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -475,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
         if len(trees) != 1 or "launches" in modes:
             ap.error("--variants takes one tree and the modes python and call")
         fwd += ["--variants", a.variants]
+    if "," in a.before:
+        if variants or len(trees) != 1 or set(modes) - {"call"}:
+            ap.error("--before sync,bench takes one tree, the mode call and no --variants")
+        variants = [(p, "") for p in a.before.split(",")]
     if "launches" in modes and a.api != "ll":
         # a high-throughput or V2 call's kernels wait on counters that each call advances (the exchange, the
         # transport): replayed outside their calls they wait for arrivals that never come and write garbage

@@ -53,13 +53,14 @@ def parse(spec: str) -> list[tuple[str, str]]:
     return out
 
 
-def probe(variants: list[tuple[str, str]], make, time_calls, us_row, calls: int, sync=None) -> dict:
+def probe(variants: list[tuple[str, str]], make, time_calls, us_row, calls: int, sync=None, syncs=None) -> dict:
     """``{label: {"T=..": {kind: row}}}`` for each variant: ``make()`` builds this process's buffer and its call
     sets (``{"T=..": {kind: (prep, call)}}``, calls already warmed) under the tables and ``EPCOMM_TUNE`` of
     the variant being made; ``time_calls(prep, call, 1, sync)`` times one call (``hostprobe.time_calls``).
     Each row: ``us_row`` of its own calls' nanoseconds (``hostprobe.us_row``: ``us``, ``p10``); a variant after
     the first also ``ratio`` and ``ratio_p10`` / ``ratio_p90``: its calls over the first variant's call of the
-    same iteration."""
+    same iteration. ``syncs`` (``{label: sync}``): each variant's own ``sync`` (``hostprobe --before sync,bench``:
+    one code, two positions of the call)."""
     tabs = tables()
     defaults = [dict(t) for t in tabs]
     env = os.environ.get("EPCOMM_TUNE")
@@ -80,7 +81,7 @@ def probe(variants: list[tuple[str, str]], make, time_calls, us_row, calls: int,
                     for label in (labels if i % 2 == 0 else labels[::-1]):
                         _set(tabs, state[label])
                         prep, call = made[label][tk][kind]
-                        ns[label].extend(time_calls(prep, call, 1, sync))
+                        ns[label].extend(time_calls(prep, call, 1, syncs[label] if syncs else sync))
                 for label in labels:
                     row = us_row(ns[label])
                     if label != labels[0]:
