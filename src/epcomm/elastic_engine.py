@@ -133,7 +133,7 @@ class DispatchState:
 
 
 def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, num_sms, expand, sync, zero_pad,
-                  tma_sf, cum_stats, handle_copy):
+                  tma_sf, cum_stats, handle_copy, capturing: bool = False):
     """A fresh dispatch of this kind on ``eb``'s backend: ``run(x, sf, topk_idx, topk_weights, cum_stats,
     before_epilogue) -> (recv_x, recv_sf, recv_topk_idx, recv_topk_weights, the handle's fields (a tuple, in
     ``EPHandle``'s order after its kind), DispatchState)`` for every call like this one (the same shapes,
@@ -141,9 +141,9 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     depends on no value or address is resolved once: the payload's kind, the ``Config``, the worst-case
     sizes, and on a backend that plans its dispatches (``dispatch_run``) its plan, whose transient tensors
     (the layout's counts, the received ids before ``recv_meta`` reads them, the channel matrices no V2 call
-    reads) are its scratch, not allocations. Where the backend ``fuses_layout`` (nvlink, ``TUNE
-    ["v2_fused_layout"]``) that plan computes the layout in its exchange kernel: a call after the first launches
-    no layout kernel."""
+    reads) are its scratch, not allocations. Where the backend ``fuses_layout`` (nvlink: by default for calls not
+    ``capturing`` into a CUDA graph, ``TUNE["v2_fused_eager"]``) that plan computes the layout in its exchange
+    kernel: a call after the first launches no layout kernel."""
     be, r_, me, kern = eb._backend, eb.num_ranks, eb.rank_idx, eb._kernels
     t, k = topk_idx.shape
     le = num_experts // r_
@@ -151,7 +151,7 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     probe = Payload(x, sf, rows=False)  # (its kind: the plan keeps no caller's tensor)
     lay = getattr(be, "dispatch_layout", None)  # a backend's layout kernel, as Buffer.get_dispatch_layout uses
     plans = getattr(be, "dispatch_run", None)
-    fused = plans is not None and getattr(be, "fuses_layout", bool)()  # (the plan makes the layout itself)
+    fused = plans is not None and hasattr(be, "fuses_layout") and be.fuses_layout(capturing)  # (the plan's layout)
     config = eb._configs.get(num_sms)
     if config is None:
         config = eb._configs[num_sms] = Config.default_dispatch(r_, EL.align(max(num_sms, 2), 2))

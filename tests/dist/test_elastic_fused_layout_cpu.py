@@ -1,9 +1,13 @@
-"""Tier 2: ``ElasticBuffer``'s dispatch with its layout made in the exchange kernel (``EPCOMM_TUNE=v2_fused_layout=1``:
+"""Tier 2: ``ElasticBuffer``'s dispatch with its layout made in the exchange kernel (``EPCOMM_TUNE=v2_fused_layout=1``, and
+by default for calls not captured into a CUDA graph, ``v2_fused_eager``:
 ``HTDispatch.fuses_layout``, ``kernels/ht_layout.layout_tiles``) on the nvlink backend, 2 CPU ranks (Triton kernels
 under the interpreter, symmetric memory simulated: ``epcomm.testing.cpu_nvlink``), against the oracles of
 ``epcomm.testing.elastic_cases`` as ``test_elastic_backends_cpu.py`` checks the default: dispatch bitwise, contiguous
 and expanded, CPU sync and worst-case shapes, BF16 and FP8 with opaque packs, cached replays, a second dispatch;
 combine bitwise with biases and weights back. Every fresh dispatch plan made is a fused one.
+
+The plans a capture makes (``v2_fused_eager=0``: unfused) against the same oracles, and with the defaults a dispatch
+made while capturing gets an unfused plan, the same dispatch eagerly a fused one, both the oracle's rows.
 
 And the host budget in that mode: each fresh dispatch kind launches one kernel fewer than by default (no layout
 kernel) and does no more torch calls, allocations or host reads; every other kind does the same work. Both
@@ -46,8 +50,59 @@ def _check_fused(ctx, tag):
     assert made and all(made), f"dispatch plans made (fused or not): {made}"
 
 
+def _recording():
+    """``HTDispatch._make_dispatch`` wrapped: ``(made, undo)``, ``made`` the ``fused`` flag of every plan made."""
+    from epcomm.backends.ht_dispatch import HTDispatch
+
+    made = []
+    make = HTDispatch._make_dispatch
+
+    def recording(self, key, a, push, ce, scratch_rows=0, fused=False):
+        made.append(fused)
+        return make(self, key, a, push, ce, scratch_rows, fused)
+
+    HTDispatch._make_dispatch = recording
+    return made, lambda: setattr(HTDispatch, "_make_dispatch", make)
+
+
+def _check_unfused(ctx, tag):
+    """The checks with no fused layout (``v2_fused_eager=0``: the plans a CUDA-graph capture makes by default)."""
+    _on_backend(ctx, tag, "nvlink")
+    os.environ["EPCOMM_TUNE"] = "v2_fused_layout=0,v2_fused_eager=0"  # (the table keeps an earlier check's values)
+    made, undo = _recording()
+    try:
+        assert _run(ctx, tag, "nvlink", 0) == (1, 2)
+    finally:
+        undo()
+    assert made and not any(made), f"dispatch plans made (fused or not): {made}"
+
+
+def _check_capture_picks_unfused(ctx, tag):
+    """By default a dispatch made while a graph is captured (``_validate.is_capturing``, made True here: there
+    are no graphs on CPU) plans without the fused layout, the same dispatch made eagerly with it: two plans of
+    one kind, each giving the oracle's rows."""
+    OnBackend = _on_backend(ctx, tag, "nvlink")
+    from epcomm import _validate as V
+    from epcomm.testing import elastic_cases as C
+
+    os.environ["EPCOMM_TUNE"] = "v2_fused_layout=0,v2_fused_eager=1"  # the defaults
+    case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=3, num_experts=8, seed=7)
+    buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
+    made, undo = _recording()
+    real = V.is_capturing
+    try:
+        V.is_capturing = lambda device: True
+        C.check_dispatch(buf, case, ctx.rank, "bf16", False, 1, False)
+        V.is_capturing = real
+        C.check_dispatch(buf, case, ctx.rank, "bf16", False, 1, False)
+    finally:
+        V.is_capturing = real
+        undo()
+    assert made[0] is False and True in made[1:], f"dispatch plans made (fused or not): {made}"
+
+
 def _check_host_budget(ctx, tag):
-    os.environ["EPCOMM_TUNE"] = "v2_fused_layout=0"
+    os.environ["EPCOMM_TUNE"] = "v2_fused_layout=0,v2_fused_eager=0"
     base = _host_budget(ctx, tag)
     os.environ["EPCOMM_TUNE"] = FUSED
     got = _host_budget(ctx, tag)
@@ -59,12 +114,13 @@ def _check_host_budget(ctx, tag):
         assert all(g <= m for g, m in zip((ops, meta, allocs, syncs), (b[0], b[1], b[2], b[4]))), (kind, got[kind], b)
 
 
-CHECKS = ["fused", "host-budget"]
+CHECKS = ["fused", "unfused", "capture", "host-budget"]
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 
 def _rank(ctx, tag):
-    one = {"fused": _check_fused, "host-budget": _check_host_budget}
+    one = {"fused": _check_fused, "unfused": _check_unfused, "capture": _check_capture_picks_unfused,
+           "host-budget": _check_host_budget}
     return harness.run_checks(ctx, [(name, lambda ctx, f=one[name]: f(ctx, tag)) for name in CHECKS], env={})
 
 
