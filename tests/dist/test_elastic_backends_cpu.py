@@ -225,18 +225,42 @@ def _check_plans(ctx, tag):
     assert dropped() is None, "a plan keeps its first call's x alive"
 
 
+def _with_native(how: str, fn):
+    """``fn()`` with ``EPCOMM_NATIVE=how`` (read when a plan is made), put back after."""
+    before = os.environ.get("EPCOMM_NATIVE")
+    os.environ["EPCOMM_NATIVE"] = how
+    try:
+        return fn()
+    finally:
+        if before is None:
+            os.environ.pop("EPCOMM_NATIVE", None)
+        else:
+            os.environ["EPCOMM_NATIVE"] = before
+
+
+def _check_native(ctx, tag):
+    """The nvlink checks with every planned output made by the C++ extension (``native.Outputs``; on CPU with
+    ``EPCOMM_NATIVE=all``): the backend's dispatch, layout, cached dispatch and combine, ``recv_meta``."""
+    from epcomm import native
+
+    assert native.module() is not None, f"the native extension was not built: {native._state.get('why')}"
+    assert _run(ctx, tag, "nvlink", 0) == (1, 2)
+
+
 # The checks of a world size run in one launch (a launch costs seconds of process start and imports), one test
 # each; each builds its own buffers (EPCOMM_GPUS_PER_NODE is read when one is built).
-CHECKS = {2: ["nvlink", "internode-direct", "host-budget", "plans"], 4: ["internode-hierarchical"]}
+CHECKS = {2: ["nvlink", "nvlink-native", "internode-direct", "host-budget", "plans"], 4: ["internode-hierarchical"]}
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 
 def _rank(ctx, tag):
     def one(name):
-        if name == "host-budget":
-            return lambda ctx: _check_host_budget(ctx, tag)
         if name == "plans":
             return lambda ctx: _check_plans(ctx, tag)
+        if name == "nvlink-native":
+            return lambda ctx: _with_native("all", lambda: _check_native(ctx, tag))
+        if name == "host-budget":
+            return lambda ctx: _with_native("1", lambda: _check_host_budget(ctx, tag))
         backend, _, gpus_per_node, domain = BACKENDS[name]
 
         def run(ctx):

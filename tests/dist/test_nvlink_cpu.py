@@ -67,6 +67,10 @@ def _ht(ctx, cpu_nvlink):
     assert fast.backend_name == "nvlink" and ref.backend_name == "reference"
     transfer = os.environ.get("EPCOMM_HT_TRANSFER", "sm")
     assert fast._backend.transfer == transfer, (fast._backend.transfer, transfer)  # the variant took effect
+    if os.environ.get("EPCOMM_NATIVE") == "all":
+        from epcomm import native
+
+        assert native.module() is not None, f"the native extension was not built: {native._state.get('why')}"
     r = ctx.world_size
     cases = [Case(num_ranks=r, tokens=tuple(5 + 3 * i for i in range(r)), hidden=128, num_topk=4,
                   num_experts=4 * r, seed=1),
@@ -88,6 +92,8 @@ HT_VARIANTS = {
     "variants": (CE, {"ce_chunks": 1, "gather_one_load": True, "gather_rb": 4, "gather_prefetch": True,  # tuning
                       "notify_first": True}),
     "copy-flag": ({**CE, "EPCOMM_TUNE": "ce_flag=copy,ce_chunks=2"}, {}),  # flags raised by copies of their value
+    # every output of the plans (layout, dispatch, cached dispatch, combine) made by the C++ extension (native.py)
+    "native-outputs": ({"EPCOMM_HT_TRANSFER": "sm", "EPCOMM_NATIVE": "all"}, {}),
 }
 
 

@@ -15,7 +15,9 @@ import torch
 
 from .. import elastic_layout as EL
 from ..kernels.launch import Direct, Launcher
-from .nvlink_params import _aligned, _contiguous, _pow2
+from .. import native
+from ..native import ROWS, Outputs
+from .nvlink_params import TUNE, _aligned, _contiguous, _pow2
 
 BN = 128    # rows (or tokens) a program of the metadata kernels
 RB = 64     # ranks a step of the metadata kernels
@@ -71,6 +73,15 @@ def _parts(rows: tuple, k: int) -> tuple[list, tuple]:
         at.append(len(sizes))
         sizes.append(r)
     return sizes + [sum(sizes)], tuple(at)
+
+
+def _spread(made: tuple, rows_at: tuple) -> tuple:
+    """``native.Outputs``' tuple of ``recv_meta`` (counts, psum, psum_rank, meta, dst, the row blocks present
+    (``rows_at``: local, local_out, topk_copy; None where absent), gid[, source]) -> ten, None where absent."""
+    head, rest = made[:5], list(made[5:])
+    blocks = tuple(None if i is None else rest.pop(0) for i in rows_at)
+    gid = rest.pop(0)
+    return (*head, *blocks, gid, rest[0] if rest else None)
 
 
 def _kernel(name: str):
@@ -143,22 +154,27 @@ class Kernels:
             if slot is not None and not slot and all(a is b for a, b in zip(given, (
                     rpm, recv_src_idx, recv_local, send_head, topk_idx, stats))):
                 slot.append((n, x_rows, plan))
-        go_rows, g_rows, go_layout, small, r_, (wide, rows_at), (ones, ones_at) = plan
+        go_rows, g_rows, go_layout, small, r_, (wide, rows_at), (ones, ones_at), outs = plan
         dev = recv_local.device
         part, ticket = self._counts_scratch(dev)
-        small = torch.empty(small, dtype=torch.int32, device=dev)
-        counts, psum, psum_rank = small.split_with_sizes((le, le, r_))
-        meta = torch.empty(n, k + 2, dtype=torch.int32, device=dev)
-        dst = torch.empty(t, k, dtype=torch.int32, device=dev)
-        # the int64 outputs from two blocks, each part 16-byte aligned (pads where K is odd): rows of K ids
-        # (local, recv_topk_idx of a contiguous dispatch, the handle's copy of topk_idx), then gid and source
-        parts = torch.empty(wide[-1], k, dtype=torch.int64, device=dev).split_with_sizes(wide[:-1])
-        local, local_out, topk_copy = (None if i is None else parts[i] for i in rows_at)
-        if expand:
-            parts = torch.empty(ones[-1], dtype=torch.int64, device=dev).split_with_sizes(ones[:-1])
-            gid, source = parts[0], parts[ones_at[1]]
-        else:  # (no expanded rows: an empty source, the plan's, as the torch twin's; read by no one)
-            gid, source = torch.empty(n, dtype=torch.int64, device=dev), ones
+        if outs is not None:  # (TUNE["native_alloc"]: every output in one C++ call, native.Outputs)
+            counts, psum, psum_rank, meta, dst, local, local_out, topk_copy, gid, source = _spread(
+                outs(x_rows), rows_at)
+            source = source if expand else ones
+        else:
+            small = torch.empty(small, dtype=torch.int32, device=dev)
+            counts, psum, psum_rank = small.split_with_sizes((le, le, r_))
+            meta = torch.empty(n, k + 2, dtype=torch.int32, device=dev)
+            dst = torch.empty(t, k, dtype=torch.int32, device=dev)
+            # the int64 outputs from two blocks, each part 16-byte aligned (pads where K is odd): rows of K ids
+            # (local, recv_topk_idx of a contiguous dispatch, the handle's copy of topk_idx), then gid and source
+            parts = torch.empty(wide[-1], k, dtype=torch.int64, device=dev).split_with_sizes(wide[:-1])
+            local, local_out, topk_copy = (None if i is None else parts[i] for i in rows_at)
+            if expand:
+                parts = torch.empty(ones[-1], dtype=torch.int64, device=dev).split_with_sizes(ones[:-1])
+                gid, source = parts[0], parts[ones_at[1]]
+            else:  # (no expanded rows: an empty source, the plan's, as the torch twin's; read by no one)
+                gid, source = torch.empty(n, dtype=torch.int64, device=dev), ones
         go_rows(g_rows, 1, 1, rpm, recv_src_idx, recv_local, local, local if expand else local_out, meta, gid,
                 counts, psum, psum_rank, stats if cum is not None else counts, topk_idx,
                 topk_copy if copy_topk else topk_idx, send_head, dst, part, ticket)
@@ -185,7 +201,8 @@ class Kernels:
     def _meta_plan(self, key: tuple):
         """``recv_meta``'s launches for ``key``, their sizes and grids resolved: ``(go_rows (17 tensors), its
         grid, go_layout (5 tensors; None: contiguous), size of the small int32 outputs, R, the int64 blocks'
-        parts)``."""
+        parts, outs)``: ``outs`` a ``native.Outputs`` of every output with ``TUNE["native_alloc"]`` on a GPU, else
+        None."""
         n, t, k, r_, le, m, me, alignment, x_rows, expand, has_cum, copy_topk = key[:12]
         assert le <= EL.MAX_LOCAL_EXPERTS, le  # (ElasticBuffer checks it): the counts' scratch holds them
         kp, rb, lep = _pow2(k), min(RB, _pow2(r_)), _pow2(le)
@@ -202,9 +219,17 @@ class Kernels:
             go_layout = self.bound("_expert_layout_kernel", lkey,
                                    dict(R=r_, K=k, LE=le, LEP=lep, KP=kp, BN=LBN, num_warps=16),
                                    (None, None, None, me, alignment, None, None, x_rows))
+        rows = (n, None if expand else n, t if copy_topk else None)
+        dev = key[-2]
+        outs = None
+        if native.wanted(dev, TUNE["native_alloc"]):  # (x_rows: the call's, which a synchronised one reads)
+            i32, i64 = torch.int32, torch.int64
+            outs = Outputs(dev, [((le,), i32), ((le,), i32), ((r_,), i32), ((n, k + 2), i32), ((t, k), i32)]
+                           + [((r, k), i64) for r in rows if r is not None] + [((n,), i64)]
+                           + ([((ROWS,), i64)] if expand else []), True)
         return (go_rows, max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, go_layout, 2 * le + r_, r_,
-                _parts((n, None if expand else n, t if copy_topk else None), k),
-                _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=key[-2]), 0))
+                _parts(rows, k),
+                _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=dev), 0), outs)
 
     def bound(self, name: str, key: tuple, consts: dict, template: tuple):
         """``go(gx, gy, gz, *tensors)``: kernel ``name`` with ``template``'s fixed arguments and the

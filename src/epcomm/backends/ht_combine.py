@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import native
 from ..kernels.launch import Direct
 from ..layout import DispatchHandle
+from ..native import Outputs
 from .nvlink_params import (CRECV, CSEND, NC, T_CPUSH, T_REDUCE, TIMER, TUNE, _aligned, _contiguous, _pow2,
                             reduce_stages)
 
@@ -76,6 +78,8 @@ class HTCombine:
         go = Direct(self.k[name].prepared(key, consts), tmpl, holes)
         f32, bf16 = torch.float32, torch.bfloat16
         err_view = self._err_view
+        outs = Outputs(dev, [((t, h), bf16)] + ([((t, k), f32)] if has_w else []), True) \
+            if native.wanted(dev, TUNE["native_alloc"]) else None
 
         def run(x, handle, w, bias):
             if err_view[0]:
@@ -85,8 +89,11 @@ class HTCombine:
             n = x.shape[0]
             if not fused and r_ > 1:
                 self._combine_send(x, w, k, h, rpm, getattr(rpm, "_epcomm_host_col", None), lay)
-            out = torch.empty(t, h, dtype=bf16, device=dev)
-            out_w = torch.empty(t, k, dtype=f32, device=dev) if has_w else None
+            if outs is not None:
+                out, out_w = (*outs(), None)[:2]
+            else:
+                out = torch.empty(t, h, dtype=bf16, device=dev)
+                out_w = torch.empty(t, k, dtype=f32, device=dev) if has_w else None
             # every program of the fused kernel must be resident (one waits for rows others push; at most one
             # per SM); the Triton interpreter runs programs one after another, so there it is one program
             if fused:

@@ -27,9 +27,11 @@ import dataclasses
 
 import torch
 
+from .. import native
 from ..kernels.ht_layout import chunking, fused_words, scratch_words
 from ..kernels.launch import Direct, Ptr
 from ..layout import DispatchHandle
+from ..native import ROWS, Outputs
 from .base import DispatchArgs, DispatchResult, bad_expert_id
 from .nvlink_params import (
     C_MAX,
@@ -267,20 +269,39 @@ class HTDispatch:
         if scratch_rows:
             keep_k = self._scratch("recv_topk_idx", (scratch_rows, k), torch.int64) if has_topk else None
             keep_cp = self._scratch("channel_prefix_matrices", (2, r_, c), i32).unbind(0)
+        # the call's outputs, each a tensor of its own: by torch.empty each, or (TUNE["native_alloc"] on a GPU) in
+        # one C++ call a group (native.Outputs): the handle's before the exchange, the rows' after the count
+        heads = rows_out = None
+        if native.wanted(dev, TUNE["native_alloc"]):
+            heads = Outputs(dev, ([((r_, c), i32)] * 2 if keep_cp is None else []) + [((r_, r_), i32), ((t, r_), i32)]
+                            + ([((t, r_), torch.bool)] if fused else []), True)
+            rows_out = Outputs(dev, [((ROWS, h), x_dtype)] + ([((ROWS, g), f32)] if has_s else [])
+                               + ([((ROWS, k), torch.int64)] if has_topk and keep_k is None else [])
+                               + ([((ROWS, k), f32)] if has_topk else []) + [((ROWS,), i32)], True)
 
         def run(x, scales, topk, w, ntpr, is_in, ntpe):
             if err_view[0]:
                 self._check_error()
             self._call_sms = num_sms  # the call's Config.num_sms bounds every grid of the call
-            if keep_cp is None:
-                cpm = torch.empty(r_, c, dtype=i32, device=dev)
-                recv_cp = torch.empty(r_, c, dtype=i32, device=dev)
+            if heads is not None:
+                made = heads()
+                if keep_cp is None:
+                    cpm, recv_cp, rpm, send_head = made[:4]
+                else:
+                    (cpm, recv_cp), (rpm, send_head) = keep_cp, made[:2]
+                if fused:
+                    is_in = made[-1]
             else:
-                cpm, recv_cp = keep_cp
-            rpm = torch.empty(r_, r_, dtype=i32, device=dev)
-            send_head = torch.empty(t, r_, dtype=i32, device=dev)
-            if fused:  # (the kernel writes it; the handle keeps it)
-                is_in = torch.empty(t, r_, dtype=torch.bool, device=dev)
+                if keep_cp is None:
+                    cpm = torch.empty(r_, c, dtype=i32, device=dev)
+                    recv_cp = torch.empty(r_, c, dtype=i32, device=dev)
+                else:
+                    cpm, recv_cp = keep_cp
+                rpm = torch.empty(r_, r_, dtype=i32, device=dev)
+                send_head = torch.empty(t, r_, dtype=i32, device=dev)
+                if fused:  # (the kernel writes it; the handle keeps it)
+                    is_in = torch.empty(t, r_, dtype=torch.bool, device=dev)
+            if fused:
                 nargs = (is_in, cpm, rpm, recv_cp, send_head, topk)
             else:
                 nargs = (is_in, ntpr, ntpe, cpm, rpm, recv_cp, send_head, *((topk,) if has_topk else ()))
@@ -307,14 +328,24 @@ class HTDispatch:
                 if err_view[0]:
                     bad_id = bad_expert_id(self, err_view.tolist())
                 host_col, n_rows, lst = _host_counts(host_view, r_, lx, me, alignment)
-            out_x = torch.empty(n_rows, h, dtype=x_dtype, device=dev)
-            out_s = torch.empty(n_rows, g, dtype=f32, device=dev) if has_s else None
+            out_k = None
+            if rows_out is not None:
+                made = list(rows_out(n_rows))
+                out_x, out_src = made[0], made[-1]
+                out_s = made[1] if has_s else None
+                if has_topk:
+                    out_w = made[-2]
+                    if keep_k is None:
+                        out_k = made[-3]
+            else:
+                out_x = torch.empty(n_rows, h, dtype=x_dtype, device=dev)
+                out_s = torch.empty(n_rows, g, dtype=f32, device=dev) if has_s else None
+                out_w = torch.empty(n_rows, k, dtype=f32, device=dev) if has_topk else None
+                out_src = torch.empty(n_rows, dtype=i32, device=dev)
             if keep_k is not None and n_rows <= scratch_rows:  # (more rows: peers with a larger M; fresh ones)
                 out_k = keep_k if n_rows == scratch_rows else keep_k[:n_rows]
-            else:
-                out_k = torch.empty(n_rows, k, dtype=torch.int64, device=dev) if has_topk else None
-            out_w = torch.empty(n_rows, k, dtype=f32, device=dev) if has_topk else None
-            out_src = torch.empty(n_rows, dtype=i32, device=dev)
+            elif out_k is None and has_topk:
+                out_k = torch.empty(n_rows, k, dtype=torch.int64, device=dev)
             gather(self._gather_grid(push, n_rows), x, *((scales,) if has_s else ()),
                    *((topk, w) if has_topk else ()), n_rows, out_x, *((out_s,) if has_s else ()),
                    *((out_k, out_w) if has_topk else ()), out_src, *((is_in,) if push else ()))
@@ -377,13 +408,19 @@ class HTDispatch:
         go = _Launch(Direct(p, (None, None, None, k, e, e // r_, r_, None, None, None, part, tickets, nr, ng),
                             (0, 1, 2, 7, 8, 9)), (None, None, None, None, None, _bools))
 
+        outs = Outputs(dev, [((r_,), torch.int32), ((e,), torch.int32), ((ROWS, r_), torch.bool)], True) \
+            if native.wanted(dev, TUNE["native_alloc"]) else None
+
         def run(topk, t, scratch_counts=False):
             if scratch_counts:
                 per_rank, per_expert = own
+                in_rank = torch.empty(t, r_, dtype=torch.bool, device=dev)
+            elif outs is not None:
+                per_rank, per_expert, in_rank = outs(t)
             else:
                 per_rank = torch.empty(r_, dtype=torch.int32, device=dev)
                 per_expert = torch.empty(e, dtype=torch.int32, device=dev)
-            in_rank = torch.empty(t, r_, dtype=torch.bool, device=dev)
+                in_rank = torch.empty(t, r_, dtype=torch.bool, device=dev)
             nch, s = chunking(t, tbe, cp2)
             go(nch * ng, topk, t, s, per_rank, per_expert, in_rank)
             if captured:
@@ -423,6 +460,8 @@ class HTDispatch:
         gather = self._gather_plan(key, h, x_dtype, t, lay, g, 0, 0, push, has_s, False)
         err_view = self._err_view
         bulk = not push and self.num_ranks > 1
+        outs = Outputs(dev, [((ROWS, h), x_dtype)] + ([((ROWS, g), torch.float32)] if has_s else []), True) \
+            if native.wanted(dev, TUNE["native_alloc"]) else None
 
         def run(x, scales, handle):
             if err_view[0]:
@@ -433,8 +472,11 @@ class HTDispatch:
                 self._bulk_dispatch(_words(x), scales, None, None, lay, is_in)
             src = handle.recv_src_idx
             n_rows = src.shape[0]
-            out_x = torch.empty(n_rows, h, dtype=x_dtype, device=dev)
-            out_s = torch.empty(n_rows, g, dtype=torch.float32, device=dev) if has_s else None
+            if outs is not None:
+                out_x, out_s = (*outs(n_rows), None)[:2]
+            else:
+                out_x = torch.empty(n_rows, h, dtype=x_dtype, device=dev)
+                out_s = torch.empty(n_rows, g, dtype=torch.float32, device=dev) if has_s else None
             gather(self._gather_grid(push, n_rows), x, *((scales,) if has_s else ()), handle.rank_prefix_matrix,
                    n_rows, out_x, *((out_s,) if has_s else ()), src, *((is_in,) if push else ()))
             if ce:

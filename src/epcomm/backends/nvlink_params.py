@@ -26,7 +26,7 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
             cpush_rb=8, cpush_block=512, cpush_warps=8,
             gather_one_load=True, ce_chunks=4, fused_push=True, ce_flag="kernel", gather_prefetch=False,
             ce_chunks_sync=0, notify_first=False, fused_cpush=True, v2_fused_layout=False,
-            v2_fused_eager=True)
+            v2_fused_eager=True, native_alloc=True)
 # notify_block: tokens a step of the exchange kernel's rank programs (a scan over all T tokens, one step after
 # another): 2048 took 2.4-2.8 us off the DSv3 graph dispatch (BF16 110.9 -> 108.1, FP8 83.9 -> 81.6 us, the
 # mean of 2 rounds at world 1, one H100; 4096 with 16 warps: 108.9 / 82.0; benchmarks/2026-11-27/s6/call2-0d26a28)
@@ -36,6 +36,7 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
 # benchmarks/2026-11-27/s7 call 1) and saves a launch's host time: V2 contiguous no-sync dispatch host 0.905 and
 # 0.920 of the unfused in one process (hostprobe --variants, benchmarks/2026-11-27/s9 calls 1 and 2). So
 # v2_fused_eager: fused for calls not captured into a CUDA graph (eager calls pay the host), unfused for captures
+# native_alloc: on a GPU, a dispatch's output tensors made in one C++ call (epcomm/native.py), not by torch.empty each
 # fused_cpush: the combine's SM push and its reduce in one kernel (_combine_kernel), else two launches
 # (chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
 # 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,

@@ -1,0 +1,50 @@
+"""Tier 1: ``epcomm.native``: a call's output tensors made by one call into a C++ extension (``Outputs``), as
+``torch.empty`` makes them (shape, dtype, device, contiguous, each its own storage, 16-byte aligned), a ``ROWS``
+dimension taking the call's rows; ``EPCOMM_NATIVE`` turns it off, or on for CPU devices. Built on this machine's
+compiler (torch.utils.cpp_extension); the tier-2 checks run the backends' plans with it."""
+import pytest
+import torch
+
+from epcomm import native
+
+SPECS = [((native.ROWS, 7), torch.bfloat16), ((3, 3), torch.int32), ((native.ROWS,), torch.int64),
+         ((2, native.ROWS, 4), torch.float32), ((5,), torch.bool), ((0, 8), torch.int32)]
+
+
+def _want(rows):
+    return [(tuple(rows if v < 0 else v for v in s), d) for s, d in SPECS]
+
+
+def test_native_outputs_are_torch_empty_alike():
+    mod = native.module()
+    assert mod is not None, f"the extension was not built here: {native._state.get('why')}"
+    outs = native.Outputs(torch.device("cpu"), SPECS, True)
+    assert outs.native
+    for rows in (0, 1, 13):
+        got = outs(rows)
+        assert [(tuple(t.shape), t.dtype) for t in got] == _want(rows)
+        assert all(t.device.type == "cpu" and t.is_contiguous() for t in got)
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in got if t.numel())
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # no two overlap
+        assert all(t.data_ptr() % 16 == 0 for t in got if t.numel())
+        assert len({t.untyped_storage().data_ptr() for t in got if t.numel()}) == sum(1 for t in got if t.numel())
+
+
+def test_python_fallback_makes_the_same():
+    outs = native.Outputs(torch.device("cpu"), SPECS, False)
+    assert not outs.native
+    assert [(tuple(t.shape), t.dtype) for t in outs(4)] == _want(4)
+
+
+@pytest.mark.parametrize("how, cuda, cpu", [("1", True, False), ("all", True, True), ("0", False, False)])
+def test_wanted(monkeypatch, how, cuda, cpu):
+    monkeypatch.setenv("EPCOMM_NATIVE", how)
+    assert native.wanted(torch.device("cuda", 0), True) is cuda
+    assert native.wanted(torch.device("cpu"), True) is cpu
+    assert native.wanted(torch.device("cuda", 0), False) is False  # TUNE native_alloc=0
+
+
+def test_off_means_torch_empty(monkeypatch):
+    monkeypatch.setenv("EPCOMM_NATIVE", "0")
+    monkeypatch.setattr(native, "_state", {})
+    assert native.module() is None and not native.Outputs(torch.device("cpu"), SPECS, True).native
