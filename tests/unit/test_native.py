@@ -2,6 +2,8 @@
 ``torch.empty`` makes them (shape, dtype, device, contiguous, each its own storage, 16-byte aligned), a ``ROWS``
 dimension taking the call's rows; ``EPCOMM_NATIVE`` turns it off, or on for CPU devices. Built on this machine's
 compiler (torch.utils.cpp_extension); the tier-2 checks run the backends' plans with it."""
+import itertools
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ def test_native_outputs_are_torch_empty_alike():
         assert [(tuple(t.shape), t.dtype) for t in got] == _want(rows)
         assert all(t.device.type == "cpu" and t.is_contiguous() for t in got)
         spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in got if t.numel())
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # no two overlap
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), spans  # no two overlap
         assert all(t.data_ptr() % 16 == 0 for t in got if t.numel())
         assert len({t.untyped_storage().data_ptr() for t in got if t.numel()}) == sum(1 for t in got if t.numel())
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from .. import elastic_layout as EL
-from ..kernels.launch import Direct, Launcher
 from .. import native
+from ..kernels.launch import Direct, Launcher
 from ..native import ROWS, Outputs
 from .nvlink_params import TUNE, _aligned, _contiguous, _pow2
 
