@@ -240,7 +240,7 @@ def _with_native(how: str, fn):
 
 def _check_native(ctx, tag):
     """The nvlink checks with every planned output made by the C++ extension (``native.Outputs``; on CPU with
-    ``EPCOMM_NATIVE=all``): the backend's dispatch, layout, cached dispatch and combine, ``recv_meta``."""
+    ``EPCOMM_NATIVE=all``): the backend's dispatch, layout and combine, ``recv_meta``."""
     from epcomm import native
 
     assert native.module() is not None, f"the native extension was not built: {native._state.get('why')}"

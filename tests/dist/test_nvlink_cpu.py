@@ -92,7 +92,7 @@ HT_VARIANTS = {
     "variants": (CE, {"ce_chunks": 1, "gather_one_load": True, "gather_rb": 4, "gather_prefetch": True,  # tuning
                       "notify_first": True}),
     "copy-flag": ({**CE, "EPCOMM_TUNE": "ce_flag=copy,ce_chunks=2"}, {}),  # flags raised by copies of their value
-    # every output of the plans (layout, dispatch, cached dispatch, combine) made by the C++ extension (native.py)
+    # the outputs of the plans (layout, dispatch, combine) made by the C++ extension (native.py)
     "native-outputs": ({"EPCOMM_HT_TRANSFER": "sm", "EPCOMM_NATIVE": "all"}, {}),
 }
 

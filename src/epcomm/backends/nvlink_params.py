@@ -37,6 +37,7 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
 # 0.920 of the unfused in one process (hostprobe --variants, benchmarks/2026-11-27/s9 calls 1 and 2). So
 # v2_fused_eager: fused for calls not captured into a CUDA graph (eager calls pay the host), unfused for captures
 # native_alloc: on a GPU, a dispatch's output tensors made in one C++ call (epcomm/native.py), not by torch.empty each
+# (host time of whole calls 0.89-0.94x for dispatches and the layout, in one process: benchmarks/2026-11-27/s9 call 9)
 # fused_cpush: the combine's SM push and its reduce in one kernel (_combine_kernel), else two launches
 # (chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
 # 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
