@@ -82,6 +82,8 @@ def _ht(ctx, cpu_nvlink):
             out.append(G.check_ht_case(ref, fast, case, ctx.rank, fp8, with_bias=not fp8))
         out.append(G.check_ht_case(ref, fast, case, ctx.rank, False, worst=sum(case.tokens) + 3))
     assert len(out) == 6 and any(o["n"] > 0 for o in out), out  # this rank received rows
+    for fp8 in (False, True):  # no topk_idx: the outputs' plan has no ids or weights to make
+        G.check_ht_no_topk(ref, fast, cases[0], ctx.rank, fp8)
     return [o["n"] for o in out]
 
 

@@ -48,6 +48,7 @@ def _rank_cases(ctx, transfer="default"):
             _log(ctx, f"ok {case} fp8={fp8}")
         out.append(G.check_ht_case(ref, fast, case, ctx.rank, False, worst=sum(case.tokens) + 5))
         _log(ctx, f"ok {case} num_worst_tokens")
+    G.check_ht_no_topk(ref, fast, _cases(ctx.world_size)[0], ctx.rank)  # (no ids: a plan with no weights to make)
     return out
 
 

@@ -328,7 +328,7 @@ class HTDispatch:
                 if err_view[0]:
                     bad_id = bad_expert_id(self, err_view.tolist())
                 host_col, n_rows, lst = _host_counts(host_view, r_, lx, me, alignment)
-            out_k = None
+            out_k = out_w = None
             if rows_out is not None:
                 made = list(rows_out(n_rows))
                 out_x, out_src = made[0], made[-1]

@@ -75,6 +75,28 @@ def _combine_check(out, ref_out, ref: Buffer, y: torch.Tensor, handle, what: str
     assert_within_budget(out, ref_out.double(), abs_sum, ref.group_size + 2, what, extra_rel=2.0 ** -8)
 
 
+def check_ht_no_topk(ref: Buffer, fast: Buffer, case: Case, rank: int, fp8: bool = False) -> int:
+    """A high-throughput dispatch given its layout but no ``topk_idx`` / ``topk_weights`` (as some of DeepEP's tests
+    make), then a combine of its rows: ``fast`` against ``ref``, the dispatch bit for bit, the combine within its
+    budget (``_combine_check``), the received ids and weights None.
+    Returns the rows received."""
+    xin, _, topk, _ = device_inputs(case, rank, fast.device, fp8)
+    per_rank, _, per_expert, in_rank, _ = ref.get_dispatch_layout(topk, case.num_experts)
+    kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+              config=fast.get_dispatch_config(fast.group_size))
+    rr, fr = ref.dispatch(xin, **kw), fast.dispatch(xin, **kw)
+    assert fr[1] is None and fr[2] is None, "a dispatch without topk_idx receives no ids and no weights"
+    assert_bitwise(_rows(fr[0]), _rows(rr[0]), "recv_x of a dispatch without topk_idx")
+    if fp8:
+        assert_bitwise(fr[0][1], rr[0][1], "recv scales of a dispatch without topk_idx")
+    y = _rows(rr[0]).to(torch.bfloat16)
+    ccfg = fast.get_combine_config(fast.group_size)
+    c_ref, c_fast = ref.combine(y, rr[4], config=ccfg), fast.combine(y, fr[4], config=ccfg)
+    assert c_fast[1] is None, "a combine without topk_weights returns no weights"
+    _combine_check(c_fast[0], c_ref[0], ref, y, rr[4], "combine after a dispatch without topk_idx")
+    return _rows(rr[0]).shape[0]
+
+
 def check_ht_case(ref: Buffer, fast: Buffer, case: Case, rank: int, fp8: bool, worst: int = 0,
                   with_bias: bool = False, configs: tuple | None = None) -> dict:
     """``configs``: ``(dispatch, combine)`` Configs for ``fast``'s calls (else its defaults); the dispatch's
