@@ -20,6 +20,9 @@ VARIABLES = {
     "EPCOMM_AS_DEEP_EP": "1: every Python process that imports deep_ep (Megatron-Core, vLLM, SGLang, ...) "
                          "gets epcomm, even where a real DeepEP is installed (a .pth hook installed with "
                          "epcomm; docs/clients.md); 0 or unset: nothing named deep_ep is provided",
+    "EPCOMM_NATIVE": "output tensors of the nvlink plans made by a small C++ extension, built on first use (a C++ "
+                     "compiler and ninja; ~25-40 s once a machine, then cached): 1 (default: on CUDA devices, "
+                     "torch.empty where it cannot be built) | 0 (off) | all (also on CPU devices: the tests)",
     "EPCOMM_TUNE": "launch parameters, e.g. push_rb=16,ce_flag=copy,ll.fused_dispatch=1,iht.dispatch_warps=8 (keys "
                    "and defaults: TUNE in backends/nvlink_params.py; ll. keys: backends/nvlink_ll.py; iht. and "
                    "ill. keys, the internode backend's: backends/internode_ht.py and internode_ll.py; for "
@@ -28,6 +31,11 @@ VARIABLES = {
                      "epcomm bench records it in every row; run scripts set it from the tree they ship",
     "EPCOMM_COMMIT_DIRTY": "with EPCOMM_COMMIT: 1 if that tree had uncommitted changes, 0 if clean (unset: unknown)",
 }
+
+
+def native() -> str:
+    """``EPCOMM_NATIVE``: ``"1"`` (default), ``"0"`` or ``"all"`` (epcomm/native.py)."""
+    return os.environ.get("EPCOMM_NATIVE", "1").strip().lower() or "1"
 
 
 def verify_launch() -> bool:

@@ -21,9 +21,10 @@ Every tensor is contiguous, its own allocation, as ``torch.empty`` makes it.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from . import _env
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def wanted(device: torch.device, tune: bool) -> bool:
     """Whether a plan on ``device`` makes its outputs natively: ``tune`` (``TUNE["native_alloc"]``) on a CUDA
     device; also on CPU with ``EPCOMM_NATIVE=all`` (the tests' way to run this path without a GPU); never with
     ``EPCOMM_NATIVE=0``."""
-    how = os.environ.get("EPCOMM_NATIVE", "1")
+    how = _env.native()
     return bool(tune) and how != "0" and (device.type == "cuda" or how == "all")
 
 
@@ -73,7 +74,7 @@ def module():
     """The built extension, or None where it cannot be built (the reason logged once)."""
     if "mod" not in _state:
         _state["mod"] = None
-        if os.environ.get("EPCOMM_NATIVE", "1") == "0":
+        if _env.native() == "0":
             _state["why"] = "EPCOMM_NATIVE=0"
         else:
             try:

@@ -25,7 +25,7 @@ PACKAGE = "epcomm"
 LAYERS = {
     # 0, bottom: pure torch math, configuration, argument checks, the environment
     "epcomm._env": 0, "epcomm.config": 0, "epcomm.event": 0, "epcomm.layout": 0, "epcomm.quant": 0,
-    "epcomm._validate": 0, "epcomm.streams": 0, "epcomm.elastic_layout": 0,
+    "epcomm._validate": 0, "epcomm.streams": 0, "epcomm.elastic_layout": 0, "epcomm.native": 0,
     "epcomm.kernels": 1,
     "epcomm.backends": 2,
     # 3: the Buffer and the API over it
