@@ -133,6 +133,10 @@ class ElasticBuffer:
             self._kernels = Kernels()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        from .backends.nvlink_params import TUNE  # (recv_meta's outputs: native.Outputs where wanted)
+
+        deadline.prepare_native(self.group, self.rank_idx, self.device, TUNE["native_alloc"],
+                                _env.timeout_s(float(self.num_cpu_timeout_secs)))
         self._meet("ElasticBuffer/barrier")
         log.info("epcomm rank %d: ElasticBuffer on backend %s, %d bytes", self.rank_idx, self._backend.name,
                  self.num_bytes)

@@ -12,7 +12,8 @@ dispatch (one or two outputs) 1.03x, so it keeps ``torch.empty``.
 :class:`Outputs` is one kind of call's output list, fixed once (shapes, dtypes, device); ``outs(rows)`` makes
 them, a dimension given as ``ROWS`` taking ``rows``. The extension is built the first time a process asks for it
 (``torch.utils.cpp_extension.load_inline``: a C++ compiler and ninja; ~25 s once a machine, then loaded from
-torch's extension cache, whose file lock lets ranks of one machine share one build). Where it cannot be built
+torch's extension cache, whose file lock lets ranks of one machine share one build); a buffer asks for it when it
+is made, before its first collective (``backends/deadline.prepare_native``). Where it cannot be built
 (no compiler) the same tensors come from ``torch.empty``, and a warning says why once; ``EPCOMM_NATIVE=0`` turns
 it off, ``EPCOMM_NATIVE=all`` also on CPU devices (for tests: :func:`wanted`).
 Every tensor is contiguous, its own allocation, as ``torch.empty`` makes it.

@@ -176,6 +176,21 @@ def all_gather_ints(group, values: list[int], me: int, phase: str, timeout_s: fl
     return torch.stack(out).cpu().tolist() if values else [[] for _ in range(n)]
 
 
+NATIVE_BUILD_S = 900.0  # seconds: covers building native.py's extension once on a machine (~25-40 s seen)
+
+
+def prepare_native(group, me: int, device, tune: bool, timeout_s: float) -> None:
+    """Where plans on ``device`` make their outputs natively (``native.wanted``), load or build the extension now,
+    then meet every rank under a deadline that covers a build (``NATIVE_BUILD_S``, or ``timeout_s`` if longer):
+    called before a buffer's first collective, so no rank's first dispatch waits on a compiler while its peers
+    wait for it in a kernel, and a rank that builds while its peers load from the cache keeps them waiting here."""
+    from .. import native
+
+    if native.wanted(device, tune):
+        native.module()
+        barrier(group, me, "Buffer/after loading the native output helper", max(timeout_s, NATIVE_BUILD_S))
+
+
 def barrier(group, me: int, phase: str, timeout_s: float) -> None:
     """Every rank of ``group`` reached this point, or ``PeerTimeoutError`` naming ``me`` and ``phase``
     after ``timeout_s`` (an all-gather of each rank's number, which is checked)."""

@@ -41,7 +41,6 @@ from . import deadline, nvlink_v2
 from .base import Backend, checked_run, gave_up, raise_error_word
 from .ht_combine import HTCombine
 from .ht_dispatch import HTDispatch
-from .nvlink_transfer import NVLinkTransfer
 from .nvlink_params import (
     C_MAX,
     CRECV,
@@ -56,9 +55,11 @@ from .nvlink_params import (
     T_GATHER,
     T_LIST_CAP,
     T_REDUCE,
+    TUNE,
     _align,
     apply_tune,
 )
+from .nvlink_transfer import NVLinkTransfer
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         over = {k: v for k, v in _env.tune().items() if not k.startswith(("iht.", "ill."))}  # (internode's)
         apply_tune({k: v for k, v in over.items() if not k.startswith("ll.")})
         apply_tune({k[3:]: v for k, v in over.items() if k.startswith("ll.")}, nvlink_ll.TUNE, "ll.")
+        deadline.prepare_native(self.group, self.rank, self.device, TUNE["native_alloc"], self.wait_s)
         self.flag_words = torch.zeros(2, dtype=torch.int32, device=self.device)  # TUNE["ce_flag"] == "copy"
         self._bind_kernels()
         self._ll = None
