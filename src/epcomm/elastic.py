@@ -287,13 +287,14 @@ class ElasticBuffer:
         ``cached_plan``)."""
         cum = cumulative_local_expert_recv_stats
         prev, before = previous_event, previous_event_before_epilogue
+        capturing = V.is_capturing(self.device)  # (a captured call's plan may differ: HTDispatch.fuses_layout)
         try:
             data, sf = (x, None) if isinstance(x, torch.Tensor) else x
             key = A.dispatch_key(data, sf, topk_idx, topk_weights, cum, handle, (
                 num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, async_with_compute_stream,
                 allocate_on_comm_stream, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
                 use_tma_aligned_col_major_sf, ElasticBuffer._num_sms_override, prev is None, before is None,
-                V.is_capturing(self.device)))  # (a captured call's plan may differ: HTDispatch.fuses_layout)
+                capturing))
             go = self._fast.get(key)
         except (AttributeError, TypeError, ValueError):  # not tensors, or not hashable: the checks say which
             key = go = None
@@ -316,8 +317,7 @@ class ElasticBuffer:
             if go is None:
                 sms = num_sms or ElasticBuffer._num_sms_override or self.get_theoretical_num_sms(e, k)
                 plan = engine.dispatch_plan(self, data, sf, topk_idx, topk_weights, e, m, a, sms, expand, sync,
-                                            zero_pad, tma, cum, A.flag("do_handle_copy", do_handle_copy),
-                                            V.is_capturing(self.device))
+                                            zero_pad, tma, cum, A.flag("do_handle_copy", do_handle_copy), capturing)
                 go = self._fresh_go(plan, async_, (expand, e, a, m, sms))
         self._keep(key, go)
         return go(data, sf, topk_idx, topk_weights, cum, handle, prev, before)

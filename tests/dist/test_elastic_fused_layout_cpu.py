@@ -32,21 +32,12 @@ FUSED = "v2_fused_layout=1"
 def _check_fused(ctx, tag):
     """``test_elastic_backends_cpu``'s nvlink checks with the fused layout; every fresh dispatch plan is fused."""
     _on_backend(ctx, tag, "nvlink")  # (the interpreter first: before anything imports Triton)
-    from epcomm.backends.ht_dispatch import HTDispatch
-
-    made = []
-    make = HTDispatch._make_dispatch
-
-    def recording(self, key, a, push, ce, scratch_rows=0, fused=False):
-        made.append(fused)
-        return make(self, key, a, push, ce, scratch_rows, fused)
-
     os.environ["EPCOMM_TUNE"] = FUSED
-    HTDispatch._make_dispatch = recording
+    made, undo = _recording()
     try:
         assert _run(ctx, tag, "nvlink", 0) == (1, 2)
     finally:
-        HTDispatch._make_dispatch = make
+        undo()
     assert made and all(made), f"dispatch plans made (fused or not): {made}"
 
 

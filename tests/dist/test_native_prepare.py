@@ -10,6 +10,7 @@ and with ``EPCOMM_NATIVE=0`` nothing is built and no barrier is added.
 
 from __future__ import annotations
 
+import os
 import time
 
 from epcomm.testing.launcher import parallel_launch
@@ -29,8 +30,6 @@ def _rank(ctx):
         return slow()
 
     native.module = module
-    import os
-
     os.environ["EPCOMM_NATIVE"] = "all"
     t0 = time.monotonic()
     deadline.prepare_native(ctx.group, ctx.rank, torch.device("cpu"), True, 1.0)

@@ -1,7 +1,6 @@
 """Tier 1: ``hostprobe --modes profile`` (``bench/probe_profile.py``): each call kind's functions by their own time
 per call, the profiler on around the call only (not its ``prep``), C functions such as ``torch.empty`` counted
 as many times a call as the call makes them."""
-import pytest
 import torch
 
 from epcomm.bench import probe_profile
@@ -70,18 +69,3 @@ def test_before_bench_runs_what_the_bench_runs_before_an_eager_call(monkeypatch)
     before = hostprobe.bench_position()
     hostprobe.time_calls(None, lambda: seen.append("call"), 2, before)
     assert seen == ["barrier", "start graphs=False", "event", "call"] * 2
-
-
-@pytest.fixture
-def own_group(monkeypatch):
-    """The probe's buffer makes the default process group (gloo, world 1) where there is none, and points
-    ``Buffer``'s backend choice at the nvlink backend: both undone after the test, for later tests of this process."""
-    import torch.distributed as dist
-
-    import epcomm.buffer as bm
-
-    monkeypatch.setattr(bm, "select_backend", bm.select_backend)
-    had = dist.is_initialized()
-    yield
-    if not had and dist.is_initialized():
-        dist.destroy_process_group()

@@ -106,18 +106,3 @@ def test_the_probe_takes_two_positions_as_variants(monkeypatch, own_group):
     monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
     out = hostprobe.probe("python", tokens=(1,), calls=3, api="ll", before="sync,bench")
     assert set(out) == {"sync", "bench"} and "ratio" in out["bench"]["T=1"]["dispatch"]
-
-
-@pytest.fixture
-def own_group(monkeypatch):
-    """The probe's buffer makes the default process group (gloo, world 1) where there is none, and points
-    ``Buffer``'s backend choice at the nvlink backend: both undone after the test, for later tests of this process."""
-    import torch.distributed as dist
-
-    import epcomm.buffer as bm
-
-    monkeypatch.setattr(bm, "select_backend", bm.select_backend)
-    had = dist.is_initialized()
-    yield
-    if not had and dist.is_initialized():
-        dist.destroy_process_group()
