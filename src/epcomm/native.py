@@ -33,6 +33,9 @@ ROWS = -1  # a dimension that each call gives
 
 _SRC = r"""
 #include <torch/extension.h>
+#include <dlfcn.h>
+#include <array>
+#include <string>
 
 // One kind of call's outputs: shapes (a dimension of -1 is the call's rows), dtypes, device.
 struct Outputs {
@@ -41,22 +44,198 @@ struct Outputs {
   at::Device device;
   Outputs(std::vector<std::vector<int64_t>> s, std::vector<at::ScalarType> d, at::Device dev)
       : shapes(std::move(s)), dtypes(std::move(d)), device(dev) {}
-  py::tuple make(int64_t rows) const {
-    py::tuple out(shapes.size());
+  std::vector<at::Tensor> tensors(int64_t rows) const {
+    std::vector<at::Tensor> out;
+    out.reserve(shapes.size());
     std::vector<int64_t> shape;
     for (size_t i = 0; i < shapes.size(); ++i) {
       shape = shapes[i];
       for (auto& v : shape) if (v < 0) v = rows;
-      out[i] = py::cast(at::empty(shape, at::TensorOptions().dtype(dtypes[i]).device(device)));
+      out.push_back(at::empty(shape, at::TensorOptions().dtype(dtypes[i]).device(device)));
     }
     return out;
   }
+  py::tuple make(int64_t rows) const {
+    auto ts = tensors(rows);
+    py::tuple out(ts.size());
+    for (size_t i = 0; i < ts.size(); ++i) out[i] = py::cast(std::move(ts[i]));
+    return out;
+  }
+};
+
+// The driver's entry points, looked up once in libcuda (no CUDA headers: this file builds with a CPU torch).
+typedef int (*LaunchFn)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
+                        void**, void**);
+typedef int (*ErrFn)(int, const char**);
+typedef int (*ParamInfoFn)(void*, size_t, size_t*, size_t*);
+struct Driver {
+  LaunchFn launch = nullptr;
+  ErrFn err = nullptr;
+  ParamInfoFn info = nullptr;
+};
+static const Driver& driver() {
+  static Driver d = [] {
+    Driver r;
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (h) {
+      r.launch = (LaunchFn)dlsym(h, "cuLaunchKernel");
+      r.err = (ErrFn)dlsym(h, "cuGetErrorString");
+      r.info = (ParamInfoFn)dlsym(h, "cuFuncGetParamInfo");
+    }
+    return r;
+  }();
+  return d;
+}
+
+// Where a kernel parameter, a grid dimension or the rows come from: kind 0 the constant `value`; 1 the call's
+// value `idx` as an address (a tensor's data_ptr() plus `value` bytes; None 0; an int as it is); 2 output
+// `idx`'s address plus `value`; 3 the call's value `idx` as an integer. `size`: the parameter's bytes.
+struct Src {
+  int64_t kind, idx, value, size;
+};
+struct Step {
+  uint64_t fn;
+  std::array<Src, 3> grid;
+  uint32_t block, smem;
+  std::vector<Src> params;
+  std::vector<uint64_t> slots;
+  std::vector<void*> ptrs;
+};
+
+static Src to_src(const std::vector<int64_t>& v) {
+  TORCH_CHECK(v.size() == 4, "a source is (kind, idx, value, size)");
+  TORCH_CHECK(v[0] >= 0 && v[0] <= 3, "a source's kind is 0-3, got ", v[0]);
+  TORCH_CHECK(v[3] == 1 || v[3] == 2 || v[3] == 4 || v[3] == 8, "a parameter of ", v[3], " bytes");
+  return Src{v[0], v[1], v[2], v[3]};
+}
+
+// A call's outputs made and its kernels launched, in one call from Python: the launches' fixed parameters
+// packed once; per call only the sources of kinds 1-3 are read. `dry`: nothing is launched, the last call's
+// grids and parameters are kept for `last()` (the tests on machines without a GPU).
+struct Chain {
+  Outputs outs;
+  Src rows;
+  std::vector<Step> steps;
+  int64_t nvals;
+  bool dry;
+  std::vector<std::vector<uint64_t>> seen;
+
+  Chain(std::vector<std::vector<int64_t>> shapes, std::vector<at::ScalarType> dtypes, at::Device dev,
+        std::vector<int64_t> rows_src, std::vector<py::tuple> step_specs, int64_t nvals_, bool dry_)
+      : outs(std::move(shapes), std::move(dtypes), dev), rows(to_src(rows_src)), nvals(nvals_), dry(dry_) {
+    const Driver& d = driver();
+    TORCH_CHECK(dry || d.launch, "epcomm native chain: cuLaunchKernel not found in libcuda.so.1");
+    for (auto& t : step_specs) {
+      TORCH_CHECK(t.size() == 5, "a step is (function, grid, block, smem, params)");
+      Step s;
+      s.fn = t[0].cast<uint64_t>();
+      auto g = t[1].cast<std::vector<std::vector<int64_t>>>();
+      TORCH_CHECK(g.size() == 3, "a grid has 3 dimensions");
+      for (int i = 0; i < 3; ++i) s.grid[i] = to_src(g[i]);
+      s.block = t[2].cast<uint32_t>();
+      s.smem = t[3].cast<uint32_t>();
+      for (auto& p : t[4].cast<std::vector<std::vector<int64_t>>>()) s.params.push_back(to_src(p));
+      for (auto& p : s.params) check_src(p);
+      for (auto& p : s.grid) check_src(p);
+      s.slots.assign(s.params.size(), 0);
+      for (size_t j = 0; j < s.params.size(); ++j)
+        if (s.params[j].kind == 0) s.slots[j] = (uint64_t)s.params[j].value;
+      for (auto& v : s.slots) s.ptrs.push_back(&v);
+      if (!dry && d.info) {  // the kernel's own parameter list, from the driver: sizes must match ours
+        for (size_t j = 0; j <= s.params.size(); ++j) {
+          size_t off = 0, sz = 0;
+          int rc = d.info((void*)s.fn, j, &off, &sz);
+          if (j == s.params.size()) {
+            TORCH_CHECK(rc != 0, "epcomm native chain: the kernel has more than ", j, " parameters");
+          } else {
+            TORCH_CHECK(rc == 0, "epcomm native chain: the kernel has ", j, " parameters, not ", s.params.size());
+            TORCH_CHECK((int64_t)sz == s.params[j].size, "epcomm native chain: parameter ", j, " has ", sz,
+                        " bytes, not ", s.params[j].size);
+          }
+        }
+      }
+      steps.push_back(std::move(s));
+    }
+    check_src(rows);
+    TORCH_CHECK(rows.kind != 2, "the rows come from a constant or a call value");
+  }
+
+  void check_src(const Src& p) const {
+    if (p.kind == 1 || p.kind == 3) TORCH_CHECK(p.idx >= 0 && p.idx < nvals, "a call value ", p.idx, " of ", nvals);
+    if (p.kind == 2) TORCH_CHECK(p.idx >= 0 && p.idx < (int64_t)outs.shapes.size(), "an output ", p.idx);
+  }
+
+  static inline uint64_t get(const Src& p, const int64_t* v, const std::vector<int64_t>& o) {
+    switch (p.kind) {
+      case 0: return (uint64_t)p.value;
+      case 1: return v[p.idx] ? (uint64_t)(v[p.idx] + p.value) : 0;
+      case 2: return (uint64_t)(o[p.idx] + p.value);
+      default: return (uint64_t)v[p.idx];
+    }
+  }
+
+  py::tuple run(int64_t stream, py::args vals) {
+    TORCH_CHECK((int64_t)vals.size() == nvals, "epcomm native chain: ", nvals, " values, got ", vals.size());
+    int64_t v[64];
+    TORCH_CHECK(nvals <= 64, "at most 64 values");
+    for (int64_t i = 0; i < nvals; ++i) {
+      PyObject* o = vals[i].ptr();
+      if (o == Py_None) {
+        v[i] = 0;
+      } else if (THPVariable_Check(o)) {
+        v[i] = (int64_t)THPVariable_Unpack(o).data_ptr();
+      } else {
+        v[i] = vals[i].cast<int64_t>();
+      }
+    }
+    auto ts = outs.tensors((int64_t)get(rows, v, {}));
+    std::vector<int64_t> o(ts.size());
+    for (size_t i = 0; i < ts.size(); ++i) o[i] = (int64_t)ts[i].data_ptr();
+    if (dry) seen.clear();
+    int rc = 0;
+    size_t failed = 0;
+    {
+      py::gil_scoped_release nogil;
+      const Driver& d = driver();
+      for (size_t k = 0; k < steps.size() && !rc; ++k) {
+        Step& s = steps[k];
+        for (size_t j = 0; j < s.params.size(); ++j)
+          if (s.params[j].kind) s.slots[j] = get(s.params[j], v, o);
+        unsigned g0 = (unsigned)get(s.grid[0], v, o), g1 = (unsigned)get(s.grid[1], v, o),
+                 g2 = (unsigned)get(s.grid[2], v, o);
+        if (dry) {
+          std::vector<uint64_t> row{g0, g1, g2};
+          row.insert(row.end(), s.slots.begin(), s.slots.end());
+          seen.push_back(std::move(row));
+        } else if ((uint64_t)g0 * g1 * g2 > 0) {
+          rc = d.launch((void*)s.fn, g0, g1, g2, s.block, 1, 1, s.smem, (void*)stream, s.ptrs.data(), nullptr);
+          failed = k;
+        }
+      }
+    }
+    if (rc) {
+      const char* msg = nullptr;
+      if (driver().err) driver().err(rc, &msg);
+      TORCH_CHECK(false, "epcomm native chain: launch ", failed, " failed: CUDA error ", rc, " ",
+                  msg ? msg : "");
+    }
+    py::tuple out(ts.size());
+    for (size_t i = 0; i < ts.size(); ++i) out[i] = py::cast(std::move(ts[i]));
+    return out;
+  }
+
+  std::vector<std::vector<uint64_t>> last() const { return seen; }
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Outputs>(m, "Outputs")
       .def(py::init<std::vector<std::vector<int64_t>>, std::vector<at::ScalarType>, at::Device>())
       .def("make", &Outputs::make);
+  py::class_<Chain>(m, "Chain")
+      .def(py::init<std::vector<std::vector<int64_t>>, std::vector<at::ScalarType>, at::Device, std::vector<int64_t>,
+                    std::vector<py::tuple>, int64_t, bool>())
+      .def("run", &Chain::run)
+      .def("last", &Chain::last);
 }
 """
 def wanted(device: torch.device, tune: bool) -> bool:
@@ -67,7 +246,7 @@ def wanted(device: torch.device, tune: bool) -> bool:
     return bool(tune) and how != "0" and (device.type == "cuda" or how == "all")
 
 
-_NAME = "epcomm_native_1"  # (a new source gets a new name: torch's cache keys builds by name and source)
+_NAME = "epcomm_native_2"  # (a new source gets a new name: torch's cache keys builds by name and source)
 _state: dict = {}
 
 
@@ -111,3 +290,57 @@ class Outputs:
 
     def __call__(self, rows: int = 0) -> tuple:
         return self.make(rows)
+
+
+# a source of a chain's kernel parameter, grid dimension or rows (without its size: ``kernels/launch.py`` adds it)
+def const(value: int) -> tuple:
+    """The constant ``value``."""
+    return (0, 0, int(value))
+
+
+def addr(i: int, offset: int = 0) -> tuple:
+    """The call's value ``i``: a tensor's ``data_ptr()`` plus ``offset`` bytes (None: 0; an int: as it is)."""
+    return (1, i, offset)
+
+
+def out(i: int, offset: int = 0) -> tuple:
+    """Output ``i``'s address plus ``offset`` bytes."""
+    return (2, i, offset)
+
+
+def num(i: int) -> tuple:
+    """The call's value ``i``, an int."""
+    return (3, i, 0)
+
+
+class Chain:
+    """A call's outputs made and its kernels launched by one call into the extension: ``Chain(device, specs,
+    rows, steps, nvals)``; ``chain(stream, *vals)`` makes the outputs of ``specs`` (as :class:`Outputs`, a ``ROWS``
+    dimension taking ``rows``, a source: :func:`const` or :func:`num`), then launches ``steps`` in order on
+    ``stream`` (a raw CUDA stream handle), their parameters from the ``nvals`` values given (tensors, None or
+    ints) and the outputs, and returns the outputs. A step (``kernels/launch.Direct.step``) is a bound Triton
+    kernel's launch with every parameter a source; the driver's list of the kernel's parameters is checked
+    against it when the chain is made. ``dry``: nothing is launched, ``last()`` gives each step's grid and
+    parameters of the last call (tests without a GPU).
+
+    Why: a high-throughput dispatch's host path is its outputs (a few us each from Python), its launches (Triton's
+    launcher parses every argument from Python: ~5-9 us each on an H100 host) and the Python between them; a chain
+    does them in one call with the parameters packed once (``hostprobe --variants native_chain=0``)."""
+
+    __slots__ = ("chain", "run", "steps")
+
+    def __init__(self, device: torch.device, specs, rows: tuple, steps: list, nvals: int, dry: bool = False) -> None:
+        mod = module()
+        if mod is None:
+            raise RuntimeError(f"the native extension is not built: {_state.get('why')}")
+        specs = [(tuple(shape), dtype) for shape, dtype in specs]
+        self.chain = mod.Chain([list(s) for s, _ in specs], [d for _, d in specs], device, [*rows, 8], list(steps),
+                               nvals, dry)
+        self.run = self.chain.run
+        self.steps = len(steps)
+
+    def __call__(self, stream: int, *vals) -> tuple:
+        return self.run(stream, *vals)
+
+    def last(self) -> list:
+        return self.chain.last()

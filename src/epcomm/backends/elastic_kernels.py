@@ -154,9 +154,16 @@ class Kernels:
             if slot is not None and not slot and all(a is b for a, b in zip(given, (
                     rpm, recv_src_idx, recv_local, send_head, topk_idx, stats))):
                 slot.append((n, x_rows, plan))
-        go_rows, g_rows, go_layout, small, r_, (wide, rows_at), (ones, ones_at), outs = plan
+        go_rows, g_rows, go_layout, small, r_, (wide, rows_at), (ones, ones_at), outs, specs, chain = plan
         dev = recv_local.device
         part, ticket = self._counts_scratch(dev)
+        ch = chain[0] if chain else None
+        if ch is not None and ch[1] is part and stats is cum:  # (one native.Chain call: outputs and launch)
+            go, _, stream, sdev = ch
+            Launcher.launches += 1
+            counts, psum, psum_rank, meta, dst, local, local_out, topk_copy, gid, _ = _spread(
+                go(stream(sdev), rpm, recv_src_idx, recv_local, send_head, topk_idx, stats), rows_at)
+            return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, ones, dst, topk_copy)
         if outs is not None:  # (TUNE["native_alloc"]: every output in one C++ call, native.Outputs)
             counts, psum, psum_rank, meta, dst, local, local_out, topk_copy, gid, source = _spread(
                 outs(x_rows), rows_at)
@@ -180,6 +187,9 @@ class Kernels:
                 topk_copy if copy_topk else topk_idx, send_head, dst, part, ticket)
         if expand:
             go_layout(le, 1, 1, counts, local, rpm, meta, source)
+        elif not chain and outs is not None and TUNE["native_chain"] and self._scratch.get(dev) is not None \
+                and self._scratch[dev][0] is part:  # (bound now: the next such call is one chain call)
+            chain.append(self._meta_chain(go_rows, g_rows, specs, rows_at, cum is not None, copy_topk, part, ticket))
         if stats is not cum:  # a strided cumulative_local_expert_recv_stats: updated through a copy
             cum.copy_(stats)
         return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, source, dst, topk_copy)
@@ -221,15 +231,40 @@ class Kernels:
                                    (None, None, None, me, alignment, None, None, x_rows))
         rows = (n, None if expand else n, t if copy_topk else None)
         dev = key[-2]
-        outs = None
+        outs = specs = None
         if native.wanted(dev, TUNE["native_alloc"]):  # (x_rows: the call's, which a synchronised one reads)
             i32, i64 = torch.int32, torch.int64
-            outs = Outputs(dev, [((le,), i32), ((le,), i32), ((r_,), i32), ((n, k + 2), i32), ((t, k), i32)]
-                           + [((r, k), i64) for r in rows if r is not None] + [((n,), i64)]
-                           + ([((ROWS,), i64)] if expand else []), True)
+            specs = ([((le,), i32), ((le,), i32), ((r_,), i32), ((n, k + 2), i32), ((t, k), i32)]
+                     + [((r, k), i64) for r in rows if r is not None] + [((n,), i64)]
+                     + ([((ROWS,), i64)] if expand else []))
+            outs = Outputs(dev, specs, True)
+        # the contiguous layout's native.Chain (made after the first call bound the launch; [None]: never)
+        chain = [] if outs is not None and outs.native and not expand else [None]
         return (go_rows, max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, go_layout, 2 * le + r_, r_,
                 _parts(rows, k),
-                _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=dev), 0), outs)
+                _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=dev), 0), outs,
+                specs, chain)
+
+    @staticmethod
+    def _meta_chain(go_rows, grid: int, specs, rows_at, has_cum: bool, copy_topk: bool, part, ticket):
+        """A contiguous ``recv_meta``'s outputs and launch as one ``native.Chain`` call: ``(chain, part, get_stream,
+        device)``, its values ``(rpm, recv_src_idx, recv_local, send_head, topk_idx, cum)``; None where the launch
+        cannot be a chain's step (``Direct.step``)."""
+        step = getattr(go_rows, "step", None)  # (the tests' recording go has none)
+        if step is None:
+            return None
+        a, o, c = native.addr, native.out, native.const
+        at = iter(range(5, 9))  # (the row blocks present, in order, then gid: as native.Outputs makes them)
+        local, local_out, topk_copy = (None if i is None else o(next(at)) for i in rows_at)
+        gid = o(next(at))
+        counts = o(0)
+        one = c(1)
+        st = step((c(grid), one, one), (a(0), a(1), a(2), local, local_out, o(3), gid, counts, o(1), o(2),
+                                         a(5) if has_cum else counts, a(4), topk_copy if copy_topk else a(4), a(3),
+                                         o(4), c(part.data_ptr()), c(ticket.data_ptr())))
+        if st is None:
+            return None
+        return native.Chain(part.device, specs, c(0), [st], 6), part, go_rows.p.get_stream, go_rows.p.dev
 
     def bound(self, name: str, key: tuple, consts: dict, template: tuple):
         """``go(gx, gy, gz, *tensors)``: kernel ``name`` with ``template``'s fixed arguments and the

@@ -29,7 +29,7 @@ import torch
 
 from .. import native
 from ..kernels.ht_layout import chunking, fused_words, scratch_words
-from ..kernels.launch import Direct, Ptr
+from ..kernels.launch import Direct, Launcher, Ptr
 from ..layout import DispatchHandle
 from ..native import ROWS, Outputs
 from .base import DispatchArgs, DispatchResult, bad_expert_id
@@ -272,17 +272,75 @@ class HTDispatch:
         # the call's outputs, each a tensor of its own: by torch.empty each, or (TUNE["native_alloc"] on a GPU) in
         # one C++ call a group (native.Outputs): the handle's before the exchange, the rows' after the count
         heads = rows_out = None
+        head_specs = ([((r_, c), i32)] * 2 if keep_cp is None else []) + [((r_, r_), i32), ((t, r_), i32)] \
+            + ([((t, r_), torch.bool)] if fused else [])
+        row_specs = [((ROWS, h), x_dtype)] + ([((ROWS, g), f32)] if has_s else []) \
+            + ([((ROWS, k), torch.int64)] if has_topk and keep_k is None else []) \
+            + ([((ROWS, k), f32)] if has_topk else []) + [((ROWS,), i32)]
         if native.wanted(dev, TUNE["native_alloc"]):
-            heads = Outputs(dev, ([((r_, c), i32)] * 2 if keep_cp is None else []) + [((r_, r_), i32), ((t, r_), i32)]
-                            + ([((t, r_), torch.bool)] if fused else []), True)
-            rows_out = Outputs(dev, [((ROWS, h), x_dtype)] + ([((ROWS, g), f32)] if has_s else [])
-                               + ([((ROWS, k), torch.int64)] if has_topk and keep_k is None else [])
-                               + ([((ROWS, k), f32)] if has_topk else []) + [((ROWS,), i32)], True)
+            heads = Outputs(dev, head_specs, True)
+            rows_out = Outputs(dev, row_specs, True)
+        # with num_worst_tokens and no transport of its own (the fused push, or one rank) a call is its outputs and
+        # two launches: after the first call bound them, one native.Chain call (TUNE["native_chain"])
+        chain: list = [] if (heads is not None and heads.native and n_worst and not bulk and not ce
+                             and TUNE["native_chain"] and (keep_k is None or n_worst <= scratch_rows)) else [None]
+
+        def make_chain():
+            # the call's values: x, scales, topk, w, ntpr, is_in, ntpe (run's arguments), the gather's grid
+            nh = len(head_specs)
+            at_is_in = native.out(nh - 1) if fused else native.addr(5)
+            cp = [native.out(0), native.out(1)] if keep_cp is None else [native.const(v.data_ptr()) for v in keep_cp]
+            rpm, sh = native.out(nh - 2 - fused), native.out(nh - 1 - fused)
+            n_holes = ([at_is_in] + ([] if fused else [native.addr(4), native.addr(6)]) + [cp[0], rpm, cp[1], sh]
+                       + ([native.addr(2)] if has_topk else []))
+            orow = iter(range(nh, nh + len(row_specs)))
+            out_x = native.out(next(orow))
+            out_s = native.out(next(orow)) if has_s else None
+            out_k = (native.out(next(orow)) if keep_k is None else native.const(keep_k.data_ptr())) if has_topk \
+                else None
+            out_w = native.out(next(orow)) if has_topk else None
+            out_src = native.out(next(orow))
+            g_holes = ([native.addr(0)] + ([native.addr(1)] if has_s else [])
+                       + ([native.addr(2), native.addr(3)] if has_topk else []) + [native.const(n_worst), out_x]
+                       + ([out_s] if has_s else []) + ([out_k, out_w] if has_topk else []) + [out_src]
+                       + ([at_is_in] if push else []))
+            one = native.const(1)
+            steps = [notify.go.step((native.const(notify_grid), one, one), tuple(n_holes)),
+                     gather.go.step((native.num(7), one, one), tuple(g_holes))]
+            if any(st is None for st in steps):
+                return None
+            return native.Chain(dev, head_specs + row_specs, native.const(n_worst), steps, 8), \
+                notify.go.p.get_stream, notify.go.p.dev
+
+        def result(made, is_in):
+            """The DispatchResult of a chain's outputs (``made``: the heads', then the rows')."""
+            nh = len(head_specs)
+            if keep_cp is None:
+                cpm, recv_cp, rpm, send_head = made[:4]
+            else:
+                (cpm, recv_cp), (rpm, send_head) = keep_cp, made[:2]
+            if fused:
+                is_in = made[nh - 1]
+            rows = made[nh:]
+            out_x, out_src = rows[0], rows[-1]
+            out_s = rows[1] if has_s else None
+            out_k = out_w = None
+            if has_topk:
+                out_w = rows[-2]
+                out_k = rows[-3] if keep_k is None else (keep_k if n_worst == scratch_rows else keep_k[:n_worst])
+            return DispatchResult(out_x, out_s, out_k, out_w, [],
+                                  DispatchHandle(rpm, cpm, recv_cp, out_src, is_in, send_head))
 
         def run(x, scales, topk, w, ntpr, is_in, ntpe):
             if err_view[0]:
                 self._check_error()
             self._call_sms = num_sms  # the call's Config.num_sms bounds every grid of the call
+            ch = chain[0] if chain else None
+            if ch is not None:
+                go, stream, sdev = ch
+                Launcher.launches += 2
+                return result(go(stream(sdev), x, scales, topk, w, ntpr, is_in, ntpe, self._gather_grid(push, n_worst)),
+                              is_in)
             if heads is not None:
                 made = heads()
                 if keep_cp is None:
@@ -359,6 +417,8 @@ class HTDispatch:
                 # The combine's copy-engine path needs the block bounds on the host (rank_prefix_matrix[:, me]);
                 # keep them on the handle.
                 rpm._epcomm_host_col = host_col
+            if not chain:  # (the first call bound the launches: from the next, one chain call)
+                chain.append(make_chain())
             return DispatchResult(out_x, out_s, out_k, out_w, lst,
                                   DispatchHandle(rpm, cpm, recv_cp, out_src, is_in, send_head))
 

@@ -31,6 +31,7 @@ Under the Triton interpreter (CPU runs: ``TRITON_INTERPRET=1``) a launcher calls
 from __future__ import annotations
 
 import inspect
+import struct
 
 import torch
 
@@ -59,11 +60,15 @@ class _Bound:
     ours does) the launch goes straight to the C launcher that Triton built for it (``launch``),
     skipping ``CudaLauncher.__call__``; otherwise through it (``run``)."""
 
-    __slots__ = ("run", "launch", "head", "function", "packed", "tail", "key")
+    __slots__ = ("run", "launch", "head", "function", "packed", "tail", "key", "types")
 
     def __init__(self, kernel, tail: tuple, key) -> None:
         run = kernel.run  # initialises the kernel's handles (the first launch already did)
         self.run, self.function, self.packed = run, kernel.function, kernel.packed_metadata
+        # each parameter's type as the launcher passes it ("*i32", "i32", "fp32", "constexpr": not passed), for
+        # Direct.step; None where Triton does not say
+        sig = getattr(getattr(kernel, "src", None), "signature", None)
+        self.types = tuple(sig.values()) if isinstance(sig, dict) else None
         self.tail = tail
         self.key = key  # Triton's own cache key (EPCOMM_VERIFY_LAUNCH)
         self.launch = getattr(run, "launch", None)
@@ -203,6 +208,9 @@ class Prepared:
 
 
 _data_ptr = torch.Tensor.data_ptr
+# a kernel parameter's bytes by its type (a pointer: 8), as Triton's launcher passes it
+_SIZES = {"i1": 1, "i8": 1, "u1": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4, "i64": 8, "u64": 8, "fp32": 4,
+          "f32": 4, "fp64": 8}
 
 
 class Direct:
@@ -245,6 +253,42 @@ class Direct:
             self.launch = b.launch
             if len(tensors) == len(self.holes):
                 self.fast = _direct_call(self, tuple(isinstance(t, int) for t in tensors))
+
+    def step(self, grid: tuple, holes: tuple):
+        """This launch as a step of a ``native.Chain``: ``grid`` three sources, ``holes`` a source for each hole
+        (``native.const``, ``addr``, ``out``, ``num``); the fixed arguments as bound. None where it cannot be one:
+        not bound yet, verifying (``EPCOMM_VERIFY_LAUNCH``: every launch goes through Triton's binder), a
+        launch with scratch memory, clusters, cooperative or PDL, or types this does not know."""
+        p = self.p
+        b = p.b
+        if not p.fast or b is None or b.launch is None or b.types is None or len(holes) != len(self.holes):
+            return None
+        coop, pdl = b.head[0], b.head[1]
+        num_warps, num_ctas, shared = b.packed
+        values = list(self.template) + list(b.tail)
+        if coop or pdl or num_ctas != 1 or len(values) != len(b.types):
+            return None
+        at = dict(zip(self.holes, holes))
+        params = []
+        for i, (ty, v) in enumerate(zip(b.types, values)):
+            if ty == "constexpr":
+                continue
+            size = 8 if ty[0] == "*" else _SIZES.get(ty)
+            if size is None:
+                return None
+            if i in at:
+                src = at[i]
+            elif ty[0] == "*":
+                src = (0, 0, 0 if v is None else v.data_ptr() if isinstance(v, torch.Tensor) else int(v))
+            elif ty in ("fp32", "f32"):
+                src = (0, 0, struct.unpack("<I", struct.pack("<f", float(v)))[0])
+            elif ty == "fp64":
+                src = (0, 0, struct.unpack("<q", struct.pack("<d", float(v)))[0])
+            else:
+                src = (0, 0, int(v))
+            params.append((*src, size))
+        params += [(0, 0, 0, 8), (0, 0, 0, 8)]  # the global and profile scratch: none
+        return (b.function, [(*g, 4) for g in grid], 32 * num_warps, shared, params)
 
     def _any(self, gx: int, gy: int, gz: int, *tensors) -> None:
         """The bound launch with holes of any kind (a tensor, a ``Ptr`` or an ``int`` in any hole)."""
