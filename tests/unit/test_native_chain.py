@@ -1,0 +1,98 @@
+"""Tier 1: ``native.Chain`` (a call's outputs made and its kernels launched in one C++ call) and
+``kernels/launch.Direct.step`` (a bound launch as a chain's step), without a GPU: a dry chain keeps each step's
+grid and packed parameters of its last call (``Chain.last``) instead of launching. The GPU runs (tier 3, and
+``epcomm bench``'s checked rows) launch the chains of the HT dispatch and of ``ElasticBuffer``'s ``recv_meta``."""
+import struct
+
+import pytest
+import torch
+
+from epcomm import native as N
+from epcomm.kernels.launch import Direct
+
+
+def _p(src, size=8):
+    return (*src, size)
+
+
+def test_dry_chain_packs_every_kind_of_source():
+    x = torch.arange(16, dtype=torch.int32)
+    params = [_p(N.addr(0)), _p(N.addr(0, 16)), _p(N.out(1, 4)), _p(N.num(1), 4), _p(N.const(-3)), _p(N.addr(2)),
+              _p(N.out(0))]
+    steps = [(77, [_p(N.num(1), 4), _p(N.const(2), 4), _p(N.const(1), 4)], 128, 0, params),
+             (78, [_p(N.const(9), 4)] * 3, 32, 0, [_p(N.out(0), 8)])]
+    c = N.Chain(torch.device("cpu"), [((N.ROWS, 2), torch.int32), ((3,), torch.float32)], N.num(1), steps, 3,
+                dry=True)
+    for rows in (5, 0):
+        outs = c(0, x, rows, None)
+        assert [(tuple(o.shape), o.dtype) for o in outs] == [((rows, 2), torch.int32), ((3,), torch.float32)]
+        got = c.last()
+        o0, o1 = outs[0].data_ptr(), outs[1].data_ptr()
+        assert got[0] == [rows, 2, 1, x.data_ptr(), x.data_ptr() + 16, o1 + 4, rows, 2 ** 64 - 3, 0, o0]
+        assert got[1] == [9, 9, 9, o0]
+
+
+def test_chain_checks_its_sources():
+    dev = torch.device("cpu")
+    step = (1, [_p(N.const(1), 4)] * 3, 32, 0, [_p(N.addr(2))])
+    with pytest.raises(RuntimeError, match="call value 2 of 2"):
+        N.Chain(dev, [((1,), torch.int32)], N.const(0), [step], 2, dry=True)
+    step = (1, [_p(N.const(1), 4)] * 3, 32, 0, [_p(N.out(1))])
+    with pytest.raises(RuntimeError, match="an output 1"):
+        N.Chain(dev, [((1,), torch.int32)], N.const(0), [step], 2, dry=True)
+    step = (1, [_p(N.const(1), 4)] * 3, 32, 0, [_p(N.num(0), 3)])
+    with pytest.raises(RuntimeError, match="3 bytes"):
+        N.Chain(dev, [((1,), torch.int32)], N.const(0), [step], 2, dry=True)
+    c = N.Chain(dev, [((1,), torch.int32)], N.const(0), [(1, [_p(N.const(1), 4)] * 3, 32, 0, [])], 2, dry=True)
+    with pytest.raises(RuntimeError, match="2 values, got 1"):
+        c(0, None)
+
+
+class _Bound:  # what Direct.step reads of a bound launch (kernels/launch._Bound)
+    def __init__(self, types, tail=(), packed=(4, 1, 512), coop=False, pdl=False):
+        self.types, self.tail, self.packed = types, tail, packed
+        self.head = (coop, pdl, None, None, packed, None, None, None)
+        self.launch, self.function = object(), 4242
+
+
+class _Prepared:
+    def __init__(self, b):
+        self.b, self.fast = b, True
+
+
+def _direct(template, holes, b):
+    d = Direct.__new__(Direct)
+    d.p, d.template, d.holes = _Prepared(b), tuple(template), tuple(holes)
+    return d
+
+
+def test_direct_step_follows_the_kernels_signature():
+    t = torch.zeros(4, dtype=torch.int64)
+    # (x ptr: hole, n i32: hole, scale fp32, flag constexpr, buf ptr: fixed tensor, none ptr, big i64, B constexpr)
+    b = _Bound(("*i32", "i32", "fp32", "constexpr", "*fp32", "*i8", "i64", "constexpr"), tail=(64,))
+    d = _direct((None, None, 0.5, True, t, None, -7), (0, 1), b)
+    grid = (N.num(2), N.const(1), N.const(1))
+    fn, g, block, smem, params = d.step(grid, (N.addr(0), N.num(1)))
+    assert (fn, block, smem) == (4242, 128, 512)
+    assert g == [(3, 2, 0, 4), (0, 0, 1, 4), (0, 0, 1, 4)]
+    half = struct.unpack("<I", struct.pack("<f", 0.5))[0]
+    assert params == [(1, 0, 0, 8), (3, 1, 0, 4), (0, 0, half, 4), (0, 0, t.data_ptr(), 8), (0, 0, 0, 8),
+                      (0, 0, -7, 8), (0, 0, 0, 8), (0, 0, 0, 8)]  # the last two: the scratch pointers
+    # and the packed step runs: the dry chain's parameters are those values
+    c = N.Chain(torch.device("cpu"), [], N.const(0), [(fn, g, block, smem, params)], 3, dry=True)
+    x = torch.ones(2)
+    c(0, x, 11, 5)
+    assert c.last() == [[5, 1, 1, x.data_ptr(), 11, half, t.data_ptr(), 0, 2 ** 64 - 7, 0, 0]]
+
+
+@pytest.mark.parametrize("what", ["unbound", "cooperative", "pdl", "clusters", "unknown type", "holes"])
+def test_direct_step_declines(what):
+    b = _Bound(("*i32", "i32"), coop=what == "cooperative", pdl=what == "pdl",
+               packed=(4, 2 if what == "clusters" else 1, 0))
+    if what == "unknown type":
+        b.types = ("*i32", "tensordesc<fp16[8]>")
+    d = _direct((None, 3), (0,), b)
+    if what == "unbound":
+        d.p.fast = False
+    holes = (N.addr(0), N.addr(1)) if what == "holes" else (N.addr(0),)
+    assert d.step((N.const(1),) * 3, holes) is None
