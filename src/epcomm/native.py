@@ -16,7 +16,10 @@ torch's extension cache, whose file lock lets ranks of one machine share one bui
 is made, before its first collective (``backends/deadline.prepare_native``). Where it cannot be built
 (no compiler) the same tensors come from ``torch.empty``, and a warning says why once; ``EPCOMM_NATIVE=0`` turns
 it off, ``EPCOMM_NATIVE=all`` also on CPU devices (for tests: :func:`wanted`).
-Every tensor is contiguous, its own allocation, as ``torch.empty`` makes it.
+Every tensor is contiguous, as ``torch.empty`` makes it; each its own allocation, but for those a plan marks
+``packed`` (with ``TUNE["native_pack"]``: its small outputs, never the received rows): views of one allocation,
+each from a 16-byte boundary, made in C++ without a call into the allocator each (that allocation lives while any
+of them does: a few hundred KB at DSv3 shapes).
 """
 
 from __future__ import annotations
@@ -37,22 +40,53 @@ _SRC = r"""
 #include <array>
 #include <string>
 
-// One kind of call's outputs: shapes (a dimension of -1 is the call's rows), dtypes, device.
+// A view of `block`'s bytes from `off` as a contiguous tensor of `shape` and `dt` (a TensorImpl on the block's
+// storage: no allocation, no dispatcher call).
+static at::Tensor view_of(const at::Tensor& block, int64_t off, at::ScalarType dt, const std::vector<int64_t>& shape) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(block.storage()), block.key_set(),
+                                                   c10::scalarTypeToTypeMeta(dt));
+  impl->set_sizes_contiguous(shape);
+  impl->set_storage_offset(off / (int64_t)c10::elementSize(dt));
+  return at::Tensor(std::move(impl));
+}
+
+// One kind of call's outputs: shapes (a dimension of -1 is the call's rows), dtypes, device; those `packed` are
+// views of one allocation (each from a 16-byte boundary), the others one allocation each.
 struct Outputs {
   std::vector<std::vector<int64_t>> shapes;
   std::vector<at::ScalarType> dtypes;
   at::Device device;
-  Outputs(std::vector<std::vector<int64_t>> s, std::vector<at::ScalarType> d, at::Device dev)
-      : shapes(std::move(s)), dtypes(std::move(d)), device(dev) {}
+  std::vector<bool> packed;
+  bool any_packed = false;
+  Outputs(std::vector<std::vector<int64_t>> s, std::vector<at::ScalarType> d, at::Device dev,
+          std::vector<bool> p = {})
+      : shapes(std::move(s)), dtypes(std::move(d)), device(dev), packed(std::move(p)) {
+    TORCH_CHECK(packed.empty() || packed.size() == shapes.size(), "a packed flag for each output");
+    TORCH_CHECK(dtypes.size() == shapes.size(), "a dtype for each output");
+    packed.resize(shapes.size(), false);
+    for (bool b : packed) any_packed = any_packed || b;
+  }
   std::vector<at::Tensor> tensors(int64_t rows) const {
-    std::vector<at::Tensor> out;
-    out.reserve(shapes.size());
-    std::vector<int64_t> shape;
-    for (size_t i = 0; i < shapes.size(); ++i) {
-      shape = shapes[i];
-      for (auto& v : shape) if (v < 0) v = rows;
-      out.push_back(at::empty(shape, at::TensorOptions().dtype(dtypes[i]).device(device)));
+    std::vector<at::Tensor> out(shapes.size());
+    std::vector<std::vector<int64_t>> sh(shapes);
+    std::vector<int64_t> off(shapes.size(), 0);
+    int64_t total = 0;
+    for (size_t i = 0; i < sh.size(); ++i) {
+      int64_t n = (int64_t)c10::elementSize(dtypes[i]);
+      for (auto& v : sh[i]) {
+        if (v < 0) v = rows;
+        n *= v;
+      }
+      if (packed[i]) {
+        off[i] = total;
+        total += (n + 15) / 16 * 16;
+      }
     }
+    at::Tensor block;
+    if (any_packed) block = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device));
+    for (size_t i = 0; i < sh.size(); ++i)
+      out[i] = packed[i] ? view_of(block, off[i], dtypes[i], sh[i])
+                         : at::empty(sh[i], at::TensorOptions().dtype(dtypes[i]).device(device));
     return out;
   }
   py::tuple make(int64_t rows) const {
@@ -121,8 +155,9 @@ struct Chain {
   std::vector<std::vector<uint64_t>> seen;
 
   Chain(std::vector<std::vector<int64_t>> shapes, std::vector<at::ScalarType> dtypes, at::Device dev,
-        std::vector<int64_t> rows_src, std::vector<py::tuple> step_specs, int64_t nvals_, bool dry_)
-      : outs(std::move(shapes), std::move(dtypes), dev), rows(to_src(rows_src)), nvals(nvals_), dry(dry_) {
+        std::vector<bool> packed, std::vector<int64_t> rows_src, std::vector<py::tuple> step_specs, int64_t nvals_,
+        bool dry_)
+      : outs(std::move(shapes), std::move(dtypes), dev, std::move(packed)), rows(to_src(rows_src)), nvals(nvals_), dry(dry_) {
     const Driver& d = driver();
     TORCH_CHECK(dry || d.launch, "epcomm native chain: cuLaunchKernel not found in libcuda.so.1");
     for (auto& t : step_specs) {
@@ -229,11 +264,11 @@ struct Chain {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Outputs>(m, "Outputs")
-      .def(py::init<std::vector<std::vector<int64_t>>, std::vector<at::ScalarType>, at::Device>())
+      .def(py::init<std::vector<std::vector<int64_t>>, std::vector<at::ScalarType>, at::Device, std::vector<bool>>())
       .def("make", &Outputs::make);
   py::class_<Chain>(m, "Chain")
-      .def(py::init<std::vector<std::vector<int64_t>>, std::vector<at::ScalarType>, at::Device, std::vector<int64_t>,
-                    std::vector<py::tuple>, int64_t, bool>())
+      .def(py::init<std::vector<std::vector<int64_t>>, std::vector<at::ScalarType>, at::Device, std::vector<bool>,
+                    std::vector<int64_t>, std::vector<py::tuple>, int64_t, bool>())
       .def("run", &Chain::run)
       .def("last", &Chain::last);
 }
@@ -246,7 +281,7 @@ def wanted(device: torch.device, tune: bool) -> bool:
     return bool(tune) and how != "0" and (device.type == "cuda" or how == "all")
 
 
-_NAME = "epcomm_native_2"  # (a new source gets a new name: torch's cache keys builds by name and source)
+_NAME = "epcomm_native_3"  # (a new source gets a new name: torch's cache keys builds by name and source)
 _state: dict = {}
 
 
@@ -268,21 +303,31 @@ def module():
     return _state["mod"]
 
 
+def _packed(packed, n: int) -> list:
+    """The outputs of indexes ``packed`` as a flag per output (``n``)."""
+    flags = [False] * n
+    for i in packed:
+        flags[i] = True
+    return flags
+
+
 class Outputs:
-    """``Outputs(device, [(shape, dtype), ...], native)``: ``outs(rows=0)`` -> a tuple of new tensors, a ``ROWS``
-    dimension taking ``rows``. ``native``: through the extension (when it is built), else ``torch.empty``.
+    """``Outputs(device, [(shape, dtype), ...], native, packed=())``: ``outs(rows=0)`` -> a tuple of new tensors, a
+    ``ROWS`` dimension taking ``rows``. ``native``: through the extension (when it is built), else ``torch.empty``;
+    there the outputs of indexes ``packed`` are views of one allocation.
 
     Example: ``Outputs(torch.device("cpu"), [((ROWS, 4), torch.int32), ((2,), torch.float32)], False)(3)`` gives
     an ``int32[3, 4]`` and a ``float32[2]``."""
 
     __slots__ = ("make", "native")
 
-    def __init__(self, device: torch.device, specs, native: bool) -> None:
+    def __init__(self, device: torch.device, specs, native: bool, packed=()) -> None:
         specs = [(tuple(shape), dtype) for shape, dtype in specs]
         mod = module() if native else None
         self.native = mod is not None
         if mod is not None:
-            self.make = mod.Outputs([list(s) for s, _ in specs], [d for _, d in specs], device).make
+            self.make = mod.Outputs([list(s) for s, _ in specs], [d for _, d in specs], device,
+                                    _packed(packed, len(specs))).make
         else:
             def make(rows: int = 0, specs=specs, empty=torch.empty):
                 return tuple(empty(tuple(rows if v < 0 else v for v in s), dtype=d, device=device) for s, d in specs)
@@ -329,13 +374,14 @@ class Chain:
 
     __slots__ = ("chain", "run", "steps")
 
-    def __init__(self, device: torch.device, specs, rows: tuple, steps: list, nvals: int, dry: bool = False) -> None:
+    def __init__(self, device: torch.device, specs, rows: tuple, steps: list, nvals: int, dry: bool = False,
+                 packed=()) -> None:
         mod = module()
         if mod is None:
             raise RuntimeError(f"the native extension is not built: {_state.get('why')}")
         specs = [(tuple(shape), dtype) for shape, dtype in specs]
-        self.chain = mod.Chain([list(s) for s, _ in specs], [d for _, d in specs], device, [*rows, 8], list(steps),
-                               nvals, dry)
+        self.chain = mod.Chain([list(s) for s, _ in specs], [d for _, d in specs], device,
+                               _packed(packed, len(specs)), [*rows, 8], list(steps), nvals, dry)
         self.run = self.chain.run
         self.steps = len(steps)
 

@@ -50,3 +50,20 @@ def test_off_means_torch_empty(monkeypatch):
     monkeypatch.setenv("EPCOMM_NATIVE", "0")
     monkeypatch.setattr(native, "_state", {})
     assert native.module() is None and not native.Outputs(torch.device("cpu"), SPECS, True).native
+
+
+def test_packed_outputs_are_views_of_one_allocation():
+    outs = native.Outputs(torch.device("cpu"), SPECS, True, packed=(0, 1, 3, 4, 5))
+    assert outs.native
+    for rows in (0, 1, 13):
+        got = outs(rows)
+        assert [(tuple(t.shape), t.dtype) for t in got] == _want(rows)
+        assert all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in got)
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in got if t.numel())
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), spans  # no two overlap
+        storages = [t.untyped_storage().data_ptr() for t in got]
+        assert len({storages[i] for i in (0, 1, 3, 4, 5)}) == 1  # one allocation for the packed ones
+        assert storages[2] not in storages[:2] + storages[3:]  # the other its own
+        for i, t in enumerate(got):  # each written alone keeps its values
+            t.fill_(i + 1)
+        assert all(torch.equal(t, torch.full_like(t, i + 1)) for i, t in enumerate(got))

@@ -237,7 +237,7 @@ class Kernels:
             specs = ([((le,), i32), ((le,), i32), ((r_,), i32), ((n, k + 2), i32), ((t, k), i32)]
                      + [((r, k), i64) for r in rows if r is not None] + [((n,), i64)]
                      + ([((ROWS,), i64)] if expand else []))
-            outs = Outputs(dev, specs, True)
+            outs = Outputs(dev, specs, True, range(len(specs)) if TUNE["native_pack"] else ())
         # the contiguous layout's native.Chain (made after the first call bound the launch; [None]: never)
         chain = [] if outs is not None and outs.native and not expand else [None]
         return (go_rows, max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, go_layout, 2 * le + r_, r_,
@@ -264,7 +264,9 @@ class Kernels:
                                          o(4), c(part.data_ptr()), c(ticket.data_ptr())))
         if st is None:
             return None
-        return native.Chain(part.device, specs, c(0), [st], 6), part, go_rows.p.get_stream, go_rows.p.dev
+        return native.Chain(part.device, specs, c(0), [st], 6,
+                            packed=range(len(specs)) if TUNE["native_pack"] else ()), part, go_rows.p.get_stream, \
+            go_rows.p.dev
 
     def bound(self, name: str, key: tuple, consts: dict, template: tuple):
         """``go(gx, gy, gz, *tensors)``: kernel ``name`` with ``template``'s fixed arguments and the

@@ -277,9 +277,12 @@ class HTDispatch:
         row_specs = [((ROWS, h), x_dtype)] + ([((ROWS, g), f32)] if has_s else []) \
             + ([((ROWS, k), torch.int64)] if has_topk and keep_k is None else []) \
             + ([((ROWS, k), f32)] if has_topk else []) + [((ROWS,), i32)]
+        # (TUNE["native_pack"]: the handle's tensors, and the rows' ids, weights and sources, views of one allocation)
+        head_pack = range(len(head_specs)) if TUNE["native_pack"] else ()
+        row_pack = range(1 + has_s, len(row_specs)) if TUNE["native_pack"] else ()
         if native.wanted(dev, TUNE["native_alloc"]):
-            heads = Outputs(dev, head_specs, True)
-            rows_out = Outputs(dev, row_specs, True)
+            heads = Outputs(dev, head_specs, True, head_pack)
+            rows_out = Outputs(dev, row_specs, True, row_pack)
         # with num_worst_tokens and no transport of its own (the fused push, or one rank) a call is its outputs and
         # two launches: after the first call bound them, one native.Chain call (TUNE["native_chain"])
         chain: list = [] if (heads is not None and heads.native and n_worst and not bulk and not ce
@@ -309,7 +312,8 @@ class HTDispatch:
                      gather.go.step((native.num(7), one, one), tuple(g_holes))]
             if any(st is None for st in steps):
                 return None
-            return native.Chain(dev, head_specs + row_specs, native.const(n_worst), steps, 8), \
+            return native.Chain(dev, head_specs + row_specs, native.const(n_worst), steps, 8,
+                                packed=[*head_pack, *(nh + i for i in row_pack)]), \
                 notify.go.p.get_stream, notify.go.p.dev
 
         def result(made, is_in):
