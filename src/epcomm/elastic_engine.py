@@ -159,8 +159,12 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     chan, sms, chunk = config.num_channels, config.num_sms, config.num_max_rdma_chunked_send_tokens
     worst_x_rows = EL.worst_expanded_rows(r_, m, k, le, alignment)
     rows_of = kern.recv_meta if kern else EL.recv_meta
+    meta_slot: list = []
     if kern and not sync:  # (the same N and X each call: recv_meta keeps its plan in a slot of this kind's)
-        rows_of = functools.partial(kern.recv_meta, slot=[])
+        rows_of = functools.partial(kern.recv_meta, slot=meta_slot)
+    # a contiguous eager no-sync dispatch whose backend plan and recv_meta are native chains: from the call after
+    # both were made, the two as one chain (Kernels.merged; [None]: never)
+    merged: list = [] if kern is not None and fused and not sync and not expand and not capturing else [None]
     has_w = topk_weights is not None
     bound: list = []  # the backend's plan, made at the first call (it needs that call's layout tensors)
     zeros = _zero_weights(t, k, dev)
@@ -168,6 +172,10 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     def run(x, sf, topk_idx, topk_weights, cum_stats, before_epilogue):
         pay, data, scales = probe.take(x, sf)
         w = topk_weights if has_w else zeros()
+        mg = merged[0] if merged else None
+        if mg is not None and before_epilogue is None and (cum_stats is None or cum_stats.is_contiguous()):
+            res, rm = mg(data, scales, topk_idx, w, cum_stats)
+            return finish(pay, res, rm, topk_idx)
         go = bound[0] if bound else None
         if go is not None and fused:  # (the plan's exchange kernel makes the layout)
             per_rank = per_expert = in_rank = None
@@ -191,14 +199,23 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
             res = go(data, scales, topk_idx, w, per_rank, in_rank, per_expert)
         _wait_event(before_epilogue)
         v1 = res.handle
-        n = res.recv_x.shape[0]
         if sync:
             lst = list(res.num_recv_tokens_per_expert_list)
             x_rows = sum(lst)
         else:
-            lst, x_rows = [], worst_x_rows
+            lst, x_rows = None, worst_x_rows
         rm = rows_of(v1.rank_prefix_matrix, me, v1.recv_src_idx, res.recv_topk_idx, v1.send_head, topk_idx, m, le,
                      alignment, x_rows, expand, cum_stats, handle_copy)
+        if not merged and go is not None and meta_slot and meta_slot[0][2][-1]:  # (recv_meta's chain is made)
+            merged.append(kern.merged(getattr(go, "native", None), meta_slot[0][2][-1][0]))
+        return finish(pay, res, rm, topk_idx, lst, x_rows)
+
+    def finish(pay, res, rm, topk_idx, lst=None, x_rows=worst_x_rows):
+        """The call's results from the backend's (``res``) and recv_meta's (``rm``); ``lst``: the counts a
+        synchronised call read (None: none)."""
+        v1 = res.handle
+        n = res.recv_x.shape[0]
+        lst = [] if lst is None else lst
         # the handle's fields after its kind, in EPHandle's order (topk_idx ... dst_buffer_slot_idx)
         fields = (rm.topk if handle_copy else topk_idx, n if sync else worst, x_rows, lst, rm.psum_rank, rm.psum,
                   rm.counts, rm.meta, rm.dst_slot)

@@ -96,3 +96,38 @@ def test_direct_step_declines(what):
         d.p.fast = False
     holes = (N.addr(0), N.addr(1)) if what == "holes" else (N.addr(0),)
     assert d.step((N.const(1),) * 3, holes) is None
+
+
+def test_merged_chain_feeds_the_dispatch_outputs_to_recv_meta():
+    """``elastic_kernels.Kernels.merged``: recv_meta's launch joined to the dispatch's chain reads the dispatch's
+    outputs (rank_prefix_matrix, recv_src_idx, send_head), its fixed received ids, the call's topk_idx and cum."""
+    from epcomm.backends.elastic_kernels import Kernels
+
+    i32 = torch.int32
+    keep_k = torch.zeros(8, 2, dtype=torch.int64)
+    ht_specs = [((2, 2), i32), ((4, 2), i32), ((N.ROWS, 16), torch.bfloat16), ((N.ROWS,), i32)]
+    srcs = dict(rpm=N.out(0), send_head=N.out(1), src=N.out(3), out_k=N.const(keep_k.data_ptr()))
+    ht_step = (11, [_p(N.num(7), 4), _p(N.const(1), 4), _p(N.const(1), 4)], 64, 0,
+               [_p(N.addr(0)), _p(N.addr(2)), _p(N.out(2)), _p(N.out(3))])
+    calls = []
+
+    def result(made, is_in):
+        calls.append(("result", len(made), is_in))
+        return made
+
+    ht_native = (lambda: (ht_specs, [0, 1, 3], [ht_step], srcs), lambda: 5, result, 8,
+                 lambda: type("P", (), {"get_stream": staticmethod(lambda dev: 0), "dev": 0}))
+    m_specs = [((3,), i32), ((8, 4), i32)]
+    m_params = [_p(N.addr(j)) for j in range(6)] + [_p(N.out(0)), _p(N.out(1), 4), _p(N.const(9))]
+    m_step = (12, [_p(N.const(3), 4)] * 3, 128, 0, m_params)
+    meta_chain = (None, torch.zeros(4, dtype=i32), None, None, (m_specs, [0, 1], m_step, lambda made: made))
+    go = Kernels.merged(ht_native, meta_chain, dry=True)
+    x, topk = torch.ones(8, 16, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64)
+    cum = torch.zeros(3, dtype=i32)
+    res, rm = go(x, None, topk, torch.ones(4, 2), cum)
+    assert len(res) == 4 and len(rm) == 2 and calls == [("result", 4, None)]
+    assert tuple(res[2].shape) == (8, 16)  # the rows: num_worst_tokens
+    ht_got, m_got = go.chain.last()
+    assert ht_got == [5, 1, 1, x.data_ptr(), topk.data_ptr(), res[2].data_ptr(), res[3].data_ptr()]
+    assert m_got == [3, 3, 3, res[0].data_ptr(), res[3].data_ptr(), keep_k.data_ptr(), res[1].data_ptr(),
+                     topk.data_ptr(), cum.data_ptr(), rm[0].data_ptr(), rm[1].data_ptr(), 9]

@@ -159,11 +159,9 @@ class Kernels:
         part, ticket = self._counts_scratch(dev)
         ch = chain[0] if chain else None
         if ch is not None and ch[1] is part and stats is cum:  # (one native.Chain call: outputs and launch)
-            go, _, stream, sdev = ch
+            go, _, stream, sdev, parts = ch
             Launcher.launches += 1
-            counts, psum, psum_rank, meta, dst, local, local_out, topk_copy, gid, _ = _spread(
-                go(stream(sdev), rpm, recv_src_idx, recv_local, send_head, topk_idx, stats), rows_at)
-            return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, ones, dst, topk_copy)
+            return parts[3](go(stream(sdev), rpm, recv_src_idx, recv_local, send_head, topk_idx, stats))
         if outs is not None:  # (TUNE["native_alloc"]: every output in one C++ call, native.Outputs)
             counts, psum, psum_rank, meta, dst, local, local_out, topk_copy, gid, source = _spread(
                 outs(x_rows), rows_at)
@@ -189,7 +187,8 @@ class Kernels:
             go_layout(le, 1, 1, counts, local, rpm, meta, source)
         elif not chain and outs is not None and TUNE["native_chain"] and self._scratch.get(dev) is not None \
                 and self._scratch[dev][0] is part:  # (bound now: the next such call is one chain call)
-            chain.append(self._meta_chain(go_rows, g_rows, specs, rows_at, cum is not None, copy_topk, part, ticket))
+            chain.append(self._meta_chain(go_rows, g_rows, specs, rows_at, cum is not None, copy_topk, part, ticket,
+                                          ones))
         if stats is not cum:  # a strided cumulative_local_expert_recv_stats: updated through a copy
             cum.copy_(stats)
         return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, source, dst, topk_copy)
@@ -246,10 +245,11 @@ class Kernels:
                 specs, chain)
 
     @staticmethod
-    def _meta_chain(go_rows, grid: int, specs, rows_at, has_cum: bool, copy_topk: bool, part, ticket):
+    def _meta_chain(go_rows, grid: int, specs, rows_at, has_cum: bool, copy_topk: bool, part, ticket, ones):
         """A contiguous ``recv_meta``'s outputs and launch as one ``native.Chain`` call: ``(chain, part, get_stream,
-        device)``, its values ``(rpm, recv_src_idx, recv_local, send_head, topk_idx, cum)``; None where the launch
-        cannot be a chain's step (``Direct.step``)."""
+        device, (specs, packed, step, finish))``, its values ``(rpm, recv_src_idx, recv_local, send_head,
+        topk_idx, cum)``, ``finish(outputs) -> RecvMeta`` (the parts: ``elastic_engine`` joins the step to the
+        dispatch's chain); None where the launch cannot be a chain's step (``Direct.step``)."""
         step = getattr(go_rows, "step", None)  # (the tests' recording go has none)
         if step is None:
             return None
@@ -264,9 +264,61 @@ class Kernels:
                                          o(4), c(part.data_ptr()), c(ticket.data_ptr())))
         if st is None:
             return None
-        return native.Chain(part.device, specs, c(0), [st], 6,
-                            packed=range(len(specs)) if TUNE["native_pack"] else ()), part, go_rows.p.get_stream, \
-            go_rows.p.dev
+        packed = range(len(specs)) if TUNE["native_pack"] else ()
+
+        def finish(made) -> EL.RecvMeta:
+            counts, psum, psum_rank, meta, dst, local, local_out, topk_copy, gid, _ = _spread(made, rows_at)
+            return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, ones, dst, topk_copy)
+
+        return (native.Chain(part.device, specs, c(0), [st], 6, packed=packed), part, go_rows.p.get_stream,
+                go_rows.p.dev, (specs, packed, st, finish))
+
+    @staticmethod
+    def merged(ht_native, meta_chain, dry: bool = False):
+        """A contiguous no-sync dispatch's two chains as one: the backend's dispatch (``ht_native``: the plan's
+        ``run.native`` parts, ``backends/ht_dispatch.py``) and ``recv_meta``'s launch on its outputs
+        (``meta_chain``: :meth:`_meta_chain`'s). ``go(x, scales, topk_idx, w, cum) -> (DispatchResult, RecvMeta)``,
+        one ``native.Chain`` call; None where either is missing or cannot be a chain. ``dry``: a dry chain (tests).
+        """
+        if ht_native is None or meta_chain is None:
+            return None
+        chain_parts, start, result, n_worst, prepared = ht_native
+        got = chain_parts()
+        if got is None or got[3]["out_k"] is None:
+            return None
+        specs, packed, steps, srcs = got
+        m_specs, m_packed, (fn, grid, block, smem, params), finish = meta_chain[4]
+        nh = len(specs)
+        # recv_meta's values (rpm, recv_src_idx, recv_local, send_head, topk_idx, cum) -> the dispatch's outputs,
+        # its topk_idx (value 2) and cum (value 8, after the dispatch's eight)
+        to = {0: srcs["rpm"], 1: srcs["src"], 2: srcs["out_k"], 3: srcs["send_head"], 4: native.addr(2),
+              5: native.addr(8)}
+
+        def remap(p):
+            kind, idx, value, size = p
+            if kind == 1:
+                assert value == 0, p  # (whole tensors: no offset to add)
+                return (*to[idx], size)
+            if kind == 2:
+                return (2, nh + idx, value, size)
+            assert kind == 0, p
+            return p
+
+        step = (fn, [remap(g) for g in grid], block, smem, [remap(p) for p in params])
+        dev = meta_chain[1].device
+        chain = native.Chain(dev, specs + m_specs, native.const(n_worst), [*steps, step], 9,
+                             packed=[*packed, *(nh + i for i in m_packed)], dry=dry)
+        run = chain.run
+        p = prepared()
+        stream, sdev = p.get_stream, p.dev
+
+        def go(x, scales, topk, w, cum):
+            made = run(stream(sdev), x, scales, topk, w, None, None, None, start(), cum)
+            Launcher.launches += 3
+            return result(made[:nh], None), finish(made[nh:])
+
+        go.chain = chain
+        return go
 
     def bound(self, name: str, key: tuple, consts: dict, template: tuple):
         """``go(gx, gy, gz, *tensors)``: kernel ``name`` with ``template``'s fixed arguments and the

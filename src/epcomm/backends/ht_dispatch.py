@@ -288,8 +288,12 @@ class HTDispatch:
         chain: list = [] if (heads is not None and heads.native and n_worst and not bulk and not ce
                              and TUNE["native_chain"] and (keep_k is None or n_worst <= scratch_rows)) else [None]
 
-        def make_chain():
-            # the call's values: x, scales, topk, w, ntpr, is_in, ntpe (run's arguments), the gather's grid
+        def chain_parts():
+            """``(specs, packed, steps, sources)`` of the call as a chain: its values ``x, scales, topk, w, ntpr,
+            is_in, ntpe`` (run's arguments) and the gather's grid; ``sources`` of the handle's rank_prefix_matrix,
+            send_head, recv_src_idx and the received ids (``rpm``, ``send_head``, ``src``, ``out_k``: a
+            consumer's launch in one chain with this one, ``elastic_engine``); None where a launch cannot be a
+            chain's step."""
             nh = len(head_specs)
             at_is_in = native.out(nh - 1) if fused else native.addr(5)
             cp = [native.out(0), native.out(1)] if keep_cp is None else [native.const(v.data_ptr()) for v in keep_cp]
@@ -312,9 +316,23 @@ class HTDispatch:
                      gather.go.step((native.num(7), one, one), tuple(g_holes))]
             if any(st is None for st in steps):
                 return None
-            return native.Chain(dev, head_specs + row_specs, native.const(n_worst), steps, 8,
-                                packed=[*head_pack, *(nh + i for i in row_pack)]), \
+            return (head_specs + row_specs, [*head_pack, *(nh + i for i in row_pack)], steps,
+                    dict(rpm=rpm, send_head=sh, src=out_src, out_k=out_k))
+
+        def make_chain():
+            got = chain_parts()
+            if got is None:
+                return None
+            specs, packed, steps, _ = got
+            return native.Chain(dev, specs, native.const(n_worst), steps, 8, packed=packed), \
                 notify.go.p.get_stream, notify.go.p.dev
+
+        def start():
+            """What a call does before its chain: ``(gather grid)``."""
+            if err_view[0]:
+                self._check_error()
+            self._call_sms = num_sms
+            return self._gather_grid(push, n_worst)
 
         def result(made, is_in):
             """The DispatchResult of a chain's outputs (``made``: the heads', then the rows')."""
@@ -426,6 +444,8 @@ class HTDispatch:
             return DispatchResult(out_x, out_s, out_k, out_w, lst,
                                   DispatchHandle(rpm, cpm, recv_cp, out_src, is_in, send_head))
 
+        if not chain and TUNE["native_merge"]:  # (a chain's parts, for a caller that joins a launch: elastic_engine)
+            run.native = (chain_parts, start, result, n_worst, lambda: notify.go.p)
         return run
 
     def dispatch(self, a: DispatchArgs) -> DispatchResult:
