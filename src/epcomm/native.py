@@ -1,4 +1,4 @@
-"""A call's output tensors made by one C++ call (``TUNE["native_alloc"]``, on CUDA devices).
+"""A call's output tensors made, and where it can be its kernels launched, by one C++ call (on CUDA devices).
 
 Why: on a GPU host each ``torch.empty`` whose result outlives the call costs ~4-6 us (Python's argument
 parsing, the dispatcher, the caching allocator, the Python object; then its free), and a high-throughput
@@ -20,6 +20,12 @@ Every tensor is contiguous, as ``torch.empty`` makes it; each its own allocation
 ``packed`` (with ``TUNE["native_pack"]``: its small outputs, never the received rows): views of one allocation,
 each from a 16-byte boundary, made in C++ without a call into the allocator each (that allocation lives while any
 of them does: a few hundred KB at DSv3 shapes).
+
+:class:`Chain` (``TUNE["native_chain"]``): where a call is only its outputs and launches (no host wait between them),
+one call into the extension makes the outputs and launches the call's Triton kernels through the driver
+(``cuLaunchKernel``, each kernel's parameters packed once from its bound launch, ``kernels/launch.Direct.step``,
+and checked against the driver's own parameter list); per call only the caller's tensors and a few integers are
+read. Under ``EPCOMM_VERIFY_LAUNCH`` and the Triton interpreter no chain is made (every launch goes through Triton).
 """
 
 from __future__ import annotations
