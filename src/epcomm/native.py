@@ -344,9 +344,15 @@ class Outputs:
 
 
 # a source of a chain's kernel parameter, grid dimension or rows (without its size: ``kernels/launch.py`` adds it)
-def const(value: int) -> tuple:
-    """The constant ``value``."""
-    return (0, 0, int(value))
+def const(value) -> tuple:
+    """The constant ``value``: an int, or a tensor (its address: a buffer the chain's launches use on every call)."""
+    return (0, 0, value if isinstance(value, torch.Tensor) else int(value))
+
+
+def param(src: tuple, size: int) -> tuple:
+    """``src`` as a chain's parameter of ``size`` bytes (a constant tensor as its address)."""
+    kind, idx, value = src
+    return (kind, idx, value.data_ptr() if isinstance(value, torch.Tensor) else value, size)
 
 
 def addr(i: int, offset: int = 0) -> tuple:

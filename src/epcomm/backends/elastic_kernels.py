@@ -17,6 +17,7 @@ from .. import elastic_layout as EL
 from .. import native
 from ..kernels.launch import Direct, Launcher
 from ..native import ROWS, Outputs
+from .ht_dispatch import native_stream
 from .nvlink_params import TUNE, _aligned, _contiguous, _pow2
 
 BN = 128    # rows (or tokens) a program of the metadata kernels
@@ -261,7 +262,7 @@ class Kernels:
         one = c(1)
         st = step((c(grid), one, one), (a(0), a(1), a(2), local, local_out, o(3), gid, counts, o(1), o(2),
                                          a(5) if has_cum else counts, a(4), topk_copy if copy_topk else a(4), a(3),
-                                         o(4), c(part.data_ptr()), c(ticket.data_ptr())))
+                                         o(4), c(part), c(ticket)))
         if st is None:
             return None
         packed = range(len(specs)) if TUNE["native_pack"] else ()
@@ -270,8 +271,8 @@ class Kernels:
             counts, psum, psum_rank, meta, dst, local, local_out, topk_copy, gid, _ = _spread(made, rows_at)
             return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, ones, dst, topk_copy)
 
-        return (native.Chain(part.device, specs, c(0), [st], 6, packed=packed), part, go_rows.p.get_stream,
-                go_rows.p.dev, (specs, packed, st, finish))
+        return (native.Chain(part.device, specs, c(0), [st], 6, packed=packed), part, *native_stream(go_rows.p),
+                (specs, packed, st, finish))
 
     @staticmethod
     def merged(ht_native, meta_chain, dry: bool = False):
@@ -298,7 +299,7 @@ class Kernels:
             kind, idx, value, size = p
             if kind == 1:
                 assert value == 0, p  # (whole tensors: no offset to add)
-                return (*to[idx], size)
+                return native.param(to[idx], size)
             if kind == 2:
                 return (2, nh + idx, value, size)
             assert kind == 0, p
@@ -309,8 +310,7 @@ class Kernels:
         chain = native.Chain(dev, specs + m_specs, native.const(n_worst), [*steps, step], 9,
                              packed=[*packed, *(nh + i for i in m_packed)], dry=dry)
         run = chain.run
-        p = prepared()
-        stream, sdev = p.get_stream, p.dev
+        stream, sdev = native_stream(prepared())
 
         def go(x, scales, topk, w, cum):
             made = run(stream(sdev), x, scales, topk, w, None, None, None, start(), cum)

@@ -61,6 +61,12 @@ NOTIFY_CHECK_PROGRAMS = 32
 T_LAYOUT = 4
 
 
+def native_stream(p) -> tuple:
+    """``(get_stream, device)`` of a bound launch (``kernels/launch.Prepared``): a chain's stream each call (the
+    current one; 0 where Triton has none: the tests' chains on CPU)."""
+    return (p.get_stream or (lambda dev: 0)), p.dev
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """Rows as the int32 words the kernels copy (an 8-bit dtype through uint8)."""
     return t.view(torch.uint8).view(torch.int32) if t.element_size() == 1 else t.view(torch.int32)
@@ -85,6 +91,10 @@ class _Launch:
 
     def __init__(self, go: Direct, views: tuple) -> None:
         self.go, self.views = go, views
+
+    def step(self, grid: tuple, holes: tuple):
+        """The launch as a ``native.Chain``'s step (``Direct.step``)."""
+        return self.go.step(grid, holes)
 
     def __call__(self, grid: int, *tensors) -> None:
         go = self.go
@@ -296,14 +306,14 @@ class HTDispatch:
             chain's step."""
             nh = len(head_specs)
             at_is_in = native.out(nh - 1) if fused else native.addr(5)
-            cp = [native.out(0), native.out(1)] if keep_cp is None else [native.const(v.data_ptr()) for v in keep_cp]
+            cp = [native.out(0), native.out(1)] if keep_cp is None else [native.const(v) for v in keep_cp]
             rpm, sh = native.out(nh - 2 - fused), native.out(nh - 1 - fused)
             n_holes = ([at_is_in] + ([] if fused else [native.addr(4), native.addr(6)]) + [cp[0], rpm, cp[1], sh]
                        + ([native.addr(2)] if has_topk else []))
             orow = iter(range(nh, nh + len(row_specs)))
             out_x = native.out(next(orow))
             out_s = native.out(next(orow)) if has_s else None
-            out_k = (native.out(next(orow)) if keep_k is None else native.const(keep_k.data_ptr())) if has_topk \
+            out_k = (native.out(next(orow)) if keep_k is None else native.const(keep_k)) if has_topk \
                 else None
             out_w = native.out(next(orow)) if has_topk else None
             out_src = native.out(next(orow))
@@ -312,8 +322,8 @@ class HTDispatch:
                        + ([out_s] if has_s else []) + ([out_k, out_w] if has_topk else []) + [out_src]
                        + ([at_is_in] if push else []))
             one = native.const(1)
-            steps = [notify.go.step((native.const(notify_grid), one, one), tuple(n_holes)),
-                     gather.go.step((native.num(7), one, one), tuple(g_holes))]
+            steps = [notify.step((native.const(notify_grid), one, one), tuple(n_holes)),
+                     gather.step((native.num(7), one, one), tuple(g_holes))]
             if any(st is None for st in steps):
                 return None
             return (head_specs + row_specs, [*head_pack, *(nh + i for i in row_pack)], steps,
@@ -325,7 +335,7 @@ class HTDispatch:
                 return None
             specs, packed, steps, _ = got
             return native.Chain(dev, specs, native.const(n_worst), steps, 8, packed=packed), \
-                notify.go.p.get_stream, notify.go.p.dev
+                *native_stream(notify.go.p)
 
         def start():
             """What a call does before its chain: ``(gather grid)``."""

@@ -278,6 +278,8 @@ class Direct:
                 return None
             if i in at:
                 src = at[i]
+                if isinstance(src[2], torch.Tensor):  # (native.const of a tensor: its address)
+                    src = (src[0], src[1], src[2].data_ptr())
             elif ty[0] == "*":
                 src = (0, 0, 0 if v is None else v.data_ptr() if isinstance(v, torch.Tensor) else int(v))
             elif ty in ("fp32", "f32"):

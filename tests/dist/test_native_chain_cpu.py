@@ -1,0 +1,139 @@
+"""Tier 2: the wiring of the native chains (``native.Chain``: a call's outputs made and its launches made in one C++
+call) on 2 CPU ranks of the nvlink backend, against the oracles. On CPU the kernels run under the Triton interpreter,
+where no launch is ever bound and so no real chain is made; here each chain is made as on a GPU (every launch a
+step, ``Direct.step`` / ``_Launch.step``) but runs its steps through the interpreter (``_EmuChain``): each step's
+sources (the call's tensors and integers, the chain's outputs, the plan's constant buffers) resolved to tensors,
+the outputs made by ``native.Outputs`` with the chain's own specs and packing. A source wired to the wrong tensor
+gives rows that differ from the oracle's.
+
+Checked: ``ElasticBuffer``'s contiguous no-sync dispatch (BF16, FP8 with UE8M0 packs and with fp32 scales) through
+the merged chain (the backend's exchange + gather and ``recv_meta``'s launch: three steps) and, with
+``native_merge=0``, through two chains; its combine after those; ``Buffer``'s ``num_worst_tokens`` dispatch (two
+steps), BF16 and FP8. Each kind's first call binds its launches (the Python path), the repeats take the chain.
+"""
+import importlib.util
+import os
+import sys
+import uuid
+
+import harness
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_elastic_backends_cpu import _on_backend  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+
+
+def _emulate():
+    """Chains made and run as described above: ``(runs, undo)``, ``runs`` the step count of every chain call."""
+    from epcomm import native
+    from epcomm.backends import ht_dispatch
+    from epcomm.kernels import launch
+
+    runs: list = []
+
+    def get(src, vals, made):
+        kind, idx, value = src[:3]
+        if kind in (1, 2):
+            assert value == 0, src  # (the chains here pass whole tensors: no offsets)
+            return vals[idx] if kind == 1 else made[idx]
+        return vals[idx] if kind == 3 else value
+
+    class EmuChain:
+        def __init__(self, device, specs, rows, steps, nvals, dry=False, packed=()):
+            self.outs = native.Outputs(device, specs, True, packed)
+            assert self.outs.native, native._state.get("why")
+            self.rows, self.steps, self.nvals = rows, list(steps), nvals
+            self.run = self.__call__
+
+        def __call__(self, stream, *vals):
+            assert len(vals) == self.nvals, (len(vals), self.nvals)
+            made = self.outs(get(self.rows, vals, ()))
+            for go, grid, _block, _smem, params in self.steps:
+                go(*(get(g, vals, made) for g in grid), *(get(p, vals, made) for p in params))
+            runs.append(len(self.steps))
+            return made
+
+    def step(go, grid, holes, n_holes):
+        assert len(holes) == n_holes, (len(holes), n_holes)
+        return (go, [(*g, 4) for g in grid], 0, 0, [(*h, 8) for h in holes])
+
+    def direct_step(self, grid, holes):
+        return step(self, grid, holes, len(self.holes))
+
+    def launch_step(self, grid, holes):
+        def go(gx, gy, gz, *tensors):
+            assert gy == gz == 1
+            self(gx, *tensors)
+        return step(go, grid, holes, len(self.go.holes))
+
+    saved = (native.Chain, native.param, launch.Direct.step, ht_dispatch._Launch.step)
+    native.Chain = EmuChain
+    native.param = lambda src, size: (*src, size)  # (constant tensors stay tensors: the steps run on them)
+    launch.Direct.step, ht_dispatch._Launch.step = direct_step, launch_step
+
+    def undo():
+        native.Chain, native.param, launch.Direct.step, ht_dispatch._Launch.step = saved
+
+    return runs, undo
+
+
+def _v2(ctx, tag, merge: bool):
+    os.environ["EPCOMM_NATIVE"] = "all"
+    os.environ["EPCOMM_TUNE"] = f"native_merge={int(merge)}"
+    OnBackend = _on_backend(ctx, tag, "nvlink")
+    from epcomm.testing import elastic_cases as C
+
+    runs, undo = _emulate()
+    try:
+        case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=3, num_experts=8, seed=11)
+        buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
+        for sf_kind in ("bf16", "ue8m0", "fp32"):  # contiguous, no CPU sync: a dispatch, a cached one, a second
+            C.check_dispatch(buf, case, ctx.rank, sf_kind, False, 1, False)
+        C.check_combine(buf, case, ctx.rank, False, 2, 1, False)
+    finally:
+        undo()
+    # the chains ran: merged ones (3 steps) only in that mode; a kind's first call may take chains another kind
+    # made (the backend's plan, recv_meta's), 2 and 1 steps
+    assert (3 in runs) is merge and (merge or {1, 2} <= set(runs)), runs
+    return runs
+
+
+def _v1(ctx, tag):
+    os.environ["EPCOMM_NATIVE"] = "all"
+    os.environ.pop("EPCOMM_TUNE", None)
+    _on_backend(ctx, tag, "nvlink")
+    from epcomm import Buffer
+    from epcomm.testing import cpu_nvlink
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    runs, undo = _emulate()
+    try:
+        ref = Buffer(ctx.group)
+        fast = cpu_nvlink.nvlink_buffer(ctx.group, num_nvl_bytes=32 << 20)
+        case = Case(num_ranks=2, tokens=(5, 8), hidden=128, num_topk=4, num_experts=8, seed=5)
+        worst = sum(case.tokens) + 3
+        for fp8 in (False, True):
+            for _ in range(2):  # (the first binds the launches, the second is one chain call)
+                G.check_ht_case(ref, fast, case, ctx.rank, fp8, worst=worst)
+    finally:
+        undo()
+    assert runs and set(runs) == {2}, runs
+    return runs
+
+
+CHECKS = ["v2-merged", "v2-two-chains", "v1-worst"]
+TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
+
+
+def _rank(ctx, tag):
+    one = {"v2-merged": lambda c: _v2(c, tag, True), "v2-two-chains": lambda c: _v2(c, tag, False),
+           "v1-worst": lambda c: _v1(c, tag)}
+    return harness.run_checks(ctx, [(name, one[name]) for name in CHECKS], env={})
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_native_chains_on_cpu_processes(name):
+    harness.report(harness.launch_gloo_once(_rank, 2, TAG, timeout_s=900), name)
