@@ -131,3 +131,22 @@ def test_merged_chain_feeds_the_dispatch_outputs_to_recv_meta():
     assert ht_got == [5, 1, 1, x.data_ptr(), topk.data_ptr(), res[2].data_ptr(), res[3].data_ptr()]
     assert m_got == [3, 3, 3, res[0].data_ptr(), res[3].data_ptr(), keep_k.data_ptr(), res[1].data_ptr(),
                      topk.data_ptr(), cum.data_ptr(), rm[0].data_ptr(), rm[1].data_ptr(), 9]
+
+
+@pytest.mark.parametrize("api, kind, launches", [("v2", "dc", 3), ("ht", "worst", 2), ("ht", "worst fp8", 2)])
+def test_the_probe_rig_runs_the_chains(monkeypatch, own_group, api, kind, launches):
+    """On the host probe's CPU rig with the extension (``EPCOMM_NATIVE=all``; chains dry there) a repeat of a call a
+    chain serves hands Triton's launcher nothing (``args`` 0: every launch went through the chain) and makes two
+    allocations (the received rows and one block of the small outputs; FP8: its scales too); with
+    ``native_chain=0`` its launches go through Triton's launcher again."""
+    from epcomm.backends import nvlink_params
+    from epcomm.bench import hostprobe
+
+    monkeypatch.setenv("EPCOMM_NATIVE", "all")
+    real = hostprobe.install
+    monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
+    got = hostprobe.probe("python", tokens=(64,), calls=3, api=api)["T=64"][kind]
+    assert (got["launches"], got["args"], got["allocs"]) == (launches, 0, 3 if "fp8" in kind else 2), got
+    monkeypatch.setitem(nvlink_params.TUNE, "native_chain", False)
+    got = hostprobe.probe("python", tokens=(64,), calls=3, api=api)["T=64"][kind]
+    assert got["launches"] == launches and got["args"] > 0, got

@@ -11,7 +11,9 @@ compared between source trees without that noise.
 The rig (:func:`install`): world 1 on gloo, a ``Buffer`` whose backend is the nvlink backend
 (``testing.cpu_nvlink``'s CUDA stand-ins, a local symmetric buffer), every ``@triton.jit`` kernel of
 ``epcomm.kernels`` replaced by a stand-in that ``Launcher`` binds as it binds a compiled kernel: later
-launches go, as on a GPU host, straight to the stand-in's C-launcher slot, which does nothing.
+launches go, as on a GPU host, straight to the stand-in's C-launcher slot, which does nothing. With
+``EPCOMM_NATIVE=all`` the plans make their outputs through the C++ extension and their chains
+(``native.Chain``) as on a GPU host, dry: packed and read each call, nothing launched.
 
 Measured per call kind (``--api ll``, the default: ``dispatch``: FP8, DeepSeek-V3 shapes by default;
 ``combine``: BF16, after an untimed dispatch, as ``epcomm bench`` times it; with ``--hook`` the send and
@@ -92,14 +94,22 @@ class _NoLaunch:
 
 class _Kernel:
     """Stands in for a ``@triton.jit`` kernel where ``kernels/launch.Launcher`` binds it: ``run`` (the first
-    launch of a key) returns a compiled kernel whose launcher is :class:`_NoLaunch`."""
+    launch of a key) returns a compiled kernel whose launcher is :class:`_NoLaunch`, with a signature made from
+    that launch's arguments (a tensor or None a pointer, an int ``i32``/``i64``, a float ``fp32``), as
+    ``Direct.step`` reads it for a chain (``native.Chain``: dry in the rig, see :func:`install`)."""
 
     def __init__(self, jit) -> None:
         self.fn, self.params, self.device_caches, self.debug = jit.fn, jit.params, {}, False
-        self.kernel = types.SimpleNamespace(run=_NoLaunch(), function=0, packed_metadata=(4, 1, 0))
+        self.kernel = types.SimpleNamespace(run=_NoLaunch(), function=0, packed_metadata=(4, 1, 0))  # (no signature)
 
     def run(self, *args, grid, warmup, **kw):
-        return self.kernel
+        sig = {}
+        for i, p in enumerate(self.params):
+            v = args[i] if i < len(args) else kw.get(p.name)
+            sig[p.name] = "constexpr" if p.is_constexpr or p.name in kw else \
+                "fp32" if isinstance(v, float) else \
+                ("i32" if -2**31 <= v < 2**31 else "i64") if isinstance(v, int) and not hasattr(v, "tensor") else "*i8"
+        return types.SimpleNamespace(**vars(self.kernel), src=types.SimpleNamespace(signature=sig))
 
 
 def _kernel_modules(package) -> list:
@@ -137,6 +147,10 @@ def install(set_attr=setattr, setitem=None) -> None:
     setitem(sys.modules, "torch.distributed._symmetric_memory", mod)
     setitem(vars(torch.distributed), "_symmetric_memory", mod)
     set_attr(driver, "_active", types.SimpleNamespace(get_current_stream={0: 0}.get, get_current_device=lambda: 0))
+    from epcomm import native
+
+    if native.module() is not None:  # (EPCOMM_NATIVE=all: a call's chain packs and reads its values, launches none)
+        set_attr(native, "DRY", True)
     for mod in _kernel_modules(epcomm.kernels):
         for name, obj in list(vars(mod).items()):
             if isinstance(obj, triton.runtime.jit.JITFunction):
