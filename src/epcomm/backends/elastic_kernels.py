@@ -267,9 +267,12 @@ class Kernels:
             return None
         packed = range(len(specs)) if TUNE["native_pack"] else ()
 
-        def finish(made) -> EL.RecvMeta:
-            counts, psum, psum_rank, meta, dst, local, local_out, topk_copy, gid, _ = _spread(made, rows_at)
-            return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, ones, dst, topk_copy)
+        li, loi, gi = local[1], local_out[1], gid[1]  # (the outputs' indexes: a contiguous layout has them all)
+        ti = None if topk_copy is None else topk_copy[1]
+
+        def finish(made) -> EL.RecvMeta:  # (as _spread gives them)
+            return EL.RecvMeta(made[2], made[gi], made[li], made[loi], made[3], made[0], made[1], ones, made[4],
+                               None if ti is None else made[ti])
 
         return (native.Chain(part.device, specs, c(0), [st], 6, packed=packed), part, *native_stream(go_rows.p),
                 (specs, packed, st, finish))

@@ -337,12 +337,17 @@ class HTDispatch:
             return native.Chain(dev, specs, native.const(n_worst), steps, 8, packed=packed), \
                 *native_stream(notify.go.p)
 
-        def start():
+        def start(grid=[]):  # noqa: B006 - the grid of a plan whose Config fixes num_sms, kept at its first call
             """What a call does before its chain: ``(gather grid)``."""
             if err_view[0]:
                 self._check_error()
             self._call_sms = num_sms
-            return self._gather_grid(push, n_worst)
+            if grid:
+                return grid[0]
+            g = self._gather_grid(push, n_worst)
+            if num_sms:  # (else Buffer.num_sms, which a caller may change between calls: nvlink.num_sms)
+                grid.append(g)
+            return g
 
         def result(made, is_in):
             """The DispatchResult of a chain's outputs (``made``: the heads', then the rows')."""
@@ -364,15 +369,14 @@ class HTDispatch:
                                   DispatchHandle(rpm, cpm, recv_cp, out_src, is_in, send_head))
 
         def run(x, scales, topk, w, ntpr, is_in, ntpe):
-            if err_view[0]:
-                self._check_error()
-            self._call_sms = num_sms  # the call's Config.num_sms bounds every grid of the call
             ch = chain[0] if chain else None
             if ch is not None:
                 go, stream, sdev = ch
                 Launcher.launches += 2
-                return result(go(stream(sdev), x, scales, topk, w, ntpr, is_in, ntpe, self._gather_grid(push, n_worst)),
-                              is_in)
+                return result(go(stream(sdev), x, scales, topk, w, ntpr, is_in, ntpe, start()), is_in)
+            if err_view[0]:
+                self._check_error()
+            self._call_sms = num_sms  # the call's Config.num_sms bounds every grid of the call
             if heads is not None:
                 made = heads()
                 if keep_cp is None:
