@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 
 from .. import native
-from ..kernels.launch import Direct
+from ..kernels.launch import Direct, Launcher
 from ..layout import DispatchHandle
 from ..native import Outputs
+from .ht_dispatch import native_stream
 from .nvlink_params import (CRECV, CSEND, NC, T_CPUSH, T_REDUCE, TIMER, TUNE, _aligned, _contiguous, _pow2,
                             reduce_stages)
 
@@ -78,8 +79,29 @@ class HTCombine:
         go = Direct(self.k[name].prepared(key, consts), tmpl, holes)
         f32, bf16 = torch.float32, torch.bfloat16
         err_view = self._err_view
-        outs = Outputs(dev, [((t, h), bf16)] + ([((t, k), f32)] if has_w else []), True) \
-            if native.wanted(dev, TUNE["native_alloc"]) else None
+        specs = [((t, h), bf16)] + ([((t, k), f32)] if has_w else [])
+        outs = Outputs(dev, specs, True) if native.wanted(dev, TUNE["native_alloc"]) else None
+        # the outputs and the one launch as one native.Chain call (TUNE["native_chain_ht"]; after the first call
+        # bound the launch), where the call is only those: the fused push, or one rank
+        chain: list = [] if (outs is not None and outs.native and not ce and (fused or r_ == 1)
+                             and TUNE["native_chain_ht"]) else [None]
+
+        def make_chain():
+            # the call's values: x, send_head, rank_prefix_matrix, w, its rows, two biases, the grid
+            a, o = native.addr, native.out
+            one = native.const(1)
+            st = go.step((native.num(7), one, one), (a(0), a(1), a(2)) + ((a(3),) if has_w else ()) + (native.num(4),)
+                         + (a(5), a(6))[:n_bias] + (o(0),) + ((o(1),) if has_w else ()))
+            if st is None:
+                return None
+            return native.Chain(dev, specs, native.const(0), [st], 8), *native_stream(go.p)
+
+        def grid_of():
+            # every program of the fused kernel must be resident (one waits for rows others push; at most one
+            # per SM); the Triton interpreter runs programs one after another, so there it is one program
+            if fused:
+                return max(1, min(self.num_sms, self.sm_count) if TIMER else 1)
+            return max(1, min(self.num_sms, (t + tb - 1) // tb))
 
         def run(x, handle, w, bias):
             if err_view[0]:
@@ -87,6 +109,12 @@ class HTCombine:
             self._call_sms = num_sms
             rpm, send_head = handle.rank_prefix_matrix, handle.send_head
             n = x.shape[0]
+            ch = chain[0] if chain else None
+            if ch is not None:
+                cgo, stream, sdev = ch
+                Launcher.launches += 1
+                made = cgo(stream(sdev), x, send_head, rpm, w, n, *bias, *(None,) * (2 - n_bias), grid_of())
+                return made[0], (made[1] if has_w else None)
             if not fused and r_ > 1:
                 self._combine_send(x, w, k, h, rpm, getattr(rpm, "_epcomm_host_col", None), lay)
             if outs is not None:
@@ -94,16 +122,12 @@ class HTCombine:
             else:
                 out = torch.empty(t, h, dtype=bf16, device=dev)
                 out_w = torch.empty(t, k, dtype=f32, device=dev) if has_w else None
-            # every program of the fused kernel must be resident (one waits for rows others push; at most one
-            # per SM); the Triton interpreter runs programs one after another, so there it is one program
-            if fused:
-                grid = max(1, min(self.num_sms, self.sm_count) if TIMER else 1)
-            else:
-                grid = max(1, min(self.num_sms, (t + tb - 1) // tb))
-            go(grid, 1, 1, x, send_head, rpm, *((w,) if has_w else ()), n, *bias, out,
+            go(grid_of(), 1, 1, x, send_head, rpm, *((w,) if has_w else ()), n, *bias, out,
                *((out_w,) if has_w else ()))
             if ce:
                 self._join_ce()
+            if not chain:
+                chain.append(make_chain())
             return out, out_w
 
         return run

@@ -558,8 +558,35 @@ class HTDispatch:
         gather = self._gather_plan(key, h, x_dtype, t, lay, g, 0, 0, push, has_s, False)
         err_view = self._err_view
         bulk = not push and self.num_ranks > 1
+        specs = [((ROWS, h), x_dtype)] + ([((ROWS, g), torch.float32)] if has_s else [])
+        # the outputs and the gather as one native.Chain call (TUNE["native_chain_ht"]; after the first call bound
+        # the launch), where the call is only those: the fused push, or one rank
+        chain: list = [] if (not bulk and not ce and TUNE["native_chain_ht"] and native.wanted(dev, TUNE["native_alloc"])
+                             and native.module() is not None) else [None]
+
+        def make_chain():
+            # the call's values: x, scales, rank_prefix_matrix, the rows, recv_src_idx, is_token_in_rank, the grid
+            a, o = native.addr, native.out
+            one = native.const(1)
+            st = gather.step((native.num(6), one, one), (a(0),) + ((a(1),) if has_s else ()) + (a(2), native.num(3), o(0))
+                             + ((o(1),) if has_s else ()) + (a(4),) + ((a(5),) if push else ()))
+            if st is None:
+                return None
+            return native.Chain(dev, specs, native.num(3), [st], 7), *native_stream(gather.go.p)
 
         def run(x, scales, handle):
+            ch = chain[0] if chain else None
+            if ch is not None:
+                if err_view[0]:
+                    self._check_error()
+                self._call_sms = num_sms
+                cgo, stream, sdev = ch
+                src = handle.recv_src_idx
+                n_rows = src.shape[0]
+                Launcher.launches += 1
+                made = cgo(stream(sdev), x, scales, handle.rank_prefix_matrix, n_rows, src, handle.is_token_in_rank,
+                           self._gather_grid(push, n_rows))
+                return made[0], (made[1] if has_s else None)
             if err_view[0]:
                 self._check_error()
             self._call_sms = num_sms
@@ -575,6 +602,8 @@ class HTDispatch:
                    n_rows, out_x, *((out_s,) if has_s else ()), src, *((is_in,) if push else ()))
             if ce:
                 self._join_ce()
+            if not chain:
+                chain.append(make_chain())
             return out_x, out_s
 
         return run

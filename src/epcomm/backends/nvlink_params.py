@@ -27,7 +27,7 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
             gather_one_load=True, ce_chunks=4, fused_push=True, ce_flag="kernel", gather_prefetch=False,
             ce_chunks_sync=0, notify_first=False, fused_cpush=True, v2_fused_layout=False,
             v2_fused_eager=True, native_alloc=True, native_chain=True,
-            native_pack=True, native_merge=True)
+            native_pack=True, native_merge=True, native_chain_ht=False)
 # notify_block: tokens a step of the exchange kernel's rank programs (a scan over all T tokens, one step after
 # another): 2048 took 2.4-2.8 us off the DSv3 graph dispatch (BF16 110.9 -> 108.1, FP8 83.9 -> 81.6 us, the
 # mean of 2 rounds at world 1, one H100; 4096 with 16 warps: 108.9 / 82.0; benchmarks/2026-11-27/s6/call2-0d26a28)
@@ -47,6 +47,10 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
 # allocation made in C++: V2 contiguous no-sync dispatch 0.791x, V1 num_worst_tokens 0.800x, a synchronised V1
 # dispatch 0.901x (s10 call 2)
 # native_merge: ElasticBuffer's contiguous no-sync dispatch and its recv_meta in one chain (elastic_kernels.merged)
+# native_chain_ht: the HT combine and the cached dispatch (the fused push, or one rank) each as one chain: the outputs
+# and the launch (the cached dispatch also serves ElasticBuffer's cached dispatches).
+# Off until measured on a GPU (the CPU rig, paired: Python of the cached dispatch 0.871x, the combine 0.926x, V2 cached
+# 0.912x; benchmarks/2026-11-28/s10/cpu-rig)
 # fused_cpush: the combine's SM push and its reduce in one kernel (_combine_kernel), else two launches
 # (chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
 # 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
