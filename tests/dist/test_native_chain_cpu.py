@@ -9,7 +9,8 @@ gives rows that differ from the oracle's.
 Checked: ``ElasticBuffer``'s contiguous no-sync dispatch (BF16, FP8 with UE8M0 packs and with fp32 scales) through
 the merged chain (the backend's exchange + gather and ``recv_meta``'s launch: three steps) and, with
 ``native_merge=0``, through two chains; its combine after those; ``Buffer``'s ``num_worst_tokens`` dispatch (two
-steps), BF16 and FP8, its combine and its cached dispatch (``native_chain_ht=1``: one step each). Each kind's first call binds its launches (the Python path), the repeats take the chain.
+steps), BF16 and FP8, its combine and its cached dispatch (``native_chain_ht=1``: one step each), and its
+synchronised dispatch (``native_chain_ht=1``: the exchange and the gather each a chain, around the host's read). Each kind's first call binds its launches (the Python path), the repeats take the chain.
 """
 import importlib.util
 import os
@@ -118,11 +119,16 @@ def _v1(ctx, tag):
         for fp8 in (False, True):
             for _ in range(2):  # (the first binds the launches, the second is one chain call)
                 G.check_ht_case(ref, fast, case, ctx.rank, fp8, worst=worst)
+        n_worst = len(runs)
+        for fp8 in (False, True):  # synchronised: the layout, then the dispatch's two chains around the host's read
+            for _ in range(2):
+                G.check_ht_case(ref, fast, case, ctx.rank, fp8)
     finally:
         undo()
     # the dispatch's chains (2 steps), the combine's and the cached dispatch's (1 each: 2 calls a round, 2 rounds, BF16
-    # and FP8, after each kind's first call)
-    assert runs and set(runs) == {1, 2} and runs.count(1) >= 4, runs
+    # and FP8, after each kind's first call); synchronised, only one-step chains (layout, exchange, gather, ...)
+    assert runs[:n_worst] and set(runs[:n_worst]) == {1, 2} and runs[:n_worst].count(1) >= 4, runs
+    assert set(runs[n_worst:]) == {1} and len(runs) - n_worst >= 8, runs
     return runs
 
 

@@ -135,13 +135,14 @@ def test_merged_chain_feeds_the_dispatch_outputs_to_recv_meta():
 
 @pytest.mark.parametrize("api, kind, launches, args", [
     ("v2", "dc", 3, 0), ("ht", "worst", 2, 0), ("ht", "worst fp8", 2, 0), ("ht", "combine", 1, 0), ("ht", "cached", 1, 0),
-    ("v2", "cached c", 2, 11)])  # (V2's cached dispatch: the backend's gather a chain, its copy epilogue not)
+    ("v2", "cached c", 2, 11),  # (V2's cached dispatch: the backend's gather a chain, its copy epilogue not)
+    ("ht", "layout", 1, 0), ("ht", "dispatch", 2, 0)])  # (synchronised: two chains around the host's read)
 def test_the_probe_rig_runs_the_chains(monkeypatch, own_group, api, kind, launches, args):
     """On the host probe's CPU rig with the extension (``EPCOMM_NATIVE=all``; chains dry there) a repeat of a call a
     chain serves hands Triton's launcher nothing (``args`` 0: every launch went through the chain; but V2's cached
     dispatch's copy epilogue) and makes two
     allocations (the received rows and one block of the small outputs; FP8: its scales too; a combine: its rows and
-    its weights); with ``native_chain=0`` (``native_chain_ht=0``) its launches go through Triton's launcher
+    its weights; a synchronised dispatch: the handle's block too; the layout: one block); with ``native_chain=0`` (``native_chain_ht=0``) its launches go through Triton's launcher
     again."""
     from epcomm.backends import nvlink_params
     from epcomm.bench import hostprobe
@@ -151,7 +152,7 @@ def test_the_probe_rig_runs_the_chains(monkeypatch, own_group, api, kind, launch
     real = hostprobe.install
     monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
     got = hostprobe.probe("python", tokens=(64,), calls=3, api=api)["T=64"][kind]
-    allocs = 3 if "fp8" in kind else 1 if kind == "cached" else 2
+    allocs = {"worst fp8": 3, "cached": 1, "layout": 1, "dispatch": 3}.get(kind, 2)
     assert (got["launches"], got["args"], got["allocs"]) == (launches, args, allocs), got
     monkeypatch.setitem(nvlink_params.TUNE, "native_chain", False)
     monkeypatch.setitem(nvlink_params.TUNE, "native_chain_ht", False)

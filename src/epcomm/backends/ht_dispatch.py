@@ -298,36 +298,60 @@ class HTDispatch:
         chain: list = [] if (heads is not None and heads.native and n_worst and not bulk and not ce
                              and TUNE["native_chain"] and (keep_k is None or n_worst <= scratch_rows)) else [None]
 
-        def chain_parts():
+        def chain_parts(rows_base=None, n_rows=None, is_in_src=None):
             """``(specs, packed, steps, sources)`` of the call as a chain: its values ``x, scales, topk, w, ntpr,
             is_in, ntpe`` (run's arguments) and the gather's grid; ``sources`` of the handle's rank_prefix_matrix,
             send_head, recv_src_idx and the received ids (``rpm``, ``send_head``, ``src``, ``out_k``: a
             consumer's launch in one chain with this one, ``elastic_engine``); None where a launch cannot be a
-            chain's step."""
+            chain's step. With ``rows_base`` (a synchronised call's second chain: :func:`sync_chains`): only the
+            gather's step, its outputs from ``rows_base``, its rows ``n_rows`` and is_token_in_rank ``is_in_src``."""
             nh = len(head_specs)
             at_is_in = native.out(nh - 1) if fused else native.addr(5)
             cp = [native.out(0), native.out(1)] if keep_cp is None else [native.const(v) for v in keep_cp]
             rpm, sh = native.out(nh - 2 - fused), native.out(nh - 1 - fused)
             n_holes = ([at_is_in] + ([] if fused else [native.addr(4), native.addr(6)]) + [cp[0], rpm, cp[1], sh]
                        + ([native.addr(2)] if has_topk else []))
-            orow = iter(range(nh, nh + len(row_specs)))
+            base = nh if rows_base is None else rows_base
+            orow = iter(range(base, base + len(row_specs)))
             out_x = native.out(next(orow))
             out_s = native.out(next(orow)) if has_s else None
             out_k = (native.out(next(orow)) if keep_k is None else native.const(keep_k)) if has_topk \
                 else None
             out_w = native.out(next(orow)) if has_topk else None
             out_src = native.out(next(orow))
+            g_is_in = at_is_in if is_in_src is None else is_in_src
             g_holes = ([native.addr(0)] + ([native.addr(1)] if has_s else [])
-                       + ([native.addr(2), native.addr(3)] if has_topk else []) + [native.const(n_worst), out_x]
+                       + ([native.addr(2), native.addr(3)] if has_topk else [])
+                       + [native.const(n_worst) if n_rows is None else n_rows, out_x]
                        + ([out_s] if has_s else []) + ([out_k, out_w] if has_topk else []) + [out_src]
-                       + ([at_is_in] if push else []))
+                       + ([g_is_in] if push else []))
             one = native.const(1)
-            steps = [notify.step((native.const(notify_grid), one, one), tuple(n_holes)),
-                     gather.step((native.num(7), one, one), tuple(g_holes))]
+            g_step = gather.step((native.num(7 if rows_base is None else 6), one, one), tuple(g_holes))
+            if rows_base is not None:
+                return None if g_step is None else (row_specs, list(row_pack), [g_step], None)
+            steps = [notify.step((native.const(notify_grid), one, one), tuple(n_holes)), g_step]
             if any(st is None for st in steps):
                 return None
             return (head_specs + row_specs, [*head_pack, *(nh + i for i in row_pack)], steps,
                     dict(rpm=rpm, send_head=sh, src=out_src, out_k=out_k))
+
+        def sync_chains():
+            """A synchronised call's two chains (TUNE["native_chain_ht"]): ``(heads, rows, get_stream, device)``:
+            ``heads(stream, x, scales, topk, w, ntpr, is_in, ntpe)`` makes the handle's tensors and launches the
+            exchange; after the host read the counts, ``rows(stream, x, scales, topk, w, n_rows, is_in, grid)``
+            makes the rows and launches the gather. None where a launch cannot be a chain's step."""
+            got = chain_parts()
+            b = chain_parts(0, native.num(4), native.addr(5))
+            if got is None or b is None:
+                return None
+            heads_chain = native.Chain(dev, head_specs, native.const(0), [got[2][0]], 7, packed=list(head_pack))
+            rows_chain = native.Chain(dev, row_specs, native.num(4), b[2], 7, packed=b[1])
+            return heads_chain, rows_chain, *native_stream(notify.go.p)
+
+        # a synchronised call (no num_worst_tokens) whose launches are its own: its two halves as chains, around the
+        # host's read of the counts (TUNE["native_chain_ht"]; [None]: never)
+        sync_chain: list = [] if (heads is not None and heads.native and not n_worst and not bulk and not ce
+                                  and TUNE["native_chain_ht"]) else [None]
 
         def make_chain():
             got = chain_parts()
@@ -377,8 +401,9 @@ class HTDispatch:
             if err_view[0]:
                 self._check_error()
             self._call_sms = num_sms  # the call's Config.num_sms bounds every grid of the call
+            sc = sync_chain[0] if sync_chain else None
             if heads is not None:
-                made = heads()
+                made = heads() if sc is None else sc[0](sc[2](sc[3]), x, scales, topk, w, ntpr, is_in, ntpe)
                 if keep_cp is None:
                     cpm, recv_cp, rpm, send_head = made[:4]
                 else:
@@ -399,7 +424,9 @@ class HTDispatch:
                 nargs = (is_in, cpm, rpm, recv_cp, send_head, topk)
             else:
                 nargs = (is_in, ntpr, ntpe, cpm, rpm, recv_cp, send_head, *((topk,) if has_topk else ()))
-            if bulk and first:
+            if sc is not None:  # (the chain launched the exchange)
+                Launcher.launches += 1
+            elif bulk and first:
                 # the exchange of counts runs while the host queues the copies (the synchronisation below then
                 # waits less); the copies wait for the inputs only, through an event recorded before it
                 self._ready_event.record(self._current_stream())
@@ -423,8 +450,12 @@ class HTDispatch:
                     bad_id = bad_expert_id(self, err_view.tolist())
                 host_col, n_rows, lst = _host_counts(host_view, r_, lx, me, alignment)
             out_k = out_w = None
+            grid = self._gather_grid(push, n_rows)
+            if sc is not None and keep_k is not None and n_rows > scratch_rows:
+                sc = None  # (more rows than the scratch ids hold: fresh ones, through the launch of Python)
             if rows_out is not None:
-                made = list(rows_out(n_rows))
+                made = list(rows_out(n_rows) if sc is None else sc[1](sc[2](sc[3]), x, scales, topk, w, n_rows, is_in,
+                                                                      grid))
                 out_x, out_src = made[0], made[-1]
                 out_s = made[1] if has_s else None
                 if has_topk:
@@ -440,9 +471,12 @@ class HTDispatch:
                 out_k = keep_k if n_rows == scratch_rows else keep_k[:n_rows]
             elif out_k is None and has_topk:
                 out_k = torch.empty(n_rows, k, dtype=torch.int64, device=dev)
-            gather(self._gather_grid(push, n_rows), x, *((scales,) if has_s else ()),
-                   *((topk, w) if has_topk else ()), n_rows, out_x, *((out_s,) if has_s else ()),
-                   *((out_k, out_w) if has_topk else ()), out_src, *((is_in,) if push else ()))
+            if sc is not None:  # (the chain launched the gather)
+                Launcher.launches += 1
+            else:
+                gather(grid, x, *((scales,) if has_s else ()),
+                       *((topk, w) if has_topk else ()), n_rows, out_x, *((out_s,) if has_s else ()),
+                       *((out_k, out_w) if has_topk else ()), out_src, *((is_in,) if push else ()))
             if ce:
                 self._join_ce()
             if bad_id is not None:
@@ -455,6 +489,8 @@ class HTDispatch:
                 rpm._epcomm_host_col = host_col
             if not chain:  # (the first call bound the launches: from the next, one chain call)
                 chain.append(make_chain())
+            if not sync_chain:
+                sync_chain.append(sync_chains())
             return DispatchResult(out_x, out_s, out_k, out_w, lst,
                                   DispatchHandle(rpm, cpm, recv_cp, out_src, is_in, send_head))
 
@@ -506,10 +542,28 @@ class HTDispatch:
         go = _Launch(Direct(p, (None, None, None, k, e, e // r_, r_, None, None, None, part, tickets, nr, ng),
                             (0, 1, 2, 7, 8, 9)), (None, None, None, None, None, _bools))
 
-        outs = Outputs(dev, [((r_,), torch.int32), ((e,), torch.int32), ((ROWS, r_), torch.bool)], True) \
-            if native.wanted(dev, TUNE["native_alloc"]) else None
+        specs = [((r_,), torch.int32), ((e,), torch.int32), ((ROWS, r_), torch.bool)]
+        outs = Outputs(dev, specs, True) if native.wanted(dev, TUNE["native_alloc"]) else None
+        # the outputs and the launch as one native.Chain call (TUNE["native_chain_ht"]; after the first call bound
+        # the launch; [None]: never)
+        chain: list = [] if outs is not None and outs.native and not captured and TUNE["native_chain_ht"] else [None]
+
+        def make_chain():
+            # the call's values: topk, T, the chunk size, the grid
+            o = native.out
+            one = native.const(1)
+            st = go.step((native.num(3), one, one), (native.addr(0), native.num(1), native.num(2), o(0), o(1), o(2)))
+            return None if st is None else (native.Chain(dev, specs, native.num(1), [st], 4,
+                                                         packed=range(3) if TUNE["native_pack"] else ()),
+                                            *native_stream(go.go.p))
 
         def run(topk, t, scratch_counts=False):
+            ch = chain[0] if chain and not scratch_counts else None
+            if ch is not None:
+                nch, s = chunking(t, tbe, cp2)
+                cgo, stream, sdev = ch
+                Launcher.launches += 1
+                return cgo(stream(sdev), topk, t, s, nch * ng)
             if scratch_counts:
                 per_rank, per_expert = own
                 in_rank = torch.empty(t, r_, dtype=torch.bool, device=dev)
@@ -523,6 +577,8 @@ class HTDispatch:
             go(nch * ng, topk, t, s, per_rank, per_expert, in_rank)
             if captured:
                 self._plans.pop(("l", k, e), None)
+            elif not chain and not scratch_counts:
+                chain.append(make_chain())
             return per_rank, per_expert, in_rank
 
         return run

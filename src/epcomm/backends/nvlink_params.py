@@ -47,10 +47,10 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
 # allocation made in C++: V2 contiguous no-sync dispatch 0.791x, V1 num_worst_tokens 0.800x, a synchronised V1
 # dispatch 0.901x (s10 call 2)
 # native_merge: ElasticBuffer's contiguous no-sync dispatch and its recv_meta in one chain (elastic_kernels.merged)
-# native_chain_ht: the HT combine and the cached dispatch (the fused push, or one rank) each as one chain: the outputs
-# and the launch (the cached dispatch also serves ElasticBuffer's cached dispatches).
-# Off until measured on a GPU (the CPU rig, paired: Python of the cached dispatch 0.871x, the combine 0.926x, V2 cached
-# 0.912x; benchmarks/2026-11-28/s10/cpu-rig)
+# native_chain_ht: the HT layout, combine and cached dispatch (the fused push, or one rank) each as one chain (outputs
+# and launch; the cached dispatch also serves ElasticBuffer's), and a synchronised dispatch as two (the exchange, then
+# after the host's read of the counts the gather). Off until measured on a GPU (the CPU rig, paired: Python of the
+# layout 0.909x, dispatch 0.881x, cached 0.865x, combine 0.929x; benchmarks/2026-11-28/s10/cpu-rig)
 # fused_cpush: the combine's SM push and its reduce in one kernel (_combine_kernel), else two launches
 # (chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
 # 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
