@@ -29,7 +29,7 @@ import functools
 import torch
 
 from . import elastic_layout as EL
-from . import layout
+from . import layout, native
 from .backends.base import DispatchArgs
 from .config import Config
 from .elastic_layout import Rows
@@ -163,8 +163,9 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     if kern and not sync:  # (the same N and X each call: recv_meta keeps its plan in a slot of this kind's)
         rows_of = functools.partial(kern.recv_meta, slot=meta_slot)
     # a contiguous eager no-sync dispatch whose backend plan and recv_meta are native chains: from the call after
-    # both were made, the two as one chain (Kernels.merged; [None]: never)
-    merged: list = [] if kern is not None and fused and not sync and not expand and not capturing else [None]
+    # both were made, the two as one chain (Kernels.merged)
+    merged = native.Later(kern is not None and fused and not sync and not expand and not capturing,
+                          lambda: kern.merged(getattr(bound[0], "native", None), meta_slot[0][2][-1].value))
     has_w = topk_weights is not None
     bound: list = []  # the backend's plan, made at the first call (it needs that call's layout tensors)
     zeros = _zero_weights(t, k, dev)
@@ -172,7 +173,7 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     def run(x, sf, topk_idx, topk_weights, cum_stats, before_epilogue):
         pay, data, scales = probe.take(x, sf)
         w = topk_weights if has_w else zeros()
-        mg = merged[0] if merged else None
+        mg = merged.value
         if mg is not None and before_epilogue is None and (cum_stats is None or cum_stats.is_contiguous()):
             res, rm = mg(data, scales, topk_idx, w, cum_stats)
             return finish(pay, res, rm, topk_idx)
@@ -206,8 +207,8 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
             lst, x_rows = None, worst_x_rows
         rm = rows_of(v1.rank_prefix_matrix, me, v1.recv_src_idx, res.recv_topk_idx, v1.send_head, topk_idx, m, le,
                      alignment, x_rows, expand, cum_stats, handle_copy)
-        if not merged and go is not None and meta_slot and meta_slot[0][2][-1]:  # (recv_meta's chain is made)
-            merged.append(kern.merged(getattr(go, "native", None), meta_slot[0][2][-1][0]))
+        if go is not None and meta_slot and meta_slot[0][2][-1].done:  # (recv_meta's chain made, or never to be)
+            merged.ready()
         return finish(pay, res, rm, topk_idx, lst, x_rows)
 
     def finish(pay, res, rm, topk_idx, lst=None, x_rows=worst_x_rows):

@@ -375,10 +375,11 @@ DRY = False  # every chain dry (the host probe's CPU rig: bench/hostprobe.instal
 
 class Chain:
     """A call's outputs made and its kernels launched by one call into the extension: ``Chain(device, specs,
-    rows, steps, nvals)``; ``chain(stream, *vals)`` makes the outputs of ``specs`` (as :class:`Outputs`, a ``ROWS``
-    dimension taking ``rows``, a source: :func:`const` or :func:`num`), then launches ``steps`` in order on
-    ``stream`` (a raw CUDA stream handle), their parameters from the ``nvals`` values given (tensors, None or
-    ints) and the outputs, and returns the outputs. A step (``kernels/launch.Direct.step``) is a bound Triton
+    rows, steps, nvals, stream=(get_stream, device))``; ``chain(*vals)`` makes the outputs of ``specs`` (as
+    :class:`Outputs`, a ``ROWS`` dimension taking ``rows``, a source: :func:`const` or :func:`num`), then launches
+    ``steps`` in order on the current stream (``get_stream(device)``: a raw CUDA stream handle, as Triton's driver
+    gives it; ``kernels/launch.Prepared.chain_stream``), their parameters from the ``nvals`` values given (tensors,
+    None or ints) and the outputs, and returns the outputs. A step (``kernels/launch.Direct.step``) is a bound Triton
     kernel's launch with every parameter a source; the driver's list of the kernel's parameters is checked
     against it when the chain is made. ``dry``: nothing is launched, ``last()`` gives each step's grid and
     parameters of the last call (tests without a GPU).
@@ -387,10 +388,10 @@ class Chain:
     launcher parses every argument from Python: ~5-9 us each on an H100 host) and the Python between them; a chain
     does them in one call with the parameters packed once (``hostprobe --variants native_chain=0``)."""
 
-    __slots__ = ("chain", "run", "steps")
+    __slots__ = ("chain", "dev", "get_stream", "run", "steps")
 
     def __init__(self, device: torch.device, specs, rows: tuple, steps: list, nvals: int, dry: bool = False,
-                 packed=()) -> None:
+                 packed=(), stream=None) -> None:
         mod = module()
         if mod is None:
             raise RuntimeError(f"the native extension is not built: {_state.get('why')}")
@@ -399,9 +400,35 @@ class Chain:
                                _packed(packed, len(specs)), [*rows, 8], list(steps), nvals, dry or DRY)
         self.run = self.chain.run
         self.steps = len(steps)
+        self.get_stream, self.dev = stream if stream is not None else (no_stream, None)
 
-    def __call__(self, stream: int, *vals) -> tuple:
-        return self.run(stream, *vals)
+    def __call__(self, *vals) -> tuple:
+        return self.run(self.get_stream(self.dev), *vals)
 
     def last(self) -> list:
         return self.chain.last()
+
+
+def no_stream(dev) -> int:
+    return 0  # (no driver: the dry chains of machines without a GPU)
+
+
+class Later:
+    """What a plan makes once its first call bound its launches (a :class:`Chain`): ``value``, None until
+    ``ready()`` made it (``make()``, which may give None: it cannot be made), and forever where not ``wanted``.
+    ``done``: made, or never to be."""
+
+    __slots__ = ("_make", "value")
+
+    def __init__(self, wanted: bool, make) -> None:
+        self.value, self._make = None, make if wanted else None
+
+    @property
+    def done(self) -> bool:
+        return self._make is None
+
+    def ready(self, *args) -> None:
+        """After a call that bound the launches: make it (``make(*args)``), once."""
+        if self._make is not None:
+            make, self._make = self._make, None
+            self.value = make(*args)

@@ -42,13 +42,16 @@ def _emulate():
         return vals[idx] if kind == 3 else value
 
     class EmuChain:
-        def __init__(self, device, specs, rows, steps, nvals, dry=False, packed=()):
+        def __init__(self, device, specs, rows, steps, nvals, dry=False, packed=(), stream=None):
             self.outs = native.Outputs(device, specs, True, packed)
             assert self.outs.native, native._state.get("why")
             self.rows, self.steps, self.nvals = rows, list(steps), nvals
-            self.run = self.__call__
+            self.get_stream, self.dev = native.no_stream, None
 
-        def __call__(self, stream, *vals):
+        def run(self, stream, *vals):  # (as native.Chain's: the stream first)
+            return self(*vals)
+
+        def __call__(self, *vals):
             assert len(vals) == self.nvals, (len(vals), self.nvals)
             made = self.outs(get(self.rows, vals, ()))
             for go, grid, _block, _smem, params in self.steps:

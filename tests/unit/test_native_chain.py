@@ -3,6 +3,7 @@
 grid and packed parameters of its last call (``Chain.last``) instead of launching. The GPU runs (tier 3, and
 ``epcomm bench``'s checked rows) launch the chains of the HT dispatch and of ``ElasticBuffer``'s ``recv_meta``."""
 import struct
+import types
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def test_dry_chain_packs_every_kind_of_source():
     c = N.Chain(torch.device("cpu"), [((N.ROWS, 2), torch.int32), ((3,), torch.float32)], N.num(1), steps, 3,
                 dry=True)
     for rows in (5, 0):
-        outs = c(0, x, rows, None)
+        outs = c(x, rows, None)
         assert [(tuple(o.shape), o.dtype) for o in outs] == [((rows, 2), torch.int32), ((3,), torch.float32)]
         got = c.last()
         o0, o1 = outs[0].data_ptr(), outs[1].data_ptr()
@@ -45,7 +46,7 @@ def test_chain_checks_its_sources():
         N.Chain(dev, [((1,), torch.int32)], N.const(0), [step], 2, dry=True)
     c = N.Chain(dev, [((1,), torch.int32)], N.const(0), [(1, [_p(N.const(1), 4)] * 3, 32, 0, [])], 2, dry=True)
     with pytest.raises(RuntimeError, match="2 values, got 1"):
-        c(0, None)
+        c(None)
 
 
 class _Bound:  # what Direct.step reads of a bound launch (kernels/launch._Bound)
@@ -81,7 +82,7 @@ def test_direct_step_follows_the_kernels_signature():
     # and the packed step runs: the dry chain's parameters are those values
     c = N.Chain(torch.device("cpu"), [], N.const(0), [(fn, g, block, smem, params)], 3, dry=True)
     x = torch.ones(2)
-    c(0, x, 11, 5)
+    c(x, 11, 5)
     assert c.last() == [[5, 1, 1, x.data_ptr(), 11, half, t.data_ptr(), 0, 2 ** 64 - 7, 0, 0]]
 
 
@@ -116,11 +117,11 @@ def test_merged_chain_feeds_the_dispatch_outputs_to_recv_meta():
         return made
 
     ht_native = (lambda: (ht_specs, [0, 1, 3], [ht_step], srcs), lambda: 5, result, 8,
-                 lambda: type("P", (), {"get_stream": staticmethod(lambda dev: 0), "dev": 0}))
+                 types.SimpleNamespace(chain_stream=lambda: (N.no_stream, None)))
     m_specs = [((3,), i32), ((8, 4), i32)]
     m_params = [_p(N.addr(j)) for j in range(6)] + [_p(N.out(0)), _p(N.out(1), 4), _p(N.const(9))]
     m_step = (12, [_p(N.const(3), 4)] * 3, 128, 0, m_params)
-    meta_chain = (None, torch.zeros(4, dtype=i32), None, None, (m_specs, [0, 1], m_step, lambda made: made))
+    meta_chain = (None, torch.zeros(4, dtype=i32), (m_specs, [0, 1], m_step, lambda made: made))
     go = Kernels.merged(ht_native, meta_chain, dry=True)
     x, topk = torch.ones(8, 16, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64)
     cum = torch.zeros(3, dtype=i32)

@@ -17,7 +17,6 @@ from .. import elastic_layout as EL
 from .. import native
 from ..kernels.launch import Direct, Launcher
 from ..native import ROWS, Outputs
-from .ht_dispatch import native_stream
 from .nvlink_params import TUNE, _aligned, _contiguous, _pow2
 
 BN = 128    # rows (or tokens) a program of the metadata kernels
@@ -76,13 +75,16 @@ def _parts(rows: tuple, k: int) -> tuple[list, tuple]:
     return sizes + [sum(sizes)], tuple(at)
 
 
-def _spread(made: tuple, rows_at: tuple) -> tuple:
-    """``native.Outputs``' tuple of ``recv_meta`` (counts, psum, psum_rank, meta, dst, the row blocks present
-    (``rows_at``: local, local_out, topk_copy; None where absent), gid[, source]) -> ten, None where absent."""
-    head, rest = made[:5], list(made[5:])
-    blocks = tuple(None if i is None else rest.pop(0) for i in rows_at)
-    gid = rest.pop(0)
-    return (*head, *blocks, gid, rest[0] if rest else None)
+def _outputs_at(rows: tuple, expand: bool) -> tuple:
+    """Where ``recv_meta``'s ten outputs (counts, psum, psum_rank, meta, dst, local, local_out, topk_copy, gid,
+    source) lie in its ``native.Outputs`` (:meth:`Kernels._meta_plan`'s specs: the row blocks of ``rows`` that are
+    present, then gid, then source where ``expand``), None where absent.
+    Example: ``_outputs_at((4, None, 3), True) == (0, 1, 2, 3, 4, 5, None, 6, 7, 8)``."""
+    at, i = [0, 1, 2, 3, 4], 5
+    for r in rows:
+        at.append(None if r is None else i)
+        i += r is not None
+    return (*at, i, i + 1 if expand else None)
 
 
 def _kernel(name: str):
@@ -155,17 +157,17 @@ class Kernels:
             if slot is not None and not slot and all(a is b for a, b in zip(given, (
                     rpm, recv_src_idx, recv_local, send_head, topk_idx, stats))):
                 slot.append((n, x_rows, plan))
-        go_rows, g_rows, go_layout, small, r_, (wide, rows_at), (ones, ones_at), outs, specs, chain = plan
+        go_rows, g_rows, go_layout, small, r_, (wide, rows_at), (ones, ones_at), outs, outs_at, chain = plan
         dev = recv_local.device
         part, ticket = self._counts_scratch(dev)
-        ch = chain[0] if chain else None
+        ch = chain.value
         if ch is not None and ch[1] is part and stats is cum:  # (one native.Chain call: outputs and launch)
-            go, _, stream, sdev, parts = ch
             Launcher.launches += 1
-            return parts[3](go(stream(sdev), rpm, recv_src_idx, recv_local, send_head, topk_idx, stats))
+            return ch[2][3](ch[0](rpm, recv_src_idx, recv_local, send_head, topk_idx, stats))
         if outs is not None:  # (TUNE["native_alloc"]: every output in one C++ call, native.Outputs)
-            counts, psum, psum_rank, meta, dst, local, local_out, topk_copy, gid, source = _spread(
-                outs(x_rows), rows_at)
+            made = outs(x_rows)
+            counts, psum, psum_rank, meta, dst, local, local_out, topk_copy, gid, source = (
+                None if i is None else made[i] for i in outs_at)
             source = source if expand else ones
         else:
             small = torch.empty(small, dtype=torch.int32, device=dev)
@@ -186,10 +188,8 @@ class Kernels:
                 topk_copy if copy_topk else topk_idx, send_head, dst, part, ticket)
         if expand:
             go_layout(le, 1, 1, counts, local, rpm, meta, source)
-        elif not chain and outs is not None and TUNE["native_chain"] and self._scratch.get(dev) is not None \
-                and self._scratch[dev][0] is part:  # (bound now: the next such call is one chain call)
-            chain.append(self._meta_chain(go_rows, g_rows, specs, rows_at, cum is not None, copy_topk, part, ticket,
-                                          ones))
+        elif self._scratch.get(dev) is not None and self._scratch[dev][0] is part:  # (not captured)
+            chain.ready(part, ticket)  # (bound now: the next such call is one chain call)
         if stats is not cum:  # a strided cumulative_local_expert_recv_stats: updated through a copy
             cum.copy_(stats)
         return EL.RecvMeta(psum_rank, gid, local, local_out, meta, counts, psum, source, dst, topk_copy)
@@ -232,49 +232,45 @@ class Kernels:
         rows = (n, None if expand else n, t if copy_topk else None)
         dev = key[-2]
         outs = specs = None
+        at = _outputs_at(rows, expand)
         if native.wanted(dev, TUNE["native_alloc"]):  # (x_rows: the call's, which a synchronised one reads)
             i32, i64 = torch.int32, torch.int64
             specs = ([((le,), i32), ((le,), i32), ((r_,), i32), ((n, k + 2), i32), ((t, k), i32)]
                      + [((r, k), i64) for r in rows if r is not None] + [((n,), i64)]
                      + ([((ROWS,), i64)] if expand else []))
             outs = Outputs(dev, specs, True, range(len(specs)) if TUNE["native_pack"] else ())
-        # the contiguous layout's native.Chain (made after the first call bound the launch; [None]: never)
-        chain = [] if outs is not None and outs.native and not expand else [None]
-        return (go_rows, max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN, go_layout, 2 * le + r_, r_,
-                _parts(rows, k),
-                _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=dev), 0), outs,
-                specs, chain)
+        g_rows = max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN
+        ones = _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=dev), 0)
+        # the contiguous layout's native.Chain (made after the first uncaptured call bound the launch)
+        chain = native.Later(outs is not None and outs.native and not expand and TUNE["native_chain"],
+                             lambda part, ticket: self._meta_chain(go_rows, g_rows, specs, at, has_cum, copy_topk, part,
+                                                                   ticket, ones[0]))
+        return go_rows, g_rows, go_layout, 2 * le + r_, r_, _parts(rows, k), ones, outs, at, chain
 
     @staticmethod
-    def _meta_chain(go_rows, grid: int, specs, rows_at, has_cum: bool, copy_topk: bool, part, ticket, ones):
-        """A contiguous ``recv_meta``'s outputs and launch as one ``native.Chain`` call: ``(chain, part, get_stream,
-        device, (specs, packed, step, finish))``, its values ``(rpm, recv_src_idx, recv_local, send_head,
-        topk_idx, cum)``, ``finish(outputs) -> RecvMeta`` (the parts: ``elastic_engine`` joins the step to the
-        dispatch's chain); None where the launch cannot be a chain's step (``Direct.step``)."""
+    def _meta_chain(go_rows, grid: int, specs, at: tuple, has_cum: bool, copy_topk: bool, part, ticket, ones):
+        """A contiguous ``recv_meta``'s outputs and launch as one ``native.Chain`` call: ``(chain, part, (specs,
+        packed, step, finish))``, its values ``(rpm, recv_src_idx, recv_local, send_head, topk_idx, cum)``, its
+        outputs where ``at`` says (:func:`_outputs_at`), ``finish(outputs) -> RecvMeta`` (the parts: ``merged``
+        joins the step to the dispatch's chain); None where the launch cannot be a chain's step (``Direct.step``)."""
         step = getattr(go_rows, "step", None)  # (the tests' recording go has none)
         if step is None:
             return None
         a, o, c = native.addr, native.out, native.const
-        at = iter(range(5, 9))  # (the row blocks present, in order, then gid: as native.Outputs makes them)
-        local, local_out, topk_copy = (None if i is None else o(next(at)) for i in rows_at)
-        gid = o(next(at))
-        counts = o(0)
+        ci, pi, ri, mi, di, li, loi, ti, gi, _ = at  # (a contiguous layout has every one but topk_copy's maybe)
         one = c(1)
-        st = step((c(grid), one, one), (a(0), a(1), a(2), local, local_out, o(3), gid, counts, o(1), o(2),
-                                         a(5) if has_cum else counts, a(4), topk_copy if copy_topk else a(4), a(3),
-                                         o(4), c(part), c(ticket)))
+        st = step((c(grid), one, one), (a(0), a(1), a(2), o(li), o(loi), o(mi), o(gi), o(ci), o(pi), o(ri),
+                                         a(5) if has_cum else o(ci), a(4), o(ti) if copy_topk else a(4), a(3),
+                                         o(di), c(part), c(ticket)))
         if st is None:
             return None
         packed = range(len(specs)) if TUNE["native_pack"] else ()
 
-        li, loi, gi = local[1], local_out[1], gid[1]  # (the outputs' indexes: a contiguous layout has them all)
-        ti = None if topk_copy is None else topk_copy[1]
-
-        def finish(made) -> EL.RecvMeta:  # (as _spread gives them)
-            return EL.RecvMeta(made[2], made[gi], made[li], made[loi], made[3], made[0], made[1], ones, made[4],
+        def finish(made) -> EL.RecvMeta:
+            return EL.RecvMeta(made[ri], made[gi], made[li], made[loi], made[mi], made[ci], made[pi], ones, made[di],
                                None if ti is None else made[ti])
 
-        return (native.Chain(part.device, specs, c(0), [st], 6, packed=packed), part, *native_stream(go_rows.p),
+        return (native.Chain(part.device, specs, c(0), [st], 6, packed=packed, stream=go_rows.p.chain_stream()), part,
                 (specs, packed, st, finish))
 
     @staticmethod
@@ -291,7 +287,7 @@ class Kernels:
         if got is None or got[3]["out_k"] is None:
             return None
         specs, packed, steps, srcs = got
-        m_specs, m_packed, (fn, grid, block, smem, params), finish = meta_chain[4]
+        m_specs, m_packed, (fn, grid, block, smem, params), finish = meta_chain[2]
         nh = len(specs)
         # recv_meta's values (rpm, recv_src_idx, recv_local, send_head, topk_idx, cum) -> the dispatch's outputs,
         # its topk_idx (value 2) and cum (value 8, after the dispatch's eight)
@@ -309,11 +305,10 @@ class Kernels:
             return p
 
         step = (fn, [remap(g) for g in grid], block, smem, [remap(p) for p in params])
-        dev = meta_chain[1].device
-        chain = native.Chain(dev, specs + m_specs, native.const(n_worst), [*steps, step], 9,
-                             packed=[*packed, *(nh + i for i in m_packed)], dry=dry)
-        run = chain.run
-        stream, sdev = native_stream(prepared())
+        chain = native.Chain(meta_chain[1].device, specs + m_specs, native.const(n_worst), [*steps, step], 9,
+                             packed=[*packed, *(nh + i for i in m_packed)], dry=dry, stream=prepared.chain_stream())
+
+        run, stream, sdev = chain.run, chain.get_stream, chain.dev  # (no Chain.__call__ frame: the hottest call)
 
         def go(x, scales, topk, w, cum):
             made = run(stream(sdev), x, scales, topk, w, None, None, None, start(), cum)

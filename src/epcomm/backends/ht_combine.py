@@ -22,7 +22,6 @@ from .. import native
 from ..kernels.launch import Direct, Launcher
 from ..layout import DispatchHandle
 from ..native import Outputs
-from .ht_dispatch import native_stream
 from .nvlink_params import (CRECV, CSEND, NC, T_CPUSH, T_REDUCE, TIMER, TUNE, _aligned, _contiguous, _pow2,
                             reduce_stages)
 
@@ -81,10 +80,6 @@ class HTCombine:
         err_view = self._err_view
         specs = [((t, h), bf16)] + ([((t, k), f32)] if has_w else [])
         outs = Outputs(dev, specs, True) if native.wanted(dev, TUNE["native_alloc"]) else None
-        # the outputs and the one launch as one native.Chain call (TUNE["native_chain_ht"]; after the first call
-        # bound the launch), where the call is only those: the fused push, or one rank
-        chain: list = [] if (outs is not None and outs.native and not ce and (fused or r_ == 1)
-                             and TUNE["native_chain_ht"]) else [None]
 
         def make_chain():
             # the call's values: x, send_head, rank_prefix_matrix, w, its rows, two biases, the grid
@@ -92,9 +87,13 @@ class HTCombine:
             one = native.const(1)
             st = go.step((native.num(7), one, one), (a(0), a(1), a(2)) + ((a(3),) if has_w else ()) + (native.num(4),)
                          + (a(5), a(6))[:n_bias] + (o(0),) + ((o(1),) if has_w else ()))
-            if st is None:
-                return None
-            return native.Chain(dev, specs, native.const(0), [st], 8), *native_stream(go.p)
+            return None if st is None else native.Chain(dev, specs, native.const(0), [st], 8,
+                                                        stream=go.p.chain_stream())
+
+        # the outputs and the one launch as one native.Chain call (TUNE["native_chain_ht"]; after the first call
+        # bound the launch), where the call is only those: the fused push, or one rank
+        chain = native.Later(outs is not None and outs.native and not ce and (fused or r_ == 1)
+                             and TUNE["native_chain_ht"], make_chain)
 
         def grid_of():
             # every program of the fused kernel must be resident (one waits for rows others push; at most one
@@ -109,11 +108,10 @@ class HTCombine:
             self._call_sms = num_sms
             rpm, send_head = handle.rank_prefix_matrix, handle.send_head
             n = x.shape[0]
-            ch = chain[0] if chain else None
+            ch = chain.value
             if ch is not None:
-                cgo, stream, sdev = ch
                 Launcher.launches += 1
-                made = cgo(stream(sdev), x, send_head, rpm, w, n, *bias, *(None,) * (2 - n_bias), grid_of())
+                made = ch(x, send_head, rpm, w, n, *bias, *(None,) * (2 - n_bias), grid_of())
                 return made[0], (made[1] if has_w else None)
             if not fused and r_ > 1:
                 self._combine_send(x, w, k, h, rpm, getattr(rpm, "_epcomm_host_col", None), lay)
@@ -126,8 +124,7 @@ class HTCombine:
                *((out_w,) if has_w else ()))
             if ce:
                 self._join_ce()
-            if not chain:
-                chain.append(make_chain())
+            chain.ready()
             return out, out_w
 
         return run

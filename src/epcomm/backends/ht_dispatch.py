@@ -61,12 +61,6 @@ NOTIFY_CHECK_PROGRAMS = 32
 T_LAYOUT = 4
 
 
-def native_stream(p) -> tuple:
-    """``(get_stream, device)`` of a bound launch (``kernels/launch.Prepared``): a chain's stream each call (the
-    current one; 0 where Triton has none: the tests' chains on CPU)."""
-    return (p.get_stream or (lambda dev: 0)), p.dev
-
-
 def _words(t: torch.Tensor) -> torch.Tensor:
     """Rows as the int32 words the kernels copy (an 8-bit dtype through uint8)."""
     return t.view(torch.uint8).view(torch.int32) if t.element_size() == 1 else t.view(torch.int32)
@@ -294,9 +288,10 @@ class HTDispatch:
             heads = Outputs(dev, head_specs, True, head_pack)
             rows_out = Outputs(dev, row_specs, True, row_pack)
         # with num_worst_tokens and no transport of its own (the fused push, or one rank) a call is its outputs and
-        # two launches: after the first call bound them, one native.Chain call (TUNE["native_chain"])
-        chain: list = [] if (heads is not None and heads.native and n_worst and not bulk and not ce
-                             and TUNE["native_chain"] and (keep_k is None or n_worst <= scratch_rows)) else [None]
+        # two launches: after the first call bound them, one native.Chain call (TUNE["native_chain"]); a synchronised
+        # one (TUNE["native_chain_ht"]) two chains around the host's read of the counts
+        own = heads is not None and heads.native and not bulk and not ce
+        worst_ok = own and bool(n_worst) and TUNE["native_chain"] and (keep_k is None or n_worst <= scratch_rows)
 
         def chain_parts(rows_base=None, n_rows=None, is_in_src=None):
             """``(specs, packed, steps, sources)`` of the call as a chain: its values ``x, scales, topk, w, ntpr,
@@ -335,37 +330,40 @@ class HTDispatch:
             return (head_specs + row_specs, [*head_pack, *(nh + i for i in row_pack)], steps,
                     dict(rpm=rpm, send_head=sh, src=out_src, out_k=out_k))
 
-        def sync_chains():
-            """A synchronised call's two chains (TUNE["native_chain_ht"]): ``(heads, rows, get_stream, device)``:
-            ``heads(stream, x, scales, topk, w, ntpr, is_in, ntpe)`` makes the handle's tensors and launches the
-            exchange; after the host read the counts, ``rows(stream, x, scales, topk, w, n_rows, is_in, grid)``
-            makes the rows and launches the gather. None where a launch cannot be a chain's step."""
-            got = chain_parts()
-            b = chain_parts(0, native.num(4), native.addr(5))
-            if got is None or b is None:
-                return None
-            heads_chain = native.Chain(dev, head_specs, native.const(0), [got[2][0]], 7, packed=list(head_pack))
-            rows_chain = native.Chain(dev, row_specs, native.num(4), b[2], 7, packed=b[1])
-            return heads_chain, rows_chain, *native_stream(notify.go.p)
-
-        # a synchronised call (no num_worst_tokens) whose launches are its own: its two halves as chains, around the
-        # host's read of the counts (TUNE["native_chain_ht"]; [None]: never)
-        sync_chain: list = [] if (heads is not None and heads.native and not n_worst and not bulk and not ce
-                                  and TUNE["native_chain_ht"]) else [None]
-
         def make_chain():
             got = chain_parts()
             if got is None:
                 return None
             specs, packed, steps, _ = got
-            return native.Chain(dev, specs, native.const(n_worst), steps, 8, packed=packed), \
-                *native_stream(notify.go.p)
+            return native.Chain(dev, specs, native.const(n_worst), steps, 8, packed=packed,
+                                stream=notify.go.p.chain_stream())
 
-        def start(grid=[]):  # noqa: B006 - the grid of a plan whose Config fixes num_sms, kept at its first call
-            """What a call does before its chain: ``(gather grid)``."""
+        def sync_chains():
+            """A synchronised call's two chains: ``(heads, rows)``: ``heads(x, scales, topk, w, ntpr, is_in, ntpe)``
+            makes the handle's tensors and launches the exchange; after the host read the counts, ``rows(x, scales,
+            topk, w, n_rows, is_in, grid)`` makes the rows and launches the gather. None where a launch cannot be a
+            chain's step."""
+            got = chain_parts()
+            b = chain_parts(0, native.num(4), native.addr(5))
+            if got is None or b is None:
+                return None
+            stream = notify.go.p.chain_stream()
+            return (native.Chain(dev, head_specs, native.const(0), [got[2][0]], 7, packed=list(head_pack),
+                                 stream=stream),
+                    native.Chain(dev, row_specs, native.num(4), b[2], 7, packed=b[1], stream=stream))
+
+        chain = native.Later(worst_ok, make_chain)
+        sync_chain = native.Later(own and not n_worst and TUNE["native_chain_ht"], sync_chains)
+
+        def begin():
+            """What every call does first: the error word, the call's SMs."""
             if err_view[0]:
                 self._check_error()
-            self._call_sms = num_sms
+            self._call_sms = num_sms  # the call's Config.num_sms bounds every grid of the call
+
+        def start(grid=[]):  # noqa: B006 - the grid of a plan whose Config fixes num_sms, kept at its first call
+            """:func:`begin`, then the gather's grid of a num_worst_tokens call."""
+            begin()
             if grid:
                 return grid[0]
             g = self._gather_grid(push, n_worst)
@@ -373,43 +371,50 @@ class HTDispatch:
                 grid.append(g)
             return g
 
-        def result(made, is_in):
-            """The DispatchResult of a chain's outputs (``made``: the heads', then the rows')."""
-            nh = len(head_specs)
+        def heads_of(made, is_in):
+            """``(cpm, recv_cp, rpm, send_head, is_in)`` of the handle's tensors ``made`` (``heads``' specs)."""
             if keep_cp is None:
                 cpm, recv_cp, rpm, send_head = made[:4]
             else:
                 (cpm, recv_cp), (rpm, send_head) = keep_cp, made[:2]
-            if fused:
-                is_in = made[nh - 1]
-            rows = made[nh:]
-            out_x, out_src = rows[0], rows[-1]
-            out_s = rows[1] if has_s else None
+            return cpm, recv_cp, rpm, send_head, (made[len(head_specs) - 1] if fused else is_in)
+
+        def rows_of(made, n_rows):
+            """``(out_x, out_s, out_k, out_w, out_src)`` of the rows ``made`` (``rows_out``' specs), the ids the
+            plan's scratch where it holds ``n_rows``."""
+            out_x, out_src = made[0], made[-1]
+            out_s = made[1] if has_s else None
             out_k = out_w = None
             if has_topk:
-                out_w = rows[-2]
-                out_k = rows[-3] if keep_k is None else (keep_k if n_worst == scratch_rows else keep_k[:n_worst])
+                out_w = made[-2]
+                out_k = made[-3] if keep_k is None else ids(n_rows)
+            return out_x, out_s, out_k, out_w, out_src
+
+        def ids(n_rows):
+            """The received ids: the plan's scratch (``keep_k``) where it holds ``n_rows``, else fresh (more rows:
+            peers with a larger M)."""
+            if n_rows <= scratch_rows:
+                return keep_k if n_rows == scratch_rows else keep_k[:n_rows]
+            return torch.empty(n_rows, k, dtype=torch.int64, device=dev)
+
+        def result(made, is_in):
+            """The DispatchResult of a num_worst_tokens chain's outputs (``made``: the heads', then the rows')."""
+            nh = len(head_specs)
+            cpm, recv_cp, rpm, send_head, is_in = heads_of(made[:nh], is_in)
+            out_x, out_s, out_k, out_w, out_src = rows_of(made[nh:], n_worst)
             return DispatchResult(out_x, out_s, out_k, out_w, [],
                                   DispatchHandle(rpm, cpm, recv_cp, out_src, is_in, send_head))
 
         def run(x, scales, topk, w, ntpr, is_in, ntpe):
-            ch = chain[0] if chain else None
+            ch = chain.value
             if ch is not None:
-                go, stream, sdev = ch
                 Launcher.launches += 2
-                return result(go(stream(sdev), x, scales, topk, w, ntpr, is_in, ntpe, start()), is_in)
-            if err_view[0]:
-                self._check_error()
-            self._call_sms = num_sms  # the call's Config.num_sms bounds every grid of the call
-            sc = sync_chain[0] if sync_chain else None
+                return result(ch(x, scales, topk, w, ntpr, is_in, ntpe, start()), is_in)
+            begin()
+            sc = sync_chain.value
             if heads is not None:
-                made = heads() if sc is None else sc[0](sc[2](sc[3]), x, scales, topk, w, ntpr, is_in, ntpe)
-                if keep_cp is None:
-                    cpm, recv_cp, rpm, send_head = made[:4]
-                else:
-                    (cpm, recv_cp), (rpm, send_head) = keep_cp, made[:2]
-                if fused:
-                    is_in = made[-1]
+                cpm, recv_cp, rpm, send_head, is_in = heads_of(
+                    heads() if sc is None else sc[0](x, scales, topk, w, ntpr, is_in, ntpe), is_in)
             else:
                 if keep_cp is None:
                     cpm = torch.empty(r_, c, dtype=i32, device=dev)
@@ -449,28 +454,19 @@ class HTDispatch:
                 if err_view[0]:
                     bad_id = bad_expert_id(self, err_view.tolist())
                 host_col, n_rows, lst = _host_counts(host_view, r_, lx, me, alignment)
-            out_k = out_w = None
             grid = self._gather_grid(push, n_rows)
             if sc is not None and keep_k is not None and n_rows > scratch_rows:
                 sc = None  # (more rows than the scratch ids hold: fresh ones, through the launch of Python)
             if rows_out is not None:
-                made = list(rows_out(n_rows) if sc is None else sc[1](sc[2](sc[3]), x, scales, topk, w, n_rows, is_in,
-                                                                      grid))
-                out_x, out_src = made[0], made[-1]
-                out_s = made[1] if has_s else None
-                if has_topk:
-                    out_w = made[-2]
-                    if keep_k is None:
-                        out_k = made[-3]
+                out_x, out_s, out_k, out_w, out_src = rows_of(
+                    rows_out(n_rows) if sc is None else sc[1](x, scales, topk, w, n_rows, is_in, grid), n_rows)
             else:
                 out_x = torch.empty(n_rows, h, dtype=x_dtype, device=dev)
                 out_s = torch.empty(n_rows, g, dtype=f32, device=dev) if has_s else None
                 out_w = torch.empty(n_rows, k, dtype=f32, device=dev) if has_topk else None
                 out_src = torch.empty(n_rows, dtype=i32, device=dev)
-            if keep_k is not None and n_rows <= scratch_rows:  # (more rows: peers with a larger M; fresh ones)
-                out_k = keep_k if n_rows == scratch_rows else keep_k[:n_rows]
-            elif out_k is None and has_topk:
-                out_k = torch.empty(n_rows, k, dtype=torch.int64, device=dev)
+                out_k = None if not has_topk else ids(n_rows) if keep_k is not None else \
+                    torch.empty(n_rows, k, dtype=torch.int64, device=dev)
             if sc is not None:  # (the chain launched the gather)
                 Launcher.launches += 1
             else:
@@ -487,15 +483,13 @@ class HTDispatch:
                 # The combine's copy-engine path needs the block bounds on the host (rank_prefix_matrix[:, me]);
                 # keep them on the handle.
                 rpm._epcomm_host_col = host_col
-            if not chain:  # (the first call bound the launches: from the next, one chain call)
-                chain.append(make_chain())
-            if not sync_chain:
-                sync_chain.append(sync_chains())
+            chain.ready()  # (the first call bound the launches: from the next, chain calls)
+            sync_chain.ready()
             return DispatchResult(out_x, out_s, out_k, out_w, lst,
                                   DispatchHandle(rpm, cpm, recv_cp, out_src, is_in, send_head))
 
-        if not chain and TUNE["native_merge"]:  # (a chain's parts, for a caller that joins a launch: elastic_engine)
-            run.native = (chain_parts, start, result, n_worst, lambda: notify.go.p)
+        if worst_ok and TUNE["native_merge"]:  # (a chain's parts, for a caller that joins a launch: elastic_engine)
+            run.native = (chain_parts, start, result, n_worst, notify.go.p)
         return run
 
     def dispatch(self, a: DispatchArgs) -> DispatchResult:
@@ -544,26 +538,25 @@ class HTDispatch:
 
         specs = [((r_,), torch.int32), ((e,), torch.int32), ((ROWS, r_), torch.bool)]
         outs = Outputs(dev, specs, True) if native.wanted(dev, TUNE["native_alloc"]) else None
-        # the outputs and the launch as one native.Chain call (TUNE["native_chain_ht"]; after the first call bound
-        # the launch; [None]: never)
-        chain: list = [] if outs is not None and outs.native and not captured and TUNE["native_chain_ht"] else [None]
 
         def make_chain():
             # the call's values: topk, T, the chunk size, the grid
             o = native.out
             one = native.const(1)
             st = go.step((native.num(3), one, one), (native.addr(0), native.num(1), native.num(2), o(0), o(1), o(2)))
-            return None if st is None else (native.Chain(dev, specs, native.num(1), [st], 4,
-                                                         packed=range(3) if TUNE["native_pack"] else ()),
-                                            *native_stream(go.go.p))
+            return None if st is None else native.Chain(dev, specs, native.num(1), [st], 4, stream=go.go.p.chain_stream(),
+                                                        packed=range(3) if TUNE["native_pack"] else ())
+
+        # the outputs and the launch as one native.Chain call (TUNE["native_chain_ht"]; after the first call bound
+        # the launch)
+        chain = native.Later(outs is not None and outs.native and not captured and TUNE["native_chain_ht"], make_chain)
 
         def run(topk, t, scratch_counts=False):
-            ch = chain[0] if chain and not scratch_counts else None
+            nch, s = chunking(t, tbe, cp2)
+            ch = None if scratch_counts else chain.value
             if ch is not None:
-                nch, s = chunking(t, tbe, cp2)
-                cgo, stream, sdev = ch
                 Launcher.launches += 1
-                return cgo(stream(sdev), topk, t, s, nch * ng)
+                return ch(topk, t, s, nch * ng)
             if scratch_counts:
                 per_rank, per_expert = own
                 in_rank = torch.empty(t, r_, dtype=torch.bool, device=dev)
@@ -573,12 +566,11 @@ class HTDispatch:
                 per_rank = torch.empty(r_, dtype=torch.int32, device=dev)
                 per_expert = torch.empty(e, dtype=torch.int32, device=dev)
                 in_rank = torch.empty(t, r_, dtype=torch.bool, device=dev)
-            nch, s = chunking(t, tbe, cp2)
             go(nch * ng, topk, t, s, per_rank, per_expert, in_rank)
             if captured:
                 self._plans.pop(("l", k, e), None)
-            elif not chain and not scratch_counts:
-                chain.append(make_chain())
+            elif not scratch_counts:
+                chain.ready()
             return per_rank, per_expert, in_rank
 
         return run
@@ -615,10 +607,6 @@ class HTDispatch:
         err_view = self._err_view
         bulk = not push and self.num_ranks > 1
         specs = [((ROWS, h), x_dtype)] + ([((ROWS, g), torch.float32)] if has_s else [])
-        # the outputs and the gather as one native.Chain call (TUNE["native_chain_ht"]; after the first call bound
-        # the launch), where the call is only those: the fused push, or one rank
-        chain: list = [] if (not bulk and not ce and TUNE["native_chain_ht"] and native.wanted(dev, TUNE["native_alloc"])
-                             and native.module() is not None) else [None]
 
         def make_chain():
             # the call's values: x, scales, rank_prefix_matrix, the rows, recv_src_idx, is_token_in_rank, the grid
@@ -626,26 +614,26 @@ class HTDispatch:
             one = native.const(1)
             st = gather.step((native.num(6), one, one), (a(0),) + ((a(1),) if has_s else ()) + (a(2), native.num(3), o(0))
                              + ((o(1),) if has_s else ()) + (a(4),) + ((a(5),) if push else ()))
-            if st is None:
-                return None
-            return native.Chain(dev, specs, native.num(3), [st], 7), *native_stream(gather.go.p)
+            return None if st is None else native.Chain(dev, specs, native.num(3), [st], 7,
+                                                        stream=gather.go.p.chain_stream())
+
+        # the outputs and the gather as one native.Chain call (TUNE["native_chain_ht"]; after the first call bound
+        # the launch), where the call is only those: the fused push, or one rank
+        chain = native.Later(not bulk and not ce and TUNE["native_chain_ht"] and native.wanted(dev, TUNE["native_alloc"])
+                             and native.module() is not None, make_chain)
 
         def run(x, scales, handle):
-            ch = chain[0] if chain else None
-            if ch is not None:
-                if err_view[0]:
-                    self._check_error()
-                self._call_sms = num_sms
-                cgo, stream, sdev = ch
-                src = handle.recv_src_idx
-                n_rows = src.shape[0]
-                Launcher.launches += 1
-                made = cgo(stream(sdev), x, scales, handle.rank_prefix_matrix, n_rows, src, handle.is_token_in_rank,
-                           self._gather_grid(push, n_rows))
-                return made[0], (made[1] if has_s else None)
             if err_view[0]:
                 self._check_error()
             self._call_sms = num_sms
+            ch = chain.value
+            if ch is not None:
+                src = handle.recv_src_idx
+                n_rows = src.shape[0]
+                Launcher.launches += 1
+                made = ch(x, scales, handle.rank_prefix_matrix, n_rows, src, handle.is_token_in_rank,
+                          self._gather_grid(push, n_rows))
+                return made[0], (made[1] if has_s else None)
             is_in = handle.is_token_in_rank
             if bulk:
                 self._bulk_dispatch(_words(x), scales, None, None, lay, is_in)
@@ -658,8 +646,7 @@ class HTDispatch:
                    n_rows, out_x, *((out_s,) if has_s else ()), src, *((is_in,) if push else ()))
             if ce:
                 self._join_ce()
-            if not chain:
-                chain.append(make_chain())
+            chain.ready()
             return out_x, out_s
 
         return run

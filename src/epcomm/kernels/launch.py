@@ -36,6 +36,7 @@ import struct
 import torch
 
 from .. import _env
+from ..native import no_stream, param
 
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
@@ -194,6 +195,11 @@ class Prepared:
         self.get_stream = self.dev = None
         self.fast = False
 
+    def chain_stream(self) -> tuple:
+        """``(get_stream, device)``: where a ``native.Chain`` of this launch finds the current stream at each call
+        (Triton's driver once bound; a stand-in giving 0 where there is none: CPU tests)."""
+        return (self.get_stream or no_stream), self.dev
+
     def __call__(self, grid: tuple, *args) -> None:
         b = self.b
         if b is None or self.launcher.verify:
@@ -277,10 +283,9 @@ class Direct:
             if size is None:
                 return None
             if i in at:
-                src = at[i]
-                if isinstance(src[2], torch.Tensor):  # (native.const of a tensor: its address)
-                    src = (src[0], src[1], src[2].data_ptr())
-            elif ty[0] == "*":
+                params.append(param(at[i], size))  # (native.const of a tensor: its address)
+                continue
+            if ty[0] == "*":
                 src = (0, 0, 0 if v is None else v.data_ptr() if isinstance(v, torch.Tensor) else int(v))
             elif ty in ("fp32", "f32"):
                 src = (0, 0, struct.unpack("<I", struct.pack("<f", float(v)))[0])
