@@ -149,8 +149,7 @@ def install(set_attr=setattr, setitem=None) -> None:
     set_attr(driver, "_active", types.SimpleNamespace(get_current_stream={0: 0}.get, get_current_device=lambda: 0))
     from epcomm import native
 
-    if native.module() is not None:  # (EPCOMM_NATIVE=all: a call's chain packs and reads its values, launches none)
-        set_attr(native, "DRY", True)
+    set_attr(native, "DRY", True)  # (the chains of EPCOMM_NATIVE=all pack and read their values, launch nothing)
     for mod in _kernel_modules(epcomm.kernels):
         for name, obj in list(vars(mod).items()):
             if isinstance(obj, triton.runtime.jit.JITFunction):
