@@ -10,7 +10,9 @@ Checked: ``ElasticBuffer``'s contiguous no-sync dispatch (BF16, FP8 with UE8M0 p
 the merged chain (the backend's exchange + gather and ``recv_meta``'s launch: three steps) and, with
 ``native_merge=0``, through two chains; its combine after those; ``Buffer``'s ``num_worst_tokens`` dispatch (two
 steps), BF16 and FP8, its combine and its cached dispatch (``native_chain_ht=1``: one step each), and its
-synchronised dispatch (``native_chain_ht=1``: the exchange and the gather each a chain, around the host's read). Each kind's first call binds its launches (the Python path), the repeats take the chain.
+synchronised dispatch (``native_chain_ht=1``: the exchange and the gather each a chain, around the host's read);
+``Buffer``'s low-latency dispatch and combine (``ll.native_chain=1``: each launch a one-step chain; with the hook the
+send and the receive). Each kind's first call binds its launches (the Python path), the repeats take the chain.
 """
 import importlib.util
 import os
@@ -135,13 +137,39 @@ def _v1(ctx, tag):
     return runs
 
 
-CHECKS = ["v2-merged", "v2-two-chains", "v1-worst"]
+def _ll(ctx, tag):
+    os.environ["EPCOMM_NATIVE"] = "all"
+    os.environ["EPCOMM_TUNE"] = "ll.native_chain=1"  # (off by default until measured on a GPU)
+    _on_backend(ctx, tag, "nvlink")
+    from epcomm import Buffer
+    from epcomm.testing import cpu_nvlink
+    from epcomm.testing import gpu_cases as G
+    from epcomm.testing.inputs import Case
+
+    runs, undo = _emulate()
+    try:
+        m = 8
+        case = Case(num_ranks=2, tokens=(6, 5), hidden=256, num_topk=4, num_experts=8, seed=3)
+        hint = Buffer.get_low_latency_rdma_size_hint(m, case.hidden, 2, case.num_experts)
+        ref = Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
+        fast = cpu_nvlink.nvlink_buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
+        for i, kw in enumerate([dict(use_fp8=False), dict(use_fp8=True), dict(use_fp8=True, hook=True)]):
+            for j in range(2):  # (a kind's first call makes its chain, the second runs it)
+                G.check_ll_case(ref, fast, case, ctx.rank, m, seed_shift=2 * i + j, **kw)
+    finally:
+        undo()
+    # every launch a one-step chain: dispatch and combine of the two plain kinds, the hook's send and receive
+    assert set(runs) == {1} and len(runs) >= 9, runs
+    return runs
+
+
+CHECKS = ["v2-merged", "v2-two-chains", "v1-worst", "v1-ll"]
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 
 def _rank(ctx, tag):
     one = {"v2-merged": lambda c: _v2(c, tag, True), "v2-two-chains": lambda c: _v2(c, tag, False),
-           "v1-worst": lambda c: _v1(c, tag)}
+           "v1-worst": lambda c: _v1(c, tag), "v1-ll": lambda c: _ll(c, tag)}
     return harness.run_checks(ctx, [(name, one[name]) for name in CHECKS], env={})
 
 

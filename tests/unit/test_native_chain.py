@@ -159,3 +159,25 @@ def test_the_probe_rig_runs_the_chains(monkeypatch, own_group, api, kind, launch
     monkeypatch.setitem(nvlink_params.TUNE, "native_chain_ht", False)
     got = hostprobe.probe("python", tokens=(64,), calls=3, api=api)["T=64"][kind]
     assert got["launches"] == launches and got["args"] > args, got
+
+
+@pytest.mark.parametrize("kind", ["dispatch", "combine"])
+@pytest.mark.parametrize("hook", [False, True])
+def test_the_probe_rig_runs_low_latency_chains(monkeypatch, own_group, kind, hook):
+    """With the LL engine's ``native_chain`` a repeat's launch is one chain call: Triton's launcher gets no argument
+    (nothing allocated, as always for LL: its outputs persist); with the hook, the send and ``hook()``'s receive are
+    a chain each; without ``native_chain`` the launches parse their arguments again."""
+    from epcomm.backends import nvlink_ll
+    from epcomm.bench import hostprobe
+
+    monkeypatch.setenv("EPCOMM_NATIVE", "all")
+    monkeypatch.setitem(nvlink_ll.TUNE, "native_chain", True)
+    real = hostprobe.install
+    monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
+    kind += "+hook" if hook else ""
+    got = hostprobe.probe("python", tokens=(64,), calls=3, api="ll", hook=hook)["T=64"][kind]
+    launches = 2 if hook else 1
+    assert (got["launches"], got["args"], got["allocs"]) == (launches, 0, 0), got
+    monkeypatch.setitem(nvlink_ll.TUNE, "native_chain", False)
+    got = hostprobe.probe("python", tokens=(64,), calls=3, api="ll", hook=hook)["T=64"][kind]
+    assert got["launches"] == launches and got["args"] > 0, got

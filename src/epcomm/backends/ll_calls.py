@@ -64,23 +64,46 @@ class _Call:
     """The launches and fixed arguments of one kind of low-latency call, made on its first occurrence."""
 
 
-def launch_cell(d: Direct, gx: int, gy: int, gz: int) -> list:
+def launch_cell(d: Direct, gx: int, gy: int, gz: int, chain: torch.device | None = None) -> list:
     """``[go]``: ``go[0](*holes)`` launches ``d`` on the grid ``(gx, gy, gz)``, its holes filled with per-call
     tensors or, where a kind of call has none, a persistent buffer's ``Ptr`` (which must then be the same
     ``Ptr`` at every call through this cell). Until ``d`` is bound (always, while verifying or under the
     interpreter) ``go[0]`` launches through ``d``; from the first call that binds it, ``go[0]`` is a closure
     over a copy of ``d``'s prebuilt argument list, the ``Ptr`` holes written once, that writes only the
     tensors' addresses and calls the C launcher: per launch, a ``data_ptr()`` per tensor and no ``zip``,
-    ``isinstance`` or hole for a placeholder (``Direct``'s generic loop was a third of a repeat's host time)."""
+    ``isinstance`` or hole for a placeholder (``Direct``'s generic loop was a third of a repeat's host time).
+    ``chain``, the engine's device where its ``TUNE["native_chain"]`` holds and the native extension is wanted:
+    from then on the launch is a ``native.Chain`` of one step instead, every hole read by the extension (an
+    address, or the ``Ptr``'s int), the fixed parameters packed once: no argument of Triton's launcher parsed
+    per call."""
     cell: list = []
 
     def first(*holes) -> None:
         d(gx, gy, gz, *holes)
-        if d.launch is not None:
+        ch = _chain(d, chain, gx, gy, gz, len(holes)) if chain is not None else None
+        if ch is not None:
+            run, stream, dev = ch.run, ch.get_stream, ch.dev
+
+            def go(*holes) -> None:
+                Launcher.launches += 1
+                run(stream(dev), *holes)
+
+            cell[0] = go
+        elif d.launch is not None:
             cell[0] = _bound(d, gx, gy, gz, holes)
 
     cell.append(first)
     return cell
+
+
+def _chain(d: Direct, device: torch.device, gx: int, gy: int, gz: int, n: int):
+    """``d`` (bound) as a ``native.Chain`` of one launch on ``(gx, gy, gz)`` whose ``n`` values are its holes;
+    None where it cannot be one (``Direct.step``)."""
+    from .. import native
+
+    c = native.const
+    st = d.step((c(gx), c(gy), c(gz)), tuple(native.addr(i) for i in range(n)))
+    return None if st is None else native.Chain(device, [], c(0), [st], n, stream=d.p.chain_stream())
 
 
 def _bound(d: Direct, gx: int, gy: int, gz: int, holes: tuple):

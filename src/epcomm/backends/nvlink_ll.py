@@ -48,7 +48,7 @@ _T_ROLE, _T_CROLE = 9, 10  # the fused dispatch's and the fused combine's role t
 TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_block=2048, recv_split=1,
             csend_warps=4, csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024,
             fused_dispatch=True, fused_combine=True, local_ticket=True, both_qb=4, both_block=2048, both_sends=256,
-            both_gc=0, both_warps=0)
+            both_gc=0, both_warps=0, native_chain=False)
 # fused_dispatch / fused_combine: one kernel per operation, its programs taking the roles (see the module
 # docstring; send_warps / csend_warps for every role); off: separate send and receive kernels, which
 # DeepEP's LL timing cannot attribute to one operation; local_ticket: the receive kernels count their
@@ -58,6 +58,9 @@ TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_
 # both_sends / both_gc / both_warps: its send programs (one_launch_sends)
 # (one H200, one rank, 128 tokens, graph replays, same run: dispatch receive 12.9 -> 12.1 us, combine
 # receive 8.7 -> 8.0 us; 1 token: 7.4 -> 7.2, 5.9 -> 5.5 us)
+# native_chain: where the native extension is wanted (epcomm/native.py), a repeat's launch is one native.Chain
+# call (its holes read in C++, the rest packed once) instead of Triton's launcher parsing every argument
+# (ll_calls.launch_cell); off until measured on a GPU
 
 
 def one_launch_sends(t: int, g: int) -> tuple[int, int]:
@@ -114,6 +117,15 @@ class LowLatencyEngine(LowLatencyCalls):
         self.k_crecv = Launcher(ll._ll_combine_recv_kernel)
         self.k_cfused = Launcher(ll._ll_combine_kernel)
 
+    def _cell(self):
+        """``launch_cell`` for this kind's launches: through a native chain where ``TUNE["native_chain"]`` wants
+        one (decided when a kind is made)."""
+        from .. import native
+
+        dev = self.nv.device
+        chain = dev if native.wanted(dev, TUNE["native_chain"]) else None
+        return lambda d, gx, gy, gz: launch_cell(d, gx, gy, gz, chain)
+
     def _plan(self, m: int, h: int, e: int) -> Plan:
         return get_plan(self._plans, self.nv, m, h, e)  # signal words inside each parity's area
 
@@ -122,7 +134,7 @@ class LowLatencyEngine(LowLatencyCalls):
     def _dispatch_call(self, a: LowLatencyDispatchArgs, t: int, h: int, k: int, key: tuple) -> _Call:
         """Everything a dispatch of this kind needs but its per-call tensors: ``c.run(x, topk, cum, wst)``
         launches it (``x``, ``topk`` contiguous, of the shapes and alignment of the key)."""
-        nv = self.nv
+        nv, cell = self.nv, self._cell()
         r_, me, m, e = nv.num_ranks, nv.rank, a.num_max_dispatch_tokens_per_rank, a.num_experts
         pl = self._plan(m, h, e)
         lay, lx, g, parity = pl.lay, pl.lx, pl.g, a.parity
@@ -165,7 +177,7 @@ class LowLatencyEngine(LowLatencyCalls):
                 b_gb = (g + bgc - 1) // bgc
                 b_send = max(t, 1) * b_gb
                 b_tmpl = (*tmpl[:i_nsend - 1], b_gb, b_send, split)
-                go = launch_cell(Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=3, QB=TUNE["both_qb"],
+                go = cell(Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=3, QB=TUNE["both_qb"],
                                                                          BLOCK=TUNE["both_block"], GC=bgc,
                                                                          num_warps=bwarps)),
                                         b_tmpl, holes), b_send + n_recv, 1, 1)
@@ -178,9 +190,9 @@ class LowLatencyEngine(LowLatencyCalls):
                 return c
             # the hook: the same kernel twice, every program a sender, then (hook()) every one a receiver,
             # each compiled for its roles only (one name in a profile)
-            go = launch_cell(Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=1)), tmpl, holes), n_send,
+            go = cell(Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=1)), tmpl, holes), n_send,
                              1, 1)
-            go_recv = launch_cell(Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=2)),
+            go_recv = cell(Direct(self.k_dfused.prepared(key, dict(fused_consts, ROLES=2)),
                                          (*tmpl[:i_nsend], 0, split), holes), n_recv, 1, 1)
 
             def run(x, topk, cum, wst):
@@ -191,13 +203,13 @@ class LowLatencyEngine(LowLatencyCalls):
 
             c.run = run
             return c
-        send = launch_cell(Direct(self.k_send.prepared(key, dict(USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc,
+        send = cell(Direct(self.k_send.prepared(key, dict(USE_FP8=a.use_fp8, ROUND_SCALE=a.round_scale, GC=gc,
                                                                  K_POW2=_pow2(k), R_POW2=_pow2(r_), SHRINK=shrink,
                                                                  num_warps=TUNE["send_warps"])),
                                   (None, None, t, *send_args), (0, 1)), max(t, 1), n_gb, 1)
         head = (self.p_table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig, area + lay.slot_offset,
                 me, r_, lx, m, h, g, k, *recv_out)
-        recv = launch_cell(Direct(self.k_recv.prepared(key, dict(consts, num_warps=TUNE["recv_warps"])),
+        recv = cell(Direct(self.k_recv.prepared(key, dict(consts, num_warps=TUNE["recv_warps"])),
                                   (*head, None, None, self.p_dlevel[parity], self.p_t[_T_DRECV], self.p_err,
                                    nv._timeout_ns, mask), (len(head), len(head) + 1)), lx, r_, TUNE["recv_split"])
 
@@ -228,7 +240,7 @@ class LowLatencyEngine(LowLatencyCalls):
                       key: tuple) -> _Call:
         """Everything a combine of this kind needs but its per-call tensors: ``c.run(y, topk, w, out,
         wst)`` launches it (``out`` None: the persistent output of this parity)."""
-        nv = self.nv
+        nv, cell = self.nv, self._cell()
         r_, me = nv.num_ranks, nv.rank
         pl = self._plan(m, h, e)
         lay, lx, parity = pl.lay, pl.lx, a.parity
@@ -264,7 +276,7 @@ class LowLatencyEngine(LowLatencyCalls):
             cconsts = dict(K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, RBLOCK=blk, HAS_WAIT=has_wait,
                            HAS_TIMER=TIMER, SHRINK=shrink, DO_RECV=recv_too, LOCAL_TICKET=TUNE["local_ticket"],
                            num_warps=TUNE["csend_warps"])
-            fused = launch_cell(Direct(self.k_cfused.prepared(key, cconsts), tmpl, holes), grid, 1, 1)
+            fused = cell(Direct(self.k_cfused.prepared(key, cconsts), tmpl, holes), grid, 1, 1)
             if recv_too:  # the default: one launch does the whole combine
 
                 def run(y, topk, w, out, wst):
@@ -274,7 +286,7 @@ class LowLatencyEngine(LowLatencyCalls):
                 c.run = run
                 return c
             # hook(): the same kernel, every program a receiver (no weights or reduce roles)
-            fused_recv = launch_cell(Direct(self.k_cfused.prepared(key, dict(cconsts, DO_RECV=True, RECV_ONLY=True)),
+            fused_recv = cell(Direct(self.k_cfused.prepared(key, dict(cconsts, DO_RECV=True, RECV_ONLY=True)),
                                             (*tmpl[:-4], 0, n_cs, 0, n_cb), holes), n_w * n_cb, 1, 1)
 
             def send(y, topk, w, out, wst):
@@ -283,15 +295,15 @@ class LowLatencyEngine(LowLatencyCalls):
             def receive(y, topk, w, out, wst):
                 fused_recv[0](topk, w, y, out, wst)
         else:
-            weights = launch_cell(Direct(self.k_weights.prepared(key, dict(SHRINK=shrink, num_warps=1)), w_head,
+            weights = cell(Direct(self.k_weights.prepared(key, dict(SHRINK=shrink, num_warps=1)), w_head,
                                          (0, 1)), n_w, 1, 1)
-            reduce = launch_cell(Direct(self.k_reduce.prepared(key, dict(K_POW2=_pow2(k), BLOCK=blk, HAS_TIMER=TIMER,
+            reduce = cell(Direct(self.k_reduce.prepared(key, dict(K_POW2=_pow2(k), BLOCK=blk, HAS_TIMER=TIMER,
                                                                          SHRINK=shrink, num_warps=TUNE["csend_warps"])),
                                         (None, h, k, me, r_, lx, m, self.p_table, d_area, lay.dispatch_src_bytes,
                                          area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset,
                                          sig, cw, self.p_wlevel[parity], self.p_t[_T_CSEND + 1], self.p_err,
                                          nv._timeout_ns, mask), (0,)), r_ * m, n_cs, 1)
-            crecv = launch_cell(Direct(self.k_crecv.prepared(key, dict(
+            crecv = cell(Direct(self.k_crecv.prepared(key, dict(
                 K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, HAS_WAIT=has_wait, HAS_TIMER=TIMER, SHRINK=shrink,
                 LOCAL_TICKET=TUNE["local_ticket"], num_warps=TUNE["crecv_warps"])),
                 (None, t, h, k, me, r_, lx, m, self.p_table, area + lay.combine_offset, sig, None, None,
