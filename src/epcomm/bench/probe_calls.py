@@ -173,16 +173,21 @@ def v2_calls(buf, t: int, m: int, h: int, k: int, e: int, sms: int = 24, seed: i
     """``name -> (prep, call)``: ``ElasticBuffer`` calls as ``epcomm bench --api v2`` times them (BF16, the
     top-k weights given, alignment 1 contiguous and 128 expanded, ``num_sms`` fixed); ``d``: dispatch,
     ``c``: contiguous, ``x``: expanded, ``s``: with CPU sync; ``cached``: a dispatch on a no-sync handle;
-    ``combine``: the weights sent back, after an untimed no-sync dispatch. On the CPU rig a synchronised
+    ``combine``: the weights sent back, after an untimed no-sync dispatch; ``dc fp8``: the contiguous no-sync
+    dispatch of FP8 rows with fp32 scales. On the CPU rig a synchronised
     dispatch reads counts the probe wrote where the layout exchange writes them (``T`` rows, ``T*K/LE``
     an expert, as uniform routing gives). Each call's first run (checks, binding) happens here."""
+    import torch
+
     x, topk, w = _ht_inputs(buf, t, h, k, e, seed)
     state: dict = {}
 
-    def dispatch(expand: bool, sync: bool):
+    x8 = (x.to(torch.float8_e4m3fn), torch.ones(t, h // 128, device=buf.device))
+
+    def dispatch(expand: bool, sync: bool, data=x):
         kw = dict(topk_idx=topk, topk_weights=w, num_experts=e, num_max_tokens_per_rank=m,
                   expert_alignment=128 if expand else 1, do_expand=expand, do_cpu_sync=sync, num_sms=sms)
-        return lambda: state.__setitem__(expand, buf.dispatch(x, **kw))
+        return lambda: state.__setitem__(expand, buf.dispatch(data, **kw))
 
     def combine(expand: bool):
         return lambda: buf.combine(state[expand][0], state[expand][3], topk_weights=state[expand][2], num_sms=sms)
@@ -193,6 +198,7 @@ def v2_calls(buf, t: int, m: int, h: int, k: int, e: int, sms: int = 24, seed: i
             calls[f"d{tag}{'s' if sync else ''}"] = (None, dispatch(expand, sync))
         calls[f"combine {tag}"] = (dispatch(expand, False), combine(expand))
     calls["cached c"] = (dispatch(False, False), lambda: buf.dispatch(x, handle=state[False][3], num_sms=sms))
+    calls["dc fp8"] = (None, dispatch(False, False, x8))
     return _warm(calls)
 
 
