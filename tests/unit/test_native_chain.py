@@ -149,7 +149,7 @@ def test_the_probe_rig_runs_the_chains(monkeypatch, own_group, api, kind, launch
     from epcomm.bench import hostprobe
 
     monkeypatch.setenv("EPCOMM_NATIVE", "all")
-    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_ht", True)  # (off by default until measured)
+    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_ht", True)  # (the default, named)
     real = hostprobe.install
     monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
     got = hostprobe.probe("python", tokens=(64,), calls=3, api=api)["T=64"][kind]
