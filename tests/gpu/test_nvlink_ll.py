@@ -57,11 +57,13 @@ def _rank_shrink(ctx):
 
     import torch
 
-    os.environ["EPCOMM_TIMEOUT_S"] = "1"
     m, h, e = 16, 256, 8 * ctx.world_size
     hint = Buffer.get_low_latency_rdma_size_hint(m, h, ctx.world_size, e)
     with G.forced_backend("nvlink"):
         buf = Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True, enable_shrink=True)
+    # the kernels' deadline, 1 s, taken when the first call of a kind is made; not EPCOMM_TIMEOUT_S=1, which would
+    # also bound the Buffer's own rendezvous (a rank 1 s late there failed this test, 2 ranks on one busy GPU)
+    buf._backend.timeout_s = 1.0
     if ctx.rank == 1:
         time.sleep(6)
         return "absent"
