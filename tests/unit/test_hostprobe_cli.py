@@ -58,3 +58,20 @@ def test_every_probe_process_times_the_calibration_row():
 
     row = hp._calibration("cpu", 100)
     assert row["us"] > 0 and row["p10"] <= row["us"]
+
+
+def test_rotating_sets_run_in_turn_each_after_its_own_prep():
+    """``--sets``: a kind's calls on several input sets in turn (as ``epcomm bench`` rotates them), each set's
+    ``prep`` right before its own call; no prep where no set has one."""
+    from epcomm.bench import hostprobe
+
+    log = []
+    pairs = [(lambda i=i: log.append(("prep", i)), lambda i=i: log.append(("call", i)) or i) for i in range(3)]
+    prep, call = hostprobe._rotating(pairs)
+    got = []
+    for _ in range(4):
+        prep()
+        got.append(call())
+    assert got == [0, 1, 2, 0]
+    assert log == [(w, i) for i in (0, 1, 2, 0) for w in ("prep", "call")]
+    assert hostprobe._rotating([(None, lambda: 1)] * 2)[0] is None

@@ -262,13 +262,41 @@ def _buffer(pc, api: str, rig: bool, m: int, h: int, k: int, e: int):
     return pc.cpu_buffer(m, h, e) if rig else pc.gpu_buffer(m, h, e)
 
 
-def _calls(pc, api: str, buf, t: int, m: int, h: int, k: int, e: int, hook: bool) -> dict:
-    """``{kind: (prep, call)}`` at ``t`` tokens (warmed); with ``hook`` the send and its hook as one call."""
-    made = (pc.v2_calls(buf, t, m, h, k, e) if api == "v2" else pc.ht_calls(buf, t, h, k, e) if api == "ht"
-            else pc.ll_calls(buf, t, m, h, k, e, hook))
-    if hook:
-        made = {kind: (prep, lambda base=call: base()[-1]()) for kind, (prep, call) in made.items()}
+def _calls(pc, api: str, buf, t: int, m: int, h: int, k: int, e: int, hook: bool, sets: int = 1) -> dict:
+    """``{kind: (prep, call)}`` at ``t`` tokens (warmed); with ``hook`` the send and its hook as one call. With
+    ``sets`` > 1 each kind also as ``"<kind> /<sets>"``: its calls on ``sets`` input sets in turn (inputs of other
+    seeds), as ``epcomm bench`` rotates its input sets from call to call (a call's tensors are then never the last
+    call's)."""
+    def make(seed: int) -> dict:
+        made = (pc.v2_calls(buf, t, m, h, k, e, seed=seed) if api == "v2" else
+                pc.ht_calls(buf, t, h, k, e, seed=seed) if api == "ht" else pc.ll_calls(buf, t, m, h, k, e, hook, seed))
+        if hook:
+            made = {kind: (prep, lambda base=call: base()[-1]()) for kind, (prep, call) in made.items()}
+        return made
+
+    made = make(0)
+    if sets > 1:
+        more = [made] + [make(i) for i in range(1, sets)]
+        for kind in list(made):
+            made[f"{kind} /{sets}"] = _rotating([m_[kind] for m_ in more])
     return made
+
+
+def _rotating(pairs: list) -> tuple:
+    """``(prep, call)`` that runs ``pairs``' calls in turn, each after its own ``prep`` (None where none has one)."""
+    at = [0]
+
+    def prep() -> None:
+        p = pairs[at[0]][0]
+        if p is not None:
+            p()
+
+    def call():
+        i = at[0]
+        at[0] = (i + 1) % len(pairs)
+        return pairs[i][1]()
+
+    return (prep if any(p for p, _ in pairs) else None), call
 
 
 def bench_position():
@@ -290,7 +318,8 @@ def bench_position():
 
 
 def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: int = 256, calls: int = 2000,
-          hook: bool = False, api: str = "ll", variants: list | None = None, before: str = "sync") -> dict:
+          hook: bool = False, api: str = "ll", variants: list | None = None, before: str = "sync",
+          sets: int = 1) -> dict:
     """This process's epcomm, every call kind at each token count: ``{"T=..": {kind: row}}``. ``mode``:
     ``python`` (the CPU rig: the calls' Python, counted too), ``call`` (a GPU: whole calls) or ``launches``
     (a GPU: one call's C launches, recorded, then replayed alone). ``variants`` (``[(label, EPCOMM_TUNE)]``,
@@ -298,7 +327,7 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
     process (``bench/probe_variants.py``). ``before`` (GPU modes): what runs, untimed, before each call: ``sync``
     (``torch.cuda.synchronize``) or ``bench`` (:func:`bench_position`: what ``epcomm bench`` runs before an eager
     call; the calibration row too); ``sync,bench``: both, as two variants of one code (labels ``sync`` and
-    ``bench``), each call of one paired with the other's next to it."""
+    ``bench``), each call of one paired with the other's next to it. ``sets``: see :func:`_calls`."""
     import torch
 
     rec = sync = None
@@ -327,7 +356,7 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
     if variants:
         def make():
             buf = _buffer(pc, api, rig, m, h, k, e)
-            return {f"T={t}": _calls(pc, api, buf, t, m, h, k, e, hook) for t in tokens}
+            return {f"T={t}": _calls(pc, api, buf, t, m, h, k, e, hook, sets) for t in tokens}
 
         out = _own("bench", "probe_variants.py").probe(variants, make, time_calls, us_row, calls, sync,
                                                         syncs if len(positions) > 1 else None)
@@ -338,7 +367,7 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
     buf = _buffer(pc, api, rig, m, h, k, e)
     out = {}
     for t in tokens:
-        for kind, (prep, call) in _calls(pc, api, buf, t, m, h, k, e, hook).items():
+        for kind, (prep, call) in _calls(pc, api, buf, t, m, h, k, e, hook, sets).items():
             row = {}
             if mode == "python":
                 row.update({k_: v for k_, v in count_call(prep, call).items() if k_ != "names"})
@@ -470,10 +499,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="GPU modes: what runs untimed before each call: sync (torch.cuda.synchronize), or bench "
                          "(what epcomm bench runs before an eager call: a barrier, a one-element all_reduce, an "
                          "event); sync,bench: both in one process, paired as --variants are")
+    ap.add_argument("--sets", type=int, default=1,
+                    help="also each kind on this many input sets in turn, as epcomm bench rotates them (\"<kind> /N\")")
     ap.add_argument("--json", help="write every round's rows here")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # a child's one mode
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.sets < 1:
+        ap.error(f"--sets must be >= 1, got {a.sets}")
     if not logging.getLogger().handlers:  # (run as a program: the rounds and failures on stderr, as they come)
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     pv = _own("bench", "probe_variants.py")
@@ -483,14 +516,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(err))
     kw = {"tokens": tuple(int(s) for s in a.tokens.split(",")), "h": a.hidden, "k": a.topk, "e": a.experts,
           "calls": a.calls, "hook": a.hook, "api": a.api, "variants": variants,
-          "before": a.before}
+          "before": a.before, "sets": a.sets}
     if a.child:
         sys.stdout.write(json.dumps(probe(a.mode, **kw)) + "\n")  # (the parent reads this last line)
         return 0
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(ME))))
     trees = [s.split("=", 1) if "=" in s else (s, s) for s in a.tree] or [("here", here)]
     fwd = ["--tokens", a.tokens, "--hidden", str(a.hidden), "--topk", str(a.topk), "--experts", str(a.experts),
-           "--calls", str(a.calls), "--api", a.api, "--before", a.before] + (["--hook"] if a.hook else [])
+           "--calls", str(a.calls), "--api", a.api, "--before", a.before, "--sets", str(a.sets)] \
+        + (["--hook"] if a.hook else [])
     modes = a.modes.split(",")
     if variants:
         if len(trees) != 1 or "launches" in modes:
