@@ -112,6 +112,8 @@ class _FakeCuda:
         monkeypatch.setattr(timing, "_agree", lambda ok, group, device: ok)
         fake.starts = []
         monkeypatch.setattr(timing, "make_start", lambda group, device, graphs: lambda: fake.starts.append(graphs))
+        fake.calibs = []  # (the host calibration's runs: it makes tensors on the device, which a CPU torch cannot)
+        monkeypatch.setattr(timing, "calibration_work", lambda device: lambda: fake.calibs.append(device))
 
 
 @pytest.mark.parametrize("fail_capture", [False, True])
@@ -136,6 +138,8 @@ def test_gpu_control_flow_graph_or_fallback(monkeypatch, fail_capture):
     assert m.stats[0].median == pytest.approx(1e-3) and m.stats[0].n == 3
     # every iteration (warm-up included) lines the ranks up; graphs also pre-fill the queue (sleep)
     assert fake.starts == [not fail_capture] * 4
+    # and times the host calibration once, after its steps (the row's host_calib_us: the timed iterations' median)
+    assert fake.calibs == [torch.device("cuda")] * 4 and m.calib is not None and m.calib >= 0
     if fail_capture:
         assert m.method == "events" and fake.replays == 0 and resets == [1]
         # warm-up before the failed capture (2 sets), then 4 eager iterations

@@ -398,14 +398,9 @@ def _calibration(device: str, calls: int, sync=None) -> dict:
     which takes that factor out (an A/B's trees then differ by their own work)."""
     import torch
 
-    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
-    one = torch.zeros(1, device=dev)
+    from epcomm.bench import timing
 
-    def work():
-        kept = [torch.empty(64, dtype=torch.int32, device=dev) for _ in range(8)]
-        one.add_(1)
-        return kept
-
+    work = timing.calibration_work(torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
     for _ in range(50):
         work()
     return us_row(time_calls(None, work, max(calls, 100), sync))

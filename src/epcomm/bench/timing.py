@@ -105,6 +105,20 @@ class Measurement:
     host: list[float]             # median host seconds per phase (time to return from the call)
     method: str                   # "wall" | "events" | "graph"
     verified: str | None = None   # op.verify run as timed: "pass" | "FAIL: ..." | "not checked: ..." | None
+    calib: float | None = None    # median host seconds of calibration_work, timed in each iteration
+
+
+def calibration_work(device: torch.device):
+    """A fixed host workload that no epcomm code runs: ``work()`` makes 8 small tensors and launches one
+    one-element in-place op (a kernel on a GPU), and returns the tensors (freed by the caller). Timed in the bench
+    (``host_calib_us``) and in the host probe's processes (``bench/hostprobe.py``'s calibration row)."""
+    one = torch.zeros(1, device=device)
+
+    def work():
+        kept = [torch.empty(64, dtype=torch.int32, device=device) for _ in range(8)]
+        one.add_(1)
+        return kept
+    return work
 
 
 class _WallMarks:
@@ -173,7 +187,8 @@ def timed_fields(m, i: int, case_check: str, checked: bool, oracle: str | None) 
     taken, and its checks (``checked``: the run checks at all, else ``--no-check``; ``oracle``: what the
     timed call was compared with, None where it was not)."""
     st = m.stats[i]
-    return {"median": st.median, "p10": st.p10, "p90": st.p90, "host": m.host[i], "timing": m.method,
+    return {"median": st.median, "p10": st.p10, "p90": st.p90, "host": m.host[i], "host_calib": m.calib,
+            "timing": m.method,
             "check": check_verdict(case_check, m.verified),
             "timed_check": m.verified or ("not run" if checked else "not run: --no-check"),
             "timed_oracle": oracle}
@@ -262,6 +277,7 @@ def measure(op: TimedOp, *, num_sets: int, iters: int, warmup: int, group, devic
     start = make_start(group, device, method == "graph")
     samples: list[list[float]] = [[] for _ in op.phases]
     host: list[list[float]] = [[] for _ in op.phases]
+    work, calib = calibration_work(device), []
     for it in range(warmup + iters):
         prep, steps = plans[it % num_sets]
         for p in prep:
@@ -276,8 +292,12 @@ def measure(op: TimedOp, *, num_sets: int, iters: int, warmup: int, group, devic
             step()
             h.append(time.perf_counter() - h0)
             marks.mark()
+        c0 = time.perf_counter()
+        work()  # (after the last mark: outside the op's times)
+        c = time.perf_counter() - c0
         dt = marks.intervals()
         if it >= warmup:
+            calib.append(c)
             for j in range(len(op.phases)):
                 samples[j].append(dt[j])
                 host[j].append(h[j])
@@ -311,4 +331,4 @@ def measure(op: TimedOp, *, num_sets: int, iters: int, warmup: int, group, devic
             step()
         barrier()
     return Measurement(op.phases, [Stats.of(s) for s in samples],
-                       [Stats.of(h).median for h in host], method, verified)
+                       [Stats.of(h).median for h in host], method, verified, Stats.of(calib).median)
