@@ -406,12 +406,29 @@ class ElasticBuffer:
         """A combine's call: ``go(x, handle, topk_weights, bias[, prev, before])`` -> the three results."""
         multi = self.allow_multiple_reduction
         if not async_:
+            from . import native
+            from .backends.nvlink_params import TUNE
+
+            # after this kind's first uncaptured call bound its launches, a contiguous one may be one native.Chain
+            # call (TUNE["native_chain_v2c"]; engine.combine_chain), where no event is waited for inside it
+            dev = self.device
+            chain = native.Later(TUNE["native_chain_v2c"] and not expand and native.wanted(dev, TUNE["native_alloc"]),
+                                 lambda *a: engine.combine_chain(self, *a))
+
             def go(x, handle, topk_weights, bias, prev=None, before=None):
                 self._on_current(prev)
-                out, w = engine.combine(self, x, handle._state, handle.topk_idx, handle.num_experts,
-                                        handle.num_max_tokens_per_rank, expand, topk_weights,
-                                        () if bias is None else A.biases(bias), multi, before,
-                                        num_sms or handle.num_sms)
+                ch = chain.value
+                if ch is not None and before is None:
+                    out, w = ch(x, topk_weights, () if bias is None else A.biases(bias), handle._state,
+                                handle.topk_idx)
+                    return out, w, EventOverlap()
+                st, biases, sms = handle._state, () if bias is None else A.biases(bias), num_sms or handle.num_sms
+                out, w = engine.combine(self, x, st, handle.topk_idx, handle.num_experts,
+                                        handle.num_max_tokens_per_rank, expand, topk_weights, biases, multi, before,
+                                        sms)
+                if not chain.done and before is None and not V.is_capturing(dev):
+                    chain.ready(x, st, handle.topk_idx, handle.num_experts, handle.num_max_tokens_per_rank,
+                                topk_weights, biases, sms)
                 return out, w, EventOverlap()
             return go
 

@@ -87,7 +87,7 @@ def _emulate():
 
 def _v2(ctx, tag, merge: bool):
     os.environ["EPCOMM_NATIVE"] = "all"
-    os.environ["EPCOMM_TUNE"] = f"native_merge={int(merge)}"
+    os.environ["EPCOMM_TUNE"] = f"native_merge={int(merge)},native_chain_v2c=0"
     OnBackend = _on_backend(ctx, tag, "nvlink")
     from epcomm.testing import elastic_cases as C
 
@@ -103,6 +103,27 @@ def _v2(ctx, tag, merge: bool):
     # the chains ran: merged ones (3 steps) only in that mode; a kind's first call may take chains another kind
     # made (the backend's plan, recv_meta's), 2 and 1 steps
     assert (3 in runs) is merge and (merge or {1, 2} <= set(runs)), runs
+    return runs
+
+
+def _v2_combine(ctx, tag):
+    os.environ["EPCOMM_NATIVE"] = "all"
+    os.environ["EPCOMM_TUNE"] = "native_merge=0,native_chain_v2c=1"  # (the dispatch's chains: 2 steps and 1)
+    OnBackend = _on_backend(ctx, tag, "nvlink")
+    from epcomm.testing import elastic_cases as C
+
+    runs, undo = _emulate()
+    try:
+        # (top-4: weight rows of 16 bytes move in place; top-3 ones are packed first, and such a combine is no chain)
+        case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=4, num_experts=8, seed=13)
+        buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
+        for n_bias in (0, 1, 2):  # a kind's first combine binds its launches and makes its chain, the next runs it
+            for _ in range(2):
+                C.check_combine(buf, case, ctx.rank, False, n_bias, 1, False)
+    finally:
+        undo()
+    # the combine's chains (the transport's two launches and the reduction: 3 steps), once for each bias count
+    assert runs.count(3) == 3 and set(runs) == {1, 2, 3}, runs
     return runs
 
 
@@ -163,12 +184,13 @@ def _ll(ctx, tag):
     return runs
 
 
-CHECKS = ["v2-merged", "v2-two-chains", "v1-worst", "v1-ll"]
+CHECKS = ["v2-merged", "v2-two-chains", "v2-combine", "v1-worst", "v1-ll"]
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 
 def _rank(ctx, tag):
     one = {"v2-merged": lambda c: _v2(c, tag, True), "v2-two-chains": lambda c: _v2(c, tag, False),
+           "v2-combine": lambda c: _v2_combine(c, tag),
            "v1-worst": lambda c: _v1(c, tag), "v1-ll": lambda c: _ll(c, tag)}
     return harness.run_checks(ctx, [(name, one[name]) for name in CHECKS], env={})
 

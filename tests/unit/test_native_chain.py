@@ -181,3 +181,21 @@ def test_the_probe_rig_runs_low_latency_chains(monkeypatch, own_group, kind, hoo
     monkeypatch.setitem(nvlink_ll.TUNE, "native_chain", False)
     got = hostprobe.probe("python", tokens=(64,), calls=3, api="ll", hook=hook)["T=64"][kind]
     assert got["launches"] == launches and got["args"] > 0, got
+
+
+def test_the_probe_rig_runs_the_v2_combine_chain(monkeypatch, own_group):
+    """With ``native_chain_v2c`` an ``ElasticBuffer`` contiguous combine's repeat is one chain call (the transport's two
+    launches and the reduction): Triton's launcher gets no argument, two allocations (the combined rows and the
+    weights); without it the three launches parse their arguments again."""
+    from epcomm.backends import nvlink_params
+    from epcomm.bench import hostprobe
+
+    monkeypatch.setenv("EPCOMM_NATIVE", "all")
+    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_v2c", True)
+    real = hostprobe.install
+    monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
+    got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"]["combine c"]
+    assert (got["launches"], got["args"], got["allocs"]) == (3, 0, 2), got
+    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_v2c", False)
+    got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"]["combine c"]
+    assert got["launches"] == 3 and got["args"] > 0, got

@@ -425,7 +425,8 @@ class Kernels:
 
     def reduce(self, got: torch.Tensor, topk_idx: torch.Tensor, le: int, m: int, h: int, bias: tuple,
                lanes: tuple[int, int], master: bool, with_w: bool, acc: torch.Tensor | None = None,
-               acc_in: bool = False, acc_out: bool = False, out: torch.Tensor | None = None, self_rows=None):
+               acc_in: bool = False, acc_out: bool = False, out: torch.Tensor | None = None, self_rows=None,
+               plan: bool = False):
         """``combine_reduce_epilogue_impl``: lanes ``lanes[0] .. lanes[1]-1`` of the rows sent back (``got
         uint8[R, M, W]``, BF16 from byte 0, weights from byte ``2H``) added in lane order in float32 from
         the biases (or ``acc`` with ``acc_in``), one BF16 rounding into ``out`` (made here when None;
@@ -433,13 +434,15 @@ class Kernels:
         its highest lane; else every lane. ``self_rows``: ``(x bf16[N, H], weights f32[N, K] or None,
         send_head int32[T, R] (contiguous, as the nvlink handle's), me, R)``, where this rank's own partials lie (the transport skipped them:
         ``return_row_parts(skip_self=True)``), read in place from row ``send_head[t, me]``; rows of unit
-        column stride. Returns ``(out bf16[T, H], weights f32[T, K] or None)``."""
+        column stride. Returns ``(out bf16[T, H], weights f32[T, K] or None)``; with ``plan`` nothing is
+        launched: ``((name, key, consts, grid, *args), out, weights)``, the launch :meth:`launch` would make
+        (``elastic_engine.combine_chain`` makes it a chain's step)."""
         t, k = topk_idx.shape
         dev = got.device
         if out is None:
             out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         out_w = torch.empty(t, k, dtype=torch.float32, device=dev) if with_w else None
-        if t:
+        if t or plan:
             topk_idx = topk_idx.contiguous()
             b0 = bias[0].contiguous() if bias else out
             b1 = bias[1].contiguous() if len(bias) > 1 else out
@@ -455,10 +458,17 @@ class Kernels:
             key = (k, le, row, h, len(bias), master, with_w, acc_in, acc_out, self_rows is not None, sx, sw,
                    _aligned(got, topk_idx, b0, b1))
             rblock, rwarps = reduce_block(h)
-            self.launch("_combine_reduce_epilogue_impl_kernel", key, dict(
+            call = ("_combine_reduce_epilogue_impl_kernel", key, dict(
                 K=k, KP=_pow2(k), LE=le, ROW=row, H=h, W_OFF=h // 2, NB=len(bias), MASTER=master, HAS_W=with_w,
                 ACC_IN=acc_in, ACC_OUT=acc_out, BLOCK=rblock, SELF=self_rows is not None, XS=sx, WS=sw,
                 num_warps=rwarps),
                 (t, (h + rblock - 1) // rblock, 1), got, topk_idx, b0, b1, acc if acc is not None else out, out,
                 out_w if out_w is not None else out, m, lanes[0], lanes[1], xs, ws, sh, me, r_)
+            if plan:
+                return call, out, out_w
+            self.launch(*call)
         return out, out_w
+
+    def launched(self, name: str, key: tuple):
+        """The ``Direct`` that :meth:`launch` keeps for kernel ``name`` and ``key`` (None before its first call)."""
+        return self._go.get((name, key))

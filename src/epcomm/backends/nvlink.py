@@ -352,6 +352,13 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
             return None
         return nvlink_v2.return_row_parts(self, x, wts, dst, slots, phase, num_sms, skip_self)
 
+    def row_parts_kind(self, x, wts, slots: int, num_sms: int = 0, skip_self: bool = False):
+        """The kind of :meth:`return_row_parts` call this one is (``nvlink_v2.row_parts_kind``: its bound launches,
+        for a combine's ``native.Chain``), None where that returns None."""
+        if type(self).return_rows is not NVLinkBackend.return_rows:
+            return None
+        return nvlink_v2.row_parts_kind(self, x, wts, slots, num_sms, skip_self)
+
     def barrier(self, phase: str) -> None:
         """Synchronise the device, then a barrier bounded by the deadline (``PeerTimeoutError`` naming
         ``phase``)."""

@@ -93,6 +93,16 @@ def return_row_parts(be, x: torch.Tensor, wts: torch.Tensor | None, dst: torch.T
     result is then unspecified; the caller reads them from ``x`` and ``wts``, as the contiguous combine's
     reduction does: at world 1 nothing moves, with 2 ranks half as much)."""
     be._check_error()
+    kind = row_parts_kind(be, x, wts, slots, num_sms, skip_self)
+    return None if kind is None else _launch(kind, x, wts, dst)
+
+
+def row_parts_kind(be, x: torch.Tensor, wts: torch.Tensor | None, slots: int, num_sms: int = 0,
+                   skip_self: bool = False):
+    """The kind of :func:`return_row_parts` call this one is (``(go, n)``: its launches, bound once, and the rows
+    it moves), or None where the rows cannot move in place (the checks above). ``go``: ``(impl(rows, wts, dst,
+    n), arrive(), area, (impl_direct, arrive_direct, grid))``, the last for a ``native.Chain`` of the call
+    (``elastic_engine``'s combine chain)."""
     n, h = x.shape
     xs = x.stride()
     if h % 8 or xs[1] != 1 or xs[0] % 8 or x.data_ptr() % 16:
@@ -102,8 +112,7 @@ def return_row_parts(be, x: torch.Tensor, wts: torch.Tensor | None, dst: torch.T
         k, ws = wts.shape[1], wts.stride()
         if k % 4 or ws[0] % 4 or ws[1] != 1 or wts.data_ptr() % 16:
             return None
-    return _transport(be, x, wts, dst, n, combine_row_bytes(h, k), (h // 2, xs[0] // 2, k, ws[0]), slots, num_sms,
-                      skip_self)
+    return _kind(be, x, n, combine_row_bytes(h, k), (h // 2, xs[0] // 2, k, ws[0]), slots, num_sms, skip_self)
 
 
 def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: int,
@@ -112,6 +121,11 @@ def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: i
     ``_combine_arrive_kernel``; returns the area ``uint8[R, slots, w]``. Each kind of call (the area, the
     parts, the grid, the dtype and alignment of the rows) binds its two launches once, every argument but
     the rows, weights, destinations and their count fixed: a repeat makes no torch call but the alignment."""
+    return _launch(_kind(be, rows, n, w, parts, slots, num_sms, skip_self), rows, wts, dst)
+
+
+def _kind(be, rows, n: int, w: int, parts, slots: int, num_sms: int, skip_self: bool):
+    """``(go, n)``: the bound launches of a transport call of this kind (:func:`_bind`) and the rows it moves."""
     st = getattr(be, "_v2", None)
     if st is None:
         st = be._v2 = {"epoch": torch.zeros(2, dtype=torch.int32, device=be.device),  # [calls, programs so far]
@@ -126,7 +140,12 @@ def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: i
     if go is None:
         go = st[key] = _bind(be, st, slots, w, parts, num_sms, skip_self, rows.dtype if n else None, aligned,
                              timeout)
-    impl, arrive, area = go
+    return go, n
+
+
+def _launch(kind, rows, wts, dst) -> torch.Tensor:
+    """The launches of ``kind`` (:func:`_kind`) on ``rows``, ``wts`` (None: ``rows``) and ``dst``; the area."""
+    (impl, arrive, area, _), n = kind
     if n:
         impl(rows, wts if wts is not None else rows, dst, n)
     else:  # (placeholders: no row is read)
@@ -137,7 +156,8 @@ def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: i
 
 def _bind(be, st: dict, slots: int, w: int, parts, num_sms: int, skip_self: bool, dtype, aligned: int,
           timeout: int):
-    """``(impl(rows, wts, dst, n), arrive(), _Area)`` of one kind of transport call (:func:`_transport`)."""
+    """``(impl(rows, wts, dst, n), arrive(), _Area, (impl_direct, arrive_direct, grid))`` of one kind of transport
+    call (:func:`_kind`)."""
     area = st.get((slots, w))
     if area is None:
         area = st[(slots, w)] = _Area(be, slots, w)
@@ -150,4 +170,5 @@ def _bind(be, st: dict, slots: int, w: int, parts, num_sms: int, skip_self: bool
                                area.flags, epoch, be.rank, r_, be.err, timeout))
     arrive = kern.bound("_combine_arrive_kernel", (timeout,), dict(HAS_TIMER=TIMER, num_warps=1),
                         (area.flags, epoch, r_, grid[0], be.err, timeout))
-    return (lambda rows, wts, dst, n: impl(grid[0], 1, 1, rows, wts, dst, n)), (lambda: arrive(1, 1, 1)), area
+    return ((lambda rows, wts, dst, n: impl(grid[0], 1, 1, rows, wts, dst, n)), (lambda: arrive(1, 1, 1)), area,
+            (impl, arrive, grid))
