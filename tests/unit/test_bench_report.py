@@ -203,3 +203,16 @@ def test_a_gloo_peer_of_gpu_tensors_is_staged_whatever_the_group_calls_it():
     assert not staged_peer("cpu:gloo,cuda:nccl-a2a", gpu)
     assert not staged_peer("nccl-a2a", gpu)
     assert not staged_peer("cpu:gloo,cuda:gloo-a2a", {"gpu_count": 0})
+
+
+def test_merge_reports_the_host_spread_and_calibration_of_the_slowest_rank():
+    """``host_p10_us`` / ``host_p90_us`` / ``host_calib_us``: the largest per-rank value each (as ``host_us``), None
+    where a rank has none (an older result)."""
+    rank0, rank1 = result("nvlink", 10e-6), result("nvlink", 20e-6)
+    rank0.update(host_p10=3e-6, host_p90=9e-6, host_calib=4e-6)
+    rank1.update(host_p10=5e-6, host_p90=7e-6, host_calib=2e-6)
+    row = report.merge_ranks([[rank0], [rank1]], env=ENV, iters=5, warmup=1, ce_gbps=None)[0]
+    assert (row["host_p10_us"], row["host_p90_us"], row["host_calib_us"]) == pytest.approx((5.0, 9.0, 4.0))
+    del rank1["host_calib"]
+    row = report.merge_ranks([[rank0], [rank1]], env=ENV, iters=5, warmup=1, ce_gbps=None)[0]
+    assert row["host_calib_us"] is None and row["host_us"] == pytest.approx(10.0)

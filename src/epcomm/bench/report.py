@@ -4,15 +4,16 @@ A row (one JSON object per line) holds::
 
     case mode tokens hidden topk experts world_size backend op dtype phase cached
     api layout cpu_sync theoretical_num_sms
-    median_us p10_us p90_us host_us host_calib_us iters warmup timing
+    median_us p10_us p90_us host_us host_p10_us host_p90_us host_calib_us iters warmup timing
     logical_bytes link_bytes logical_gbps link_gbps sms link_counting
     ref_median_us peer_us speedup graph_us eager_over_graph ce_gbps link_fraction
     check timed_check timed_oracle caveat env{...}
 
 Across ranks: every rank times itself; a row reports the **largest** per-rank median (and the
 largest p10/p90, host time), the bytes of the busiest rank, and the **smallest** per-rank GB/s
-(each rank's bytes over its own median); ``host_calib_us``: the largest per-rank median of the host calibration
-timed in the same iterations (``bench/timing.py``; None where a rank had none). ``timing`` is ``events`` (eager calls), ``graph`` (CUDA-graph
+(each rank's bytes over its own median); ``host_p10_us`` / ``host_p90_us``: the largest per-rank percentiles of
+the host time; ``host_calib_us``: the largest per-rank median of the host calibration timed in the same iterations
+(``bench/timing.py``; None where a rank had none). ``timing`` is ``events`` (eager calls), ``graph`` (CUDA-graph
 replays) or ``wall`` (CPU); on GPUs a capturable op has a row of each, and its eager row carries
 ``graph_us`` and ``eager_over_graph``.
 
@@ -58,7 +59,8 @@ log = logging.getLogger(__name__)
 
 ROW_FIELDS = (
     "case", "mode", "tokens", "hidden", "topk", "experts", "world_size", "backend", "op", "dtype", "phase",
-    "cached", "api", "layout", "cpu_sync", "theoretical_num_sms", "median_us", "p10_us", "p90_us", "host_us", "host_calib_us", "iters", "warmup", "timing", "logical_bytes",
+    "cached", "api", "layout", "cpu_sync", "theoretical_num_sms", "median_us", "p10_us", "p90_us", "host_us",
+    "host_p10_us", "host_p90_us", "host_calib_us", "iters", "warmup", "timing", "logical_bytes",
     "link_bytes", "logical_gbps", "link_gbps", "sms", "ref_median_us", "peer_us", "speedup", "graph_us",
     "eager_over_graph", "ce_gbps", "link_fraction", "link_counting",
     "check", "timed_check", "timed_oracle", "caveat", "env",
@@ -275,6 +277,8 @@ def merge_ranks(per_rank: list[list[dict]], *, env: dict, iters: int, warmup: in
             "p10_us": max(r["p10"] for r in rs) * 1e6,
             "p90_us": max(r["p90"] for r in rs) * 1e6,
             "host_us": max(r["host"] for r in rs) * 1e6,
+            "host_p10_us": _max_us(r.get("host_p10") for r in rs),
+            "host_p90_us": _max_us(r.get("host_p90") for r in rs),
             "host_calib_us": _max_us(r.get("host_calib") for r in rs),
             "iters": iters, "warmup": warmup, "timing": worst["timing"],
             "logical_bytes": max(lb) if has_bytes else None,

@@ -106,6 +106,7 @@ class Measurement:
     method: str                   # "wall" | "events" | "graph"
     verified: str | None = None   # op.verify run as timed: "pass" | "FAIL: ..." | "not checked: ..." | None
     calib: float | None = None    # median host seconds of calibration_work, timed in each iteration
+    host_spread: list | None = None  # (p10, p90) host seconds per phase
 
 
 def calibration_work(device: torch.device):
@@ -187,7 +188,9 @@ def timed_fields(m, i: int, case_check: str, checked: bool, oracle: str | None) 
     taken, and its checks (``checked``: the run checks at all, else ``--no-check``; ``oracle``: what the
     timed call was compared with, None where it was not)."""
     st = m.stats[i]
-    return {"median": st.median, "p10": st.p10, "p90": st.p90, "host": m.host[i], "host_calib": m.calib,
+    p10, p90 = m.host_spread[i] if m.host_spread else (None, None)
+    return {"median": st.median, "p10": st.p10, "p90": st.p90, "host": m.host[i], "host_p10": p10, "host_p90": p90,
+            "host_calib": m.calib,
             "timing": m.method,
             "check": check_verdict(case_check, m.verified),
             "timed_check": m.verified or ("not run" if checked else "not run: --no-check"),
@@ -330,5 +333,6 @@ def measure(op: TimedOp, *, num_sets: int, iters: int, warmup: int, group, devic
         for step in prep + steps:
             step()
         barrier()
-    return Measurement(op.phases, [Stats.of(s) for s in samples],
-                       [Stats.of(h).median for h in host], method, verified, Stats.of(calib).median)
+    hs = [Stats.of(h) for h in host]
+    return Measurement(op.phases, [Stats.of(s) for s in samples], [h.median for h in hs], method, verified,
+                       Stats.of(calib).median, [(h.p10, h.p90) for h in hs])
