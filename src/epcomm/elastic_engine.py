@@ -393,9 +393,7 @@ def combine_chain(eb, x, state: DispatchState, topk_idx, num_experts, m, topk_we
             (sh, a(6)), (outs[0], o(0)), (outs[1], o(1))]
 
     def src(v):
-        if isinstance(v, int) and type(v) is int:
-            return c(v)
-        if isinstance(v, torch.Tensor) and v is area.area:
+        if type(v) is int or v is area.area:
             return c(v)
         for t_, s_ in vals:
             if v is t_:

@@ -85,13 +85,19 @@ def _emulate():
     return runs, undo
 
 
-def _v2(ctx, tag, merge: bool):
+def _start(ctx, tag, tune: str):
+    """A fresh rank on the nvlink backend with ``EPCOMM_TUNE=tune`` and the extension wanted on CPU, its chains
+    emulated: ``(ElasticBuffer class on the backend, runs, undo)`` (:func:`_emulate`)."""
     os.environ["EPCOMM_NATIVE"] = "all"
-    os.environ["EPCOMM_TUNE"] = f"native_merge={int(merge)},native_chain_v2c=0"
+    os.environ["EPCOMM_TUNE"] = tune
     OnBackend = _on_backend(ctx, tag, "nvlink")
+    return (OnBackend, *_emulate())
+
+
+def _v2(ctx, tag, merge: bool):
+    OnBackend, runs, undo = _start(ctx, tag, f"native_merge={int(merge)},native_chain_v2c=0")
     from epcomm.testing import elastic_cases as C
 
-    runs, undo = _emulate()
     try:
         case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=3, num_experts=8, seed=11)
         buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
@@ -107,12 +113,9 @@ def _v2(ctx, tag, merge: bool):
 
 
 def _v2_combine(ctx, tag):
-    os.environ["EPCOMM_NATIVE"] = "all"
-    os.environ["EPCOMM_TUNE"] = "native_merge=0,native_chain_v2c=1"  # (the dispatch's chains: 2 steps and 1)
-    OnBackend = _on_backend(ctx, tag, "nvlink")
+    OnBackend, runs, undo = _start(ctx, tag, "native_merge=0,native_chain_v2c=1")  # (dispatch chains: 2, 1 steps)
     from epcomm.testing import elastic_cases as C
 
-    runs, undo = _emulate()
     try:
         # (top-4: weight rows of 16 bytes move in place; top-3 ones are packed first, and such a combine is no chain)
         case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=4, num_experts=8, seed=13)
@@ -128,15 +131,12 @@ def _v2_combine(ctx, tag):
 
 
 def _v1(ctx, tag):
-    os.environ["EPCOMM_NATIVE"] = "all"
-    os.environ["EPCOMM_TUNE"] = "native_chain_ht=1"  # (the default; named so the check stands if it changes)
-    _on_backend(ctx, tag, "nvlink")
+    _, runs, undo = _start(ctx, tag, "native_chain_ht=1")  # (the default; named so the check stands if it changes)
     from epcomm import Buffer
     from epcomm.testing import cpu_nvlink
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
 
-    runs, undo = _emulate()
     try:
         ref = Buffer(ctx.group)
         fast = cpu_nvlink.nvlink_buffer(ctx.group, num_nvl_bytes=32 << 20)
@@ -159,15 +159,12 @@ def _v1(ctx, tag):
 
 
 def _ll(ctx, tag):
-    os.environ["EPCOMM_NATIVE"] = "all"
-    os.environ["EPCOMM_TUNE"] = "ll.native_chain=1"  # (the default; named so the check stands if it changes)
-    _on_backend(ctx, tag, "nvlink")
+    _, runs, undo = _start(ctx, tag, "ll.native_chain=1")  # (the default; named so the check stands if it changes)
     from epcomm import Buffer
     from epcomm.testing import cpu_nvlink
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
 
-    runs, undo = _emulate()
     try:
         m = 8
         case = Case(num_ranks=2, tokens=(6, 5), hidden=256, num_topk=4, num_experts=8, seed=3)

@@ -348,16 +348,20 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         bytes a pack would build, no pack pass), or None where the caller must pack them: parts that do not
         move as 16-byte vectors, or a subclass that moves rows its own way (its ``return_rows``).
         ``skip_self``: this rank's own rows stay in ``x`` and ``wts`` (not stored into its area)."""
-        if type(self).return_rows is not NVLinkBackend.return_rows:
+        if not self._own_transport():
             return None
         return nvlink_v2.return_row_parts(self, x, wts, dst, slots, phase, num_sms, skip_self)
 
     def row_parts_kind(self, x, wts, slots: int, num_sms: int = 0, skip_self: bool = False):
         """The kind of :meth:`return_row_parts` call this one is (``nvlink_v2.row_parts_kind``: its bound launches,
         for a combine's ``native.Chain``), None where that returns None."""
-        if type(self).return_rows is not NVLinkBackend.return_rows:
+        if not self._own_transport():
             return None
         return nvlink_v2.row_parts_kind(self, x, wts, slots, num_sms, skip_self)
+
+    def _own_transport(self) -> bool:
+        """Rows go back through this class's transport (a subclass with its own ``return_rows`` moves them its way)."""
+        return type(self).return_rows is NVLinkBackend.return_rows
 
     def barrier(self, phase: str) -> None:
         """Synchronise the device, then a barrier bounded by the deadline (``PeerTimeoutError`` naming
