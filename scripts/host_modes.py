@@ -10,7 +10,7 @@ the bench's own LL dispatch op through ``bench/timing.measure`` (as ``epcomm ben
 input sets) and records its host median beside the samples.
 
     python3 scripts/host_modes.py --steps 3000 --out samples.jsonl
-    python3 scripts/host_modes.py --summary samples.jsonl
+    python3 scripts/host_modes.py --summary samples.jsonl[.gz]
 
 The summary splits each kind's samples into windows of ``--window`` steps and prints per window the median µs and
 what happened in its calls (faults, switches, collections, CPUs), so a slow phase can be read against them.
@@ -38,6 +38,41 @@ def _cpu() -> int:
 def _usage() -> tuple:
     r = resource.getrusage(_RU)
     return r.ru_minflt, r.ru_majflt, r.ru_nvcsw, r.ru_nivcsw
+
+
+def _threads() -> list:
+    """``[tid, name, cpu ticks (user + system), last cpu]`` of each of this process's threads."""
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+            v = rest.split()
+            out.append([int(tid), head.split("(", 1)[1], int(v[11]) + int(v[12]), int(v[36])])
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def _cpu_busy() -> list:
+    """Each CPU's busy ticks (all but idle and iowait) from /proc/stat."""
+    out = []
+    with open("/proc/stat") as f:
+        for ln in f:
+            if ln.startswith("cpu") and ln[3].isdigit():
+                v = [int(x) for x in ln.split()[1:]]
+                out.append(sum(v) - v[3] - v[4])
+    return out
+
+
+def _python_work(n: int = 400):
+    """A pure-Python workload (no torch, no syscalls): the CPU's own speed."""
+    def work():
+        s = 0
+        for i in range(n):
+            s += i * i
+        return s
+    return work
 
 
 def _kinds(tokens_ll: int, tokens_ht: int) -> dict:
@@ -73,7 +108,10 @@ def run(steps: int, out: str, measure_every: int, tokens_ll: int, tokens_ht: int
 
     ll, kinds = _kinds(tokens_ll, tokens_ht)
     dev = torch.device("cuda", torch.cuda.current_device())
-    kinds = {"calib": (None, timing.calibration_work(dev)), **kinds}
+    one = torch.zeros(1, device=dev)
+    kinds = {"calib": (None, timing.calibration_work(dev)), "python": (None, _python_work()),
+             "empty x8": (None, lambda: [torch.empty(64, dtype=torch.int32, device=dev) for _ in range(8)]),
+             "launch": (None, lambda: one.add_(1)), **kinds}
     before = hostprobe.bench_position()
     op, group = _bench_op(ll, tokens_ll)
     collected = [0]
@@ -82,12 +120,15 @@ def run(steps: int, out: str, measure_every: int, tokens_ll: int, tokens_ht: int
     with open(out, "w") as f:
         f.write(json.dumps({"env": {"commit": os.environ.get("EPCOMM_COMMIT"), "device": torch.cuda.get_device_name(),
                                     "torch": torch.__version__, "cpus": os.cpu_count(),
-                                    "affinity": sorted(os.sched_getaffinity(0))}}) + "\n")
+                                    "affinity": sorted(os.sched_getaffinity(0)), "siblings": _siblings()}}) + "\n")
         for i in range(steps):
             if measure_every and i % measure_every == 0:
                 m = timing.measure(op, num_sets=4, iters=20, warmup=5, group=group, device=dev, use_graphs=False)
                 f.write(json.dumps({"i": i, "t": time.perf_counter() - t0, "kind": "bench ll dispatch",
                                     "host_us": m.host[0] * 1e6, "calib_us": m.calib * 1e6}) + "\n")
+            if i % 50 == 0:
+                f.write(json.dumps({"i": i, "t": time.perf_counter() - t0, "kind": "threads", "threads": _threads(),
+                                    "busy": _cpu_busy()}) + "\n")
             for kind, (prep, call) in kinds.items():
                 if prep is not None:
                     prep()
@@ -103,17 +144,42 @@ def run(steps: int, out: str, measure_every: int, tokens_ll: int, tokens_ht: int
     torch.cuda.synchronize()
 
 
+def _siblings() -> dict:
+    out = {}
+    for c in range(os.cpu_count() or 0):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") as f:
+                out[c] = f.read().strip()
+        except OSError:
+            pass
+    return out
+
+
 def _launched(ctx, *args) -> None:
     run(*args)
 
 
 def summary(path: str, window: int) -> None:
-    rows = [json.loads(ln) for ln in open(path)]
+    import gzip
+
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        rows = [json.loads(ln) for ln in f]
     env = rows[0].get("env", {})
     print("env", env)
     kinds: dict = {}
     for r in rows[1:]:
         kinds.setdefault(r["kind"], []).append(r)
+    th = kinds.pop("threads", [])
+    if th:
+        print("threads sampled every 50 steps: per window, the threads that used CPU (ticks, last cpus) and each "
+              "cpu's busy ticks")
+        for w in range(0, len(th) - 1, max(window // 50, 1)):
+            a, b = th[w], th[min(w + max(window // 50, 1), len(th) - 1)]
+            before = {t[0]: t[2] for t in a["threads"]}
+            used = [(t[1], t[2] - before.get(t[0], 0), t[3]) for t in b["threads"] if t[2] - before.get(t[0], 0) > 0]
+            busy = [y - x for x, y in zip(a["busy"], b["busy"])]
+            print(f"  steps {a['i']:5d}-{b['i']:5d} threads " + ", ".join(f"{n}:{d}@{c}" for n, d, c in used)
+                  + "  busy " + " ".join(str(x) for x in busy))
     for kind, rs in kinds.items():
         if "ns" not in rs[0]:
             print(f"{kind}: " + " ".join(f"{r['host_us']:.1f}[{r['calib_us']:.1f}]" for r in rs))
