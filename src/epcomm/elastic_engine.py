@@ -163,10 +163,13 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     meta_slot: list = []
     if kern and not sync:  # (the same N and X each call: recv_meta keeps its plan in a slot of this kind's)
         rows_of = functools.partial(kern.recv_meta, slot=meta_slot)
-    # a contiguous eager no-sync dispatch whose backend plan and recv_meta are native chains: from the call after
-    # both were made, the two as one chain (Kernels.merged)
-    merged = native.Later(kern is not None and fused and not sync and not expand and not capturing,
-                          lambda: kern.merged(getattr(bound[0], "native", None), meta_slot[0][2][-1].value))
+    # an eager no-sync dispatch whose backend plan and recv_meta are native chains: from the call after both were
+    # made, the two as one chain (Kernels.merged); an expanded one's scatter too (expanded_tail; with its outputs)
+    merged = native.Later(kern is not None and fused and not sync and not capturing
+                          and (not expand or kern.chains_expanded()),
+                          lambda *call: kern.merged(getattr(bound[0], "native", None), meta_slot[0][2][-1].value,
+                                                    tail=expanded_tail(eb, *call, zero_pad, tma_sf, k, has_w) if expand
+                                                    else None))
     has_w = topk_weights is not None
     bound: list = []  # the backend's plan, made at the first call (it needs that call's layout tensors)
     zeros = _zero_weights(t, k, dev)
@@ -176,8 +179,8 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
         w = topk_weights if has_w else zeros()
         mg = merged.value
         if mg is not None and before_epilogue is None and (cum_stats is None or cum_stats.is_contiguous()):
-            res, rm = mg(data, scales, topk_idx, w, cum_stats)
-            return finish(pay, res, rm, topk_idx)
+            res, rm, tail = mg(data, scales, topk_idx, w, cum_stats)
+            return finish(pay, res, rm, topk_idx, tail=tail)
         go = bound[0] if bound else None
         if go is not None and fused:  # (the plan's exchange kernel makes the layout)
             per_rank = per_expert = in_rank = None
@@ -208,13 +211,15 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
             lst, x_rows = None, worst_x_rows
         rm = rows_of(v1.rank_prefix_matrix, me, v1.recv_src_idx, res.recv_topk_idx, v1.send_head, topk_idx, m, le,
                      alignment, x_rows, expand, cum_stats, handle_copy)
+        out = finish(pay, res, rm, topk_idx, lst, x_rows)
         if go is not None and meta_slot and meta_slot[0][2][-1].done:  # (recv_meta's chain made, or never to be)
-            merged.ready()
-        return finish(pay, res, rm, topk_idx, lst, x_rows)
+            merged.ready(res, rm, out, pay)
+        return out
 
-    def finish(pay, res, rm, topk_idx, lst=None, x_rows=worst_x_rows):
+    def finish(pay, res, rm, topk_idx, lst=None, x_rows=worst_x_rows, tail=()):
         """The call's results from the backend's (``res``) and recv_meta's (``rm``); ``lst``: the counts a
-        synchronised call read (None: none)."""
+        synchronised call read (None: none); ``tail``: the expanded rows a merged chain made (:func:`expanded_tail`;
+        empty: none made)."""
         v1 = res.handle
         n = res.recv_x.shape[0]
         lst = [] if lst is None else lst
@@ -225,12 +230,73 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
                               x_rows if expand else 0, eb.device_sms, k)
         recv_w = res.recv_topk_weights if has_w else None
         if expand:
-            return (*_expanded(eb, state, pay, res.recv_x, res.recv_x_scales, recv_w, zero_pad, tma_sf, k), fields,
-                    state)
+            ex = tail_rows(tail) if tail else _expanded(eb, state, pay, res.recv_x, res.recv_x_scales, recv_w, zero_pad,
+                                                          tma_sf, k)
+            return (*ex, fields, state)
         recv_x, recv_sf, _ = pay.unpack(res.recv_x, res.recv_x_scales)
         return recv_x, EL.sf_layout(recv_sf, tma_sf), rm.local_out, recv_w, fields, state
 
+    tail_rows = functools.partial(_tail_rows, worst_x_rows, probe.p, tma_sf)
     return run
+
+
+def _tail_rows(x_rows: int, p: int, tma_sf: bool, made: tuple):
+    """``(recv_x, recv_sf, None, recv_topk_weights)`` of an expanded dispatch from its scatter's outputs in a merged
+    chain (:func:`expanded_tail`: x, then the scale packs (``p`` a row: 2-D) and the weights (1-D) where the call has
+    them; the packs of ``tma_sf`` made as the ``[P, X aligned to 4]`` block of their column-major layout)."""
+    ex, esf, ew = made[0], None, None
+    for t in made[1:]:
+        if t.dim() == 2:
+            esf = t.as_strided((x_rows, p), (1, t.shape[1])) if tma_sf else t
+        else:
+            ew = t
+    return ex, esf, None, ew
+
+
+def expanded_tail(eb, res, rm, out, pay, zero_pad: bool, tma_sf: bool, k: int, has_w: bool):
+    """An eager no-sync expanded dispatch's scatter (``Kernels.copy_epilogue``) as the last step of its merged
+    chain (``Kernels.merged``'s ``tail``), from the call that just ran it (``res``, ``rm``: the backend's and
+    recv_meta's results; ``out``: the call's, its ``DispatchState`` last; ``pay``: the payload's kind; ``has_w``:
+    the call's top-k weights given): each argument of that launch found among the call's tensors and given the
+    source the chain has for it (the dispatch's rows, scales and weights, recv_meta's sources and slots, the
+    scatter's own outputs). None where it cannot be: a packed payload, no rows, a launch that is not bound, a
+    tensor not found."""
+    kern, state = eb._kernels, out[-1]
+    if pay.packed:
+        return None
+    recv_w = res.recv_topk_weights if has_w else None
+    x, sf, w = pay.rows(res.recv_x, res.recv_x_scales, recv_w)
+    slots = state.slots
+    planned = kern.copy_epilogue(state.source, k, zero_pad, state.device_sms, x, pay.x_dtype, pay.h, sf, pay.sf_dtype,
+                                 pay.p, tma_sf, w, slots=slots, plan=True)
+    if planned is None or slots.data_ptr() - state.meta.data_ptr() != 8:
+        return None
+    (name, key, _, grid, *args), ex, esf, ew = planned
+    d = kern.launched(name, key)
+    if getattr(d, "step", None) is None:
+        return None
+    made = [t for t in (ex, esf, ew) if t is not None]
+    # (tma_sf: the packs' column-major block, [P, X aligned to 4], as the stand-in's strides say)
+    specs = [((t.shape[1], t.stride(1)) if t is esf and tma_sf else tuple(t.shape), t.dtype) for t in made]
+
+    def tail(srcs, meta_out, own):
+        vals = [(res.recv_x, srcs["x"]), (res.recv_x_scales, srcs["s"]), (recv_w, srcs["w"]),
+                (state.source, meta_out("source")), (slots, meta_out("meta", 8)),
+                *((t, own(i)) for i, t in enumerate(made))]
+
+        def src(v):
+            if type(v) is int:
+                return native.const(v)
+            return next((s_ for t_, s_ in vals if t_ is not None and s_ is not None and v is t_), None)
+
+        holes = tuple(src(v) for v in args)
+        if None in holes:
+            return None
+        one = native.const(1)
+        step = d.step((native.const(grid[0]), one, one), holes)
+        return None if step is None else (specs, [], step)
+
+    return tail
 
 
 def cached_plan(eb, expand: bool, x, sf, topk_weights, zero_pad, tma_sf):

@@ -8,7 +8,9 @@ gives rows that differ from the oracle's.
 
 Checked: ``ElasticBuffer``'s contiguous no-sync dispatch (BF16, FP8 with UE8M0 packs and with fp32 scales) through
 the merged chain (the backend's exchange + gather and ``recv_meta``'s launch: three steps) and, with
-``native_merge=0``, through two chains; its combine after those; ``Buffer``'s ``num_worst_tokens`` dispatch (two
+``native_merge=0``, through two chains; its combine after those; its expanded no-sync dispatch
+(``native_chain_v2x=1``: the exchange + gather, ``recv_meta``'s two launches and the scatter with its outputs, the
+scale packs TMA-aligned: five steps) and a synchronised one (``recv_meta``'s chain of two); ``Buffer``'s ``num_worst_tokens`` dispatch (two
 steps), BF16 and FP8, its combine and its cached dispatch (``native_chain_ht=1``: one step each), and its
 synchronised dispatch (``native_chain_ht=1``: the exchange and the gather each a chain, around the host's read);
 ``Buffer``'s low-latency dispatch and combine (``ll.native_chain=1``: each launch a one-step chain; with the hook the
@@ -39,8 +41,11 @@ def _emulate():
     def get(src, vals, made):
         kind, idx, value = src[:3]
         if kind in (1, 2):
-            assert value == 0, src  # (the chains here pass whole tensors: no offsets)
-            return vals[idx] if kind == 1 else made[idx]
+            t = vals[idx] if kind == 1 else made[idx]
+            if value:  # (an address ``value`` bytes on: the tensor's elements from there, flat)
+                assert kind == 2 and value % t.element_size() == 0, src
+                return t.view(-1)[value // t.element_size():]
+            return t
         return vals[idx] if kind == 3 else value
 
     class EmuChain:
@@ -109,6 +114,29 @@ def _v2(ctx, tag, merge: bool):
     # the chains ran: merged ones (3 steps) only in that mode; a kind's first call may take chains another kind
     # made (the backend's plan, recv_meta's), 2 and 1 steps
     assert (3 in runs) is merge and (merge or {1, 2} <= set(runs)), runs
+    return runs
+
+
+def _v2_expanded(ctx, tag):
+    OnBackend, runs, undo = _start(ctx, tag, "native_merge=1,native_chain_v2x=1")  # (TUNE persists: named)
+    from epcomm.testing import elastic_cases as C
+
+    try:
+        case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=3, num_experts=8, seed=17)
+        buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
+        # expanded, no CPU sync (the scale packs column-major, TMA-aligned): a dispatch, a cached one, a second; twice
+        # (a kind's first call binds its launches and makes its chain: every later one, checked whole, runs it)
+        for sf_kind, alignment in (("bf16", 1), ("ue8m0", 4), ("fp32", 1)):
+            for _ in range(2):
+                C.check_dispatch(buf, case, ctx.rank, sf_kind, True, alignment, False)
+        n_no_sync = len(runs)
+        C.check_dispatch(buf, case, ctx.rank, "fp32", True, 1, True)  # synchronised: recv_meta's chain only
+        C.check_combine(buf, case, ctx.rank, True, 2, 1, False)
+    finally:
+        undo()
+    # the merged chains: the exchange and gather, recv_meta's two launches and the scatter (5 steps), at each kind's
+    # second call; recv_meta's own chain (2 steps) where a call takes it alone
+    assert 5 in runs[:n_no_sync] and 2 in runs[n_no_sync:], runs
     return runs
 
 
@@ -181,13 +209,13 @@ def _ll(ctx, tag):
     return runs
 
 
-CHECKS = ["v2-merged", "v2-two-chains", "v2-combine", "v1-worst", "v1-ll"]
+CHECKS = ["v2-merged", "v2-two-chains", "v2-expanded", "v2-combine", "v1-worst", "v1-ll"]
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 
 def _rank(ctx, tag):
     one = {"v2-merged": lambda c: _v2(c, tag, True), "v2-two-chains": lambda c: _v2(c, tag, False),
-           "v2-combine": lambda c: _v2_combine(c, tag),
+           "v2-expanded": lambda c: _v2_expanded(c, tag), "v2-combine": lambda c: _v2_combine(c, tag),
            "v1-worst": lambda c: _v1(c, tag), "v1-ll": lambda c: _ll(c, tag)}
     return harness.run_checks(ctx, [(name, one[name]) for name in CHECKS], env={})
 

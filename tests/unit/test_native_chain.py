@@ -101,13 +101,15 @@ def test_direct_step_declines(what):
 
 def test_merged_chain_feeds_the_dispatch_outputs_to_recv_meta():
     """``elastic_kernels.Kernels.merged``: recv_meta's launch joined to the dispatch's chain reads the dispatch's
-    outputs (rank_prefix_matrix, recv_src_idx, send_head), its fixed received ids, the call's topk_idx and cum."""
+    outputs (rank_prefix_matrix, recv_src_idx, send_head), its fixed received ids, the call's topk_idx and cum; a
+    tail (an expanded dispatch's scatter) after both reads the dispatch's rows, recv_meta's output by name (at an
+    offset) and makes outputs of its own, after theirs."""
     from epcomm.backends.elastic_kernels import Kernels
 
     i32 = torch.int32
     keep_k = torch.zeros(8, 2, dtype=torch.int64)
     ht_specs = [((2, 2), i32), ((4, 2), i32), ((N.ROWS, 16), torch.bfloat16), ((N.ROWS,), i32)]
-    srcs = dict(rpm=N.out(0), send_head=N.out(1), src=N.out(3), out_k=N.const(keep_k.data_ptr()))
+    srcs = dict(rpm=N.out(0), send_head=N.out(1), src=N.out(3), out_k=N.const(keep_k.data_ptr()), x=N.out(2))
     ht_step = (11, [_p(N.num(7), 4), _p(N.const(1), 4), _p(N.const(1), 4)], 64, 0,
                [_p(N.addr(0)), _p(N.addr(2)), _p(N.out(2)), _p(N.out(3))])
     calls = []
@@ -121,17 +123,32 @@ def test_merged_chain_feeds_the_dispatch_outputs_to_recv_meta():
     m_specs = [((3,), i32), ((8, 4), i32)]
     m_params = [_p(N.addr(j)) for j in range(6)] + [_p(N.out(0)), _p(N.out(1), 4), _p(N.const(9))]
     m_step = (12, [_p(N.const(3), 4)] * 3, 128, 0, m_params)
-    meta_chain = (None, torch.zeros(4, dtype=i32), (m_specs, [0, 1], m_step, lambda made: made))
-    go = Kernels.merged(ht_native, meta_chain, dry=True)
+    meta_chain = (None, torch.zeros(4, dtype=i32), (m_specs, [0, 1], [m_step], lambda made: made,
+                                                    {"counts": 0, "meta": 1}))
     x, topk = torch.ones(8, 16, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64)
     cum = torch.zeros(3, dtype=i32)
-    res, rm = go(x, None, topk, torch.ones(4, 2), cum)
-    assert len(res) == 4 and len(rm) == 2 and calls == [("result", 4, None)]
-    assert tuple(res[2].shape) == (8, 16)  # the rows: num_worst_tokens
-    ht_got, m_got = go.chain.last()
-    assert ht_got == [5, 1, 1, x.data_ptr(), topk.data_ptr(), res[2].data_ptr(), res[3].data_ptr()]
-    assert m_got == [3, 3, 3, res[0].data_ptr(), res[3].data_ptr(), keep_k.data_ptr(), res[1].data_ptr(),
-                     topk.data_ptr(), cum.data_ptr(), rm[0].data_ptr(), rm[1].data_ptr(), 9]
+    t_specs = [((5, 3), torch.float32)]
+
+    def tail(srcs_, meta_out, own):  # (the dispatch's rows, recv_meta's "meta" 8 bytes on, its own output)
+        return t_specs, [], (13, [_p(N.const(2), 4)] * 3, 32, 0,
+                             [_p(srcs_["x"]), _p(meta_out("meta", 8)), _p(own(0))])
+
+    for with_tail in (False, True):
+        calls.clear()
+        go = Kernels.merged(ht_native, meta_chain, dry=True, tail=tail if with_tail else None)
+        res, rm, made = go(x, None, topk, torch.ones(4, 2), cum)
+        assert len(res) == 4 and len(rm) == 2 and calls == [("result", 4, None)]
+        assert tuple(res[2].shape) == (8, 16)  # the rows: num_worst_tokens
+        ht_got, m_got, *t_got = go.chain.last()
+        assert ht_got == [5, 1, 1, x.data_ptr(), topk.data_ptr(), res[2].data_ptr(), res[3].data_ptr()]
+        assert m_got == [3, 3, 3, res[0].data_ptr(), res[3].data_ptr(), keep_k.data_ptr(), res[1].data_ptr(),
+                         topk.data_ptr(), cum.data_ptr(), rm[0].data_ptr(), rm[1].data_ptr(), 9]
+        if not with_tail:
+            assert made == () and t_got == []
+            continue
+        assert len(made) == 1 and tuple(made[0].shape) == (5, 3) and made[0].dtype == torch.float32
+        assert t_got == [[2, 2, 2, res[2].data_ptr(), rm[1].data_ptr() + 8, made[0].data_ptr()]]
+    assert Kernels.merged(ht_native, meta_chain, dry=True, tail=lambda *a: None) is None  # (a tail that cannot be)
 
 
 @pytest.mark.parametrize("api, kind, launches, args", [
@@ -199,3 +216,22 @@ def test_the_probe_rig_runs_the_v2_combine_chain(monkeypatch, own_group):
     monkeypatch.setitem(nvlink_params.TUNE, "native_chain_v2c", False)
     got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"]["combine c"]
     assert got["launches"] == 3 and got["args"] > 0, got
+
+
+def test_the_probe_rig_runs_the_v2_expanded_chain(monkeypatch, own_group):
+    """With ``native_chain_v2x`` an ``ElasticBuffer`` expanded no-sync dispatch's repeat is one chain call (the
+    exchange and gather, recv_meta's two launches, the scatter): Triton's launcher gets no argument and four
+    allocations are made (the received rows, one block of the small outputs, recv_meta's block, the expanded rows'
+    block); without it the launches parse their arguments again."""
+    from epcomm.backends import nvlink_params
+    from epcomm.bench import hostprobe
+
+    monkeypatch.setenv("EPCOMM_NATIVE", "all")
+    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_v2x", True)
+    real = hostprobe.install
+    monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
+    got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"]["dx"]
+    assert (got["launches"], got["args"], got["allocs"]) == (5, 0, 4), got
+    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_v2x", False)
+    got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"]["dx"]
+    assert got["launches"] == 5 and got["args"] > 0 and got["allocs"] == 5, got

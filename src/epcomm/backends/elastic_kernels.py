@@ -188,7 +188,7 @@ class Kernels:
                 topk_copy if copy_topk else topk_idx, send_head, dst, part, ticket)
         if expand:
             go_layout(le, 1, 1, counts, local, rpm, meta, source)
-        elif self._scratch.get(dev) is not None and self._scratch[dev][0] is part:  # (not captured)
+        if self._scratch.get(dev) is not None and self._scratch[dev][0] is part:  # (not captured)
             chain.ready(part, ticket)  # (bound now: the next such call is one chain call)
         if stats is not cum:  # a strided cumulative_local_expert_recv_stats: updated through a copy
             cum.copy_(stats)
@@ -241,45 +241,60 @@ class Kernels:
             outs = Outputs(dev, specs, True, range(len(specs)) if TUNE["native_pack"] else ())
         g_rows = max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN
         ones = _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=dev), 0)
-        # the contiguous layout's native.Chain (made after the first uncaptured call bound the launch)
-        chain = native.Later(outs is not None and outs.native and not expand and TUNE["native_chain"],
+        # the outputs and launches as one native.Chain (made after the first uncaptured call bound the launches; an
+        # expanded layout's two launches with TUNE["native_chain_v2x"])
+        chain = native.Later(outs is not None and outs.native and TUNE["native_chain"]
+                             and (not expand or TUNE["native_chain_v2x"]),
                              lambda part, ticket: self._meta_chain(go_rows, g_rows, specs, at, has_cum, copy_topk, part,
-                                                                   ticket, ones[0]))
+                                                                   ticket, ones[0], go_layout, le, x_rows))
         return go_rows, g_rows, go_layout, 2 * le + r_, r_, _parts(rows, k), ones, outs, at, chain
 
     @staticmethod
-    def _meta_chain(go_rows, grid: int, specs, at: tuple, has_cum: bool, copy_topk: bool, part, ticket, ones):
-        """A contiguous ``recv_meta``'s outputs and launch as one ``native.Chain`` call: ``(chain, part, (specs,
-        packed, step, finish))``, its values ``(rpm, recv_src_idx, recv_local, send_head, topk_idx, cum)``, its
-        outputs where ``at`` says (:func:`_outputs_at`), ``finish(outputs) -> RecvMeta`` (the parts: ``merged``
-        joins the step to the dispatch's chain); None where the launch cannot be a chain's step (``Direct.step``)."""
-        step = getattr(go_rows, "step", None)  # (the tests' recording go has none)
-        if step is None:
-            return None
+    def _meta_chain(go_rows, grid: int, specs, at: tuple, has_cum: bool, copy_topk: bool, part, ticket, ones,
+                    go_layout=None, le: int = 0, x_rows: int = 0):
+        """``recv_meta``'s outputs and launches as one ``native.Chain`` call: ``(chain, part, (specs, packed, steps,
+        finish))``, its values ``(rpm, recv_src_idx, recv_local, send_head, topk_idx, cum)``, its outputs where
+        ``at`` says (:func:`_outputs_at`), ``finish(outputs) -> RecvMeta`` (the parts: ``merged`` joins the steps
+        to the dispatch's chain). A contiguous layout is one step (``ones``: its empty source); an expanded one
+        (``go_layout``, on ``le`` programs) two, its ``x_rows`` sources made by the chain. None where a launch
+        cannot be a chain's step (``Direct.step``)."""
         a, o, c = native.addr, native.out, native.const
-        ci, pi, ri, mi, di, li, loi, ti, gi, _ = at  # (a contiguous layout has every one but topk_copy's maybe)
+        ci, pi, ri, mi, di, li, loi, ti, gi, si = at  # (a contiguous layout has every one but topk_copy's maybe)
+        expand = go_layout is not None
         one = c(1)
-        st = step((c(grid), one, one), (a(0), a(1), a(2), o(li), o(loi), o(mi), o(gi), o(ci), o(pi), o(ri),
-                                         a(5) if has_cum else o(ci), a(4), o(ti) if copy_topk else a(4), a(3),
-                                         o(di), c(part), c(ticket)))
-        if st is None:
+        steps = [getattr(go_rows, "step", None), getattr(go_layout, "step", None)]  # (the tests' recording go has none)
+        if steps[0] is None or (expand and steps[1] is None):
+            return None
+        steps = [steps[0]((c(grid), one, one), (a(0), a(1), a(2), o(li), o(li if expand else loi), o(mi), o(gi), o(ci),
+                                                 o(pi), o(ri), a(5) if has_cum else o(ci), a(4),
+                                                 o(ti) if copy_topk else a(4), a(3), o(di), c(part), c(ticket)))]
+        if expand:  # (counts, local, rpm, meta, source)
+            steps.append(go_layout.step((c(le), one, one), (o(ci), o(li), a(0), o(mi), o(si))))
+        if None in steps:
             return None
         packed = range(len(specs)) if TUNE["native_pack"] else ()
+        specs = [(tuple(x_rows if v == ROWS else v for v in shape), dt) for shape, dt in specs]  # (sizes of its own)
 
         def finish(made) -> EL.RecvMeta:
-            return EL.RecvMeta(made[ri], made[gi], made[li], made[loi], made[mi], made[ci], made[pi], ones, made[di],
-                               None if ti is None else made[ti])
+            return EL.RecvMeta(made[ri], made[gi], made[li], None if loi is None else made[loi], made[mi], made[ci],
+                               made[pi], made[si] if expand else ones, made[di], None if ti is None else made[ti])
 
-        return (native.Chain(part.device, specs, c(0), [st], 6, packed=packed, stream=go_rows.p.chain_stream()), part,
-                (specs, packed, st, finish))
+        named = dict(zip(("counts", "psum", "psum_rank", "meta", "dst", "local", "local_out", "topk", "gid", "source"),
+                         at))
+        return (native.Chain(part.device, specs, c(0), steps, 6, packed=packed, stream=go_rows.p.chain_stream()),
+                part, (specs, packed, steps, finish, named))
 
     @staticmethod
-    def merged(ht_native, meta_chain, dry: bool = False):
-        """A contiguous no-sync dispatch's two chains as one: the backend's dispatch (``ht_native``: the plan's
-        ``run.native`` parts, ``backends/ht_dispatch.py``) and ``recv_meta``'s launch on its outputs
-        (``meta_chain``: :meth:`_meta_chain`'s). ``go(x, scales, topk_idx, w, cum) -> (DispatchResult, RecvMeta)``,
-        one ``native.Chain`` call; None where either is missing or cannot be a chain. ``dry``: a dry chain (tests).
-        """
+    def merged(ht_native, meta_chain, dry: bool = False, tail=None):
+        """A no-sync dispatch's two chains as one: the backend's dispatch (``ht_native``: the plan's ``run.native``
+        parts, ``backends/ht_dispatch.py``) and ``recv_meta``'s launches on its outputs (``meta_chain``:
+        :meth:`_meta_chain`'s). ``go(x, scales, topk_idx, w, cum) -> (DispatchResult, RecvMeta, tail's outputs)``,
+        one ``native.Chain`` call; None where either is missing or cannot be a chain. ``tail`` (an expanded
+        layout's scatter, ``elastic_engine.expanded_tail``): ``tail(sources, meta_out) -> (specs, packed, step)`` or
+        None, its launch after the others on their outputs (``sources``: the dispatch's, ``rpm``, ``send_head``,
+        ``src``, ``out_k``, ``x``, ``s``, ``w``; ``meta_out(name, offset=0)``: recv_meta's output ``name``, a field of
+        ``RecvMeta``; ``own(i)``: the tail's output ``i``), its outputs after theirs (``packed`` counts from its
+        first). ``dry``: a dry chain (tests)."""
         if ht_native is None or meta_chain is None:
             return None
         chain_parts, start, result, n_worst, prepared = ht_native
@@ -287,8 +302,8 @@ class Kernels:
         if got is None or got[3]["out_k"] is None:
             return None
         specs, packed, steps, srcs = got
-        m_specs, m_packed, (fn, grid, block, smem, params), finish = meta_chain[2]
-        nh = len(specs)
+        m_specs, m_packed, m_steps, finish, m_at = meta_chain[2]
+        nh, nm = len(specs), len(m_specs)
         # recv_meta's values (rpm, recv_src_idx, recv_local, send_head, topk_idx, cum) -> the dispatch's outputs,
         # its topk_idx (value 2) and cum (value 8, after the dispatch's eight)
         to = {0: srcs["rpm"], 1: srcs["src"], 2: srcs["out_k"], 3: srcs["send_head"], 4: native.addr(2),
@@ -304,16 +319,28 @@ class Kernels:
             assert kind == 0, p
             return p
 
-        step = (fn, [remap(g) for g in grid], block, smem, [remap(p) for p in params])
-        chain = native.Chain(meta_chain[1].device, specs + m_specs, native.const(n_worst), [*steps, step], 9,
-                             packed=[*packed, *(nh + i for i in m_packed)], dry=dry, stream=prepared.chain_stream())
+        more = [(fn, [remap(g) for g in grid], block, smem, [remap(p) for p in params])
+                for fn, grid, block, smem, params in m_steps]
+        t_specs, t_packed = [], []
+        if tail is not None:
+            made = tail(srcs, lambda name, offset=0: native.out(nh + m_at[name], offset),
+                        lambda i: native.out(nh + nm + i))
+            if made is None:
+                return None
+            t_specs, t_packed, t_step = made
+            more.append(t_step)
+        nt = len(t_specs)
+        chain = native.Chain(meta_chain[1].device, specs + m_specs + t_specs, native.const(n_worst), [*steps, *more],
+                             9, packed=[*packed, *(nh + i for i in m_packed), *(nh + nm + i for i in t_packed)],
+                             dry=dry, stream=prepared.chain_stream())
 
         run, stream, sdev = chain.run, chain.get_stream, chain.dev  # (no Chain.__call__ frame: the hottest call)
+        n_steps = len(steps) + len(more)
 
         def go(x, scales, topk, w, cum):
             made = run(stream(sdev), x, scales, topk, w, None, None, None, start(), cum)
-            Launcher.launches += 3
-            return result(made[:nh], None), finish(made[nh:])
+            Launcher.launches += n_steps
+            return result(made[:nh], None), finish(made[nh:nh + nm]), made[nh + nm:] if nt else ()
 
         go.chain = chain
         return go
@@ -337,13 +364,15 @@ class Kernels:
 
     def copy_epilogue(self, source: torch.Tensor, k: int, zero_pad: bool, sms: int, x: EL.Rows, x_dtype,
                       h: int, sf: EL.Rows | None, sf_dtype, p: int, tma_sf: bool, w: EL.Rows | None,
-                      slots: torch.Tensor | None = None):
+                      slots: torch.Tensor | None = None, plan: bool = False):
         """The expanded layout's rows (``dispatch_copy_epilogue_impl``): ``(x [X, H], sf [X, P] or None,
         weights f32[X] or None)`` from the contiguous rows' sources (``elastic_layout.Rows``: a tensor, the
         byte offset of the part in a row, the bytes between rows), as ``elastic_layout.expand_rows``.
         ``slots`` (``int32[N, K]``, the handle's ``recv_src_metadata[:, 2:]``; unit column stride): the
         copy goes by contiguous row, each read once for all its lanes (``BY_ROW``); None: by expanded row,
-        each contiguous row read once per local lane."""
+        each contiguous row read once per local lane. With ``plan`` nothing is launched: ``((name, key, consts, grid,
+        *args), out, out_sf, out_w)``, the launch :meth:`launch` would make (``elastic_engine.expanded_tail`` makes it
+        a chain's step; None where there are no rows)."""
         x_rows = source.shape[0]
         dev = source.device
         x, sf, w = (None if r is None else r._replace(tensor=r.tensor.contiguous()) for r in (x, sf, w))
@@ -366,7 +395,7 @@ class Kernels:
                    w is not None and (w.offset, w.stride), bool(zero_pad), x.tensor.dtype, sf_src.tensor.dtype,
                    w_src.tensor.dtype, sf_dtype, slots is not None, stride, _aligned(x.tensor, sf_src.tensor,
                                                                                       w_src.tensor, slots))
-            self.launch("_dispatch_copy_epilogue_impl_kernel", key, dict(
+            call = ("_dispatch_copy_epilogue_impl_kernel", key, dict(
                 K=k, KP=_pow2(k), ROW=row, SRC_STRIDE=x.stride, SFB=4 * p, SFBP=_pow2(4 * p),
                 SF_OFF=sf_src.offset, SF_STRIDE=sf_src.stride, W_OFF=w_src.offset, W_STRIDE=w_src.stride,
                 HAS_SF=sf is not None, HAS_W=w is not None, ZERO=bool(zero_pad), RB=COPY_RB, BLOCK=COPY_BLOCK,
@@ -374,6 +403,11 @@ class Kernels:
                 (copy_grid(max(n, x_rows if zero_pad or slots is None else 0), sms), 1, 1), x.tensor, source, out,
                 x_rows, sf_src.tensor, out_sf if out_sf is not None else out, sf_rs, sf_cs, w_src.tensor,
                 out_w if out_w is not None else out, slots if slots is not None else source, n)
+            if plan:
+                return call, out, out_sf, out_w
+            self.launch(*call)
+        elif plan:
+            return None
         return out, out_sf, out_w
 
     def cached_epilogue(self, local: torch.Tensor, n: int, k: int, w: EL.Rows | None):
@@ -468,6 +502,11 @@ class Kernels:
                 return call, out, out_w
             self.launch(*call)
         return out, out_w
+
+    @staticmethod
+    def chains_expanded() -> bool:
+        """Whether an expanded layout's launches become chains (``TUNE["native_chain_v2x"]``)."""
+        return TUNE["native_chain_v2x"]
 
     def launched(self, name: str, key: tuple):
         """The ``Direct`` that :meth:`launch` keeps for kernel ``name`` and ``key`` (None before its first call)."""

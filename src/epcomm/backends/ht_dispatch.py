@@ -297,7 +297,8 @@ class HTDispatch:
             """``(specs, packed, steps, sources)`` of the call as a chain: its values ``x, scales, topk, w, ntpr,
             is_in, ntpe`` (run's arguments) and the gather's grid; ``sources`` of the handle's rank_prefix_matrix,
             send_head, recv_src_idx and the received ids (``rpm``, ``send_head``, ``src``, ``out_k``: a
-            consumer's launch in one chain with this one, ``elastic_engine``); None where a launch cannot be a
+            consumer's launch in one chain with this one, ``elastic_engine``) and of the received rows, scales and
+            weights (``x``, ``s``, ``w``; None where absent); None where a launch cannot be a
             chain's step. With ``rows_base`` (a synchronised call's second chain: :func:`sync_chains`): only the
             gather's step, its outputs from ``rows_base``, its rows ``n_rows`` and is_token_in_rank ``is_in_src``."""
             nh = len(head_specs)
@@ -328,7 +329,7 @@ class HTDispatch:
             if any(st is None for st in steps):
                 return None
             return (head_specs + row_specs, [*head_pack, *(nh + i for i in row_pack)], steps,
-                    dict(rpm=rpm, send_head=sh, src=out_src, out_k=out_k))
+                    dict(rpm=rpm, send_head=sh, src=out_src, out_k=out_k, x=out_x, s=out_s, w=out_w))
 
         def make_chain():
             got = chain_parts()

@@ -259,6 +259,8 @@ def check_dispatch(buf, case, rank, sf_kind, expand, alignment, sync):
         rx3 = rx3[0]
     if not expand:
         _eq("second dispatch", rx3[:n], rx[:n])
+    else:
+        _eq("second dispatch", rx3[valid], rx[valid])
     return hd, ridx, rw
 
 
