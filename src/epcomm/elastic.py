@@ -409,11 +409,13 @@ class ElasticBuffer:
             from . import native
             from .backends.nvlink_params import TUNE
 
-            # after this kind's first uncaptured call bound its launches, a contiguous one may be one native.Chain
-            # call (TUNE["native_chain_v2c"]; engine.combine_chain), where no event is waited for inside it
+            # after this kind's first uncaptured call bound its launches, it may be one native.Chain call
+            # (TUNE["native_chain_v2c"]; expanded, each token's local rows summed: TUNE["native_chain_v2xc"];
+            # engine.combine_chain), where no event is waited for inside it
             dev = self.device
-            chain = native.Later(TUNE["native_chain_v2c"] and not expand and native.wanted(dev, TUNE["native_alloc"]),
-                                 lambda *a: engine.combine_chain(self, *a))
+            chain = native.Later((TUNE["native_chain_v2xc"] and multi if expand else TUNE["native_chain_v2c"])
+                                 and native.wanted(dev, TUNE["native_alloc"]),
+                                 lambda *a: engine.combine_chain(self, *a, expand=expand))
 
             def go(x, handle, topk_weights, bias, prev=None, before=None):
                 self._on_current(prev)

@@ -422,41 +422,56 @@ def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_
     return kern.reduce(got, topk_idx, le, m, h, bias, (0, k), True, topk_weights is not None, self_rows=own)
 
 
-def combine_chain(eb, x, state: DispatchState, topk_idx, num_experts, m, topk_weights, bias, num_sms: int = 0):
-    """A contiguous combine of this kind (its call just made by :func:`combine`, which bound its launches) as one
-    ``native.Chain``: the transport's two launches (``NVLinkBackend.row_parts_kind``) and the reduction's
-    (``Kernels.reduce(plan=True)``), its outputs made in the same C++ call. ``go(x, topk_weights, bias, state,
-    topk_idx) -> (combined_x, combined_topk_weights or None)`` for calls of this kind (the same shapes, dtypes,
-    alignment, biases and ``num_sms``: ``elastic_args.combine_key``), with no event to wait for between the
-    transport and the reduction. None where it cannot be one: another backend, an expanded layout, rows that do
-    not move in place, a launch that is not bound or cannot be a step (``kernels/launch.Direct.step``), a tensor
-    argument of the reduction that is not one of the call's (a bias made contiguous)."""
+def combine_chain(eb, x, state: DispatchState, topk_idx, num_experts, m, topk_weights, bias, num_sms: int = 0,
+                  expand: bool = False):
+    """A combine of this kind (its call just made by :func:`combine`, which bound its launches) as one
+    ``native.Chain``: contiguous, the transport's two launches (``NVLinkBackend.row_parts_kind``) and the reduction's
+    (``Kernels.reduce(plan=True)``); ``expand`` (each token's local rows summed, ``allow_multiple_reduction``), the
+    pack (``Kernels.pack(plan=True)``: its rows an output of the chain), the transport's two
+    (``NVLinkBackend.rows_kind``) and the reduction's; its outputs made in the same C++ call. ``go(x, topk_weights,
+    bias, state, topk_idx) -> (combined_x, combined_topk_weights or None)`` for calls of this kind (the same shapes,
+    dtypes, alignment, biases and ``num_sms``: ``elastic_args.combine_key``), with no event to wait for between the
+    transport and the reduction. None where it cannot be one: another backend, rows that do not move in place
+    (contiguous), a launch that is not bound or cannot be a step (``kernels/launch.Direct.step``), a tensor argument
+    that is not one of the call's (a bias made contiguous)."""
     kern, be = eb._kernels, eb._backend
-    kind_of = getattr(be, "row_parts_kind", None)
+    kind_of = getattr(be, "rows_kind" if expand else "row_parts_kind", None)
     if kern is None or kind_of is None:
         return None
-    kind = kind_of(x, topk_weights, m, num_sms, skip_self=True)
-    if kind is None:
-        return None
-    (_, _, area, (impl, arrive, grid)), n = kind
     t, k = topk_idx.shape
     h = x.shape[1]
     with_w = topk_weights is not None
-    specs = [((t, h), torch.bfloat16)] + ([((t, k), torch.float32)] if with_w else [])
-    sh = state.v1.send_head
-    own = (x, topk_weights, sh, eb.rank_idx, eb.num_ranks)
+    a, o, c = native.addr, native.out, native.const
+    specs, pre, vals = [], [], []
+    if expand:  # (the pack's rows: the chain's first output)
+        planned = kern.pack(x, state.meta, topk_weights, 1, plan=True)
+        if planned is None:
+            return None
+        (p_name, p_key, _, p_grid, *p_args), rows, _ = planned
+        pre = [(kern.launched(p_name, p_key), p_grid, p_args)]
+        kind = kind_of(rows, m, num_sms)
+        specs, vals, own, last = [(tuple(rows.shape), rows.dtype)], [(rows, o(0))], None, state.meta
+    else:
+        kind = kind_of(x, topk_weights, m, num_sms, skip_self=True)
+        last = state.v1.send_head
+        own = (x, topk_weights, last, eb.rank_idx, eb.num_ranks)
+    if kind is None:
+        return None
+    (_, _, area, (impl, arrive, grid)), n = kind
+    first = len(specs)  # (the combined rows and weights after the pack's rows)
+    specs += [((t, h), torch.bfloat16)] + ([((t, k), torch.float32)] if with_w else [])
     # (the reduction's launch on stand-ins of the outputs: their places among its arguments)
     (name, key, _, r_grid, *args), *outs = kern.reduce(area.area, topk_idx, num_experts // eb.num_ranks, m, h, bias,
                                                        (0, k), True, with_w, self_rows=own, plan=True)
-    red = kern.launched(name, key)
-    steps = [getattr(d, "step", None) for d in (impl, arrive, red)]
-    if red is None or None in steps or not t:
+    steps = [(d, getattr(d, "step", None)) for d, _, _ in pre] + [(d, getattr(d, "step", None)) for d in (
+        impl, arrive, kern.launched(name, key))]
+    if any(d is None or st is None for d, st in steps) or not t:
         return None
-    a, o, c = native.addr, native.out, native.const
-    # the chain's values: x, the weights (x where none), the destinations, topk_idx, the biases, send_head
-    vals = [(x, a(0)), (topk_weights, a(1)), (state.gid, a(2)), (topk_idx, a(3)), *((b, a(4 + i)) for i, b in
-                                                                                     enumerate(bias)),
-            (sh, a(6)), (outs[0], o(0)), (outs[1], o(1))]
+    # the chain's values: x, the weights (x where none), the destinations, topk_idx, the biases, send_head (contiguous)
+    # or the handle's metadata (expanded)
+    vals += [(x, a(0)), (topk_weights, a(1)), (state.gid, a(2)), (topk_idx, a(3)),
+             *((b, a(4 + i)) for i, b in enumerate(bias)), (last, a(6)),
+             *((t_, o(first + i)) for i, t_ in enumerate(outs) if t_ is not None)]
 
     def src(v):
         if type(v) is int or v is area.area:
@@ -466,26 +481,34 @@ def combine_chain(eb, x, state: DispatchState, topk_idx, num_experts, m, topk_we
                 return s_
         return None
 
+    one = c(1)
+    built = []
+    for (_, st), (_, p_grid, p_args) in zip(steps, pre):
+        holes = [src(v) for v in p_args]
+        built.append(None if None in holes else st(tuple(c(g) for g in p_grid), tuple(holes)))
     r_src = [src(v) for v in args]
     if None in r_src:
         return None
-    one = c(1)
-    rows_src = (a(0), a(1) if with_w else a(0), a(2), c(n)) if n else (c(area.flags), c(area.flags), a(2), c(0))
-    built = [steps[0]((c(grid[0]), one, one), rows_src), steps[1]((one, one, one), ()),
-             steps[2](tuple(c(g) for g in r_grid), tuple(r_src))]
+    if expand:
+        rows_src = (o(0), o(0), a(2), c(n))
+    else:
+        rows_src = (a(0), a(1) if with_w else a(0), a(2), c(n)) if n else (c(area.flags), c(area.flags), a(2), c(0))
+    built += [steps[-3][1]((c(grid[0]), one, one), rows_src), steps[-2][1]((one, one, one), ()),
+              steps[-1][1](tuple(c(g) for g in r_grid), tuple(r_src))]
     if None in built:
         return None
     chain = native.Chain(x.device, specs, c(0), built, 7, stream=impl.p.chain_stream())
     run, stream, sdev = chain.run, chain.get_stream, chain.dev
     check = be._check_error
-    nb = len(bias)
+    nb, launches = len(bias), len(built)
 
     def go(x, topk_weights, bias, state, topk_idx):
         check()
         b = (*bias, None, None)
-        made = run(stream(sdev), x, topk_weights, state.gid, topk_idx, b[0], b[1], state.v1.send_head)
-        Launcher.launches += 3
-        return made[0], (made[1] if with_w else None)
+        made = run(stream(sdev), x, topk_weights, state.gid, topk_idx, b[0], b[1],
+                   state.meta if expand else state.v1.send_head)
+        Launcher.launches += launches
+        return made[first], (made[first + 1] if with_w else None)
 
     go.chain, go.biases = chain, nb
     return go

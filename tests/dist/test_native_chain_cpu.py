@@ -10,7 +10,8 @@ Checked: ``ElasticBuffer``'s contiguous no-sync dispatch (BF16, FP8 with UE8M0 p
 the merged chain (the backend's exchange + gather and ``recv_meta``'s launch: three steps) and, with
 ``native_merge=0``, through two chains; its combine after those; its expanded no-sync dispatch
 (``native_chain_v2x=1``: the exchange + gather, ``recv_meta``'s two launches and the scatter with its outputs, the
-scale packs TMA-aligned: five steps) and a synchronised one (``recv_meta``'s chain of two); ``Buffer``'s ``num_worst_tokens`` dispatch (two
+scale packs TMA-aligned: five steps) and a synchronised one (``recv_meta``'s chain of two); its expanded combine with
+0/1/2 biases (``native_chain_v2xc=1``: the pack, the transport's two launches and the reduction: four steps); ``Buffer``'s ``num_worst_tokens`` dispatch (two
 steps), BF16 and FP8, its combine and its cached dispatch (``native_chain_ht=1``: one step each), and its
 synchronised dispatch (``native_chain_ht=1``: the exchange and the gather each a chain, around the host's read);
 ``Buffer``'s low-latency dispatch and combine (``ll.native_chain=1``: each launch a one-step chain; with the hook the
@@ -158,6 +159,24 @@ def _v2_combine(ctx, tag):
     return runs
 
 
+def _v2_combine_expanded(ctx, tag):
+    OnBackend, runs, undo = _start(ctx, tag, "native_merge=1,native_chain_v2x=1,native_chain_v2xc=1")
+    from epcomm.testing import elastic_cases as C
+
+    try:
+        case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=3, num_experts=8, seed=19)
+        buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
+        for n_bias in (0, 1, 2):  # a kind's first combine binds its launches and makes its chain, the next runs it
+            for _ in range(2):
+                C.check_combine(buf, case, ctx.rank, True, n_bias, 4, False)
+    finally:
+        undo()
+    # the combine's chains (the pack, the transport's two launches and the reduction: 4 steps), once for each bias
+    # count; the dispatches before them merged (5 steps)
+    assert runs.count(4) == 3 and 5 in runs, runs
+    return runs
+
+
 def _v1(ctx, tag):
     _, runs, undo = _start(ctx, tag, "native_chain_ht=1")  # (the default; named so the check stands if it changes)
     from epcomm import Buffer
@@ -209,13 +228,14 @@ def _ll(ctx, tag):
     return runs
 
 
-CHECKS = ["v2-merged", "v2-two-chains", "v2-expanded", "v2-combine", "v1-worst", "v1-ll"]
+CHECKS = ["v2-merged", "v2-two-chains", "v2-expanded", "v2-combine", "v2-combine-expanded", "v1-worst", "v1-ll"]
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 
 def _rank(ctx, tag):
     one = {"v2-merged": lambda c: _v2(c, tag, True), "v2-two-chains": lambda c: _v2(c, tag, False),
            "v2-expanded": lambda c: _v2_expanded(c, tag), "v2-combine": lambda c: _v2_combine(c, tag),
+           "v2-combine-expanded": lambda c: _v2_combine_expanded(c, tag),
            "v1-worst": lambda c: _v1(c, tag), "v1-ll": lambda c: _ll(c, tag)}
     return harness.run_checks(ctx, [(name, one[name]) for name in CHECKS], env={})
 

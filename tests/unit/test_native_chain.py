@@ -235,3 +235,22 @@ def test_the_probe_rig_runs_the_v2_expanded_chain(monkeypatch, own_group):
     monkeypatch.setitem(nvlink_params.TUNE, "native_chain_v2x", False)
     got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"]["dx"]
     assert got["launches"] == 5 and got["args"] > 0 and got["allocs"] == 5, got
+
+
+def test_the_probe_rig_runs_the_v2_expanded_combine_chain(monkeypatch, own_group):
+    """With ``native_chain_v2xc`` an ``ElasticBuffer`` expanded combine's repeat (each token's local rows summed) is one
+    chain call (the pack, the transport's two launches and the reduction): Triton's launcher gets no argument, three
+    allocations (the packed rows, the combined rows and the weights); without it the four launches parse their
+    arguments again."""
+    from epcomm.backends import nvlink_params
+    from epcomm.bench import hostprobe
+
+    monkeypatch.setenv("EPCOMM_NATIVE", "all")
+    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_v2xc", True)
+    real = hostprobe.install
+    monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
+    got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"]["combine x"]
+    assert (got["launches"], got["args"], got["allocs"]) == (4, 0, 3), got
+    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_v2xc", False)
+    got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"]["combine x"]
+    assert got["launches"] == 4 and got["args"] > 0, got

@@ -430,13 +430,15 @@ class Kernels:
     # ------------------------------------------------------------------ combine
 
     def pack(self, x: torch.Tensor, meta: torch.Tensor, w: torch.Tensor | None, mode: int, lane: int = 0,
-             rows: torch.Tensor | None = None, dst: torch.Tensor | None = None):
+             rows: torch.Tensor | None = None, dst: torch.Tensor | None = None, plan: bool = False):
         """The rows a combine sends back, ``uint8[N, W]`` (``W`` = ``2H`` (+ ``4K`` with ``w``) padded to 16),
         and with ``mode`` 2 their ``dst int64[N]`` (else None): ``mode`` 0 the contiguous rows ``x bf16[N, H]``
         (and ``w f32[N, K]``) as they are, 1 each row's expanded rows ``x bf16[X, H]`` summed
         (``elastic_layout.local_reduce``; ``w f32[X]`` at each lane's row), 2 lane ``lane``'s expanded row
         (``x`` contiguous). Padding rows (``meta[:, 0] == -1``) are left unwritten: their destination is
-        ``-1``. ``rows`` and ``dst``: a previous call's, to be written again (made here when None)."""
+        ``-1``. ``rows`` and ``dst``: a previous call's, to be written again (made here when None). With ``plan``
+        nothing is launched: ``((name, key, consts, grid, *args), rows, dst)`` (None where there are no rows), as
+        :meth:`reduce`'s."""
         n, k = meta.shape[0], meta.shape[1] - 2
         h = x.shape[1]
         width = combine_row_bytes(h, k if w is not None else 0)
@@ -451,10 +453,15 @@ class Kernels:
             if w is not None:
                 w = w.contiguous()
             key = (mode, k, h, width, w is not None, _aligned(x, w))
-            self.launch("_combine_pack_kernel", key, dict(
+            call = ("_combine_pack_kernel", key, dict(
                 K=k, KP=_pow2(k), H=h, W=width, HAS_W=w is not None, MODE=mode, BLOCK=BLOCK, num_warps=4),
                 (n, (h + BLOCK - 1) // BLOCK, 1), x, meta, w if w is not None else x, rows,
                 dst if dst is not None else meta, lane)
+            if plan:
+                return call, rows, dst
+            self.launch(*call)
+        elif plan:
+            return None
         return rows, dst
 
     def reduce(self, got: torch.Tensor, topk_idx: torch.Tensor, le: int, m: int, h: int, bias: tuple,

@@ -359,6 +359,13 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
             return None
         return nvlink_v2.row_parts_kind(self, x, wts, slots, num_sms, skip_self)
 
+    def rows_kind(self, rows, slots: int, num_sms: int = 0):
+        """The kind of :meth:`return_rows` call this one is (``nvlink_v2.rows_kind``), None where a subclass moves rows
+        its own way."""
+        if not self._own_transport():
+            return None
+        return nvlink_v2.rows_kind(self, rows, slots, num_sms)
+
     def _own_transport(self) -> bool:
         """Rows go back through this class's transport (a subclass with its own ``return_rows`` moves them its way)."""
         return type(self).return_rows is NVLinkBackend.return_rows

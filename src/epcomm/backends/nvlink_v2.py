@@ -115,6 +115,13 @@ def row_parts_kind(be, x: torch.Tensor, wts: torch.Tensor | None, slots: int, nu
     return _kind(be, x, n, combine_row_bytes(h, k), (h // 2, xs[0] // 2, k, ws[0]), slots, num_sms, skip_self)
 
 
+def rows_kind(be, rows: torch.Tensor, slots: int, num_sms: int = 0):
+    """The kind of :func:`return_rows` call this one is (as :func:`row_parts_kind`'s), or None where its rows' width is
+    not a multiple of 4."""
+    n, w = rows.shape
+    return None if w % 4 else _kind(be, rows, n, w, None, slots, num_sms, False)
+
+
 def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: int,
                skip_self: bool = False) -> torch.Tensor:
     """Launch ``_combine_impl_kernel`` (rows of ``w`` bytes; ``parts`` as :func:`transport_launch`'s) and
