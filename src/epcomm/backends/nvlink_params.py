@@ -29,7 +29,7 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
             v2_fused_eager=True, native_alloc=True, native_chain=True,
             native_pack=True, native_merge=True, native_chain_ht=True,
             native_chain_v2c=True, native_chain_v2x=True,
-            native_chain_v2xc=False)
+            native_chain_v2xc=True)
 # notify_block: tokens a step of the exchange kernel's rank programs (a scan over all T tokens, one step after
 # another): 2048 took 2.4-2.8 us off the DSv3 graph dispatch (BF16 110.9 -> 108.1, FP8 83.9 -> 81.6 us, the
 # mean of 2 rounds at world 1, one H100; 4096 with 16 warps: 108.9 / 82.0; benchmarks/2026-11-27/s6/call2-0d26a28)
@@ -64,7 +64,8 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
 # after it 1.063x (1.044-1.086), the others 0.99-1.00x (benchmarks/2026-11-28/s12 call 4)
 # native_chain_v2xc: ElasticBuffer's expanded combine with each token's local rows summed (allow_multiple_reduction)
 # as one chain: the pack with its rows, the transport's two launches and the reduction's, its outputs
-# (elastic_engine.combine_chain); off until measured on a GPU
+# (elastic_engine.combine_chain): 0.421x its host time (rounds 0.410-0.429; 171 -> 73 us), the other V2 calls 0.99-1.02x,
+# paired in one process, 3 rounds, 4096 tokens, one H100 (benchmarks/2026-11-28/s12 call 5)
 # fused_cpush: the combine's SM push and its reduce in one kernel (_combine_kernel), else two launches
 # (chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
 # 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
