@@ -93,11 +93,24 @@ def _emulate():
 
 def _start(ctx, tag, tune: str):
     """A fresh rank on the nvlink backend with ``EPCOMM_TUNE=tune`` and the extension wanted on CPU, its chains
-    emulated: ``(ElasticBuffer class on the backend, runs, undo)`` (:func:`_emulate`)."""
+    emulated: ``(ElasticBuffer class on the backend, runs, undo)`` (:func:`_emulate`). ``undo`` also puts the
+    backend's ``TUNE`` tables back as they were (a backend applies ``EPCOMM_TUNE`` to them, for the process: a
+    later check would otherwise run with this one's keys)."""
     os.environ["EPCOMM_NATIVE"] = "all"
     os.environ["EPCOMM_TUNE"] = tune
-    OnBackend = _on_backend(ctx, tag, "nvlink")
-    return (OnBackend, *_emulate())
+    OnBackend = _on_backend(ctx, tag, "nvlink")  # (first: it sets the interpreter's environment before any import)
+    from epcomm.backends import nvlink_ll, nvlink_params
+
+    tables = [(t, dict(t)) for t in (nvlink_params.TUNE, nvlink_ll.TUNE)]  # (the backends apply `tune` when made)
+    runs, undo_emulation = _emulate()
+
+    def undo():
+        undo_emulation()
+        for table, saved in tables:
+            table.clear()
+            table.update(saved)
+
+    return OnBackend, runs, undo
 
 
 def _v2(ctx, tag, merge: bool):
@@ -119,7 +132,7 @@ def _v2(ctx, tag, merge: bool):
 
 
 def _v2_expanded(ctx, tag):
-    OnBackend, runs, undo = _start(ctx, tag, "native_merge=1,native_chain_v2x=1")  # (TUNE persists: named)
+    OnBackend, runs, undo = _start(ctx, tag, "native_chain_v2x=1")
     from epcomm.testing import elastic_cases as C
 
     try:
@@ -160,7 +173,7 @@ def _v2_combine(ctx, tag):
 
 
 def _v2_combine_expanded(ctx, tag):
-    OnBackend, runs, undo = _start(ctx, tag, "native_merge=1,native_chain_v2x=1,native_chain_v2xc=1")
+    OnBackend, runs, undo = _start(ctx, tag, "native_chain_v2xc=1")
     from epcomm.testing import elastic_cases as C
 
     try:
