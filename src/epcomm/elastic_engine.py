@@ -253,10 +253,10 @@ def _tail_rows(x_rows: int, p: int, tma_sf: bool, made: tuple):
     return ex, esf, None, ew
 
 
-def expanded_tail(eb, res, rm, out, pay, zero_pad: bool, tma_sf: bool, k: int, has_w: bool):
+def expanded_tail(eb, res, _rm, out, pay, zero_pad: bool, tma_sf: bool, k: int, has_w: bool):
     """An eager no-sync expanded dispatch's scatter (``Kernels.copy_epilogue``) as the last step of its merged
-    chain (``Kernels.merged``'s ``tail``), from the call that just ran it (``res``, ``rm``: the backend's and
-    recv_meta's results; ``out``: the call's, its ``DispatchState`` last; ``pay``: the payload's kind; ``has_w``:
+    chain (``Kernels.merged``'s ``tail``), from the call that just ran it (``res``, ``_rm``: the backend's and
+    recv_meta's results, the latter read through the state; ``out``: the call's, its ``DispatchState`` last; ``pay``: the payload's kind; ``has_w``:
     the call's top-k weights given): each argument of that launch found among the call's tensors and given the
     source the chain has for it (the dispatch's rows, scales and weights, recv_meta's sources and slots, the
     scatter's own outputs). None where it cannot be: a packed payload, no rows, a launch that is not bound, a

@@ -253,9 +253,9 @@ class Kernels:
     def _meta_chain(go_rows, grid: int, specs, at: tuple, has_cum: bool, copy_topk: bool, part, ticket, ones,
                     go_layout=None, le: int = 0, x_rows: int = 0):
         """``recv_meta``'s outputs and launches as one ``native.Chain`` call: ``(chain, part, (specs, packed, steps,
-        finish))``, its values ``(rpm, recv_src_idx, recv_local, send_head, topk_idx, cum)``, its outputs where
-        ``at`` says (:func:`_outputs_at`), ``finish(outputs) -> RecvMeta`` (the parts: ``merged`` joins the steps
-        to the dispatch's chain). A contiguous layout is one step (``ones``: its empty source); an expanded one
+        finish, named))``, its values ``(rpm, recv_src_idx, recv_local, send_head, topk_idx, cum)``, its outputs where
+        ``at`` says (:func:`_outputs_at`; ``named``: the same by ``RecvMeta`` field), ``finish(outputs) -> RecvMeta``
+        (the parts: ``merged`` joins the steps to the dispatch's chain). A contiguous layout is one step (``ones``: its empty source); an expanded one
         (``go_layout``, on ``le`` programs) two, its ``x_rows`` sources made by the chain. None where a launch
         cannot be a chain's step (``Direct.step``)."""
         a, o, c = native.addr, native.out, native.const
