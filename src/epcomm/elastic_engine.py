@@ -240,6 +240,19 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     return run
 
 
+def _sources(vals, consts=()):
+    """``src(v)``: the source a ``native.Chain`` has for argument ``v`` of a launch planned on a call's tensors: an int,
+    or one of ``consts`` (tensors that are the same at every call), as a constant; a tensor by identity among ``vals``
+    (``(tensor, source)`` pairs, those with either None left out); None where it has none."""
+    vals = [(t, s_) for t, s_ in vals if t is not None and s_ is not None]
+
+    def src(v):
+        if type(v) is int or any(v is c_ for c_ in consts):
+            return native.const(v)
+        return next((s_ for t, s_ in vals if v is t), None)
+    return src
+
+
 def _tail_rows(x_rows: int, p: int, tma_sf: bool, made: tuple):
     """``(recv_x, recv_sf, None, recv_topk_weights)`` of an expanded dispatch from its scatter's outputs in a merged
     chain (:func:`expanded_tail`: x, then the scale packs (``p`` a row: 2-D) and the weights (1-D) where the call has
@@ -280,15 +293,9 @@ def expanded_tail(eb, res, _rm, out, pay, zero_pad: bool, tma_sf: bool, k: int, 
     specs = [((t.shape[1], t.stride(1)) if t is esf and tma_sf else tuple(t.shape), t.dtype) for t in made]
 
     def tail(srcs, meta_out, own):
-        vals = [(res.recv_x, srcs["x"]), (res.recv_x_scales, srcs["s"]), (recv_w, srcs["w"]),
-                (state.source, meta_out("source")), (slots, meta_out("meta", 8)),
-                *((t, own(i)) for i, t in enumerate(made))]
-
-        def src(v):
-            if type(v) is int:
-                return native.const(v)
-            return next((s_ for t_, s_ in vals if t_ is not None and s_ is not None and v is t_), None)
-
+        src = _sources([(res.recv_x, srcs["x"]), (res.recv_x_scales, srcs["s"]), (recv_w, srcs["w"]),
+                        (state.source, meta_out("source")), (slots, meta_out("meta", 8)),
+                        *((t, own(i)) for i, t in enumerate(made))])
         holes = tuple(src(v) for v in args)
         if None in holes:
             return None
@@ -442,13 +449,15 @@ def combine_chain(eb, x, state: DispatchState, topk_idx, num_experts, m, topk_we
     h = x.shape[1]
     with_w = topk_weights is not None
     a, o, c = native.addr, native.out, native.const
-    specs, pre, vals = [], [], []
+    specs, vals, pack = [], [], None
     if expand:  # (the pack's rows: the chain's first output)
         planned = kern.pack(x, state.meta, topk_weights, 1, plan=True)
         if planned is None:
             return None
         (p_name, p_key, _, p_grid, *p_args), rows, _ = planned
-        pre = [(kern.launched(p_name, p_key), p_grid, p_args)]
+        pack = kern.launched(p_name, p_key)
+        if getattr(pack, "step", None) is None:
+            return None
         kind = kind_of(rows, m, num_sms)
         specs, vals, own, last = [(tuple(rows.shape), rows.dtype)], [(rows, o(0))], None, state.meta
     else:
@@ -463,29 +472,20 @@ def combine_chain(eb, x, state: DispatchState, topk_idx, num_experts, m, topk_we
     # (the reduction's launch on stand-ins of the outputs: their places among its arguments)
     (name, key, _, r_grid, *args), *outs = kern.reduce(area.area, topk_idx, num_experts // eb.num_ranks, m, h, bias,
                                                        (0, k), True, with_w, self_rows=own, plan=True)
-    steps = [(d, getattr(d, "step", None)) for d, _, _ in pre] + [(d, getattr(d, "step", None)) for d in (
-        impl, arrive, kern.launched(name, key))]
-    if any(d is None or st is None for d, st in steps) or not t:
+    steps = [getattr(d, "step", None) for d in (impl, arrive, kern.launched(name, key))]
+    if None in steps or not t:
         return None
     # the chain's values: x, the weights (x where none), the destinations, topk_idx, the biases, send_head (contiguous)
     # or the handle's metadata (expanded)
     vals += [(x, a(0)), (topk_weights, a(1)), (state.gid, a(2)), (topk_idx, a(3)),
              *((b, a(4 + i)) for i, b in enumerate(bias)), (last, a(6)),
-             *((t_, o(first + i)) for i, t_ in enumerate(outs) if t_ is not None)]
-
-    def src(v):
-        if type(v) is int or v is area.area:
-            return c(v)
-        for t_, s_ in vals:
-            if v is t_:
-                return s_
-        return None
-
+             *((t_, o(first + i)) for i, t_ in enumerate(outs))]
+    src = _sources(vals, (area.area,))
     one = c(1)
     built = []
-    for (_, st), (_, p_grid, p_args) in zip(steps, pre):
+    if pack is not None:
         holes = [src(v) for v in p_args]
-        built.append(None if None in holes else st(tuple(c(g) for g in p_grid), tuple(holes)))
+        built.append(None if None in holes else pack.step(tuple(c(g) for g in p_grid), tuple(holes)))
     r_src = [src(v) for v in args]
     if None in r_src:
         return None
@@ -493,8 +493,8 @@ def combine_chain(eb, x, state: DispatchState, topk_idx, num_experts, m, topk_we
         rows_src = (o(0), o(0), a(2), c(n))
     else:
         rows_src = (a(0), a(1) if with_w else a(0), a(2), c(n)) if n else (c(area.flags), c(area.flags), a(2), c(0))
-    built += [steps[-3][1]((c(grid[0]), one, one), rows_src), steps[-2][1]((one, one, one), ()),
-              steps[-1][1](tuple(c(g) for g in r_grid), tuple(r_src))]
+    built += [steps[0]((c(grid[0]), one, one), rows_src), steps[1]((one, one, one), ()),
+              steps[2](tuple(c(g) for g in r_grid), tuple(r_src))]
     if None in built:
         return None
     chain = native.Chain(x.device, specs, c(0), built, 7, stream=impl.p.chain_stream())

@@ -154,39 +154,28 @@ def _v2_expanded(ctx, tag):
     return runs
 
 
-def _v2_combine(ctx, tag):
-    OnBackend, runs, undo = _start(ctx, tag, "native_merge=0,native_chain_v2c=1")  # (dispatch chains: 2, 1 steps)
+def _v2_combine(ctx, tag, expand: bool):
+    # contiguous: (dispatch chains: 2, 1 steps; top-4: weight rows of 16 bytes move in place, top-3 ones are packed
+    # first and such a combine is no chain); expanded: each token's local rows summed, the dispatches merged
+    tune = "native_chain_v2xc=1" if expand else "native_merge=0,native_chain_v2c=1"
+    OnBackend, runs, undo = _start(ctx, tag, tune)
     from epcomm.testing import elastic_cases as C
 
     try:
-        # (top-4: weight rows of 16 bytes move in place; top-3 ones are packed first, and such a combine is no chain)
-        case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=4, num_experts=8, seed=13)
+        case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=3 if expand else 4, num_experts=8,
+                        seed=19 if expand else 13)
         buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
         for n_bias in (0, 1, 2):  # a kind's first combine binds its launches and makes its chain, the next runs it
             for _ in range(2):
-                C.check_combine(buf, case, ctx.rank, False, n_bias, 1, False)
+                C.check_combine(buf, case, ctx.rank, expand, n_bias, 4 if expand else 1, False)
     finally:
         undo()
-    # the combine's chains (the transport's two launches and the reduction: 3 steps), once for each bias count
-    assert runs.count(3) == 3 and set(runs) == {1, 2, 3}, runs
-    return runs
-
-
-def _v2_combine_expanded(ctx, tag):
-    OnBackend, runs, undo = _start(ctx, tag, "native_chain_v2xc=1")
-    from epcomm.testing import elastic_cases as C
-
-    try:
-        case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=3, num_experts=8, seed=19)
-        buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
-        for n_bias in (0, 1, 2):  # a kind's first combine binds its launches and makes its chain, the next runs it
-            for _ in range(2):
-                C.check_combine(buf, case, ctx.rank, True, n_bias, 4, False)
-    finally:
-        undo()
-    # the combine's chains (the pack, the transport's two launches and the reduction: 4 steps), once for each bias
-    # count; the dispatches before them merged (5 steps)
-    assert runs.count(4) == 3 and 5 in runs, runs
+    # the combine's chains, once for each bias count: contiguous, the transport's two launches and the reduction (3
+    # steps); expanded, the pack before them (4 steps), the dispatches before them merged (5 steps)
+    if expand:
+        assert runs.count(4) == 3 and 5 in runs, runs
+    else:
+        assert runs.count(3) == 3 and set(runs) == {1, 2, 3}, runs
     return runs
 
 
@@ -247,8 +236,8 @@ TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 def _rank(ctx, tag):
     one = {"v2-merged": lambda c: _v2(c, tag, True), "v2-two-chains": lambda c: _v2(c, tag, False),
-           "v2-expanded": lambda c: _v2_expanded(c, tag), "v2-combine": lambda c: _v2_combine(c, tag),
-           "v2-combine-expanded": lambda c: _v2_combine_expanded(c, tag),
+           "v2-expanded": lambda c: _v2_expanded(c, tag), "v2-combine": lambda c: _v2_combine(c, tag, False),
+           "v2-combine-expanded": lambda c: _v2_combine(c, tag, True),
            "v1-worst": lambda c: _v1(c, tag), "v1-ll": lambda c: _ll(c, tag)}
     return harness.run_checks(ctx, [(name, one[name]) for name in CHECKS], env={})
 

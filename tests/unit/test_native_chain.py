@@ -200,57 +200,26 @@ def test_the_probe_rig_runs_low_latency_chains(monkeypatch, own_group, kind, hoo
     assert got["launches"] == launches and got["args"] > 0, got
 
 
-def test_the_probe_rig_runs_the_v2_combine_chain(monkeypatch, own_group):
-    """With ``native_chain_v2c`` an ``ElasticBuffer`` contiguous combine's repeat is one chain call (the transport's two
-    launches and the reduction): Triton's launcher gets no argument, two allocations (the combined rows and the
-    weights); without it the three launches parse their arguments again."""
+@pytest.mark.parametrize("key, kind, launches, allocs, allocs_off", [
+    ("native_chain_v2c", "combine c", 3, 2, None),  # the transport's two launches and the reduction
+    ("native_chain_v2x", "dx", 5, 4, 5),  # the exchange and gather, recv_meta's two launches, the scatter
+    ("native_chain_v2xc", "combine x", 4, 3, None)])  # the pack, the transport's two launches, the reduction
+def test_the_probe_rig_runs_the_v2_chains(monkeypatch, own_group, key, kind, launches, allocs, allocs_off):
+    """With ``TUNE[key]`` an ``ElasticBuffer`` call's repeat is one chain call: Triton's launcher gets no argument and
+    ``allocs`` allocations are made (a contiguous combine: the combined rows and the weights; an expanded no-sync
+    dispatch: the received rows, one block of the small outputs, recv_meta's block, the expanded rows' block; an
+    expanded combine: the packed rows, the combined rows and the weights); without it the launches parse their
+    arguments again (the expanded dispatch then makes ``allocs_off``)."""
     from epcomm.backends import nvlink_params
     from epcomm.bench import hostprobe
 
     monkeypatch.setenv("EPCOMM_NATIVE", "all")
-    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_v2c", True)
+    monkeypatch.setitem(nvlink_params.TUNE, key, True)
     real = hostprobe.install
     monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
-    got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"]["combine c"]
-    assert (got["launches"], got["args"], got["allocs"]) == (3, 0, 2), got
-    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_v2c", False)
-    got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"]["combine c"]
-    assert got["launches"] == 3 and got["args"] > 0, got
-
-
-def test_the_probe_rig_runs_the_v2_expanded_chain(monkeypatch, own_group):
-    """With ``native_chain_v2x`` an ``ElasticBuffer`` expanded no-sync dispatch's repeat is one chain call (the
-    exchange and gather, recv_meta's two launches, the scatter): Triton's launcher gets no argument and four
-    allocations are made (the received rows, one block of the small outputs, recv_meta's block, the expanded rows'
-    block); without it the launches parse their arguments again."""
-    from epcomm.backends import nvlink_params
-    from epcomm.bench import hostprobe
-
-    monkeypatch.setenv("EPCOMM_NATIVE", "all")
-    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_v2x", True)
-    real = hostprobe.install
-    monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
-    got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"]["dx"]
-    assert (got["launches"], got["args"], got["allocs"]) == (5, 0, 4), got
-    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_v2x", False)
-    got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"]["dx"]
-    assert got["launches"] == 5 and got["args"] > 0 and got["allocs"] == 5, got
-
-
-def test_the_probe_rig_runs_the_v2_expanded_combine_chain(monkeypatch, own_group):
-    """With ``native_chain_v2xc`` an ``ElasticBuffer`` expanded combine's repeat (each token's local rows summed) is one
-    chain call (the pack, the transport's two launches and the reduction): Triton's launcher gets no argument, three
-    allocations (the packed rows, the combined rows and the weights); without it the four launches parse their
-    arguments again."""
-    from epcomm.backends import nvlink_params
-    from epcomm.bench import hostprobe
-
-    monkeypatch.setenv("EPCOMM_NATIVE", "all")
-    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_v2xc", True)
-    real = hostprobe.install
-    monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
-    got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"]["combine x"]
-    assert (got["launches"], got["args"], got["allocs"]) == (4, 0, 3), got
-    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_v2xc", False)
-    got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"]["combine x"]
-    assert got["launches"] == 4 and got["args"] > 0, got
+    got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"][kind]
+    assert (got["launches"], got["args"], got["allocs"]) == (launches, 0, allocs), got
+    monkeypatch.setitem(nvlink_params.TUNE, key, False)
+    got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"][kind]
+    assert got["launches"] == launches and got["args"] > 0, got
+    assert allocs_off is None or got["allocs"] == allocs_off, got
