@@ -388,7 +388,7 @@ class Chain:
     launcher parses every argument from Python: ~5-9 us each on an H100 host) and the Python between them; a chain
     does them in one call with the parameters packed once (``hostprobe --variants native_chain=0``)."""
 
-    __slots__ = ("chain", "dev", "get_stream", "run", "steps")
+    __slots__ = ("chain", "dev", "get_stream", "run", "spec", "steps")
 
     def __init__(self, device: torch.device, specs, rows: tuple, steps: list, nvals: int, dry: bool = False,
                  packed=(), stream=None) -> None:
@@ -396,8 +396,9 @@ class Chain:
         if mod is None:
             raise RuntimeError(f"the native extension is not built: {_state.get('why')}")
         specs = [(tuple(shape), dtype) for shape, dtype in specs]
-        self.chain = mod.Chain([list(s) for s, _ in specs], [d for _, d in specs], device,
-                               _packed(packed, len(specs)), [*rows, 8], list(steps), nvals, dry or DRY)
+        # (its outputs as ``Outputs`` takes them: scripts/v2_host_split.py makes them alone)
+        self.spec = ([list(s) for s, _ in specs], [d for _, d in specs], device, _packed(packed, len(specs)))
+        self.chain = mod.Chain(*self.spec, [*rows, 8], list(steps), nvals, dry or DRY)
         self.run = self.chain.run
         self.steps = len(steps)
         self.get_stream, self.dev = stream if stream is not None else (no_stream, None)
