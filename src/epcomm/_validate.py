@@ -15,6 +15,18 @@ def is_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _not_capturing() -> bool:
+    return False
+
+
+def capturing_fn(device: torch.device):
+    """``is_capturing(device)`` as a function of no argument, for the calls a buffer makes on its device: on a CUDA
+    device PyTorch's own check of the current stream (what ``torch.cuda.is_current_stream_capturing`` calls)."""
+    if device.type != "cuda":
+        return _not_capturing
+    return getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
 def int_arg(name: str, v, minimum: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name} must be an int, got {v!r}")

@@ -122,6 +122,7 @@ class ElasticBuffer:
         self._destroyed = False
         self._sms_cache: dict = {}
         self._fast: dict = {}  # kind of fresh dispatch -> its run (dispatch)
+        self._capturing = V.capturing_fn(self.device)  # (without torch.cuda's Python layer)
         self._fits: set = set()  # (M, H, K, FP8) whose layout fits num_bytes
         self._configs: dict = {}  # num_sms -> the engine's Config for it (elastic_engine)
         self.device_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -137,6 +138,10 @@ class ElasticBuffer:
 
         deadline.prepare_native(self.group, self.rank_idx, self.device, TUNE["native_alloc"],
                                 _env.timeout_s(float(self.num_cpu_timeout_secs)))
+        from . import native
+
+        # a call's kind from its tensors: elastic_args.signatures, or in one C++ call (TUNE["native_key"])
+        self._sigs = (TUNE["native_key"] and native.signatures(self.device)) or A.signatures
         self._meet("ElasticBuffer/barrier")
         log.info("epcomm rank %d: ElasticBuffer on backend %s, %d bytes", self.rank_idx, self._backend.name,
                  self.num_bytes)
@@ -287,14 +292,14 @@ class ElasticBuffer:
         ``cached_plan``)."""
         cum = cumulative_local_expert_recv_stats
         prev, before = previous_event, previous_event_before_epilogue
-        capturing = V.is_capturing(self.device)  # (a captured call's plan may differ: HTDispatch.fuses_layout)
+        capturing = self._capturing()  # (a captured call's plan may differ: HTDispatch.fuses_layout)
         try:
             data, sf = (x, None) if isinstance(x, torch.Tensor) else x
             key = A.dispatch_key(data, sf, topk_idx, topk_weights, cum, handle, (
                 num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, async_with_compute_stream,
                 allocate_on_comm_stream, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
                 use_tma_aligned_col_major_sf, ElasticBuffer._num_sms_override, prev is None, before is None,
-                capturing))
+                capturing), self._sigs)
             go = self._fast.get(key)
         except (AttributeError, TypeError, ValueError):  # not tensors, or not hashable: the checks say which
             key = go = None
@@ -386,7 +391,8 @@ class ElasticBuffer:
         prev, before = previous_event, previous_event_before_epilogue
         try:
             key = A.combine_key(x, handle, topk_weights, bias, (num_sms, num_qps, async_with_compute_stream,
-                                                                allocate_on_comm_stream, prev is None, before is None))
+                                                                allocate_on_comm_stream, prev is None, before is None),
+                                self._sigs)
             go = self._fast.get(key)
         except (AttributeError, TypeError):  # not tensors, or not hashable: the checks say which
             key = go = None

@@ -52,25 +52,31 @@ class _Recorded:
 # ----------------------------------------------------------------------------- kinds of call
 
 
-def dispatch_key(data, sf, topk_idx, topk_weights, cum, handle, rest: tuple) -> tuple:
+def signatures(*ts) -> tuple:
+    """Each argument's :func:`_validate.call_signature` (a tensor's shape, dtype, device, alignment and contiguity;
+    None for None): the part of a call's kind its tensors make. ``native.signatures`` gives the same distinctions
+    in one C++ call (``ElasticBuffer._sigs``)."""
+    return tuple(map(V.call_signature, ts))
+
+
+def dispatch_key(data, sf, topk_idx, topk_weights, cum, handle, rest: tuple, sigs=signatures) -> tuple:
     """The kind of a dispatch (``rest``: its other arguments, as given): what its checks and its plan depend
     on. A fresh dispatch's includes ``topk_idx`` and ``cum``; a cached one's the handle's layout and top-k
-    shape (its owner is checked at each call: :func:`owned`). Raises ``AttributeError``/``TypeError`` for
-    arguments that are not what they should be (the checks then say which)."""
-    sig, rep = V.call_signature, V.repeat_signature
-    key = (rep(data), sig(sf), sig(topk_weights), rest)
+    shape (its owner is checked at each call: :func:`owned`). ``sigs``: :func:`signatures` or the extension's.
+    Raises ``AttributeError``/``TypeError`` for arguments that are not what they should be (the checks then say
+    which)."""
     if handle is None:
-        return key + (rep(topk_idx), sig(cum))
-    return key + (handle.do_expand, handle.num_experts, handle.expert_alignment, handle.num_max_tokens_per_rank,
-                  handle.topk_idx.shape, topk_idx is None, cum is None)
+        return sigs(data, sf, topk_weights, topk_idx, cum), rest
+    return (sigs(data, sf, topk_weights), rest, handle.do_expand, handle.num_experts, handle.expert_alignment,
+            handle.num_max_tokens_per_rank, handle.topk_idx.shape, topk_idx is None, cum is None)
 
 
-def combine_key(x, handle, topk_weights, bias, rest: tuple) -> tuple:
+def combine_key(x, handle, topk_weights, bias, rest: tuple, sigs=signatures) -> tuple:
     """The kind of a combine (as :func:`dispatch_key`'s): the handle's layout and rows, ``x``, the weights and
     the biases."""
-    sig, st = V.call_signature, handle._state
-    return ("combine", sig(x), sig(topk_weights), sig(bias) if bias is None or isinstance(bias, torch.Tensor) else
-            tuple(map(sig, bias)), handle.do_expand, handle.topk_idx.shape, handle.num_experts,
+    st = handle._state
+    return ("combine", sigs(x, topk_weights), sigs(bias) if bias is None or isinstance(bias, torch.Tensor) else
+            (len(bias), sigs(*bias)), handle.do_expand, handle.topk_idx.shape, handle.num_experts,
             handle.num_max_tokens_per_rank, handle.num_sms, st.num_rows, st.num_expanded, rest)
 
 

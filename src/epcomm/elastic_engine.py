@@ -25,6 +25,7 @@ Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 
@@ -80,8 +81,9 @@ class Payload:
 
     def unpack(self, recv_x: torch.Tensor, recv_scales: torch.Tensor | None, extra: bool = True):
         """The received rows -> ``(x, sf or None, extra or None)`` (``extra=False``: None, left in place)."""
-        if not self.packed:
-            return recv_x, None if recv_scales is None else recv_scales.view(self.sf_dtype), None
+        if not self.packed:  # (scales of the dtype given: as they are, no view)
+            return recv_x, (recv_scales if recv_scales is None or recv_scales.dtype == self.sf_dtype else
+                            recv_scales.view(self.sf_dtype)), None
         specs = [(self.x_dtype, self.h)]
         if self.p:
             specs.append((self.sf_dtype, self.p))
@@ -172,6 +174,9 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
                                                     else None))
     has_w = topk_weights is not None
     bound: list = []  # the backend's plan, made at the first call (it needs that call's layout tensors)
+    from .backends.nvlink_params import TUNE  # (here: it loads the kernels' module, which must not load first)
+
+    flat = FlatResults(native.wanted(dev, TUNE["native_flat"]))  # (a merged chain's results by position)
     zeros = _zero_weights(t, k, dev)
 
     def run(x, sf, topk_idx, topk_weights, cum_stats, before_epilogue):
@@ -179,8 +184,14 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
         w = topk_weights if has_w else zeros()
         mg = merged.value
         if mg is not None and before_epilogue is None and (cum_stats is None or cum_stats.is_contiguous()):
-            res, rm, tail = mg(data, scales, topk_idx, w, cum_stats)
-            return finish(pay, res, rm, topk_idx, tail=tail)
+            ins = (data, scales, topk_idx, w, cum_stats)
+            made = mg.raw(*ins)
+            if flat.build is not None:
+                return flat.build(made, ins)
+            res, rm, tail = mg.parts(made)
+            out = finish(pay, res, rm, topk_idx, tail=tail)
+            flat.record(made, ins, out)
+            return out
         go = bound[0] if bound else None
         if go is not None and fused:  # (the plan's exchange kernel makes the layout)
             per_rank = per_expert = in_rank = None
@@ -238,6 +249,95 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
 
     tail_rows = functools.partial(_tail_rows, worst_x_rows, probe.p, tma_sf)
     return run
+
+
+class FlatResults:
+    """A merged chain's call results assembled from its outputs by position (``TUNE["native_flat"]``).
+
+    Why: an eager no-sync dispatch whose work is one chain (``Kernels.merged``) spends most of its remaining host time
+    in Python making its results from the chain's outputs: the backend's ``DispatchResult`` and handle, recv_meta's
+    ``RecvMeta``, then the call's tuple, fields and ``DispatchState`` (``run``'s ``finish``), a few frames each.
+    What lands where depends only on the kind of call, so after two calls made that way (:meth:`record`: their
+    chain outputs, inputs and results) ``build(made, inputs)`` makes the same results straight from the outputs:
+    each tensor of the results is the chain's output ``i`` in both calls, or the call's input ``j`` in both, or the
+    same object in both (the plan's own: kept scratch, constants), or output ``i`` viewed as another dtype of the
+    same size in both (UE8M0 packs: that view made each call); ints and None the same in both; the handle's list
+    of counts an empty list in both (a new one each call). Any other result (another view made per call, a
+    non-empty list) and it never builds: every call then takes the Python path. ``record`` keeps the two calls'
+    results only until the second."""
+
+    __slots__ = ("build", "seen")
+
+    def __init__(self, wanted: bool) -> None:
+        self.build = None
+        self.seen = [] if wanted else None
+
+    def record(self, made: tuple, ins: tuple, out: tuple) -> None:
+        if self.seen is None:
+            return
+        self.seen.append((made, ins, out))
+        if len(self.seen) == 2:
+            (m1, i1, o1), (m2, i2, o2) = self.seen
+            self.seen = None
+            self.build = _flat_build(m1, i1, o1, m2, i2, o2)
+
+
+def _flat_leaves(out):
+    """The leaves of a dispatch plan's results ``(x, sf, ids, w, fields, state)`` in :func:`_flat_build`'s order
+    (fields without their list of counts, at 3), or None where they are not of that shape."""
+    if len(out) != 6 or len(out[4]) != 9 or type(out[4][3]) is not list or out[4][3]:
+        return None
+    st, f = out[5], out[4]
+    return (*out[:4], *f[:3], *f[4:], *st.v1, st.local, st.gid, st.meta, st.source, st.num_rows, st.num_expanded,
+            st.device_sms, st.num_topk)
+
+
+def _flat_build(m1, i1, o1, m2, i2, o2):
+    """``build(made, ins)`` of :class:`FlatResults`, from two calls' outputs, inputs and results; None where a
+    result is not found the same way in both."""
+    a, b = _flat_leaves(o1), _flat_leaves(o2)
+    if a is None or b is None or len(a) != len(b) or type(o1[5].v1) is not type(o2[5].v1):
+        return None
+    nm, ni = len(m1), len(i1)
+    consts, at, views = [], [], []
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            pos = next((i for i in range(nm) if m1[i] is x and m2[i] is y), None)
+            if pos is None:
+                pos = next((nm + j for j in range(ni) if i1[j] is x and i2[j] is y), None)
+            if pos is None:  # (an output viewed as another dtype, a view made per call: made so each call)
+                pos = next((i for i in range(nm) if _dtype_view(x, m1[i]) and _dtype_view(y, m2[i])), None)
+                if pos is not None:
+                    views.append((len(at), x.dtype))
+            if pos is None and x is not y:
+                return None
+        elif x is None and y is None or type(x) is int and type(y) is int and x == y:
+            pos = None
+        else:
+            return None
+        if pos is None:
+            pos = nm + ni + len(consts)
+            consts.append(x)
+        at.append(pos)
+    get, consts, v1_type, nv1 = operator.itemgetter(*at), tuple(consts), type(o1[5].v1), len(o1[5].v1)
+    e = 10 + nv1  # (x, sf, ids, w; fields' eight; the backend's handle; the state's eight)
+
+    def build(made, ins):
+        v = get(made + ins + consts)
+        if views:
+            v = list(v)
+            for i, dt in views:
+                v[i] = v[i].view(dt)
+        return (v[0], v[1], v[2], v[3], (v[4], v[5], v[6], [], *v[7:12]),
+                DispatchState(v1_type(*v[12:e + 2]), *v[e + 2:]))
+    return build
+
+
+def _dtype_view(x: torch.Tensor, base: torch.Tensor) -> bool:
+    """``x`` is ``base`` viewed as another dtype of the same size: ``base.view(x.dtype)`` (the same bytes, shape and
+    strides)."""
+    return (x.dtype != base.dtype and x.element_size() == base.element_size() and x.data_ptr() == base.data_ptr()
+            and x.shape == base.shape and x.stride() == base.stride())
 
 
 def _sources(vals, consts=()):

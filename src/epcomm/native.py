@@ -268,7 +268,34 @@ struct Chain {
   std::vector<std::vector<uint64_t>> last() const { return seen; }
 };
 
+// What a repeated call must share with the first of its kind, for each argument (a tensor or None), as one flat
+// tuple of ints: None -1; a tensor its dimensions, its sizes, its dtype, its device index (-1: CPU), its address
+// modulo 16 and whether it is contiguous (as _validate.repeat_signature, one call for all the arguments).
+static py::tuple signatures(py::args args) {
+  std::vector<int64_t> v;
+  v.reserve(args.size() * 8);
+  for (auto& a : args) {
+    PyObject* o = a.ptr();
+    if (o == Py_None) {
+      v.push_back(-1);
+      continue;
+    }
+    if (!THPVariable_Check(o)) throw py::type_error("a tensor or None");
+    const at::Tensor& t = THPVariable_Unpack(o);
+    v.push_back(t.dim());
+    for (auto s : t.sizes()) v.push_back(s);
+    v.push_back((int64_t)t.scalar_type());
+    v.push_back(t.is_cuda() ? (int64_t)t.get_device() : -1);
+    v.push_back((int64_t)((uintptr_t)t.data_ptr() & 15));
+    v.push_back(t.is_contiguous() ? 1 : 0);
+  }
+  py::tuple out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = py::int_(v[i]);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("signatures", &signatures);
   py::class_<Outputs>(m, "Outputs")
       .def(py::init<std::vector<std::vector<int64_t>>, std::vector<at::ScalarType>, at::Device, std::vector<bool>>())
       .def("make", &Outputs::make);
@@ -287,7 +314,7 @@ def wanted(device: torch.device, tune: bool) -> bool:
     return bool(tune) and how != "0" and (device.type == "cuda" or how == "all")
 
 
-_NAME = "epcomm_native_3"  # (a new source gets a new name: torch's cache keys builds by name and source)
+_NAME = "epcomm_native_4"  # (a new source gets a new name: torch's cache keys builds by name and source)
 _state: dict = {}
 
 
@@ -307,6 +334,14 @@ def module():
                 log.warning("epcomm: the native output allocator could not be built (%s); outputs come from "
                             "torch.empty (slower on the host)", _state["why"])
     return _state["mod"]
+
+
+def signatures(device: torch.device):
+    """The extension's ``signatures(*tensors_or_none)`` (a call's kind from its tensors, as
+    ``elastic_args.signatures`` distinguishes them, in one C++ call) where outputs on ``device`` are made natively
+    and it is built; else None."""
+    mod = module() if wanted(device, True) else None
+    return None if mod is None else mod.signatures
 
 
 def _packed(packed, n: int) -> list:

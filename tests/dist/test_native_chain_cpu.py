@@ -131,6 +131,30 @@ def _v2(ctx, tag, merge: bool):
     return runs
 
 
+def _v2_flat(ctx, tag):
+    # the merged chains' results made by position (native_flat, with native_key's signatures): each kind's calls from
+    # the third merged one on; contiguous BF16, fp32 and UE8M0 packs; expanded BF16 (the TMA-aligned packs of an
+    # expanded FP8 call are a view per call: it keeps the Python path); checked whole, then a combine on the handle
+    OnBackend, runs, undo = _start(ctx, tag, "native_key=1,native_flat=1,native_chain_v2x=1")
+    from epcomm import elastic_engine
+    from epcomm.testing import elastic_cases as C
+
+    built, real = [], elastic_engine._flat_build
+    elastic_engine._flat_build = lambda *a: built.append(real(*a)) or built[-1]
+    try:
+        case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=3, num_experts=8, seed=23)
+        buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
+        for sf_kind, expand in (("bf16", False), ("fp32", False), ("ue8m0", False), ("bf16", True)):
+            for _ in range(4):  # (two fresh calls each: the first binds, two are recorded, the rest are built)
+                C.check_dispatch(buf, case, ctx.rank, sf_kind, expand, 1, False)
+            C.check_combine(buf, case, ctx.rank, expand, 1, 1, False)
+    finally:
+        elastic_engine._flat_build = real
+        undo()
+    assert len(built) == 4 and all(b is not None for b in built), built
+    return runs
+
+
 def _v2_expanded(ctx, tag):
     OnBackend, runs, undo = _start(ctx, tag, "native_chain_v2x=1")
     from epcomm.testing import elastic_cases as C
@@ -230,12 +254,12 @@ def _ll(ctx, tag):
     return runs
 
 
-CHECKS = ["v2-merged", "v2-two-chains", "v2-expanded", "v2-combine", "v2-combine-expanded", "v1-worst", "v1-ll"]
+CHECKS = ["v2-merged", "v2-flat", "v2-two-chains", "v2-expanded", "v2-combine", "v2-combine-expanded", "v1-worst", "v1-ll"]
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 
 def _rank(ctx, tag):
-    one = {"v2-merged": lambda c: _v2(c, tag, True), "v2-two-chains": lambda c: _v2(c, tag, False),
+    one = {"v2-merged": lambda c: _v2(c, tag, True), "v2-flat": lambda c: _v2_flat(c, tag), "v2-two-chains": lambda c: _v2(c, tag, False),
            "v2-expanded": lambda c: _v2_expanded(c, tag), "v2-combine": lambda c: _v2_combine(c, tag, False),
            "v2-combine-expanded": lambda c: _v2_combine(c, tag, True),
            "v1-worst": lambda c: _v1(c, tag), "v1-ll": lambda c: _ll(c, tag)}

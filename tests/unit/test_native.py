@@ -67,3 +67,30 @@ def test_packed_outputs_are_views_of_one_allocation():
         for i, t in enumerate(got):  # each written alone keeps its values
             t.fill_(i + 1)
         assert all(torch.equal(t, torch.full_like(t, i + 1)) for i, t in enumerate(got))
+
+
+def _signature_cases():
+    """Tensors that differ in one of shape, dtype, device index, 16-byte alignment, contiguity each, and None."""
+    base = torch.zeros(64, dtype=torch.float32)
+    sq = torch.zeros(4, 4, dtype=torch.float32)
+    return {"none": None, "sq": sq, "sq.t": sq.t(), "sq bf16": torch.zeros(4, 4, dtype=torch.bfloat16),
+            "sq int32": torch.zeros(4, 4, dtype=torch.int32), "5x4": torch.zeros(5, 4), "16": base[:16],
+            "16 at 4 B": base[1:17], "16 at 16 B": base[4:20], "16 at 8 B": base[2:18], "4x4 from flat": base[:16].view(4, 4),
+            "strided": base[::4], "3-D": torch.zeros(2, 2, 4)}
+
+
+def test_native_signatures_tell_apart_what_python_does():
+    """``native.signatures`` (ElasticBuffer's kind of call in one C++ call) puts two tensor arguments in one kind
+    exactly where ``elastic_args.signatures`` does, argument by argument and in order, and refuses a non-tensor."""
+    from epcomm import elastic_args as A
+
+    mod = native.module()
+    assert mod is not None, f"the extension was not built here: {native._state.get('why')}"
+    cases = _signature_cases()
+    for (na, a), (nb, b) in itertools.product(cases.items(), repeat=2):
+        assert (mod.signatures(a) == mod.signatures(b)) is (A.signatures(a) == A.signatures(b)), (na, nb)
+        assert (mod.signatures(a, b) == mod.signatures(b, a)) is (A.signatures(a, b) == A.signatures(b, a)), (na, nb)
+    assert mod.signatures() == () and hash(mod.signatures(cases["sq"], None)) is not None
+    for bad in (3, "x", [torch.zeros(1)]):
+        with pytest.raises(TypeError):
+            mod.signatures(cases["sq"], bad)

@@ -337,12 +337,19 @@ class Kernels:
         run, stream, sdev = chain.run, chain.get_stream, chain.dev  # (no Chain.__call__ frame: the hottest call)
         n_steps = len(steps) + len(more)
 
-        def go(x, scales, topk, w, cum):
+        def raw(x, scales, topk, w, cum):
             made = run(stream(sdev), x, scales, topk, w, None, None, None, start(), cum)
             Launcher.launches += n_steps
+            return made
+
+        def parts(made):
             return result(made[:nh], None), finish(made[nh:nh + nm]), made[nh + nm:] if nt else ()
 
-        go.chain = chain
+        def go(x, scales, topk, w, cum):
+            return parts(raw(x, scales, topk, w, cum))
+
+        # (raw: the chain's call, its outputs as made; parts: the results of those, as go gives them)
+        go.chain, go.raw, go.parts = chain, raw, parts
         return go
 
     def bound(self, name: str, key: tuple, consts: dict, template: tuple):
