@@ -6,7 +6,7 @@ and each after a ``torch.cuda.synchronize()``:
 
 - ``whole``: ``ElasticBuffer.dispatch(...)`` as a caller makes it;
 - ``merged``: the merged chain's Python entry (``go(x, scales, topk_idx, w, cum)``: the chain call, then the
-  backend's result and recv_meta's outputs built in Python);
+  backend's result and recv_meta's outputs built in Python, as every call did before ``TUNE["native_flat"]``);
 - ``chain``: the extension's ``Chain.run`` alone (outputs made by ``at::empty``, the kernels launched);
 - ``outputs``: the same outputs made by the extension's ``Outputs.make`` (no launch);
 - ``launch``: one launch of a one-element kernel through PyTorch (``torch.Tensor.zero_``), for scale;
@@ -77,7 +77,7 @@ def main() -> int:
         stash: dict = {}
         cells = {}
         for g in gos:  # each chain's call recorded once: which is this kind's, its stream and values
-            c = dict(zip(g.__code__.co_freevars, g.__closure__))["run"]
+            c = dict(zip(g.raw.__code__.co_freevars, g.raw.__closure__))["run"]
             cells[id(g)] = (g, c, c.cell_contents)
 
             def rec(*vals, g=g, real=c.cell_contents):

@@ -69,25 +69,24 @@ def _check_unfused(ctx, tag):
 
 
 def _check_capture_picks_unfused(ctx, tag):
-    """By default a dispatch made while a graph is captured (``_validate.is_capturing``, made True here: there
+    """By default a dispatch made while a graph is captured (the buffer's ``_capturing``, made True here: there
     are no graphs on CPU) plans without the fused layout, the same dispatch made eagerly with it: two plans of
     one kind, each giving the oracle's rows."""
     OnBackend = _on_backend(ctx, tag, "nvlink")
-    from epcomm import _validate as V
     from epcomm.testing import elastic_cases as C
 
     os.environ["EPCOMM_TUNE"] = "v2_fused_layout=0,v2_fused_eager=1"  # the defaults
     case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=3, num_experts=8, seed=7)
     buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
     made, undo = _recording()
-    real = V.is_capturing
+    real = buf._capturing
     try:
-        V.is_capturing = lambda device: True
+        buf._capturing = lambda: True
         C.check_dispatch(buf, case, ctx.rank, "bf16", False, 1, False)
-        V.is_capturing = real
+        buf._capturing = real
         C.check_dispatch(buf, case, ctx.rank, "bf16", False, 1, False)
     finally:
-        V.is_capturing = real
+        buf._capturing = real
         undo()
     assert made[0] is False and True in made[1:], f"dispatch plans made (fused or not): {made}"
 
