@@ -40,6 +40,18 @@ def _scales_copied(run):
     return copied
 
 
+def _native_sigs(device: torch.device):
+    """``native.signatures`` where this device's outputs are made natively and ``TUNE["native_key_v1"]`` asks for it
+    (a call's kind from its tensors in one C++ call: ``elastic_args.signatures``' distinctions), else None."""
+    from . import native
+
+    if not native.wanted(device, True):
+        return None
+    from .backends.nvlink_params import TUNE
+
+    return native.signatures(device) if TUNE["native_key_v1"] else None
+
+
 class Buffer(LowLatencyMethods):
     """Dispatch and combine MoE tokens across the ranks of ``group``: DeepEP V1's ``Buffer``.
 
@@ -107,6 +119,7 @@ class Buffer(LowLatencyMethods):
         self._ll_fast: dict = {}  # low-latency call key -> the backend's launches for it (_remember)
         self._checked: set = set()  # call signatures (shapes, dtypes, arguments) whose shape/dtype/flag checks passed
         self._ht_fast: dict = {}  # high-throughput call key -> the backend's plan for it (_keep)
+        self._sigs = _native_sigs(self.device)  # (a kind of call's tensors in one C++ call, or None)
         self._nvl_ok: set = set()  # (config, hidden bytes) that fit num_nvl_bytes
         self._default_configs: dict = {}  # (combine, num_sms) -> the default Config
         self._destroyed = False
@@ -276,9 +289,10 @@ class Buffer(LowLatencyMethods):
         if not self._host_checks and type(expert_alignment) is int and type(num_worst_tokens) is int:
             sig = V.call_signature  # (a bool is an int too: type() rules it out)
             try:
-                key = ("htd", sig(data), sig(scales), sig(ntpr), sig(num_tokens_per_rdma_rank), sig(is_in),
-                       sig(ntpe), sig(idx), sig(w), expert_alignment, num_worst_tokens, config, Buffer.num_sms)
-            except AttributeError:  # not tensors: the checks say which
+                ts = (data, scales, ntpr, num_tokens_per_rdma_rank, is_in, ntpe, idx, w)
+                key = ("htd", self._sigs(*ts) if self._sigs is not None else tuple(map(sig, ts)), expert_alignment,
+                       num_worst_tokens, config, Buffer.num_sms)
+            except (AttributeError, TypeError):  # not tensors: the checks say which
                 key = None
         run = self._ht_fast.get(key)
         if run is None:

@@ -203,8 +203,9 @@ def _v2_combine(ctx, tag, expand: bool):
     return runs
 
 
-def _v1(ctx, tag):
-    _, runs, undo = _start(ctx, tag, "native_chain_ht=1")  # (the default; named so the check stands if it changes)
+def _v1(ctx, tag, key: bool = False):
+    # (native_chain_ht=1: the default; named so the check stands if it changes; key: the kinds by native.signatures)
+    _, runs, undo = _start(ctx, tag, "native_chain_ht=1" + (",native_key_v1=1" if key else ""))
     from epcomm import Buffer
     from epcomm.testing import cpu_nvlink
     from epcomm.testing import gpu_cases as G
@@ -213,6 +214,7 @@ def _v1(ctx, tag):
     try:
         ref = Buffer(ctx.group)
         fast = cpu_nvlink.nvlink_buffer(ctx.group, num_nvl_bytes=32 << 20)
+        assert (fast._sigs is not None) is key
         case = Case(num_ranks=2, tokens=(5, 8), hidden=128, num_topk=4, num_experts=8, seed=5)
         worst = sum(case.tokens) + 3
         for fp8 in (False, True):
@@ -231,8 +233,8 @@ def _v1(ctx, tag):
     return runs
 
 
-def _ll(ctx, tag):
-    _, runs, undo = _start(ctx, tag, "ll.native_chain=1")  # (the default; named so the check stands if it changes)
+def _ll(ctx, tag, key: bool = False):
+    _, runs, undo = _start(ctx, tag, "ll.native_chain=1" + (",native_key_v1=1" if key else ""))  # (as _v1's)
     from epcomm import Buffer
     from epcomm.testing import cpu_nvlink
     from epcomm.testing import gpu_cases as G
@@ -244,9 +246,15 @@ def _ll(ctx, tag):
         hint = Buffer.get_low_latency_rdma_size_hint(m, case.hidden, 2, case.num_experts)
         ref = Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
         fast = cpu_nvlink.nvlink_buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
+        assert (fast._sigs is not None) is key
         for i, kw in enumerate([dict(use_fp8=False), dict(use_fp8=True), dict(use_fp8=True, hook=True)]):
             for j in range(2):  # (a kind's first call makes its chain, the second runs it)
                 G.check_ll_case(ref, fast, case, ctx.rank, m, seed_shift=2 * i + j, **kw)
+        # fewer tokens, the same arguments otherwise: another kind by its tensors' shapes (a key from native.signatures
+        # that missed them would run the launches made for 6 and 5 tokens)
+        few = Case(num_ranks=2, tokens=(3, 4), hidden=256, num_topk=4, num_experts=8, seed=9)
+        for j in range(2 if key else 0):
+            G.check_ll_case(ref, fast, few, ctx.rank, m, seed_shift=7 + j, use_fp8=True)
     finally:
         undo()
     # every launch a one-step chain: dispatch and combine of the two plain kinds, the hook's send and receive
@@ -254,7 +262,7 @@ def _ll(ctx, tag):
     return runs
 
 
-CHECKS = ["v2-merged", "v2-flat", "v2-two-chains", "v2-expanded", "v2-combine", "v2-combine-expanded", "v1-worst", "v1-ll"]
+CHECKS = ["v2-merged", "v2-flat", "v2-two-chains", "v2-expanded", "v2-combine", "v2-combine-expanded", "v1-worst", "v1-worst-key", "v1-ll", "v1-ll-key"]
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 
@@ -262,7 +270,8 @@ def _rank(ctx, tag):
     one = {"v2-merged": lambda c: _v2(c, tag, True), "v2-flat": lambda c: _v2_flat(c, tag), "v2-two-chains": lambda c: _v2(c, tag, False),
            "v2-expanded": lambda c: _v2_expanded(c, tag), "v2-combine": lambda c: _v2_combine(c, tag, False),
            "v2-combine-expanded": lambda c: _v2_combine(c, tag, True),
-           "v1-worst": lambda c: _v1(c, tag), "v1-ll": lambda c: _ll(c, tag)}
+           "v1-worst": lambda c: _v1(c, tag), "v1-worst-key": lambda c: _v1(c, tag, True),
+           "v1-ll": lambda c: _ll(c, tag), "v1-ll-key": lambda c: _ll(c, tag, True)}
     return harness.run_checks(ctx, [(name, one[name]) for name in CHECKS], env={})
 
 

@@ -29,7 +29,8 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
             v2_fused_eager=True, native_alloc=True, native_chain=True,
             native_pack=True, native_merge=True, native_chain_ht=True,
             native_chain_v2c=True, native_chain_v2x=True,
-            native_chain_v2xc=True, native_key=True, native_flat=True)
+            native_chain_v2xc=True, native_key=True, native_flat=True,
+            native_key_v1=False)
 # notify_block: tokens a step of the exchange kernel's rank programs (a scan over all T tokens, one step after
 # another): 2048 took 2.4-2.8 us off the DSv3 graph dispatch (BF16 110.9 -> 108.1, FP8 83.9 -> 81.6 us, the
 # mean of 2 rounds at world 1, one H100; 4096 with 16 warps: 108.9 / 82.0; benchmarks/2026-11-27/s6/call2-0d26a28)
@@ -73,6 +74,8 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
 # outputs by position (elastic_engine.FlatResults), not through the backend's and recv_meta's result objects: with
 # native_key, the contiguous no-sync dispatch 0.835x its host time (BF16 and FP8; FP8 53.7 -> 44.8 us), the
 # expanded one 0.851x, the combines 0.92x (native_key's share), the synchronised dispatches 0.97-0.99x (s13 call 3)
+# native_key_v1: Buffer's high-throughput dispatch and low-latency calls find their kind as native_key does (not
+# measured on a GPU yet: off)
 # fused_cpush: the combine's SM push and its reduce in one kernel (_combine_kernel), else two launches
 # (chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
 # 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,

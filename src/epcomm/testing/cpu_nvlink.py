@@ -164,4 +164,7 @@ def nvlink_buffer(group, spins: float = 2e5, **kw):
     buf._backend = NVLinkBackend(buf)
     buf._backend.timeout_s = spins / 1e9  # the interpreter's waits count spins (timeout_ns of them)
     buf._host_checks = False
+    from ..buffer import _native_sigs
+
+    buf._sigs = _native_sigs(buf.device)  # (as Buffer derives it once its backend applied EPCOMM_TUNE)
     return buf
