@@ -52,6 +52,13 @@ def _native_sigs(device: torch.device):
     return native.signatures(device) if TUNE["native_key_v1"] else None
 
 
+def _native_row_sigs(sigs):
+    """The extension's ``row_signatures`` beside its ``signatures`` (None where ``sigs`` is None)."""
+    from . import native
+
+    return None if sigs is None else native.module().row_signatures
+
+
 class Buffer(LowLatencyMethods):
     """Dispatch and combine MoE tokens across the ranks of ``group``: DeepEP V1's ``Buffer``.
 
@@ -120,6 +127,7 @@ class Buffer(LowLatencyMethods):
         self._checked: set = set()  # call signatures (shapes, dtypes, arguments) whose shape/dtype/flag checks passed
         self._ht_fast: dict = {}  # high-throughput call key -> the backend's plan for it (_keep)
         self._sigs = _native_sigs(self.device)  # (a kind of call's tensors in one C++ call, or None)
+        self._rsigs = _native_row_sigs(self._sigs)  # (the same without their row counts)
         self._nvl_ok: set = set()  # (config, hidden bytes) that fit num_nvl_bytes
         self._default_configs: dict = {}  # (combine, num_sms) -> the default Config
         self._destroyed = False
@@ -338,9 +346,14 @@ class Buffer(LowLatencyMethods):
         if not self._host_checks:
             sig = V.call_signature
             try:  # (the received row count is no part of a kind)
-                key = ("htc", sig(data), sig(scales), sig(handle.is_token_in_rank), sig(handle.rank_prefix_matrix),
-                       V.rows_signature(handle.recv_src_idx), config, Buffer.num_sms)
-            except AttributeError:  # not tensors: the checks say which
+                if self._sigs is not None:
+                    key = ("htc", self._sigs(data, scales, handle.is_token_in_rank, handle.rank_prefix_matrix),
+                           self._rsigs(handle.recv_src_idx), config, Buffer.num_sms)
+                else:
+                    key = ("htc", sig(data), sig(scales), sig(handle.is_token_in_rank),
+                           sig(handle.rank_prefix_matrix), V.rows_signature(handle.recv_src_idx), config,
+                           Buffer.num_sms)
+            except (AttributeError, TypeError):  # not tensors: the checks say which
                 key = None
         run = self._ht_fast.get(key)
         if run is None:
@@ -381,14 +394,19 @@ class Buffer(LowLatencyMethods):
         biases = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
         key = None
         try:  # a kind seen before skips its checks (the row counts never do)
-            rows, sig = V.rows_signature, V.call_signature
-            key = ("htcb", rows(x), rows(w), tuple(map(sig, biases)), handle.is_token_in_rank.shape[0],
-                   sig(handle.rank_prefix_matrix), sig(handle.send_head), config, Buffer.num_sms)
+            if self._sigs is not None:
+                key = ("htcb", self._rsigs(x, w), len(biases), self._sigs(*biases, handle.rank_prefix_matrix,
+                                                                           handle.send_head),
+                       handle.is_token_in_rank.shape[0], config, Buffer.num_sms)
+            else:
+                rows, sig = V.rows_signature, V.call_signature
+                key = ("htcb", rows(x), rows(w), tuple(map(sig, biases)), handle.is_token_in_rank.shape[0],
+                       sig(handle.rank_prefix_matrix), sig(handle.send_head), config, Buffer.num_sms)
             n = handle.recv_src_idx.numel()
             run = self._ht_fast.get(key)
             if run is not None and (x.shape[0] != n or (w is not None and w.shape[0] != n)):
                 run = None  # (the checks below say which)
-        except AttributeError:  # not tensors: the checks say which
+        except (AttributeError, TypeError):  # not tensors: the checks say which
             key = run = None
         if run is None:
             run, biases = self._combine_first(key, x, handle, w, biases, config)

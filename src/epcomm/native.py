@@ -271,7 +271,7 @@ struct Chain {
 // What a repeated call must share with the first of its kind, for each argument (a tensor or None), as one flat
 // tuple of ints: None -1; a tensor its dimensions, its sizes, its dtype, its device index (-1: CPU), its address
 // modulo 16 and whether it is contiguous (as _validate.repeat_signature, one call for all the arguments).
-static py::tuple signatures(py::args args) {
+static py::tuple signatures_from(const py::args& args, bool rows) {
   std::vector<int64_t> v;
   v.reserve(args.size() * 8);
   for (auto& a : args) {
@@ -283,7 +283,8 @@ static py::tuple signatures(py::args args) {
     if (!THPVariable_Check(o)) throw py::type_error("a tensor or None");
     const at::Tensor& t = THPVariable_Unpack(o);
     v.push_back(t.dim());
-    for (auto s : t.sizes()) v.push_back(s);
+    auto sizes = t.sizes();
+    for (size_t i = rows && !sizes.empty() ? 1 : 0; i < sizes.size(); ++i) v.push_back(sizes[i]);
     v.push_back((int64_t)t.scalar_type());
     v.push_back(t.is_cuda() ? (int64_t)t.get_device() : -1);
     v.push_back((int64_t)((uintptr_t)t.data_ptr() & 15));
@@ -293,9 +294,13 @@ static py::tuple signatures(py::args args) {
   for (size_t i = 0; i < v.size(); ++i) out[i] = py::int_(v[i]);
   return out;
 }
+static py::tuple signatures(py::args args) { return signatures_from(args, false); }
+// The same without each tensor's first size (its rows: as _validate.rows_signature).
+static py::tuple row_signatures(py::args args) { return signatures_from(args, true); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("signatures", &signatures);
+  m.def("row_signatures", &row_signatures);
   py::class_<Outputs>(m, "Outputs")
       .def(py::init<std::vector<std::vector<int64_t>>, std::vector<at::ScalarType>, at::Device, std::vector<bool>>())
       .def("make", &Outputs::make);
@@ -314,7 +319,7 @@ def wanted(device: torch.device, tune: bool) -> bool:
     return bool(tune) and how != "0" and (device.type == "cuda" or how == "all")
 
 
-_NAME = "epcomm_native_4"  # (a new source gets a new name: torch's cache keys builds by name and source)
+_NAME = "epcomm_native_5"  # (a new source gets a new name: torch's cache keys builds by name and source)
 _state: dict = {}
 
 

@@ -220,6 +220,9 @@ def _v1(ctx, tag, key: bool = False):
         for fp8 in (False, True):
             for _ in range(2):  # (the first binds the launches, the second is one chain call)
                 G.check_ht_case(ref, fast, case, ctx.rank, fp8, worst=worst)
+        wide = Case(num_ranks=2, tokens=(5, 8), hidden=256, num_topk=4, num_experts=8, seed=6)
+        for _ in range(2 if key else 0):  # (another hidden size: kinds of dispatch, cached dispatch and combine that
+            G.check_ht_case(ref, fast, wide, ctx.rank, False, worst=worst)  # differ only in their tensors' shapes)
         n_worst = len(runs)
         for fp8 in (False, True):  # synchronised: the layout, then the dispatch's two chains around the host's read
             for _ in range(2):

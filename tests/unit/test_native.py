@@ -94,3 +94,17 @@ def test_native_signatures_tell_apart_what_python_does():
     for bad in (3, "x", [torch.zeros(1)]):
         with pytest.raises(TypeError):
             mod.signatures(cases["sq"], bad)
+
+
+def test_native_row_signatures_tell_apart_what_python_does():
+    """``native.row_signatures`` (Buffer's combine and cached dispatch: a tensor's kind without its row count) as
+    ``_validate.rows_signature``: tensors that differ only in their rows are one kind, any other difference two."""
+    from epcomm import _validate as V
+
+    mod = native.module()
+    assert mod is not None, f"the extension was not built here: {native._state.get('why')}"
+    cases = {k: v for k, v in _signature_cases().items() if v is not None}
+    cases.update({"6x4": torch.zeros(6, 4), "0x4": torch.zeros(0, 4), "6x5": torch.zeros(6, 5)})
+    for (na, a), (nb, b) in itertools.product(cases.items(), repeat=2):
+        assert (mod.row_signatures(a) == mod.row_signatures(b)) is (V.rows_signature(a) == V.rows_signature(b)), (na, nb)
+    assert mod.row_signatures(cases["5x4"]) == mod.row_signatures(cases["6x4"]) != mod.row_signatures(cases["6x5"])

@@ -74,8 +74,11 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
 # outputs by position (elastic_engine.FlatResults), not through the backend's and recv_meta's result objects: with
 # native_key, the contiguous no-sync dispatch 0.835x its host time (BF16 and FP8; FP8 53.7 -> 44.8 us), the
 # expanded one 0.851x, the combines 0.92x (native_key's share), the synchronised dispatches 0.97-0.99x (s13 call 3)
-# native_key_v1: Buffer's high-throughput dispatch and low-latency calls find their kind as native_key does (not
-# measured on a GPU yet: off)
+# native_key_v1: Buffer's high-throughput dispatch (fresh and cached), its combine and its low-latency calls find their
+# kind as native_key does (native.signatures, native.row_signatures). On the CPU rig (hostprobe --modes python,
+# paired, 3 rounds, 4096 tokens / 128 and 1 for LL) the Python of num_worst_tokens dispatch 0.76x, FP8 0.82x, a
+# synchronised dispatch 0.92x, cached 0.82x, combine 0.89x, LL dispatch 0.92x, LL combine 0.87x. Not measured on a
+# GPU yet: off
 # fused_cpush: the combine's SM push and its reduce in one kernel (_combine_kernel), else two launches
 # (chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
 # 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
