@@ -222,10 +222,21 @@ def call_signature(t) -> tuple | None:
     return None if t is None else repeat_signature(t)
 
 
+def signatures(*ts) -> tuple:
+    """Each argument's :func:`call_signature`: the part of a call's kind its tensors make (``native.key_functions``
+    gives the same distinctions in one C++ call)."""
+    return tuple(map(call_signature, ts))
+
+
 def rows_signature(t) -> tuple | None:
     """``call_signature`` but the row count (``shape[0]``): the high-throughput combine's x and weights,
     a handle's received rows, whose count is no part of a kind of call."""
     return None if t is None else (t.shape[1:], t.dtype, t.get_device(), t.data_ptr() & 15, t.is_contiguous())
+
+
+def row_signatures(*ts) -> tuple:
+    """Each argument's :func:`rows_signature` (None for None)."""
+    return tuple(None if t is None else rows_signature(t) for t in ts)
 
 
 def as_dispatch_handle(handle) -> DispatchHandle:

@@ -40,23 +40,17 @@ def _scales_copied(run):
     return copied
 
 
-def _native_sigs(device: torch.device):
-    """``native.signatures`` where this device's outputs are made natively and ``TUNE["native_key_v1"]`` asks for it
-    (a call's kind from its tensors in one C++ call: ``elastic_args.signatures``' distinctions), else None."""
+def _key_functions(device: torch.device) -> tuple:
+    """``(signatures, row_signatures)``: a call's kind from its tensors, in one C++ call where
+    ``TUNE["native_key_v1"]`` asks for it (``native.key_functions``), else ``_validate``'s (after the backend applied
+    ``EPCOMM_TUNE``)."""
     from . import native
 
-    if not native.wanted(device, True):
-        return None
+    if not native.wanted(device, True):  # (no import of the kernels' tables where nothing native is wanted)
+        return native.key_functions(device, False)
     from .backends.nvlink_params import TUNE
 
-    return native.signatures(device) if TUNE["native_key_v1"] else None
-
-
-def _native_row_sigs(sigs):
-    """The extension's ``row_signatures`` beside its ``signatures`` (None where ``sigs`` is None)."""
-    from . import native
-
-    return None if sigs is None else native.module().row_signatures
+    return native.key_functions(device, TUNE["native_key_v1"])
 
 
 class Buffer(LowLatencyMethods):
@@ -126,8 +120,7 @@ class Buffer(LowLatencyMethods):
         self._ll_fast: dict = {}  # low-latency call key -> the backend's launches for it (_remember)
         self._checked: set = set()  # call signatures (shapes, dtypes, arguments) whose shape/dtype/flag checks passed
         self._ht_fast: dict = {}  # high-throughput call key -> the backend's plan for it (_keep)
-        self._sigs = _native_sigs(self.device)  # (a kind of call's tensors in one C++ call, or None)
-        self._rsigs = _native_row_sigs(self._sigs)  # (the same without their row counts)
+        self._sigs, self._rsigs = _key_functions(self.device)  # (a call's tensors' kind; without their row counts)
         self._nvl_ok: set = set()  # (config, hidden bytes) that fit num_nvl_bytes
         self._default_configs: dict = {}  # (combine, num_sms) -> the default Config
         self._destroyed = False
@@ -295,11 +288,9 @@ class Buffer(LowLatencyMethods):
         data, scales = x if isinstance(x, (tuple, list)) and len(x) == 2 else (x, None)
         key = None
         if not self._host_checks and type(expert_alignment) is int and type(num_worst_tokens) is int:
-            sig = V.call_signature  # (a bool is an int too: type() rules it out)
-            try:
-                ts = (data, scales, ntpr, num_tokens_per_rdma_rank, is_in, ntpe, idx, w)
-                key = ("htd", self._sigs(*ts) if self._sigs is not None else tuple(map(sig, ts)), expert_alignment,
-                       num_worst_tokens, config, Buffer.num_sms)
+            try:  # (a bool is an int too: type() rules it out above)
+                key = ("htd", self._sigs(data, scales, ntpr, num_tokens_per_rdma_rank, is_in, ntpe, idx, w),
+                       expert_alignment, num_worst_tokens, config, Buffer.num_sms)
             except (AttributeError, TypeError):  # not tensors: the checks say which
                 key = None
         run = self._ht_fast.get(key)
@@ -344,15 +335,9 @@ class Buffer(LowLatencyMethods):
         data, scales = x if isinstance(x, (tuple, list)) and len(x) == 2 else (x, None)
         key = None
         if not self._host_checks:
-            sig = V.call_signature
             try:  # (the received row count is no part of a kind)
-                if self._sigs is not None:
-                    key = ("htc", self._sigs(data, scales, handle.is_token_in_rank, handle.rank_prefix_matrix),
-                           self._rsigs(handle.recv_src_idx), config, Buffer.num_sms)
-                else:
-                    key = ("htc", sig(data), sig(scales), sig(handle.is_token_in_rank),
-                           sig(handle.rank_prefix_matrix), V.rows_signature(handle.recv_src_idx), config,
-                           Buffer.num_sms)
+                key = ("htc", self._sigs(data, scales, handle.is_token_in_rank, handle.rank_prefix_matrix),
+                       self._rsigs(handle.recv_src_idx), config, Buffer.num_sms)
             except (AttributeError, TypeError):  # not tensors: the checks say which
                 key = None
         run = self._ht_fast.get(key)
@@ -394,14 +379,9 @@ class Buffer(LowLatencyMethods):
         biases = () if bias is None else (bias if isinstance(bias, (tuple, list)) else (bias,))
         key = None
         try:  # a kind seen before skips its checks (the row counts never do)
-            if self._sigs is not None:
-                key = ("htcb", self._rsigs(x, w), len(biases), self._sigs(*biases, handle.rank_prefix_matrix,
-                                                                           handle.send_head),
-                       handle.is_token_in_rank.shape[0], config, Buffer.num_sms)
-            else:
-                rows, sig = V.rows_signature, V.call_signature
-                key = ("htcb", rows(x), rows(w), tuple(map(sig, biases)), handle.is_token_in_rank.shape[0],
-                       sig(handle.rank_prefix_matrix), sig(handle.send_head), config, Buffer.num_sms)
+            key = ("htcb", self._rsigs(x, w), len(biases), self._sigs(*biases, handle.rank_prefix_matrix,
+                                                                       handle.send_head),
+                   handle.is_token_in_rank.shape[0], config, Buffer.num_sms)
             n = handle.recv_src_idx.numel()
             run = self._ht_fast.get(key)
             if run is not None and (x.shape[0] != n or (w is not None and w.shape[0] != n)):

@@ -86,7 +86,7 @@ class LowLatencyMethods:
         try:  # the repeat of a call seen before: its launches, made once (the checks passed then)
             key = None
             if type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int:
-                if self._sigs is not None:  # (the tensors' part in one C++ call: Buffer._sigs)
+                if self._sigs is not V.signatures:  # (the tensors' part in one C++ call: Buffer._sigs; else inline)
                     key = (self._sigs(x, topk_idx, cum, wst), num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                            round_scale, use_ue8m0, self._ll_calls & 1, return_recv_hook, async_finish)
                 else:
@@ -162,7 +162,7 @@ class LowLatencyMethods:
         ``use_logfmt`` is accepted for compatibility; the payload always travels as lossless BF16."""
         wst = combine_wait_recv_cost_stats
         try:  # the repeat of a call seen before (as in low_latency_dispatch); the handle by identity
-            if self._sigs is not None:
+            if self._sigs is not V.signatures:  # (as in low_latency_dispatch)
                 key = (id(handle), self._sigs(None if zero_copy else x, topk_idx, topk_weights, out, wst),
                        bool(zero_copy), self._ll_calls & 1, return_recv_hook, async_finish)
             else:

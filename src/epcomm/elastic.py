@@ -20,6 +20,7 @@ import torch.distributed as dist
 from . import _env
 from . import _validate as V
 from . import elastic_args as A
+from . import elastic_chains as chains
 from . import elastic_engine as engine
 from . import elastic_layout as EL
 from .backends import deadline
@@ -140,8 +141,8 @@ class ElasticBuffer:
                                 _env.timeout_s(float(self.num_cpu_timeout_secs)))
         from . import native
 
-        # a call's kind from its tensors: elastic_args.signatures, or in one C++ call (TUNE["native_key"])
-        self._sigs = (TUNE["native_key"] and native.signatures(self.device)) or A.signatures
+        # a call's kind from its tensors: _validate.signatures, or in one C++ call (TUNE["native_key"])
+        self._sigs = native.key_functions(self.device, TUNE["native_key"])[0]
         self._meet("ElasticBuffer/barrier")
         log.info("epcomm rank %d: ElasticBuffer on backend %s, %d bytes", self.rank_idx, self._backend.name,
                  self.num_bytes)
@@ -417,11 +418,11 @@ class ElasticBuffer:
 
             # after this kind's first uncaptured call bound its launches, it may be one native.Chain call
             # (TUNE["native_chain_v2c"]; expanded, each token's local rows summed: TUNE["native_chain_v2xc"];
-            # engine.combine_chain), where no event is waited for inside it
+            # elastic_chains.combine_chain), where no event is waited for inside it
             dev = self.device
             chain = native.Later((TUNE["native_chain_v2xc"] and multi if expand else TUNE["native_chain_v2c"])
                                  and native.wanted(dev, TUNE["native_alloc"]),
-                                 lambda *a: engine.combine_chain(self, *a, expand=expand))
+                                 lambda *a: chains.combine_chain(self, *a, expand=expand))
 
             def go(x, handle, topk_weights, bias, prev=None, before=None):
                 self._on_current(prev)

@@ -52,17 +52,10 @@ class _Recorded:
 # ----------------------------------------------------------------------------- kinds of call
 
 
-def signatures(*ts) -> tuple:
-    """Each argument's :func:`_validate.call_signature` (a tensor's shape, dtype, device, alignment and contiguity;
-    None for None): the part of a call's kind its tensors make. ``native.signatures`` gives the same distinctions
-    in one C++ call (``ElasticBuffer._sigs``)."""
-    return tuple(map(V.call_signature, ts))
-
-
-def dispatch_key(data, sf, topk_idx, topk_weights, cum, handle, rest: tuple, sigs=signatures) -> tuple:
+def dispatch_key(data, sf, topk_idx, topk_weights, cum, handle, rest: tuple, sigs=V.signatures) -> tuple:
     """The kind of a dispatch (``rest``: its other arguments, as given): what its checks and its plan depend
     on. A fresh dispatch's includes ``topk_idx`` and ``cum``; a cached one's the handle's layout and top-k
-    shape (its owner is checked at each call: :func:`owned`). ``sigs``: :func:`signatures` or the extension's.
+    shape (its owner is checked at each call: :func:`owned`). ``sigs``: ``_validate.signatures`` or the extension's.
     Raises ``AttributeError``/``TypeError`` for arguments that are not what they should be (the checks then say
     which)."""
     if handle is None:
@@ -71,7 +64,7 @@ def dispatch_key(data, sf, topk_idx, topk_weights, cum, handle, rest: tuple, sig
             handle.num_max_tokens_per_rank, handle.topk_idx.shape, topk_idx is None, cum is None)
 
 
-def combine_key(x, handle, topk_weights, bias, rest: tuple, sigs=signatures) -> tuple:
+def combine_key(x, handle, topk_weights, bias, rest: tuple, sigs=V.signatures) -> tuple:
     """The kind of a combine (as :func:`dispatch_key`'s): the handle's layout and rows, ``x``, the weights and
     the biases."""
     st = handle._state

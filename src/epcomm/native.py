@@ -341,12 +341,14 @@ def module():
     return _state["mod"]
 
 
-def signatures(device: torch.device):
-    """The extension's ``signatures(*tensors_or_none)`` (a call's kind from its tensors, as
-    ``elastic_args.signatures`` distinguishes them, in one C++ call) where outputs on ``device`` are made natively
-    and it is built; else None."""
-    mod = module() if wanted(device, True) else None
-    return None if mod is None else mod.signatures
+def key_functions(device: torch.device, tune: bool):
+    """``(signatures, row_signatures)`` of the extension (a call's kind from its tensors in one C++ call, as
+    ``_validate.signatures`` and ``_validate.row_signatures`` distinguish them) where ``tune`` asks for them, outputs
+    on ``device`` are made natively and it is built; else those two Python functions."""
+    from . import _validate as V
+
+    mod = module() if tune and wanted(device, True) else None
+    return (V.signatures, V.row_signatures) if mod is None else (mod.signatures, mod.row_signatures)
 
 
 def _packed(packed, n: int) -> list:

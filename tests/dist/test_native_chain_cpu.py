@@ -136,11 +136,11 @@ def _v2_flat(ctx, tag):
     # the third merged one on; contiguous BF16, fp32 and UE8M0 packs; expanded BF16 (the TMA-aligned packs of an
     # expanded FP8 call are a view per call: it keeps the Python path); checked whole, then a combine on the handle
     OnBackend, runs, undo = _start(ctx, tag, "native_key=1,native_flat=1,native_chain_v2x=1")
-    from epcomm import elastic_engine
+    from epcomm import elastic_chains
     from epcomm.testing import elastic_cases as C
 
-    built, real = [], elastic_engine._flat_build
-    elastic_engine._flat_build = lambda *a: built.append(real(*a)) or built[-1]
+    built, real = [], elastic_chains._flat_build
+    elastic_chains._flat_build = lambda *a: built.append(real(*a)) or built[-1]
     try:
         case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=3, num_experts=8, seed=23)
         buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
@@ -149,7 +149,7 @@ def _v2_flat(ctx, tag):
                 C.check_dispatch(buf, case, ctx.rank, sf_kind, expand, 1, False)
             C.check_combine(buf, case, ctx.rank, expand, 1, 1, False)
     finally:
-        elastic_engine._flat_build = real
+        elastic_chains._flat_build = real
         undo()
     assert len(built) == 4 and all(b is not None for b in built), built
     return runs
@@ -204,9 +204,10 @@ def _v2_combine(ctx, tag, expand: bool):
 
 
 def _v1(ctx, tag, key: bool = False):
-    # (native_chain_ht=1: the default; named so the check stands if it changes; key: the kinds by native.signatures)
+    # (native_chain_ht=1: the default; named so the check stands if it changes; key: the kinds by native.key_functions)
     _, runs, undo = _start(ctx, tag, "native_chain_ht=1" + (",native_key_v1=1" if key else ""))
     from epcomm import Buffer
+    from epcomm import _validate as V
     from epcomm.testing import cpu_nvlink
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
@@ -214,7 +215,7 @@ def _v1(ctx, tag, key: bool = False):
     try:
         ref = Buffer(ctx.group)
         fast = cpu_nvlink.nvlink_buffer(ctx.group, num_nvl_bytes=32 << 20)
-        assert (fast._sigs is not None) is key
+        assert (fast._sigs is not V.signatures) is key
         case = Case(num_ranks=2, tokens=(5, 8), hidden=128, num_topk=4, num_experts=8, seed=5)
         worst = sum(case.tokens) + 3
         for fp8 in (False, True):
@@ -239,6 +240,7 @@ def _v1(ctx, tag, key: bool = False):
 def _ll(ctx, tag, key: bool = False):
     _, runs, undo = _start(ctx, tag, "ll.native_chain=1" + (",native_key_v1=1" if key else ""))  # (as _v1's)
     from epcomm import Buffer
+    from epcomm import _validate as V
     from epcomm.testing import cpu_nvlink
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
@@ -249,12 +251,12 @@ def _ll(ctx, tag, key: bool = False):
         hint = Buffer.get_low_latency_rdma_size_hint(m, case.hidden, 2, case.num_experts)
         ref = Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
         fast = cpu_nvlink.nvlink_buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
-        assert (fast._sigs is not None) is key
+        assert (fast._sigs is not V.signatures) is key
         for i, kw in enumerate([dict(use_fp8=False), dict(use_fp8=True), dict(use_fp8=True, hook=True)]):
             for j in range(2):  # (a kind's first call makes its chain, the second runs it)
                 G.check_ll_case(ref, fast, case, ctx.rank, m, seed_shift=2 * i + j, **kw)
-        # fewer tokens, the same arguments otherwise: another kind by its tensors' shapes (a key from native.signatures
-        # that missed them would run the launches made for 6 and 5 tokens)
+        # fewer tokens, the same arguments otherwise: another kind by its tensors' shapes (a key from
+        # native.key_functions that missed them would run the launches made for 6 and 5 tokens)
         few = Case(num_ranks=2, tokens=(3, 4), hidden=256, num_topk=4, num_experts=8, seed=9)
         for j in range(2 if key else 0):
             G.check_ll_case(ref, fast, few, ctx.rank, m, seed_shift=7 + j, use_fp8=True)
@@ -265,12 +267,14 @@ def _ll(ctx, tag, key: bool = False):
     return runs
 
 
-CHECKS = ["v2-merged", "v2-flat", "v2-two-chains", "v2-expanded", "v2-combine", "v2-combine-expanded", "v1-worst", "v1-worst-key", "v1-ll", "v1-ll-key"]
+CHECKS = ["v2-merged", "v2-flat", "v2-two-chains", "v2-expanded", "v2-combine", "v2-combine-expanded", "v1-worst",
+          "v1-worst-key", "v1-ll", "v1-ll-key"]
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 
 def _rank(ctx, tag):
-    one = {"v2-merged": lambda c: _v2(c, tag, True), "v2-flat": lambda c: _v2_flat(c, tag), "v2-two-chains": lambda c: _v2(c, tag, False),
+    one = {"v2-merged": lambda c: _v2(c, tag, True), "v2-flat": lambda c: _v2_flat(c, tag),
+           "v2-two-chains": lambda c: _v2(c, tag, False),
            "v2-expanded": lambda c: _v2_expanded(c, tag), "v2-combine": lambda c: _v2_combine(c, tag, False),
            "v2-combine-expanded": lambda c: _v2_combine(c, tag, True),
            "v1-worst": lambda c: _v1(c, tag), "v1-worst-key": lambda c: _v1(c, tag, True),

@@ -75,14 +75,16 @@ def _signature_cases():
     sq = torch.zeros(4, 4, dtype=torch.float32)
     return {"none": None, "sq": sq, "sq.t": sq.t(), "sq bf16": torch.zeros(4, 4, dtype=torch.bfloat16),
             "sq int32": torch.zeros(4, 4, dtype=torch.int32), "5x4": torch.zeros(5, 4), "16": base[:16],
-            "16 at 4 B": base[1:17], "16 at 16 B": base[4:20], "16 at 8 B": base[2:18], "4x4 from flat": base[:16].view(4, 4),
+            "16 at 4 B": base[1:17], "16 at 16 B": base[4:20], "16 at 8 B": base[2:18],
+            "4x4 from flat": base[:16].view(4, 4),
             "strided": base[::4], "3-D": torch.zeros(2, 2, 4)}
 
 
 def test_native_signatures_tell_apart_what_python_does():
-    """``native.signatures`` (ElasticBuffer's kind of call in one C++ call) puts two tensor arguments in one kind
-    exactly where ``elastic_args.signatures`` does, argument by argument and in order, and refuses a non-tensor."""
-    from epcomm import elastic_args as A
+    """The extension's ``signatures`` (a buffer's kind of call in one C++ call: ``native.key_functions``) puts two
+    tensor arguments in one kind exactly where ``_validate.signatures`` does, argument by argument and in order, and
+    refuses a non-tensor."""
+    from epcomm import _validate as A
 
     mod = native.module()
     assert mod is not None, f"the extension was not built here: {native._state.get('why')}"
@@ -97,8 +99,8 @@ def test_native_signatures_tell_apart_what_python_does():
 
 
 def test_native_row_signatures_tell_apart_what_python_does():
-    """``native.row_signatures`` (Buffer's combine and cached dispatch: a tensor's kind without its row count) as
-    ``_validate.rows_signature``: tensors that differ only in their rows are one kind, any other difference two."""
+    """The extension's ``row_signatures`` (Buffer's combine and cached dispatch: a tensor's kind without its row
+    count) as ``_validate.rows_signature``: tensors that differ only in their rows are one kind, any other difference two."""
     from epcomm import _validate as V
 
     mod = native.module()
@@ -106,5 +108,6 @@ def test_native_row_signatures_tell_apart_what_python_does():
     cases = {k: v for k, v in _signature_cases().items() if v is not None}
     cases.update({"6x4": torch.zeros(6, 4), "0x4": torch.zeros(0, 4), "6x5": torch.zeros(6, 5)})
     for (na, a), (nb, b) in itertools.product(cases.items(), repeat=2):
-        assert (mod.row_signatures(a) == mod.row_signatures(b)) is (V.rows_signature(a) == V.rows_signature(b)), (na, nb)
+        same = V.rows_signature(a) == V.rows_signature(b)
+        assert (mod.row_signatures(a) == mod.row_signatures(b)) is same, (na, nb)
     assert mod.row_signatures(cases["5x4"]) == mod.row_signatures(cases["6x4"]) != mod.row_signatures(cases["6x5"])

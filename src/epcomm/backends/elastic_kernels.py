@@ -290,7 +290,7 @@ class Kernels:
         parts, ``backends/ht_dispatch.py``) and ``recv_meta``'s launches on its outputs (``meta_chain``:
         :meth:`_meta_chain`'s). ``go(x, scales, topk_idx, w, cum) -> (DispatchResult, RecvMeta, tail's outputs)``,
         one ``native.Chain`` call; None where either is missing or cannot be a chain. ``tail`` (an expanded
-        layout's scatter, ``elastic_engine.expanded_tail``): ``tail(sources, meta_out) -> (specs, packed, step)`` or
+        layout's scatter, ``elastic_chains.expanded_tail``): ``tail(sources, meta_out) -> (specs, packed, step)`` or
         None, its launch after the others on their outputs (``sources``: the dispatch's, ``rpm``, ``send_head``,
         ``src``, ``out_k``, ``x``, ``s``, ``w``; ``meta_out(name, offset=0)``: recv_meta's output ``name``, a field of
         ``RecvMeta``; ``own(i)``: the tail's output ``i``), its outputs after theirs (``packed`` counts from its
@@ -378,7 +378,7 @@ class Kernels:
         ``slots`` (``int32[N, K]``, the handle's ``recv_src_metadata[:, 2:]``; unit column stride): the
         copy goes by contiguous row, each read once for all its lanes (``BY_ROW``); None: by expanded row,
         each contiguous row read once per local lane. With ``plan`` nothing is launched: ``((name, key, consts, grid,
-        *args), out, out_sf, out_w)``, the launch :meth:`launch` would make (``elastic_engine.expanded_tail`` makes it
+        *args), out, out_sf, out_w)``, the launch :meth:`launch` would make (``elastic_chains.expanded_tail`` makes it
         a chain's step; None where there are no rows)."""
         x_rows = source.shape[0]
         dev = source.device
@@ -484,7 +484,7 @@ class Kernels:
         ``return_row_parts(skip_self=True)``), read in place from row ``send_head[t, me]``; rows of unit
         column stride. Returns ``(out bf16[T, H], weights f32[T, K] or None)``; with ``plan`` nothing is
         launched: ``((name, key, consts, grid, *args), out, weights)``, the launch :meth:`launch` would make
-        (``elastic_engine.combine_chain`` makes it a chain's step)."""
+        (``elastic_chains.combine_chain`` makes it a chain's step)."""
         t, k = topk_idx.shape
         dev = got.device
         if out is None:

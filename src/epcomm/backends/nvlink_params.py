@@ -56,26 +56,26 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
 # 0.820x the host time, synchronised dispatch 0.869x, layout + dispatch 0.850x, cached 0.799x, combine 0.878x
 # (benchmarks/2026-11-28/s11 call 1)
 # native_chain_v2c: ElasticBuffer's contiguous combine (the transport's two launches and the reduction's, its outputs)
-# as one chain (elastic_engine.combine_chain): 0.468x the host time (rounds 0.466-0.480), paired in one process, 3
+# as one chain (elastic_chains.combine_chain): 0.468x the host time (rounds 0.466-0.480), paired in one process, 3
 # rounds, 4096 tokens, one H100 (benchmarks/2026-11-28/s12 call 1); the other V2 calls within 0.99-1.01x
 # native_chain_v2x: ElasticBuffer's expanded layout: recv_meta's two launches as one chain, and an eager no-sync expanded
 # dispatch (the backend's exchange and gather, recv_meta's two launches and the scatter, every output) as one
-# (elastic_engine.expanded_tail): the eager no-sync expanded dispatch 0.465x its host time (rounds 0.464-0.468; 253 ->
+# (elastic_chains.expanded_tail): the eager no-sync expanded dispatch 0.465x its host time (rounds 0.464-0.468; 253 ->
 # 117 us), the synchronised one 0.923x, paired in one process, 3 rounds, 4096 tokens, one H100; the expanded combine
 # after it 1.063x (1.044-1.086), the others 0.99-1.00x (benchmarks/2026-11-28/s12 call 4)
 # native_chain_v2xc: ElasticBuffer's expanded combine with each token's local rows summed (allow_multiple_reduction)
 # as one chain: the pack with its rows, the transport's two launches and the reduction's, its outputs
-# (elastic_engine.combine_chain): 0.421x its host time (rounds 0.410-0.429; 171 -> 73 us), the other V2 calls 0.99-1.02x,
-# paired in one process, 3 rounds, 4096 tokens, one H100 (benchmarks/2026-11-28/s12 call 5)
+# (elastic_chains.combine_chain): 0.421x its host time (rounds 0.410-0.429; 171 -> 73 us), the other V2 calls
+# 0.99-1.02x, paired in one process, 3 rounds, 4096 tokens, one H100 (benchmarks/2026-11-28/s12 call 5)
 # native_key: ElasticBuffer's kind of call (its tensors' shapes, dtypes, devices, alignment, contiguity) in one C++ call
-# (native.signatures), not a Python signature per tensor: every V2 call 0.92-0.99x its host time (the contiguous FP8
+# (native.key_functions), not a Python signature per tensor: every V2 call 0.92-0.99x its host time (the contiguous FP8
 # no-sync dispatch 0.929x), paired in one process, 3 rounds, 4096 tokens, one H100 (benchmarks/2026-11-28/s13 call 3)
 # native_flat: ElasticBuffer's eager no-sync dispatch that is one merged chain makes its results from the chain's
-# outputs by position (elastic_engine.FlatResults), not through the backend's and recv_meta's result objects: with
+# outputs by position (elastic_chains.FlatResults), not through the backend's and recv_meta's result objects: with
 # native_key, the contiguous no-sync dispatch 0.835x its host time (BF16 and FP8; FP8 53.7 -> 44.8 us), the
 # expanded one 0.851x, the combines 0.92x (native_key's share), the synchronised dispatches 0.97-0.99x (s13 call 3)
 # native_key_v1: Buffer's high-throughput dispatch (fresh and cached), its combine and its low-latency calls find their
-# kind as native_key does (native.signatures, native.row_signatures). On the CPU rig (hostprobe --modes python,
+# kind as native_key does (native.key_functions). On the CPU rig (hostprobe --modes python,
 # paired, 3 rounds, 4096 tokens / 128 and 1 for LL) the Python of num_worst_tokens dispatch 0.76x, FP8 0.82x, a
 # synchronised dispatch 0.92x, cached 0.82x, combine 0.89x, LL dispatch 0.92x, LL combine 0.87x. Not measured on a
 # GPU yet: off

@@ -164,8 +164,7 @@ def nvlink_buffer(group, spins: float = 2e5, **kw):
     buf._backend = NVLinkBackend(buf)
     buf._backend.timeout_s = spins / 1e9  # the interpreter's waits count spins (timeout_ns of them)
     buf._host_checks = False
-    from ..buffer import _native_row_sigs, _native_sigs
+    from ..buffer import _key_functions
 
-    buf._sigs = _native_sigs(buf.device)  # (as Buffer derives them once its backend applied EPCOMM_TUNE)
-    buf._rsigs = _native_row_sigs(buf._sigs)
+    buf._sigs, buf._rsigs = _key_functions(buf.device)  # (as Buffer derives them once its backend applied EPCOMM_TUNE)
     return buf
