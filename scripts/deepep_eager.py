@@ -5,8 +5,9 @@ Each iteration: a barrier, a one-element ``all_reduce``, then CUDA events around
 until the call returns. 24 SMs, DeepEP's default chunk sizes, DeepSeek-V3 shapes (4096 tokens, hidden 7168, top-8,
 256 experts), 5 warm-up and 30 timed iterations; each rank's median, then the largest over ranks. This is the
 anchor script of ``benchmarks/anchors/deepep-v1-h200x2-2026-11-23/deepep_eager.py`` with its ranks spawned here and
-one option, ``--share-gpu``: every rank on GPU 0 and a gloo process group (NCCL refuses two ranks on one GPU; run it
-under an MPS daemon, as ``scripts/gpu_lanes.sh``'s ``mps:`` lanes do).
+one option, ``--share-gpu``: every rank on GPU 0, a gloo process group (NCCL refuses two ranks on one GPU) and torch
+symmetric memory told to accept that (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``); run it under an MPS daemon, as
+``scripts/gpu_lanes.sh``'s ``mps:`` lanes do.
 
 Usage::
 
@@ -114,6 +115,8 @@ def main() -> None:
     args = p.parse_args()
     if args.ranks < 1:
         p.error(f"--ranks must be >= 1, got {args.ranks}")
+    if args.share_gpu:  # torch symmetric memory (epcomm's nvlink backend) must accept one device in several ranks
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     mp.spawn(_run, args=(args,), nprocs=args.ranks, join=True)
 
 

@@ -205,7 +205,7 @@ def _v2_combine(ctx, tag, expand: bool):
 
 def _v1(ctx, tag, key: bool = False):
     # (native_chain_ht=1: the default; named so the check stands if it changes; key: the kinds by native.key_functions)
-    _, runs, undo = _start(ctx, tag, "native_chain_ht=1" + (",native_key_v1=1" if key else ""))
+    _, runs, undo = _start(ctx, tag, "native_chain_ht=1,native_key_v1=" + ("1" if key else "0"))
     from epcomm import Buffer
     from epcomm import _validate as V
     from epcomm.testing import cpu_nvlink
@@ -238,7 +238,7 @@ def _v1(ctx, tag, key: bool = False):
 
 
 def _ll(ctx, tag, key: bool = False):
-    _, runs, undo = _start(ctx, tag, "ll.native_chain=1" + (",native_key_v1=1" if key else ""))  # (as _v1's)
+    _, runs, undo = _start(ctx, tag, "ll.native_chain=1,native_key_v1=" + ("1" if key else "0"))  # (as _v1's)
     from epcomm import Buffer
     from epcomm import _validate as V
     from epcomm.testing import cpu_nvlink

@@ -30,7 +30,7 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
             native_pack=True, native_merge=True, native_chain_ht=True,
             native_chain_v2c=True, native_chain_v2x=True,
             native_chain_v2xc=True, native_key=True, native_flat=True,
-            native_key_v1=False)
+            native_key_v1=True)
 # notify_block: tokens a step of the exchange kernel's rank programs (a scan over all T tokens, one step after
 # another): 2048 took 2.4-2.8 us off the DSv3 graph dispatch (BF16 110.9 -> 108.1, FP8 83.9 -> 81.6 us, the
 # mean of 2 rounds at world 1, one H100; 4096 with 16 warps: 108.9 / 82.0; benchmarks/2026-11-27/s6/call2-0d26a28)
@@ -77,8 +77,11 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
 # native_key_v1: Buffer's high-throughput dispatch (fresh and cached), its combine and its low-latency calls find their
 # kind as native_key does (native.key_functions). On the CPU rig (hostprobe --modes python,
 # paired, 3 rounds, 4096 tokens / 128 and 1 for LL) the Python of num_worst_tokens dispatch 0.76x, FP8 0.82x, a
-# synchronised dispatch 0.92x, cached 0.82x, combine 0.89x, LL dispatch 0.92x, LL combine 0.87x. Not measured on a
-# GPU yet: off
+# synchronised dispatch 0.92x, cached 0.82x, combine 0.89x, LL dispatch 0.92x, LL combine 0.87x. On one H100 (world 1,
+# hostprobe --modes call, paired in one process, 3 rounds; benchmarks/2026-11-28/s14/call1-359601e): num_worst_tokens
+# dispatch 0.896x the host time (FP8 0.910x), synchronised dispatch 0.938x, layout + dispatch 0.943x, cached 0.835x,
+# combine 0.829x, the layout alone 1.004x; LL at 128 tokens dispatch 0.962x, combine 0.902x, at 1 token 0.960x /
+# 0.942x: on
 # fused_cpush: the combine's SM push and its reduce in one kernel (_combine_kernel), else two launches
 # (chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
 # 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
