@@ -268,10 +268,12 @@ struct Chain {
   std::vector<std::vector<uint64_t>> last() const { return seen; }
 };
 
-// What a repeated call must share with the first of its kind, for each argument (a tensor or None), as one flat
-// tuple of ints: None -1; a tensor its dimensions, its sizes, its dtype, its device index (-1: CPU), its address
-// modulo 16 and whether it is contiguous (as _validate.repeat_signature, one call for all the arguments).
-static py::tuple signatures_from(const py::args& args, bool rows) {
+// What a repeated call must share with the first of its kind, for each argument (a tensor or None), as the bytes
+// of one flat sequence of int64: None -1; a tensor its dimensions, its sizes, its dtype, its device index (-1: CPU),
+// its address modulo 16 and whether it is contiguous (as _validate.repeat_signature, one call for all the
+// arguments). Each argument's part says its own length (its dimensions first), so equal bytes are equal kinds; one
+// bytes object is cheaper to make and to hash in a key than a tuple of ~40 ints.
+static py::bytes signatures_from(const py::args& args, bool rows) {
   std::vector<int64_t> v;
   v.reserve(args.size() * 8);
   for (auto& a : args) {
@@ -290,13 +292,11 @@ static py::tuple signatures_from(const py::args& args, bool rows) {
     v.push_back((int64_t)((uintptr_t)t.data_ptr() & 15));
     v.push_back(t.is_contiguous() ? 1 : 0);
   }
-  py::tuple out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = py::int_(v[i]);
-  return out;
+  return py::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(int64_t));
 }
-static py::tuple signatures(py::args args) { return signatures_from(args, false); }
+static py::bytes signatures(py::args args) { return signatures_from(args, false); }
 // The same without each tensor's first size (its rows: as _validate.rows_signature).
-static py::tuple row_signatures(py::args args) { return signatures_from(args, true); }
+static py::bytes row_signatures(py::args args) { return signatures_from(args, true); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("signatures", &signatures);
@@ -319,7 +319,7 @@ def wanted(device: torch.device, tune: bool) -> bool:
     return bool(tune) and how != "0" and (device.type == "cuda" or how == "all")
 
 
-_NAME = "epcomm_native_5"  # (a new source gets a new name: torch's cache keys builds by name and source)
+_NAME = "epcomm_native_6"  # (a new source gets a new name: torch's cache keys builds by name and source)
 _state: dict = {}
 
 

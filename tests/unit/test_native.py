@@ -91,8 +91,12 @@ def test_native_signatures_tell_apart_what_python_does():
     cases = _signature_cases()
     for (na, a), (nb, b) in itertools.product(cases.items(), repeat=2):
         assert (mod.signatures(a) == mod.signatures(b)) is (A.signatures(a) == A.signatures(b)), (na, nb)
-        assert (mod.signatures(a, b) == mod.signatures(b, a)) is (A.signatures(a, b) == A.signatures(b, a)), (na, nb)
-    assert mod.signatures() == () and hash(mod.signatures(cases["sq"], None)) is not None
+    # pairs of arguments against pairs: one flat signature for several tensors must keep where each one ends
+    pairs = {(na, nb): (mod.signatures(a, b), A.signatures(a, b))
+             for (na, a), (nb, b) in itertools.product(cases.items(), repeat=2)}
+    for (p, (nat_p, py_p)), (q, (nat_q, py_q)) in itertools.product(pairs.items(), repeat=2):
+        assert (nat_p == nat_q) is (py_p == py_q), (p, q)
+    assert mod.signatures() == b"" and hash(mod.signatures(cases["sq"], None)) is not None
     for bad in (3, "x", [torch.zeros(1)]):
         with pytest.raises(TypeError):
             mod.signatures(cases["sq"], bad)
