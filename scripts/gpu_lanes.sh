@@ -5,7 +5,9 @@
 #   repository root on GPU <its line's index> (CUDA_VISIBLE_DEVICES) with OUT=<its own folder>. A line that
 #   starts with 'mps:' runs under a private MPS daemon of its own GPU (its own pipe directory; the daemon
 #   sees that GPU alone and the lane's processes see it as device 0, CUDA_VISIBLE_DEVICES=0; gpu_check.sh's MPS modes then use it:
-#   EPCOMM_MPS_RUNNING=1), others run without MPS. One daemon a lane: a client that faults or is killed
+#   EPCOMM_MPS_RUNNING=1), others run without MPS. In an MPS lane, "$NO_MPS cmd" runs cmd outside the daemon on the
+#   lane's own GPU (CUDA_VISIBLE_DEVICES=0 there names the daemon's GPU only through the daemon: a process that
+#   leaves the daemon with it would run on GPU 0, another lane's). One daemon a lane: a client that faults or is killed
 #   mid-kernel can stop its MPS server for every client, so lanes sharing one server break each other.
 #   CAP_S (default 560): every lane still running then is killed.
 #   Each lane's output is in <its folder>/lane.log; all of them come back as ONE file, $OUT/lanes.tgz
@@ -35,9 +37,11 @@ for i in "${!lanes[@]}"; do
     # the daemon sees GPU i alone and remaps it to device 0; its clients say 0 too (unset, torch counts
     # every GPU through NVML and asserts on the device the runtime does not have)
     devs=0
-    pre="export CUDA_MPS_PIPE_DIRECTORY=$d/pipe CUDA_MPS_LOG_DIRECTORY=$d/log EPCOMM_MPS_RUNNING=1;"
+    pre="export CUDA_MPS_PIPE_DIRECTORY=$d/pipe CUDA_MPS_LOG_DIRECTORY=$d/log EPCOMM_MPS_RUNNING=1"
+    pre+=" NO_MPS='env -u CUDA_MPS_PIPE_DIRECTORY -u CUDA_MPS_LOG_DIRECTORY -u EPCOMM_MPS_RUNNING"
+    pre+=" -u EPCOMM_TEST_SHARE_GPU -u CUDA_MPS_ACTIVE_THREAD_PERCENTAGE CUDA_VISIBLE_DEVICES=$i';"
   else
-    pre=""
+    pre="export NO_MPS=env;"
   fi
   echo "lane $i (GPU $i): $line" | tee "$dir/lane.log"
   # its own session, so that the cap can kill the lane's whole tree (pytest, ranks, benches)
