@@ -86,16 +86,9 @@ class LowLatencyMethods:
         try:  # the repeat of a call seen before: its launches, made once (the checks passed then)
             key = None
             if type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int:
-                if self._sigs is not V.signatures:  # (the tensors' part in one C++ call: Buffer._sigs; else inline)
-                    key = (self._sigs(x, topk_idx, cum, wst), num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                           round_scale, use_ue8m0, self._ll_calls & 1, return_recv_hook, async_finish)
-                else:
-                    key = (x.shape, x.dtype, x.get_device(), x.data_ptr() & 15, x.is_contiguous(),
-                           topk_idx.shape, topk_idx.dtype, topk_idx.get_device(), topk_idx.data_ptr() & 15,
-                           topk_idx.is_contiguous(), num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                           round_scale, use_ue8m0, None if cum is None else V.repeat_signature(cum),
-                           None if wst is None else V.repeat_signature(wst), self._ll_calls & 1,
-                           return_recv_hook, async_finish)
+                # (the tensors' part: Buffer._sigs, one C++ call where the extension is built)
+                key = (self._sigs(x, topk_idx, cum, wst), num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                       round_scale, use_ue8m0, self._ll_calls & 1, return_recv_hook, async_finish)
         except (AttributeError, TypeError):  # not tensors: the checks below say which
             key = None
         run = self._ll_fast.get(key)
@@ -162,17 +155,8 @@ class LowLatencyMethods:
         ``use_logfmt`` is accepted for compatibility; the payload always travels as lossless BF16."""
         wst = combine_wait_recv_cost_stats
         try:  # the repeat of a call seen before (as in low_latency_dispatch); the handle by identity
-            if self._sigs is not V.signatures:  # (as in low_latency_dispatch)
-                key = (id(handle), self._sigs(None if zero_copy else x, topk_idx, topk_weights, out, wst),
-                       bool(zero_copy), self._ll_calls & 1, return_recv_hook, async_finish)
-            else:
-                key = (id(handle), None if zero_copy else (x.shape, x.dtype, x.get_device(), x.data_ptr() & 15,
-                                                            x.is_contiguous()), topk_idx.shape, topk_idx.dtype,
-                       topk_idx.get_device(), topk_idx.data_ptr() & 15, topk_idx.is_contiguous(), topk_weights.shape,
-                       topk_weights.dtype, topk_weights.get_device(), topk_weights.data_ptr() & 15,
-                       topk_weights.is_contiguous(), None if out is None else V.repeat_signature(out),
-                       None if wst is None else V.repeat_signature(wst), bool(zero_copy), self._ll_calls & 1,
-                       return_recv_hook, async_finish)
+            key = (id(handle), self._sigs(None if zero_copy else x, topk_idx, topk_weights, out, wst),
+                   bool(zero_copy), self._ll_calls & 1, return_recv_hook, async_finish)
         except (AttributeError, TypeError):  # not tensors: the checks below say which
             key = None
         entry = self._ll_fast.get(key)
