@@ -15,15 +15,13 @@ import logging
 import torch
 import torch.distributed as dist
 
-from . import _env, layout
 from . import _validate as V
-from .backends import select_backend
+from . import layout
 from .backends.base import DispatchArgs
-from .backends.internode import group_nodes
 from .buffer_ll import LowLatencyMethods
 from .config import Config
 from .event import EventOverlap
-from .streams import CallStreams
+from .runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +64,8 @@ class Buffer(LowLatencyMethods):
     # DeepEP's device rule: the current CUDA device whatever the group's backend (deep_ep.Buffer sets it:
     # vLLM builds its DeepEP Buffers on a gloo group); epcomm's own rule: CUDA where the group moves CUDA
     _cuda_whatever_the_group = False
+    # a subclass's own backend instead of the selection rule's: ``make(runtime) -> Backend`` (epcomm.testing's rigs)
+    _make_backend = None
 
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
@@ -90,28 +90,14 @@ class Buffer(LowLatencyMethods):
         self.explicitly_destroy = bool(explicitly_destroy)
         self.enable_shrink = bool(enable_shrink)
 
-        level = _env.log_level()
-        if level:
-            logging.getLogger("epcomm").setLevel(level.upper())
-        backend_name = str(dist.get_backend(group)).lower()
-        # CUDA where the group moves CUDA tensors: NCCL, or gloo named for CUDA too ("cpu:gloo,cuda:gloo")
-        cuda_group = "nccl" in backend_name or "cuda:gloo" in backend_name or self._cuda_whatever_the_group
-        if cuda_group and torch.cuda.is_available():
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
-        self.timeout_s = _env.timeout_s(10.0 if self.device.type == "cuda" else 30.0)
-        self._streams = CallStreams(self.device)  # the communication stream and the order of calls
-        # the node of every rank (hosts, or EPCOMM_GPUS_PER_NODE; collective, read once): the backend
-        # selection uses it, and get_dispatch_layout counts tokens per node where there are several
-        self.node_map = group_nodes(group, self.timeout_s)
-        n_nodes = len(set(self.node_map[0]))
-        self._ranks_per_node = self.group_size // n_nodes if n_nodes > 1 else None
-        self._backend, why = select_backend(self)
-        # Range checks of expert ids need the values on the host: done here unless the backend checks
-        # them on the device (then a bad id raises at its next synchronisation, never a hang or a crash).
-        self._host_checks = not getattr(self._backend, "checks_topk_on_device", False)
-        log.info("epcomm rank %d: backend %s (%s)", self.rank, self._backend.name, why)
+        self._rt = Runtime(group, num_nvl_bytes=self.num_nvl_bytes, num_rdma_bytes=self.num_rdma_bytes,
+                           low_latency_mode=self.low_latency_mode, num_qps_per_rank=self.num_qps_per_rank,
+                           allow_nvlink_for_low_latency_mode=self.allow_nvlink_for_low_latency_mode,
+                           cuda_whatever_the_group=self._cuda_whatever_the_group, num_sms=lambda: type(self).num_sms,
+                           make_backend=self._make_backend)
+        self.device, self.timeout_s, self.node_map = self._rt.device, self._rt.timeout_s, self._rt.node_map
+        self._backend, self._streams = self._rt.backend, self._rt.streams  # (this Buffer's own names for its runtime's)
+        self._host_checks = self._rt.host_checks
         self._mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
         self._ll_calls = 0
         # (M, H, E) of the low-latency calls since the last clean
@@ -210,7 +196,7 @@ class Buffer(LowLatencyMethods):
             return
         if not self.explicitly_destroy:
             raise RuntimeError("destroy() is for Buffers made with explicitly_destroy=True")
-        self._backend.destroy()
+        self._rt.destroy()
         self._ll_fast.clear()
         self._ht_fast.clear()
         self._destroyed = True
@@ -227,15 +213,11 @@ class Buffer(LowLatencyMethods):
         self._check_alive()
         V.num_experts(num_experts, self.group_size)
         V.topk_idx(topk_idx, None, num_experts, self.device, check_values=self._host_checks)
-        kernel = getattr(self._backend, "dispatch_layout", None)
+        kernel, per_node_of = self._backend.dispatch_layout, self._rt.ranks_per_node
 
         def fn():
-            if kernel is not None:
-                per_rank, per_expert, in_rank = kernel(topk_idx, num_experts)
-            else:
-                per_rank, per_expert, in_rank = layout.dispatch_layout(topk_idx, num_experts, self.group_size)
-            per_node = None if self._ranks_per_node is None else layout.tokens_per_node(in_rank,
-                                                                                         self._ranks_per_node)
+            per_rank, per_expert, in_rank = kernel(topk_idx, num_experts)
+            per_node = None if per_node_of is None else layout.tokens_per_node(in_rank, per_node_of)
             return per_rank, per_node, per_expert, in_rank
 
         (per_rank, per_node, per_expert, in_rank), ev = self._streams.run(fn, [topk_idx], previous_event,
@@ -317,9 +299,9 @@ class Buffer(LowLatencyMethods):
                 self._checked.add(key)
         args = DispatchArgs(data, scales, idx, w, ntpr, is_in, ntpe, expert_alignment, num_worst_tokens,
                             config.num_channels, config.num_sms, config.num_max_rdma_chunked_send_tokens)
-        plan = getattr(self._backend, "dispatch_run", None)
+        plan = self._backend.dispatch_run
         run = None
-        if key is not None and plan is not None and all(
+        if key is not None and all(
                 v is None or v.is_contiguous() for v in (data, ntpr, is_in, ntpe, idx, w)):
             if scales is None or scales.is_contiguous():
                 run = plan(args)
@@ -354,9 +336,9 @@ class Buffer(LowLatencyMethods):
         self._check_nvl_bytes(config, h * data.element_size())
         if handle.is_token_in_rank.shape[0] != t:
             raise ValueError(f"x has {t} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
-        plan = getattr(self._backend, "cached_dispatch_run", None)
+        plan = self._backend.cached_dispatch_run
         run = None
-        if key is not None and plan is not None and all(v is None or v.is_contiguous() for v in (
+        if key is not None and all(v is None or v.is_contiguous() for v in (
                 data, handle.rank_prefix_matrix, handle.recv_src_idx, handle.is_token_in_rank)):
             if scales is None or scales.is_contiguous():
                 run = plan(data, scales, handle, config)
@@ -415,9 +397,9 @@ class Buffer(LowLatencyMethods):
         config = self._config(config, combine=True)
         self._check_nvl_bytes(config, x.shape[1] * x.element_size())
         biases = tuple(b for b in biases if b is not None)  # DeepEP accepts (bias_0, None)
-        plan = getattr(self._backend, "combine_run", None)
+        plan = self._backend.combine_run
         run = None
-        if key is not None and plan is not None and all(
+        if key is not None and all(
                 v is None or v.is_contiguous() for v in (x, w, handle.rank_prefix_matrix, handle.send_head, *biases)):
             run = plan(x, handle, w, biases, config)
         if run is None:

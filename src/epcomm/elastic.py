@@ -27,6 +27,7 @@ from .backends import deadline
 from .backends.errors import gave_up
 from .elastic_handle import EPHandle
 from .event import EventHandle, EventOverlap
+from .runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,11 @@ topk_idx_t = torch.int64  # DeepEP's top-k index dtype (int64 unless DeepEP is b
 class ElasticBuffer:
     """DeepEP V2's ``ElasticBuffer`` over epcomm's engine (see the module docstring and docs/v2.md)."""
 
-    # the engine's class (``deep_ep.ElasticBuffer`` uses ``deep_ep.Buffer``'s device rule)
-    _engine_cls = None
+    # DeepEP's device rule (``deep_ep.ElasticBuffer`` sets it: the current CUDA device whatever the group's
+    # backend), else epcomm's (CUDA where the group moves CUDA tensors)
+    _cuda_whatever_the_group = False
+    # a subclass's own backend instead of the selection rule's: ``make(runtime) -> Backend`` (epcomm.testing's rigs)
+    _make_backend = None
 
     def __init__(self, group, num_bytes: int | None = None, num_cpu_bytes: int = 0, num_max_tokens_per_rank: int = 0,
                  hidden: int = 0, num_topk: int = 0, use_fp8_dispatch: bool = False, deterministic: bool = False,
@@ -95,21 +99,16 @@ class ElasticBuffer:
         # a direct layout on every topology: rows grouped by source rank (docs/v2.md)
         self.num_allocated_qps = num_allocated_qps or 17
 
-        from .buffer import Buffer
-
-        cls = self._engine_cls or Buffer
         staging = EL.staging_bytes(self.num_ranks, m, h, k) if m and h else (num_bytes or 0)
-        # the engine: one Buffer, whose backend (reference, nvlink, internode) moves every byte;
+        # the backend (reference, nvlink, internode) that moves every byte, chosen as Buffer's is;
         # num_allocated_qps is its num_qps_per_rank (NVSHMEM's RC connections per peer on internode)
-        self._engine = cls(group, num_nvl_bytes=staging, num_qps_per_rank=num_allocated_qps or 24,
-                           explicitly_destroy=True)
-        self._backend = self._engine._backend
-        if _env.timeout_s(None) is None:  # EPCOMM_TIMEOUT_S, where set, wins
-            self._backend.timeout_s = float(num_gpu_timeout_secs if self._engine.device.type == "cuda"
-                                            else num_cpu_timeout_secs)
-        self._host_checks = self._engine._host_checks
-        self.device = self._engine.device
-        nodes = self._engine.node_map[0]
+        self._rt = Runtime(group, num_nvl_bytes=staging, num_qps_per_rank=num_allocated_qps or 24,
+                           cuda_whatever_the_group=self._cuda_whatever_the_group, make_backend=self._make_backend)
+        self._backend, self._streams = self._rt.backend, self._rt.streams  # (this buffer's names for its runtime's)
+        self._rt.set_timeout(num_gpu_timeout_secs if self._rt.device.type == "cuda" else num_cpu_timeout_secs)
+        self._host_checks = self._rt.host_checks
+        self.device = self._rt.device
+        nodes = self._rt.node_map[0]
         self.num_rdma_ranks = len(set(nodes))
         self.num_nvlink_ranks = self.num_ranks // self.num_rdma_ranks
         self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
@@ -119,20 +118,20 @@ class ElasticBuffer:
         self.num_bytes = num_bytes if num_bytes is not None else self._size_for(m, h, k, False)
         self.num_cpu_bytes = num_cpu_bytes
         self.nccl_comm_handle = None
-        self.runtime = self._engine
+        self.runtime = self._rt
         self._destroyed = False
         self._sms_cache: dict = {}
         self._fast: dict = {}  # kind of fresh dispatch -> its run (dispatch)
         self._capturing = V.capturing_fn(self.device)  # (without torch.cuda's Python layer)
         self._fits: set = set()  # (M, H, K, FP8) whose layout fits num_bytes
-        self._configs: dict = {}  # num_sms -> the engine's Config for it (elastic_engine)
-        self.device_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                           if self.device.type == "cuda" else 0)
-        self._kernels = None  # elastic_engine's steps as torch operations (the reference backend on CPU)
+        self.device_sms = device_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                                        if self.device.type == "cuda" else 0)
+        kernels = None  # the V2 steps as torch operations (the reference backend on CPU) ...
         if self.device.type == "cuda" or self._backend.name != "reference":  # ... else as Triton kernels
             from .backends.elastic_kernels import Kernels
 
-            self._kernels = Kernels()
+            kernels = Kernels()
+        self._steps = engine.Steps(self._backend, kernels, self.rank_idx, self.num_ranks, device_sms)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         from .backends.nvlink_params import TUNE  # (recv_meta's outputs: native.Outputs where wanted)
@@ -219,7 +218,7 @@ class ElasticBuffer:
 
     def get_comm_stream(self):
         """The communication stream (None on CPU, where every call completes synchronously)."""
-        return self._engine.get_comm_stream()
+        return self._streams.comm
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
         """Every rank of the group meets here (a ``torch.distributed`` barrier; ``with_cpu_sync``: the device
@@ -244,7 +243,7 @@ class ElasticBuffer:
             return
         if not gave_up(self.group):  # (after a deadline the ranks are out of step: no collective teardown)
             self.barrier(with_cpu_sync=True)
-        self._engine.destroy()
+        self._rt.destroy()
         self._fast.clear()
         self._destroyed = True
         self.runtime = None
@@ -257,7 +256,7 @@ class ElasticBuffer:
         """``fn()`` on the communication stream after ``previous_event`` (else after the current stream), on
         the current stream where there is no communication stream (CPU); returns ``(result, EventOverlap)``.
         (A call without ``async_with_compute_stream`` runs on the current stream: :meth:`_on_current`.)"""
-        streams = self._engine._streams
+        streams = self._streams
         if streams.comm is None:
             return fn(), EventOverlap()
         prev = None if previous_event is None else EventOverlap(previous_event)
@@ -266,7 +265,7 @@ class ElasticBuffer:
     def _on_current(self, previous_event) -> None:
         """Before a call on the current stream: it waits for ``previous_event`` and for the communication
         stream's pending work (nothing to do without a communication stream, on CPU)."""
-        streams = self._engine._streams
+        streams = self._streams
         if streams.comm is not None:
             if previous_event is not None:
                 previous_event.current_stream_wait()
@@ -316,13 +315,13 @@ class ElasticBuffer:
             A.cached(self, handle, data, sf, topk_idx, topk_weights, cum, num_experts, num_max_tokens_per_rank,
                      expert_alignment, do_cpu_sync, expand)
             if go is None:
-                go = self._cached_go(engine.cached_plan(self, expand, data, sf, topk_weights, zero_pad, tma), async_)
+                go = self._cached_go(engine.cached_plan(self._steps, expand, data, sf, topk_weights, zero_pad, tma), async_)
         else:
             e, m, a, sync, k = A.fresh(self, data, sf, topk_idx, topk_weights, cum, num_experts,
                                        num_max_tokens_per_rank, expert_alignment, do_cpu_sync)
             if go is None:
                 sms = num_sms or ElasticBuffer._num_sms_override or self.get_theoretical_num_sms(e, k)
-                plan = engine.dispatch_plan(self, data, sf, topk_idx, topk_weights, e, m, a, sms, expand, sync,
+                plan = engine.dispatch_plan(self._steps, data, sf, topk_idx, topk_weights, e, m, a, sms, expand, sync,
                                             zero_pad, tma, cum, A.flag("do_handle_copy", do_handle_copy), capturing)
                 go = self._fresh_go(plan, async_, (expand, e, a, m, sms))
         self._keep(key, go)
@@ -422,7 +421,7 @@ class ElasticBuffer:
             dev = self.device
             chain = native.Later((TUNE["native_chain_v2xc"] and multi if expand else TUNE["native_chain_v2c"])
                                  and native.wanted(dev, TUNE["native_alloc"]),
-                                 lambda *a: chains.combine_chain(self, *a, expand=expand))
+                                 lambda *a: chains.combine_chain(self._steps, *a, expand=expand))
 
             def go(x, handle, topk_weights, bias, prev=None, before=None):
                 self._on_current(prev)
@@ -432,7 +431,7 @@ class ElasticBuffer:
                                 handle.topk_idx)
                     return out, w, EventOverlap()
                 st, biases, sms = handle._state, () if bias is None else A.biases(bias), num_sms or handle.num_sms
-                out, w = engine.combine(self, x, st, handle.topk_idx, handle.num_experts,
+                out, w = engine.combine(self._steps, x, st, handle.topk_idx, handle.num_experts,
                                         handle.num_max_tokens_per_rank, expand, topk_weights, biases, multi, before,
                                         sms)
                 if not chain.done and before is None and not V.is_capturing(dev):
@@ -445,7 +444,7 @@ class ElasticBuffer:
             biases = A.biases(bias)
 
             def fn():
-                return engine.combine(self, x, handle._state, handle.topk_idx, handle.num_experts,
+                return engine.combine(self._steps, x, handle._state, handle.topk_idx, handle.num_experts,
                                       handle.num_max_tokens_per_rank, expand, topk_weights, biases, multi, before,
                                       num_sms or handle.num_sms)
 

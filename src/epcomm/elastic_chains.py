@@ -138,7 +138,7 @@ def tail_rows(x_rows: int, p: int, tma_sf: bool, made: tuple):
     return ex, esf, None, ew
 
 
-def expanded_tail(eb, res, _rm, out, pay, zero_pad: bool, tma_sf: bool, k: int, has_w: bool):
+def expanded_tail(v2, res, _rm, out, pay, zero_pad: bool, tma_sf: bool, k: int, has_w: bool):
     """An eager no-sync expanded dispatch's scatter (``Kernels.copy_epilogue``) as the last step of its merged
     chain (``Kernels.merged``'s ``tail``), from the call that just ran it (``res``, ``_rm``: the backend's and
     recv_meta's results, the latter read through the state; ``out``: the call's, its ``DispatchState`` last;
@@ -147,7 +147,7 @@ def expanded_tail(eb, res, _rm, out, pay, zero_pad: bool, tma_sf: bool, k: int, 
     source the chain has for it (the dispatch's rows, scales and weights, recv_meta's sources and slots, the
     scatter's own outputs). None where it cannot be: a packed payload, no rows, a launch that is not bound, a
     tensor not found."""
-    kern, state = eb._kernels, out[-1]
+    kern, state = v2.kernels, out[-1]
     if pay.packed:
         return None
     recv_w = res.recv_topk_weights if has_w else None
@@ -179,7 +179,7 @@ def expanded_tail(eb, res, _rm, out, pay, zero_pad: bool, tma_sf: bool, k: int, 
     return tail
 
 
-def combine_chain(eb, x, state, topk_idx, num_experts, m, topk_weights, bias, num_sms: int = 0,
+def combine_chain(v2, x, state, topk_idx, num_experts, m, topk_weights, bias, num_sms: int = 0,
                   expand: bool = False):
     """A combine of this kind (its call just made by :func:`combine`, which bound its launches) as one
     ``native.Chain``: contiguous, the transport's two launches (``NVLinkBackend.row_parts_kind``) and the reduction's
@@ -191,9 +191,9 @@ def combine_chain(eb, x, state, topk_idx, num_experts, m, topk_weights, bias, nu
     transport and the reduction. None where it cannot be one: another backend, rows that do not move in place
     (contiguous), a launch that is not bound or cannot be a step (``kernels/launch.Direct.step``), a tensor argument
     that is not one of the call's (a bias made contiguous)."""
-    kern, be = eb._kernels, eb._backend
-    kind_of = getattr(be, "rows_kind" if expand else "row_parts_kind", None)
-    if kern is None or kind_of is None:
+    kern, be = v2.kernels, v2.backend
+    kind_of = be.rows_kind if expand else be.row_parts_kind
+    if kern is None:
         return None
     t, k = topk_idx.shape
     h = x.shape[1]
@@ -213,14 +213,14 @@ def combine_chain(eb, x, state, topk_idx, num_experts, m, topk_weights, bias, nu
     else:
         kind = kind_of(x, topk_weights, m, num_sms, skip_self=True)
         last = state.v1.send_head
-        own = (x, topk_weights, last, eb.rank_idx, eb.num_ranks)
+        own = (x, topk_weights, last, v2.rank, v2.num_ranks)
     if kind is None:
         return None
     (_, _, area, (impl, arrive, grid)), n = kind
     first = len(specs)  # (the combined rows and weights after the pack's rows)
     specs += [((t, h), torch.bfloat16)] + ([((t, k), torch.float32)] if with_w else [])
     # (the reduction's launch on stand-ins of the outputs: their places among its arguments)
-    (name, key, _, r_grid, *args), *outs = kern.reduce(area.area, topk_idx, num_experts // eb.num_ranks, m, h, bias,
+    (name, key, _, r_grid, *args), *outs = kern.reduce(area.area, topk_idx, num_experts // v2.num_ranks, m, h, bias,
                                                        (0, k), True, with_w, self_rows=own, plan=True)
     steps = [getattr(d, "step", None) for d in (impl, arrive, kern.launched(name, key))]
     if None in steps or not t:

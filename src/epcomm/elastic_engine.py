@@ -30,10 +30,22 @@ import torch
 
 from . import elastic_layout as EL
 from . import elastic_chains as chains
-from . import layout, native
+from . import native
 from .backends.base import DispatchArgs
 from .config import Config
 from .elastic_layout import Rows
+
+
+class Steps:
+    """What the V2 steps run on: the backend's plans and calls (``backend``), the V2 kernels where the
+    backend runs kernels (``kernels``: ``backends/elastic_kernels.Kernels``; None: the torch operations of
+    ``elastic_layout``, the reference), this rank, the ranks, the GPU's SM count (0 on CPU) and the
+    dispatch ``Config`` of each ``num_sms`` (``configs``, filled as calls ask)."""
+
+    def __init__(self, backend, kernels, rank: int, num_ranks: int, device_sms: int) -> None:
+        self.backend, self.kernels = backend, kernels
+        self.rank, self.num_ranks, self.device_sms = rank, num_ranks, device_sms
+        self.configs: dict = {}
 
 
 class Payload:
@@ -134,9 +146,9 @@ class DispatchState:
         return self._slots
 
 
-def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, num_sms, expand, sync, zero_pad,
+def dispatch_plan(v2, x, sf, topk_idx, topk_weights, num_experts, m, alignment, num_sms, expand, sync, zero_pad,
                   tma_sf, cum_stats, handle_copy, capturing: bool = False):
-    """A fresh dispatch of this kind on ``eb``'s backend: ``run(x, sf, topk_idx, topk_weights, cum_stats,
+    """A fresh dispatch of this kind on ``v2``'s backend: ``run(x, sf, topk_idx, topk_weights, cum_stats,
     before_epilogue) -> (recv_x, recv_sf, recv_topk_idx, recv_topk_weights, the handle's fields (a tuple, in
     ``EPHandle``'s order after its kind), DispatchState)`` for every call like this one (the same shapes,
     dtypes, contiguity, 16-byte alignment and arguments; ``ElasticBuffer`` keeps it for the repeats). What
@@ -146,17 +158,16 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     reads) are its scratch, not allocations. Where the backend ``fuses_layout`` (nvlink: by default for calls not
     ``capturing`` into a CUDA graph, ``TUNE["v2_fused_eager"]``) that plan computes the layout in its exchange
     kernel: a call after the first launches no layout kernel."""
-    be, r_, me, kern = eb._backend, eb.num_ranks, eb.rank_idx, eb._kernels
+    be, r_, me, kern = v2.backend, v2.num_ranks, v2.rank, v2.kernels
     t, k = topk_idx.shape
     le = num_experts // r_
     dev = x.device
     probe = Payload(x, sf, rows=False)  # (its kind: the plan keeps no caller's tensor)
-    lay = getattr(be, "dispatch_layout", None)  # a backend's layout kernel, as Buffer.get_dispatch_layout uses
-    plans = getattr(be, "dispatch_run", None)
-    fused = plans is not None and hasattr(be, "fuses_layout") and be.fuses_layout(capturing)  # (the plan's layout)
-    config = eb._configs.get(num_sms)
+    lay, plans = be.dispatch_layout, be.dispatch_run  # (the layout as Buffer.get_dispatch_layout makes it)
+    fused = be.fuses_layout(capturing)  # (the plan's exchange kernel makes the layout)
+    config = v2.configs.get(num_sms)
     if config is None:
-        config = eb._configs[num_sms] = Config.default_dispatch(r_, EL.align(max(num_sms, 2), 2))
+        config = v2.configs[num_sms] = Config.default_dispatch(r_, EL.align(max(num_sms, 2), 2))
     worst = 0 if sync else r_ * m
     chan, sms, chunk = config.num_channels, config.num_sms, config.num_max_rdma_chunked_send_tokens
     worst_x_rows = EL.worst_expanded_rows(r_, m, k, le, alignment)
@@ -170,7 +181,7 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
                           and (not expand or kern.chains_expanded()),
                           lambda *call: kern.merged(
                               getattr(bound[0], "native", None), meta_slot[0][2][-1].value,
-                              tail=chains.expanded_tail(eb, *call, zero_pad, tma_sf, k, has_w) if expand else None))
+                              tail=chains.expanded_tail(v2, *call, zero_pad, tma_sf, k, has_w) if expand else None))
     has_w = topk_weights is not None
     bound: list = []  # the backend's plan, made at the first call (it needs that call's layout tensors)
     from .backends.nvlink_params import TUNE  # (here: it loads the kernels' module, which must not load first)
@@ -194,15 +205,13 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
         go = bound[0] if bound else None
         if go is not None and fused:  # (the plan's exchange kernel makes the layout)
             per_rank = per_expert = in_rank = None
-        elif lay is not None:
-            per_rank, per_expert, in_rank = lay(topk_idx, num_experts, True)  # (counts: read by this call only)
         else:
-            per_rank, per_expert, in_rank = layout.dispatch_layout(topk_idx, num_experts, r_)
+            per_rank, per_expert, in_rank = lay(topk_idx, num_experts, True)  # (counts: read by this call only)
         if go is None:
             args = DispatchArgs(data, scales, topk_idx, w, per_rank, in_rank, per_expert, alignment, worst, chan,
                                 sms, chunk)
             if not bound:
-                fits = plans is not None and all(a.is_contiguous() for a in (data, topk_idx, w, per_rank, in_rank,
+                fits = all(a.is_contiguous() for a in (data, topk_idx, w, per_rank, in_rank,
                                                                              per_expert)) and (
                     scales is None or scales.is_contiguous())
                 bound.append((plans(args, r_ * m, fused_layout=True) if fused else plans(args, r_ * m))
@@ -238,10 +247,10 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
         fields = (rm.topk if handle_copy else topk_idx, n if sync else worst, x_rows, lst, rm.psum_rank, rm.psum,
                   rm.counts, rm.meta, rm.dst_slot)
         state = DispatchState(v1, rm.local, rm.gid, rm.meta, rm.source if expand else None, n,
-                              x_rows if expand else 0, eb.device_sms, k)
+                              x_rows if expand else 0, v2.device_sms, k)
         recv_w = res.recv_topk_weights if has_w else None
         if expand:
-            ex = tail_rows(tail) if tail else _expanded(eb, state, pay, res.recv_x, res.recv_x_scales, recv_w, zero_pad,
+            ex = tail_rows(tail) if tail else _expanded(v2, state, pay, res.recv_x, res.recv_x_scales, recv_w, zero_pad,
                                                           tma_sf, k)
             return (*ex, fields, state)
         recv_x, recv_sf, _ = pay.unpack(res.recv_x, res.recv_x_scales)
@@ -251,22 +260,22 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     return run
 
 
-def cached_plan(eb, expand: bool, x, sf, topk_weights, zero_pad, tma_sf):
+def cached_plan(v2, expand: bool, x, sf, topk_weights, zero_pad, tma_sf):
     """A dispatch replayed on a handle, of this kind: ``run(state, x, sf, topk_weights, before_epilogue) ->
     (recv_x, recv_sf, recv_topk_idx, recv_topk_weights)``, the same rows as the dispatch that made the
     handle (``state``), for every call like this one (as :func:`dispatch_plan`'s; on a backend that plans
     its cached dispatches, ``cached_dispatch_run``, its plan: the handles' tensors are this backend's own
     allocations, contiguous and aligned, whichever handle a call brings)."""
-    be, kern = eb._backend, eb._kernels
+    be, kern = v2.backend, v2.kernels
     probe = Payload(x, sf, topk_weights, rows=False)  # (its kind: the plan keeps no caller's tensor)
-    plans = getattr(be, "cached_dispatch_run", None)
+    plans = be.cached_dispatch_run
     bound: list = []  # the backend's plan, made at the first call
 
     def run(state, x, sf, topk_weights, before_epilogue):
         pay, data, scales = probe.take(x, sf, topk_weights)
         v1 = state.v1
         if not bound:
-            fits = plans is not None and all(t.is_contiguous() for t in (
+            fits = all(t.is_contiguous() for t in (
                 data, v1.is_token_in_rank, v1.rank_prefix_matrix, v1.recv_src_idx)) and (
                 scales is None or scales.is_contiguous())
             bound.append(plans(data, scales, v1, None) if fits else None)
@@ -278,7 +287,7 @@ def cached_plan(eb, expand: bool, x, sf, topk_weights, zero_pad, tma_sf):
         _wait_event(before_epilogue)
         k = state.num_topk
         if expand:  # (an expanded row takes its own lane's weight: a local one)
-            return _expanded(eb, state, pay, recv, recv_scales, None, zero_pad, tma_sf, k)
+            return _expanded(v2, state, pay, recv, recv_scales, None, zero_pad, tma_sf, k)
         recv_x, recv_sf, recv_w = pay.unpack(recv, recv_scales, extra=kern is None)
         if kern is not None:  # the copy epilogue: ids, and the weights read where they landed
             recv_k, recv_w = kern.cached_epilogue(state.local, state.num_rows, k, pay.weight_rows(recv))
@@ -308,15 +317,15 @@ def _zero_weights(t: int, k: int, dev):
     return zeros
 
 
-def _expanded(eb, state: DispatchState, pay: Payload, recv, recv_scales, recv_w, zero_pad, tma_sf, k):
+def _expanded(v2, state: DispatchState, pay: Payload, recv, recv_scales, recv_w, zero_pad, tma_sf, k):
     """The received rows scattered to the expanded layout (``dispatch_copy_epilogue_impl``), read where they
     landed (packed or not): ``(recv_x, recv_sf, None, recv_topk_weights)``."""
     x, sf, w = pay.rows(recv, recv_scales, recv_w)
     parts = (x, pay.x_dtype, pay.h, sf, pay.sf_dtype, pay.p, tma_sf, w)
-    if eb._kernels is None:
+    if v2.kernels is None:
         ex, esf, ew = EL.expand_rows(state.source, k, zero_pad, *parts)
     else:
-        ex, esf, ew = eb._kernels.copy_epilogue(state.source, k, zero_pad, state.device_sms, *parts,
+        ex, esf, ew = v2.kernels.copy_epilogue(state.source, k, zero_pad, state.device_sms, *parts,
                                                 slots=state.slots)  # (by contiguous row: each read once)
     return ex, esf, None, ew
 
@@ -330,7 +339,7 @@ def _wait_event(ev) -> None:
 # ----------------------------------------------------------------------------- combine
 
 
-def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_weights, bias, multi,
+def combine(v2, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_weights, bias, multi,
             before_epilogue, num_sms: int = 0):
     """``(combined_x bf16[T, H], combined_topk_weights f32[T, K] or None)``; ``num_sms``: the transport's
     programs (``Backend.return_rows``). The rows sent back are ``x`` as it is where it can be (contiguous,
@@ -338,14 +347,14 @@ def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_
     ``x`` and the weights in place instead (``NVLinkBackend.return_row_parts``: the same bytes land, no pack)
     and moves only the rows other ranks own: the reduction reads this rank's own from ``x`` and the weights
     (at world 1 nothing moves)."""
-    kern = eb._kernels
+    kern = v2.kernels
     if kern is None:
-        return _combine_torch(eb, x, state, topk_idx, num_experts, m, expand, topk_weights, bias, multi,
+        return _combine_torch(v2, x, state, topk_idx, num_experts, m, expand, topk_weights, bias, multi,
                               before_epilogue, num_sms)
-    be = eb._backend
+    be = v2.backend
     t, k = topk_idx.shape
     h = x.shape[1]
-    le = num_experts // eb.num_ranks
+    le = num_experts // v2.num_ranks
     if expand and not multi:  # one transport a lane; the owner adds lane by lane in float32, rounds once
         acc = torch.empty(t, h, dtype=torch.float32, device=x.device) if k > 1 else None
         out = rows = dst = None
@@ -357,11 +366,10 @@ def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_
             out, _ = kern.reduce(got, topk_idx, le, m, h, bias, (j, j + 1), False, False, acc, j > 0, j < k - 1, out)
         return out, None
     got = own = None
-    parts = None if expand else getattr(be, "return_row_parts", None)
-    if parts is not None:  # nvlink: x and the weights read in place; this rank's own rows do not move at all
-        got = parts(x, topk_weights, state.gid, m, "combine/rows", num_sms, skip_self=True)
+    if not expand:  # nvlink: x and the weights read in place; this rank's own rows do not move at all
+        got = be.return_row_parts(x, topk_weights, state.gid, m, "combine/rows", num_sms, skip_self=True)
         if got is not None:  # (the reduction reads them from x at the handle's send_head[:, me])
-            own = (x, topk_weights, state.v1.send_head, eb.rank_idx, eb.num_ranks)
+            own = (x, topk_weights, state.v1.send_head, v2.rank, v2.num_ranks)
     if got is None:
         if expand:
             rows, _ = kern.pack(x, state.meta, topk_weights, 1)
@@ -374,10 +382,10 @@ def combine(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_
     return kern.reduce(got, topk_idx, le, m, h, bias, (0, k), True, topk_weights is not None, self_rows=own)
 
 
-def _combine_torch(eb, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_weights, bias, multi,
+def _combine_torch(v2, x, state: DispatchState, topk_idx, num_experts, m, expand, topk_weights, bias, multi,
                    before_epilogue, num_sms):
     """:func:`combine` in torch operations (the reference backend on CPU)."""
-    be, r_ = eb._backend, eb.num_ranks
+    be, r_ = v2.backend, v2.num_ranks
     t, k = topk_idx.shape
     h = x.shape[1]
     dev = x.device

@@ -45,12 +45,10 @@ def _on_backend(ctx, tag, backend, gpus_per_node=0):
     from epcomm import ElasticBuffer
     from epcomm.testing import cpu_internode
 
-    make = cpu_nvlink.nvlink_buffer if backend == "nvlink" else cpu_internode.internode_buffer
+    make = cpu_nvlink.nvlink_backend() if backend == "nvlink" else cpu_internode.internode_backend()
 
     class OnBackend(ElasticBuffer):
-        @staticmethod
-        def _engine_cls(group, **kw):
-            return make(group, **kw)
+        _make_backend = staticmethod(make)
 
     return OnBackend
 

@@ -62,11 +62,11 @@ def _run(ctx, tag):
                         out, ow, _ = buf.combine(yy, hd, topk_weights=ww, bias=b)
                     names = [n[len("triton:"):] for n in c.kernels if n.startswith("triton:")]
                     own_moved = bool((area.area[ctx.rank] != 0xAB).any())
-                    kern, buf._kernels = buf._kernels, None  # the reference engine, through the same transport
+                    kern, buf._steps.kernels = buf._steps.kernels, None  # the reference engine, through the same transport
                     try:
                         ref, ref_w, _ = buf.combine(yy, hd, topk_weights=ww, bias=b)
                     finally:
-                        buf._kernels = kern
+                        buf._steps.kernels = kern
                     C._eq(f"{what}: combined x vs the reference engine", out, ref)
                     C._eq(f"{what}: combined x vs the oracle", out, want)
                     if ww is None:

@@ -12,9 +12,9 @@ def own_group(monkeypatch):
     both undone after the test, for later tests of this process."""
     import torch.distributed as dist
 
-    import epcomm.buffer as bm
+    import epcomm.runtime as rm
 
-    monkeypatch.setattr(bm, "select_backend", bm.select_backend)
+    monkeypatch.setattr(rm, "select_backend", rm.select_backend)
     had = dist.is_initialized()
     yield
     if not had and dist.is_initialized():

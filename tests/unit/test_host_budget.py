@@ -153,16 +153,16 @@ def rig(monkeypatch):
 def bufs(rig, monkeypatch):
     """A ``Buffer`` per rank of the rig, its backend the rig's nvlink backend (SM transfer, the default),
     on a CUDA-like communication stream (the stand-in), as on a GPU host."""
-    import epcomm.buffer as bm
+    import epcomm.runtime as rm
     from epcomm import Buffer
 
     out = []
     monkeypatch.setattr(dist, "get_world_size", lambda g: R)
     monkeypatch.setattr(dist, "get_backend", lambda g: "nccl")
-    monkeypatch.setattr(bm, "group_nodes", lambda g, t=None: ([0] * R, "one node"))
+    monkeypatch.setattr(rm, "group_nodes", lambda g, t=None: ([0] * R, "one node"))
     for r in range(R):
         monkeypatch.setattr(dist, "get_rank", lambda g, r=r: r)
-        monkeypatch.setattr(bm, "select_backend", lambda buf, r=r: (rig.b[r], "the rig"))
+        monkeypatch.setattr(rm, "select_backend", lambda buf, r=r: (rig.b[r], "the rig"))
         b = Buffer(dist.ProcessGroup(dist.HashStore(), r, R), num_nvl_bytes=0)
         rig.b[r]._buf = weakref.ref(b)
         rig.b[r]._keep = b

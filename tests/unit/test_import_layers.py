@@ -31,7 +31,7 @@ LAYERS = {
     # 3: the Buffer and the API over it
     "epcomm.buffer": 3, "epcomm.buffer_ll": 3, "epcomm.ops": 3, "epcomm": 3, "epcomm._deep_ep": 3,
     "epcomm.elastic": 3, "epcomm.elastic_engine": 3, "epcomm.elastic_handle": 3, "epcomm.elastic_args": 3,
-    "epcomm.elastic_chains": 3,
+    "epcomm.elastic_chains": 3, "epcomm.runtime": 3,
     # 4: tools beside the stack
     "epcomm.testing": 4, "epcomm.bench": 4, "epcomm.cli": 4, "epcomm.doctor": 4, "epcomm.__main__": 4,
     "epcomm.model": 4,
@@ -214,3 +214,16 @@ def test_epcomm_has_no_import_cycle():
     assert "epcomm.buffer" in graph and "epcomm.backends.nvlink" in graph  # the parse found the package
     cycles = find_cycles(graph)
     assert not cycles, "import cycles inside epcomm:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_front_ends_share_the_runtime_not_each_other():
+    """``Buffer`` (V1) and ``ElasticBuffer`` (V2) both stand on ``runtime.Runtime`` and the backends' plans;
+    neither imports the other (a V2 call never goes through a V1 ``Buffer``)."""
+    modules = module_names()
+    v1 = {"epcomm.buffer", "epcomm.buffer_ll"}
+    v2 = {m for m in modules if m.startswith("epcomm.elastic")}
+    crossing = sorted(f"{a} imports {b}" for group, other in ((v1, v2), (v2, v1)) for a in group
+                      for b in imports_of(a, modules[a], modules) if b in other)
+    assert not crossing, crossing
+    for front in ("epcomm.buffer", "epcomm.elastic"):
+        assert "epcomm.runtime" in imports_of(front, modules[front], modules), front

@@ -5,16 +5,14 @@ import torch.distributed as dist
 import epcomm.elastic
 from epcomm.elastic import EPHandle
 
-from .buffer import Buffer
-
 __all__ = ["EPHandle", "ElasticBuffer", "get_logical_domain_size", "get_physical_domain_size"]
 
 
 class ElasticBuffer(epcomm.elastic.ElasticBuffer):
-    """``epcomm.ElasticBuffer`` whose engine follows DeepEP's device rule (``deep_ep.Buffer``: the current CUDA
+    """``epcomm.ElasticBuffer`` that follows DeepEP's device rule (as ``deep_ep.Buffer``: the current CUDA
     device where CUDA is available, whatever the group's backend)."""
 
-    _engine_cls = Buffer
+    _cuda_whatever_the_group = True
 
 
 def get_physical_domain_size(group) -> tuple[int, int]:

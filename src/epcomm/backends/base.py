@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..config import Config
-from ..layout import DispatchHandle, LowLatencyHandle
+from ..layout import DispatchHandle, LowLatencyHandle, dispatch_layout
 from .errors import PeerLostError, PeerTimeoutError, gave_up  # noqa: F401 (re-exported; their home is errors.py)
 
 
@@ -160,13 +160,31 @@ def wait_work(be, work, phase: str, poll: bool) -> None:
 
 
 class Backend:
-    """Transport interface. Every method runs on the current stream (``Buffer`` picks it).
+    """Transport interface: every member a front end (``Buffer``, ``ElasticBuffer``) uses is declared here.
+    Every method runs on the current stream (the front end picks it).
 
-    Low-latency methods send and return ``(result, receive)``: the result's tensors are allocated
+    Three kinds of members:
+
+    - **Calls** (``dispatch``, ``cached_dispatch``, ``combine``, ``low_latency_dispatch`` /
+      ``low_latency_combine``, ``return_rows``): every backend implements them; they run one call.
+    - **Plans** (``dispatch_run``, ``cached_dispatch_run``, ``combine_run``, ``low_latency_*_run``,
+      ``row_parts_kind`` / ``rows_kind``): ``run`` for every later call of the same kind (same shapes,
+      dtypes, flags, ``Config`` and 16-byte alignment; contiguous tensors), made once by the first call.
+      The front end keeps it and calls it on repeats without its checks. The default, None, means "call
+      the call every time": a backend without plans is complete.
+    - **Facts** (``name``, ``checks_topk_on_device``, ``nvl_buffer`` / ``rdma_buffer``): read by the
+      front end once.
+
+    Low-latency calls send and return ``(result, receive)``: the result's tensors are allocated
     already, and calling ``receive()`` fills them (this split is what ``return_recv_hook`` exposes).
     """
 
     name = "abstract"
+    # True where the backend's kernels check expert ids themselves (a bad id raises at the next
+    # synchronisation); False: the front end checks them on the host before every call
+    checks_topk_on_device: bool = False
+    nvl_buffer: torch.Tensor | None = None   # uint8 views behind Buffer.get_local_buffer_tensor
+    rdma_buffer: torch.Tensor | None = None
 
     def __init__(self, group, rank: int, num_ranks: int, device: torch.device, timeout_s: float):
         self.group = group
@@ -175,8 +193,44 @@ class Backend:
         self.device = device
         self.timeout_s = timeout_s
 
+    # ------------------------------------------------------------------ high-throughput
+
+    def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, scratch_counts: bool = False):
+        """``topk_idx int64[T, K]`` -> ``(num_tokens_per_rank int32[R], num_tokens_per_expert int32[E],
+        is_token_in_rank bool[T, R])``. ``scratch_counts``: the caller reads the counts before its next
+        call, so a backend may return its own scratch for them. Default: the routing math in torch
+        (``layout.dispatch_layout``); a backend with a layout kernel overrides it."""
+        return dispatch_layout(topk_idx, num_experts, self.num_ranks)
+
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         raise NotImplementedError
+
+    def fuses_layout(self, capturing: bool = False) -> bool:
+        """Whether :meth:`dispatch_run` can compute the layout itself (``fused_layout=True``) for a call that
+        is (``capturing``) or is not being captured into a CUDA graph. Default: no."""
+        return False
+
+    def dispatch_run(self, args: DispatchArgs, scratch_rows: int = 0, fused_layout: bool = False) -> Callable | None:
+        """The plan of every dispatch like ``args``: ``run(x, x_scales, topk_idx, topk_weights,
+        num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert) -> DispatchResult``, or None (then
+        :meth:`dispatch` every time). ``scratch_rows`` (``ElasticBuffer``'s dispatches: at least the rows a
+        call can receive): the result's ``recv_topk_idx`` and the handle's channel matrices may be the
+        backend's scratch, rewritten by the next such call. ``fused_layout`` (only where
+        :meth:`fuses_layout`): the plan computes the layout from ``topk_idx``, and ``run``'s three layout
+        arguments are not read."""
+        return None
+
+    def cached_dispatch_run(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle,
+                            config: Config | None = None) -> Callable | None:
+        """The plan of every cached dispatch like this one: ``run(x, x_scales, handle) -> (recv_x,
+        recv_x_scales)``, or None (then :meth:`cached_dispatch` every time)."""
+        return None
+
+    def combine_run(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
+                    bias: tuple[torch.Tensor, ...], config: Config | None = None) -> Callable | None:
+        """The plan of every combine like this one: ``run(x, handle, topk_weights, bias) -> (combined_x,
+        combined_topk_weights)``, or None (then :meth:`combine` every time)."""
+        return None
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle,
                         config: Config | None = None):
@@ -187,6 +241,8 @@ class Backend:
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
                 bias: tuple[torch.Tensor, ...], config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ low-latency
 
     def low_latency_dispatch(
         self, args: LowLatencyDispatchArgs
@@ -210,6 +266,8 @@ class Backend:
         """Optional, as :meth:`low_latency_dispatch_run`: ``run(x, topk_idx, topk_weights, out, wst) ->
         (combined, receive)`` for the combines like ``args`` (same handle object)."""
         return None
+
+    # ------------------------------------------------------------------ ElasticBuffer's combine transport
 
     def return_rows(self, rows: torch.Tensor, dst: torch.Tensor, slots: int, phase: str,
                     num_sms: int = 0) -> torch.Tensor:
@@ -242,6 +300,26 @@ class Backend:
             poll = dev.type == "cuda" and not staged
             deadline.wait(work, self.group, dev if poll else torch.device("cpu"), self.rank, phase, wait_s)
         return recv.to(dev).view(r_, slots, w)
+
+    def return_row_parts(self, x: torch.Tensor, wts: torch.Tensor | None, dst: torch.Tensor, slots: int,
+                         phase: str, num_sms: int = 0, skip_self: bool = False) -> torch.Tensor | None:
+        """:meth:`return_rows` of rows that are ``x bf16[n, H]`` and, where given, ``wts f32[n, K]`` side by
+        side, read in place (no pack); ``skip_self``: this rank's own rows do not move (the reduction reads
+        them from ``x``). None where the backend cannot: the caller packs the rows and calls
+        :meth:`return_rows`."""
+        return None
+
+    def rows_kind(self, rows: torch.Tensor, slots: int, num_sms: int = 0):
+        """The plan of every :meth:`return_rows` call like this one, as launches a native chain can join
+        (``elastic_chains.combine_chain``), or None: the call is made every time."""
+        return None
+
+    def row_parts_kind(self, x: torch.Tensor, wts: torch.Tensor | None, slots: int, num_sms: int = 0,
+                       skip_self: bool = False):
+        """As :meth:`rows_kind`, for :meth:`return_row_parts`."""
+        return None
+
+    # ------------------------------------------------------------------ life cycle
 
     def clean_low_latency_buffer(self) -> None:
         """Reset the low-latency signal state (all ranks call it together)."""

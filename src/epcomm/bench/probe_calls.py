@@ -11,18 +11,33 @@ Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``M`` max token
 from __future__ import annotations
 
 
+def _choose_nvlink(set_attr=setattr) -> None:
+    """Point the backend choice of the probed tree at the nvlink backend: ``runtime.select_backend`` (or, in
+    a tree from before ``runtime.py``, ``buffer.select_backend``)."""
+    import importlib
+
+    from epcomm.backends.nvlink import NVLinkBackend
+
+    for name in ("epcomm.runtime", "epcomm.buffer"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(mod, "select_backend"):
+            set_attr(mod, "select_backend", lambda buf: (NVLinkBackend(buf), "the host probe"))
+
+
 def cpu_buffer(m: int, h: int, e: int, set_attr=setattr):
     """A world-1 ``Buffer`` on gloo whose backend is the nvlink backend (after :func:`install`)."""
     import torch.distributed as dist
 
-    import epcomm.buffer as bm
-    from epcomm.backends.nvlink import NVLinkBackend
+    from epcomm import Buffer
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    set_attr(bm, "select_backend", lambda buf: (NVLinkBackend(buf), "the host probe"))
-    rdma = bm.Buffer.get_low_latency_rdma_size_hint(m, h, 1, e)
-    return bm.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, low_latency_mode=True)
+    _choose_nvlink(set_attr)
+    rdma = Buffer.get_low_latency_rdma_size_hint(m, h, 1, e)
+    return Buffer(dist.group.WORLD, num_rdma_bytes=rdma, low_latency_mode=True)
 
 
 def v2_buffer(m: int, h: int, k: int, cpu: bool):
@@ -37,21 +52,9 @@ def v2_buffer(m: int, h: int, k: int, cpu: bool):
         if not cpu:
             torch.cuda.set_device(0)
         dist.init_process_group("gloo" if cpu else "nccl", store=dist.HashStore(), rank=0, world_size=1)
-    cls = ElasticBuffer
     if cpu:
-        class OnNVLink(ElasticBuffer):
-            @staticmethod
-            def _engine_cls(group, **kw):
-                import epcomm.buffer as bm
-                from epcomm.backends.nvlink import NVLinkBackend
-
-                buf = bm.Buffer(group, **kw)
-                buf._backend.destroy()
-                buf._backend = NVLinkBackend(buf)
-                buf._host_checks = False  # (the nvlink backend checks expert ids on the device)
-                return buf
-        cls = OnNVLink
-    return cls(dist.group.WORLD, num_max_tokens_per_rank=m, hidden=h, num_topk=k)
+        _choose_nvlink()
+    return ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=m, hidden=h, num_topk=k)
 
 
 def ht_buffer(t: int, h: int, k: int, cpu: bool):
@@ -60,18 +63,17 @@ def ht_buffer(t: int, h: int, k: int, cpu: bool):
     import torch
     import torch.distributed as dist
 
-    import epcomm.buffer as bm
-    from epcomm.backends.nvlink import NVLinkBackend
+    from epcomm import Buffer
 
     if not dist.is_initialized():
         if not cpu:
             torch.cuda.set_device(0)
         dist.init_process_group("gloo" if cpu else "nccl", store=dist.HashStore(), rank=0, world_size=1)
     if cpu:
-        bm.select_backend = lambda buf: (NVLinkBackend(buf), "the host probe")
+        _choose_nvlink()
     hint = max(c.get_nvl_buffer_size_hint(h * 2, 1) for c in (ht_config(24), ht_config(24, True)))
     nvl = (max(hint, 2 * t * (h * 2 + 4 * (h // 128) + 12 * k + 16)) + (2 << 20)) >> 20 << 20
-    return bm.Buffer(dist.group.WORLD, num_nvl_bytes=nvl)
+    return Buffer(dist.group.WORLD, num_nvl_bytes=nvl)
 
 
 def ht_config(sms: int, combine: bool = False):

@@ -12,18 +12,29 @@ cannot: NVSHMEM itself (transport, ordering on a real network: tier 3), GPU memo
 from __future__ import annotations
 
 
+def internode_backend(spins: float = 2e5):
+    """``make(runtime)``: the internode backend, simulated, for a front end's ``_make_backend``; a wait gives up
+    after ``spins`` polls (the deadline error then names the phase and the peer)."""
+
+    def make(rt):
+        from ..backends.internode import InternodeBackend
+
+        be = InternodeBackend(rt, sim=True)
+        be.timeout_s = spins / 1e9  # the interpreter's waits count polls (timeout_ns of them)
+        return be
+
+    return make
+
+
 def internode_buffer(group, spins: float = 2e5, **kw):
     """A ``Buffer`` on ``group`` (gloo) whose backend is the internode backend, simulated; a wait gives
     up after ``spins`` polls (the deadline error then names the phase and the peer)."""
     from .. import Buffer
-    from ..backends.internode import InternodeBackend
 
-    buf = Buffer(group, **kw)
-    buf._backend.destroy()
-    buf._backend = InternodeBackend(buf, sim=True)
-    buf._backend.timeout_s = spins / 1e9  # the interpreter's waits count polls (timeout_ns of them)
-    buf._host_checks = False
-    return buf
+    class OnInternode(Buffer):
+        _make_backend = staticmethod(internode_backend(spins))
+
+    return OnInternode(group, **kw)
 
 
 def check_delivery() -> dict:

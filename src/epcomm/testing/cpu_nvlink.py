@@ -153,18 +153,26 @@ def install(tag: str, rank: int, world: int, group) -> None:
     cuda_stand_ins()
 
 
+def nvlink_backend(spins: float = 2e5):
+    """``make(runtime)``: the nvlink backend (kernels interpreted) for a front end's ``_make_backend``; a wait
+    gives up after ``spins`` polls (the deadline error then names the phase and the peer)."""
+
+    def make(rt):
+        from ..backends.nvlink import NVLinkBackend
+
+        be = NVLinkBackend(rt)
+        be.timeout_s = spins / 1e9  # the interpreter's waits count spins (timeout_ns of them)
+        return be
+
+    return make
+
+
 def nvlink_buffer(group, spins: float = 2e5, **kw):
     """A ``Buffer`` on ``group`` (gloo) whose backend is the nvlink backend (kernels interpreted);
     a wait gives up after ``spins`` polls (the deadline error then names the phase and the peer)."""
     from .. import Buffer
-    from ..backends.nvlink import NVLinkBackend
 
-    buf = Buffer(group, **kw)
-    buf._backend.destroy()
-    buf._backend = NVLinkBackend(buf)
-    buf._backend.timeout_s = spins / 1e9  # the interpreter's waits count spins (timeout_ns of them)
-    buf._host_checks = False
-    from ..buffer import _key_functions
+    class OnNVLink(Buffer):
+        _make_backend = staticmethod(nvlink_backend(spins))
 
-    buf._sigs, buf._rsigs = _key_functions(buf.device)  # (as Buffer derives them once its backend applied EPCOMM_TUNE)
-    return buf
+    return OnNVLink(group, **kw)
