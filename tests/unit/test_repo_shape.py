@@ -35,7 +35,8 @@ def _git_root(root: pathlib.Path) -> bool:
     """Whether ``root`` is the top of a git checkout (a source archive without .git is not)."""
     if not (root / ".git").exists() or shutil.which("git") is None:
         return False
-    top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], check=False, capture_output=True,
+                         text=True)
     return top.returncode == 0 and pathlib.Path(top.stdout.strip()).resolve() == root.resolve()
 
 
