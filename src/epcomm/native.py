@@ -3,9 +3,9 @@
 Why: on a GPU host each ``torch.empty`` whose result outlives the call costs ~4-6 us (Python's argument
 parsing, the dispatcher, the caching allocator, the Python object; then its free), and a high-throughput
 dispatch makes 8-12 of them: the largest single part of its host time (``hostprobe --modes profile``,
-benchmarks/2026-11-27/s9 call 1). The same eleven tensors made by ``at::empty`` in one call into a small C++
-extension took 27 us against 63 from Python on one H100 host (s9 call 8). In whole calls, one process, calls
-alternated (s9 call 9): a V2 contiguous no-sync dispatch 0.905x the host time, V1 ``num_worst_tokens`` 0.908x
+commit 42eeb3b). The same eleven tensors made by ``at::empty`` in one call into a small C++
+extension took 27 us against 63 from Python on one H100 host (commit 1d65ff0). In whole calls, one process, calls
+alternated (commit 0a52b55): a V2 contiguous no-sync dispatch 0.905x the host time, V1 ``num_worst_tokens`` 0.908x
 (FP8 0.888x), the layout 0.910x, a synchronised dispatch 0.936x, the HT combine (two outputs) 0.977x; a cached
 dispatch (one or two outputs) 1.03x, so it keeps ``torch.empty``.
 

@@ -49,7 +49,8 @@ def test_nvlink_low_latency_small():
 
 def test_nvlink_low_latency_dsv3():
     # (its runs took 139-248 s, the reference's low-latency calls most of it; under EPCOMM_VERIFY_LAUNCH with 2 ranks
-    # on one GPU it was still in its graph replays at 300 s: benchmarks/2026-11-28/s14/call3-13e3a4b)
+    # on one GPU it was still in its graph replays at 300 s:
+    # benchmarks/2026-11-28/h200-mps-w2-tier3-ll-verify-13e3a4b.log)
     _moved(parallel_launch(WORLD, _rank_main, 128, 7168, 288, 100, backend="nccl", timeout_s=540), 2)
 
 

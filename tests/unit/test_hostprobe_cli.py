@@ -1,6 +1,6 @@
 """Tier 1: ``python3 -m epcomm.bench.hostprobe`` refuses ``--modes launches`` where a call's launches cannot
 be replayed on their own (the high-throughput and V2 kernels wait on counters each call advances: on an
-H100 such a replay left the error word full of -1s, benchmarks/2026-11-27/s5/call1-501f1b8); its ``--json``
+H100 such a replay left the error word full of -1s: commit f385422's hostprobe-v2.log); its ``--json``
 records say where they ran (device, versions, the commit of the tree it runs from)."""
 import pytest
 

@@ -23,8 +23,8 @@ BN = 128    # rows (or tokens) a program of the metadata kernels
 RB = 64     # ranks a step of the metadata kernels
 BLOCK = 1024
 # the reduction (``_combine_reduce_epilogue_impl_kernel``): a program takes up to this many columns of a token's
-# row, 4 warps. DSv3 combine at world 1 on an H100, graph replays of one process (benchmarks/2026-11-27/s4):
-# 1024 columns 110 us, 2048 94, 4096 (8 warps) 102, 8192 (8 warps) 141
+# row, 4 warps. DSv3 combine at world 1 on an H100, graph replays of one process (commit 3a3c1af; its log in git
+# history): 1024 columns 110 us, 2048 94, 4096 (8 warps) 102, 8192 (8 warps) 141
 REDUCE_BLOCK_MAX = 2048
 
 

@@ -62,7 +62,7 @@ TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_
 # call (its holes read in C++, the rest packed once) instead of Triton's launcher parsing every argument
 # (ll_calls.launch_cell). One H100 host, whole calls, paired in one process, 3 rounds: 128 tokens dispatch 0.988x the
 # host time, combine 0.965x; 1 token 0.988x, 0.963x; with the hook (send + hook()) 0.962x, 0.954x
-# (benchmarks/2026-11-28/s11 call 1)
+# (commit b8f0f78)
 
 
 def one_launch_sends(t: int, g: int) -> tuple[int, int]:

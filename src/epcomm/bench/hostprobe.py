@@ -48,7 +48,7 @@ Example: ``python3 -m epcomm.bench.hostprobe --tree old=/tmp/wt-59e45d1 --tree n
 
 ``norm`` does not take out everything: two processes of one tree have differed by 20-150 % in one lease with
 their calibration rows alike, pinned to one core or not, with the hash seed and address-space layout fixed
-(``benchmarks/2026-11-27/s8``). ``--variants LABEL=EPCOMM_TUNE;LABEL=...`` (one tree; ``python`` and ``call``)
+(commits 1fd2e5e and 291ac6c). ``--variants LABEL=EPCOMM_TUNE;LABEL=...`` (one tree; ``python`` and ``call``)
 times ``EPCOMM_TUNE`` variants in one process per round, their calls interleaved one by one, and adds each later
 variant's paired ratio to the first (``bench/probe_variants.py``): the way to measure a host change of a few
 launches or tensors, with the change behind a ``TUNE`` key until it is measured. Example:

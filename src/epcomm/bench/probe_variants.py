@@ -3,7 +3,7 @@ buffer in one process, their calls interleaved call by call.
 
 Why: on the GPU hosts we lease, two processes running the same code differ by up to 2.5x in host time, with
 the core pinned and with the Python hash seed and address-space layout fixed
-(``benchmarks/2026-11-27/s8``, calls 2 and 6), and the difference drifts with time. A host change of a few
+(commits 1fd2e5e and 291ac6c), and the difference drifts with time. A host change of a few
 launches or tensors is far below that. Within one process, calls of two variants alternated one by one see
 the same process and the same moment: the paired ratio (variant B's call over the A call next to it)
 takes both effects out.
