@@ -69,115 +69,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
-import types
 
 ME = os.path.abspath(__file__)
 log = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------- the CPU rig
-
-
-_ARGS = [0]  # arguments handed to the C launcher (after its 13 fixed ones), summed, for the report
-
-
-class _NoLaunch:
-    """The compiled kernel's launcher slot (``CompiledKernel.run``): ``launch`` does nothing."""
-
-    global_scratch_size = profile_scratch_size = 0
-    launch_cooperative_grid = launch_pdl = False
-    @staticmethod
-    def launch(*a) -> None:
-        _ARGS[0] += len(a) - 13
-
-
-class _Kernel:
-    """Stands in for a ``@triton.jit`` kernel where ``kernels/launch.Launcher`` binds it: ``run`` (the first
-    launch of a key) returns a compiled kernel whose launcher is :class:`_NoLaunch`, with a signature made from
-    that launch's arguments (a tensor or None a pointer, an int ``i32``/``i64``, a float ``fp32``), as
-    ``Direct.step`` reads it for a chain (``native.Chain``: dry in the rig, see :func:`install`)."""
-
-    def __init__(self, jit) -> None:
-        self.fn, self.params, self.device_caches, self.debug = jit.fn, jit.params, {}, False
-        self.kernel = types.SimpleNamespace(run=_NoLaunch(), function=0, packed_metadata=(4, 1, 0))  # (no signature)
-
-    def run(self, *args, grid, warmup, **kw):
-        sig = {}
-        for i, p in enumerate(self.params):
-            v = args[i] if i < len(args) else kw.get(p.name)
-            sig[p.name] = "constexpr" if p.is_constexpr or p.name in kw else \
-                "fp32" if isinstance(v, float) else \
-                ("i32" if -2**31 <= v < 2**31 else "i64") if isinstance(v, int) and not hasattr(v, "tensor") else "*i8"
-        return types.SimpleNamespace(**vars(self.kernel), src=types.SimpleNamespace(signature=sig))
-
-
-def _kernel_modules(package) -> list:
-    """Every module of ``package`` (``epcomm.kernels``) that imports here (the NVSHMEM ones may not)."""
-    import importlib
-    import pkgutil
-
-    out = []
-    for info in pkgutil.iter_modules(package.__path__):
-        try:
-            out.append(importlib.import_module(f"{package.__name__}.{info.name}"))
-        except ImportError:
-            pass
-    return out
-
-
-def install(set_attr=setattr, setitem=None) -> None:
-    """The CPU rig's stand-ins, through ``set_attr`` / ``setitem`` (pytest's monkeypatch undoes them):
-    CUDA streams and events, the symmetric memory of one rank, Triton's driver, every kernel of
-    ``epcomm.kernels``."""
-    os.environ.pop("TRITON_INTERPRET", None)
-    import torch
-    import triton
-    from triton.runtime import driver
-
-    import epcomm.kernels
-    from epcomm.testing.cpu_nvlink import cuda_stand_ins
-
-    cuda_stand_ins(set_attr, sms=132)
-    mod = types.ModuleType("torch.distributed._symmetric_memory")
-    mod.empty = lambda n, dtype=torch.uint8, device=None: torch.zeros(n, dtype=dtype)
-    mod.rendezvous = lambda t, name: types.SimpleNamespace(
-        buffer_ptrs=[t.data_ptr()], get_buffer=lambda r, shape, dtype: t.view(dtype).view(shape))
-    setitem = setitem or (lambda d, key, v: d.__setitem__(key, v))
-    setitem(sys.modules, "torch.distributed._symmetric_memory", mod)
-    setitem(vars(torch.distributed), "_symmetric_memory", mod)
-    set_attr(driver, "_active", types.SimpleNamespace(get_current_stream={0: 0}.get, get_current_device=lambda: 0))
-    from epcomm import native
-
-    set_attr(native, "DRY", True)  # (the chains of EPCOMM_NATIVE=all pack and read their values, launch nothing)
-    for mod in _kernel_modules(epcomm.kernels):
-        for name, obj in list(vars(mod).items()):
-            if isinstance(obj, triton.runtime.jit.JITFunction):
-                set_attr(mod, name, _Kernel(obj))
-
-
-# ----------------------------------------------------------------------------- measuring
-
-
-def time_calls(prep, call, n: int, sync=None) -> list[int]:
-    """Nanoseconds of ``call()`` each of ``n`` times (``prep()`` and ``sync()`` untimed, before)."""
-    clock = time.perf_counter_ns
-    out = []
-    for _ in range(n):
-        if prep is not None:
-            prep()
-        if sync is not None:
-            sync()
-        t0 = clock()
-        call()
-        out.append(clock() - t0)
-    return out
-
-
-def us_row(ns: list[int]) -> dict:
-    """A row of nanosecond samples: ``us`` (median) and ``p10``, in µs."""
-    ns = sorted(ns)
-    return {"us": ns[len(ns) // 2] / 1e3, "p10": ns[len(ns) // 10] / 1e3}
 
 
 def _own(*path: str):
@@ -197,13 +91,23 @@ def _torch_calls():
     return _own("testing", "torch_calls.py")
 
 
+def _rig():
+    return _own("bench", "probe_rig.py")
+
+
+def install(set_attr=setattr, setitem=None) -> None:
+    """The CPU rig (``probe_rig.install``; a test patches this name to undo what the rig stands in for)."""
+    _rig().install(set_attr, setitem)
+
+
 def __getattr__(name: str):
-    """The buffers and call sets of ``bench/probe_calls.py`` (``cpu_buffer``, ``ll_calls``, ...) as this
-    module's."""
-    mod = _own("bench", "probe_calls.py")
-    if name.startswith("__") or not hasattr(mod, name):
-        raise AttributeError(name)
-    return getattr(mod, name)
+    """The rig and clock of ``bench/probe_rig.py`` (``install``, ``time_calls``, ``us_row``, ...) and the buffers
+    and call sets of ``bench/probe_calls.py`` (``cpu_buffer``, ``ll_calls``, ...) as this module's."""
+    if not name.startswith("__"):
+        for mod in (_rig(), _own("bench", "probe_calls.py")):
+            if hasattr(mod, name):
+                return getattr(mod, name)
+    raise AttributeError(name)
 
 
 def count_call(prep, call) -> dict:
@@ -224,33 +128,12 @@ def count_call(prep, call) -> dict:
     if prep is not None:
         prep()
     before = Launcher.launches
-    _ARGS[0] = 0
+    rig = _rig()
+    rig._ARGS[0] = 0
     with calls, Aten():
         call()
     return dict(fn=calls.ops, meta=calls.meta, aten=len(aten), allocs=calls.allocs,
-                launches=Launcher.launches - before, args=_ARGS[0], names=calls.names + aten)
-
-
-def record_launches() -> dict:
-    """From now on, every kernel bound by ``kernels/launch.Launcher`` also appends ``(launcher, args)`` of each
-    C launch to ``rec["on"]`` while that is a list (``--modes launches``: a call's launches, replayed alone)."""
-    from epcomm.kernels import launch
-
-    rec: dict = {"on": None}
-    init = launch._Bound.__init__
-
-    def bound_init(self, *a, **kw):
-        init(self, *a, **kw)
-        real = self.launch
-        if real is not None:
-            def recorded(*args):
-                if rec["on"] is not None:
-                    rec["on"].append((real, args))
-                return real(*args)
-            self.launch = recorded
-
-    launch._Bound.__init__ = bound_init
-    return rec
+                launches=Launcher.launches - before, args=rig._ARGS[0], names=calls.names + aten)
 
 
 def _buffer(pc, api: str, rig: bool, m: int, h: int, k: int, e: int):
@@ -337,7 +220,7 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
     else:
         sync = torch.cuda.synchronize
         if mode == "launches":
-            rec = record_launches()
+            rec = _rig().record_launches()
     positions = before.split(",")
     syncs = {p: sync for p in positions}
     if not rig and "bench" in positions:
@@ -358,7 +241,7 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
             buf = _buffer(pc, api, rig, m, h, k, e)
             return {f"T={t}": _calls(pc, api, buf, t, m, h, k, e, hook, sets) for t in tokens}
 
-        out = _own("bench", "probe_variants.py").probe(variants, make, time_calls, us_row, calls, sync,
+        out = _own("bench", "probe_variants.py").probe(variants, make, _rig().time_calls, _rig().us_row, calls, sync,
                                                         syncs if len(positions) > 1 else None)
         for rows in out.values():
             for kinds in rows.values():
@@ -381,7 +264,7 @@ def probe(mode: str = "python", tokens=(1, 128), h: int = 7168, k: int = 8, e: i
                 row["launches"] = len(recs)
             elif mode == "profile":
                 row["top"] = _own("bench", "probe_profile.py").profile(prep, call, calls, sync)
-            row.update(us_row(time_calls(prep, call, calls, sync)))
+            row.update(_rig().us_row(_rig().time_calls(prep, call, calls, sync)))
             out.setdefault(f"T={t}", {})[kind] = row
         out[f"T={t}"][CALIB] = calib
     return out
@@ -403,7 +286,7 @@ def _calibration(device: str, calls: int, sync=None) -> dict:
     work = timing.calibration_work(torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
     for _ in range(50):
         work()
-    return us_row(time_calls(None, work, max(calls, 100), sync))
+    return _rig().us_row(_rig().time_calls(None, work, max(calls, 100), sync))
 
 
 # ----------------------------------------------------------------------------- trees and the command line

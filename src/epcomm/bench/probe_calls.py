@@ -1,5 +1,5 @@
 """The buffers and the calls that ``bench/hostprobe.py`` times: a world-1 ``Buffer`` or ``ElasticBuffer`` on the
-CPU rig (``hostprobe.install``) or on a GPU, and per API the call kinds as ``epcomm bench`` makes them
+CPU rig (``bench/probe_rig.install``) or on a GPU, and per API the call kinds as ``epcomm bench`` makes them
 (``ll_calls``, ``ht_calls``, ``v2_calls``: ``name -> (prep, call)``, each warmed up: checks, binding, plans).
 
 hostprobe loads this file from its own tree, whichever tree it probes (that tree's epcomm is imported here,

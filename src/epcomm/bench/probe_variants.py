@@ -56,8 +56,8 @@ def parse(spec: str) -> list[tuple[str, str]]:
 def probe(variants: list[tuple[str, str]], make, time_calls, us_row, calls: int, sync=None, syncs=None) -> dict:
     """``{label: {"T=..": {kind: row}}}`` for each variant: ``make()`` builds this process's buffer and its call
     sets (``{"T=..": {kind: (prep, call)}}``, calls already warmed) under the tables and ``EPCOMM_TUNE`` of
-    the variant being made; ``time_calls(prep, call, 1, sync)`` times one call (``hostprobe.time_calls``).
-    Each row: ``us_row`` of its own calls' nanoseconds (``hostprobe.us_row``: ``us``, ``p10``); a variant after
+    the variant being made; ``time_calls(prep, call, 1, sync)`` times one call (``probe_rig.time_calls``).
+    Each row: ``us_row`` of its own calls' nanoseconds (``probe_rig.us_row``: ``us``, ``p10``); a variant after
     the first also ``ratio`` and ``ratio_p10`` / ``ratio_p90``: its calls over the first variant's call of the
     same iteration. ``syncs`` (``{label: sync}``): each variant's own ``sync`` (``hostprobe --before sync,bench``:
     one code, two positions of the call)."""
