@@ -63,3 +63,25 @@ def test_holes_of_another_kind_take_the_generic_loop():
     d(3, 1, 1, x, 5, y)  # and the generated launch again after it
     assert p.calls[-1] == ("launch", (3, 1, 1, 11, "F", "h1", "h2", x.data_ptr(), 7, 5, keep.data_ptr(),
                                       y.data_ptr(), "t1"))
+
+
+def test_named_arguments_take_the_kernels_order_and_reject_what_it_lacks():
+    """``Direct.named``: arguments by the kernel's parameter names land at the signature's positions, holes
+    by name; a name the kernel lacks, or a runtime parameter left out, is a TypeError naming it."""
+    import pytest
+
+    def kernel(x, n, out, stride, BLOCK=4):  # (the signature is all Direct.named reads)
+        pass
+
+    p = _Prepared()
+    p.launcher = Launcher.__new__(Launcher)
+    p.launcher.fn, p.launcher.name = kernel, "kernel"
+    keep = torch.zeros(4)
+    d = Direct.named(p, dict(stride=3, out=None, n=7, x=keep), ("out", "x"))
+    assert d.template == (keep, 7, None, 3) and d.holes == (2, 0)
+    with pytest.raises(TypeError, match="unknown or not given: \\['strides'\\]"):
+        Direct.named(p, dict(x=None, n=7, out=None, strides=3), ("x",))
+    with pytest.raises(TypeError, match="missing: \\['n'\\]"):
+        Direct.named(p, dict(x=None, out=None, stride=3), ("x",))
+    with pytest.raises(TypeError, match="unknown or not given: \\['y'\\]"):
+        Direct.named(p, dict(x=None, n=7, out=None, stride=3), ("y",))

@@ -128,6 +128,14 @@ class Launcher:
             self._check(b, args, kw)
         _go(b, grid, self._get_stream(self._dev), args)
 
+    def arg_names(self) -> tuple[str, ...]:
+        """The kernel's parameters in its signature's order: a launch passes its runtime arguments
+        positionally in this order, then constexprs and options by keyword."""
+        names = getattr(self, "_names", None)
+        if names is None:
+            names = self._names = tuple(inspect.signature(getattr(self.fn, "fn", self.fn)).parameters)
+        return names
+
     def prepared(self, key, consts: dict) -> Prepared:
         """A launcher for one key whose constexprs and options (``consts``) are fixed: ``p(grid, *args)``
         costs no keyword dictionary and no key lookup per call."""
@@ -235,6 +243,26 @@ class Direct:
     def __init__(self, prepared: Prepared, template: tuple, holes: tuple) -> None:
         self.p, self.template, self.holes = prepared, tuple(template), tuple(holes)
         self.launch = self.fast = None
+
+    @classmethod
+    def named(cls, prepared: Prepared, args: dict, holes: tuple = ()) -> Direct:
+        """A ``Direct`` whose arguments are named by the kernel's parameters: ``args`` gives every runtime
+        parameter by name (a hole's value: None, or anything: it is replaced at each call), ``holes`` the names
+        of the per-call ones, in the order a call passes them. The positions come from the kernel's signature
+        (``Launcher.arg_names``), so a parameter renamed, added or moved is an error here, at the plan's
+        making, naming it; never an argument in the wrong place.
+
+        Example: for ``@triton.jit def k(x, n, out, BLOCK: tl.constexpr)``, ``Direct.named(p, dict(x=None, n=7,
+        out=None), ("x", "out"))`` is ``Direct(p, (None, 7, None), (0, 2))``."""
+        names = prepared.launcher.arg_names()
+        given = tuple(args)
+        runtime = names[:len(given)]
+        if set(given) != set(runtime) or set(holes) - set(given):
+            unknown = sorted(set(given) - set(names)) + sorted(set(holes) - set(given))
+            missing = [n for n in runtime if n not in args]
+            raise TypeError(f"{prepared.launcher.name}: launch arguments by name must be its first {len(given)} "
+                            f"parameters {list(runtime)}; unknown or not given: {unknown}, missing: {missing}")
+        return cls(prepared, tuple(args[n] for n in runtime), tuple(runtime.index(h) for h in holes))
 
     def __call__(self, gx: int, gy: int, gz: int, *tensors) -> None:
         fast = self.fast
