@@ -40,7 +40,7 @@ makes one), alternated ``A, B, C, A, B, C, ...`` so that drift hits every tree a
 tree's median of round medians, the spread (min..max), the median p10 and ``norm``: every process also times
 a fixed torch workload (row ``calib``: 8 small tensors and one launch, no epcomm code), and ``norm`` is a call's
 µs over that row's in the same process, times the row's median over all processes. A GPU host's processes
-differ up to 2x in speed, every call of a process alike (2026-11-27, s7 call 4: a call no tree changed moved
+differ up to 2x in speed, every call of a process alike (2026-11-27: a call no tree changed moved
 as much as the calls under test); ``norm`` divides that out.
 
 Example: ``python3 -m epcomm.bench.hostprobe --tree old=/tmp/wt-59e45d1 --tree new=. --rounds 5``; on a GPU
