@@ -1,7 +1,7 @@
 """What the soak (``epcomm.testing.soak``) watches in each rank between its calls, and the rules the run must keep.
 
-A sample (every ``sample_every`` calls, at the end of the warm-up and at the end; ``torch.cuda.synchronize()`` and a
-garbage collection first) records the GPU memory in use (``torch.cuda.memory_allocated()``: live tensors, what a
+A sample (every ``sample_every`` calls, at the end of the warm-up and at the end; ``torch.cuda.synchronize()``, the
+finished gloo operations released and a garbage collection first) records the GPU memory in use (``torch.cuda.memory_allocated()``: live tensors, what a
 cache that keeps tensors grows), the process's resident memory (``/proc/self/statm``), the size of every container
 (dict, set, list, deque) the front ends, their backends, the low-latency engines and the V2 kernels hold, and the
 Triton kernels compiled so far.
@@ -160,6 +160,11 @@ class Watch:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
+        from ..backends import deadline
+
+        settle = getattr(deadline, "_settle", None)  # the finished gloo works the backends keep for a moment,
+        if settle is not None:  # with their tensors: let them go, so a sample holds nothing of the last call
+            settle()
         gc.collect()
         sizes, bounded = census(self.objs)
         self.bounded.update(bounded)
