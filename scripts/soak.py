@@ -69,10 +69,14 @@ def main(argv=None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("soak: --device cuda needs a GPU (or use --device cpu)", file=sys.stderr)
         return 2
-    opts = Options(calls=args.calls, seed=args.seed, device=device, hidden=args.hidden, max_tokens=args.max_tokens,
-                   ll_max_tokens=args.ll_max_tokens, v2_max_tokens=args.v2_max_tokens, warmup=args.warmup,
-                   sample_every=args.sample_every, kinds=tuple(k for k in args.kinds.split(",") if k),
-                   tag=f"soak-{uuid.uuid4().hex[:8]}")
+    try:
+        opts = Options(calls=args.calls, seed=args.seed, device=device, hidden=args.hidden,
+                       max_tokens=args.max_tokens, ll_max_tokens=args.ll_max_tokens, v2_max_tokens=args.v2_max_tokens,
+                       warmup=args.warmup, sample_every=args.sample_every,
+                       kinds=tuple(k for k in args.kinds.split(",") if k), tag=f"soak-{uuid.uuid4().hex[:8]}")
+    except ValueError as e:
+        print(f"soak: {e}", file=sys.stderr)
+        return 2
     backend = "nccl" if device == "cuda" else "gloo"
     world = launcher.env_world()
     first = world is None or world.rank == 0

@@ -59,6 +59,18 @@ class Options:
     kinds: tuple = KINDS
     tag: str = "soak"  # the CPU rig's shared-memory names (the same on every rank)
 
+    def __post_init__(self):
+        for name in ("calls", "hidden", "max_tokens", "ll_max_tokens", "v2_max_tokens", "sample_every"):
+            v = getattr(self, name)
+            if type(v) is not int or v < (1 if name == "calls" else 0):
+                raise ValueError(f"{name} must be an integer >= {1 if name == 'calls' else 0}, got {v!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if not 0 < self.warmup < 1:
+            raise ValueError(f"warmup must be a share of the calls in (0, 1), got {self.warmup!r}")
+        if not self.kinds or set(self.kinds) - set(KINDS):
+            raise ValueError(f"kinds must be some of {KINDS}, got {self.kinds!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
@@ -132,9 +144,9 @@ def _build(ctx, s: Shapes, opts: Options) -> dict:
                                                          low_latency_mode=True)))
         with G.forced_backend("nvlink"):
             objs["v2"] = ElasticBuffer(ctx.group, num_max_tokens_per_rank=m2, hidden=s.hidden, num_topk=k2)
-    for name in ("ht", "ll"):
-        assert objs[name].backend_name == "nvlink", f"the fast {name} Buffer runs {objs[name].backend_name}"
-    assert objs["v2"]._backend.name == "nvlink", f"the ElasticBuffer runs {objs['v2']._backend.name}"
+    ran = {name: objs[name].backend_name for name in ("ht", "ll")} | {"v2": objs["v2"]._backend.name}
+    if set(ran.values()) != {"nvlink"}:
+        raise RuntimeError(f"the fast objects must run the nvlink backend, they run {ran}")
     return objs
 
 
@@ -240,13 +252,6 @@ def run_rank(ctx, opts: Options, hooks=None) -> dict:
     """The soak in one rank: ``opts.calls`` calls at least; returns the rank's report (its ``failures`` list the
     memory and cache rules it broke); a failed check raises ``SoakFailure``. ``hooks(objs)``, where given, runs
     once the objects are built and their calls counted (the tests break them there)."""
-    if opts.calls < 1:
-        raise ValueError(f"calls must be >= 1, got {opts.calls}")
-    if not 0 < opts.warmup < 1:
-        raise ValueError(f"warmup must be a share of the calls in (0, 1), got {opts.warmup}")
-    unknown = set(opts.kinds) - set(KINDS)
-    if unknown or not opts.kinds:
-        raise ValueError(f"kinds must be some of {KINDS}, got {opts.kinds}")
     r = ctx.world_size
     s = shapes(opts, r)
     objs = _build(ctx, s, opts)
