@@ -27,6 +27,12 @@
 #                   ht-dsv3 and ll-dsv3-288, 24 SMs, 12 iterations; JSONL in $OUT/bench-mps-<backend>.jsonl
 #                   (bench-mps4-<backend>.jsonl at 4) (~5 min at 2); BENCH_BACKENDS and BENCH_CASES narrow it,
 #                   BENCH_ARGS adds to it (e.g. an --ab run), BENCH_TIMEOUT caps each bench (default 270 s)
+#   soak [WORLD]    scripts/soak.py with WORLD ranks (2 to 8, default 2) on one GPU under the same private MPS
+#                   daemon (EPCOMM_TEST_SHARE_GPU=1, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/WORLD): SOAK_CALLS calls
+#                   (default 10000) of every kind, each checked against the reference, GPU and host memory and the
+#                   plan caches watched; one line a rank, the report and memory series in $OUT/soak.json, the log
+#                   in $OUT/soak.log. SOAK_ARGS adds options (e.g. "--max-tokens 512"); SOAK_TIMEOUT (default 570 s)
+#                   caps it, the ranks stopped 30 s before with their stacks
 #   ab BASE_DIR     epcomm bench --ab: the tree in BASE_DIR (a directory with src/epcomm, shipped with the working
 #                   tree: e.g. `mkdir -p ab-base && git archive <sha> src | tar -x -C ab-base` before the call,
 #                   untracked, not ignored) against this tree, alternated run by run for AB_ROUNDS rounds (default
@@ -52,7 +58,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
 OUT="${OUT:-/tmp/epcomm-out}"; mkdir -p "$OUT"
 mode="${1:-}"
-case "$mode" in tests|bench|figures|profile|shared|shared-nvshmem|bench-nvshmem|ab) ;;
+case "$mode" in tests|bench|figures|profile|shared|shared-nvshmem|bench-nvshmem|soak|ab) ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
@@ -80,9 +86,13 @@ if [[ "$mode" == shared ]]; then
     | tail -30 || rc=1
 fi
 
-if [[ "$mode" == shared-nvshmem || "$mode" == bench-nvshmem ]]; then
+if [[ "$mode" == shared-nvshmem || "$mode" == bench-nvshmem || "$mode" == soak ]]; then
   world="${2:-2}"
-  [[ "$world" == 2 || "$world" == 4 ]] || { echo "$mode takes WORLD 2 or 4, got $world"; exit 2; }
+  if [[ "$mode" == soak ]]; then
+    [[ "$world" =~ ^[2-8]$ ]] || { echo "$mode takes WORLD 2 to 8, got $world"; exit 2; }
+  else
+    [[ "$world" == 2 || "$world" == 4 ]] || { echo "$mode takes WORLD 2 or 4, got $world"; exit 2; }
+  fi
   export EPCOMM_TEST_SHARE_GPU=1 EPCOMM_TEST_WORLD=$world CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / world))
   if [[ "${EPCOMM_MPS_RUNNING:-}" != 1 ]]; then  # scripts/gpu_lanes.sh starts one daemon for every lane
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/epcomm-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/epcomm-mps/log
@@ -99,6 +109,12 @@ if [[ "$mode" == bench-nvshmem ]]; then
       --iters 12 ${BENCH_ARGS:-} --out "$OUT/bench-$tag-$b.jsonl" 2>&1 | tee "$OUT/bench-$tag-$b.log" \
       | tail -25 || rc=1
   done
+fi
+
+if [[ "$mode" == soak ]]; then
+  limit="${SOAK_TIMEOUT:-570}"
+  timeout "$limit" python3 scripts/soak.py --world "$world" --calls "${SOAK_CALLS:-10000}" --timeout $((limit - 30)) \
+    --json "$OUT/soak.json" ${SOAK_ARGS:-} 2>&1 | tee "$OUT/soak.log" | tail -25 || rc=1
 fi
 
 if [[ "$mode" == shared-nvshmem ]]; then
