@@ -13,8 +13,7 @@ VARIABLES = {
     "EPCOMM_LOG_LEVEL": "log level of the epcomm logger (e.g. INFO to see which backend runs and why)",
     "EPCOMM_HT_TRANSFER": "nvlink high-throughput bulk mover: sm (default: the Triton push kernels, one launch) | ce "
                           "(the copy engine for eager calls, SMs for calls captured in a CUDA graph; a copy and a flag "
-                          "launch per peer) | ce-always (the copy engine under capture too; diagnostic: it delivered "
-                          "stale rows under replay on H200, 2026-11-22)",
+                          "launch per peer)",
     "EPCOMM_VERIFY_LAUNCH": "1: every Triton launch also runs Triton's binder and checks that the kernel bound once "
                             "for its key is the one Triton would pick (slow; the GPU tests set it)",
     "EPCOMM_AS_DEEP_EP": "1: every Python process that imports deep_ep (Megatron-Core, vLLM, SGLang, ...) "
@@ -81,8 +80,8 @@ def log_level() -> str | None:
 
 def ht_transfer() -> str:
     v = os.environ.get("EPCOMM_HT_TRANSFER", "sm").strip().lower() or "sm"
-    if v not in ("ce", "sm", "ce-always"):
-        raise ValueError(f"EPCOMM_HT_TRANSFER must be 'ce', 'sm' or 'ce-always', got {v!r}")
+    if v not in ("ce", "sm"):
+        raise ValueError(f"EPCOMM_HT_TRANSFER must be 'ce' or 'sm', got {v!r}")
     return v
 
 

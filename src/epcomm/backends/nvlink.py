@@ -159,7 +159,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         self._ready_event = torch.cuda.Event()  # TUNE["notify_first"]: the inputs are ready
         self._views: dict = {}  # see _view
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.transfer = _env.ht_transfer()  # "sm" (default), "ce" (copy engine eagerly) or "ce-always"
+        self.transfer = _env.ht_transfer()  # "sm" (default) or "ce" (copy engine eagerly)
         from . import nvlink_ll
 
         over = {k: v for k, v in _env.tune().items() if not k.startswith(("iht.", "ill."))}  # (internode's)

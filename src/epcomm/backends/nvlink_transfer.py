@@ -115,7 +115,7 @@ class NVLinkTransfer:
 
     def _use_ce(self) -> bool:
         """Bulk bytes by copy engine, unless EPCOMM_HT_TRANSFER=sm or the call is being captured in a CUDA
-        graph (``ce-always``: under capture too, to diagnose). Under graph replay the copy-engine branch
+        graph. Under graph replay the copy-engine branch
         (a forked stream: copies, then a flag kernel) let the receiver read the last rows of a chunk
         before they arrived (tier 3 on nvidia-h200-x2, third session of 2026-11-22: the rows at the
         end of chunks 0-2 held the previous replay's data, every replay; a stream memory barrier
@@ -123,7 +123,7 @@ class NVLinkTransfer:
         probe (d36aacd, 512 tokens; BENCHMARKS.md Findings) saw no stale rows in any copy-engine variant."""
         if self.transfer == "sm":
             return False
-        return self.transfer == "ce-always" or not torch.cuda.is_current_stream_capturing()
+        return not torch.cuda.is_current_stream_capturing()
 
     def _fused_push(self) -> bool:
         """A non-cached dispatch without the copy engine pushes inside the gather kernel (its programs
