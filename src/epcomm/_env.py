@@ -22,7 +22,7 @@ VARIABLES = {
     "EPCOMM_NATIVE": "output tensors of the nvlink plans made by a small C++ extension, built or loaded when a "
                      "buffer is made (a C++ compiler and ninja; ~25-40 s once a machine, then cached): 1 (default: on CUDA devices, "
                      "torch.empty where it cannot be built) | 0 (off) | all (also on CPU devices: the tests)",
-    "EPCOMM_TUNE": "launch parameters, e.g. push_rb=16,ce_flag=copy,ll.fused_dispatch=1,iht.dispatch_warps=8 (keys "
+    "EPCOMM_TUNE": "launch parameters, e.g. push_rb=16,ce_chunks=2,ll.fused_dispatch=1,iht.dispatch_warps=8 (keys "
                    "and defaults: TUNE in backends/nvlink_params.py; ll. keys: backends/nvlink_ll.py; iht. and "
                    "ill. keys, the internode backend's: backends/internode_ht.py and internode_ll.py; for "
                    "measuring variants with epcomm bench)",

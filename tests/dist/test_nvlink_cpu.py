@@ -93,7 +93,6 @@ HT_VARIANTS = {
     "sm-push": ({"EPCOMM_HT_TRANSFER": "sm"}, {"push_rb": 2, "push_block": 64}),  # the SM push, several tiles a row
     "variants": (CE, {"ce_chunks": 1, "gather_one_load": True, "gather_rb": 4, "gather_prefetch": True,  # tuning
                       "notify_first": True}),
-    "copy-flag": ({**CE, "EPCOMM_TUNE": "ce_flag=copy,ce_chunks=2"}, {}),  # flags raised by copies of their value
     # the outputs of the plans (layout, dispatch, combine) made by the C++ extension (native.py)
     "native-outputs": ({"EPCOMM_HT_TRANSFER": "sm", "EPCOMM_NATIVE": "all"}, {}),
 }
@@ -352,8 +351,8 @@ TWO_RANKS = [
     ("low-latency-shrink", _ll_faults, {"what": "shrink"}, {}, {}),
 ]
 # Three ranks: non-power-of-two rank loops and masks (found a misaligned staging view and the UE8M0 unpack
-# of a one-row expert); both HT transfers (the SM gather kernel pushes to two peers). Copy-engine flags by
-# copy, the tuning variants and the LL roles as separate kernels run at 2 ranks only.
+# of a one-row expert); both HT transfers (the SM gather kernel pushes to two peers). The tuning variants and
+# the LL roles as separate kernels run at 2 ranks only.
 THREE_RANKS = [
     ("high-throughput[copy-engine]", _ht, {}, CE, {}),
     ("high-throughput[sm-push]", _ht, {}, {"EPCOMM_HT_TRANSFER": "sm"}, {}),

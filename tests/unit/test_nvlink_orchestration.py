@@ -338,27 +338,11 @@ def test_transfer_variable_is_checked(monkeypatch):
             _env.ht_transfer()
 
 
-@pytest.mark.parametrize("chunks", [1, 4])
-def test_copy_engine_flag_variant_writes_the_value_by_copy(rig, monkeypatch, chunks):
-    monkeypatch.setitem(params.TUNE, "ce_flag", "copy")
-    monkeypatch.setitem(params.TUNE, "ce_chunks", chunks)
-    res = rig.b[0].dispatch(_args())
-    names = _names(rig.log)
-    assert "_ce_signal_kernel" not in names
-    vals = [a for n, _, a in rig.log if n == "_ce_flag_value_kernel"]
-    assert [(a["done"], a["bump"]) for a in vals] == [((i + 1) * 4 // chunks, int(i == chunks - 1))
-                                                      for i in range(chunks)]
-    # the stand-in kernels do not run: the value word is what the copy carries to the peer's flag
-    rig.log.clear()
-    rig.b[0].combine(res.recv_x, res.handle, None, ())
-    assert "_ce_flag_value_kernel" in _names(rig.log) and "_ce_signal_kernel" not in _names(rig.log)
-
-
 def test_tune_variable(monkeypatch):
     saved = dict(params.TUNE)
     try:
-        nv.apply_tune({"push_rb": "4", "fused_push": "false", "ce_flag": "copy"})
-        assert params.TUNE["push_rb"] == 4 and params.TUNE["fused_push"] is False and params.TUNE["ce_flag"] == "copy"
+        nv.apply_tune({"push_rb": "4", "fused_push": "false"})
+        assert params.TUNE["push_rb"] == 4 and params.TUNE["fused_push"] is False
         from epcomm.backends import nvlink_ll
 
         saved_ll = dict(nvlink_ll.TUNE)
@@ -368,7 +352,7 @@ def test_tune_variable(monkeypatch):
         with pytest.raises(ValueError, match="unknown key 'll.push_rb'"):
             nv.apply_tune({"push_rb": "4"}, nvlink_ll.TUNE, "ll.")
         for bad, msg in (({"push_rbs": "4"}, "unknown key 'push_rbs'"), ({"push_rb": "x"}, "push_rb must be an integer"),
-                         ({"fused_push": "maybe"}, "fused_push must be"), ({"ce_flag": "dma"}, "ce_flag must be")):
+                         ({"fused_push": "maybe"}, "fused_push must be")):
             with pytest.raises(ValueError, match=msg):
                 nv.apply_tune(bad)
     finally:
@@ -376,8 +360,8 @@ def test_tune_variable(monkeypatch):
         params.TUNE.update(saved)
     from epcomm import _env
 
-    monkeypatch.setenv("EPCOMM_TUNE", " push_rb=16, ce_flag=copy ")
-    assert _env.tune() == {"push_rb": "16", "ce_flag": "copy"}
+    monkeypatch.setenv("EPCOMM_TUNE", " push_rb=16, ce_chunks=2 ")
+    assert _env.tune() == {"push_rb": "16", "ce_chunks": "2"}
     monkeypatch.setenv("EPCOMM_TUNE", "push_rb")
     with pytest.raises(ValueError, match="key=value"):
         _env.tune()

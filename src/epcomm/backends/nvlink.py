@@ -166,7 +166,6 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         apply_tune({k: v for k, v in over.items() if not k.startswith("ll.")})
         apply_tune({k[3:]: v for k, v in over.items() if k.startswith("ll.")}, nvlink_ll.TUNE, "ll.")
         deadline.prepare_native(self.group, self.rank, self.device, TUNE["native_alloc"], self.wait_s)
-        self.flag_words = torch.zeros(2, dtype=torch.int32, device=self.device)  # TUNE["ce_flag"] == "copy"
         self._bind_kernels()
         self._ll = None
         self.barrier("Buffer/barrier")
@@ -180,7 +179,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         from ..kernels.launch import Launcher
 
         self.k = {name: Launcher(getattr(mod, name)) for mod, names in (
-            (ht_transfer, ("_push_kernel", "_ce_wait_kernel", "_ce_signal_kernel", "_ce_flag_value_kernel",
+            (ht_transfer, ("_push_kernel", "_ce_wait_kernel", "_ce_signal_kernel",
                            "_combine_push_kernel")),
             (ht_receive, ("_dispatch_impl_kernel", "_reduce_kernel", "_combine_kernel")),
             (ht_notify, ("_dispatch_notify_kernel",)), (ht_layout, ("_layout_kernel",))) for name in names}

@@ -93,25 +93,10 @@ class NVLinkTransfer:
 
     def _ce_raise(self, slot: int, ctr: int, inc: int, done: int) -> None:
         """On the copy-engine stream, behind a chunk's copies: raise every peer's data flag ``slot`` by
-        ``inc`` chunks (``done`` of ``NC`` sent this call; the last advances counter ``ctr``). By a flag
-        kernel (release add), or with ``TUNE["ce_flag"] == "copy"`` by 4-byte copy-engine copies of the
-        new value, queued behind the data copies on the same stream (a variant to test whether the copy
-        engine keeps a flag behind its data under graph replay)."""
-        from ..kernels import ht
-
-        r_, me, last = self.num_ranks, self.rank, int(done == NC)
-        if TUNE["ce_flag"] != "copy":
-            self.k["_ce_signal_kernel"](ctr, (1,), self.p_table, self.flags_off, int(slot), r_, me,
-                                        self.p_ctr[ctr],
-                                        inc, last)
-            return
-        word = self.flag_words[int(int(slot) == int(ht.CDATA)):][:1]
-        self.k["_ce_flag_value_kernel"](ctr, (1,), self.p_ctr[ctr], word, done, last, NC=NC)
-        src = word.view(torch.uint8)
-        for j in range(r_):
-            if j != me:
-                off = self.flags_off + (int(slot) * r_ + me) * 4
-                self._view(("flag", j, int(slot)), lambda j=j, off=off: self.peers[j][off:off + 4]).copy_(src)
+        ``inc`` chunks (``done`` of ``NC`` sent this call; the last advances counter ``ctr``) by a flag
+        kernel (release add)."""
+        self.k["_ce_signal_kernel"](ctr, (1,), self.p_table, self.flags_off, int(slot), self.num_ranks, self.rank,
+                                    self.p_ctr[ctr], inc, int(done == NC))
 
     def _use_ce(self) -> bool:
         """Bulk bytes by copy engine, unless EPCOMM_HT_TRANSFER=sm or the call is being captured in a CUDA

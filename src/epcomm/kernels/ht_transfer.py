@@ -1,7 +1,9 @@
 """High-throughput kernels, transfer phase: the bulk movers between ranks.
 
-- ``ce_wait`` / ``ce_signal`` / ``ce_flag_value``: one-program kernels around the copy-engine bulk copies
-  (wait for the receivers to free their staging slots; raise the data flags after the copies).
+- ``ce_wait`` / ``ce_signal``: one-program kernels around the copy-engine bulk copies (wait for the
+  receivers to free their staging slots; raise the data flags after the copies).
+- ``ce_flag_value``: a one-program kernel of five arguments, the host probe's yardstick of a launch's cost
+  (``bench/profile.host_primitives``; no backend launches it).
 - ``push``: the SM alternative to the copy engine: rows of a source (with their scales, ids and weights)
   pushed into peers' slots (with ``TUNE["fused_push"]`` off; else the gather kernel pushes itself).
 - ``combine_push``: the SM mover of combine: each owner's block of rows into its staging slot
@@ -39,10 +41,9 @@ def _ce_signal_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr, inc, bump):
 
 @triton.jit(do_not_specialize=['done', 'bump'])
 def _ce_flag_value_kernel(ctr_ptr, out_ptr, done, bump, NC: tl.constexpr):
-    """The copy-engine flag variant (``TUNE["ce_flag"] = "copy"``): the value a data flag must reach
-    after ``done`` of this call's ``NC`` chunks (``sends so far * NC + done``) into ``out``, for a
-    4-byte copy-engine copy to every peer's flag, behind the data copies on the same stream;
-    ``bump`` = 1 after the last advances the send counter."""
+    """``sends so far * NC + done`` into ``out`` (``ctr``: the sends so far; ``bump`` = 1 advances it). No
+    backend launches it since the copy-engine flag raised by copies of this value was removed (it was never
+    measured against the flag kernel); the host probe times its launches (``bench/profile.host_primitives``)."""
     n = tl.load(ctr_ptr)
     tl.store(out_ptr, n * NC + done)
     if bump != 0:
