@@ -376,14 +376,6 @@ def test_synchronised_dispatch_may_use_fewer_copy_engine_chunks(rig, monkeypatch
     assert len([n for n, _, _ in rig.log if n == "_ce_signal_kernel"]) == params.TUNE["ce_chunks"]
 
 
-def test_notify_first_queues_the_exchange_before_the_copies(rig, monkeypatch):
-    monkeypatch.setitem(params.TUNE, "notify_first", True)
-    rig.b[0].dispatch(_args())
-    names = _names(rig.log)
-    assert names[:2] == ["_dispatch_notify_kernel", "_ce_wait_kernel"] and names.count("_ce_signal_kernel") == 4
-    assert names[-1] == "_dispatch_impl_kernel"
-
-
 @pytest.mark.parametrize("hook", [False, True])
 def test_low_latency_dispatch_is_one_kernel(rig, hook):
     from epcomm.backends import nvlink_ll

@@ -264,8 +264,7 @@ class HTDispatch:
             (_bools,) + (() if fused else (None, None)) + (None,) * (5 if has_topk else 4))
         bulk = not push and r_ > 1  # the transport's own transfer (copy engine, or the separate push kernel)
         gather = self._gather_plan(key, h, x_dtype, t, lay, g, k, lx, push, has_s, has_topk, counts, toks)
-        # (with the fused layout the separate push kernel reads is_token_in_rank: after the exchange kernel)
-        first, n_worst = TUNE["notify_first"] or fused, worst
+        n_worst = worst
         f32 = torch.float32
         err_view, host_view, sync = self._err_view, self._notify_view, self._sync_event
 
@@ -432,13 +431,9 @@ class HTDispatch:
                 nargs = (is_in, ntpr, ntpe, cpm, rpm, recv_cp, send_head, *((topk,) if has_topk else ()))
             if sc is not None:  # (the chain launched the exchange)
                 Launcher.launches += 1
-            elif bulk and first:
-                # the exchange of counts runs while the host queues the copies (the synchronisation below then
-                # waits less); the copies wait for the inputs only, through an event recorded before it
-                self._ready_event.record(self._current_stream())
+            elif bulk and fused:  # (the separate push kernel reads is_token_in_rank, which the exchange writes)
                 notify(notify_grid, *nargs)
-                self._bulk_dispatch(_words(x), scales, topk, w, lay, is_in, ready=self._ready_event,
-                                    synchronised=not n_worst)
+                self._bulk_dispatch(_words(x), scales, topk, w, lay, is_in, synchronised=not n_worst)
             else:
                 if bulk:
                     self._bulk_dispatch(_words(x), scales, topk, w, lay, is_in, synchronised=not n_worst)

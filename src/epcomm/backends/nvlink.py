@@ -156,7 +156,6 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         self._scratches: dict = {}  # ht_dispatch._scratch: a dispatch's outputs that ElasticBuffer reads once
         self.ce_stream = torch.cuda.Stream(self.device)
         self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
-        self._ready_event = torch.cuda.Event()  # TUNE["notify_first"]: the inputs are ready
         self._views: dict = {}  # see _view
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.transfer = _env.ht_transfer()  # "sm" (default) or "ce" (copy engine eagerly)

@@ -25,7 +25,7 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
             push_warps=8,
             cpush_rb=8, cpush_block=512, cpush_warps=8,
             gather_one_load=True, ce_chunks=4, fused_push=True,
-            ce_chunks_sync=0, notify_first=False, fused_cpush=True, v2_fused_layout=False,
+            ce_chunks_sync=0, fused_cpush=True, v2_fused_layout=False,
             v2_fused_eager=True, native_alloc=True, native_chain=True,
             native_pack=True, native_merge=True, native_chain_ht=True,
             native_chain_v2c=True, native_chain_v2x=True,

@@ -33,11 +33,9 @@ from .nvlink_params import (
 
 class NVLinkTransfer:
     def _bulk_dispatch(self, x_words: torch.Tensor, scales, topk, w, lay: dict, is_in: torch.Tensor,
-                       synchronised: bool = False, ready=None) -> None:
+                       synchronised: bool = False) -> None:
         """Send this rank's batch into slot ``me`` of every peer's dispatch staging, by copy engine or by
-        the SM push kernel (where the gather kernel does not push itself: ``_fused_push``). ``ready``: an
-        event recorded on the current stream when the inputs were ready (the copies wait for it, not
-        for work queued after it, such as the notify kernel)."""
+        the SM push kernel (where the gather kernel does not push itself: ``_fused_push``)."""
         from ..kernels import ht
 
         r_, me = self.num_ranks, self.rank
@@ -61,10 +59,7 @@ class NVLinkTransfer:
                                    HAS_TOPK=has_k, G_POW2=_pow2(g), K_POW2=_pow2(k),
                                    num_warps=TUNE["push_warps"])
             return
-        if ready is not None:
-            self.ce_stream.wait_event(ready)
-        else:
-            self.ce_stream.wait_stream(self._current_stream())
+        self.ce_stream.wait_stream(self._current_stream())
         t = x_words.shape[0]
         per, step = _chunk_rows(t), _ce_step(synchronised)
         with self._on(self.ce_stream):
