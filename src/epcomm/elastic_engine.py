@@ -143,8 +143,8 @@ def dispatch_plan(eb, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     depends on no value or address is resolved once: the payload's kind, the ``Config``, the worst-case
     sizes, and on a backend that plans its dispatches (``dispatch_run``) its plan, whose transient tensors
     (the layout's counts, the received ids before ``recv_meta`` reads them, the channel matrices no V2 call
-    reads) are its scratch, not allocations. Where the backend ``fuses_layout`` (nvlink: by default for calls not
-    ``capturing`` into a CUDA graph, ``TUNE["v2_fused_eager"]``) that plan computes the layout in its exchange
+    reads) are its scratch, not allocations. Where the backend ``fuses_layout`` (nvlink: for calls not
+    ``capturing`` into a CUDA graph) that plan computes the layout in its exchange
     kernel: a call after the first launches no layout kernel."""
     be, r_, me, kern = eb._backend, eb.num_ranks, eb.rank_idx, eb._kernels
     t, k = topk_idx.shape

@@ -25,8 +25,7 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
             push_warps=8,
             cpush_rb=8, cpush_block=512, cpush_warps=8,
             gather_one_load=True, ce_chunks=4, fused_push=True,
-            ce_chunks_sync=0, fused_cpush=True, v2_fused_layout=False,
-            v2_fused_eager=True, native_alloc=True, native_chain=True,
+            ce_chunks_sync=0, fused_cpush=True, native_alloc=True, native_chain=True,
             native_pack=True, native_merge=True, native_chain_ht=True,
             native_chain_v2c=True, native_chain_v2x=True,
             native_chain_v2xc=True, native_key=True, native_flat=True,
@@ -34,12 +33,6 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
 # notify_block: tokens a step of the exchange kernel's rank programs (a scan over all T tokens, one step after
 # another): 2048 took 2.4-2.8 us off the DSv3 graph dispatch (BF16 110.9 -> 108.1, FP8 83.9 -> 81.6 us, the
 # mean of 2 rounds at world 1, one H100; 4096 with 16 warps: 108.9 / 82.0; benchmarks/2026-11-27/s6/call2-0d26a28)
-# v2_fused_layout: ElasticBuffer's dispatch computes its layout in the exchange kernel (its tile programs, before the
-# rank programs: kernels/ht_layout.layout_tiles), not in a launch of its own (HTDispatch.fuses_layout); Buffer's never.
-# On the GPU it costs ~0.7 us (graph replays, DSv3 at world 1, H100: BF16 120.4 -> 121.1, FP8 93.8 -> 94.4,
-# benchmarks/2026-11-27/s7 call 1) and saves a launch's host time: V2 contiguous no-sync dispatch host 0.905 and
-# 0.920 of the unfused in one process (hostprobe --variants, benchmarks/2026-11-27/s9 calls 1 and 2). So
-# v2_fused_eager: fused for calls not captured into a CUDA graph (eager calls pay the host), unfused for captures
 # native_alloc: on a GPU, a dispatch's output tensors made in one C++ call (epcomm/native.py), not by torch.empty each
 # (host time of whole calls 0.89-0.94x for dispatches and the layout, in one process: benchmarks/2026-11-27/s9 call 9)
 # native_chain: where a call is its outputs and launches only (an HT dispatch with num_worst_tokens and the fused push

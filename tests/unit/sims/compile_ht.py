@@ -26,8 +26,8 @@ def main() -> None:
                   STAGES=t["gather_stages"], ONE_LOAD=t["gather_one_load"], PUSH_RB=t["push_rb"],
                   PUSH_BLOCK=t["push_block"], ELEM=tl.int32)
     reduce = dict(NC=4, TB=t["reduce_tb"], BLOCK=t["reduce_block"], R_POW2=2, K_POW2=8, HAS_TIMER=True, STAGES=3)
-    # the exchange kernel unfused (Buffer, and ElasticBuffer by default) and with the layout fused in
-    # (TUNE v2_fused_layout: DSv3 at world 1, and 8 ranks; 300 experts: two histogram blocks)
+    # the exchange kernel unfused (Buffer, and ElasticBuffer's captured dispatch) and with the layout fused in
+    # (ElasticBuffer's eager dispatch: DSv3 at world 1, and 8 ranks; 300 experts: two histogram blocks)
     cases = [
         (ht_notify._dispatch_notify_kernel, COMMON,
          dict(BLOCK=t["notify_block"], R_POW2=r, C_POW2=32, K_POW2=8, TB=128, CHECK_WORST=w, CHECK_TOPK=True,
