@@ -225,17 +225,6 @@ def test_captured_calls_push_with_sms(rig):
     assert gather["PUSH_BLOCK"] == params.TUNE["push_block"] and rig.log[1][1] == (rig.b[0].num_sms, 1, 1)
 
 
-def test_captured_calls_without_fusion_use_the_push_kernel(rig, monkeypatch):
-    monkeypatch.setitem(params.TUNE, "fused_push", False)
-    rig.capturing["on"] = True
-    rig.b[0].dispatch(_args(worst=R * T))
-    names = _names(rig.log)
-    assert names == ["_push_kernel", "_dispatch_notify_kernel", "_dispatch_impl_kernel"]
-    push = rig.log[0][2]
-    assert push["RB"] == params.TUNE["push_rb"] and push["BLOCK"] == params.TUNE["push_block"] and push["HAS_TOPK"]
-    assert not rig.log[2][2]["PUSH"]
-
-
 @pytest.mark.parametrize("chunks", [1, 2, 4])
 def test_copy_engine_chunks_raise_the_flag_by_what_they_carry(rig, monkeypatch, chunks):
     monkeypatch.setitem(params.TUNE, "ce_chunks", chunks)
@@ -309,13 +298,6 @@ def test_a_calls_config_sets_its_sms(rig):
     rig.log.clear()
     b.combine(res.recv_x, res.handle, None, (), Config(num_sms=2))
     assert [g for n, g, _ in rig.log if n == "_combine_kernel"] == [(2, 1, 1)]
-    rig.log.clear()
-    with pytest.MonkeyPatch.context() as mp:  # the separate push kernel and its grid
-        mp.setitem(params.TUNE, "fused_push", False)
-        mp.setitem(params.TUNE, "fused_cpush", False)
-        b.cached_dispatch(res.recv_x[:0].new_empty(T, H), None, res.handle, Config(num_sms=6))
-        b.combine(res.recv_x, res.handle, None, (), Config(num_sms=2))
-    assert [g for n, g, _ in rig.log if n in ("_push_kernel", "_combine_push_kernel")] == [(6,), (2,)]
 
 
 def test_fused_push_grid_is_at_most_one_program_per_sm(rig):
@@ -341,18 +323,19 @@ def test_transfer_variable_is_checked(monkeypatch):
 def test_tune_variable(monkeypatch):
     saved = dict(params.TUNE)
     try:
-        nv.apply_tune({"push_rb": "4", "fused_push": "false"})
-        assert params.TUNE["push_rb"] == 4 and params.TUNE["fused_push"] is False
+        nv.apply_tune({"push_rb": "4"})
+        assert params.TUNE["push_rb"] == 4
         from epcomm.backends import nvlink_ll
 
         saved_ll = dict(nvlink_ll.TUNE)
-        nv.apply_tune({"send_gc": "4"}, nvlink_ll.TUNE, "ll.")
-        assert nvlink_ll.TUNE["send_gc"] == 4
+        nv.apply_tune({"send_gc": "4", "fused_dispatch": "false"}, nvlink_ll.TUNE, "ll.")
+        assert nvlink_ll.TUNE["send_gc"] == 4 and nvlink_ll.TUNE["fused_dispatch"] is False
+        with pytest.raises(ValueError, match="ll.fused_dispatch must be"):
+            nv.apply_tune({"fused_dispatch": "maybe"}, nvlink_ll.TUNE, "ll.")
         nvlink_ll.TUNE.update(saved_ll)
         with pytest.raises(ValueError, match="unknown key 'll.push_rb'"):
             nv.apply_tune({"push_rb": "4"}, nvlink_ll.TUNE, "ll.")
-        for bad, msg in (({"push_rbs": "4"}, "unknown key 'push_rbs'"), ({"push_rb": "x"}, "push_rb must be an integer"),
-                         ({"fused_push": "maybe"}, "fused_push must be")):
+        for bad, msg in (({"push_rbs": "4"}, "unknown key 'push_rbs'"), ({"push_rb": "x"}, "push_rb must be an integer")):
             with pytest.raises(ValueError, match=msg):
                 nv.apply_tune(bad)
     finally:

@@ -1,8 +1,8 @@
 """High-throughput combine, orchestrated along its phases: the transfer (each rank's block of rows for owner
 ``i`` into ``i``'s combine staging) and the receive (``reduce``: rank by rank, float32, plus bias, into
 ``bf16[T, H]``). With the SM transfer both are one kernel (``_combine_kernel``: its programs push, then
-reduce); otherwise the transport's ``_combine_send`` (copy engine, or the separate push kernel), then
-``_reduce_kernel``.
+reduce); with the copy engine (``EPCOMM_HT_TRANSFER=ce``, eager calls whose handle has its block bounds on the
+host) the transport's ``_combine_send``, then ``_reduce_kernel``; one rank only reduces.
 
 A combine of one kind (shapes, flags, Config, the 16-byte alignment of its tensors) is planned once
 (``combine_run``): a repeat costs its output allocations and one launch. ``Buffer`` keeps the plans'
@@ -43,7 +43,7 @@ class HTCombine:
         k = w.shape[1] if w is not None else 0
         rpm = handle.rank_prefix_matrix
         ce = (self.num_ranks > 1 and getattr(rpm, "_epcomm_host_col", None) is not None and self._use_ce())
-        fused = self.num_ranks > 1 and not ce and TUNE["fused_cpush"]
+        fused = self.num_ranks > 1 and not ce
         num_sms = config.num_sms if config is not None else None
         key = ("cb", t, h, k, len(bias), w is not None, num_sms, ce, fused,
                _aligned(x, handle.send_head, rpm, w, *bias))

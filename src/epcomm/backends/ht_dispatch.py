@@ -169,9 +169,10 @@ class HTDispatch:
     def fuses_layout(self, capturing: bool = False) -> bool:
         """Whether an ``ElasticBuffer`` dispatch plan computes the layout in its exchange kernel
         (``dispatch_run(..., fused_layout=True)``; ``Buffer`` never asks): for calls not being captured into a
-        CUDA graph. Eager calls pay the host, and the fused layout is a launch fewer there (V2 contiguous no-sync
-        dispatch 0.905x and 0.920x the host time of the unfused, one process, one H100); a graph's replays pay
-        the GPU, where it cost ~0.7 us (DSv3 at world 1, one H100: BF16 120.4 -> 121.1 us, FP8 93.8 -> 94.4)."""
+        CUDA graph. Eager calls pay the host, and the fused layout is a launch fewer there (V2 contiguous
+        no-sync dispatch 0.905x and 0.920x the host time of the unfused, one process, one H100); a graph's
+        replays pay the GPU, where it cost ~0.7 us (DSv3 at world 1, one H100: BF16 120.4 -> 121.1 us, FP8
+        93.8 -> 94.4)."""
         return not capturing and self._can_fuse_layout()
 
     def _can_fuse_layout(self) -> bool:
@@ -262,7 +263,7 @@ class HTDispatch:
             self.p_err, self._timeout_ns, None, None, None, worst, self.p_err, k, e, self.p_host_counts, rp,
             part, lay_ptr), (0,) + (() if fused else (4, 5)) + (18, 27, 28, 29) + ((31,) if has_topk else ())),
             (_bools,) + (() if fused else (None, None)) + (None,) * (5 if has_topk else 4))
-        bulk = not push and r_ > 1  # the transport's own transfer (copy engine, or the separate push kernel)
+        bulk = not push and r_ > 1  # the transport's own transfer (the copy engine)
         gather = self._gather_plan(key, h, x_dtype, t, lay, g, k, lx, push, has_s, has_topk, counts, toks)
         n_worst = worst
         f32 = torch.float32
@@ -431,12 +432,9 @@ class HTDispatch:
                 nargs = (is_in, ntpr, ntpe, cpm, rpm, recv_cp, send_head, *((topk,) if has_topk else ()))
             if sc is not None:  # (the chain launched the exchange)
                 Launcher.launches += 1
-            elif bulk and fused:  # (the separate push kernel reads is_token_in_rank, which the exchange writes)
-                notify(notify_grid, *nargs)
-                self._bulk_dispatch(_words(x), scales, topk, w, lay, is_in, synchronised=not n_worst)
             else:
-                if bulk:
-                    self._bulk_dispatch(_words(x), scales, topk, w, lay, is_in, synchronised=not n_worst)
+                if bulk:  # (the copy engine's copies: never with the fused layout, an SM-push plan's)
+                    self._bulk_dispatch(_words(x), scales, topk, w, lay, synchronised=not n_worst)
                 notify(notify_grid, *nargs)
             host_col = bad_id = None
             if n_worst:  # no host synchronisation: expert ids are checked on the device (error word)
@@ -632,7 +630,7 @@ class HTDispatch:
                 return made[0], (made[1] if has_s else None)
             is_in = handle.is_token_in_rank
             if bulk:
-                self._bulk_dispatch(_words(x), scales, None, None, lay, is_in)
+                self._bulk_dispatch(_words(x), scales, None, None, lay)
             src = handle.recv_src_idx
             n_rows = src.shape[0]
             # (one or two tensors: torch.empty each costs less than a call of native.Outputs; s9 call 9: 1.03x)

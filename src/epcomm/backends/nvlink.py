@@ -178,8 +178,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         from ..kernels.launch import Launcher
 
         self.k = {name: Launcher(getattr(mod, name)) for mod, names in (
-            (ht_transfer, ("_push_kernel", "_ce_wait_kernel", "_ce_signal_kernel",
-                           "_combine_push_kernel")),
+            (ht_transfer, ("_ce_wait_kernel", "_ce_signal_kernel")),
             (ht_receive, ("_dispatch_impl_kernel", "_reduce_kernel", "_combine_kernel")),
             (ht_notify, ("_dispatch_notify_kernel",)), (ht_layout, ("_layout_kernel",))) for name in names}
         self.p_table, self.p_err, self.p_nctr = Ptr(self.ptr_table), Ptr(self.err), Ptr(self.nctr)

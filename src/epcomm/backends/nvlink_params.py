@@ -22,10 +22,9 @@ NUM_CTRS = 16
 # launch parameters of the high-throughput kernels (a variant: EPCOMM_TUNE=<key>=<value> epcomm bench)
 TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, reduce_tb=16, reduce_block=512,
             reduce_warps=16, reduce_stages=3, notify_block=2048, notify_warps=8, push_rb=16, push_block=1024,
-            push_warps=8,
-            cpush_rb=8, cpush_block=512, cpush_warps=8,
-            gather_one_load=True, ce_chunks=4, fused_push=True,
-            ce_chunks_sync=0, fused_cpush=True, native_alloc=True, native_chain=True,
+            cpush_rb=8, cpush_block=512,
+            gather_one_load=True, ce_chunks=4,
+            ce_chunks_sync=0, native_alloc=True, native_chain=True,
             native_pack=True, native_merge=True, native_chain_ht=True,
             native_chain_v2c=True, native_chain_v2x=True,
             native_chain_v2xc=True, native_key=True, native_flat=True,
@@ -75,10 +74,12 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
 # dispatch 0.896x the host time (FP8 0.910x), synchronised dispatch 0.938x, layout + dispatch 0.943x, cached 0.835x,
 # combine 0.829x, the layout alone 1.004x; LL at 128 tokens dispatch 0.962x, combine 0.902x, at 1 token 0.960x /
 # 0.942x: on
-# fused_cpush: the combine's SM push and its reduce in one kernel (_combine_kernel), else two launches
-# (chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
-# 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
-# combine 360 -> 349 us against 8 x 512-word tiles)
+# push_rb / push_block: the SM push's tiles (the dispatch's receive kernel pushes this rank's rows while it copies
+# its own block: graph dispatch 525 -> 433 us BF16, 396 -> 352 FP8 against a push kernel of its own on
+# nvidia-h200-x2, 3812ed8); cpush_rb / cpush_block: the combine kernel's push, before its reduce, in one launch
+# (tiles chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22:
+# tiles of 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294
+# us, combine 360 -> 349 us against 8 x 512-word tiles)
 NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
 # deadlines on %globaltimer; under the Triton interpreter (CPU runs of the backend, epcomm.testing.cpu_nvlink)
 # the waits count spins instead

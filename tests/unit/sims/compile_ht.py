@@ -9,7 +9,7 @@ import re
 from sm90 import compile_kernel, compile_one, spill_bytes
 
 from epcomm.backends.nvlink_params import TUNE, layout_launch
-from epcomm.kernels import ht_layout, ht_notify, ht_receive, ht_transfer
+from epcomm.kernels import ht_layout, ht_notify, ht_receive
 
 COMMON = {"ptr_table": "*i64", "timeout_ns": "i64", "is_in_ptr": "*i8", "topk_ptr": "*i64",
           "host_addr_ptr": "*i64"}
@@ -48,9 +48,6 @@ def main() -> None:
         (ht_receive._combine_kernel, COMBINE, dict(reduce, HAS_W=True, NUM_BIAS=2, PUSH_RB=t["cpush_rb"],
                                                    PUSH_BLOCK=t["cpush_block"]), t["reduce_warps"]),
         (ht_receive._reduce_kernel, COMBINE, dict(reduce, HAS_W=True, NUM_BIAS=1), t["reduce_warps"]),
-        (ht_transfer._combine_push_kernel, dict(COMMON, w_ptr="*fp32"),
-         dict(HAS_W=True, NC=4, RB=t["cpush_rb"], BLOCK=t["cpush_block"], K_POW2=8, HAS_TIMER=True),
-         t["cpush_warps"]),
     ]
     fused = [c for c in cases if c[2].get("FUSED_LAYOUT")]
     print("plan", len(cases) + 1 + len(fused))  # the test asks for one "ok" line each
