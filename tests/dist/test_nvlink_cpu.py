@@ -91,7 +91,7 @@ CE = {"EPCOMM_HT_TRANSFER": "ce"}  # eager calls by the copy engine (the default
 HT_VARIANTS = {
     "copy-engine": (CE, {}),  # the copy-engine path (copies are plain CPU copies here), NC chunks
     "sm-push": ({"EPCOMM_HT_TRANSFER": "sm"}, {"push_rb": 2, "push_block": 64}),  # the SM push, several tiles a row
-    "variants": (CE, {"ce_chunks": 1, "gather_one_load": True, "gather_rb": 4}),  # tuning
+    "variants": (CE, {"ce_chunks": 1, "gather_rb": 4}),  # tuning
     # the outputs of the plans (layout, dispatch, combine) made by the C++ extension (native.py)
     "native-outputs": ({"EPCOMM_HT_TRANSFER": "sm", "EPCOMM_NATIVE": "all"}, {}),
 }

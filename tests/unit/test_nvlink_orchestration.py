@@ -233,12 +233,6 @@ def test_copy_engine_chunks_raise_the_flag_by_what_they_carry(rig, monkeypatch, 
     assert [(a["inc"], a["bump"]) for a in sig] == [(4 // chunks, int(i == chunks - 1)) for i in range(chunks)]
 
 
-def test_gather_variant_flag_reaches_the_kernel(rig, monkeypatch):
-    monkeypatch.setitem(params.TUNE, "gather_one_load", True)
-    rig.b[0].dispatch(_args())
-    assert [a for n, _, a in rig.log if n == "_dispatch_impl_kernel"][0]["ONE_LOAD"] is True
-
-
 @pytest.mark.parametrize("fp8", [False, True])
 def test_low_latency_dispatch_and_combine_split(rig, monkeypatch, fp8):
     """With the roles as separate kernels (TUNE fused_* off)."""

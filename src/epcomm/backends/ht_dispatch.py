@@ -124,7 +124,7 @@ class HTDispatch:
             PUSH_TOPK=push and has_k, CACHED=cached, IS_PREFIX=cached, HAS_SCALES=has_s,
             HAS_TOPK=has_topk and not cached, NC=NC, RB=TUNE["gather_rb"], BLOCK=TUNE["gather_block"],
             R_POW2=_pow2(r_), K_POW2=_pow2(k), G_POW2=_pow2(g), HAS_TIMER=TIMER, STAGES=TUNE["gather_stages"],
-            ONE_LOAD=TUNE["gather_one_load"], num_warps=TUNE["gather_warps"]))
+            num_warps=TUNE["gather_warps"]))
         tmpl = [None, stage_s, stage_k, stage_w, row, g, k, counts, r_, me, r_, 0 if cached else me * lx, lx,
                 self.p_nctr if cached else toks, self.p_src_lists, self.src_lists.stride(0), None,
                 stage_x, d_slot // 4, stage_s, d_slot // 4, stage_k, d_slot // 8, stage_w, d_slot // 4,

@@ -23,7 +23,7 @@ NUM_CTRS = 16
 TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, reduce_tb=16, reduce_block=512,
             reduce_warps=16, reduce_stages=3, notify_block=2048, notify_warps=8, push_rb=16, push_block=1024,
             cpush_rb=8, cpush_block=512,
-            gather_one_load=True, ce_chunks=4,
+            ce_chunks=4,
             ce_chunks_sync=0, native_alloc=True, native_chain=True,
             native_pack=True, native_merge=True, native_chain_ht=True,
             native_chain_v2c=True, native_chain_v2x=True,

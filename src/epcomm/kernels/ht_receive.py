@@ -56,7 +56,7 @@ def _gather_rows(v_lo, v_hi, pid, P, known, x_ptr, xs_ptr, topk_ptr, w_ptr, row_
                  ptr_table, flags_off, base, err_ptr, timeout_ns,
                  CACHED: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, NC: tl.constexpr,
                  RB: tl.constexpr, BLOCK: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr,
-                 HAS_TIMER: tl.constexpr, STAGES: tl.constexpr, ONE_LOAD: tl.constexpr):
+                 HAS_TIMER: tl.constexpr, STAGES: tl.constexpr):
     """Output rows at rotated positions ``v_lo <= v < v_hi`` (``v = 0`` is this rank's own block),
     tiles of ``RB`` rows, tile ``u`` by program ``u % P``; returns the updated ``known`` levels."""
     kk = tl.arange(0, K_POW2)
@@ -85,21 +85,12 @@ def _gather_rows(v_lo, v_hi, pid, P, known, x_ptr, xs_ptr, topk_ptr, w_ptr, row_
         lrow = s64 * row_elems
         srow = i.to(tl.int64) * stage_src_elems + s64 * row_elems
         orow = nn64 * row_elems
-        if ONE_LOAD:  # one load per element through a per-row pointer (local x or staging)
-            row_src = tl.where(mine, x_ptr + lrow, stage_ptr + srow)
-            for h0 in tl.range(0, row_elems, BLOCK, num_stages=STAGES):
-                cc = h0 + cols
-                cm = real[:, None] & (cc[None, :] < row_elems)
-                v = tl.load(row_src[:, None] + cc[None, :], mask=cm)
-                tl.store(out_x + orow[:, None] + cc[None, :], v, mask=cm)
-        else:  # two masked loads (x or staging), then a select
-            for h0 in tl.range(0, row_elems, BLOCK, num_stages=STAGES):
-                cc = h0 + cols
-                cm = cc[None, :] < row_elems
-                a = tl.load(x_ptr + lrow[:, None] + cc[None, :], mask=mine[:, None] & cm)
-                b = tl.load(stage_ptr + srow[:, None] + cc[None, :], mask=peer[:, None] & cm)
-                tl.store(out_x + orow[:, None] + cc[None, :], tl.where(mine[:, None], a, b),
-                         mask=real[:, None] & cm)
+        row_src = tl.where(mine, x_ptr + lrow, stage_ptr + srow)  # one load per element: local x or staging
+        for h0 in tl.range(0, row_elems, BLOCK, num_stages=STAGES):
+            cc = h0 + cols
+            cm = real[:, None] & (cc[None, :] < row_elems)
+            v = tl.load(row_src[:, None] + cc[None, :], mask=cm)
+            tl.store(out_x + orow[:, None] + cc[None, :], v, mask=cm)
         if HAS_SCALES:
             gm = gg[None, :] < G
             sa = tl.load(xs_ptr + s64[:, None] * G + gg[None, :], mask=mine[:, None] & gm)
@@ -137,7 +128,7 @@ def _dispatch_impl_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
                         CACHED: tl.constexpr, IS_PREFIX: tl.constexpr, HAS_SCALES: tl.constexpr,
                         HAS_TOPK: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
                         R_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
-                        STAGES: tl.constexpr = 3, ONE_LOAD: tl.constexpr = False, PUSH: tl.constexpr = False,
+                        STAGES: tl.constexpr = 3, PUSH: tl.constexpr = False,
                         PUSH_RB: tl.constexpr = 8, PUSH_BLOCK: tl.constexpr = 512, ELEM: tl.constexpr = tl.int32,
                         PUSH_TOPK: tl.constexpr = False):
     """The dispatch's transfer (the gather; ``dispatch_impl`` in DeepEP's names): row ``n`` of the outputs = token ``s`` of source rank ``i`` (rank-major order).
@@ -201,7 +192,7 @@ def _dispatch_impl_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
                                      out_s_stride_col,
                                      out_k, out_w, out_src, ptr_table, flags_off, base, err_ptr, timeout_ns,
                                      CACHED, HAS_SCALES, HAS_TOPK, NC, RB, BLOCK, K_POW2, G_POW2, HAS_TIMER,
-                                     STAGES, ONE_LOAD)
+                                     STAGES)
         if ticket_last(push_ticket_ptr):
             _signal_peers(ptr_table, flags_off, DDATA, R, me, NC)
             tl.store(send_ctr_ptr, n_send + 1)
@@ -216,8 +207,7 @@ def _dispatch_impl_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
                          stage_k_src, stage_w_ptr, stage_w_src, out_x, out_s, out_s_stride_row,
                          out_s_stride_col,
                          out_k, out_w, out_src, ptr_table, flags_off, base, err_ptr, timeout_ns,
-                         CACHED, HAS_SCALES, HAS_TOPK, NC, RB, BLOCK, K_POW2, G_POW2, HAS_TIMER, STAGES,
-                         ONE_LOAD)
+                         CACHED, HAS_SCALES, HAS_TOPK, NC, RB, BLOCK, K_POW2, G_POW2, HAS_TIMER, STAGES)
     if ticket_last(ticket_ptr):
         _signal_peers(ptr_table, flags_off, DCONSUMED, R, me, 1)
         tl.store(ctr_ptr, base + 1)

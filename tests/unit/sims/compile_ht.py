@@ -23,7 +23,7 @@ COMBINE = dict(COMMON, x_ptr="*bf16", w_ptr="*fp32", stage_ptr="*bf16", stage_w_
 def main() -> None:
     t = TUNE
     gather = dict(NC=4, RB=t["gather_rb"], BLOCK=t["gather_block"], R_POW2=8, K_POW2=8, G_POW2=64, HAS_TIMER=True,
-                  STAGES=t["gather_stages"], ONE_LOAD=t["gather_one_load"], PUSH_RB=t["push_rb"],
+                  STAGES=t["gather_stages"], PUSH_RB=t["push_rb"],
                   PUSH_BLOCK=t["push_block"], ELEM=tl.int32)
     reduce = dict(NC=4, TB=t["reduce_tb"], BLOCK=t["reduce_block"], R_POW2=2, K_POW2=8, HAS_TIMER=True, STAGES=3)
     # the exchange kernel unfused (Buffer, and ElasticBuffer's captured dispatch) and with the layout fused in

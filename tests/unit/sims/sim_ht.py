@@ -19,7 +19,7 @@ def _p2(v: int) -> int:
     return 1 << max(v - 1, 0).bit_length()
 
 
-def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, one_load=False, ce_chunks=4):
+def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, ce_chunks=4):
     """``start``: every per-call counter (and the flags that follow it) starts there, e.g. 2**31 - 1 so
     that the counters and the copy-engine data flags (NC per call) cross the int32 wrap in this call.
     The transfers are the copy engine's, emulated (copies, then the flag kernels); the SM push runs inside the
@@ -116,7 +116,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, one_
             out_x, stage_w, 0, 1, out_k, out_w, out_src, table, 0, s["ctrs"][nv.DRECV:], s["tickets"][0:],
             s["err"], 100, s["err"], 0, 0, 0, 0, 0, 0, s["ctrs"][nv.DSEND:], s["tickets"][4:], CACHED=False, IS_PREFIX=False, HAS_SCALES=False, HAS_TOPK=True, NC=nv.NC, RB=4,
             BLOCK=16, R_POW2=4,
-            K_POW2=4, G_POW2=1, HAS_TIMER=False, ONE_LOAD=one_load)
+            K_POW2=4, G_POW2=1, HAS_TIMER=False)
         assert s["err"][0] == 0, s["err"]
         assert_bitwise(out_x.view(torch.bfloat16)[:n], exp["recv_x"], f"recv_x rank {me}")
         assert_bitwise(out_k[:n], exp["recv_topk_idx"], "topk")
@@ -194,10 +194,8 @@ if __name__ == "__main__":
         dict(R=1, T=(6,)),
         dict(start=2 ** 31 - 1),  # counters, parities and data flags cross the int32 wrap
         dict(R=2, T=(9, 4), worst=20, start=2 ** 31 - 1),
-        dict(one_load=True),  # the gather's one-load variant (TUNE gather_one_load)
         dict(ce_chunks=1, start=2 ** 31 - 1),  # one copy-engine copy per call (TUNE ce_chunks), over the wrap
         dict(R=2, T=(9, 4), ce_chunks=2),
-        dict(R=2, T=(9, 4), worst=20, one_load=True),
     ]
     print("plan", len(RUNS))
     for kw in RUNS:
