@@ -19,9 +19,11 @@ VARIABLES = {
     "EPCOMM_AS_DEEP_EP": "1: every Python process that imports deep_ep (Megatron-Core, vLLM, SGLang, ...) "
                          "gets epcomm, even where a real DeepEP is installed (a .pth hook installed with "
                          "epcomm; docs/clients.md); 0 or unset: nothing named deep_ep is provided",
-    "EPCOMM_NATIVE": "output tensors of the nvlink plans made by a small C++ extension, built or loaded when a "
-                     "buffer is made (a C++ compiler and ninja; ~25-40 s once a machine, then cached): 1 (default: on CUDA devices, "
-                     "torch.empty where it cannot be built) | 0 (off) | all (also on CPU devices: the tests)",
+    "EPCOMM_NATIVE": "the nvlink plans' native path, every part of it: a call's outputs, its launches and its kind "
+                     "from its tensors through a small C++ extension (epcomm/native.cpp), built or loaded when a "
+                     "buffer is made (a C++ compiler and ninja; ~25-40 s once a machine, then cached): 1 (default: "
+                     "on CUDA devices; the plain torch path where it cannot be built) | 0 (off: the plain torch "
+                     "path) | all (also on CPU devices: the tests)",
     "EPCOMM_TUNE": "launch parameters, e.g. push_rb=16,ce_chunks=2,ll.fused_dispatch=1,iht.dispatch_warps=8 (keys "
                    "and defaults: TUNE in backends/nvlink_params.py; ll. keys: backends/nvlink_ll.py; iht. and "
                    "ill. keys, the internode backend's: backends/internode_ht.py and internode_ll.py; for "

@@ -17,11 +17,11 @@ build); a buffer asks for it when it is made, before its first collective (``bac
 (no compiler) the same tensors come from ``torch.empty``, and a warning says why once; ``EPCOMM_NATIVE=0`` turns
 it off, ``EPCOMM_NATIVE=all`` also on CPU devices (for tests: :func:`wanted`).
 Every tensor is contiguous, as ``torch.empty`` makes it; each its own allocation, but for those a plan marks
-``packed`` (with ``TUNE["native_pack"]``: its small outputs, never the received rows): views of one allocation,
+``packed`` (its small outputs, never the received rows): views of one allocation,
 each from a 16-byte boundary, made in C++ without a call into the allocator each (that allocation lives while any
 of them does: a few hundred KB at DSv3 shapes).
 
-:class:`Chain` (``TUNE["native_chain"]``): where a call is only its outputs and launches (no host wait between them),
+:class:`Chain`: where a call is only its outputs and launches (no host wait between them),
 one call into the extension makes the outputs and launches the call's Triton kernels through the driver
 (``cuLaunchKernel``, each kernel's parameters packed once from its bound launch, ``kernels/launch.Direct.step``,
 and checked against the driver's own parameter list); per call only the caller's tensors and a few integers are
@@ -44,12 +44,13 @@ ROWS = -1  # a dimension that each call gives
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.cpp")
 
 
-def wanted(device: torch.device, tune: bool) -> bool:
-    """Whether a plan on ``device`` makes its outputs natively: ``tune`` (``TUNE["native_alloc"]``) on a CUDA
-    device; also on CPU with ``EPCOMM_NATIVE=all`` (the tests' way to run this path without a GPU); never with
-    ``EPCOMM_NATIVE=0``."""
+def wanted(device: torch.device, on: bool = True) -> bool:
+    """Whether plans on ``device`` take the native path, every part of it (their outputs by :class:`Outputs`, the
+    small ones packed in one allocation, their launches as :class:`Chain` calls, a call's kind by the extension's
+    signatures): on a CUDA device; also on CPU with ``EPCOMM_NATIVE=all`` (the tests' way to run this path without
+    a GPU); never with ``EPCOMM_NATIVE=0``, which leaves the plain torch path (``on``: the caller's own condition)."""
     how = _env.native()
-    return bool(tune) and how != "0" and (device.type == "cuda" or how == "all")
+    return bool(on) and how != "0" and (device.type == "cuda" or how == "all")
 
 
 _NAME = "epcomm_native_7"  # (a new source gets a new name: torch's cache keys builds by name and source)
@@ -74,13 +75,13 @@ def module():
     return _state["mod"]
 
 
-def key_functions(device: torch.device, tune: bool):
+def key_functions(device: torch.device):
     """``(signatures, row_signatures)`` of the extension (a call's kind from its tensors in one C++ call, as
-    ``_validate.signatures`` and ``_validate.row_signatures`` distinguish them) where ``tune`` asks for them, outputs
-    on ``device`` are made natively and it is built; else those two Python functions."""
+    ``_validate.signatures`` and ``_validate.row_signatures`` distinguish them) where plans on ``device`` are native
+    (:func:`wanted`) and it is built; else those two Python functions."""
     from . import _validate as V
 
-    mod = module() if tune and wanted(device, True) else None
+    mod = module() if wanted(device) else None
     return (V.signatures, V.row_signatures) if mod is None else (mod.signatures, mod.row_signatures)
 
 
@@ -161,7 +162,7 @@ class Chain:
 
     Why: a high-throughput dispatch's host path is its outputs (a few us each from Python), its launches (Triton's
     launcher parses every argument from Python: ~5-9 us each on an H100 host) and the Python between them; a chain
-    does them in one call with the parameters packed once (``hostprobe --variants native_chain=0``)."""
+    does them in one call with the parameters packed once."""
 
     __slots__ = ("chain", "dev", "get_stream", "run", "spec", "steps")
 

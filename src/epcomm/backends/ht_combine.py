@@ -79,7 +79,7 @@ class HTCombine:
         f32, bf16 = torch.float32, torch.bfloat16
         err_view = self._err_view
         specs = [((t, h), bf16)] + ([((t, k), f32)] if has_w else [])
-        outs = Outputs(dev, specs, True) if native.wanted(dev, TUNE["native_alloc"]) else None
+        outs = Outputs(dev, specs, True) if native.wanted(dev) else None
 
         def make_chain():
             # the call's values: x, send_head, rank_prefix_matrix, w, its rows, two biases, the grid
@@ -90,10 +90,9 @@ class HTCombine:
             return None if st is None else native.Chain(dev, specs, native.const(0), [st], 8,
                                                         stream=go.p.chain_stream())
 
-        # the outputs and the one launch as one native.Chain call (TUNE["native_chain_ht"]; after the first call
-        # bound the launch), where the call is only those: the fused push, or one rank
-        chain = native.Later(outs is not None and outs.native and not ce and (fused or r_ == 1)
-                             and TUNE["native_chain_ht"], make_chain)
+        # the outputs and the one launch as one native.Chain call (after the first call bound the launch), where the
+        # call is only those: the fused push, or one rank
+        chain = native.Later(outs is not None and outs.native and not ce and (fused or r_ == 1), make_chain)
 
         def grid_of():
             # every program of the fused kernel must be resident (one waits for rows others push; at most one

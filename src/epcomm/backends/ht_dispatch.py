@@ -273,25 +273,25 @@ class HTDispatch:
         if scratch_rows:
             keep_k = self._scratch("recv_topk_idx", (scratch_rows, k), torch.int64) if has_topk else None
             keep_cp = self._scratch("channel_prefix_matrices", (2, r_, c), i32).unbind(0)
-        # the call's outputs, each a tensor of its own: by torch.empty each, or (TUNE["native_alloc"] on a GPU) in
-        # one C++ call a group (native.Outputs): the handle's before the exchange, the rows' after the count
+        # the call's outputs, each a tensor of its own: by torch.empty each, or (native.wanted: on a GPU) in one C++
+        # call a group (native.Outputs): the handle's before the exchange, the rows' after the count
         heads = rows_out = None
         head_specs = ([((r_, c), i32)] * 2 if keep_cp is None else []) + [((r_, r_), i32), ((t, r_), i32)] \
             + ([((t, r_), torch.bool)] if fused else [])
         row_specs = [((ROWS, h), x_dtype)] + ([((ROWS, g), f32)] if has_s else []) \
             + ([((ROWS, k), torch.int64)] if has_topk and keep_k is None else []) \
             + ([((ROWS, k), f32)] if has_topk else []) + [((ROWS,), i32)]
-        # (TUNE["native_pack"]: the handle's tensors, and the rows' ids, weights and sources, views of one allocation)
-        head_pack = range(len(head_specs)) if TUNE["native_pack"] else ()
-        row_pack = range(1 + has_s, len(row_specs)) if TUNE["native_pack"] else ()
-        if native.wanted(dev, TUNE["native_alloc"]):
+        # (natively the handle's tensors, and the rows' ids, weights and sources, are views of one allocation)
+        head_pack = range(len(head_specs))
+        row_pack = range(1 + has_s, len(row_specs))
+        if native.wanted(dev):
             heads = Outputs(dev, head_specs, True, head_pack)
             rows_out = Outputs(dev, row_specs, True, row_pack)
         # with num_worst_tokens and no transport of its own (the fused push, or one rank) a call is its outputs and
-        # two launches: after the first call bound them, one native.Chain call (TUNE["native_chain"]); a synchronised
-        # one (TUNE["native_chain_ht"]) two chains around the host's read of the counts
+        # two launches: after the first call bound them, one native.Chain call; a synchronised one two chains around
+        # the host's read of the counts
         own = heads is not None and heads.native and not bulk and not ce
-        worst_ok = own and bool(n_worst) and TUNE["native_chain"] and (keep_k is None or n_worst <= scratch_rows)
+        worst_ok = own and bool(n_worst) and (keep_k is None or n_worst <= scratch_rows)
 
         def chain_parts(rows_base=None, n_rows=None, is_in_src=None):
             """``(specs, packed, steps, sources)`` of the call as a chain: its values ``x, scales, topk, w, ntpr,
@@ -354,7 +354,7 @@ class HTDispatch:
                     native.Chain(dev, row_specs, native.num(4), b[2], 7, packed=b[1], stream=stream))
 
         chain = native.Later(worst_ok, make_chain)
-        sync_chain = native.Later(own and not n_worst and TUNE["native_chain_ht"], sync_chains)
+        sync_chain = native.Later(own and not n_worst, sync_chains)
 
         def begin():
             """What every call does first: the error word, the call's SMs."""
@@ -482,7 +482,7 @@ class HTDispatch:
             return DispatchResult(out_x, out_s, out_k, out_w, lst,
                                   DispatchHandle(rpm, cpm, recv_cp, out_src, is_in, send_head))
 
-        if worst_ok and TUNE["native_merge"]:  # (a chain's parts, for a caller that joins a launch: elastic_engine)
+        if worst_ok:  # (a chain's parts, for a caller that joins a launch: elastic_engine)
             run.native = (chain_parts, start, result, n_worst, notify.go.p)
         return run
 
@@ -531,7 +531,7 @@ class HTDispatch:
                             (0, 1, 2, 7, 8, 9)), (None, None, None, None, None, _bools))
 
         specs = [((r_,), torch.int32), ((e,), torch.int32), ((ROWS, r_), torch.bool)]
-        outs = Outputs(dev, specs, True) if native.wanted(dev, TUNE["native_alloc"]) else None
+        outs = Outputs(dev, specs, True) if native.wanted(dev) else None
 
         def make_chain():
             # the call's values: topk, T, the chunk size, the grid
@@ -539,11 +539,10 @@ class HTDispatch:
             one = native.const(1)
             st = go.step((native.num(3), one, one), (native.addr(0), native.num(1), native.num(2), o(0), o(1), o(2)))
             return None if st is None else native.Chain(dev, specs, native.num(1), [st], 4, stream=go.go.p.chain_stream(),
-                                                        packed=range(3) if TUNE["native_pack"] else ())
+                                                        packed=range(3))
 
-        # the outputs and the launch as one native.Chain call (TUNE["native_chain_ht"]; after the first call bound
-        # the launch)
-        chain = native.Later(outs is not None and outs.native and not captured and TUNE["native_chain_ht"], make_chain)
+        # the outputs and the launch as one native.Chain call (after the first call bound the launch)
+        chain = native.Later(outs is not None and outs.native and not captured, make_chain)
 
         def run(topk, t, scratch_counts=False):
             nch, s = chunking(t, tbe, cp2)
@@ -611,10 +610,9 @@ class HTDispatch:
             return None if st is None else native.Chain(dev, specs, native.num(3), [st], 7,
                                                         stream=gather.go.p.chain_stream())
 
-        # the outputs and the gather as one native.Chain call (TUNE["native_chain_ht"]; after the first call bound
-        # the launch), where the call is only those: the fused push, or one rank
-        chain = native.Later(not bulk and not ce and TUNE["native_chain_ht"] and native.wanted(dev, TUNE["native_alloc"])
-                             and native.module() is not None, make_chain)
+        # the outputs and the gather as one native.Chain call (after the first call bound the launch), where the call
+        # is only those: the fused push, or one rank
+        chain = native.Later(not bulk and not ce and native.wanted(dev) and native.module() is not None, make_chain)
 
         def run(x, scales, handle):
             if err_view[0]:

@@ -55,7 +55,6 @@ from .nvlink_params import (
     T_GATHER,
     T_LIST_CAP,
     T_REDUCE,
-    TUNE,
     _align,
     apply_tune,
 )
@@ -164,7 +163,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         over = {k: v for k, v in _env.tune().items() if not k.startswith(("iht.", "ill."))}  # (internode's)
         apply_tune({k: v for k, v in over.items() if not k.startswith("ll.")})
         apply_tune({k[3:]: v for k, v in over.items() if k.startswith("ll.")}, nvlink_ll.TUNE, "ll.")
-        deadline.prepare_native(self.group, self.rank, self.device, TUNE["native_alloc"], self.wait_s)
+        deadline.prepare_native(self.group, self.rank, self.device, True, self.wait_s)
         self._bind_kernels()
         self._ll = None
         self.barrier("Buffer/barrier")

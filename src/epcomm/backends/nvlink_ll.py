@@ -48,7 +48,7 @@ _T_ROLE, _T_CROLE = 9, 10  # the fused dispatch's and the fused combine's role t
 TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_block=2048, recv_split=1,
             csend_warps=4, csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024,
             fused_dispatch=True, fused_combine=True, local_ticket=True, both_qb=4, both_block=2048, both_sends=256,
-            both_gc=0, both_warps=0, native_chain=True)
+            both_gc=0, both_warps=0)
 # fused_dispatch / fused_combine: one kernel per operation, its programs taking the roles (see the module
 # docstring; send_warps / csend_warps for every role); off: separate send and receive kernels, which
 # DeepEP's LL timing cannot attribute to one operation; local_ticket: the receive kernels count their
@@ -58,11 +58,6 @@ TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_
 # both_sends / both_gc / both_warps: its send programs (one_launch_sends)
 # (one H200, one rank, 128 tokens, graph replays, same run: dispatch receive 12.9 -> 12.1 us, combine
 # receive 8.7 -> 8.0 us; 1 token: 7.4 -> 7.2, 5.9 -> 5.5 us)
-# native_chain: where the native extension is wanted (epcomm/native.py), a repeat's launch is one native.Chain
-# call (its holes read in C++, the rest packed once) instead of Triton's launcher parsing every argument
-# (ll_calls.launch_cell). One H100 host, whole calls, paired in one process, 3 rounds: 128 tokens dispatch 0.988x the
-# host time, combine 0.965x; 1 token 0.988x, 0.963x; with the hook (send + hook()) 0.962x, 0.954x
-# (benchmarks/2026-11-28/s11 call 1)
 
 
 def one_launch_sends(t: int, g: int) -> tuple[int, int]:
@@ -120,12 +115,13 @@ class LowLatencyEngine(LowLatencyCalls):
         self.k_cfused = Launcher(ll._ll_combine_kernel)
 
     def _cell(self):
-        """``launch_cell`` for this kind's launches: through a native chain where ``TUNE["native_chain"]`` wants
-        one (decided when a kind is made)."""
+        """``launch_cell`` for this kind's launches: through a native chain where the native path is wanted
+        (``native.wanted``, decided when a kind is made): a repeat's launch is one ``native.Chain`` call (its holes
+        read in C++, the rest packed once) instead of Triton's launcher parsing every argument."""
         from .. import native
 
         dev = self.nv.device
-        chain = dev if native.wanted(dev, TUNE["native_chain"]) else None
+        chain = dev if native.wanted(dev) else None
         return lambda d, gx, gy, gz: launch_cell(d, gx, gy, gz, chain)
 
     def _plan(self, m: int, h: int, e: int) -> Plan:

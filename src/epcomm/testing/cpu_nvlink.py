@@ -166,5 +166,5 @@ def nvlink_buffer(group, spins: float = 2e5, **kw):
     buf._host_checks = False
     from ..buffer import _key_functions
 
-    buf._sigs, buf._rsigs = _key_functions(buf.device)  # (as Buffer derives them once its backend applied EPCOMM_TUNE)
+    buf._sigs, buf._rsigs = _key_functions(buf.device)  # (as Buffer derives them for its device)
     return buf
