@@ -122,7 +122,7 @@ def _ll(ctx, cpu_nvlink):
 
 
 LL_VARIANTS = {"one-kernel-per-op": {},
-               "separate-kernels": {"EPCOMM_TUNE": "ll.fused_dispatch=0,ll.fused_combine=0,ll.local_ticket=0"}}
+               "separate-dispatch-kernels": {"EPCOMM_TUNE": "ll.fused_dispatch=0"}}
 
 
 def _ll_repeats(ctx, cpu_nvlink):
@@ -351,7 +351,7 @@ TWO_RANKS = [
 ]
 # Three ranks: non-power-of-two rank loops and masks (found a misaligned staging view and the UE8M0 unpack
 # of a one-row expert); both HT transfers (the SM gather kernel pushes to two peers). The tuning variants and
-# the LL roles as separate kernels run at 2 ranks only.
+# the LL dispatch roles as separate kernels run at 2 ranks only.
 THREE_RANKS = [
     ("high-throughput[copy-engine]", _ht, {}, CE, {}),
     ("high-throughput[sm-push]", _ht, {}, {"EPCOMM_HT_TRANSFER": "sm"}, {}),
