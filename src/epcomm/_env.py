@@ -24,10 +24,11 @@ VARIABLES = {
                      "buffer is made (a C++ compiler and ninja; ~25-40 s once a machine, then cached): 1 (default: "
                      "on CUDA devices; the plain torch path where it cannot be built) | 0 (off: the plain torch "
                      "path) | all (also on CPU devices: the tests)",
-    "EPCOMM_TUNE": "launch parameters, e.g. push_rb=16,ce_chunks=2,ll.fused_dispatch=1,iht.dispatch_warps=8 (keys "
-                   "and defaults: TUNE in backends/nvlink_params.py; ll. keys: backends/nvlink_ll.py; iht. and "
-                   "ill. keys, the internode backend's: backends/internode_ht.py and internode_ll.py; for "
-                   "measuring variants with epcomm bench)",
+    "EPCOMM_TUNE": "launch parameters, e.g. push_rb=16,ce_chunks=2,ll.send_gc=16,iht.dispatch_warps=8 (keys and "
+                   "defaults: TUNE in backends/nvlink_params.py; ll. keys: backends/nvlink_ll.py; iht. and ill. "
+                   "keys, the internode backend's: backends/internode_ht.py and internode_ll.py): launch "
+                   "constants, and two switches, ll.fused_dispatch and iht.p2p (docs/architecture.md); for "
+                   "measuring variants with epcomm bench",
     "EPCOMM_COMMIT": "the commit of the epcomm tree being run, for copies without .git (a GPU machine's copy): "
                      "epcomm bench records it in every row; run scripts set it from the tree they ship",
     "EPCOMM_COMMIT_DIRTY": "with EPCOMM_COMMIT: 1 if that tree had uncommitted changes, 0 if clean (unset: unknown)",
