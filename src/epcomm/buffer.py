@@ -41,8 +41,8 @@ def _scales_copied(run):
 
 
 def _key_functions(device: torch.device) -> tuple:
-    """``(signatures, row_signatures)``: a call's kind from its tensors, in one C++ call where plans on ``device``
-    are native (``native.key_functions``), else ``_validate``'s."""
+    """``(signatures, row_signatures)``: a call's kind from its tensors, in one C++ call where plans on
+    ``device`` are native (``native.key_functions``), else ``_validate``'s."""
     from . import native
 
     return native.key_functions(device)

@@ -414,8 +414,8 @@ class ElasticBuffer:
             from . import native
 
             # after this kind's first uncaptured call bound its launches, it may be one native.Chain call
-            # (expanded: where each token's local rows are summed; elastic_chains.combine_chain), where no event
-            # is waited for inside it
+            # (expanded: where each token's local rows are summed; elastic_chains.combine_chain), where no
+            # event is waited for inside it
             dev = self.device
             chain = native.Later((multi or not expand) and native.wanted(dev),
                                  lambda *a: chains.combine_chain(self, *a, expand=expand))

@@ -10,16 +10,16 @@ alternated (s9 call 9): a V2 contiguous no-sync dispatch 0.905x the host time, V
 dispatch (one or two outputs) 1.03x, so it keeps ``torch.empty``.
 
 :class:`Outputs` is one kind of call's output list, fixed once (shapes, dtypes, device); ``outs(rows)`` makes
-them, a dimension given as ``ROWS`` taking ``rows``. The extension (its source ``native.cpp``, beside this module)
-is built the first time a process asks for it (``torch.utils.cpp_extension.load``: a C++ compiler and ninja; ~25 s
-once a machine, then loaded from torch's extension cache, whose file lock lets ranks of one machine share one
-build); a buffer asks for it when it is made, before its first collective (``backends/deadline.prepare_native``). Where it cannot be built
-(no compiler) the same tensors come from ``torch.empty``, and a warning says why once; ``EPCOMM_NATIVE=0`` turns
-it off, ``EPCOMM_NATIVE=all`` also on CPU devices (for tests: :func:`wanted`).
-Every tensor is contiguous, as ``torch.empty`` makes it; each its own allocation, but for those a plan marks
-``packed`` (its small outputs, never the received rows): views of one allocation,
-each from a 16-byte boundary, made in C++ without a call into the allocator each (that allocation lives while any
-of them does: a few hundred KB at DSv3 shapes).
+them, a dimension given as ``ROWS`` taking ``rows``. The extension (its source ``native.cpp``, beside this
+module) is built the first time a process asks for it (``torch.utils.cpp_extension.load``: a C++ compiler and
+ninja; ~25 s once a machine, then loaded from torch's extension cache, whose file lock lets ranks of one
+machine share one build); a buffer asks for it when it is made, before its first collective
+(``backends/deadline.prepare_native``). Where it cannot be built (no compiler) the same tensors come from
+``torch.empty``, and a warning says why once; ``EPCOMM_NATIVE=0`` turns it off, ``EPCOMM_NATIVE=all`` also on
+CPU devices (for tests: :func:`wanted`). Every tensor is contiguous, as ``torch.empty`` makes it; each its own
+allocation, but for those a plan marks ``packed`` (its small outputs, never the received rows): views of one
+allocation, each from a 16-byte boundary, made in C++ without a call into the allocator each (that allocation
+lives while any of them does: a few hundred KB at DSv3 shapes).
 
 :class:`Chain`: where a call is only its outputs and launches (no host wait between them),
 one call into the extension makes the outputs and launches the call's Triton kernels through the driver
@@ -45,10 +45,11 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.cpp")
 
 
 def wanted(device: torch.device, on: bool = True) -> bool:
-    """Whether plans on ``device`` take the native path, every part of it (their outputs by :class:`Outputs`, the
-    small ones packed in one allocation, their launches as :class:`Chain` calls, a call's kind by the extension's
-    signatures): on a CUDA device; also on CPU with ``EPCOMM_NATIVE=all`` (the tests' way to run this path without
-    a GPU); never with ``EPCOMM_NATIVE=0``, which leaves the plain torch path (``on``: the caller's own condition)."""
+    """Whether plans on ``device`` take the native path, every part of it (their outputs by :class:`Outputs`,
+    the small ones packed in one allocation, their launches as :class:`Chain` calls, a call's kind by the
+    extension's signatures): on a CUDA device; also on CPU with ``EPCOMM_NATIVE=all`` (the tests' way to run
+    this path without a GPU); never with ``EPCOMM_NATIVE=0``, which leaves the plain torch path (``on``: the
+    caller's own condition)."""
     how = _env.native()
     return bool(on) and how != "0" and (device.type == "cuda" or how == "all")
 
@@ -77,8 +78,8 @@ def module():
 
 def key_functions(device: torch.device):
     """``(signatures, row_signatures)`` of the extension (a call's kind from its tensors in one C++ call, as
-    ``_validate.signatures`` and ``_validate.row_signatures`` distinguish them) where plans on ``device`` are native
-    (:func:`wanted`) and it is built; else those two Python functions."""
+    ``_validate.signatures`` and ``_validate.row_signatures`` distinguish them) where plans on ``device`` are
+    native (:func:`wanted`) and it is built; else those two Python functions."""
     from . import _validate as V
 
     mod = module() if wanted(device) else None

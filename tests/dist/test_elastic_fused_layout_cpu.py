@@ -1,16 +1,16 @@
-"""Tier 2: ``ElasticBuffer``'s dispatch with its layout made in the exchange kernel (for calls not captured into a
-CUDA graph: ``HTDispatch.fuses_layout``, ``kernels/ht_layout.layout_tiles``) and without it (captured calls) on the
-nvlink backend, 2 CPU ranks (Triton kernels under the interpreter, symmetric memory simulated:
-``epcomm.testing.cpu_nvlink``). ``test_elastic_backends_cpu.py`` checks the eager (fused) plans against the oracles
-of ``epcomm.testing.elastic_cases``; here the same checks run with every plan unfused (``fuses_layout`` answering
-as for a capture, which CPU cannot make): dispatch bitwise, contiguous and expanded, CPU sync and worst-case
-shapes, BF16 and FP8 with opaque packs, cached replays, a second dispatch; combine bitwise with biases and weights
-back. A dispatch made while capturing gets an unfused plan, the same dispatch eagerly a fused one, both the
-oracle's rows.
+"""Tier 2: ``ElasticBuffer``'s dispatch with its layout made in the exchange kernel (for calls not captured
+into a CUDA graph: ``HTDispatch.fuses_layout``, ``kernels/ht_layout.layout_tiles``) and without it (captured
+calls) on the nvlink backend, 2 CPU ranks (Triton kernels under the interpreter, symmetric memory simulated:
+``epcomm.testing.cpu_nvlink``). ``test_elastic_backends_cpu.py`` checks the eager (fused) plans against the
+oracles of ``epcomm.testing.elastic_cases``; here the same checks run with every plan unfused
+(``fuses_layout`` answering as for a capture, which CPU cannot make): dispatch bitwise, contiguous and
+expanded, CPU sync and worst-case shapes, BF16 and FP8 with opaque packs, cached replays, a second dispatch;
+combine bitwise with biases and weights back. A dispatch made while capturing gets an unfused plan, the same
+dispatch eagerly a fused one, both the oracle's rows.
 
-And the host budget: each fresh dispatch kind launches one kernel fewer fused than unfused (no layout kernel) and
-does no more torch calls, allocations or host reads; every other kind does the same work. Both budgets counted
-in this launch.
+And the host budget: each fresh dispatch kind launches one kernel fewer fused than unfused (no layout kernel)
+and does no more torch calls, allocations or host reads; every other kind does the same work. Both budgets
+counted in this launch.
 """
 import importlib.util
 import os

@@ -259,15 +259,15 @@ def _slow_peer(ctx, gpus_per_node):
 
 
 def _pair_and_split(ctx, gpus_per_node):
-    """Nodes of one rank: the paired combine (an even number of programs, ``kernels/internode_ht_pair.py``: every
-    program copies half a channel's rows to the other nodes, then reduces half a channel of its own tokens) gives
-    the bits of the split roles (an odd number: relays and finals apart; both sum the nodes' rows in node order),
-    with top-k weights and two biases, each call on expert outputs of its own (a final that read a row before its
-    count said would take an earlier call's), modes alternating on one handle (the counters of both stay in
-    step), and against the reference within the budget. Paired combines of 4 programs (two channels: a unit
-    each), 2 (a program's second unit waits on the first's half) and 6 (two programs idle), split ones of 3, 5
-    and 7; each call says which mode ran. A half cut one token later (the first token of the second half reduced
-    with the first) failed here."""
+    """Nodes of one rank: the paired combine (an even number of programs, ``kernels/internode_ht_pair.py``:
+    every program copies half a channel's rows to the other nodes, then reduces half a channel of its own
+    tokens) gives the bits of the split roles (an odd number: relays and finals apart; both sum the nodes'
+    rows in node order), with top-k weights and two biases, each call on expert outputs of its own (a final
+    that read a row before its count said would take an earlier call's), modes alternating on one handle (the
+    counters of both stay in step), and against the reference within the budget. Paired combines of 4 programs
+    (two channels: a unit each), 2 (a program's second unit waits on the first's half) and 6 (two programs
+    idle), split ones of 3, 5 and 7; each call says which mode ran. A half cut one token later (the first
+    token of the second half reduced with the first) failed here."""
     import torch
 
     from epcomm import Buffer, Config
@@ -291,10 +291,11 @@ def _pair_and_split(ctx, gpus_per_node):
         y = (res[0].float() * (1 + k) - k / 3).to(torch.bfloat16)
         outs = []
         for pair, n in ((1, sms), (0, sms + 1), (1, sms)):
-            outs.append(fast.combine(y, res[4], topk_weights=res[2], bias=bias, config=Config(n, 6, 256, 2, 128)))
+            cfg = Config(n, 6, 256, 2, 128)
+            outs.append(fast.combine(y, res[4], topk_weights=res[2], bias=bias, config=cfg))
             assert fast._backend._ht.last_pair == pair, (pair, n)
         for o, ow, _ in outs[1:]:
-            assert torch.equal(o.view(torch.int16), outs[0][0].view(torch.int16)), f"{sms} SMs, rank {ctx.rank}"
+            assert torch.equal(o.view(torch.int16), outs[0][0].view(torch.int16)), f"{sms} SMs, {ctx.rank}"
             assert torch.equal(ow, outs[0][1]), f"combined weights, {sms} SMs, rank {ctx.rank}"
     G._combine_check(outs[0][0], ref.combine(y, rref[4], topk_weights=rref[2], bias=bias)[0], ref, y, rref[4],
                      f"paired combine, rank {ctx.rank}", bias)
@@ -356,8 +357,9 @@ CHECKS = {
         ("pair-and-split[two-nodes-of-one]", _pair_and_split, 1, {"tune": {"p2p": False}}),
         ("pair-and-split[two-nodes-of-one,p2p]", _pair_and_split, 1, {"tune": {"p2p": True}}),
         ("deadline", _absent_relay, 1, {})],
-    4: [("four-nodes-of-one", _ht, 1, {"full": False, "tune": {"p2p": False}}),  # nothing forwarded, the relay's
-        ("four-ranks-in-two-nodes", _ht, 2, {"tune": {"p2p": False}}),  # rows go as BF16, three remote nodes a rank
+    # four nodes of one: nothing forwarded, the relay's rows go as BF16, three remote nodes a rank
+    4: [("four-nodes-of-one", _ht, 1, {"full": False, "tune": {"p2p": False}}),
+        ("four-ranks-in-two-nodes", _ht, 2, {"tune": {"p2p": False}}),
         ("four-ranks-in-two-nodes[p2p]", _ht, 2, {"tune": {"p2p": True, "d_p2p_rows": 24}, "full": False}),
         ("pair-and-split[four-nodes-of-one]", _pair_and_split, 1, {"tune": {"p2p": True}}),
         ("deadline-two-nodes-of-two", _absent_relay, 2, {})],

@@ -7,16 +7,17 @@ the outputs made by ``native.Outputs`` with the chain's own specs and packing. A
 gives rows that differ from the oracle's.
 
 Checked, with ``EPCOMM_NATIVE=all`` (every native part: outputs, packing, chains, the extension's signatures):
-``ElasticBuffer``'s contiguous no-sync dispatch (BF16, FP8 with UE8M0 packs and with fp32 scales) through the merged
-chain (the backend's exchange + gather and ``recv_meta``'s launch: three steps); its contiguous combine (the
-transport's two launches and the reduction: three steps); its expanded no-sync dispatch (the exchange + gather,
-``recv_meta``'s two launches and the scatter with its outputs, the scale packs TMA-aligned: five steps) and a
-synchronised one (``recv_meta``'s chain of two); its expanded combine with 0/1/2 biases (the pack, the transport's
-two launches and the reduction: four steps); the merged chains' results made by position; ``Buffer``'s
-``num_worst_tokens`` dispatch (two steps), BF16 and FP8, its combine and its cached dispatch (one step each), and
-its synchronised dispatch (the exchange and the gather each a chain, around the host's read); ``Buffer``'s
-low-latency dispatch and combine (each launch a one-step chain; with the hook the send and the receive). Each
-kind's first call binds its launches (the Python path), the repeats take the chain.
+``ElasticBuffer``'s contiguous no-sync dispatch (BF16, FP8 with UE8M0 packs and with fp32 scales) through the
+merged chain (the backend's exchange + gather and ``recv_meta``'s launch: three steps); its contiguous combine
+(the transport's two launches and the reduction: three steps); its expanded no-sync dispatch (the exchange +
+gather, ``recv_meta``'s two launches and the scatter with its outputs, the scale packs TMA-aligned: five
+steps) and a synchronised one (``recv_meta``'s chain of two); its expanded combine with 0/1/2 biases (the
+pack, the transport's two launches and the reduction: four steps); the merged chains' results made by
+position; ``Buffer``'s ``num_worst_tokens`` dispatch (two steps), BF16 and FP8, its combine and its cached
+dispatch (one step each), and its synchronised dispatch (the exchange and the gather each a chain, around the
+host's read); ``Buffer``'s low-latency dispatch and combine (each launch a one-step chain; with the hook the
+send and the receive). Each kind's first call binds its launches (the Python path), the repeats take the
+chain.
 """
 import importlib.util
 import os
@@ -114,8 +115,8 @@ def _v2(ctx, tag):
         C.check_combine(buf, case, ctx.rank, False, 2, 1, False)
     finally:
         undo()
-    # the merged chains ran (3 steps); a kind's first call may take chains another kind made (the backend's plan,
-    # recv_meta's), 2 and 1 steps
+    # the merged chains ran (3 steps); a kind's first call may take chains another kind made (the backend's
+    # plan, recv_meta's), 2 and 1 steps
     assert 3 in runs[:n_dispatch], runs
     return runs
 
@@ -168,8 +169,8 @@ def _v2_expanded(ctx, tag):
 
 
 def _v2_combine(ctx, tag, expand: bool):
-    # contiguous: top-4 (weight rows of 16 bytes move in place; top-3 ones are packed first and such a combine is no
-    # chain); expanded: each token's local rows summed; the dispatches merged
+    # contiguous: top-4 (weight rows of 16 bytes move in place; top-3 ones are packed first and such a combine
+    # is no chain); expanded: each token's local rows summed; the dispatches merged
     OnBackend, runs, undo = _start(ctx, tag)
     from epcomm.testing import elastic_cases as C
 
@@ -193,8 +194,8 @@ def _v2_combine(ctx, tag, expand: bool):
     finally:
         undo()
     # the combine's chains, once for each bias count: contiguous, the transport's two launches and the reduction (3
-    # steps); expanded, the pack before them (4 steps); the dispatches before them merged (3 steps contiguous, 5
-    # expanded)
+    # steps); expanded, the pack before them (4 steps); the dispatches before them merged (3 steps contiguous,
+    # 5 expanded)
     assert combines == [4 if expand else 3] * 3, (combines, runs)
     others = list(runs)
     for n in combines:

@@ -116,7 +116,8 @@ def _seen(kinds: dict) -> None:
 
 @pytest.mark.parametrize("fused", [True, False], ids=["one-kernel", "split-kernels"])
 def test_ll_repeat_host_budget(buf, monkeypatch, fused):
-    """Each repeat call kind, within its bound (the split dispatch kernels: the same torch calls, more launches)."""
+    """Each repeat call kind, within its bound (the split dispatch kernels: the same torch calls, more
+    launches)."""
     monkeypatch.setitem(nvlink_ll.TUNE, "fused_dispatch", fused)
     kinds = _kinds(buf, _inputs(M, 0))
     _seen(kinds)

@@ -156,12 +156,12 @@ def test_merged_chain_feeds_the_dispatch_outputs_to_recv_meta():
     ("v2", "cached c", 2, 11),  # (V2's cached dispatch: the backend's gather a chain, its copy epilogue not)
     ("ht", "layout", 1, 0), ("ht", "dispatch", 2, 0)])  # (synchronised: two chains around the host's read)
 def test_the_probe_rig_runs_the_chains(monkeypatch, own_group, api, kind, launches, args):
-    """On the host probe's CPU rig with the extension (``EPCOMM_NATIVE=all``; chains dry there) a repeat of a call a
-    chain serves hands Triton's launcher nothing (``args`` 0: every launch went through the chain; but V2's cached
-    dispatch's copy epilogue) and makes two
-    allocations (the received rows and one block of the small outputs; FP8: its scales too; a combine: its rows and
-    its weights; a synchronised dispatch: the handle's block too; the layout: one block); with ``EPCOMM_NATIVE=0``
-    its launches go through Triton's launcher again."""
+    """On the host probe's CPU rig with the extension (``EPCOMM_NATIVE=all``; chains dry there) a repeat of a
+    call a chain serves hands Triton's launcher nothing (``args`` 0: every launch went through the chain; but
+    V2's cached dispatch's copy epilogue) and makes two allocations (the received rows and one block of the
+    small outputs; FP8: its scales too; a combine: its rows and its weights; a synchronised dispatch: the
+    handle's block too; the layout: one block); with ``EPCOMM_NATIVE=0`` its launches go through Triton's
+    launcher again."""
     from epcomm.bench import hostprobe
 
     monkeypatch.setenv("EPCOMM_NATIVE", "all")
@@ -178,9 +178,10 @@ def test_the_probe_rig_runs_the_chains(monkeypatch, own_group, api, kind, launch
 @pytest.mark.parametrize("kind", ["dispatch", "combine"])
 @pytest.mark.parametrize("hook", [False, True])
 def test_the_probe_rig_runs_low_latency_chains(monkeypatch, own_group, kind, hook):
-    """With the native path (``EPCOMM_NATIVE=all`` here) an LL repeat's launch is one chain call: Triton's launcher
-    gets no argument (nothing allocated, as always for LL: its outputs persist); with the hook, the send and
-    ``hook()``'s receive are a chain each; with ``EPCOMM_NATIVE=0`` the launches parse their arguments again."""
+    """With the native path (``EPCOMM_NATIVE=all`` here) an LL repeat's launch is one chain call: Triton's
+    launcher gets no argument (nothing allocated, as always for LL: its outputs persist); with the hook, the
+    send and ``hook()``'s receive are a chain each; with ``EPCOMM_NATIVE=0`` the launches parse their
+    arguments again."""
     from epcomm.bench import hostprobe
 
     monkeypatch.setenv("EPCOMM_NATIVE", "all")
@@ -201,10 +202,10 @@ def test_the_probe_rig_runs_low_latency_chains(monkeypatch, own_group, kind, hoo
     ("combine x", 4, 3)])  # the pack, the transport's two launches, the reduction
 def test_the_probe_rig_runs_the_v2_chains(monkeypatch, own_group, kind, launches, allocs):
     """With the native path (``EPCOMM_NATIVE=all`` here) an ``ElasticBuffer`` call's repeat is one chain call:
-    Triton's launcher gets no argument and ``allocs`` allocations are made (a contiguous combine: the combined rows
-    and the weights; an expanded no-sync dispatch: the received rows, one block of the small outputs, recv_meta's
-    block, the expanded rows' block; an expanded combine: the packed rows, the combined rows and the weights); with
-    ``EPCOMM_NATIVE=0`` the launches parse their arguments again."""
+    Triton's launcher gets no argument and ``allocs`` allocations are made (a contiguous combine: the combined
+    rows and the weights; an expanded no-sync dispatch: the received rows, one block of the small outputs,
+    recv_meta's block, the expanded rows' block; an expanded combine: the packed rows, the combined rows and
+    the weights); with ``EPCOMM_NATIVE=0`` the launches parse their arguments again."""
     from epcomm.bench import hostprobe
 
     monkeypatch.setenv("EPCOMM_NATIVE", "all")

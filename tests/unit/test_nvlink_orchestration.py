@@ -235,7 +235,7 @@ def test_copy_engine_chunks_raise_the_flag_by_what_they_carry(rig, monkeypatch, 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_low_latency_dispatch_split(rig, monkeypatch, fp8):
-    """With the dispatch's roles as separate kernels (TUNE ll.fused_dispatch off); the combine one kernel still."""
+    """The dispatch's roles as separate kernels (TUNE ll.fused_dispatch off); the combine is one kernel."""
     from epcomm.backends import nvlink_ll
 
     monkeypatch.setitem(nvlink_ll.TUNE, "fused_dispatch", False)
@@ -327,7 +327,8 @@ def test_tune_variable(monkeypatch):
         nvlink_ll.TUNE.update(saved_ll)
         with pytest.raises(ValueError, match="unknown key 'll.push_rb'"):
             nv.apply_tune({"push_rb": "4"}, nvlink_ll.TUNE, "ll.")
-        for bad, msg in (({"push_rbs": "4"}, "unknown key 'push_rbs'"), ({"push_rb": "x"}, "push_rb must be an integer")):
+        for bad, msg in (({"push_rbs": "4"}, "unknown key 'push_rbs'"),
+                         ({"push_rb": "x"}, "push_rb must be an integer")):
             with pytest.raises(ValueError, match=msg):
                 nv.apply_tune(bad)
     finally:

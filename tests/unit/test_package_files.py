@@ -1,7 +1,7 @@
-"""The files that are not Python but that an installed epcomm needs ship in the package: the native extension's
-C++ source (``epcomm/native.cpp``, compiled on the user's machine by ``native.module``) sits beside
-``native.py``, and a wheel built from this tree (``pip install .``: the in-tree build backend around setuptools,
-pyproject.toml's package data) carries it."""
+"""The files that are not Python but that an installed epcomm needs ship in the package: the native
+extension's C++ source (``epcomm/native.cpp``, compiled on the user's machine by ``native.module``) sits
+beside ``native.py``, and a wheel built from this tree (``pip install .``: the in-tree build backend around
+setuptools, pyproject.toml's package data) carries it."""
 
 from __future__ import annotations
 

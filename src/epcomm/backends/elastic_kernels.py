@@ -241,8 +241,8 @@ class Kernels:
             outs = Outputs(dev, specs, True, range(len(specs)))
         g_rows = max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN
         ones = _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=dev), 0)
-        # the outputs and launches (an expanded layout's two) as one native.Chain (made after the first uncaptured call
-        # bound the launches)
+        # the outputs and launches (an expanded layout's two) as one native.Chain (made after the first
+        # uncaptured call bound the launches)
         chain = native.Later(outs is not None and outs.native,
                              lambda part, ticket: self._meta_chain(go_rows, g_rows, specs, at, has_cum, copy_topk, part,
                                                                    ticket, ones[0], go_layout, le, x_rows))

@@ -90,8 +90,8 @@ class HTCombine:
             return None if st is None else native.Chain(dev, specs, native.const(0), [st], 8,
                                                         stream=go.p.chain_stream())
 
-        # the outputs and the one launch as one native.Chain call (after the first call bound the launch), where the
-        # call is only those: the fused push, or one rank
+        # the outputs and the one launch as one native.Chain call (after the first call bound the launch),
+        # where the call is only those: the fused push, or one rank
         chain = native.Later(outs is not None and outs.native and not ce and (fused or r_ == 1), make_chain)
 
         def grid_of():

@@ -273,8 +273,8 @@ class HTDispatch:
         if scratch_rows:
             keep_k = self._scratch("recv_topk_idx", (scratch_rows, k), torch.int64) if has_topk else None
             keep_cp = self._scratch("channel_prefix_matrices", (2, r_, c), i32).unbind(0)
-        # the call's outputs, each a tensor of its own: by torch.empty each, or (native.wanted: on a GPU) in one C++
-        # call a group (native.Outputs): the handle's before the exchange, the rows' after the count
+        # the call's outputs, each a tensor of its own: by torch.empty each, or (native.wanted: on a GPU) in
+        # one C++ call a group (native.Outputs): the handle's before the exchange, the rows' after the count
         heads = rows_out = None
         head_specs = ([((r_, c), i32)] * 2 if keep_cp is None else []) + [((r_, r_), i32), ((t, r_), i32)] \
             + ([((t, r_), torch.bool)] if fused else [])
@@ -288,8 +288,8 @@ class HTDispatch:
             heads = Outputs(dev, head_specs, True, head_pack)
             rows_out = Outputs(dev, row_specs, True, row_pack)
         # with num_worst_tokens and no transport of its own (the fused push, or one rank) a call is its outputs and
-        # two launches: after the first call bound them, one native.Chain call; a synchronised one two chains around
-        # the host's read of the counts
+        # two launches: after the first call bound them, one native.Chain call; a synchronised one two chains
+        # around the host's read of the counts
         own = heads is not None and heads.native and not bulk and not ce
         worst_ok = own and bool(n_worst) and (keep_k is None or n_worst <= scratch_rows)
 
@@ -610,9 +610,10 @@ class HTDispatch:
             return None if st is None else native.Chain(dev, specs, native.num(3), [st], 7,
                                                         stream=gather.go.p.chain_stream())
 
-        # the outputs and the gather as one native.Chain call (after the first call bound the launch), where the call
-        # is only those: the fused push, or one rank
-        chain = native.Later(not bulk and not ce and native.wanted(dev) and native.module() is not None, make_chain)
+        # the outputs and the gather as one native.Chain call (after the first call bound the launch), where
+        # the call is only those: the fused push, or one rank
+        chain = native.Later(not bulk and not ce and native.wanted(dev) and native.module() is not None,
+                             make_chain)
 
         def run(x, scales, handle):
             if err_view[0]:

@@ -61,18 +61,18 @@ _BLOCK = 1024
 # replaced were measured on H100, 2 virtual nodes under MPS, DSv3, 24 SMs (2026-11-25, graph replays): a
 # row a step (4 KB) ran ~4 GB/s a program; tiles of 16 rows and 16 warps were the fastest tried.
 # Work comes in units of a channel (12 at 24 SMs), each moved in order by one program (its counters count
-# rows in order): in nodes of one rank, 12 sender and 12 forwarder units, equal, and the rank's own rows spread
-# in tiles over all programs after their role's work (docs/internode.md, "Cost model"); a forwarder takes its
-# own node's units (no wait) before the other nodes'.
-# ``p2p`` (on): senders and relays store straight into a peer's slot where NVSHMEM maps that peer's buffer,
-# counting rows by a release atomic; off: staging and NVSHMEM puts to every other node, as over RDMA (what peers
-# across RDMA always take: the switch runs that path on one host, as tier 2 and tier 3 do). ``d_p2p_rows`` (0): a
-# dispatch's rows stored into a relay's slot are counted at least that many at a time (0: Config's RDMA chunk, as
-# puts). In nodes of one rank (at most ``_PAIR_NODES``, ``2 * channels <= C_MAX``, an even number of programs)
-# every program of the combine copies, then reduces, half a channel (``kernels/internode_ht_pair.py``), as
-# nvlink's push, then reduce; else relays and finals apart (``c_relay``, ``c_final``, a channel each).
-# ``final_block`` columns a step of the paired reduction, ``c_stages`` its loads in flight (Triton's software
-# pipeline, as the nvlink reduce's; 1 where they would not fit).
+# rows in order): in nodes of one rank, 12 sender and 12 forwarder units, equal, and the rank's own rows
+# spread in tiles over all programs after their role's work (docs/internode.md, "Cost model"); a forwarder
+# takes its own node's units (no wait) before the other nodes'. ``p2p`` (on): senders and relays store
+# straight into a peer's slot where NVSHMEM maps that peer's buffer, counting rows by a release atomic; off:
+# staging and NVSHMEM puts to every other node, as over RDMA (what peers across RDMA always take: the switch
+# runs that path on one host, as tier 2 and tier 3 do). ``d_p2p_rows`` (0): a dispatch's rows stored into a
+# relay's slot are counted at least that many at a time (0: Config's RDMA chunk, as puts). In nodes of one
+# rank (at most ``_PAIR_NODES``, ``2 * channels <= C_MAX``, an even number of programs) every program of the
+# combine copies, then reduces, half a channel (``kernels/internode_ht_pair.py``), as nvlink's push, then
+# reduce; else relays and finals apart (``c_relay``, ``c_final``, a channel each). ``final_block`` columns a
+# step of the paired reduction, ``c_stages`` its loads in flight (Triton's software pipeline, as the nvlink
+# reduce's; 1 where they would not fit).
 TUNE = dict(dispatch_warps=16, dispatch_rb=16, dispatch_block=1024, combine_warps=16, combine_rb=16,
             combine_block=512, d_send=1, d_forward=1, d_receive=1, c_send=1, c_relay=2, c_final=2, p2p=True,
             d_p2p_rows=0, final_block=512, c_stages=3)

@@ -48,14 +48,14 @@ _T_ROLE, _T_CROLE = 9, 10  # the fused dispatch's and the fused combine's role t
 TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_block=2048, recv_split=1,
             csend_warps=4, csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024,
             fused_dispatch=True, both_qb=4, both_block=2048, both_sends=256, both_gc=0, both_warps=0)
-# fused_dispatch: the dispatch one kernel, its programs taking the roles (see the module docstring; send_warps for
-# every role); 0: separate send and receive kernels, which DeepEP's LL timing cannot attribute to one operation,
-# but which take less GPU time (one H100, world 1, FP8, a graph of 8 dispatches: 128 tokens 19.0 us one kernel
-# against 17.5 separate, 64 tokens 16.2 against 14.7, 1 token 11.2 against 10.3; 90d1d05). The combine is always
-# one kernel (csend_warps for every role: a graph replay at world 1 on one H200, 128 tokens 26.4 us against 28.3
-# for three kernels, 1 token 12.9 against 15.4; e7a61af). both_qb / both_block: recv_qb / recv_block of a
-# dispatch that sends and receives in one launch (the receive tile sets the registers of every program there);
-# both_sends / both_gc / both_warps: its send programs (one_launch_sends; 0: chosen there)
+# fused_dispatch: the dispatch one kernel, its programs taking the roles (see the module docstring; send_warps
+# for every role); 0: separate send and receive kernels, which DeepEP's LL timing cannot attribute to one
+# operation, but which take less GPU time (one H100, world 1, FP8, a graph of 8 dispatches: 128 tokens 19.0 us
+# one kernel against 17.5 separate, 64 tokens 16.2 against 14.7, 1 token 11.2 against 10.3; 90d1d05). The
+# combine is always one kernel (csend_warps for every role: a graph replay at world 1 on one H200, 128 tokens
+# 26.4 us against 28.3 for three kernels, 1 token 12.9 against 15.4; e7a61af). both_qb / both_block: recv_qb /
+# recv_block of a dispatch that sends and receives in one launch (the receive tile sets the registers of every
+# program there); both_sends / both_gc / both_warps: its send programs (one_launch_sends; 0: chosen there)
 
 
 def one_launch_sends(t: int, g: int) -> tuple[int, int]:
@@ -111,8 +111,8 @@ class LowLatencyEngine(LowLatencyCalls):
 
     def _cell(self):
         """``launch_cell`` for this kind's launches: through a native chain where the native path is wanted
-        (``native.wanted``, decided when a kind is made): a repeat's launch is one ``native.Chain`` call (its holes
-        read in C++, the rest packed once) instead of Triton's launcher parsing every argument."""
+        (``native.wanted``, decided when a kind is made): a repeat's launch is one ``native.Chain`` call (its
+        holes read in C++, the rest packed once) instead of Triton's launcher parsing every argument."""
         from .. import native
 
         dev = self.nv.device
@@ -260,13 +260,13 @@ class LowLatencyEngine(LowLatencyCalls):
         recv_too = not a.hook
         n_red = r_ * m * n_cs
         grid = n_w + n_red + (n_w * n_cb if recv_too else 0)
-        tmpl = (*w_head, None, *r_tail, None, None, self.p_clevel[parity], self.p_t[_T_CRECV], self.p_t[_T_CROLE],
-                n_w, n_cs, n_red, n_cb)
+        tmpl = (*w_head, None, *r_tail, None, None, self.p_clevel[parity], self.p_t[_T_CRECV],
+                self.p_t[_T_CROLE], n_w, n_cs, n_red, n_cb)
         iy = len(w_head)
         io = iy + 1 + len(r_tail)
         holes = (0, 1, iy, io, io + 1)
-        cconsts = dict(K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, RBLOCK=blk, HAS_WAIT=has_wait, HAS_TIMER=TIMER,
-                       SHRINK=shrink, DO_RECV=recv_too, num_warps=TUNE["csend_warps"])
+        cconsts = dict(K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, RBLOCK=blk, HAS_WAIT=has_wait,
+                       HAS_TIMER=TIMER, SHRINK=shrink, DO_RECV=recv_too, num_warps=TUNE["csend_warps"])
         fused = cell(Direct(self.k_cfused.prepared(key, cconsts), tmpl, holes), grid, 1, 1)
         if recv_too:  # one launch does the whole combine
 

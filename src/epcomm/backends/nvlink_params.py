@@ -26,12 +26,12 @@ TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, r
 # notify_block: tokens a step of the exchange kernel's rank programs (a scan over all T tokens, one step after
 # another): 2048 took 2.4-2.8 us off the DSv3 graph dispatch (BF16 110.9 -> 108.1, FP8 83.9 -> 81.6 us, the
 # mean of 2 rounds at world 1, one H100; 4096 with 16 warps: 108.9 / 82.0; benchmarks/2026-11-27/s6/call2-0d26a28)
-# push_rb / push_block: the SM push's tiles (the dispatch's receive kernel pushes this rank's rows while it copies
-# its own block: graph dispatch 525 -> 433 us BF16, 396 -> 352 FP8 against a push kernel of its own on
-# nvidia-h200-x2, 3812ed8); cpush_rb / cpush_block: the combine kernel's push, before its reduce, in one launch
-# (tiles chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22:
-# tiles of 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294
-# us, combine 360 -> 349 us against 8 x 512-word tiles)
+# push_rb / push_block: the SM push's tiles (the dispatch's receive kernel pushes this rank's rows while it
+# copies its own block: graph dispatch 525 -> 433 us BF16, 396 -> 352 FP8 against a push kernel of its own on
+# nvidia-h200-x2, 3812ed8); cpush_rb / cpush_block: the combine kernel's push, before its reduce, in one
+# launch (tiles chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays,
+# 2026-11-22: tiles of 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us,
+# FP8 355 -> 294 us, combine 360 -> 349 us against 8 x 512-word tiles)
 NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
 # deadlines on %globaltimer; under the Triton interpreter (CPU runs of the backend, epcomm.testing.cpu_nvlink)
 # the waits count spins instead

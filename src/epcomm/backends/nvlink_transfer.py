@@ -85,11 +85,11 @@ class NVLinkTransfer:
             self._current_stream().wait_stream(self.ce_stream)
 
     def _combine_send(self, x, w, k: int, h: int, rpm, host_prefix, lay: dict) -> None:
-        """Combine's transfer: the block of rows this rank received from owner ``i`` (rows
-        ``[rpm[i-1][me], rpm[i][me])`` of ``x``, with their weights) into slot ``me`` of ``i``'s combine
-        staging, then ``i``'s data flag raised, by the copy engine: the block bounds are on the host
-        (``host_prefix``: ``rpm[:, me]`` from the dispatch's synchronisation) and the call is not captured (else
-        the combine kernel pushes them itself: ``ht_combine``)."""
+        """Combine's transfer: the block of rows this rank received from owner ``i`` (rows ``[rpm[i-1][me],
+        rpm[i][me])`` of ``x``, with their weights) into slot ``me`` of ``i``'s combine staging, then ``i``'s
+        data flag raised, by the copy engine: the block bounds are on the host (``host_prefix``: ``rpm[:,
+        me]`` from the dispatch's synchronisation) and the call is not captured (else the combine kernel
+        pushes them itself: ``ht_combine``)."""
         from ..kernels import ht
 
         r_, me = self.num_ranks, self.rank

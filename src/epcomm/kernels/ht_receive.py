@@ -69,8 +69,8 @@ def _gather_rows(v_lo, v_hi, pid, P, known, x_ptr, xs_ptr, topk_ptr, w_ptr, row_
         nn = tl.where(real, (vv + start_me) % tl.maximum(total, 1), vv)
         nn64 = nn.to(tl.int64)
         i = tl.sum(tl.where((rr[None, :] < R) & (incl[None, :] <= nn[:, None]), 1, 0), 1)
-        s = _tile_src(v0, v_hi, total, start_me, rr, R, incl, excl, src_lists_ptr, src_lists_stride, out_src, RB,
-                      CACHED)
+        s = _tile_src(v0, v_hi, total, start_me, rr, R, incl, excl, src_lists_ptr, src_lists_stride, out_src,
+                      RB, CACHED)
         if not CACHED:
             tl.store(out_src + nn, tl.where(real, s, -1), mask=inb)
         if not CACHED:

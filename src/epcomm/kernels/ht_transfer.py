@@ -41,7 +41,7 @@ def _ce_signal_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr, inc, bump):
 def _ce_flag_value_kernel(ctr_ptr, out_ptr, done, bump, NC: tl.constexpr):
     """``sends so far * NC + done`` into ``out`` (``ctr``: the sends so far; ``bump`` = 1 advances it). No
     backend launches it since the copy-engine flag raised by copies of this value was removed (it was never
-    measured against the flag kernel); the host probe times its launches (``bench/profile.host_primitives``)."""
+    measured against the flag kernel); the host probe times its launches (``bench/profile``)."""
     n = tl.load(ctr_ptr)
     tl.store(out_ptr, n * NC + done)
     if bump != 0:

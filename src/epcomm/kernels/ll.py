@@ -225,10 +225,10 @@ def _ll_recv(l, r, s, S, n_programs, ptr_table, area_off, src_bytes, msg_bytes, 
              BLOCK: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr, K_POW2: tl.constexpr,
              SIG_STRIDE: tl.constexpr = 4):
     """The receive kernel's work for its program ``(l, r, s)`` of ``n_programs`` (``S`` per block).
-    ``SIG_STRIDE``: bytes between signal words (4: int32 flags; 8: NVSHMEM's uint64 signals, whose low
-    word is polled). The programs count themselves by a relaxed GPU-scope ticket (the last only stores the next
-    expected level, which the next kernel on this stream reads: one H200, 128 tokens, the receive 12.9 -> 12.1 us
-    against an acquire-release system-scope ticket)."""
+    ``SIG_STRIDE``: bytes between signal words (4: int32 flags; 8: NVSHMEM's uint64 signals, whose low word is
+    polled). The programs count themselves by a relaxed GPU-scope ticket (the last only stores the next
+    expected level, which the next kernel on this stream reads: one H200, 128 tokens, the receive 12.9 -> 12.1
+    us against an acquire-release system-scope ticket)."""
     RM = R * M
     level = tl.load(level_ptr)
     t0 = now_ns(HAS_WAIT & HAS_TIMER)

@@ -152,7 +152,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, ce_c
                 assert err[:4].tolist() == [10, -1, bad, E], err
         outs.append(dict(x=out_x.view(torch.bfloat16)[:rows], w=out_w, rpm=rpm, sh=sh))
     assert all(bool((s["counts"] == st[0]["counts"]).all()) for s in st)
-    # combine: expert outputs = received rows * 2; each owner's block by the copy engine (emulated), then reduce
+    # combine: expert outputs = received rows * 2; each owner's block by the emulated copy engine; reduce
     for me in range(R):
         s, o = st[me], outs[me]
         y = (o["x"].float() * 2).to(torch.bfloat16)

@@ -16,28 +16,30 @@ from epcomm.testing.inputs import Case, make_topk, make_x  # noqa: E402
 OFF = 256  # LL region offset inside each simulated symmetric buffer
 
 
-# The combine's owner and expert roles as kernels of their own (the library runs them inside _ll_combine_kernel,
-# whose programs wait on each other's roles across ranks: one process runs each rank's roles one after another)
+# The combine's owner and expert roles as kernels of their own (the library runs them inside
+# _ll_combine_kernel, whose programs wait on each other's roles across ranks: one process runs each rank's
+# roles one after another)
 @triton.jit(do_not_specialize=['T'])
-def _ll_combine_weights_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, ticket_ptr, mask_ptr,
-                               SHRINK: tl.constexpr):
-    """Owner role of the combine (``ll._ll_weights``): push this rank's (expert id, weight) pairs to every rank,
-    then raise their weight flags (the last program)."""
-    ll._ll_weights(tl.program_id(0), tl.num_programs(0), topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off,
-                   ticket_ptr, mask_ptr, SHRINK)
+def _ll_combine_weights_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, ticket_ptr,
+                               mask_ptr, SHRINK: tl.constexpr):
+    """Owner role of the combine (``ll._ll_weights``): push this rank's (expert id, weight) pairs to every
+    rank, then raise their weight flags (the last program)."""
+    ll._ll_weights(tl.program_id(0), tl.num_programs(0), topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off,
+                   sig_off, ticket_ptr, mask_ptr, SHRINK)
 
 
 @triton.jit
-def _ll_combine_reduce_kernel(y_ptr, H, K, me, R, L, M, ptr_table, d_area_off, src_bytes, w_off, slot_off, c_off,
-                              sig_off, CW, wlevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
+def _ll_combine_reduce_kernel(y_ptr, H, K, me, R, L, M, ptr_table, d_area_off, src_bytes, w_off, slot_off,
+                              c_off, sig_off, CW, wlevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
                               K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr,
                               SHRINK: tl.constexpr):
-    """Expert role of the combine (``ll._ll_reduce``). Program ``(r*M + t, s)``: if token ``t`` of rank ``r`` has
-    experts here, ``partial = Σ_k w[k] · y[slot(k)]`` in float32 over channels ``[s*CW, (s+1)*CW)``, written to
-    rank ``r``'s combine area (after ``r``'s weights arrived); the last program raises the flags."""
-    ll._ll_reduce(tl.program_id(0), tl.program_id(1), tl.num_programs(0) * tl.num_programs(1), y_ptr, H, K, me, R,
-                  L, M, ptr_table, d_area_off, src_bytes, w_off, slot_off, c_off, sig_off, CW, wlevel_ptr,
-                  ticket_ptr, err_ptr, timeout_ns, mask_ptr, K_POW2, BLOCK, HAS_TIMER, SHRINK)
+    """Expert role of the combine (``ll._ll_reduce``). Program ``(r*M + t, s)``: if token ``t`` of rank ``r``
+    has experts here, ``partial = Σ_k w[k] · y[slot(k)]`` in float32 over channels ``[s*CW, (s+1)*CW)``,
+    written to rank ``r``'s combine area (after ``r``'s weights arrived); the last program raises the
+    flags."""
+    ll._ll_reduce(tl.program_id(0), tl.program_id(1), tl.num_programs(0) * tl.num_programs(1), y_ptr, H, K,
+                  me, R, L, M, ptr_table, d_area_off, src_bytes, w_off, slot_off, c_off, sig_off, CW,
+                  wlevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr, K_POW2, BLOCK, HAS_TIMER, SHRINK)
 
 
 INT_MAX = 2 ** 31 - 1
