@@ -220,15 +220,14 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
     the launcher adds them (``notify_grid``); with none, by every program. (Checked by the rank programs alone, a rank's program walked
     ``T / TB`` tiles one after another: at world 1 the kernel took ~45 us of a DSv3 dispatch on an H100.)
 
-    With ``FUSED_LAYOUT`` (``ElasticBuffer``'s eager dispatch, ``HTDispatch.fuses_layout``) the kernel also
-    makes its inputs ``is_token_in_rank`` (``is_in``, written), ``num_tokens_per_rank`` /
-    ``num_tokens_per_expert`` (``ntpr``, ``ntpe``: scratch) from ``topk``, so the layout needs no launch of
-    its own: the tile programs come first, ``P - RP`` of them (``ht_layout.layout_tiles``: tiles of ``TB``
-    rows, the expert-id check included, scratch ``part``, ticket and epoch flag ``lay[0:2]``), the rank
-    programs last (the Triton interpreter runs programs in order, and on a GPU the waiting programs are the
-    last dispatched). Each rank program waits for the epoch ``nctr + 1`` on ``lay[1]`` before it reads them;
-    rank program 0 records error 10 (the id the tile programs found) once its own waits for every peer's part
-    are over (a recorded error ends every later wait at once).
+    With ``FUSED_LAYOUT`` (``ElasticBuffer``'s eager dispatch: ``HTDispatch.fuses_layout``) the kernel also makes its
+    inputs ``is_token_in_rank`` (``is_in``, written), ``num_tokens_per_rank`` / ``num_tokens_per_expert`` (``ntpr``,
+    ``ntpe``: scratch) from ``topk``, so the layout needs no launch of its own: the tile programs come first,
+    ``P - RP`` of them (``ht_layout.layout_tiles``: tiles of ``TB`` rows, the expert-id check included, scratch
+    ``part``, ticket and epoch flag ``lay[0:2]``), the rank programs last (the Triton interpreter runs programs in
+    order, and on a GPU the waiting programs are the last dispatched). Each rank program waits for the epoch
+    ``nctr + 1`` on ``lay[1]`` before it reads them; rank program 0 records error 10 (the id the tile programs
+    found) once its own waits for every peer's part are over (a recorded error ends every later wait at once).
 
     Example (R = 2, me = 1, T = 3, is_token_in_rank = [[1, 1], [0, 1], [1, 0]], rank 0 sends 2 tokens to
     rank 0 and 4 to rank 1): ``send_head = [[2, 4], [-1, 5], [3, -1]]``.
