@@ -35,17 +35,16 @@ _SRC = (sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv[:-1]
         else os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 sys.path.insert(0, os.path.abspath(_SRC))
 
-# (name, TUNE overrides): the combine's split roles of 501f1b8 (12 relays, 12 finals; docs/internode.md, "Cost
-# model"), then the paired combine (every program copies, then reduces: the default) unpipelined, as it is, with
-# wider reduction steps, and over NVSHMEM puts. The dispatch's stored rows counted 32 or 64 at a time ride along
-# (``d_p2p_rows``: only the dispatch reads it, only the combine the others). (c1154de's protocol and roles:
-# ``p2p=0/own_first=0/own_split=0/d_forward=1/c_relay=2/c_final=1/c_pair=0``.)
+# (name, TUNE overrides): the paired combine (every program copies, then reduces: in nodes of one rank with an
+# even number of programs) unpipelined, as it is, with wider reduction steps, and over NVSHMEM puts. The
+# dispatch's stored rows counted 32 or 64 at a time ride along (``d_p2p_rows``: only the dispatch reads it,
+# only the combine the others). (The split combine roles lost to the paired ones at fc7014e, one H100 under
+# MPS: ~630 us against ~380; docs/internode.md.)
 VARIANTS = [
-    ("split", dict(c_pair=0)),
-    ("pair-s1+d32", dict(c_pair=1, c_stages=1, d_p2p_rows=32)),
-    ("pair", dict(c_pair=1)),
-    ("pair-b1024+d64", dict(c_pair=1, final_block=1024, d_p2p_rows=64)),
-    ("pair-puts", dict(c_pair=1, p2p=0)),
+    ("pair-s1+d32", dict(c_stages=1, d_p2p_rows=32)),
+    ("pair", dict()),
+    ("pair-b1024+d64", dict(final_block=1024, d_p2p_rows=64)),
+    ("pair-puts", dict(p2p=False)),
 ]
 OPS = ("combine-bf16", "dispatch-bf16-worst", "dispatch-fp8-worst")
 

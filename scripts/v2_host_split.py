@@ -6,7 +6,8 @@ and each after a ``torch.cuda.synchronize()``:
 
 - ``whole``: ``ElasticBuffer.dispatch(...)`` as a caller makes it;
 - ``merged``: the merged chain's Python entry (``go(x, scales, topk_idx, w, cum)``: the chain call, then the
-  backend's result and recv_meta's outputs built in Python, as every call did before ``TUNE["native_flat"]``);
+  backend's result and recv_meta's outputs built in Python, as a call does before
+  ``elastic_chains.FlatResults`` builds its results by position);
 - ``chain``: the extension's ``Chain.run`` alone (outputs made by ``at::empty``, the kernels launched);
 - ``outputs``: the same outputs made by the extension's ``Outputs.make`` (no launch);
 - ``launch``: one launch of a one-element kernel through PyTorch (``torch.Tensor.zero_``), for scale;

@@ -13,20 +13,22 @@ VARIABLES = {
     "EPCOMM_LOG_LEVEL": "log level of the epcomm logger (e.g. INFO to see which backend runs and why)",
     "EPCOMM_HT_TRANSFER": "nvlink high-throughput bulk mover: sm (default: the Triton push kernels, one launch) | ce "
                           "(the copy engine for eager calls, SMs for calls captured in a CUDA graph; a copy and a flag "
-                          "launch per peer) | ce-always (the copy engine under capture too; diagnostic: it delivered "
-                          "stale rows under replay on H200, 2026-11-22)",
+                          "launch per peer)",
     "EPCOMM_VERIFY_LAUNCH": "1: every Triton launch also runs Triton's binder and checks that the kernel bound once "
                             "for its key is the one Triton would pick (slow; the GPU tests set it)",
     "EPCOMM_AS_DEEP_EP": "1: every Python process that imports deep_ep (Megatron-Core, vLLM, SGLang, ...) "
                          "gets epcomm, even where a real DeepEP is installed (a .pth hook installed with "
                          "epcomm; docs/clients.md); 0 or unset: nothing named deep_ep is provided",
-    "EPCOMM_NATIVE": "output tensors of the nvlink plans made by a small C++ extension, built or loaded when a "
-                     "buffer is made (a C++ compiler and ninja; ~25-40 s once a machine, then cached): 1 (default: on CUDA devices, "
-                     "torch.empty where it cannot be built) | 0 (off) | all (also on CPU devices: the tests)",
-    "EPCOMM_TUNE": "launch parameters, e.g. push_rb=16,ce_flag=copy,ll.fused_dispatch=1,iht.dispatch_warps=8 (keys "
-                   "and defaults: TUNE in backends/nvlink_params.py; ll. keys: backends/nvlink_ll.py; iht. and "
-                   "ill. keys, the internode backend's: backends/internode_ht.py and internode_ll.py; for "
-                   "measuring variants with epcomm bench)",
+    "EPCOMM_NATIVE": "the nvlink plans' native path, every part of it: a call's outputs, its launches and "
+                     "its kind from its tensors through a small C++ extension (epcomm/native.cpp), built or "
+                     "loaded when a buffer is made (a C++ compiler and ninja; ~25-40 s once a machine, then "
+                     "cached): 1 (default: on CUDA devices; the plain torch path where it cannot be built) | "
+                     "0 (off: the plain torch path) | all (also on CPU devices: the tests)",
+    "EPCOMM_TUNE": "launch parameters, e.g. push_rb=16,ce_chunks=2,ll.send_gc=16,iht.dispatch_warps=8 (keys "
+                   "and defaults: TUNE in backends/nvlink_params.py; ll. keys: backends/nvlink_ll.py; iht. "
+                   "and ill. keys, the internode backend's: backends/internode_ht.py and internode_ll.py): "
+                   "launch constants, and two switches, ll.fused_dispatch and iht.p2p "
+                   "(docs/architecture.md); for measuring variants with epcomm bench",
     "EPCOMM_COMMIT": "the commit of the epcomm tree being run, for copies without .git (a GPU machine's copy): "
                      "epcomm bench records it in every row; run scripts set it from the tree they ship",
     "EPCOMM_COMMIT_DIRTY": "with EPCOMM_COMMIT: 1 if that tree had uncommitted changes, 0 if clean (unset: unknown)",
@@ -81,8 +83,8 @@ def log_level() -> str | None:
 
 def ht_transfer() -> str:
     v = os.environ.get("EPCOMM_HT_TRANSFER", "sm").strip().lower() or "sm"
-    if v not in ("ce", "sm", "ce-always"):
-        raise ValueError(f"EPCOMM_HT_TRANSFER must be 'ce', 'sm' or 'ce-always', got {v!r}")
+    if v not in ("ce", "sm"):
+        raise ValueError(f"EPCOMM_HT_TRANSFER must be 'ce' or 'sm', got {v!r}")
     return v
 
 

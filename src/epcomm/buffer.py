@@ -39,16 +39,11 @@ def _scales_copied(run):
 
 
 def _key_functions(device: torch.device) -> tuple:
-    """``(signatures, row_signatures)``: a call's kind from its tensors, in one C++ call where
-    ``TUNE["native_key_v1"]`` asks for it (``native.key_functions``), else ``_validate``'s (after the backend applied
-    ``EPCOMM_TUNE``)."""
+    """``(signatures, row_signatures)``: a call's kind from its tensors, in one C++ call where plans on
+    ``device`` are native (``native.key_functions``), else ``_validate``'s."""
     from . import native
 
-    if not native.wanted(device, True):  # (no import of the kernels' tables where nothing native is wanted)
-        return native.key_functions(device, False)
-    from .backends.nvlink_params import TUNE
-
-    return native.key_functions(device, TUNE["native_key_v1"])
+    return native.key_functions(device)
 
 
 class Buffer(LowLatencyMethods):

@@ -134,14 +134,12 @@ class ElasticBuffer:
         self._steps = engine.Steps(self._backend, kernels, self.rank_idx, self.num_ranks, device_sms)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        from .backends.nvlink_params import TUNE  # (recv_meta's outputs: native.Outputs where wanted)
-
-        deadline.prepare_native(self.group, self.rank_idx, self.device, TUNE["native_alloc"],
+        deadline.prepare_native(self.group, self.rank_idx, self.device, True,
                                 _env.timeout_s(float(self.num_cpu_timeout_secs)))
         from . import native
 
-        # a call's kind from its tensors: _validate.signatures, or in one C++ call (TUNE["native_key"])
-        self._sigs = native.key_functions(self.device, TUNE["native_key"])[0]
+        # a call's kind from its tensors: _validate.signatures, or in one C++ call (native.key_functions)
+        self._sigs = native.key_functions(self.device)[0]
         self._meet("ElasticBuffer/barrier")
         log.info("epcomm rank %d: ElasticBuffer on backend %s, %d bytes", self.rank_idx, self._backend.name,
                  self.num_bytes)
@@ -413,14 +411,12 @@ class ElasticBuffer:
         multi = self.allow_multiple_reduction
         if not async_:
             from . import native
-            from .backends.nvlink_params import TUNE
 
             # after this kind's first uncaptured call bound its launches, it may be one native.Chain call
-            # (TUNE["native_chain_v2c"]; expanded, each token's local rows summed: TUNE["native_chain_v2xc"];
-            # elastic_chains.combine_chain), where no event is waited for inside it
+            # (expanded: where each token's local rows are summed; elastic_chains.combine_chain), where no
+            # event is waited for inside it
             dev = self.device
-            chain = native.Later((TUNE["native_chain_v2xc"] and multi if expand else TUNE["native_chain_v2c"])
-                                 and native.wanted(dev, TUNE["native_alloc"]),
+            chain = native.Later((multi or not expand) and native.wanted(dev),
                                  lambda *a: chains.combine_chain(self._steps, *a, expand=expand))
 
             def go(x, handle, topk_weights, bias, prev=None, before=None):

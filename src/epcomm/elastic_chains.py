@@ -3,7 +3,7 @@ C++ call, from the second call of a kind on), and the results of a merged chain 
 
 - :func:`expanded_tail`: an eager no-sync expanded dispatch's scatter as the last step of its merged chain
   (``Kernels.merged``'s ``tail``), and :func:`tail_rows`, the call's rows from its outputs;
-- :class:`FlatResults`: a merged chain's call results made straight from its outputs (``TUNE["native_flat"]``);
+- :class:`FlatResults`: a merged chain's call results made straight from its outputs;
 - :func:`combine_chain`: a combine (contiguous, or expanded with each token's local rows summed) as one chain.
 
 The chains find the arguments of the launches a call just made among that call's tensors (:func:`_sources`) and
@@ -22,7 +22,7 @@ from .kernels.launch import Launcher
 
 
 class FlatResults:
-    """A merged chain's call results assembled from its outputs by position (``TUNE["native_flat"]``).
+    """A merged chain's call results assembled from its outputs by position.
 
     Why: an eager no-sync dispatch whose work is one chain (``Kernels.merged``) spends most of its remaining host time
     in Python making its results from the chain's outputs: the backend's ``DispatchResult`` and handle, recv_meta's

@@ -155,8 +155,8 @@ def dispatch_plan(v2, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
     depends on no value or address is resolved once: the payload's kind, the ``Config``, the worst-case
     sizes, and on a backend that plans its dispatches (``dispatch_run``) its plan, whose transient tensors
     (the layout's counts, the received ids before ``recv_meta`` reads them, the channel matrices no V2 call
-    reads) are its scratch, not allocations. Where the backend ``fuses_layout`` (nvlink: by default for calls not
-    ``capturing`` into a CUDA graph, ``TUNE["v2_fused_eager"]``) that plan computes the layout in its exchange
+    reads) are its scratch, not allocations. Where the backend ``fuses_layout`` (nvlink: for calls not
+    ``capturing`` into a CUDA graph) that plan computes the layout in its exchange
     kernel: a call after the first launches no layout kernel."""
     be, r_, me, kern = v2.backend, v2.num_ranks, v2.rank, v2.kernels
     t, k = topk_idx.shape
@@ -177,16 +177,13 @@ def dispatch_plan(v2, x, sf, topk_idx, topk_weights, num_experts, m, alignment, 
         rows_of = functools.partial(kern.recv_meta, slot=meta_slot)
     # an eager no-sync dispatch whose backend plan and recv_meta are native chains: from the call after both were
     # made, the two as one chain (Kernels.merged); an expanded one's scatter too (expanded_tail; with its outputs)
-    merged = native.Later(kern is not None and fused and not sync and not capturing
-                          and (not expand or kern.chains_expanded()),
+    merged = native.Later(kern is not None and fused and not sync and not capturing,
                           lambda *call: kern.merged(
                               getattr(bound[0], "native", None), meta_slot[0][2][-1].value,
                               tail=chains.expanded_tail(v2, *call, zero_pad, tma_sf, k, has_w) if expand else None))
     has_w = topk_weights is not None
     bound: list = []  # the backend's plan, made at the first call (it needs that call's layout tensors)
-    from .backends.nvlink_params import TUNE  # (here: it loads the kernels' module, which must not load first)
-
-    flat = chains.FlatResults(native.wanted(dev, TUNE["native_flat"]))  # (a merged chain's results by position)
+    flat = chains.FlatResults(native.wanted(dev))  # (a merged chain's results by position)
     zeros = _zero_weights(t, k, dev)
 
     def run(x, sf, topk_idx, topk_weights, cum_stats, before_epilogue):

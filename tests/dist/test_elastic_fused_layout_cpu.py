@@ -1,17 +1,16 @@
-"""Tier 2: ``ElasticBuffer``'s dispatch with its layout made in the exchange kernel (``EPCOMM_TUNE=v2_fused_layout=1``, and
-by default for calls not captured into a CUDA graph, ``v2_fused_eager``:
-``HTDispatch.fuses_layout``, ``kernels/ht_layout.layout_tiles``) on the nvlink backend, 2 CPU ranks (Triton kernels
-under the interpreter, symmetric memory simulated: ``epcomm.testing.cpu_nvlink``), against the oracles of
-``epcomm.testing.elastic_cases`` as ``test_elastic_backends_cpu.py`` checks the default: dispatch bitwise, contiguous
-and expanded, CPU sync and worst-case shapes, BF16 and FP8 with opaque packs, cached replays, a second dispatch;
-combine bitwise with biases and weights back. Every fresh dispatch plan made is a fused one.
+"""Tier 2: ``ElasticBuffer``'s dispatch with its layout made in the exchange kernel (for calls not captured
+into a CUDA graph: ``HTDispatch.fuses_layout``, ``kernels/ht_layout.layout_tiles``) and without it (captured
+calls) on the nvlink backend, 2 CPU ranks (Triton kernels under the interpreter, symmetric memory simulated:
+``epcomm.testing.cpu_nvlink``). ``test_elastic_backends_cpu.py`` checks the eager (fused) plans against the
+oracles of ``epcomm.testing.elastic_cases``; here the same checks run with every plan unfused
+(``fuses_layout`` answering as for a capture, which CPU cannot make): dispatch bitwise, contiguous and
+expanded, CPU sync and worst-case shapes, BF16 and FP8 with opaque packs, cached replays, a second dispatch;
+combine bitwise with biases and weights back. A dispatch made while capturing gets an unfused plan, the same
+dispatch eagerly a fused one, both the oracle's rows.
 
-The plans a capture makes (``v2_fused_eager=0``: unfused) against the same oracles, and with the defaults a dispatch
-made while capturing gets an unfused plan, the same dispatch eagerly a fused one, both the oracle's rows.
-
-And the host budget in that mode: each fresh dispatch kind launches one kernel fewer than by default (no layout
-kernel) and does no more torch calls, allocations or host reads; every other kind does the same work. Both
-budgets counted in this launch (``EPCOMM_TUNE`` is read when a buffer is built).
+And the host budget: each fresh dispatch kind launches one kernel fewer fused than unfused (no layout kernel)
+and does no more torch calls, allocations or host reads; every other kind does the same work. Both budgets
+counted in this launch.
 """
 import importlib.util
 import os
@@ -26,19 +25,15 @@ from test_elastic_backends_cpu import HOST_BOUND, _host_budget, _on_backend, _ru
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
 
-FUSED = "v2_fused_layout=1"
 
+def _unfused():
+    """``HTDispatch.fuses_layout`` answering False for every call (as for calls captured into a CUDA graph):
+    the function that undoes it."""
+    from epcomm.backends.ht_dispatch import HTDispatch
 
-def _check_fused(ctx, tag):
-    """``test_elastic_backends_cpu``'s nvlink checks with the fused layout; every fresh dispatch plan is fused."""
-    _on_backend(ctx, tag, "nvlink")  # (the interpreter first: before anything imports Triton)
-    os.environ["EPCOMM_TUNE"] = FUSED
-    made, undo = _recording()
-    try:
-        assert _run(ctx, tag, "nvlink", 0) == (1, 2)
-    finally:
-        undo()
-    assert made and all(made), f"dispatch plans made (fused or not): {made}"
+    fuses = HTDispatch.fuses_layout
+    HTDispatch.fuses_layout = lambda self, capturing=False: False
+    return lambda: setattr(HTDispatch, "fuses_layout", fuses)
 
 
 def _recording():
@@ -57,13 +52,14 @@ def _recording():
 
 
 def _check_unfused(ctx, tag):
-    """The checks with no fused layout (``v2_fused_eager=0``: the plans a CUDA-graph capture makes by default)."""
+    """The checks with no fused layout (the plans a CUDA-graph capture makes)."""
     _on_backend(ctx, tag, "nvlink")
-    os.environ["EPCOMM_TUNE"] = "v2_fused_layout=0,v2_fused_eager=0"  # (the table keeps an earlier check's values)
     made, undo = _recording()
+    plain = _unfused()
     try:
         assert _run(ctx, tag, "nvlink", 0) == (1, 2)
     finally:
+        plain()
         undo()
     assert made and not any(made), f"dispatch plans made (fused or not): {made}"
 
@@ -75,7 +71,6 @@ def _check_capture_picks_unfused(ctx, tag):
     OnBackend = _on_backend(ctx, tag, "nvlink")
     from epcomm.testing import elastic_cases as C
 
-    os.environ["EPCOMM_TUNE"] = "v2_fused_layout=0,v2_fused_eager=1"  # the defaults
     case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=3, num_experts=8, seed=7)
     buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
     made, undo = _recording()
@@ -92,24 +87,26 @@ def _check_capture_picks_unfused(ctx, tag):
 
 
 def _check_host_budget(ctx, tag):
-    os.environ["EPCOMM_TUNE"] = "v2_fused_layout=0,v2_fused_eager=0"
-    base = _host_budget(ctx, tag)
-    os.environ["EPCOMM_TUNE"] = FUSED
+    plain = _unfused()
+    try:
+        base = _host_budget(ctx, tag)
+    finally:
+        plain()
     got = _host_budget(ctx, tag)
     assert set(got) == set(base) == set(HOST_BOUND), sorted(got)
     for kind, (ops, meta, allocs, launches, syncs) in got.items():
         b = base[kind]
         fewer = 1 if kind.startswith("dispatch ") else 0  # a fresh dispatch: no layout kernel
-        assert launches == b[3] - fewer, f"rank {ctx.rank} {kind}: {launches} launches, {b[3]} by default"
+        assert launches == b[3] - fewer, f"rank {ctx.rank} {kind}: {launches} launches, {b[3]} unfused"
         assert all(g <= m for g, m in zip((ops, meta, allocs, syncs), (b[0], b[1], b[2], b[4]))), (kind, got[kind], b)
 
 
-CHECKS = ["fused", "unfused", "capture", "host-budget"]
+CHECKS = ["unfused", "capture", "host-budget"]
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 
 def _rank(ctx, tag):
-    one = {"fused": _check_fused, "unfused": _check_unfused, "capture": _check_capture_picks_unfused,
+    one = {"unfused": _check_unfused, "capture": _check_capture_picks_unfused,
            "host-budget": _check_host_budget}
     return harness.run_checks(ctx, [(name, lambda ctx, f=one[name]: f(ctx, tag)) for name in CHECKS], env={})
 

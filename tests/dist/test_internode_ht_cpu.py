@@ -21,14 +21,15 @@ the interpreter, the NVSHMEM device calls simulated — on CPU processes in virt
   network: the relay forwards by stores, the final reads its node's partials only): every consumer
   reaches rows before they are sent and must wait for them; a consumer that read one tile before its counter said failed here (the
   forwarder, the receiver, the relay and the final each tried; elsewhere only as timing allows).
-- Nodes of one rank (two, four): the paired combine (``TUNE["c_pair"]``, the default there) and the split
-  roles give the same bits, modes alternating on one handle, at 4, 2 and 6 programs (``_pair_and_split``).
+- Nodes of one rank (two, four): the paired combine (an even number of programs) and the split roles (an odd
+  one) give the same bits, modes alternating on one handle, paired at 4, 2 and 6 programs, split at 3, 5 and 7
+  (``_pair_and_split``).
 - A rank that never sends gives the deadline error naming the rank and the phase (two nodes of one; two
   nodes of two, where the waits are the relay's forward and its node peer's receive).
 - A dispatch's rows stored into a relay's slot counted 24 at a time (``TUNE["d_p2p_rows"]``; else as the puts'
   chunks) in the stores' runs of two nodes of one and of two.
-- Senders and relays to another node either stage and put (``TUNE["p2p"] = 0``, as over RDMA) or store into
-  the peer's slot (1: every peer's buffer is mapped here, as NVSHMEM maps the peers of one host): two nodes
+- Senders and relays to another node either stage and put (``TUNE["p2p"]`` off, as over RDMA) or store into
+  the peer's slot (on: every peer's buffer is mapped here, as NVSHMEM maps the peers of one host): two nodes
   of one, the slow peer and two nodes of two run both ways (the stores' runs with fewer cases), and each
   check asserts which ran (simulated puts, or none). A direct row written to the wrong slot failed the
   three store runs.
@@ -208,8 +209,8 @@ def _check_free_words(buf, rank):
 
 
 def _tuned(tune, fn):
-    """``fn()`` with the entries ``tune`` in ``TUNE`` (restored after it); with ``p2p`` 0 it made simulated
-    NVSHMEM puts (staging and puts to the other nodes), with 1 none (every peer is mapped here: stores)."""
+    """``fn()`` with the entries ``tune`` in ``TUNE`` (restored after it); with ``p2p`` off it made simulated
+    NVSHMEM puts (staging and puts to the other nodes), on none (every peer is mapped here: stores)."""
     from epcomm.backends.internode_ht import TUNE
     from epcomm.kernels import nvshmem_sim
 
@@ -221,7 +222,7 @@ def _tuned(tune, fn):
     finally:
         TUNE.update(old)
     puts = nvshmem_sim.stats["puts"] - before
-    assert (puts > 0) == (tune["p2p"] == 0), f"{tune}: {puts} simulated puts"
+    assert (puts > 0) == (not tune["p2p"]), f"{tune}: {puts} simulated puts"
 
 
 def _slow_peer(ctx, gpus_per_node):
@@ -258,18 +259,18 @@ def _slow_peer(ctx, gpus_per_node):
 
 
 def _pair_and_split(ctx, gpus_per_node):
-    """Nodes of one rank: the paired combine (``TUNE["c_pair"]`` 1, ``kernels/internode_ht_pair.py``: every
-    program copies half a channel's rows to the other nodes, then reduces half a channel of its own tokens) gives
-    the bits of the split roles (0: relays and finals apart; both sum the nodes' rows in node order), with top-k
-    weights and two biases, each call on expert outputs of its own (a final that read a row before its count
-    said would take an earlier call's), modes alternating on one handle (the counters of both stay in step), and
-    against the reference within the budget. Combines of 4 programs (two channels: a unit each), 2 (a program's
-    second unit waits on the first's half) and 6 (two programs idle); each call says which mode ran. A half cut
-    one token later (the first token of the second half reduced with the first) failed here."""
+    """Nodes of one rank: the paired combine (an even number of programs, ``kernels/internode_ht_pair.py``:
+    every program copies half a channel's rows to the other nodes, then reduces half a channel of its own
+    tokens) gives the bits of the split roles (an odd number: relays and finals apart; both sum the nodes'
+    rows in node order), with top-k weights and two biases, each call on expert outputs of its own (a final
+    that read a row before its count said would take an earlier call's), modes alternating on one handle (the
+    counters of both stay in step), and against the reference within the budget. Paired combines of 4 programs
+    (two channels: a unit each), 2 (a program's second unit waits on the first's half) and 6 (two programs
+    idle), split ones of 3, 5 and 7; each call says which mode ran. A half cut one token later (the first
+    token of the second half reduced with the first) failed here."""
     import torch
 
     from epcomm import Buffer, Config
-    from epcomm.backends.internode_ht import TUNE
     from epcomm.testing import cpu_internode
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
@@ -286,22 +287,18 @@ def _pair_and_split(ctx, gpus_per_node):
     gb = torch.Generator()
     gb.manual_seed(ctx.rank + 5)
     bias = tuple(torch.randn(x.shape, generator=gb).to(torch.bfloat16) for _ in range(2))
-    old = TUNE["c_pair"]
-    try:
-        for k, sms in enumerate((4, 2, 6)):
-            y = (res[0].float() * (1 + k) - k / 3).to(torch.bfloat16)
-            outs = []
-            for pair in (1, 0, 1):
-                TUNE["c_pair"] = pair
-                outs.append(fast.combine(y, res[4], topk_weights=res[2], bias=bias, config=Config(sms, 6, 256, 2, 128)))
-                assert fast._backend._ht.last_pair == pair, (pair, sms)
-            for o, ow, _ in outs[1:]:
-                assert torch.equal(o.view(torch.int16), outs[0][0].view(torch.int16)), f"{sms} SMs, rank {ctx.rank}"
-                assert torch.equal(ow, outs[0][1]), f"combined weights, {sms} SMs, rank {ctx.rank}"
-        G._combine_check(outs[0][0], ref.combine(y, rref[4], topk_weights=rref[2], bias=bias)[0], ref, y, rref[4],
-                         f"paired combine, rank {ctx.rank}", bias)
-    finally:
-        TUNE["c_pair"] = old
+    for k, sms in enumerate((4, 2, 6)):
+        y = (res[0].float() * (1 + k) - k / 3).to(torch.bfloat16)
+        outs = []
+        for pair, n in ((1, sms), (0, sms + 1), (1, sms)):
+            cfg = Config(n, 6, 256, 2, 128)
+            outs.append(fast.combine(y, res[4], topk_weights=res[2], bias=bias, config=cfg))
+            assert fast._backend._ht.last_pair == pair, (pair, n)
+        for o, ow, _ in outs[1:]:
+            assert torch.equal(o.view(torch.int16), outs[0][0].view(torch.int16)), f"{sms} SMs, {ctx.rank}"
+            assert torch.equal(ow, outs[0][1]), f"combined weights, {sms} SMs, rank {ctx.rank}"
+    G._combine_check(outs[0][0], ref.combine(y, rref[4], topk_weights=rref[2], bias=bias)[0], ref, y, rref[4],
+                     f"paired combine, rank {ctx.rank}", bias)
     cpu_internode.check_delivery()
 
 
@@ -346,24 +343,25 @@ def _absent_relay(ctx, gpus_per_node):
 # own test; the deadline checks come last (the ranks leave them at different times). A failed check stops
 # its rank: later ones report "not run".
 # ``tune``: TUNE entries for the check. Every rank's buffer is mapped in every process here (as NVSHMEM maps
-# the peers of one host), so with ``p2p`` 1 the senders and relays store into the other nodes' slots (no
-# simulated put), with 0 they stage and put as over RDMA (the path whose fences the weak simulation checks);
-# ``_tuned`` asserts which one ran. ``own_split`` 0: a rank's own rows move as the forwarders' units.
+# the peers of one host), so with ``p2p`` on the senders and relays store into the other nodes' slots (no
+# simulated put), off they stage and put as over RDMA (the path whose fences the weak simulation checks);
+# ``_tuned`` asserts which one ran.
 CHECKS = {
-    2: [("two-virtual-nodes", _ht, 1, {"tune": {"p2p": 0, "own_split": 0}}),  # one message per (token, rank)
+    2: [("two-virtual-nodes", _ht, 1, {"tune": {"p2p": False}}),  # one message per (token, rank)
         # the same rows by stores, counted 24 at a time (d_p2p_rows: Config's chunk at most 5 here)
-        ("two-virtual-nodes[p2p]", _ht, 1, {"tune": {"p2p": 1, "d_p2p_rows": 24}, "full": False}),
+        ("two-virtual-nodes[p2p]", _ht, 1, {"tune": {"p2p": True, "d_p2p_rows": 24}, "full": False}),
         ("one-node-of-two", _ht, 2, {}),     # no sender: forwarders store to the peer, receivers unpack
-        ("slow-peer[two-nodes-of-one]", _slow_peer, 1, {"tune": {"p2p": 0}}),
-        ("slow-peer[two-nodes-of-one,p2p]", _slow_peer, 1, {"tune": {"p2p": 1}}),
+        ("slow-peer[two-nodes-of-one]", _slow_peer, 1, {"tune": {"p2p": False}}),
+        ("slow-peer[two-nodes-of-one,p2p]", _slow_peer, 1, {"tune": {"p2p": True}}),
         ("slow-peer[one-node-of-two]", _slow_peer, 2, {}),
-        ("pair-and-split[two-nodes-of-one]", _pair_and_split, 1, {"tune": {"p2p": 0}}),
-        ("pair-and-split[two-nodes-of-one,p2p]", _pair_and_split, 1, {"tune": {"p2p": 1}}),
+        ("pair-and-split[two-nodes-of-one]", _pair_and_split, 1, {"tune": {"p2p": False}}),
+        ("pair-and-split[two-nodes-of-one,p2p]", _pair_and_split, 1, {"tune": {"p2p": True}}),
         ("deadline", _absent_relay, 1, {})],
-    4: [("four-nodes-of-one", _ht, 1, {"full": False, "tune": {"p2p": 0}}),  # nothing forwarded, the relay's
-        ("four-ranks-in-two-nodes", _ht, 2, {"tune": {"p2p": 0}}),  # rows go as BF16, three remote nodes a rank
-        ("four-ranks-in-two-nodes[p2p]", _ht, 2, {"tune": {"p2p": 1, "d_p2p_rows": 24}, "full": False}),
-        ("pair-and-split[four-nodes-of-one]", _pair_and_split, 1, {"tune": {"p2p": 1}}),
+    # four nodes of one: nothing forwarded, the relay's rows go as BF16, three remote nodes a rank
+    4: [("four-nodes-of-one", _ht, 1, {"full": False, "tune": {"p2p": False}}),
+        ("four-ranks-in-two-nodes", _ht, 2, {"tune": {"p2p": False}}),
+        ("four-ranks-in-two-nodes[p2p]", _ht, 2, {"tune": {"p2p": True, "d_p2p_rows": 24}, "full": False}),
+        ("pair-and-split[four-nodes-of-one]", _pair_and_split, 1, {"tune": {"p2p": True}}),
         ("deadline-two-nodes-of-two", _absent_relay, 2, {})],
 }
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files

@@ -6,16 +6,18 @@ sources (the call's tensors and integers, the chain's outputs, the plan's consta
 the outputs made by ``native.Outputs`` with the chain's own specs and packing. A source wired to the wrong tensor
 gives rows that differ from the oracle's.
 
-Checked: ``ElasticBuffer``'s contiguous no-sync dispatch (BF16, FP8 with UE8M0 packs and with fp32 scales) through
-the merged chain (the backend's exchange + gather and ``recv_meta``'s launch: three steps) and, with
-``native_merge=0``, through two chains; its combine after those; its expanded no-sync dispatch
-(``native_chain_v2x=1``: the exchange + gather, ``recv_meta``'s two launches and the scatter with its outputs, the
-scale packs TMA-aligned: five steps) and a synchronised one (``recv_meta``'s chain of two); its expanded combine with
-0/1/2 biases (``native_chain_v2xc=1``: the pack, the transport's two launches and the reduction: four steps); ``Buffer``'s ``num_worst_tokens`` dispatch (two
-steps), BF16 and FP8, its combine and its cached dispatch (``native_chain_ht=1``: one step each), and its
-synchronised dispatch (``native_chain_ht=1``: the exchange and the gather each a chain, around the host's read);
-``Buffer``'s low-latency dispatch and combine (``ll.native_chain=1``: each launch a one-step chain; with the hook the
-send and the receive). Each kind's first call binds its launches (the Python path), the repeats take the chain.
+Checked, with ``EPCOMM_NATIVE=all`` (every native part: outputs, packing, chains, the extension's signatures):
+``ElasticBuffer``'s contiguous no-sync dispatch (BF16, FP8 with UE8M0 packs and with fp32 scales) through the
+merged chain (the backend's exchange + gather and ``recv_meta``'s launch: three steps); its contiguous combine
+(the transport's two launches and the reduction: three steps); its expanded no-sync dispatch (the exchange +
+gather, ``recv_meta``'s two launches and the scatter with its outputs, the scale packs TMA-aligned: five
+steps) and a synchronised one (``recv_meta``'s chain of two); its expanded combine with 0/1/2 biases (the
+pack, the transport's two launches and the reduction: four steps); the merged chains' results made by
+position; ``Buffer``'s ``num_worst_tokens`` dispatch (two steps), BF16 and FP8, its combine and its cached
+dispatch (one step each), and its synchronised dispatch (the exchange and the gather each a chain, around the
+host's read); ``Buffer``'s low-latency dispatch and combine (each launch a one-step chain; with the hook the
+send and the receive). Each kind's first call binds its launches (the Python path), the repeats take the
+chain.
 """
 import importlib.util
 import os
@@ -91,30 +93,17 @@ def _emulate():
     return runs, undo
 
 
-def _start(ctx, tag, tune: str):
-    """A fresh rank on the nvlink backend with ``EPCOMM_TUNE=tune`` and the extension wanted on CPU, its chains
-    emulated: ``(ElasticBuffer class on the backend, runs, undo)`` (:func:`_emulate`). ``undo`` also puts the
-    backend's ``TUNE`` tables back as they were (a backend applies ``EPCOMM_TUNE`` to them, for the process: a
-    later check would otherwise run with this one's keys)."""
+def _start(ctx, tag):
+    """A fresh rank on the nvlink backend with the extension wanted on CPU (``EPCOMM_NATIVE=all``), its chains
+    emulated: ``(ElasticBuffer class on the backend, runs, undo)`` (:func:`_emulate`)."""
     os.environ["EPCOMM_NATIVE"] = "all"
-    os.environ["EPCOMM_TUNE"] = tune
     OnBackend = _on_backend(ctx, tag, "nvlink")  # (first: it sets the interpreter's environment before any import)
-    from epcomm.backends import nvlink_ll, nvlink_params
-
-    tables = [(t, dict(t)) for t in (nvlink_params.TUNE, nvlink_ll.TUNE)]  # (the backends apply `tune` when made)
-    runs, undo_emulation = _emulate()
-
-    def undo():
-        undo_emulation()
-        for table, saved in tables:
-            table.clear()
-            table.update(saved)
-
+    runs, undo = _emulate()
     return OnBackend, runs, undo
 
 
-def _v2(ctx, tag, merge: bool):
-    OnBackend, runs, undo = _start(ctx, tag, f"native_merge={int(merge)},native_chain_v2c=0")
+def _v2(ctx, tag):
+    OnBackend, runs, undo = _start(ctx, tag)
     from epcomm.testing import elastic_cases as C
 
     try:
@@ -122,20 +111,21 @@ def _v2(ctx, tag, merge: bool):
         buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
         for sf_kind in ("bf16", "ue8m0", "fp32"):  # contiguous, no CPU sync: a dispatch, a cached one, a second
             C.check_dispatch(buf, case, ctx.rank, sf_kind, False, 1, False)
+        n_dispatch = len(runs)
         C.check_combine(buf, case, ctx.rank, False, 2, 1, False)
     finally:
         undo()
-    # the chains ran: merged ones (3 steps) only in that mode; a kind's first call may take chains another kind
-    # made (the backend's plan, recv_meta's), 2 and 1 steps
-    assert (3 in runs) is merge and (merge or {1, 2} <= set(runs)), runs
+    # the merged chains ran (3 steps); a kind's first call may take chains another kind made (the backend's
+    # plan, recv_meta's), 2 and 1 steps
+    assert 3 in runs[:n_dispatch], runs
     return runs
 
 
 def _v2_flat(ctx, tag):
-    # the merged chains' results made by position (native_flat, with native_key's signatures): each kind's calls from
+    # the merged chains' results made by position (with the extension's signatures): each kind's calls from
     # the third merged one on; contiguous BF16, fp32 and UE8M0 packs; expanded BF16 (the TMA-aligned packs of an
     # expanded FP8 call are a view per call: it keeps the Python path); checked whole, then a combine on the handle
-    OnBackend, runs, undo = _start(ctx, tag, "native_key=1,native_flat=1,native_chain_v2x=1")
+    OnBackend, runs, undo = _start(ctx, tag)
     from epcomm import elastic_chains
     from epcomm.testing import elastic_cases as C
 
@@ -156,7 +146,7 @@ def _v2_flat(ctx, tag):
 
 
 def _v2_expanded(ctx, tag):
-    OnBackend, runs, undo = _start(ctx, tag, "native_chain_v2x=1")
+    OnBackend, runs, undo = _start(ctx, tag)
     from epcomm.testing import elastic_cases as C
 
     try:
@@ -179,33 +169,43 @@ def _v2_expanded(ctx, tag):
 
 
 def _v2_combine(ctx, tag, expand: bool):
-    # contiguous: (dispatch chains: 2, 1 steps; top-4: weight rows of 16 bytes move in place, top-3 ones are packed
-    # first and such a combine is no chain); expanded: each token's local rows summed, the dispatches merged
-    tune = "native_chain_v2xc=1" if expand else "native_merge=0,native_chain_v2c=1"
-    OnBackend, runs, undo = _start(ctx, tag, tune)
+    # contiguous: top-4 (weight rows of 16 bytes move in place; top-3 ones are packed first and such a combine
+    # is no chain); expanded: each token's local rows summed; the dispatches merged
+    OnBackend, runs, undo = _start(ctx, tag)
     from epcomm.testing import elastic_cases as C
 
+    combines: list = []  # the chains the combines ran (check_combine dispatches first)
     try:
         case = C.V2Case(num_ranks=2, tokens=(5, 9), hidden=128, num_topk=3 if expand else 4, num_experts=8,
                         seed=19 if expand else 13)
         buf = OnBackend(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk)
+        real = buf.combine
+
+        def combine(*a, **k):
+            n = len(runs)
+            out = real(*a, **k)
+            combines.extend(runs[n:])
+            return out
+
+        buf.combine = combine
         for n_bias in (0, 1, 2):  # a kind's first combine binds its launches and makes its chain, the next runs it
             for _ in range(2):
                 C.check_combine(buf, case, ctx.rank, expand, n_bias, 4 if expand else 1, False)
     finally:
         undo()
     # the combine's chains, once for each bias count: contiguous, the transport's two launches and the reduction (3
-    # steps); expanded, the pack before them (4 steps), the dispatches before them merged (5 steps)
-    if expand:
-        assert runs.count(4) == 3 and 5 in runs, runs
-    else:
-        assert runs.count(3) == 3 and set(runs) == {1, 2, 3}, runs
+    # steps); expanded, the pack before them (4 steps); the dispatches before them merged (3 steps contiguous,
+    # 5 expanded)
+    assert combines == [4 if expand else 3] * 3, (combines, runs)
+    others = list(runs)
+    for n in combines:
+        others.remove(n)
+    assert (5 if expand else 3) in others, runs
     return runs
 
 
-def _v1(ctx, tag, key: bool = False):
-    # (native_chain_ht=1: the default; named so the check stands if it changes; key: the kinds by native.key_functions)
-    _, runs, undo = _start(ctx, tag, "native_chain_ht=1,native_key_v1=" + ("1" if key else "0"))
+def _v1(ctx, tag):
+    _, runs, undo = _start(ctx, tag)
     from epcomm import Buffer
     from epcomm import _validate as V
     from epcomm.testing import cpu_nvlink
@@ -215,14 +215,14 @@ def _v1(ctx, tag, key: bool = False):
     try:
         ref = Buffer(ctx.group)
         fast = cpu_nvlink.nvlink_buffer(ctx.group, num_nvl_bytes=32 << 20)
-        assert (fast._sigs is not V.signatures) is key
+        assert fast._sigs is not V.signatures  # (the kinds by native.key_functions)
         case = Case(num_ranks=2, tokens=(5, 8), hidden=128, num_topk=4, num_experts=8, seed=5)
         worst = sum(case.tokens) + 3
         for fp8 in (False, True):
             for _ in range(2):  # (the first binds the launches, the second is one chain call)
                 G.check_ht_case(ref, fast, case, ctx.rank, fp8, worst=worst)
         wide = Case(num_ranks=2, tokens=(5, 8), hidden=256, num_topk=4, num_experts=8, seed=6)
-        for _ in range(2 if key else 0):  # (another hidden size: kinds of dispatch, cached dispatch and combine that
+        for _ in range(2):  # (another hidden size: kinds of dispatch, cached dispatch and combine that
             G.check_ht_case(ref, fast, wide, ctx.rank, False, worst=worst)  # differ only in their tensors' shapes)
         n_worst = len(runs)
         for fp8 in (False, True):  # synchronised: the layout, then the dispatch's two chains around the host's read
@@ -237,8 +237,8 @@ def _v1(ctx, tag, key: bool = False):
     return runs
 
 
-def _ll(ctx, tag, key: bool = False):
-    _, runs, undo = _start(ctx, tag, "ll.native_chain=1,native_key_v1=" + ("1" if key else "0"))  # (as _v1's)
+def _ll(ctx, tag):
+    _, runs, undo = _start(ctx, tag)
     from epcomm import Buffer
     from epcomm import _validate as V
     from epcomm.testing import cpu_nvlink
@@ -251,14 +251,14 @@ def _ll(ctx, tag, key: bool = False):
         hint = Buffer.get_low_latency_rdma_size_hint(m, case.hidden, 2, case.num_experts)
         ref = Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
         fast = cpu_nvlink.nvlink_buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
-        assert (fast._sigs is not V.signatures) is key
+        assert fast._sigs is not V.signatures  # (the kinds by native.key_functions)
         for i, kw in enumerate([dict(use_fp8=False), dict(use_fp8=True), dict(use_fp8=True, hook=True)]):
             for j in range(2):  # (a kind's first call makes its chain, the second runs it)
                 G.check_ll_case(ref, fast, case, ctx.rank, m, seed_shift=2 * i + j, **kw)
         # fewer tokens, the same arguments otherwise: another kind by its tensors' shapes (a key from
         # native.key_functions that missed them would run the launches made for 6 and 5 tokens)
         few = Case(num_ranks=2, tokens=(3, 4), hidden=256, num_topk=4, num_experts=8, seed=9)
-        for j in range(2 if key else 0):
+        for j in range(2):
             G.check_ll_case(ref, fast, few, ctx.rank, m, seed_shift=7 + j, use_fp8=True)
     finally:
         undo()
@@ -267,18 +267,15 @@ def _ll(ctx, tag, key: bool = False):
     return runs
 
 
-CHECKS = ["v2-merged", "v2-flat", "v2-two-chains", "v2-expanded", "v2-combine", "v2-combine-expanded", "v1-worst",
-          "v1-worst-key", "v1-ll", "v1-ll-key"]
+CHECKS = ["v2-merged", "v2-flat", "v2-expanded", "v2-combine", "v2-combine-expanded", "v1-worst", "v1-ll"]
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 
 def _rank(ctx, tag):
-    one = {"v2-merged": lambda c: _v2(c, tag, True), "v2-flat": lambda c: _v2_flat(c, tag),
-           "v2-two-chains": lambda c: _v2(c, tag, False),
+    one = {"v2-merged": lambda c: _v2(c, tag), "v2-flat": lambda c: _v2_flat(c, tag),
            "v2-expanded": lambda c: _v2_expanded(c, tag), "v2-combine": lambda c: _v2_combine(c, tag, False),
            "v2-combine-expanded": lambda c: _v2_combine(c, tag, True),
-           "v1-worst": lambda c: _v1(c, tag), "v1-worst-key": lambda c: _v1(c, tag, True),
-           "v1-ll": lambda c: _ll(c, tag), "v1-ll-key": lambda c: _ll(c, tag, True)}
+           "v1-worst": lambda c: _v1(c, tag), "v1-ll": lambda c: _ll(c, tag)}
     return harness.run_checks(ctx, [(name, one[name]) for name in CHECKS], env={})
 
 

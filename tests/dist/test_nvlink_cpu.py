@@ -91,9 +91,7 @@ CE = {"EPCOMM_HT_TRANSFER": "ce"}  # eager calls by the copy engine (the default
 HT_VARIANTS = {
     "copy-engine": (CE, {}),  # the copy-engine path (copies are plain CPU copies here), NC chunks
     "sm-push": ({"EPCOMM_HT_TRANSFER": "sm"}, {"push_rb": 2, "push_block": 64}),  # the SM push, several tiles a row
-    "variants": (CE, {"ce_chunks": 1, "gather_one_load": True, "gather_rb": 4, "gather_prefetch": True,  # tuning
-                      "notify_first": True}),
-    "copy-flag": ({**CE, "EPCOMM_TUNE": "ce_flag=copy,ce_chunks=2"}, {}),  # flags raised by copies of their value
+    "variants": (CE, {"ce_chunks": 1, "gather_rb": 4}),  # tuning
     # the outputs of the plans (layout, dispatch, combine) made by the C++ extension (native.py)
     "native-outputs": ({"EPCOMM_HT_TRANSFER": "sm", "EPCOMM_NATIVE": "all"}, {}),
 }
@@ -124,7 +122,7 @@ def _ll(ctx, cpu_nvlink):
 
 
 LL_VARIANTS = {"one-kernel-per-op": {},
-               "separate-kernels": {"EPCOMM_TUNE": "ll.fused_dispatch=0,ll.fused_combine=0,ll.local_ticket=0"}}
+               "separate-dispatch-kernels": {"EPCOMM_TUNE": "ll.fused_dispatch=0"}}
 
 
 def _ll_repeats(ctx, cpu_nvlink):
@@ -352,8 +350,8 @@ TWO_RANKS = [
     ("low-latency-shrink", _ll_faults, {"what": "shrink"}, {}, {}),
 ]
 # Three ranks: non-power-of-two rank loops and masks (found a misaligned staging view and the UE8M0 unpack
-# of a one-row expert); both HT transfers (the SM gather kernel pushes to two peers). Copy-engine flags by
-# copy, the tuning variants and the LL roles as separate kernels run at 2 ranks only.
+# of a one-row expert); both HT transfers (the SM gather kernel pushes to two peers). The tuning variants and
+# the LL dispatch roles as separate kernels run at 2 ranks only.
 THREE_RANKS = [
     ("high-throughput[copy-engine]", _ht, {}, CE, {}),
     ("high-throughput[sm-push]", _ht, {}, {"EPCOMM_HT_TRANSFER": "sm"}, {}),

@@ -117,7 +117,6 @@ def test_link_counting_follows_the_backend_and_how_it_moved_bytes():
     assert lc("nvlink", "ht") == "ht-rank-rows"                    # the default: SM push, eager too
     assert lc("nvlink", "ht", ht_transfer="ce") == "ht-whole-batch"  # eager with the copy engine
     assert lc("nvlink", "ht", graph=True, ht_transfer="ce") == "ht-rank-rows"  # captured: SM push
-    assert lc("nvlink", "ht", graph=True, ht_transfer="ce-always") == "ht-whole-batch"
     assert lc("reference", "ht") == "ht-reference-rows" and lc("reference", "ll") == "ll-reference-rows"
     assert lc("gloo-a2a", "ll") == lc("nccl-a2a", "ht") == "per-selection"
     assert lc("internode", "ht") is None  # no rule written down: the row says "not modelled"

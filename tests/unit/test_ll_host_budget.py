@@ -42,13 +42,10 @@ BOUND = {
     "combine hook": (18, 18, 0, 0, 1),
     "combine hook()": (3, 3, 0, 0, 1),
 }
-# TUNE fused_dispatch / fused_combine off: a receive launch more per dispatch, and the combine's weights,
-# reduce and receive kernels (topk_idx's address read by the weights and the receive launch)
+# TUNE ll.fused_dispatch off: a receive launch more per dispatch
 SPLIT = dict(BOUND, **{
     "dispatch fp8": (12, 12, 0, 0, 2), "dispatch bf16": (12, 12, 0, 0, 2), "dispatch fp8 stats": (24, 24, 0, 0, 2),
-    "dispatch hook()": (0, 0, 0, 0, 1), "combine": (19, 19, 0, 0, 3), "combine out": (25, 25, 0, 0, 3),
-    "combine stats": (25, 25, 0, 0, 3), "combine zero_copy": (14, 14, 0, 0, 3), "combine hook": (18, 18, 0, 0, 2),
-    "combine hook()": (1, 1, 0, 0, 1)})
+    "dispatch hook()": (0, 0, 0, 0, 1)})
 
 
 @pytest.fixture
@@ -119,9 +116,9 @@ def _seen(kinds: dict) -> None:
 
 @pytest.mark.parametrize("fused", [True, False], ids=["one-kernel", "split-kernels"])
 def test_ll_repeat_host_budget(buf, monkeypatch, fused):
-    """Each repeat call kind, within its bound (the split kernels: the same torch calls, more launches)."""
+    """Each repeat call kind, within its bound (the split dispatch kernels: the same torch calls, more
+    launches)."""
     monkeypatch.setitem(nvlink_ll.TUNE, "fused_dispatch", fused)
-    monkeypatch.setitem(nvlink_ll.TUNE, "fused_combine", fused)
     kinds = _kinds(buf, _inputs(M, 0))
     _seen(kinds)
     got, logs = {}, {}
@@ -139,7 +136,6 @@ def test_a_repeat_launches_what_its_binding_launch_did(buf, monkeypatch, fused):
     each launch of a repeat with new tensors are those of the binding launch, the old tensors' addresses
     replaced by the new ones' and nothing else changed."""
     monkeypatch.setitem(nvlink_ll.TUNE, "fused_dispatch", fused)
-    monkeypatch.setitem(nvlink_ll.TUNE, "fused_combine", fused)
     rec: list = []
 
     def pairs(args):

@@ -41,9 +41,9 @@ def test_python_fallback_makes_the_same():
 @pytest.mark.parametrize("how, cuda, cpu", [("1", True, False), ("all", True, True), ("0", False, False)])
 def test_wanted(monkeypatch, how, cuda, cpu):
     monkeypatch.setenv("EPCOMM_NATIVE", how)
-    assert native.wanted(torch.device("cuda", 0), True) is cuda
-    assert native.wanted(torch.device("cpu"), True) is cpu
-    assert native.wanted(torch.device("cuda", 0), False) is False  # TUNE native_alloc=0
+    assert native.wanted(torch.device("cuda", 0)) is cuda
+    assert native.wanted(torch.device("cpu")) is cpu
+    assert native.wanted(torch.device("cuda", 0), False) is False  # (the caller's own condition)
 
 
 def test_off_means_torch_empty(monkeypatch):

@@ -156,24 +156,21 @@ def test_merged_chain_feeds_the_dispatch_outputs_to_recv_meta():
     ("v2", "cached c", 2, 11),  # (V2's cached dispatch: the backend's gather a chain, its copy epilogue not)
     ("ht", "layout", 1, 0), ("ht", "dispatch", 2, 0)])  # (synchronised: two chains around the host's read)
 def test_the_probe_rig_runs_the_chains(monkeypatch, own_group, api, kind, launches, args):
-    """On the host probe's CPU rig with the extension (``EPCOMM_NATIVE=all``; chains dry there) a repeat of a call a
-    chain serves hands Triton's launcher nothing (``args`` 0: every launch went through the chain; but V2's cached
-    dispatch's copy epilogue) and makes two
-    allocations (the received rows and one block of the small outputs; FP8: its scales too; a combine: its rows and
-    its weights; a synchronised dispatch: the handle's block too; the layout: one block); with ``native_chain=0`` (``native_chain_ht=0``) its launches go through Triton's launcher
-    again."""
-    from epcomm.backends import nvlink_params
+    """On the host probe's CPU rig with the extension (``EPCOMM_NATIVE=all``; chains dry there) a repeat of a
+    call a chain serves hands Triton's launcher nothing (``args`` 0: every launch went through the chain; but
+    V2's cached dispatch's copy epilogue) and makes two allocations (the received rows and one block of the
+    small outputs; FP8: its scales too; a combine: its rows and its weights; a synchronised dispatch: the
+    handle's block too; the layout: one block); with ``EPCOMM_NATIVE=0`` its launches go through Triton's
+    launcher again."""
     from epcomm.bench import hostprobe
 
     monkeypatch.setenv("EPCOMM_NATIVE", "all")
-    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_ht", True)  # (the default, named)
     real = hostprobe.install
     monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
     got = hostprobe.probe("python", tokens=(64,), calls=3, api=api)["T=64"][kind]
     allocs = {"worst fp8": 3, "cached": 1, "layout": 1, "dispatch": 3}.get(kind, 2)
     assert (got["launches"], got["args"], got["allocs"]) == (launches, args, allocs), got
-    monkeypatch.setitem(nvlink_params.TUNE, "native_chain", False)
-    monkeypatch.setitem(nvlink_params.TUNE, "native_chain_ht", False)
+    monkeypatch.setenv("EPCOMM_NATIVE", "0")
     got = hostprobe.probe("python", tokens=(64,), calls=3, api=api)["T=64"][kind]
     assert got["launches"] == launches and got["args"] > args, got
 
@@ -181,45 +178,41 @@ def test_the_probe_rig_runs_the_chains(monkeypatch, own_group, api, kind, launch
 @pytest.mark.parametrize("kind", ["dispatch", "combine"])
 @pytest.mark.parametrize("hook", [False, True])
 def test_the_probe_rig_runs_low_latency_chains(monkeypatch, own_group, kind, hook):
-    """With the LL engine's ``native_chain`` a repeat's launch is one chain call: Triton's launcher gets no argument
-    (nothing allocated, as always for LL: its outputs persist); with the hook, the send and ``hook()``'s receive are
-    a chain each; without ``native_chain`` the launches parse their arguments again."""
-    from epcomm.backends import nvlink_ll
+    """With the native path (``EPCOMM_NATIVE=all`` here) an LL repeat's launch is one chain call: Triton's
+    launcher gets no argument (nothing allocated, as always for LL: its outputs persist); with the hook, the
+    send and ``hook()``'s receive are a chain each; with ``EPCOMM_NATIVE=0`` the launches parse their
+    arguments again."""
     from epcomm.bench import hostprobe
 
     monkeypatch.setenv("EPCOMM_NATIVE", "all")
-    monkeypatch.setitem(nvlink_ll.TUNE, "native_chain", True)
     real = hostprobe.install
     monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
     kind += "+hook" if hook else ""
     got = hostprobe.probe("python", tokens=(64,), calls=3, api="ll", hook=hook)["T=64"][kind]
     launches = 2 if hook else 1
     assert (got["launches"], got["args"], got["allocs"]) == (launches, 0, 0), got
-    monkeypatch.setitem(nvlink_ll.TUNE, "native_chain", False)
+    monkeypatch.setenv("EPCOMM_NATIVE", "0")
     got = hostprobe.probe("python", tokens=(64,), calls=3, api="ll", hook=hook)["T=64"][kind]
     assert got["launches"] == launches and got["args"] > 0, got
 
 
-@pytest.mark.parametrize("key, kind, launches, allocs, allocs_off", [
-    ("native_chain_v2c", "combine c", 3, 2, None),  # the transport's two launches and the reduction
-    ("native_chain_v2x", "dx", 5, 4, 5),  # the exchange and gather, recv_meta's two launches, the scatter
-    ("native_chain_v2xc", "combine x", 4, 3, None)])  # the pack, the transport's two launches, the reduction
-def test_the_probe_rig_runs_the_v2_chains(monkeypatch, own_group, key, kind, launches, allocs, allocs_off):
-    """With ``TUNE[key]`` an ``ElasticBuffer`` call's repeat is one chain call: Triton's launcher gets no argument and
-    ``allocs`` allocations are made (a contiguous combine: the combined rows and the weights; an expanded no-sync
-    dispatch: the received rows, one block of the small outputs, recv_meta's block, the expanded rows' block; an
-    expanded combine: the packed rows, the combined rows and the weights); without it the launches parse their
-    arguments again (the expanded dispatch then makes ``allocs_off``)."""
-    from epcomm.backends import nvlink_params
+@pytest.mark.parametrize("kind, launches, allocs", [
+    ("combine c", 3, 2),  # the transport's two launches and the reduction
+    ("dx", 5, 4),  # the exchange and gather, recv_meta's two launches, the scatter
+    ("combine x", 4, 3)])  # the pack, the transport's two launches, the reduction
+def test_the_probe_rig_runs_the_v2_chains(monkeypatch, own_group, kind, launches, allocs):
+    """With the native path (``EPCOMM_NATIVE=all`` here) an ``ElasticBuffer`` call's repeat is one chain call:
+    Triton's launcher gets no argument and ``allocs`` allocations are made (a contiguous combine: the combined
+    rows and the weights; an expanded no-sync dispatch: the received rows, one block of the small outputs,
+    recv_meta's block, the expanded rows' block; an expanded combine: the packed rows, the combined rows and
+    the weights); with ``EPCOMM_NATIVE=0`` the launches parse their arguments again."""
     from epcomm.bench import hostprobe
 
     monkeypatch.setenv("EPCOMM_NATIVE", "all")
-    monkeypatch.setitem(nvlink_params.TUNE, key, True)
     real = hostprobe.install
     monkeypatch.setattr(hostprobe, "install", lambda: real(monkeypatch.setattr, monkeypatch.setitem))
     got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"][kind]
     assert (got["launches"], got["args"], got["allocs"]) == (launches, 0, allocs), got
-    monkeypatch.setitem(nvlink_params.TUNE, key, False)
+    monkeypatch.setenv("EPCOMM_NATIVE", "0")
     got = hostprobe.probe("python", tokens=(64,), calls=3, api="v2")["T=64"][kind]
     assert got["launches"] == launches and got["args"] > 0, got
-    assert allocs_off is None or got["allocs"] == allocs_off, got

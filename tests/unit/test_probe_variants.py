@@ -13,7 +13,7 @@ from epcomm.bench import probe_variants as pv
 
 
 def test_parse():
-    assert pv.parse("off=;on=v2_fused_layout=1,gather_rb=8") == [("off", ""), ("on", "v2_fused_layout=1,gather_rb=8")]
+    assert pv.parse("off=;on=ce_chunks=2,gather_rb=8") == [("off", ""), ("on", "ce_chunks=2,gather_rb=8")]
     for bad in ("off", "off=;off=gather_rb=8", "only=", "=gather_rb=8;b="):
         with pytest.raises(ValueError, match="--variants"):
             pv.parse(bad)
@@ -65,16 +65,16 @@ def test_the_ratio_pairs_each_call_with_the_first_variants(monkeypatch):
 
 
 def test_cli_on_the_cpu_rig(capsys):
-    """The probe's CPU rig (V2 calls, the nvlink backend with no-op launches): the fused layout's variant
+    """The probe's CPU rig (V2 calls, the nvlink backend with no-op launches): a variant of a launch constant
     against the defaults, one process; its table and the paired ratios of every call kind."""
     assert hostprobe.main(["--api", "v2", "--modes", "python", "--tokens", "1", "--calls", "5", "--rounds", "1",
-                           "--variants", "off=;fused=v2_fused_layout=1"]) == 0
+                           "--variants", "off=;g8=gather_rb=8"]) == 0
     out = capsys.readouterr().out
     table = out.split("paired ratios, python:")
     assert len(table) == 2
-    kinds = {ln.split()[2] for ln in table[1].splitlines()[2:] if ln.startswith("fused/off")}
+    kinds = {ln.split()[2] for ln in table[1].splitlines()[2:] if ln.startswith("g8/off")}
     assert {"dc", "dcs", "dx", "dxs", "cached"} <= kinds
-    assert any(ln.startswith("fused ") for ln in table[0].splitlines())
+    assert any(ln.startswith("g8 ") for ln in table[0].splitlines())
 
 
 def test_cli_refuses_variants_with_two_trees(capsys, tmp_path):

@@ -17,7 +17,7 @@ from .. import elastic_layout as EL
 from .. import native
 from ..kernels.launch import Direct, Launcher
 from ..native import ROWS, Outputs
-from .nvlink_params import TUNE, _aligned, _contiguous, _pow2
+from .nvlink_params import _aligned, _contiguous, _pow2
 
 BN = 128    # rows (or tokens) a program of the metadata kernels
 RB = 64     # ranks a step of the metadata kernels
@@ -164,7 +164,7 @@ class Kernels:
         if ch is not None and ch[1] is part and stats is cum:  # (one native.Chain call: outputs and launch)
             Launcher.launches += 1
             return ch[2][3](ch[0](rpm, recv_src_idx, recv_local, send_head, topk_idx, stats))
-        if outs is not None:  # (TUNE["native_alloc"]: every output in one C++ call, native.Outputs)
+        if outs is not None:  # (native.wanted: every output in one C++ call, native.Outputs)
             made = outs(x_rows)
             counts, psum, psum_rank, meta, dst, local, local_out, topk_copy, gid, source = (
                 None if i is None else made[i] for i in outs_at)
@@ -211,7 +211,7 @@ class Kernels:
     def _meta_plan(self, key: tuple):
         """``recv_meta``'s launches for ``key``, their sizes and grids resolved: ``(go_rows (17 tensors), its
         grid, go_layout (5 tensors; None: contiguous), size of the small int32 outputs, R, the int64 blocks'
-        parts, outs)``: ``outs`` a ``native.Outputs`` of every output with ``TUNE["native_alloc"]`` on a GPU, else
+        parts, outs)``: ``outs`` a ``native.Outputs`` of every output where ``native.wanted`` (a GPU), else
         None."""
         n, t, k, r_, le, m, me, alignment, x_rows, expand, has_cum, copy_topk = key[:12]
         assert le <= EL.MAX_LOCAL_EXPERTS, le  # (ElasticBuffer checks it): the counts' scratch holds them
@@ -233,18 +233,17 @@ class Kernels:
         dev = key[-2]
         outs = specs = None
         at = _outputs_at(rows, expand)
-        if native.wanted(dev, TUNE["native_alloc"]):  # (x_rows: the call's, which a synchronised one reads)
+        if native.wanted(dev):  # (x_rows: the call's, which a synchronised one reads)
             i32, i64 = torch.int32, torch.int64
             specs = ([((le,), i32), ((le,), i32), ((r_,), i32), ((n, k + 2), i32), ((t, k), i32)]
                      + [((r, k), i64) for r in rows if r is not None] + [((n,), i64)]
                      + ([((ROWS,), i64)] if expand else []))
-            outs = Outputs(dev, specs, True, range(len(specs)) if TUNE["native_pack"] else ())
+            outs = Outputs(dev, specs, True, range(len(specs)))
         g_rows = max(1, (n + BN - 1) // BN) + (t + BN - 1) // BN
         ones = _parts((n, x_rows), 1) if expand else (torch.empty(0, dtype=torch.int64, device=dev), 0)
-        # the outputs and launches as one native.Chain (made after the first uncaptured call bound the launches; an
-        # expanded layout's two launches with TUNE["native_chain_v2x"])
-        chain = native.Later(outs is not None and outs.native and TUNE["native_chain"]
-                             and (not expand or TUNE["native_chain_v2x"]),
+        # the outputs and launches (an expanded layout's two) as one native.Chain (made after the first
+        # uncaptured call bound the launches)
+        chain = native.Later(outs is not None and outs.native,
                              lambda part, ticket: self._meta_chain(go_rows, g_rows, specs, at, has_cum, copy_topk, part,
                                                                    ticket, ones[0], go_layout, le, x_rows))
         return go_rows, g_rows, go_layout, 2 * le + r_, r_, _parts(rows, k), ones, outs, at, chain
@@ -272,7 +271,7 @@ class Kernels:
             steps.append(go_layout.step((c(le), one, one), (o(ci), o(li), a(0), o(mi), o(si))))
         if None in steps:
             return None
-        packed = range(len(specs)) if TUNE["native_pack"] else ()
+        packed = range(len(specs))
         specs = [(tuple(x_rows if v == ROWS else v for v in shape), dt) for shape, dt in specs]  # (sizes of its own)
 
         def finish(made) -> EL.RecvMeta:
@@ -516,11 +515,6 @@ class Kernels:
                 return call, out, out_w
             self.launch(*call)
         return out, out_w
-
-    @staticmethod
-    def chains_expanded() -> bool:
-        """Whether an expanded layout's launches become chains (``TUNE["native_chain_v2x"]``)."""
-        return TUNE["native_chain_v2x"]
 
     def launched(self, name: str, key: tuple):
         """The ``Direct`` that :meth:`launch` keeps for kernel ``name`` and ``key`` (None before its first call)."""

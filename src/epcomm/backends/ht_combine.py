@@ -1,8 +1,8 @@
 """High-throughput combine, orchestrated along its phases: the transfer (each rank's block of rows for owner
 ``i`` into ``i``'s combine staging) and the receive (``reduce``: rank by rank, float32, plus bias, into
 ``bf16[T, H]``). With the SM transfer both are one kernel (``_combine_kernel``: its programs push, then
-reduce); otherwise the transport's ``_combine_send`` (copy engine, or the separate push kernel), then
-``_reduce_kernel``.
+reduce); with the copy engine (``EPCOMM_HT_TRANSFER=ce``, eager calls whose handle has its block bounds on the
+host) the transport's ``_combine_send``, then ``_reduce_kernel``; one rank only reduces.
 
 A combine of one kind (shapes, flags, Config, the 16-byte alignment of its tensors) is planned once
 (``combine_run``): a repeat costs its output allocations and one launch. ``Buffer`` keeps the plans'
@@ -43,7 +43,7 @@ class HTCombine:
         k = w.shape[1] if w is not None else 0
         rpm = handle.rank_prefix_matrix
         ce = (self.num_ranks > 1 and getattr(rpm, "_epcomm_host_col", None) is not None and self._use_ce())
-        fused = self.num_ranks > 1 and not ce and TUNE["fused_cpush"]
+        fused = self.num_ranks > 1 and not ce
         num_sms = config.num_sms if config is not None else None
         key = ("cb", t, h, k, len(bias), w is not None, num_sms, ce, fused,
                _aligned(x, handle.send_head, rpm, w, *bias))
@@ -79,7 +79,7 @@ class HTCombine:
         f32, bf16 = torch.float32, torch.bfloat16
         err_view = self._err_view
         specs = [((t, h), bf16)] + ([((t, k), f32)] if has_w else [])
-        outs = Outputs(dev, specs, True) if native.wanted(dev, TUNE["native_alloc"]) else None
+        outs = Outputs(dev, specs, True) if native.wanted(dev) else None
 
         def make_chain():
             # the call's values: x, send_head, rank_prefix_matrix, w, its rows, two biases, the grid
@@ -90,10 +90,9 @@ class HTCombine:
             return None if st is None else native.Chain(dev, specs, native.const(0), [st], 8,
                                                         stream=go.p.chain_stream())
 
-        # the outputs and the one launch as one native.Chain call (TUNE["native_chain_ht"]; after the first call
-        # bound the launch), where the call is only those: the fused push, or one rank
-        chain = native.Later(outs is not None and outs.native and not ce and (fused or r_ == 1)
-                             and TUNE["native_chain_ht"], make_chain)
+        # the outputs and the one launch as one native.Chain call (after the first call bound the launch),
+        # where the call is only those: the fused push, or one rank
+        chain = native.Later(outs is not None and outs.native and not ce and (fused or r_ == 1), make_chain)
 
         def grid_of():
             # every program of the fused kernel must be resident (one waits for rows others push; at most one

@@ -54,7 +54,7 @@ from .nvlink_params import (
 _MAX_PLANS = 4096  # the token count is part of a kind: bounded, whatever the callers vary
 # programs of the exchange kernel that only check expert ids (a tile of 128 rows each, at most this many;
 # they wait for nothing): DSv3's 4096 tokens take 32, one tile each. With the fused layout
-# (TUNE["v2_fused_layout"]) they also compute the layout, before the rank programs.
+# (fuses_layout) they also compute the layout, before the rank programs.
 NOTIFY_CHECK_PROGRAMS = 32
 # the fused layout's ticket and epoch flag: slots 4 and 5 of the backend's tickets (zeroed with the backend,
 # as nctr is; slots 0-3: nvlink_params.T_GATHER .. T_CPUSH)
@@ -124,7 +124,7 @@ class HTDispatch:
             PUSH_TOPK=push and has_k, CACHED=cached, IS_PREFIX=cached, HAS_SCALES=has_s,
             HAS_TOPK=has_topk and not cached, NC=NC, RB=TUNE["gather_rb"], BLOCK=TUNE["gather_block"],
             R_POW2=_pow2(r_), K_POW2=_pow2(k), G_POW2=_pow2(g), HAS_TIMER=TIMER, STAGES=TUNE["gather_stages"],
-            ONE_LOAD=TUNE["gather_one_load"], PREFETCH=TUNE["gather_prefetch"], num_warps=TUNE["gather_warps"]))
+            num_warps=TUNE["gather_warps"]))
         tmpl = [None, stage_s, stage_k, stage_w, row, g, k, counts, r_, me, r_, 0 if cached else me * lx, lx,
                 self.p_nctr if cached else toks, self.p_src_lists, self.src_lists.stride(0), None,
                 stage_x, d_slot // 4, stage_s, d_slot // 4, stage_k, d_slot // 8, stage_w, d_slot // 4,
@@ -168,11 +168,12 @@ class HTDispatch:
 
     def fuses_layout(self, capturing: bool = False) -> bool:
         """Whether an ``ElasticBuffer`` dispatch plan computes the layout in its exchange kernel
-        (``dispatch_run(..., fused_layout=True)``; ``Buffer`` never asks): for every call with
-        ``TUNE["v2_fused_layout"]``, for calls not being captured into a CUDA graph with ``TUNE["v2_fused_eager"]``
-        (the default: one launch fewer on the host, ~0.7 us more on the GPU; see the TUNE table)."""
-        want = TUNE["v2_fused_layout"] or (TUNE["v2_fused_eager"] and not capturing)
-        return bool(want) and self._can_fuse_layout()
+        (``dispatch_run(..., fused_layout=True)``; ``Buffer`` never asks): for calls not being captured into a
+        CUDA graph. Eager calls pay the host, and the fused layout is a launch fewer there (V2 contiguous
+        no-sync dispatch 0.905x and 0.920x the host time of the unfused, one process, one H100); a graph's
+        replays pay the GPU, where it cost ~0.7 us (DSv3 at world 1, one H100: BF16 120.4 -> 121.1 us, FP8
+        93.8 -> 94.4)."""
+        return not capturing and self._can_fuse_layout()
 
     def _can_fuse_layout(self) -> bool:
         return self.transfer == "sm" and self.num_ranks <= 64  # (the layout's rank bits)
@@ -262,10 +263,9 @@ class HTDispatch:
             self.p_err, self._timeout_ns, None, None, None, worst, self.p_err, k, e, self.p_host_counts, rp,
             part, lay_ptr), (0,) + (() if fused else (4, 5)) + (18, 27, 28, 29) + ((31,) if has_topk else ())),
             (_bools,) + (() if fused else (None, None)) + (None,) * (5 if has_topk else 4))
-        bulk = not push and r_ > 1  # the transport's own transfer (copy engine, or the separate push kernel)
+        bulk = not push and r_ > 1  # the transport's own transfer (the copy engine)
         gather = self._gather_plan(key, h, x_dtype, t, lay, g, k, lx, push, has_s, has_topk, counts, toks)
-        # (with the fused layout the separate push kernel reads is_token_in_rank: after the exchange kernel)
-        first, n_worst = TUNE["notify_first"] or fused, worst
+        n_worst = worst
         f32 = torch.float32
         err_view, host_view, sync = self._err_view, self._notify_view, self._sync_event
 
@@ -273,7 +273,7 @@ class HTDispatch:
         if scratch_rows:
             keep_k = self._scratch("recv_topk_idx", (scratch_rows, k), torch.int64) if has_topk else None
             keep_cp = self._scratch("channel_prefix_matrices", (2, r_, c), i32).unbind(0)
-        # the call's outputs, each a tensor of its own: by torch.empty each, or (TUNE["native_alloc"] on a GPU) in
+        # the call's outputs, each a tensor of its own: by torch.empty each, or (native.wanted: on a GPU) in
         # one C++ call a group (native.Outputs): the handle's before the exchange, the rows' after the count
         heads = rows_out = None
         head_specs = ([((r_, c), i32)] * 2 if keep_cp is None else []) + [((r_, r_), i32), ((t, r_), i32)] \
@@ -281,17 +281,17 @@ class HTDispatch:
         row_specs = [((ROWS, h), x_dtype)] + ([((ROWS, g), f32)] if has_s else []) \
             + ([((ROWS, k), torch.int64)] if has_topk and keep_k is None else []) \
             + ([((ROWS, k), f32)] if has_topk else []) + [((ROWS,), i32)]
-        # (TUNE["native_pack"]: the handle's tensors, and the rows' ids, weights and sources, views of one allocation)
-        head_pack = range(len(head_specs)) if TUNE["native_pack"] else ()
-        row_pack = range(1 + has_s, len(row_specs)) if TUNE["native_pack"] else ()
-        if native.wanted(dev, TUNE["native_alloc"]):
+        # (natively the handle's tensors, and the rows' ids, weights and sources, are views of one allocation)
+        head_pack = range(len(head_specs))
+        row_pack = range(1 + has_s, len(row_specs))
+        if native.wanted(dev):
             heads = Outputs(dev, head_specs, True, head_pack)
             rows_out = Outputs(dev, row_specs, True, row_pack)
         # with num_worst_tokens and no transport of its own (the fused push, or one rank) a call is its outputs and
-        # two launches: after the first call bound them, one native.Chain call (TUNE["native_chain"]); a synchronised
-        # one (TUNE["native_chain_ht"]) two chains around the host's read of the counts
+        # two launches: after the first call bound them, one native.Chain call; a synchronised one two chains
+        # around the host's read of the counts
         own = heads is not None and heads.native and not bulk and not ce
-        worst_ok = own and bool(n_worst) and TUNE["native_chain"] and (keep_k is None or n_worst <= scratch_rows)
+        worst_ok = own and bool(n_worst) and (keep_k is None or n_worst <= scratch_rows)
 
         def chain_parts(rows_base=None, n_rows=None, is_in_src=None):
             """``(specs, packed, steps, sources)`` of the call as a chain: its values ``x, scales, topk, w, ntpr,
@@ -354,7 +354,7 @@ class HTDispatch:
                     native.Chain(dev, row_specs, native.num(4), b[2], 7, packed=b[1], stream=stream))
 
         chain = native.Later(worst_ok, make_chain)
-        sync_chain = native.Later(own and not n_worst and TUNE["native_chain_ht"], sync_chains)
+        sync_chain = native.Later(own and not n_worst, sync_chains)
 
         def begin():
             """What every call does first: the error word, the call's SMs."""
@@ -432,16 +432,9 @@ class HTDispatch:
                 nargs = (is_in, ntpr, ntpe, cpm, rpm, recv_cp, send_head, *((topk,) if has_topk else ()))
             if sc is not None:  # (the chain launched the exchange)
                 Launcher.launches += 1
-            elif bulk and first:
-                # the exchange of counts runs while the host queues the copies (the synchronisation below then
-                # waits less); the copies wait for the inputs only, through an event recorded before it
-                self._ready_event.record(self._current_stream())
-                notify(notify_grid, *nargs)
-                self._bulk_dispatch(_words(x), scales, topk, w, lay, is_in, ready=self._ready_event,
-                                    synchronised=not n_worst)
             else:
-                if bulk:
-                    self._bulk_dispatch(_words(x), scales, topk, w, lay, is_in, synchronised=not n_worst)
+                if bulk:  # (the copy engine's copies: never with the fused layout, an SM-push plan's)
+                    self._bulk_dispatch(_words(x), scales, topk, w, lay, synchronised=not n_worst)
                 notify(notify_grid, *nargs)
             host_col = bad_id = None
             if n_worst:  # no host synchronisation: expert ids are checked on the device (error word)
@@ -489,7 +482,7 @@ class HTDispatch:
             return DispatchResult(out_x, out_s, out_k, out_w, lst,
                                   DispatchHandle(rpm, cpm, recv_cp, out_src, is_in, send_head))
 
-        if worst_ok and TUNE["native_merge"]:  # (a chain's parts, for a caller that joins a launch: elastic_engine)
+        if worst_ok:  # (a chain's parts, for a caller that joins a launch: elastic_engine)
             run.native = (chain_parts, start, result, n_worst, notify.go.p)
         return run
 
@@ -538,7 +531,7 @@ class HTDispatch:
                             (0, 1, 2, 7, 8, 9)), (None, None, None, None, None, _bools))
 
         specs = [((r_,), torch.int32), ((e,), torch.int32), ((ROWS, r_), torch.bool)]
-        outs = Outputs(dev, specs, True) if native.wanted(dev, TUNE["native_alloc"]) else None
+        outs = Outputs(dev, specs, True) if native.wanted(dev) else None
 
         def make_chain():
             # the call's values: topk, T, the chunk size, the grid
@@ -546,11 +539,10 @@ class HTDispatch:
             one = native.const(1)
             st = go.step((native.num(3), one, one), (native.addr(0), native.num(1), native.num(2), o(0), o(1), o(2)))
             return None if st is None else native.Chain(dev, specs, native.num(1), [st], 4, stream=go.go.p.chain_stream(),
-                                                        packed=range(3) if TUNE["native_pack"] else ())
+                                                        packed=range(3))
 
-        # the outputs and the launch as one native.Chain call (TUNE["native_chain_ht"]; after the first call bound
-        # the launch)
-        chain = native.Later(outs is not None and outs.native and not captured and TUNE["native_chain_ht"], make_chain)
+        # the outputs and the launch as one native.Chain call (after the first call bound the launch)
+        chain = native.Later(outs is not None and outs.native and not captured, make_chain)
 
         def run(topk, t, scratch_counts=False):
             nch, s = chunking(t, tbe, cp2)
@@ -618,10 +610,10 @@ class HTDispatch:
             return None if st is None else native.Chain(dev, specs, native.num(3), [st], 7,
                                                         stream=gather.go.p.chain_stream())
 
-        # the outputs and the gather as one native.Chain call (TUNE["native_chain_ht"]; after the first call bound
-        # the launch), where the call is only those: the fused push, or one rank
-        chain = native.Later(not bulk and not ce and TUNE["native_chain_ht"] and native.wanted(dev, TUNE["native_alloc"])
-                             and native.module() is not None, make_chain)
+        # the outputs and the gather as one native.Chain call (after the first call bound the launch), where
+        # the call is only those: the fused push, or one rank
+        chain = native.Later(not bulk and not ce and native.wanted(dev) and native.module() is not None,
+                             make_chain)
 
         def run(x, scales, handle):
             if err_view[0]:
@@ -637,7 +629,7 @@ class HTDispatch:
                 return made[0], (made[1] if has_s else None)
             is_in = handle.is_token_in_rank
             if bulk:
-                self._bulk_dispatch(_words(x), scales, None, None, lay, is_in)
+                self._bulk_dispatch(_words(x), scales, None, None, lay)
             src = handle.recv_src_idx
             n_rows = src.shape[0]
             # (one or two tensors: torch.empty each costs less than a call of native.Outputs; s9 call 9: 1.03x)

@@ -61,22 +61,21 @@ _BLOCK = 1024
 # replaced were measured on H100, 2 virtual nodes under MPS, DSv3, 24 SMs (2026-11-25, graph replays): a
 # row a step (4 KB) ran ~4 GB/s a program; tiles of 16 rows and 16 warps were the fastest tried.
 # Work comes in units of a channel (12 at 24 SMs), each moved in order by one program (its counters count
-# rows in order): in nodes of one rank, with ``own_split``, 12 sender and 12 forwarder units, equal, and the
-# rank's own rows spread over all programs (docs/internode.md, "Cost model").
-# ``p2p`` (1): senders and relays store straight into a peer's slot where NVSHMEM maps that peer's buffer,
-# counting rows by a release atomic (0: staging and NVSHMEM puts to every other node, as over RDMA);
-# ``own_first`` (1): a forwarder takes its own node's units (no wait) before the other nodes';
-# ``own_split`` (1): in nodes of one rank, a rank's own rows go to its outputs in tiles over every program of
-# the dispatch (after their role's work), not as the forwarders' channel units; ``d_p2p_rows`` (0): a dispatch's
-# rows stored into a relay's slot are counted at least that many at a time (0: Config's RDMA chunk, as puts).
-# ``c_pair`` (1): in nodes of one rank (at most ``_PAIR_NODES``, ``2 * channels <= C_MAX``) every program of the
-# combine copies, then reduces, half a channel (``kernels/internode_ht_pair.py``), as nvlink's push, then reduce;
-# 0: relays and finals apart (``c_relay``, ``c_final``, a channel each). The same on every rank (each mode waits on
-# counters the other does not raise: the deadline error). ``final_block`` columns a step of its reduction,
-# ``c_stages`` its loads in flight (Triton's software pipeline, as the nvlink reduce's; 1 where they would not fit).
+# rows in order): in nodes of one rank, 12 sender and 12 forwarder units, equal, and the rank's own rows
+# spread in tiles over all programs after their role's work (docs/internode.md, "Cost model"); a forwarder
+# takes its own node's units (no wait) before the other nodes'. ``p2p`` (on): senders and relays store
+# straight into a peer's slot where NVSHMEM maps that peer's buffer, counting rows by a release atomic; off:
+# staging and NVSHMEM puts to every other node, as over RDMA (what peers across RDMA always take: the switch
+# runs that path on one host, as tier 2 and tier 3 do). ``d_p2p_rows`` (0): a dispatch's rows stored into a
+# relay's slot are counted at least that many at a time (0: Config's RDMA chunk, as puts). In nodes of one
+# rank (at most ``_PAIR_NODES``, ``2 * channels <= C_MAX``, an even number of programs) every program of the
+# combine copies, then reduces, half a channel (``kernels/internode_ht_pair.py``), as nvlink's push, then
+# reduce; else relays and finals apart (``c_relay``, ``c_final``, a channel each). ``final_block`` columns a
+# step of the paired reduction, ``c_stages`` its loads in flight (Triton's software pipeline, as the nvlink
+# reduce's; 1 where they would not fit).
 TUNE = dict(dispatch_warps=16, dispatch_rb=16, dispatch_block=1024, combine_warps=16, combine_rb=16,
-            combine_block=512, d_send=1, d_forward=1, d_receive=1, c_send=1, c_relay=2, c_final=2, p2p=1,
-            own_first=1, own_split=1, d_p2p_rows=0, c_pair=1, final_block=512, c_stages=3)
+            combine_block=512, d_send=1, d_forward=1, d_receive=1, c_send=1, c_relay=2, c_final=2, p2p=True,
+            d_p2p_rows=0, final_block=512, c_stages=3)
 _PAIR_NODES = 16
 _T_NOTIFY, _T_DISPATCH, _T_COMBINE = range(3)
 
@@ -298,7 +297,7 @@ class InternodeHighThroughput:
             nvl_rel, tm, self.ctr_off, self.cm, info.tbl if info.tbl is not None else i32, int(save), self.p_bases,
             self.p_lv[1],
             self.p_t[_T_DISPATCH], self.p_err, be.timeout_ns, s_lo, s_n, f_lo, f_n, v_lo, v_n, int(TUNE["p2p"]),
-            int(TUNE["own_first"]), int(TUNE["own_split"] and n_ == 1), BLOCK=min(TUNE["dispatch_block"], _pow2(w)), RB=TUNE["dispatch_rb"],
+            int(n_ == 1), BLOCK=min(TUNE["dispatch_block"], _pow2(w)), RB=TUNE["dispatch_rb"],
             N_POW2=_pow2(n_),
             K_POW2=_pow2(max(k, 1)), G_POW2=_pow2(max(g, 1)), S_POW2=_pow2(max(g, 2 * k, n_, 1)),
             HAS_TIMER=self._timer, SIM=be.sim, num_warps=TUNE["dispatch_warps"])
@@ -408,8 +407,7 @@ class InternodeHighThroughput:
         stage_rel, fin_rel, need = _combine_areas(tm, cw, fw, n_, p_)
         self._need(need, "combine", record=not info.worst)
         sms, ch = _knobs(config)
-        pair = int(bool(TUNE["c_pair"]) and n_ == 1 and 1 < p_ <= _PAIR_NODES and 2 * info.c <= self.cm
-                   and sms % 2 == 0)
+        pair = int(n_ == 1 and 1 < p_ <= _PAIR_NODES and 2 * info.c <= self.cm and sms % 2 == 0)
         (s_lo, s_n), (r_lo, r_n), (f_lo, f_n) = roles(sms, [TUNE["c_send"] * (n_ > 1), TUNE["c_relay"],
                                                             TUNE["c_final"]])
         fblock = min(TUNE["final_block"], _pow2(h))

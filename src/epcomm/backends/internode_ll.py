@@ -116,7 +116,7 @@ class InternodeLowLatency(LowLatencyCalls):
         has_wst = a.dispatch_wait_recv_cost_stats is not None
         consts = dict(SHRINK=shrink, USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=has_cum, HAS_WAIT=has_wst,
                       TB=TUNE["recv_tb"], QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"], G_POW2=max(_pow2(g), 4),
-                      K_POW2=_pow2(k), LOCAL_TICKET=True, SIG_STRIDE=8, num_warps=TUNE["recv_warps"],
+                      K_POW2=_pow2(k), SIG_STRIDE=8, num_warps=TUNE["recv_warps"],
                       **self._common)
         head = (self.p_table, area, lay.dispatch_src_bytes, lay.dispatch_msg_bytes, sig, area + lay.slot_offset,
                 me, r_, lx, m, h, g, k, Ptr(words), Ptr(recv_count if sc is None else sc), Ptr(recv_src),
@@ -180,7 +180,7 @@ class InternodeLowLatency(LowLatencyCalls):
              self.p_wlevel[parity], self.p_t[_T_REDUCE], self.p_err, be.timeout_ns, mask), (0,))
         crecv = Direct(self.k_crecv.prepared(key, dict(
             K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, HAS_WAIT=a.combine_wait_recv_cost_stats is not None,
-            SHRINK=shrink, LOCAL_TICKET=True, SIG_STRIDE=8, num_warps=TUNE["crecv_warps"], **self._common)),
+            SHRINK=shrink, SIG_STRIDE=8, num_warps=TUNE["crecv_warps"], **self._common)),
             (None, t, h, k, me, r_, lx, m, self.p_table, area + lay.combine_offset, sig, None, None,
              self.p_clevel[parity], self.p_t[_T_CRECV], self.p_err, be.timeout_ns, mask), (0, 11, 12))
         wait_dummy, rx, check = self.levels, r_ * m, be.check_mirror

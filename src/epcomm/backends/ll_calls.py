@@ -72,7 +72,7 @@ def launch_cell(d: Direct, gx: int, gy: int, gz: int, chain: torch.device | None
     over a copy of ``d``'s prebuilt argument list, the ``Ptr`` holes written once, that writes only the
     tensors' addresses and calls the C launcher: per launch, a ``data_ptr()`` per tensor and no ``zip``,
     ``isinstance`` or hole for a placeholder (``Direct``'s generic loop was a third of a repeat's host time).
-    ``chain``, the engine's device where its ``TUNE["native_chain"]`` holds and the native extension is wanted:
+    ``chain``, the engine's device where the native extension is wanted (``native.wanted``):
     from then on the launch is a ``native.Chain`` of one step instead, every hole read by the extension (an
     address, or the ``Ptr``'s int), the fixed parameters packed once: no argument of Triton's launcher parsed
     per call."""

@@ -55,7 +55,6 @@ from .nvlink_params import (
     T_GATHER,
     T_LIST_CAP,
     T_REDUCE,
-    TUNE,
     _align,
     apply_tune,
 )
@@ -156,17 +155,15 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         self._scratches: dict = {}  # ht_dispatch._scratch: a dispatch's outputs that ElasticBuffer reads once
         self.ce_stream = torch.cuda.Stream(self.device)
         self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
-        self._ready_event = torch.cuda.Event()  # TUNE["notify_first"]: the inputs are ready
         self._views: dict = {}  # see _view
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.transfer = _env.ht_transfer()  # "sm" (default), "ce" (copy engine eagerly) or "ce-always"
+        self.transfer = _env.ht_transfer()  # "sm" (default) or "ce" (copy engine eagerly)
         from . import nvlink_ll
 
         over = {k: v for k, v in _env.tune().items() if not k.startswith(("iht.", "ill."))}  # (internode's)
         apply_tune({k: v for k, v in over.items() if not k.startswith("ll.")})
         apply_tune({k[3:]: v for k, v in over.items() if k.startswith("ll.")}, nvlink_ll.TUNE, "ll.")
-        deadline.prepare_native(self.group, self.rank, self.device, TUNE["native_alloc"], self.wait_s)
-        self.flag_words = torch.zeros(2, dtype=torch.int32, device=self.device)  # TUNE["ce_flag"] == "copy"
+        deadline.prepare_native(self.group, self.rank, self.device, True, self.wait_s)
         self._bind_kernels()
         self._ll = None
         self.barrier("Buffer/barrier")
@@ -180,8 +177,7 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         from ..kernels.launch import Launcher
 
         self.k = {name: Launcher(getattr(mod, name)) for mod, names in (
-            (ht_transfer, ("_push_kernel", "_ce_wait_kernel", "_ce_signal_kernel", "_ce_flag_value_kernel",
-                           "_combine_push_kernel")),
+            (ht_transfer, ("_ce_wait_kernel", "_ce_signal_kernel")),
             (ht_receive, ("_dispatch_impl_kernel", "_reduce_kernel", "_combine_kernel")),
             (ht_notify, ("_dispatch_notify_kernel",)), (ht_layout, ("_layout_kernel",))) for name in names}
         self.p_table, self.p_err, self.p_nctr = Ptr(self.ptr_table), Ptr(self.err), Ptr(self.nctr)

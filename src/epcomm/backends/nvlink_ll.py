@@ -4,20 +4,20 @@ symmetric buffer (``layout.LowLatencyBufferLayout``).
 Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``L = E/R``,
 ``M`` max tokens per rank.
 
-Dispatch: a send kernel (program per (token, group of 128-channel blocks): FP8 cast, row to every
-rank holding one of the token's experts, ids to every rank) and a receive kernel (program per
-(local expert, source rank): its block of rows in token order after the blocks of lower ranks).
-Combine: a weights kernel (each owner pushes its (expert id, weight) pairs to every rank), a reduce
-kernel (program per (source token, channel split): ``Σ_k w·y`` in float32 over the experts held
-here, so each token crosses the link once per rank) and a receive kernel (program per (token,
-channel block): the partial sums of the ranks holding its experts, in rank order). By default each
-operation is one kernel whose programs take those roles in order (``_ll_dispatch_kernel``,
-``_ll_combine_kernel``): without the hook one launch does the whole operation; with
-``return_recv_hook`` the call launches the same kernel with only the send roles and returns, and
-``hook()`` launches it again with only the receive roles, so no kernel stays resident in between. A
-profile therefore shows one kernel name per operation, whose time covers all of it (DeepEP's own
-LL test finds its kernels by the substrings ``dispatch`` and ``combine``). ``TUNE["fused_dispatch"]``
-/ ``TUNE["fused_combine"]`` off launch the roles as separate kernels instead.
+Dispatch: send roles (program per (token, group of 128-channel blocks): FP8 cast, row to every rank
+holding one of the token's experts, ids to every rank) and receive roles (program per (local expert,
+source rank): its block of rows in token order after the blocks of lower ranks). Combine: weights roles
+(each owner pushes its (expert id, weight) pairs to every rank), reduce roles (program per (source
+token, channel split): ``Σ_k w·y`` in float32 over the experts held here, so each token crosses the link
+once per rank) and receive roles (program per (token, channel block): the partial sums of the ranks
+holding its experts, in rank order). Each operation is one kernel whose programs take those roles in
+order (``_ll_dispatch_kernel``, ``_ll_combine_kernel``): without the hook one launch does the whole
+operation; with ``return_recv_hook`` the call launches the same kernel with only the send roles and
+returns, and ``hook()`` launches it again with only the receive roles, so no kernel stays resident in
+between. A profile therefore shows one kernel name per operation, whose time covers all of it (DeepEP's
+own LL test finds its kernels by the substrings ``dispatch`` and ``combine``). ``TUNE["fused_dispatch"]``
+off launches the dispatch's roles as two kernels instead (``_ll_dispatch_send_kernel``,
+``_ll_dispatch_recv_kernel``: less GPU time; see the TUNE table).
 Every grid is sized by the shape, not by ``num_sms``; waits are per program, on the flags of the
 ranks that program needs.
 
@@ -47,22 +47,15 @@ _T_ROLE, _T_CROLE = 9, 10  # the fused dispatch's and the fused combine's role t
 # Launch parameters (measure a variant with EPCOMM_TUNE=ll.<key>=<value> epcomm bench).
 TUNE = dict(send_warps=4, send_gc=8, recv_warps=4, recv_tb=128, recv_qb=4, recv_block=2048, recv_split=1,
             csend_warps=4, csend_block=1024, csend_programs=2048, crecv_warps=4, crecv_block=1024,
-            fused_dispatch=True, fused_combine=True, local_ticket=True, both_qb=4, both_block=2048, both_sends=256,
-            both_gc=0, both_warps=0, native_chain=True)
-# fused_dispatch / fused_combine: one kernel per operation, its programs taking the roles (see the module
-# docstring; send_warps / csend_warps for every role); off: separate send and receive kernels, which
-# DeepEP's LL timing cannot attribute to one operation; local_ticket: the receive kernels count their
-# programs with a relaxed GPU-scope ticket (their last program only stores the next expected level)
-# instead of a system-scope acq_rel one; both_qb / both_block: recv_qb / recv_block of a dispatch
-# that sends and receives in one launch (the receive tile sets the registers of every program there);
-# both_sends / both_gc / both_warps: its send programs (one_launch_sends)
-# (one H200, one rank, 128 tokens, graph replays, same run: dispatch receive 12.9 -> 12.1 us, combine
-# receive 8.7 -> 8.0 us; 1 token: 7.4 -> 7.2, 5.9 -> 5.5 us)
-# native_chain: where the native extension is wanted (epcomm/native.py), a repeat's launch is one native.Chain
-# call (its holes read in C++, the rest packed once) instead of Triton's launcher parsing every argument
-# (ll_calls.launch_cell). One H100 host, whole calls, paired in one process, 3 rounds: 128 tokens dispatch 0.988x the
-# host time, combine 0.965x; 1 token 0.988x, 0.963x; with the hook (send + hook()) 0.962x, 0.954x
-# (commit b8f0f78)
+            fused_dispatch=True, both_qb=4, both_block=2048, both_sends=256, both_gc=0, both_warps=0)
+# fused_dispatch: the dispatch one kernel, its programs taking the roles (see the module docstring; send_warps
+# for every role); 0: separate send and receive kernels, which DeepEP's LL timing cannot attribute to one
+# operation, but which take less GPU time (one H100, world 1, FP8, a graph of 8 dispatches: 128 tokens 19.0 us
+# one kernel against 17.5 separate, 64 tokens 16.2 against 14.7, 1 token 11.2 against 10.3; 90d1d05). The
+# combine is always one kernel (csend_warps for every role: a graph replay at world 1 on one H200, 128 tokens
+# 26.4 us against 28.3 for three kernels, 1 token 12.9 against 15.4; e7a61af). both_qb / both_block: recv_qb /
+# recv_block of a dispatch that sends and receives in one launch (the receive tile sets the registers of every
+# program there); both_sends / both_gc / both_warps: its send programs (one_launch_sends; 0: chosen there)
 
 
 def one_launch_sends(t: int, g: int) -> tuple[int, int]:
@@ -114,18 +107,16 @@ class LowLatencyEngine(LowLatencyCalls):
         self.k_send = Launcher(ll._ll_dispatch_send_kernel)
         self.k_recv = Launcher(ll._ll_dispatch_recv_kernel)
         self.k_dfused = Launcher(ll._ll_dispatch_kernel)
-        self.k_weights = Launcher(ll._ll_combine_weights_kernel)
-        self.k_reduce = Launcher(ll._ll_combine_reduce_kernel)
-        self.k_crecv = Launcher(ll._ll_combine_recv_kernel)
         self.k_cfused = Launcher(ll._ll_combine_kernel)
 
     def _cell(self):
-        """``launch_cell`` for this kind's launches: through a native chain where ``TUNE["native_chain"]`` wants
-        one (decided when a kind is made)."""
+        """``launch_cell`` for this kind's launches: through a native chain where the native path is wanted
+        (``native.wanted``, decided when a kind is made): a repeat's launch is one ``native.Chain`` call (its
+        holes read in C++, the rest packed once) instead of Triton's launcher parsing every argument."""
         from .. import native
 
         dev = self.nv.device
-        chain = dev if native.wanted(dev, TUNE["native_chain"]) else None
+        chain = dev if native.wanted(dev) else None
         return lambda d, gx, gy, gz: launch_cell(d, gx, gy, gz, chain)
 
     def _plan(self, m: int, h: int, e: int) -> Plan:
@@ -160,7 +151,7 @@ class LowLatencyEngine(LowLatencyCalls):
         cum_d, wst_d = Ptr(recv_count), Ptr(recv_range)  # in the statistics' places where a kind has none
         consts = dict(SHRINK=shrink, USE_FP8=a.use_fp8, UE8M0=a.use_ue8m0, HAS_CUM=has_cum, HAS_WAIT=has_wst,
                       TB=TUNE["recv_tb"], QB=TUNE["recv_qb"], BLOCK=TUNE["recv_block"],
-                      G_POW2=max(_pow2(g), 4), HAS_TIMER=TIMER, K_POW2=_pow2(k), LOCAL_TICKET=TUNE["local_ticket"])
+                      G_POW2=max(_pow2(g), 4), HAS_TIMER=TIMER, K_POW2=_pow2(k))
         n_send = max(t, 1) * n_gb
         if fused:
             split = TUNE["recv_split"]
@@ -266,64 +257,34 @@ class LowLatencyEngine(LowLatencyCalls):
                   mask)
         r_tail = (h, lx, d_area, lay.dispatch_src_bytes, d_area + lay.slot_offset, area + lay.combine_offset, cw,
                   self.p_wlevel[parity], self.p_t[_T_CSEND + 1], self.p_err, nv._timeout_ns)
-        if TUNE["fused_combine"]:
-            recv_too = not a.hook
-            n_red = r_ * m * n_cs
-            grid = n_w + n_red + (n_w * n_cb if recv_too else 0)
-            tmpl = (*w_head, None, *r_tail, None, None, self.p_clevel[parity], self.p_t[_T_CRECV],
-                    self.p_t[_T_CROLE], n_w, n_cs, n_red, n_cb)
-            iy = len(w_head)
-            io = iy + 1 + len(r_tail)
-            holes = (0, 1, iy, io, io + 1)
-            cconsts = dict(K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, RBLOCK=blk, HAS_WAIT=has_wait,
-                           HAS_TIMER=TIMER, SHRINK=shrink, DO_RECV=recv_too, LOCAL_TICKET=TUNE["local_ticket"],
-                           num_warps=TUNE["csend_warps"])
-            fused = cell(Direct(self.k_cfused.prepared(key, cconsts), tmpl, holes), grid, 1, 1)
-            if recv_too:  # the default: one launch does the whole combine
+        recv_too = not a.hook
+        n_red = r_ * m * n_cs
+        grid = n_w + n_red + (n_w * n_cb if recv_too else 0)
+        tmpl = (*w_head, None, *r_tail, None, None, self.p_clevel[parity], self.p_t[_T_CRECV],
+                self.p_t[_T_CROLE], n_w, n_cs, n_red, n_cb)
+        iy = len(w_head)
+        io = iy + 1 + len(r_tail)
+        holes = (0, 1, iy, io, io + 1)
+        cconsts = dict(K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, RBLOCK=blk, HAS_WAIT=has_wait,
+                       HAS_TIMER=TIMER, SHRINK=shrink, DO_RECV=recv_too, num_warps=TUNE["csend_warps"])
+        fused = cell(Direct(self.k_cfused.prepared(key, cconsts), tmpl, holes), grid, 1, 1)
+        if recv_too:  # one launch does the whole combine
 
-                def run(y, topk, w, out, wst):
-                    fused[0](topk, w, y, p_own if out is None else out, p_wait if wst is None else wst)
-                    return own if out is None else out, _nothing
+            def run(y, topk, w, out, wst):
+                fused[0](topk, w, y, p_own if out is None else out, p_wait if wst is None else wst)
+                return own if out is None else out, _nothing
 
-                c.run = run
-                return c
-            # hook(): the same kernel, every program a receiver (no weights or reduce roles)
-            fused_recv = cell(Direct(self.k_cfused.prepared(key, dict(cconsts, DO_RECV=True, RECV_ONLY=True)),
-                                            (*tmpl[:-4], 0, n_cs, 0, n_cb), holes), n_w * n_cb, 1, 1)
-
-            def send(y, topk, w, out, wst):
-                fused[0](topk, w, y, out, wst)
-
-            def receive(y, topk, w, out, wst):
-                fused_recv[0](topk, w, y, out, wst)
-        else:
-            weights = cell(Direct(self.k_weights.prepared(key, dict(SHRINK=shrink, num_warps=1)), w_head,
-                                         (0, 1)), n_w, 1, 1)
-            reduce = cell(Direct(self.k_reduce.prepared(key, dict(K_POW2=_pow2(k), BLOCK=blk, HAS_TIMER=TIMER,
-                                                                         SHRINK=shrink, num_warps=TUNE["csend_warps"])),
-                                        (None, h, k, me, r_, lx, m, self.p_table, d_area, lay.dispatch_src_bytes,
-                                         area + lay.weights_offset, d_area + lay.slot_offset, area + lay.combine_offset,
-                                         sig, cw, self.p_wlevel[parity], self.p_t[_T_CSEND + 1], self.p_err,
-                                         nv._timeout_ns, mask), (0,)), r_ * m, n_cs, 1)
-            crecv = cell(Direct(self.k_crecv.prepared(key, dict(
-                K_POW2=_pow2(k), R_POW2=_pow2(r_), BLOCK=cb, HAS_WAIT=has_wait, HAS_TIMER=TIMER, SHRINK=shrink,
-                LOCAL_TICKET=TUNE["local_ticket"], num_warps=TUNE["crecv_warps"])),
-                (None, t, h, k, me, r_, lx, m, self.p_table, area + lay.combine_offset, sig, None, None,
-                 self.p_clevel[parity], self.p_t[_T_CRECV], self.p_err, nv._timeout_ns, mask), (0, 11, 12)),
-                n_w, n_cb, 1)
-
-            def send(y, topk, w, out, wst):
-                weights[0](topk, w)
-                reduce[0](y)
-
-            def receive(y, topk, w, out, wst):
-                crecv[0](topk, out, wst)
+            c.run = run
+            return c
+        # hook(): the same kernel, every program a receiver (no weights or reduce roles)
+        fused_recv = cell(Direct(self.k_cfused.prepared(key, dict(cconsts, DO_RECV=True, RECV_ONLY=True)),
+                                 (*tmpl[:-4], 0, n_cs, 0, n_cb), holes), n_w * n_cb, 1, 1)
 
         def run(y, topk, w, out, wst):
             o = p_own if out is None else out
             s = p_wait if wst is None else wst
-            send(y, topk, w, o, s)
-            return own if out is None else out, lambda: receive(y, topk, w, o, s)
+            fused[0](topk, w, y, o, s)
+            return own if out is None else out, lambda: fused_recv[0](topk, w, y, o, s)
 
         c.run = run
         return c

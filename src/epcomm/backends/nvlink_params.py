@@ -22,72 +22,16 @@ NUM_CTRS = 16
 # launch parameters of the high-throughput kernels (a variant: EPCOMM_TUNE=<key>=<value> epcomm bench)
 TUNE = dict(gather_rb=16, gather_block=1024, gather_warps=16, gather_stages=1, reduce_tb=16, reduce_block=512,
             reduce_warps=16, reduce_stages=3, notify_block=2048, notify_warps=8, push_rb=16, push_block=1024,
-            push_warps=8,
-            cpush_rb=8, cpush_block=512, cpush_warps=8,
-            gather_one_load=True, ce_chunks=4, fused_push=True, ce_flag="kernel", gather_prefetch=False,
-            ce_chunks_sync=0, notify_first=False, fused_cpush=True, v2_fused_layout=False,
-            v2_fused_eager=True, native_alloc=True, native_chain=True,
-            native_pack=True, native_merge=True, native_chain_ht=True,
-            native_chain_v2c=True, native_chain_v2x=True,
-            native_chain_v2xc=True, native_key=True, native_flat=True,
-            native_key_v1=True)
+            cpush_rb=8, cpush_block=512, ce_chunks=4, ce_chunks_sync=0)
 # notify_block: tokens a step of the exchange kernel's rank programs (a scan over all T tokens, one step after
 # another): 2048 took 2.4-2.8 us off the DSv3 graph dispatch (BF16 110.9 -> 108.1, FP8 83.9 -> 81.6 us, the
 # mean of 2 rounds at world 1, one H100; 4096 with 16 warps: 108.9 / 82.0; commit df5aedb)
-# v2_fused_layout: ElasticBuffer's dispatch computes its layout in the exchange kernel (its tile programs, before the
-# rank programs: kernels/ht_layout.layout_tiles), not in a launch of its own (HTDispatch.fuses_layout); Buffer's never.
-# On the GPU it costs ~0.7 us (graph replays, DSv3 at world 1, H100: BF16 120.4 -> 121.1, FP8 93.8 -> 94.4,
-# commit fd85c69) and saves a launch's host time: V2 contiguous no-sync dispatch host 0.905 and
-# 0.920 of the unfused in one process (hostprobe --variants, commit 522c1f3). So
-# v2_fused_eager: fused for calls not captured into a CUDA graph (eager calls pay the host), unfused for captures
-# native_alloc: on a GPU, a dispatch's output tensors made in one C++ call (epcomm/native.py), not by torch.empty each
-# (host time of whole calls 0.89-0.94x for dispatches and the layout, in one process: commit 0a52b55)
-# native_chain: where a call is its outputs and launches only (an HT dispatch with num_worst_tokens and the fused push
-# or one rank; ElasticBuffer's contiguous recv_meta), those in one C++ call after the first call bound the launches
-# (native.Chain): V2 contiguous no-sync dispatch 0.807x the host time, V1 num_worst_tokens 0.779x (FP8 0.782x) in one
-# process, paired (commit d966a2c)
-# native_pack: the small outputs of a native call (the handle's tensors, ids, weights, sources) views of one
-# allocation made in C++: V2 contiguous no-sync dispatch 0.791x, V1 num_worst_tokens 0.800x, a synchronised V1
-# dispatch 0.901x (commit 6ad5eeb)
-# native_merge: ElasticBuffer's contiguous no-sync dispatch and its recv_meta in one chain (elastic_kernels.merged)
-# native_chain_ht: the HT layout, combine and cached dispatch (the fused push, or one rank) each as one chain (outputs
-# and launch; the cached dispatch also serves ElasticBuffer's), and a synchronised dispatch as two (the exchange, then
-# after the host's read of the counts the gather). One H100 host, whole calls, paired in one process, 3 rounds: layout
-# 0.820x the host time, synchronised dispatch 0.869x, layout + dispatch 0.850x, cached 0.799x, combine 0.878x
-# (commit b8f0f78)
-# native_chain_v2c: ElasticBuffer's contiguous combine (the transport's two launches and the reduction's, its outputs)
-# as one chain (elastic_chains.combine_chain): 0.468x the host time (rounds 0.466-0.480), paired in one process, 3
-# rounds, 4096 tokens, one H100 (commit 75f86dc); the other V2 calls within 0.99-1.01x
-# native_chain_v2x: ElasticBuffer's expanded layout: recv_meta's two launches as one chain, and an eager no-sync expanded
-# dispatch (the backend's exchange and gather, recv_meta's two launches and the scatter, every output) as one
-# (elastic_chains.expanded_tail): the eager no-sync expanded dispatch 0.465x its host time (rounds 0.464-0.468; 253 ->
-# 117 us), the synchronised one 0.923x, paired in one process, 3 rounds, 4096 tokens, one H100; the expanded combine
-# after it 1.063x (1.044-1.086), the others 0.99-1.00x (commit 01bcfb5)
-# native_chain_v2xc: ElasticBuffer's expanded combine with each token's local rows summed (allow_multiple_reduction)
-# as one chain: the pack with its rows, the transport's two launches and the reduction's, its outputs
-# (elastic_chains.combine_chain): 0.421x its host time (rounds 0.410-0.429; 171 -> 73 us), the other V2 calls
-# 0.99-1.02x, paired in one process, 3 rounds, 4096 tokens, one H100 (commit 9059666)
-# native_key: ElasticBuffer's kind of call (its tensors' shapes, dtypes, devices, alignment, contiguity) in one C++ call
-# (native.key_functions), not a Python signature per tensor: every V2 call 0.92-0.99x its host time (the contiguous FP8
-# no-sync dispatch 0.929x), paired in one process, 3 rounds, 4096 tokens, one H100 (commit ab89b8c)
-# native_flat: ElasticBuffer's eager no-sync dispatch that is one merged chain makes its results from the chain's
-# outputs by position (elastic_chains.FlatResults), not through the backend's and recv_meta's result objects: with
-# native_key, the contiguous no-sync dispatch 0.835x its host time (BF16 and FP8; FP8 53.7 -> 44.8 us), the
-# expanded one 0.851x, the combines 0.92x (native_key's share), the synchronised dispatches 0.97-0.99x
-# (commit ab89b8c)
-# native_key_v1: Buffer's high-throughput dispatch (fresh and cached), its combine and its low-latency calls find their
-# kind as native_key does (native.key_functions). On the CPU rig (hostprobe --modes python,
-# paired, 3 rounds, 4096 tokens / 128 and 1 for LL) the Python of num_worst_tokens dispatch 0.76x, FP8 0.82x, a
-# synchronised dispatch 0.92x, cached 0.82x, combine 0.89x, LL dispatch 0.92x, LL combine 0.87x. On one H100 (world 1,
-# hostprobe --modes call, paired in one process, 3 rounds;
-# benchmarks/2026-11-28/h100-w1-hostprobe-native-key-v1-359601e/): num_worst_tokens
-# dispatch 0.896x the host time (FP8 0.910x), synchronised dispatch 0.938x, layout + dispatch 0.943x, cached 0.835x,
-# combine 0.829x, the layout alone 1.004x; LL at 128 tokens dispatch 0.962x, combine 0.902x, at 1 token 0.960x /
-# 0.942x: on
-# fused_cpush: the combine's SM push and its reduce in one kernel (_combine_kernel), else two launches
-# (chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays, 2026-11-22: tiles of
-# 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us, FP8 355 -> 294 us,
-# combine 360 -> 349 us against 8 x 512-word tiles)
+# push_rb / push_block: the SM push's tiles (the dispatch's receive kernel pushes this rank's rows while it
+# copies its own block: graph dispatch 525 -> 433 us BF16, 396 -> 352 FP8 against a push kernel of its own on
+# nvidia-h200-x2, 3812ed8); cpush_rb / cpush_block: the combine kernel's push, before its reduce, in one
+# launch (tiles chosen with the since-deleted ht_probe on nvidia-h200-x2, DSv3 shape, 24 SMs, graph replays,
+# 2026-11-22: tiles of 64 KB per step keep enough bytes in flight per SM; graph dispatch BF16 441 -> 370 us,
+# FP8 355 -> 294 us, combine 360 -> 349 us against 8 x 512-word tiles)
 NC = 4  # copy-engine chunks per transfer (the receiver starts on chunk c while c+1 is in flight)
 # deadlines on %globaltimer; under the Triton interpreter (CPU runs of the backend, epcomm.testing.cpu_nvlink)
 # the waits count spins instead
@@ -128,8 +72,6 @@ def apply_tune(overrides: dict[str, str], table: dict | None = None, prefix: str
                 raise ValueError(f"EPCOMM_TUNE: {prefix + key} must be an integer, got {val!r}") from None
         else:
             table[key] = val
-    if table is TUNE and TUNE["ce_flag"] not in ("kernel", "copy"):
-        raise ValueError(f"EPCOMM_TUNE: ce_flag must be 'kernel' or 'copy', got {TUNE['ce_flag']!r}")
 
 
 def _chunk_rows(rows: int) -> int:

@@ -1,6 +1,7 @@
 """The nvlink backend's transfer phase: moving a rank's rows into its peers' staging slots over
-NVLink, by the copy engine (eager calls: many copies, then a one-program flag kernel per chunk) or by
-SMs (the push kernels; calls captured in a CUDA graph, ``EPCOMM_HT_TRANSFER=sm``).
+NVLink by the copy engine (``EPCOMM_HT_TRANSFER=ce``, eager calls: many copies, then a one-program flag kernel
+per chunk). Otherwise (the default, and calls captured in a CUDA graph) the receive kernels push with SMs
+themselves (``_fused_push``; the combine kernel in ``ht_combine``).
 
 ``NVLinkTransfer`` is a mixin of ``NVLinkBackend`` (backends/nvlink.py), which owns the state it uses:
 the symmetric buffer and its peer views, the counters and tickets, the launchers ``k``, the copy-engine
@@ -15,56 +16,20 @@ from __future__ import annotations
 
 import torch
 
-from .nvlink_params import (
-    CSEND,
-    DSEND,
-    NC,
-    T_CPUSH,
-    T_DPUSH,
-    TIMER,
-    TUNE,
-    _aligned,
-    _ce_step,
-    _chunk_rows,
-    _pow2,
-    torch_to_tl,
-)
+from .nvlink_params import CSEND, DSEND, NC, TIMER, _ce_step, _chunk_rows
 
 
 class NVLinkTransfer:
-    def _bulk_dispatch(self, x_words: torch.Tensor, scales, topk, w, lay: dict, is_in: torch.Tensor,
-                       synchronised: bool = False, ready=None) -> None:
-        """Send this rank's batch into slot ``me`` of every peer's dispatch staging, by copy engine or by
-        the SM push kernel (where the gather kernel does not push itself: ``_fused_push``). ``ready``: an
-        event recorded on the current stream when the inputs were ready (the copies wait for it, not
-        for work queued after it, such as the notify kernel)."""
+    def _bulk_dispatch(self, x_words: torch.Tensor, scales, topk, w, lay: dict,
+                       synchronised: bool = False) -> None:
+        """Send this rank's batch into slot ``me`` of every peer's dispatch staging by the copy engine (where
+        the gather kernel does not push it itself: ``_fused_push``)."""
         from ..kernels import ht
 
         r_, me = self.num_ranks, self.rank
         if r_ == 1:
             return
-        if not self._use_ce():
-            # Rows and their per-token arrays (scales, top-k ids, weights) by SMs, one kernel.
-            grid = (max(1, self.num_sms),)
-            has_s, has_k = scales is not None and scales.numel() > 0, topk is not None and topk.numel() > 0
-            g = scales.shape[1] if has_s else 0
-            k = topk.shape[1] if has_k else 0
-            key = (x_words.shape[1], g, k, _aligned(x_words, scales, topk, w, is_in))
-            self.k["_push_kernel"](key, grid, x_words, x_words.shape[1], x_words.shape[0], r_, me,
-                                   is_in.view(torch.int8), self.p_table, self.flags_off, ht.DDATA.value,
-                                   ht.DCONSUMED.value, lay["dx"], lay["d_slot"], self.p_ctr[DSEND],
-                                   self.p_tk[T_DPUSH], self.p_err, 2, self._timeout_ns,
-                                   scales if has_s else self.p_err, g, topk if has_k else self.p_err,
-                                   w if has_k else self.p_err, k, lay["ds"], lay["dk"], lay["dw"],
-                                   NC=NC, RB=TUNE["push_rb"], BLOCK=TUNE["push_block"],
-                                   HAS_TIMER=TIMER, ELEM=torch_to_tl(x_words.dtype), HAS_SCALES=has_s,
-                                   HAS_TOPK=has_k, G_POW2=_pow2(g), K_POW2=_pow2(k),
-                                   num_warps=TUNE["push_warps"])
-            return
-        if ready is not None:
-            self.ce_stream.wait_event(ready)
-        else:
-            self.ce_stream.wait_stream(self._current_stream())
+        self.ce_stream.wait_stream(self._current_stream())
         t = x_words.shape[0]
         per, step = _chunk_rows(t), _ce_step(synchronised)
         with self._on(self.ce_stream):
@@ -93,29 +58,14 @@ class NVLinkTransfer:
 
     def _ce_raise(self, slot: int, ctr: int, inc: int, done: int) -> None:
         """On the copy-engine stream, behind a chunk's copies: raise every peer's data flag ``slot`` by
-        ``inc`` chunks (``done`` of ``NC`` sent this call; the last advances counter ``ctr``). By a flag
-        kernel (release add), or with ``TUNE["ce_flag"] == "copy"`` by 4-byte copy-engine copies of the
-        new value, queued behind the data copies on the same stream (a variant to test whether the copy
-        engine keeps a flag behind its data under graph replay)."""
-        from ..kernels import ht
-
-        r_, me, last = self.num_ranks, self.rank, int(done == NC)
-        if TUNE["ce_flag"] != "copy":
-            self.k["_ce_signal_kernel"](ctr, (1,), self.p_table, self.flags_off, int(slot), r_, me,
-                                        self.p_ctr[ctr],
-                                        inc, last)
-            return
-        word = self.flag_words[int(int(slot) == int(ht.CDATA)):][:1]
-        self.k["_ce_flag_value_kernel"](ctr, (1,), self.p_ctr[ctr], word, done, last, NC=NC)
-        src = word.view(torch.uint8)
-        for j in range(r_):
-            if j != me:
-                off = self.flags_off + (int(slot) * r_ + me) * 4
-                self._view(("flag", j, int(slot)), lambda j=j, off=off: self.peers[j][off:off + 4]).copy_(src)
+        ``inc`` chunks (``done`` of ``NC`` sent this call; the last advances counter ``ctr``) by a flag
+        kernel (release add)."""
+        self.k["_ce_signal_kernel"](ctr, (1,), self.p_table, self.flags_off, int(slot), self.num_ranks,
+                                    self.rank, self.p_ctr[ctr], inc, int(done == NC))
 
     def _use_ce(self) -> bool:
         """Bulk bytes by copy engine, unless EPCOMM_HT_TRANSFER=sm or the call is being captured in a CUDA
-        graph (``ce-always``: under capture too, to diagnose). Under graph replay the copy-engine branch
+        graph. Under graph replay the copy-engine branch
         (a forked stream: copies, then a flag kernel) let the receiver read the last rows of a chunk
         before they arrived (tier 3 on nvidia-h200-x2, third session of 2026-11-22: the rows at the
         end of chunks 0-2 held the previous replay's data, every replay; a stream memory barrier
@@ -123,63 +73,49 @@ class NVLinkTransfer:
         probe (d36aacd, 512 tokens; BENCHMARKS.md Findings) saw no stale rows in any copy-engine variant."""
         if self.transfer == "sm":
             return False
-        return self.transfer == "ce-always" or not torch.cuda.is_current_stream_capturing()
+        return not torch.cuda.is_current_stream_capturing()
 
     def _fused_push(self) -> bool:
-        """A non-cached dispatch without the copy engine pushes inside the gather kernel (its programs
-        push and copy the own block at once, then copy the peers' rows), unless TUNE["fused_push"] is off."""
-        return self.num_ranks > 1 and not self._use_ce() and TUNE["fused_push"]
+        """A dispatch without the copy engine pushes inside the gather kernel (its programs push and copy the
+        own block at once, then copy the peers' rows)."""
+        return self.num_ranks > 1 and not self._use_ce()
 
     def _join_ce(self) -> None:
         if self.num_ranks > 1 and self._use_ce():
             self._current_stream().wait_stream(self.ce_stream)
 
     def _combine_send(self, x, w, k: int, h: int, rpm, host_prefix, lay: dict) -> None:
-        """Combine's transfer: the block of rows this rank received from owner ``i`` (rows
-        ``[rpm[i-1][me], rpm[i][me])`` of ``x``, with their weights) into slot ``me`` of ``i``'s combine
-        staging, then ``i``'s data flag raised: by the copy engine when the block bounds are on the host
-        (``host_prefix``: ``rpm[:, me]`` from the dispatch's synchronisation) and the call is not captured,
-        else by the SM push kernel."""
+        """Combine's transfer: the block of rows this rank received from owner ``i`` (rows ``[rpm[i-1][me],
+        rpm[i][me])`` of ``x``, with their weights) into slot ``me`` of ``i``'s combine staging, then ``i``'s
+        data flag raised, by the copy engine: the block bounds are on the host (``host_prefix``: ``rpm[:,
+        me]`` from the dispatch's synchronisation) and the call is not captured (else the combine kernel
+        pushes them itself: ``ht_combine``)."""
         from ..kernels import ht
 
         r_, me = self.num_ranks, self.rank
-        if host_prefix is not None and self._use_ce():
-            self.ce_stream.wait_stream(self._current_stream())
-            with self._on(self.ce_stream):
-                self.k["_ce_wait_kernel"](CSEND, (1,), self.p_table, self.flags_off, ht.CCONSUMED.value, r_,
-                                          me,
-                                          self.p_ctr[CSEND], self.p_err, 4, self._timeout_ns, HAS_TIMER=TIMER)
-                col = host_prefix
-                step = _ce_step()
-                for c in range(0, NC, step):
-                    for i in range(r_):
-                        if i == me:
-                            continue
-                        start = col[i - 1] if i > 0 else 0
-                        rows = col[i] - start
-                        per = _chunk_rows(rows)
-                        lo, hi = min(c * per, rows), min((c + step) * per, rows)
-                        if hi > lo:
-                            src = x[start + lo:start + hi]
-                            self._slot_view(i, lay["cx"] + lo * h * 2, lay["c_slot"], me,
-                                            src.numel() * 2).copy_(
-                                src.reshape(-1).view(torch.uint8))
-                            if w is not None:
-                                ws = w[start + lo:start + hi]
-                                self._slot_view(i, lay["cw"] + lo * k * 4, lay["c_slot"], me,
-                                                ws.numel() * 4).copy_(
-                                    ws.reshape(-1).view(torch.uint8))
-                    self._ce_raise(ht.CDATA, CSEND, step, c + step)
-            x.record_stream(self.ce_stream)
-            if w is not None:
-                w.record_stream(self.ce_stream)
-        else:
-            xw = x.view(torch.int32)
-            self.k["_combine_push_kernel"](
-                (h, k, _aligned(xw, w, rpm)), (max(1, self.num_sms),),
-                xw, w if w is not None else self.p_err, xw.shape[1], k, r_, me, rpm,
-                self.p_table, self.flags_off, lay["cx"], lay["c_slot"], lay["cw"], lay["c_slot"],
-                self.p_ctr[CSEND], self.p_tk[T_CPUSH], self.p_err, self._timeout_ns, x.shape[0],
-                HAS_W=w is not None, NC=NC, RB=TUNE["cpush_rb"], BLOCK=TUNE["cpush_block"], K_POW2=_pow2(k),
-                HAS_TIMER=TIMER, num_warps=TUNE["cpush_warps"],
-            )
+        self.ce_stream.wait_stream(self._current_stream())
+        with self._on(self.ce_stream):
+            self.k["_ce_wait_kernel"](CSEND, (1,), self.p_table, self.flags_off, ht.CCONSUMED.value, r_, me,
+                                      self.p_ctr[CSEND], self.p_err, 4, self._timeout_ns, HAS_TIMER=TIMER)
+            col = host_prefix
+            step = _ce_step()
+            for c in range(0, NC, step):
+                for i in range(r_):
+                    if i == me:
+                        continue
+                    start = col[i - 1] if i > 0 else 0
+                    rows = col[i] - start
+                    per = _chunk_rows(rows)
+                    lo, hi = min(c * per, rows), min((c + step) * per, rows)
+                    if hi > lo:
+                        src = x[start + lo:start + hi]
+                        self._slot_view(i, lay["cx"] + lo * h * 2, lay["c_slot"], me,
+                                        src.numel() * 2).copy_(src.reshape(-1).view(torch.uint8))
+                        if w is not None:
+                            ws = w[start + lo:start + hi]
+                            self._slot_view(i, lay["cw"] + lo * k * 4, lay["c_slot"], me,
+                                            ws.numel() * 4).copy_(ws.reshape(-1).view(torch.uint8))
+                self._ce_raise(ht.CDATA, CSEND, step, c + step)
+        x.record_stream(self.ce_stream)
+        if w is not None:
+            w.record_stream(self.ce_stream)

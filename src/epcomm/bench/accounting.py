@@ -122,7 +122,7 @@ def logical_bytes(mode: str, op: str, dtype: str, rt: Routing, me: int, hidden: 
 def link_counting(backend: str, mode: str, *, graph: bool = False, ht_transfer: str = "sm") -> str | None:
     """The :data:`COUNTINGS` rule for a row of ``backend`` (``"nccl-a2a"``/``"gloo-a2a"``: the peer),
     or ``None`` where no rule is written down (the internode backend's high-throughput path).
-    ``graph``: timed as CUDA-graph replays; ``ht_transfer``: ``EPCOMM_HT_TRANSFER`` (ce, sm, ce-always)."""
+    ``graph``: timed as CUDA-graph replays; ``ht_transfer``: ``EPCOMM_HT_TRANSFER`` (ce, sm)."""
     if backend.endswith("-a2a"):
         return "per-selection"
     if backend == "reference":
@@ -130,7 +130,7 @@ def link_counting(backend: str, mode: str, *, graph: bool = False, ht_transfer: 
     if mode == "ll" and backend in ("nvlink", "internode"):
         return "ll-rank-messages"
     if mode == "ht" and backend == "nvlink":
-        copy_engine = ht_transfer == "ce-always" or (ht_transfer == "ce" and not graph)
+        copy_engine = ht_transfer == "ce" and not graph
         return "ht-whole-batch" if copy_engine else "ht-rank-rows"
     return None
 

@@ -52,7 +52,7 @@ their calibration rows alike, pinned to one core or not, with the hash seed and 
 times ``EPCOMM_TUNE`` variants in one process per round, their calls interleaved one by one, and adds each later
 variant's paired ratio to the first (``bench/probe_variants.py``): the way to measure a host change of a few
 launches or tensors, with the change behind a ``TUNE`` key until it is measured. Example:
-``python3 -m epcomm.bench.hostprobe --api v2 --modes call --tokens 4096 --variants "off=;fused=v2_fused_layout=1"``.
+``python3 -m epcomm.bench.hostprobe --api v2 --modes call --tokens 4096 --variants "off=;g8=gather_rb=8"``.
 
 ``--json``: every round's rows, each record with ``env`` (:func:`provenance`): the date, the device (the GPU's
 name for ``call``/``launches``, ``cpu`` for the rig), driver, torch, triton, python, every ``EPCOMM_*`` variable,

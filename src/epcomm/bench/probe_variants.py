@@ -38,7 +38,7 @@ def _set(tabs: list[dict], state: list[dict]) -> None:
 
 
 def parse(spec: str) -> list[tuple[str, str]]:
-    """``"A=;B=v2_fused_layout=1"`` -> ``[("A", ""), ("B", "v2_fused_layout=1")]`` (at least two, labels unique).
+    """``"A=;B=gather_rb=8"`` -> ``[("A", ""), ("B", "gather_rb=8")]`` (at least two, labels unique).
 
     Example: ``parse("off=;on=ll.fused_dispatch=1")[1] == ("on", "ll.fused_dispatch=1")``."""
     out = []

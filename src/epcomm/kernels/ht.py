@@ -18,15 +18,12 @@ Pieces (see backends/nvlink.py for the orchestration and the buffer layout):
   ``j``'s counts and copies them into local arrays.
 - ``ce_wait`` / ``ce_signal``: one-program kernels around the copy-engine bulk copies (wait for
   the receivers to free their staging slots; raise the data flags after the copies).
-- ``push``: the SM alternative to the copy engine: rows of a source (with their scales, ids and
-  weights) pushed into peers' slots; a kernel of its own for cached dispatches and with
-  ``TUNE["fused_push"]`` off.
 - ``gather``: receiver side of dispatch: rows from local x or the staging slots into ``recv_x``
   in (source rank, token) order, top-k ids rewritten to local experts. With ``PUSH`` (the SM
   transfer of a non-cached dispatch) it also does the push: push and own block first, then the
   peers' rows.
 - ``reduce``: owner side of combine: float32 sum, rank by rank, of the rows every rank returned;
-  ``combine`` (``TUNE["fused_cpush"]``, the default) pushes this rank's rows and reduces in one launch.
+  ``combine`` pushes this rank's rows and reduces in one launch (the SM transfer).
 
 Example (R = 2, me = 0, T = 3, is_token_in_rank[:, 1] = [1, 0, 1]): notify program 1 writes the
 send list [0, 2] into rank 1's buffer and send_head_rel[:, 1] = [0, -1, 1].
@@ -39,6 +36,4 @@ from .ht_transfer import (  # noqa: F401
     _ce_flag_value_kernel,
     _ce_signal_kernel,
     _ce_wait_kernel,
-    _combine_push_kernel,
-    _push_kernel,
 )

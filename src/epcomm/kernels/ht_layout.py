@@ -26,9 +26,10 @@ Example (R = 2, E = 4, so L = 2; T = 3, K = 2): ``topk_idx = [[0, 3], [1, -1], [
 ``num_tokens_per_expert = [1, 1, 0, 1]``.
 
 ``layout_tiles`` is the same layout inside the exchange kernel (``ht_notify._dispatch_notify_kernel`` with
-``FUSED_LAYOUT``, ``ElasticBuffer``'s dispatch with ``TUNE["v2_fused_layout"]``): its first ``Q`` programs take
-token tiles, every rank and expert of a tile at once, and the last of them releases the counts to the
-kernel's rank programs (``fused_words`` of scratch, an epoch flag; no separate launch).
+``FUSED_LAYOUT``, ``ElasticBuffer``'s dispatch not captured into a CUDA graph: ``HTDispatch.fuses_layout``):
+its first ``Q`` programs take token tiles, every rank and expert of a tile at once, and the last of them
+releases the counts to the kernel's rank programs (``fused_words`` of scratch, an epoch flag; no separate
+launch).
 """
 
 from __future__ import annotations

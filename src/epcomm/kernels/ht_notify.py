@@ -220,7 +220,7 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
     the launcher adds them (``notify_grid``); with none, by every program. (Checked by the rank programs alone, a rank's program walked
     ``T / TB`` tiles one after another: at world 1 the kernel took ~45 us of a DSv3 dispatch on an H100.)
 
-    With ``FUSED_LAYOUT`` (``ElasticBuffer``'s dispatch, ``TUNE["v2_fused_layout"]``) the kernel also makes its
+    With ``FUSED_LAYOUT`` (``ElasticBuffer``'s eager dispatch: ``HTDispatch.fuses_layout``) the kernel also makes its
     inputs ``is_token_in_rank`` (``is_in``, written), ``num_tokens_per_rank`` / ``num_tokens_per_expert`` (``ntpr``,
     ``ntpe``: scratch) from ``topk``, so the layout needs no launch of its own: the tile programs come first,
     ``P - RP`` of them (``ht_layout.layout_tiles``: tiles of ``TB`` rows, the expert-id check included, scratch

@@ -56,18 +56,12 @@ def _gather_rows(v_lo, v_hi, pid, P, known, x_ptr, xs_ptr, topk_ptr, w_ptr, row_
                  ptr_table, flags_off, base, err_ptr, timeout_ns,
                  CACHED: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, NC: tl.constexpr,
                  RB: tl.constexpr, BLOCK: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr,
-                 HAS_TIMER: tl.constexpr, STAGES: tl.constexpr, ONE_LOAD: tl.constexpr,
-                 PREFETCH: tl.constexpr = False):
+                 HAS_TIMER: tl.constexpr, STAGES: tl.constexpr):
     """Output rows at rotated positions ``v_lo <= v < v_hi`` (``v = 0`` is this rank's own block),
-    tiles of ``RB`` rows, tile ``u`` by program ``u % P``; returns the updated ``known`` levels.
-    ``PREFETCH``: each tile's source-token load is issued one tile ahead, so it overlaps the row copy
-    before it instead of preceding its own."""
+    tiles of ``RB`` rows, tile ``u`` by program ``u % P``; returns the updated ``known`` levels."""
     kk = tl.arange(0, K_POW2)
     gg = tl.arange(0, G_POW2)
     cols = tl.arange(0, BLOCK)
-    if PREFETCH:
-        s_next = _tile_src(v_lo + pid * RB, v_hi, total, start_me, rr, R, incl, excl, src_lists_ptr,
-                           src_lists_stride, out_src, RB, CACHED)
     for v0 in range(v_lo + pid * RB, v_hi, P * RB):
         vv = v0 + tl.arange(0, RB)
         inb = vv < v_hi
@@ -75,14 +69,8 @@ def _gather_rows(v_lo, v_hi, pid, P, known, x_ptr, xs_ptr, topk_ptr, w_ptr, row_
         nn = tl.where(real, (vv + start_me) % tl.maximum(total, 1), vv)
         nn64 = nn.to(tl.int64)
         i = tl.sum(tl.where((rr[None, :] < R) & (incl[None, :] <= nn[:, None]), 1, 0), 1)
-        if PREFETCH:  # this tile's source rows were loaded one step ahead; load the next tile's now
-            s = s_next
-            s_next = _tile_src(v0 + P * RB, v_hi, total, start_me, rr, R, incl, excl, src_lists_ptr,
-                               src_lists_stride, out_src, RB, CACHED)
-        else:
-            s = _tile_src(v0, v_hi, total, start_me, rr, R, incl, excl, src_lists_ptr, src_lists_stride,
-                          out_src,
-                          RB, CACHED)
+        s = _tile_src(v0, v_hi, total, start_me, rr, R, incl, excl, src_lists_ptr, src_lists_stride, out_src,
+                      RB, CACHED)
         if not CACHED:
             tl.store(out_src + nn, tl.where(real, s, -1), mask=inb)
         if not CACHED:
@@ -97,21 +85,12 @@ def _gather_rows(v_lo, v_hi, pid, P, known, x_ptr, xs_ptr, topk_ptr, w_ptr, row_
         lrow = s64 * row_elems
         srow = i.to(tl.int64) * stage_src_elems + s64 * row_elems
         orow = nn64 * row_elems
-        if ONE_LOAD:  # one load per element through a per-row pointer (local x or staging)
-            row_src = tl.where(mine, x_ptr + lrow, stage_ptr + srow)
-            for h0 in tl.range(0, row_elems, BLOCK, num_stages=STAGES):
-                cc = h0 + cols
-                cm = real[:, None] & (cc[None, :] < row_elems)
-                v = tl.load(row_src[:, None] + cc[None, :], mask=cm)
-                tl.store(out_x + orow[:, None] + cc[None, :], v, mask=cm)
-        else:  # two masked loads (x or staging), then a select
-            for h0 in tl.range(0, row_elems, BLOCK, num_stages=STAGES):
-                cc = h0 + cols
-                cm = cc[None, :] < row_elems
-                a = tl.load(x_ptr + lrow[:, None] + cc[None, :], mask=mine[:, None] & cm)
-                b = tl.load(stage_ptr + srow[:, None] + cc[None, :], mask=peer[:, None] & cm)
-                tl.store(out_x + orow[:, None] + cc[None, :], tl.where(mine[:, None], a, b),
-                         mask=real[:, None] & cm)
+        row_src = tl.where(mine, x_ptr + lrow, stage_ptr + srow)  # one load per element: local x or staging
+        for h0 in tl.range(0, row_elems, BLOCK, num_stages=STAGES):
+            cc = h0 + cols
+            cm = real[:, None] & (cc[None, :] < row_elems)
+            v = tl.load(row_src[:, None] + cc[None, :], mask=cm)
+            tl.store(out_x + orow[:, None] + cc[None, :], v, mask=cm)
         if HAS_SCALES:
             gm = gg[None, :] < G
             sa = tl.load(xs_ptr + s64[:, None] * G + gg[None, :], mask=mine[:, None] & gm)
@@ -149,9 +128,9 @@ def _dispatch_impl_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
                         CACHED: tl.constexpr, IS_PREFIX: tl.constexpr, HAS_SCALES: tl.constexpr,
                         HAS_TOPK: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
                         R_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, HAS_TIMER: tl.constexpr,
-                        STAGES: tl.constexpr = 3, ONE_LOAD: tl.constexpr = False, PUSH: tl.constexpr = False,
+                        STAGES: tl.constexpr = 3, PUSH: tl.constexpr = False,
                         PUSH_RB: tl.constexpr = 8, PUSH_BLOCK: tl.constexpr = 512, ELEM: tl.constexpr = tl.int32,
-                        PUSH_TOPK: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                        PUSH_TOPK: tl.constexpr = False):
     """The dispatch's transfer (the gather; ``dispatch_impl`` in DeepEP's names): row ``n`` of the outputs = token ``s`` of source rank ``i`` (rank-major order).
 
     Tiles of ``RB`` rows; rows are visited rotated so this rank's own block (no wait) comes first,
@@ -213,7 +192,7 @@ def _dispatch_impl_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
                                      out_s_stride_col,
                                      out_k, out_w, out_src, ptr_table, flags_off, base, err_ptr, timeout_ns,
                                      CACHED, HAS_SCALES, HAS_TOPK, NC, RB, BLOCK, K_POW2, G_POW2, HAS_TIMER,
-                                     STAGES, ONE_LOAD, PREFETCH)
+                                     STAGES)
         if ticket_last(push_ticket_ptr):
             _signal_peers(ptr_table, flags_off, DDATA, R, me, NC)
             tl.store(send_ctr_ptr, n_send + 1)
@@ -228,9 +207,7 @@ def _dispatch_impl_kernel(x_ptr, xs_ptr, topk_ptr, w_ptr, row_elems, G, K,
                          stage_k_src, stage_w_ptr, stage_w_src, out_x, out_s, out_s_stride_row,
                          out_s_stride_col,
                          out_k, out_w, out_src, ptr_table, flags_off, base, err_ptr, timeout_ns,
-                         CACHED, HAS_SCALES, HAS_TOPK, NC, RB, BLOCK, K_POW2, G_POW2, HAS_TIMER, STAGES,
-                         ONE_LOAD,
-                         PREFETCH)
+                         CACHED, HAS_SCALES, HAS_TOPK, NC, RB, BLOCK, K_POW2, G_POW2, HAS_TIMER, STAGES)
     if ticket_last(ticket_ptr):
         _signal_peers(ptr_table, flags_off, DCONSUMED, R, me, 1)
         tl.store(ctr_ptr, base + 1)

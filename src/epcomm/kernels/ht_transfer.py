@@ -1,12 +1,12 @@
 """High-throughput kernels, transfer phase: the bulk movers between ranks.
 
-- ``ce_wait`` / ``ce_signal`` / ``ce_flag_value``: one-program kernels around the copy-engine bulk copies
-  (wait for the receivers to free their staging slots; raise the data flags after the copies).
-- ``push``: the SM alternative to the copy engine: rows of a source (with their scales, ids and weights)
-  pushed into peers' slots (with ``TUNE["fused_push"]`` off; else the gather kernel pushes itself).
-- ``combine_push``: the SM mover of combine: each owner's block of rows into its staging slot
-  (``_combine_push_rows``; ``_combine_kernel`` runs it before its reduce, unless ``TUNE["fused_cpush"]``
-  is off).
+- ``ce_wait`` / ``ce_signal``: one-program kernels around the copy-engine bulk copies (wait for the
+  receivers to free their staging slots; raise the data flags after the copies).
+- ``ce_flag_value``: a one-program kernel of five arguments, the host probe's yardstick of a launch's cost
+  (``bench/profile.host_primitives``; no backend launches it).
+- ``_combine_push_rows``: the SM mover of combine, each owner's block of rows into its staging slot
+  (``ht_receive._combine_kernel`` runs it before its reduce; the dispatch's SM push is the gather kernel's,
+  ``ht_common``'s tiles).
 
 Letters: ``T`` tokens, ``K`` top-k, ``R`` ranks, ``G`` scale groups, ``P`` programs.
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import peer_ptr, ticket_last
-from .ht_common import CDATA, CCONSUMED, _copy_tile, _push_tile, _signal_peers, _wait_peers
+from .common import peer_ptr
+from .ht_common import CCONSUMED, _copy_tile, _signal_peers, _wait_peers
 
 
 @triton.jit
@@ -39,39 +39,12 @@ def _ce_signal_kernel(ptr_table, flags_off, slot, R, me, ctr_ptr, inc, bump):
 
 @triton.jit(do_not_specialize=['done', 'bump'])
 def _ce_flag_value_kernel(ctr_ptr, out_ptr, done, bump, NC: tl.constexpr):
-    """The copy-engine flag variant (``TUNE["ce_flag"] = "copy"``): the value a data flag must reach
-    after ``done`` of this call's ``NC`` chunks (``sends so far * NC + done``) into ``out``, for a
-    4-byte copy-engine copy to every peer's flag, behind the data copies on the same stream;
-    ``bump`` = 1 after the last advances the send counter."""
+    """``sends so far * NC + done`` into ``out`` (``ctr``: the sends so far; ``bump`` = 1 advances it). No
+    backend launches it since the copy-engine flag raised by copies of this value was removed (it was never
+    measured against the flag kernel); the host probe times its launches (``bench/profile``)."""
     n = tl.load(ctr_ptr)
     tl.store(out_ptr, n * NC + done)
     if bump != 0:
-        tl.store(ctr_ptr, n + 1)
-
-
-@triton.jit(do_not_specialize=['T'])
-def _push_kernel(x_ptr, row_elems, T, R, me, is_in_ptr, ptr_table, flags_off, slot, consumed_slot,
-                 stage_off, stage_src_bytes, ctr_ptr, ticket_ptr, err_ptr, phase, timeout_ns,
-                 xs_ptr, G, topk_ptr, w_ptr, K, s_off, k_off, w_off,
-                 NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr,
-                 ELEM: tl.constexpr, HAS_SCALES: tl.constexpr = False, HAS_TOPK: tl.constexpr = False,
-                 G_POW2: tl.constexpr = 1, K_POW2: tl.constexpr = 1):
-    """SM bulk mover: row ``t`` of ``x`` (``row_elems`` int8/int16/int32 words) to row ``t`` of my slot
-    in every peer ``j`` with ``is_in[t, j]``, ``RB`` rows per step, with the row's scales (``G``
-    float32, staging array at ``s_off``), top-k ids (``K`` int64, ``k_off``) and weights (``K``
-    float32, ``w_off``); the last program raises the peers' data flags (every program's stores are
-    released, system scope, before its ticket)."""
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    n = tl.load(ctr_ptr)
-    _wait_peers(ptr_table, flags_off, consumed_slot, R, me, n, err_ptr, phase, timeout_ns, HAS_TIMER)
-    for t0 in range(pid * RB, T, P * RB):
-        _push_tile(t0, x_ptr, row_elems, T, R, me, is_in_ptr, ptr_table, stage_off, stage_src_bytes, xs_ptr,
-                   G,
-                   topk_ptr, w_ptr, K, s_off, k_off, w_off, RB, BLOCK, ELEM, HAS_SCALES, HAS_TOPK, G_POW2,
-                   K_POW2)
-    if ticket_last(ticket_ptr):
-        _signal_peers(ptr_table, flags_off, slot, R, me, NC)
         tl.store(ctr_ptr, n + 1)
 
 
@@ -105,21 +78,3 @@ def _combine_push_rows(pid, P, x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_t
                     tl.store(dst_w + rr[:, None] * K + kk[None, :],
                              tl.load(w_ptr + src[:, None] * K + kk[None, :], mask=km), mask=km)
     return n
-
-
-@triton.jit(do_not_specialize=['x_rows'])
-def _combine_push_kernel(x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr, ptr_table, flags_off,
-                         stage_off, stage_src_bytes, stage_w_off, stage_w_src_bytes,
-                         ctr_ptr, ticket_ptr, err_ptr, timeout_ns, x_rows,
-                         HAS_W: tl.constexpr, NC: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
-                         K_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """SM mover for combine: rows ``[rpm[i-1, me], rpm[i, me])`` of x go to row 0.. of my slot on
-    owner ``i``, ``RB`` rows per step; the last program raises the owners' data flags. Rows at or past
-    ``x_rows`` (x's length) are not read: after a num_worst_tokens overflow, recorded as an error,
-    ``rpm`` counts more rows than x has."""
-    n = _combine_push_rows(tl.program_id(0), tl.num_programs(0), x_ptr, w_ptr, row_elems, K, R, me, rpm_ptr,
-                           ptr_table, flags_off, stage_off, stage_src_bytes, stage_w_off, stage_w_src_bytes,
-                           ctr_ptr, err_ptr, timeout_ns, x_rows, HAS_W, RB, BLOCK, K_POW2, HAS_TIMER)
-    if ticket_last(ticket_ptr):
-        _signal_peers(ptr_table, flags_off, CDATA, R, me, NC)
-        tl.store(ctr_ptr, n + 1)

@@ -38,13 +38,12 @@ a later program of its launch, the Triton interpreter's order):
    ``fence``, then one ``signal_add`` of the rows to counter ``D_RD[a][c]`` there. A relay whose buffer
    NVSHMEM maps here (``P2P``: ``internode_ht_rows``) gets the message rows written straight into its
    RDMA slot instead, and after each block their count by a release atomic: no staging, no put.
-2. **forwarders**, unit ``(a, c)`` (source ``s = (a, i)``, channel ``c``; with ``OWN_FIRST`` this node's
-   units first): for ``a`` this node, this rank's own tokens straight from the inputs; else the rows of
-   slot ``a`` as ``D_RD[a][c]`` says they arrived.
-   Each row is stored to the NVL slot of ``s`` at every other rank ``j`` of the node that wants it (row
-   ``rel[t, j]``), whose counter ``D_NV[s][c]`` then grows by its rows (a release atomic after each
-   tile); rows for this rank go straight into the outputs (unpacked as the receivers do).
-   Also the padding past the rows that arrive (``num_worst_tokens``).
+2. **forwarders**, unit ``(a, c)`` (source ``s = (a, i)``, channel ``c``; this node's units first, its
+   own tokens waiting on nothing): for ``a`` this node, this rank's own tokens straight from the inputs; else
+   the rows of slot ``a`` as ``D_RD[a][c]`` says they arrived. Each row is stored to the NVL slot of ``s`` at
+   every other rank ``j`` of the node that wants it (row ``rel[t, j]``), whose counter ``D_NV[s][c]`` then
+   grows by its rows (a release atomic after each tile); rows for this rank go straight into the outputs
+   (unpacked as the receivers do). Also the padding past the rows that arrive (``num_worst_tokens``).
 3. **receivers** (nodes of more than one rank), unit ``(s, c)`` for sources whose relay is another rank
    of this node: the rows of NVL slot ``s`` as ``D_NV[s][c]`` says, unpacked into the outputs:
    ``recv_x``, scales, the top-k ids made local and their weights, the token index (what the reference
@@ -218,14 +217,14 @@ def _hd_send(g, GS, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, 
 @triton.jit
 def _hd_forward(g, GF, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K, NSRC, NR, me, N, P, R,
                 rpm_ptr, ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, ptr_table, rdma,
-                slot_words, MW, nvl_off, TM, ctr_off, ctr32, CM, D_NV, F_NV, dc, base_ptr, tbl_ptr, SAVE, OWN_FIRST,
+                slot_words, MW, nvl_off, TM, ctr_off, ctr32, CM, D_NV, F_NV, dc, base_ptr, tbl_ptr, SAVE,
                 OWN_SPLIT, err_ptr, timeout_ns, BLOCK: tl.constexpr, RB: tl.constexpr, N_POW2: tl.constexpr, K_POW2: tl.constexpr,
                 G_POW2: tl.constexpr, S_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
     """Forwarder ``g`` of ``GF`` at relay ``(b, i)``: units ``(a, c)`` (module docstring, 2), then the padding
     rows ``[n, rows)``. With ``SAVE`` each forwarded row's positions at the node's ranks are kept for the
-    combine: ``tbl[slot a][row][j]``. With ``OWN_FIRST`` the units of this rank's own node come first (its
-    own tokens: no wait), then the other nodes' in turn; with ``OWN_SPLIT`` (nodes of one rank) there are no
-    units of its own node (``_hd_own``)."""
+    combine: ``tbl[slot a][row][j]``. The units of this rank's own node come first (its own tokens: no wait),
+    then the other nodes' in turn; with ``OWN_SPLIT`` (nodes of one rank) there are no units of its own node
+    (``_hd_own``)."""
     b = me // N
     i = me % N
     W = XW + G + 3 * K + NSRC
@@ -236,7 +235,7 @@ def _hd_forward(g, GF, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K,
                 _wait(ptr_table, me, ctr_off, F_NV + j, dc - 1, err_ptr, 2, b * N + j, timeout_ns, HAS_TIMER)
     uu = tl.arange(0, RB)
     for u in range(g, (P - OWN_SPLIT) * C, GF):  # (OWN_SPLIT: no unit of this node, _hd_own moves its rows)
-        a = (u // C + OWN_SPLIT + b * (OWN_FIRST | OWN_SPLIT)) % P
+        a = (u // C + OWN_SPLIT + b) % P
         c = u % C
         s = a * N + i
         first = tl.load(rpm_ptr + (s - 1) * R, mask=s > 0, other=0)  # source s's first row here
@@ -364,27 +363,27 @@ def _hd_receive(g, GV, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr,
         tl.store(base_ptr + nidx, base + q_hi - q_lo)
 
 
-@triton.jit(do_not_specialize=['T', 'pc', 'rows', 's_lo', 's_n', 'f_lo', 'f_n', 'v_lo', 'v_n', 'P2P', 'OWN_FIRST',
-                              'OWN_SPLIT', 'CHD'])  # (a TUNE variant: the same binary)
+@triton.jit(do_not_specialize=['T', 'pc', 'rows', 's_lo', 's_n', 'f_lo', 'f_n', 'v_lo', 'v_n', 'P2P',
+                              'OWN_SPLIT', 'CHD'])  # (a TUNE variant, nodes of one rank or more: one binary)
 def _internode_dispatch_impl_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_ptr, nco_ptr, T, pc, C, XW, G, K, NSRC, rpm_ptr, rcp_ptr,
                ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, me, N, P, R, CH, CHD, ptr_table, area_off,
                par_bytes, rdma_rel, nvl_rel, TM, ctr_off, CM, tbl_ptr, SAVE, base_ptr, cnt_ptr, ticket_ptr, err_ptr,
-               timeout_ns, s_lo, s_n, f_lo, f_n, v_lo, v_n, P2P, OWN_FIRST, OWN_SPLIT, BLOCK: tl.constexpr,
+               timeout_ns, s_lo, s_n, f_lo, f_n, v_lo, v_n, P2P, OWN_SPLIT, BLOCK: tl.constexpr,
                RB: tl.constexpr,
                N_POW2: tl.constexpr, K_POW2: tl.constexpr, G_POW2: tl.constexpr, S_POW2: tl.constexpr,
                HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
     """One dispatch (module docstring): program ``p`` is sender ``p - s_lo`` if ``s_lo <= p < s_lo + s_n``,
     then forwarder ``p - f_lo`` (of ``f_n``), then receiver ``p - v_lo`` (of ``v_n``). Inputs as int32 views:
     ``x [T, XW]``, scales ``[T, G]``, top-k ids ``[T, 2K]`` (int64), weights ``[T, K]``, ``NSRC`` (1: carry
-    the token index; 0 in a cached dispatch);
-    ``rel [T, R]``, ``npos [T, P]`` this rank's layout, tokens in channels of ``pc``, ``nco [P, C]`` their
-    channel prefix for each node; ``rpm`` column ``me`` of the rank prefix matrix (stride ``R``), ``rcp [R,
-    C]`` the handle's receive channel prefix, ``ncp [R, C]`` each source's channel prefix for this node.
-    Outputs ``rows`` rows. Areas at ``area_off + parity * par_bytes`` (the device's count of dispatches,
-    ``cnt[0]``): staging at 0, RDMA slots at ``rdma_rel``, NVL slots at ``nvl_rel``, ``TM`` rows each, of
-    ``pad4`` strides. ``P2P``: senders store to the relays NVSHMEM maps (``internode_ht_rows``), counting
-    ``CHD`` rows at a time (``CH``: Config's RDMA chunk, the puts' most rows); ``OWN_FIRST``: forwarders take their own node's units first; ``OWN_SPLIT`` (nodes of one rank only): every
-    program moves a share of this rank's own rows after its role's work (``_hd_own``)."""
+    the token index; 0 in a cached dispatch); ``rel [T, R]``, ``npos [T, P]`` this rank's layout, tokens in
+    channels of ``pc``, ``nco [P, C]`` their channel prefix for each node; ``rpm`` column ``me`` of the rank
+    prefix matrix (stride ``R``), ``rcp [R, C]`` the handle's receive channel prefix, ``ncp [R, C]`` each
+    source's channel prefix for this node. Outputs ``rows`` rows. Areas at ``area_off + parity * par_bytes``
+    (the device's count of dispatches, ``cnt[0]``): staging at 0, RDMA slots at ``rdma_rel``, NVL slots at
+    ``nvl_rel``, ``TM`` rows each, of ``pad4`` strides. ``P2P``: senders store to the relays NVSHMEM maps
+    (``internode_ht_rows``), counting ``CHD`` rows at a time (``CH``: Config's RDMA chunk, the puts' most
+    rows); ``OWN_SPLIT`` (nodes of one rank): every program moves a share of this rank's own rows after its
+    role's work (``_hd_own``)."""
     pid = tl.program_id(0)
     dc = tl.load(cnt_ptr)
     area = area_off + (dc % 2).to(tl.int64) * par_bytes  # (offsets past 2 GiB)
@@ -406,7 +405,7 @@ def _internode_dispatch_impl_kernel(x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, npos_p
         _hd_forward(pid - f_lo, f_n, x_ptr, s_ptr, id_ptr, w_ptr, rel_ptr, T, pc, C, XW, G, K, NSRC, NR, me, N, P, R,
                     rpm_ptr, ncp_ptr, rx_ptr, rs_ptr, rid_ptr, rw_ptr, rsrc_ptr, rows, lo, LX, ptr_table,
                     (me8 + area + rdma_rel).to(tl.pointer_type(tl.int32)), slot_words, MW, area + nvl_rel, TM,
-                    ctr_off, ctr32, CM, D_NV, F_NV, dc, base_ptr, tbl_ptr, SAVE, OWN_FIRST, OWN_SPLIT, err_ptr,
+                    ctr_off, ctr32, CM, D_NV, F_NV, dc, base_ptr, tbl_ptr, SAVE, OWN_SPLIT, err_ptr,
                     timeout_ns, BLOCK, RB, N_POW2, K_POW2, G_POW2, S_POW2, HAS_TIMER)
     if (pid >= v_lo) & (pid < v_lo + v_n):
         _hd_receive(pid - v_lo, v_n, XW, G, K, NSRC, me, N, P, R, C, rpm_ptr, rcp_ptr, rx_ptr, rs_ptr, rid_ptr,

@@ -28,9 +28,9 @@ Strides are padded to 16 bytes (``internode_ht_rows``).
    nodes ``b`` it went to, in node order, float32, once ``C_FN[b][c]`` counts them, then the ``NB``
    (0-2) BF16 biases in order, rounded once to BF16 (and the weights, float32).
 
-In nodes of one rank the launch's programs take both relay and final roles instead, half a channel at a
-time (``PAIR``, ``backends/internode_ht.TUNE["c_pair"]``: ``internode_ht_pair``; its halves are counted in
-``C_FN[b][c]`` and the channels in ``C_FN[b][C + c]``).
+In nodes of one rank the launch's programs take both relay and final roles instead, half a channel at a time
+where it can (``PAIR``: ``backends/internode_ht.InternodeHighThroughput.combine``, ``internode_ht_pair``; its
+halves are counted in ``C_FN[b][c]`` and the channels in ``C_FN[b][C + c]``).
 
 Free words: a sender waits for ``F_CS[i]`` (relay ``i`` read the call before last of this parity), a
 relay for ``F_FN[a]`` (source node ``a``'s final read its slots); the last program raises them and counts

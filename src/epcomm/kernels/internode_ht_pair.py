@@ -1,9 +1,9 @@
-"""The high-throughput combine in nodes of one rank as the nvlink backend's (``internode_ht_combine.py`` has the
-letters, the areas and the counters; ``backends/internode_ht.TUNE["c_pair"]``): every program first copies its
-share of the rows going back to the other nodes, then reduces its share of this rank's tokens, as the nvlink
-combine's programs push and then reduce, instead of one half of the programs copying while the other half
-reduces (the reductions, which read two rows and write one where a copy reads one and writes one, were then the
-launch's time: 12 finals each reducing a whole channel).
+"""The high-throughput combine in nodes of one rank as the nvlink backend's (``internode_ht_combine.py`` has
+the letters, the areas and the counters; where ``backends/internode_ht`` pairs a combine): every program first
+copies its share of the rows going back to the other nodes, then reduces its share of this rank's tokens, as
+the nvlink combine's programs push and then reduce, instead of one half of the programs copying while the
+other half reduces (the reductions, which read two rows and write one where a copy reads one and writes one,
+were then the launch's time: 12 finals each reducing a whole channel).
 
 **Units.** Channel ``c``'s tokens are cut in two halves, unit ``u = 2c + h`` (``h`` 0 or 1), taken by program
 ``u mod S`` of the launch's ``S`` (even: ``Config`` asks for it), units in order, each as **relay** then

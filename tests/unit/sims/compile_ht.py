@@ -9,7 +9,7 @@ import re
 from sm90 import compile_kernel, compile_one, spill_bytes
 
 from epcomm.backends.nvlink_params import TUNE, layout_launch
-from epcomm.kernels import ht_layout, ht_notify, ht_receive, ht_transfer
+from epcomm.kernels import ht_layout, ht_notify, ht_receive
 
 COMMON = {"ptr_table": "*i64", "timeout_ns": "i64", "is_in_ptr": "*i8", "topk_ptr": "*i64",
           "host_addr_ptr": "*i64"}
@@ -23,11 +23,11 @@ COMBINE = dict(COMMON, x_ptr="*bf16", w_ptr="*fp32", stage_ptr="*bf16", stage_w_
 def main() -> None:
     t = TUNE
     gather = dict(NC=4, RB=t["gather_rb"], BLOCK=t["gather_block"], R_POW2=8, K_POW2=8, G_POW2=64, HAS_TIMER=True,
-                  STAGES=t["gather_stages"], ONE_LOAD=t["gather_one_load"], PUSH_RB=t["push_rb"],
-                  PUSH_BLOCK=t["push_block"], PREFETCH=False, ELEM=tl.int32)
+                  STAGES=t["gather_stages"], PUSH_RB=t["push_rb"],
+                  PUSH_BLOCK=t["push_block"], ELEM=tl.int32)
     reduce = dict(NC=4, TB=t["reduce_tb"], BLOCK=t["reduce_block"], R_POW2=2, K_POW2=8, HAS_TIMER=True, STAGES=3)
-    # the exchange kernel unfused (Buffer, and ElasticBuffer by default) and with the layout fused in
-    # (TUNE v2_fused_layout: DSv3 at world 1, and 8 ranks; 300 experts: two histogram blocks)
+    # the exchange kernel unfused (Buffer, and ElasticBuffer's captured dispatch) and with the layout fused in
+    # (ElasticBuffer's eager dispatch: DSv3 at world 1, and 8 ranks; 300 experts: two histogram blocks)
     cases = [
         (ht_notify._dispatch_notify_kernel, COMMON,
          dict(BLOCK=t["notify_block"], R_POW2=r, C_POW2=32, K_POW2=8, TB=128, CHECK_WORST=w, CHECK_TOPK=True,
@@ -48,9 +48,6 @@ def main() -> None:
         (ht_receive._combine_kernel, COMBINE, dict(reduce, HAS_W=True, NUM_BIAS=2, PUSH_RB=t["cpush_rb"],
                                                    PUSH_BLOCK=t["cpush_block"]), t["reduce_warps"]),
         (ht_receive._reduce_kernel, COMBINE, dict(reduce, HAS_W=True, NUM_BIAS=1), t["reduce_warps"]),
-        (ht_transfer._combine_push_kernel, dict(COMMON, w_ptr="*fp32"),
-         dict(HAS_W=True, NC=4, RB=t["cpush_rb"], BLOCK=t["cpush_block"], K_POW2=8, HAS_TIMER=True),
-         t["cpush_warps"]),
     ]
     fused = [c for c in cases if c[2].get("FUSED_LAYOUT")]
     print("plan", len(cases) + 1 + len(fused))  # the test asks for one "ok" line each

@@ -4,7 +4,6 @@ process (peer buffers are plain CPU tensors), against the reference oracle. Run 
 tests/unit/sims/sim_ht.py``."""
 import epcomm.testing.interp  # noqa: F401  (sets TRITON_INTERPRET=1; must come before triton)
 import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
 from epcomm import layout  # noqa: E402
 from epcomm.backends import nvlink_params as nv  # noqa: E402
 from epcomm.kernels import ht  # noqa: E402
@@ -20,9 +19,12 @@ def _p2(v: int) -> int:
     return 1 << max(v - 1, 0).bit_length()
 
 
-def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push="ce", one_load=False, ce_chunks=4):
+def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, ce_chunks=4):
     """``start``: every per-call counter (and the flags that follow it) starts there, e.g. 2**31 - 1 so
-    that the counters and the copy-engine data flags (NC per call) cross the int32 wrap in this call."""
+    that the counters and the copy-engine data flags (NC per call) cross the int32 wrap in this call.
+    The transfers are the copy engine's, emulated (copies, then the flag kernels); the SM push runs inside the
+    receive kernels (``PUSH``, ``_combine_kernel``), whose programs wait on each other across ranks: the
+    tier-2 runs (tests/dist/test_nvlink_cpu.py, one process a rank) cover it."""
     case = Case(num_ranks=R, tokens=T, hidden=H, num_topk=K, num_experts=E, seed=1, hot_expert=1)
     L = E // R
     meta_src = nv._align((R + nv.L_MAX + nv.C_MAX) * 4, 16)
@@ -76,7 +78,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
                 DO_RECV=phase == "recv", HAS_TIMER=False)
             if phase == "recv":
                 s["nctr"] -= 0
-    # the transfer: the copy engine emulated (copies, then NC flag kernels), or the SM push kernel
+    # the transfer: the copy engine emulated (copies, then NC flag kernels)
     for me in range(R):
         s = st[me]
         xw = s["x"].view(torch.int32)
@@ -86,20 +88,12 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
             def put(off, arr):
                 b = arr.numel() * arr.element_size()
                 symm[j][off + me * d_slot: off + me * d_slot + b] = arr.reshape(-1).view(torch.uint8)
-            if push == "ce":  # the SM push kernel carries the ids and weights itself
-                put(dx, xw)
-                put(dk, s["topk"]); put(dw, s["w"])
-        if push == "ce":
-            step = nv.NC // ce_chunks  # each copy carries ``step`` NC-chunks and raises the flag by that
-            for c in range(0, nv.NC, step):
-                ht._ce_signal_kernel[(1,)](table, 0, ht.DDATA, R, me, s["ctrs"][nv.DSEND:], step,
-                                           int(c + step == nv.NC))
-        else:
-            ht._push_kernel[(2,)](xw, row_words, T[me], R, me, s["in_rank"].view(torch.int8), table, 0, ht.DDATA,
-                                  ht.DCONSUMED, dx, d_slot, s["ctrs"][nv.DSEND:], s["tickets"][4:], s["err"], 2, 100,
-                                  s["err"], 0, s["topk"], s["w"], K, 0, dk, dw, HAS_TOPK=True, K_POW2=_p2(K),
-                                  NC=nv.NC, RB=2, BLOCK=16, HAS_TIMER=False, ELEM=tl.int32)
-            assert s["err"][0] == 0, s["err"]
+            put(dx, xw)
+            put(dk, s["topk"]); put(dw, s["w"])
+        step = nv.NC // ce_chunks  # each copy carries ``step`` NC-chunks and raises the flag by that
+        for c in range(0, nv.NC, step):
+            ht._ce_signal_kernel[(1,)](table, 0, ht.DDATA, R, me, s["ctrs"][nv.DSEND:], step,
+                                       int(c + step == nv.NC))
     outs = []
     for me in range(R):
         s = st[me]
@@ -122,7 +116,7 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
             out_x, stage_w, 0, 1, out_k, out_w, out_src, table, 0, s["ctrs"][nv.DRECV:], s["tickets"][0:],
             s["err"], 100, s["err"], 0, 0, 0, 0, 0, 0, s["ctrs"][nv.DSEND:], s["tickets"][4:], CACHED=False, IS_PREFIX=False, HAS_SCALES=False, HAS_TOPK=True, NC=nv.NC, RB=4,
             BLOCK=16, R_POW2=4,
-            K_POW2=4, G_POW2=1, HAS_TIMER=False, ONE_LOAD=one_load)
+            K_POW2=4, G_POW2=1, HAS_TIMER=False)
         assert s["err"][0] == 0, s["err"]
         assert_bitwise(out_x.view(torch.bfloat16)[:n], exp["recv_x"], f"recv_x rank {me}")
         assert_bitwise(out_k[:n], exp["recv_topk_idx"], "topk")
@@ -158,14 +152,19 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, push
                 assert err[:4].tolist() == [10, -1, bad, E], err
         outs.append(dict(x=out_x.view(torch.bfloat16)[:rows], w=out_w, rpm=rpm, sh=sh))
     assert all(bool((s["counts"] == st[0]["counts"]).all()) for s in st)
-    # combine: expert outputs = received rows * 2; push then reduce
+    # combine: expert outputs = received rows * 2; each owner's block by the emulated copy engine; reduce
     for me in range(R):
         s, o = st[me], outs[me]
         y = (o["x"].float() * 2).to(torch.bfloat16)
         o["y"] = y
-        ht._combine_push_kernel[(2,)](y.view(torch.int32), o["w"], H // 2, K, R, me, o["rpm"], table, 0, cx, c_slot,
-                                      cw, c_slot, s["ctrs"][nv.CSEND:], s["tickets"][3:], s["err"], 100, y.shape[0], HAS_W=True,
-                                      NC=nv.NC, RB=2, BLOCK=16, K_POW2=4, HAS_TIMER=False)
+        col = o["rpm"][:, me].tolist()
+        for i in range(R):
+            lo, hi = (col[i - 1] if i else 0), col[i]
+            if i != me and hi > lo:
+                rows, ws = y[lo:hi].reshape(-1).view(torch.uint8), o["w"][lo:hi].reshape(-1).view(torch.uint8)
+                symm[i][cx + me * c_slot:cx + me * c_slot + rows.numel()] = rows
+                symm[i][cw + me * c_slot:cw + me * c_slot + ws.numel()] = ws
+        ht._ce_signal_kernel[(1,)](table, 0, ht.CDATA, R, me, s["ctrs"][nv.CSEND:], nv.NC, 1)
     for me in range(R):
         s, o = st[me], outs[me]
         out = torch.empty(T[me], H, dtype=torch.bfloat16)
@@ -194,12 +193,9 @@ if __name__ == "__main__":
         dict(R=2, T=(9, 4), worst=20),
         dict(R=1, T=(6,)),
         dict(start=2 ** 31 - 1),  # counters, parities and data flags cross the int32 wrap
-        dict(push="sm"),  # the SM push kernels (tiles of rows; used under CUDA-graph capture)
-        dict(R=2, T=(9, 4), worst=20, push="sm", start=2 ** 31 - 1),
-        dict(one_load=True),  # the gather's one-load variant (TUNE gather_one_load)
+        dict(R=2, T=(9, 4), worst=20, start=2 ** 31 - 1),
         dict(ce_chunks=1, start=2 ** 31 - 1),  # one copy-engine copy per call (TUNE ce_chunks), over the wrap
         dict(R=2, T=(9, 4), ce_chunks=2),
-        dict(R=2, T=(9, 4), worst=20, push="sm", one_load=True),
     ]
     print("plan", len(RUNS))
     for kw in RUNS:

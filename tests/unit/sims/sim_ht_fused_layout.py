@@ -1,5 +1,5 @@
 """Run the exchange kernel's fused layout (``ht_notify._dispatch_notify_kernel`` with ``FUSED_LAYOUT``, its tile
-programs ``ht_layout.layout_tiles``; ``ElasticBuffer``'s dispatch with ``TUNE["v2_fused_layout"]``) under
+programs ``ht_layout.layout_tiles``; ``ElasticBuffer``'s eager dispatch: ``HTDispatch.fuses_layout``) under
 TRITON_INTERPRET=1 on CPU against the separate layout kernel (``ht_layout._layout_kernel``) followed by the same
 exchange kernel without it, bitwise: every output of the launch (``is_token_in_rank``, the two counts, the
 received counts, per-expert counts, channel prefixes, token counts and send lists, the host words, the handle's

@@ -5,6 +5,8 @@ rank is skipped). Run by ``tests/unit/test_kernel_sims.py``; alone: ``pip instal
 PYTHONPATH=src python tests/unit/sims/sim_ll.py``."""
 import epcomm.testing.interp  # noqa: F401  (sets TRITON_INTERPRET=1; must come before triton)
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from epcomm import layout, quant  # noqa: E402
 from epcomm.kernels import ll  # noqa: E402
@@ -12,6 +14,32 @@ from epcomm.testing.compare import assert_bitwise, assert_within_budget  # noqa:
 from epcomm.testing.inputs import Case, make_topk, make_x  # noqa: E402
 
 OFF = 256  # LL region offset inside each simulated symmetric buffer
+
+
+# The combine's owner and expert roles as kernels of their own (the library runs them inside
+# _ll_combine_kernel, whose programs wait on each other's roles across ranks: one process runs each rank's
+# roles one after another)
+@triton.jit(do_not_specialize=['T'])
+def _ll_combine_weights_kernel(topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off, sig_off, ticket_ptr,
+                               mask_ptr, SHRINK: tl.constexpr):
+    """Owner role of the combine (``ll._ll_weights``): push this rank's (expert id, weight) pairs to every
+    rank, then raise their weight flags (the last program)."""
+    ll._ll_weights(tl.program_id(0), tl.num_programs(0), topk_ptr, w_ptr, T, K, me, R, M, ptr_table, w_off,
+                   sig_off, ticket_ptr, mask_ptr, SHRINK)
+
+
+@triton.jit
+def _ll_combine_reduce_kernel(y_ptr, H, K, me, R, L, M, ptr_table, d_area_off, src_bytes, w_off, slot_off,
+                              c_off, sig_off, CW, wlevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr,
+                              K_POW2: tl.constexpr, BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr,
+                              SHRINK: tl.constexpr):
+    """Expert role of the combine (``ll._ll_reduce``). Program ``(r*M + t, s)``: if token ``t`` of rank ``r``
+    has experts here, ``partial = Σ_k w[k] · y[slot(k)]`` in float32 over channels ``[s*CW, (s+1)*CW)``,
+    written to rank ``r``'s combine area (after ``r``'s weights arrived); the last program raises the
+    flags."""
+    ll._ll_reduce(tl.program_id(0), tl.program_id(1), tl.num_programs(0) * tl.num_programs(1), y_ptr, H, K,
+                  me, R, L, M, ptr_table, d_area_off, src_bytes, w_off, slot_off, c_off, sig_off, CW,
+                  wlevel_ptr, ticket_ptr, err_ptr, timeout_ns, mask_ptr, K_POW2, BLOCK, HAS_TIMER, SHRINK)
 
 
 INT_MAX = 2 ** 31 - 1
@@ -128,12 +156,12 @@ def run(R=3, M=6, H=256, E=6, K=3, tokens=(5, 0, 6), use_fp8=False, round_scale=
         o["y"] = (vals * (1 + torch.arange(L).float() / 8).view(L, 1, 1)).to(torch.bfloat16)
     for me in alive:  # every owner pushes its weights before any expert side waits for them
         s = st[me]
-        ll._ll_combine_weights_kernel[(max(tokens[me], 1),)](
+        _ll_combine_weights_kernel[(max(tokens[me], 1),)](
             s["topk"], s["w"], tokens[me], K, me, R, M, table, area + lay.weights_offset, sig, s["tickets"][6:],
             s["mask"], SHRINK=bool(masked))
     for me in alive:
         s = st[me]
-        ll._ll_combine_reduce_kernel[(R * M, 2)](
+        _ll_combine_reduce_kernel[(R * M, 2)](
             outs[me]["y"], H, K, me, R, L, M, table, area, lay.dispatch_src_bytes, area + lay.weights_offset,
             area + lay.slot_offset, area + lay.combine_offset, sig, H // 2, s["levels"][2:], s["tickets"][7:],
             s["err"], 50, s["mask"], K_POW2=4, BLOCK=64, HAS_TIMER=False, SHRINK=bool(masked))
