@@ -16,6 +16,10 @@ that imported torch once (``launcher.fork_from_server``): a rank then starts in 
 instead of importing torch itself (about 2 s of CPU a rank, 130 ranks a run). With CUDA the ranks spawn, as
 a user's launches do.
 
+Progress: whatever the verbosity (CI runs ``-q``, whose dots can stand still for a minute), a line as each test
+file ends names it with its tests' count and time and the session's clock, and a test that runs 30 s without any
+such line gets one saying it still runs (``tests/progress_lines.py``).
+
 Work that leaves cores idle starts as soon as the tests are collected (``pytest_collection_finish`` below), and
 runs while tier 1 runs in this one process: tier 1's kernel scripts (``tests/unit/test_kernel_sims.py``,
 ``test_ht_kernels.py``: single-threaded processes, the longest about 30 s) at the lowest priority, and
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import os
 import sys
+
+from progress_lines import ProgressLines  # tests/progress_lines.py (this directory is on sys.path)
 
 # ``import harness`` from the tier-2 modules, whatever directory pytest was started from; spawned
 # children inherit sys.path.
@@ -47,6 +53,10 @@ _fork_ranks_from_a_server()
 
 
 _EARLY: list = []  # the test modules whose start_early ran
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(ProgressLines(), "epcomm-progress-lines")
 
 
 def pytest_collection_finish(session):
