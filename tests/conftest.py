@@ -12,9 +12,13 @@ target by module name, so the test modules must be importable by name in a child
 pytest's default ``prepend`` import mode (``--import-mode=importlib`` breaks spawning).
 
 Without CUDA (CI), every launch whose environment is the session's forks its ranks from one server process
-that imported torch once (``launcher.fork_from_server``): a rank then starts in a fraction of a second
-instead of importing torch itself (about 2 s of CPU a rank, 130 ranks a run). With CUDA the ranks spawn, as
+that imported torch, pytest and epcomm once (``launcher.fork_from_server``): a rank then starts in a fraction of
+a second instead of importing them itself (about 2 s of CPU a rank, 130 ranks a run). With CUDA the ranks spawn, as
 a user's launches do.
+
+Progress: whatever the verbosity (CI runs ``-q``, whose dots can stand still for a minute), a line as each test
+file ends names it with its tests' count and time and the session's clock, and a test that runs 30 s without any
+such line gets one saying it still runs (``tests/progress_lines.py``).
 
 Work that leaves cores idle starts as soon as the tests are collected (``pytest_collection_finish`` below), and
 runs while tier 1 runs in this one process: tier 1's kernel scripts (``tests/unit/test_kernel_sims.py``,
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import os
 import sys
+
+from progress_lines import ProgressLines  # tests/progress_lines.py (this directory is on sys.path)
 
 # ``import harness`` from the tier-2 modules, whatever directory pytest was started from; spawned
 # children inherit sys.path.
@@ -40,13 +46,19 @@ def _fork_ranks_from_a_server() -> None:
     from epcomm.testing import launcher
 
     if not torch.cuda.is_available():
-        launcher.fork_from_server()
+        # what most tier-2 modules import besides torch and epcomm (harness reads the environment at import:
+        # not here), about 0.8 s of a rank's start on a loaded 2-core machine
+        launcher.fork_from_server(preload=("pytest", "epcomm.testing.inputs", "epcomm.testing.compare"))
 
 
 _fork_ranks_from_a_server()
 
 
 _EARLY: list = []  # the test modules whose start_early ran
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(ProgressLines(), "epcomm-progress-lines")
 
 
 def pytest_collection_finish(session):

@@ -243,7 +243,7 @@ def _list_cases(case_sets) -> None:
 def cmd_bench(args) -> int:
     import torch
 
-    from .bench import report
+    from .bench import report, table
     from .bench.cases import DEFAULT_CPU, DEFAULT_GPU, resolve_cases
     from .bench.progress import Progress
     from .bench.runner import BenchPlan, run_bench
@@ -319,8 +319,9 @@ def cmd_bench(args) -> int:
             print(f"wrote {p}")
     if failed:
         print(f"{len(failed)} rows FAILED their correctness check (see the check column)")
-    print(report.render_header(result.env, result.ce_gbps, result.rows))
-    print(report.render_table(result.rows))
+    print(table.render_header(result.env, result.ce_gbps, result.rows))
+    print(table.render_table(result.rows))
+    print(table.render_summary(result.rows))
     return 1 if failed else 0
 
 

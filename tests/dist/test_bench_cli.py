@@ -77,11 +77,21 @@ def test_bench_small_end_to_end(tmp_path, capsys):
         ("ll", "dispatch", "fp8", "send"), ("ll", "combine", "bf16", "recv")}
     lines = text.rstrip().splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("case "))
-    assert len(lines) == header + 2 + len(rows)  # the table is the last thing printed
     assert lines[0].startswith("wrote 14 rows")
     assert "NOTE: CPU ranks on gloo: these times are not GPU performance" in lines[:header]
+    assert max(map(len, lines[:header])) <= 110  # the legend: a few short lines
+    body, summary = lines[header + 2:header + 2 + len(rows)], lines[header + 2 + len(rows):]
+    assert [line.split()[:2] for line in body] == [[r["case"], r["mode"]] for r in rows]  # the mode column
     timed = lines[header].index("timed")
-    assert {line[timed:timed + 4] for line in lines[header + 2:]} == {"ref ", "trip"}
+    assert {line[timed:timed + 4] for line in body} == {"ref ", "trip"}
+    # the closing summary: per path (one case each here), the reference (epcomm on CPU) against gloo-a2a
+    assert summary[0].startswith("summary: epcomm against its peer gloo-a2a") and summary[-1] == \
+        "checks: all 14 rows pass; timed calls: 9 ref, 5 trip"
+    paths = {tuple(line.split()[:2]): line.split()[2:] for line in summary[4:-1]}
+    totals = [r for r in ref_rows if r["phase"] == "total"]
+    assert set(paths) == {(r["mode"], f"{r['op']}-{r['dtype']}") for r in totals}
+    for r in totals:
+        assert paths[(r["mode"], f"{r['op']}-{r['dtype']}")] == ["reference", "wall", "1"] + [f"{r['speedup']:.2f}x"] * 3
 
 
 def test_bench_profile_writes_tables_per_operation(tmp_path, capsys):
@@ -286,7 +296,7 @@ def test_low_latency_rows_are_checked_as_timed_against_the_reference(how):
     right in the case check but wrong as timed ("late": its scales and combine output damaged after its
     first call) fails every one of its rows; a backend whose slots differ from the reference's
     ("reorder", allowed) passes its dispatch rows, and its combine rows say they had no oracle."""
-    from epcomm.bench import report
+    from epcomm.bench import report, table
 
     rows = report.merge_ranks(parallel_launch(2, _ll_timed_worker, how, backend="gloo", timeout_s=120), env={},
                               iters=2, warmup=0)
@@ -296,12 +306,12 @@ def test_low_latency_rows_are_checked_as_timed_against_the_reference(how):
     for r in fake:
         if how == "late":
             assert r["check"].startswith("rank 0: FAIL as timed (FAIL: timed low-latency " + r["op"]), r
-            assert report.timed_mark(r) == "FAIL"
+            assert table.timed_mark(r) == "FAIL"
         elif r["op"] == "dispatch":
-            assert r["check"] == r["timed_check"] == "pass" and report.timed_mark(r) == "ref"
+            assert r["check"] == r["timed_check"] == "pass" and table.timed_mark(r) == "ref"
         else:
             assert r["check"] == "pass" and r["timed_check"].startswith("not checked: this backend's slots"), r
-            assert report.timed_mark(r) == "NONE"
+            assert table.timed_mark(r) == "NONE"
 
 
 

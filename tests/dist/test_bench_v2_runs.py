@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from epcomm import cli
-from epcomm.bench import report
+from epcomm.bench import report, table
 from epcomm.bench.cases import CASE_SETS
 from epcomm.testing.launcher import parallel_launch
 
@@ -28,7 +28,17 @@ def _deadline(monkeypatch):
 
 
 @pytest.mark.parametrize("world, api", [(1, "both"), (2, "v2")])
-def test_v2_bench_rows_are_checked_as_timed_one_set_per_sm_count(world, api, tmp_path, capsys):
+def test_v2_bench_rows_are_checked_as_timed_one_set_per_sm_count(world, api, tmp_path, capsys, monkeypatch):
+    """World 1 runs as from a source archive (the package in no checkout, no ``EPCOMM_COMMIT``): its rows say
+    ``git_sha`` "unknown", a valid record. World 2 records what this tree says of itself (a commit in a
+    checkout, "unknown" in an archive)."""
+    if world == 1:
+        (tmp_path / "archive" / "epcomm").mkdir(parents=True)
+        monkeypatch.setattr(report, "_package_dir", lambda: tmp_path / "archive" / "epcomm")
+        monkeypatch.delenv("EPCOMM_COMMIT", raising=False)
+        monkeypatch.delenv("EPCOMM_COMMIT_DIRTY", raising=False)
+    sha = report.git_info()[0]
+    assert world != 1 or sha == "unknown"
     out = tmp_path / "rows.jsonl"
     rc = cli.main(["bench", "--api", api, "--cases", "small", "--world-size", str(world), "--device", "cpu",
                    "--iters", "2", "--warmup", "0", "--sets", "2", "--num-sms", "4,8", "--out", str(out),
@@ -50,12 +60,13 @@ def test_v2_bench_rows_are_checked_as_timed_one_set_per_sm_count(world, api, tmp
         assert r["check"] == "pass" and r["timed_check"] == "pass" and r["timed_oracle"] == "reference", r
         assert r["theoretical_num_sms"] == rows[0]["theoretical_num_sms"] >= 1
         assert r["median_us"] > 0 and r["host_calib_us"] > 0 and 0 < r["host_p10_us"] <= r["host_us"] <= r["host_p90_us"]
-        assert r["env"]["device"] == "cpu" and r["env"]["git_sha"] != "unknown" and r["env"]["epcomm_env"]
-    table = text.splitlines()
-    head = next(i for i, line in enumerate(table) if line.startswith("case "))
-    assert "layout" in table[head] and "theory-SMs" in table[head]
-    assert any(line.startswith("v2: ElasticBuffer rows;") for line in table[:head])  # the header explains them
-    assert sum(" expanded " in line and " none " in line for line in table[head:]) == 2 * 4  # 2 dispatch, combine, the pair
+        assert r["env"]["device"] == "cpu" and r["env"]["git_sha"] == sha and r["env"]["epcomm_env"]
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("case "))
+    assert "layout" in lines[head] and "theory-SMs" in lines[head]
+    assert f"(git {sha[:12]}" in text
+    assert any(line.startswith("v2: ElasticBuffer rows;") for line in lines[:head])  # the header explains them
+    assert sum(" expanded " in line and " none " in line for line in lines[head:]) == 2 * 4  # 2 dispatch, combine, the pair
 
 
 class _Stand:
@@ -107,6 +118,6 @@ def test_a_damaged_timed_dispatch_fails_its_rows_and_a_faithful_one_passes():
                 for rank in (0, 1):
                     assert f"rank {rank}: FAIL: timed dispatch ({r['layout']}, fp8" in r["timed_check"], r
                     assert f"rank {rank}: FAIL: timed dispatch" in r["check"], r
-                assert ") x: 1 of " in r["timed_check"] and report.timed_mark(r) == "FAIL"
+                assert ") x: 1 of " in r["timed_check"] and table.timed_mark(r) == "FAIL"
             else:  # BF16 rows (what combine and the pair send back) are untouched
-                assert r["check"] == "pass" and r["timed_check"] == "pass" and report.timed_mark(r) == "ref", r
+                assert r["check"] == "pass" and r["timed_check"] == "pass" and table.timed_mark(r) == "ref", r

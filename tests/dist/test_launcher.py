@@ -147,21 +147,24 @@ def test_a_failure_beside_a_skip_still_fails():
 
 
 def _start_up(ctx):
-    """How this rank started: its parent process, the variables it sees, and whether the interpreter's
-    start-up hook for ``EPCOMM_AS_DEEP_EP`` answered ``import deep_ep``."""
+    """How this rank started: its parent process, the variables it sees, whether the interpreter's start-up
+    hook for ``EPCOMM_AS_DEEP_EP`` answered ``import deep_ep``, and whether it started with a module that this
+    file does not import (``tests/conftest.py`` has the server import it)."""
     import importlib.util
     import os
+    import sys
 
     spec = importlib.util.find_spec("deep_ep")
     return (os.getppid(), *(os.environ.get(k) for k in ("PYTEST_CURRENT_TEST", "EPCOMM_TIMEOUT_S", "EPCOMM_AS_DEEP_EP")),
-            spec is not None and "epcomm" in (spec.origin or ""))
+            spec is not None and "epcomm" in (spec.origin or ""), "epcomm.testing.compare" in sys.modules)
 
 
 def test_ranks_fork_from_the_server_with_the_launchs_variables_and_spawn_for_start_up_ones(monkeypatch):
-    """The session's launches fork their ranks from the server that imported torch (their parent is not this
-    process), each with the launch's variables: the test's own PYTEST_CURRENT_TEST and an epcomm variable set
-    since (read in the rank). A launch with a variable that the interpreter's start-up reads set since
-    (EPCOMM_AS_DEEP_EP, epcomm_as_deep_ep.pth) spawns: a fresh interpreter, whose start-up hook sees it."""
+    """The session's launches fork their ranks from the server that imported torch, epcomm and the test helpers
+    (their parent is not this process; their modules are there before their target's), each with the launch's
+    variables: the test's own PYTEST_CURRENT_TEST and an epcomm variable set since (read in the rank). A launch
+    with a variable that the interpreter's start-up reads set since (EPCOMM_AS_DEEP_EP, epcomm_as_deep_ep.pth)
+    spawns: a fresh interpreter, whose start-up hook sees it."""
     import os
 
     from epcomm.testing import launcher
@@ -171,7 +174,7 @@ def test_ranks_fork_from_the_server_with_the_launchs_variables_and_spawn_for_sta
     here = os.environ["PYTEST_CURRENT_TEST"]
     monkeypatch.setenv("EPCOMM_TIMEOUT_S", "17")
     for got in parallel_launch(2, _start_up, backend="gloo", timeout_s=60):
-        assert got[0] != os.getpid() and got[1:] == (here, "17", None, False), got
+        assert got[0] != os.getpid() and got[1:] == (here, "17", None, False, True), got
     monkeypatch.setenv("EPCOMM_AS_DEEP_EP", "1")
     for got in parallel_launch(2, _start_up, backend="gloo", timeout_s=60):
-        assert got[0] == os.getpid() and got[1:] == (here, "17", "1", True), got
+        assert got[0] == os.getpid() and got[1:] == (here, "17", "1", True, False), got

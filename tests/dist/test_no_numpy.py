@@ -1,5 +1,7 @@
-"""Tier 2: a Buffer needs no NumPy (it is not a dependency of epcomm). Two plain ``python`` processes
-with ``import numpy`` made to fail (as in a fresh virtualenv with only torch and epcomm) build a Buffer
+"""Tier 2: NumPy is a dependency of epcomm, yet a Buffer on the reference backend runs without it (an install
+with ``--no-deps`` beside a torch that came without it). Without NumPy torch warns "Failed to initialize NumPy"
+at every import, once per process (five times in one ``epcomm bench``), and the GPU backends cannot run: so
+``pip install -e .`` brings it. Two plain ``python`` processes with ``import numpy`` made to fail build a Buffer
 on gloo, dispatch and combine, and exchange results the way ``epcomm check`` under torchrun does. Before,
 the ranks exchanged pickled objects (``dist.all_gather_object``), which raised ``RuntimeError: Numpy is
 not available``. Where NumPy is missing, the GPU backends say so instead of failing later.
@@ -7,9 +9,11 @@ not available``. Where NumPy is missing, the GPU backends say so instead of fail
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +75,12 @@ def test_the_gpu_backends_say_they_need_numpy(monkeypatch, backend):
     buf = types.SimpleNamespace(device=torch.device("cuda", 0))
     ok, why = mod.availability(buf)
     assert not ok and "numpy" in why, (ok, why)
+
+
+def test_numpy_is_a_dependency_so_no_command_warns_about_it():
+    """``pip install torch==2.13.0 -e .`` (README's first command) installs NumPy: without it torch's import warns
+    in every process of every command, and the nvlink and internode backends are unavailable."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0].lower() for req in project["dependencies"]}
+    assert "numpy" in names, project["dependencies"]

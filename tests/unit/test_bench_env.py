@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import epcomm
-from epcomm.bench import report
+from epcomm.bench import report, table
 
 GIT = shutil.which("git")
 needs_git = pytest.mark.skipif(GIT is None, reason="git is not installed")
@@ -157,5 +157,5 @@ def test_version_is_the_installed_distributions(monkeypatch):
 
 def test_header_without_a_commit():
     env = report.environment({"device": "cpu", "gpu_count": 0}, 1, "gloo", ["reference"])
-    text = report.render_header({**env, "git_sha": None, "git_dirty": None}, None)
+    text = table.render_header({**env, "git_sha": None, "git_dirty": None}, None)
     assert "(git unknown)" in text

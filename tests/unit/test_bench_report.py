@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from epcomm.bench import report
+from epcomm.bench import report, table
 from epcomm.bench.cases import BenchCase
 
 CASE = dataclasses.asdict(BenchCase("small", "ht", 64, 256, 4, 16))
@@ -75,24 +75,81 @@ def test_jsonl_rows_carry_every_field(tmp_path):
 def test_table_rendering():
     rows = report.merge_ranks([[result("nvlink", 12.3e-6), result("gloo-a2a", 1234.5e-6)]], env=ENV, iters=3,
                               warmup=1, ce_gbps=None)
-    text = report.render_table(rows)
+    text = table.render_table(rows)
     lines = text.splitlines()
-    assert lines[0].split()[:3] == ["case", "T", "H"] and "speedup" in lines[0] and "%CE" not in lines[0]
+    assert lines[0].split()[:3] == ["case", "mode", "T"] and "speedup" in lines[0] and "%CE" not in lines[0]
     assert set(lines[1]) <= {"-", " "}
     assert "12.3" in lines[2] and "100.37x" in lines[2] and "dispatch-bf16" in lines[2]
     assert "1234" in lines[3] or "1235" in lines[3]
     rows[0]["link_fraction"] = 0.5
-    assert "%CE" in report.render_table(rows) and "50%" in report.render_table(rows)
+    assert "%CE" in table.render_table(rows) and "50%" in table.render_table(rows)
+
+
+def test_the_mode_column_tells_ht_and_ll_rows_of_one_case_apart():
+    ll = {**CASE, "mode": "ll"}
+    rows = report.merge_ranks([[result("reference", 1e-5), {**result("reference", 2e-5), "case": ll}]], env=ENV,
+                              iters=1, warmup=0)
+    head, _, ht_line, ll_line = table.render_table(rows).splitlines()
+    assert head.split()[:3] == ["case", "mode", "T"]
+    assert ht_line.split()[:2] == ["small", "ht"] and ll_line.split()[:2] == ["small", "ll"]
+    assert "eager/graph" not in head  # no graph rows, no column
+    rows[0]["eager_over_graph"] = 1.5
+    assert "eager/graph" in table.render_table(rows).splitlines()[0]
+
+
+def test_the_legend_is_a_few_short_lines():
+    rows = report.merge_ranks([[result("nvlink", 1e-5), result("gloo-a2a", 2e-5)]], env=ENV, iters=1, warmup=0)
+    for env, ce in ((ENV, None), ({**ENV, "device": "NVIDIA H200", "gpu_count": 8, "driver": "570.1", "cuda": "12.8",
+                                   "nccl": "2.27.3", "transport": "nccl", "epcomm_env": {"EPCOMM_TUNE": "a=1"}}, 386.0)):
+        lines = table.render_header(env, ce, rows).splitlines()
+        assert max(map(len, lines[2:])) <= 110, [line for line in lines if len(line) > 110]
+        assert len(lines) <= 10
+    assert "peer us: gloo-a2a (torch.distributed all-to-all)" in "\n".join(lines)
+
+
+def _path_rows(backend, mode, op, dtype, speedups, timing="events"):
+    """Rows of one path at len(speedups) token counts, each ``speedup`` times faster than its peer."""
+    rows = []
+    for t, s in zip((1, 4, 16, 64), speedups):
+        rows.append({"case": "small", "mode": mode, "tokens": t, "op": op, "dtype": dtype, "phase": "total",
+                     "backend": backend, "timing": timing, "api": "v1", "speedup": s, "check": "pass",
+                     "timed_check": "pass", "timed_oracle": "reference"})
+    return rows
+
+
+def test_the_summary_gives_each_path_against_its_peer():
+    rows = (_path_rows("nvlink", "ht", "dispatch", "bf16", [2.0, 8.0]) + _path_rows("nvlink", "ll", "dispatch", "fp8", [0.5])
+            + _path_rows("nvlink", "ht", "dispatch", "bf16", [3.0], timing="graph")
+            + _path_rows("reference", "ht", "dispatch", "bf16", [0.1, 0.1])  # the oracle beside a fast backend
+            + [{**_path_rows("nvlink", "ll", "dispatch", "fp8", [None])[0], "phase": "send"}]  # no peer for a half
+            + [{**r, "speedup": 1.0, "timed_oracle": "round trip"} for r in _path_rows("nccl-a2a", "ht", "dispatch",
+                                                                                       "bf16", [1.0])])
+    rows[1].update(check="rank 1: FAIL: recv_x differs", timed_check="rank 1: FAIL: timed dispatch")
+    lines = table.render_summary(rows).splitlines()
+    assert lines[0].startswith("summary: epcomm against its peer nccl-a2a (torch.distributed all-to-all)")
+    assert [line.split() for line in lines[4:-1]] == [
+        ["ht", "dispatch-bf16", "nvlink", "events", "2", "4.00x", "2.00x", "8.00x"],  # geometric mean of 2 and 8
+        ["ll", "dispatch-fp8", "nvlink", "events", "1", "0.50x", "0.50x", "0.50x"],
+        ["ht", "dispatch-bf16", "nvlink", "graph", "1", "3.00x", "3.00x", "3.00x"]]
+    assert lines[-1] == "checks: 1 of 8 rows FAILED (see the check column); timed calls: 6 ref, 1 trip, 1 FAIL"
+    only_ref = table.render_summary(_path_rows("reference", "ll", "combine", "bf16", [0.25, 1.0])
+                                    + _path_rows("gloo-a2a", "ll", "combine", "bf16", [1.0, 1.0]))
+    assert only_ref.splitlines()[4].split() == ["ll", "combine-bf16", "reference", "events", "2", "0.50x", "0.25x",
+                                                "1.00x"]  # on CPU the reference is epcomm's path
+    v2 = [{**r, "api": "v2", "layout": "expanded", "cpu_sync": False, "sms": 20}
+          for r in _path_rows("nvlink", "ht", "combine", "bf16", [None])]
+    assert table.render_summary(v2).splitlines()[0] == \
+        "summary: 1 path(s) without a speedup: V2 rows have no peer at their layouts"
 
 
 def test_op_label():
-    assert report.op_label({"op": "dispatch", "dtype": "fp8", "phase": "send"}) == "dispatch-fp8:send"
-    assert report.op_label({"op": "dispatch", "dtype": "bf16", "phase": "total", "cached": True}) == \
+    assert table.op_label({"op": "dispatch", "dtype": "fp8", "phase": "send"}) == "dispatch-fp8:send"
+    assert table.op_label({"op": "dispatch", "dtype": "bf16", "phase": "total", "cached": True}) == \
         "dispatch-bf16(cached)"
 
 
 def test_header_names_device_versions_and_ceiling():
-    text = report.render_header({**ENV, "device": "NVIDIA H200", "gpu_count": 2, "driver": "570.1",
+    text = table.render_header({**ENV, "device": "NVIDIA H200", "gpu_count": 2, "driver": "570.1",
                                  "cuda": "12.8", "nccl": "2.27.3"}, 386.0)
     assert "NVIDIA H200 x2" in text and "driver 570.1" in text and "386.0 GB/s" in text
 
@@ -105,7 +162,7 @@ def test_environment_record(monkeypatch):
     # epcomm's version and commit: tests/unit/test_bench_env.py (git_sha is None outside a checkout)
     assert env["world_size"] == 4 and env["driver"] is None and env["epcomm"]
     assert env["epcomm_env"] == {"EPCOMM_TUNE": "push_rb=4"}  # the variables that shaped the run
-    assert "set: EPCOMM_TUNE=push_rb=4" in report.render_header(env, None)
+    assert "set: EPCOMM_TUNE=push_rb=4" in table.render_header(env, None)
 
 
 def test_plots(tmp_path):
@@ -140,9 +197,9 @@ def test_rows_say_how_the_ranks_were_started():
     assert report.launch_description({}) == "local processes"
     assert report.launch_description({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}) == "torchrun: 2 host(s) x 8 rank(s)"
     assert report.launch_description({"WORLD_SIZE": "2"}) == "torchrun: 1 host(s) x 2 rank(s)"
-    head = report.render_header(dict(ENV, launch="torchrun: 2 host(s) x 8 rank(s)"), None)
+    head = table.render_header(dict(ENV, launch="torchrun: 2 host(s) x 8 rank(s)"), None)
     assert "2 ranks on gloo (torchrun: 2 host(s) x 8 rank(s))" in head.splitlines()[0]
-    assert "torchrun" not in report.render_header(ENV, None)
+    assert "torchrun" not in table.render_header(ENV, None)
 
 
 def test_no_speedup_against_a_gloo_exchange_of_gpu_tensors():
@@ -153,12 +210,12 @@ def test_no_speedup_against_a_gloo_exchange_of_gpu_tensors():
     fast, peer = report.merge_ranks([rank], env=shared, iters=3, warmup=1)
     assert fast["peer_us"] == pytest.approx(1300.0) and fast["speedup"] is None and peer["speedup"] is None
     assert fast["caveat"] == "ranks share GPUs through gloo: host times only; GPU times are not performance"
-    head = report.render_header(shared, None, [fast, peer])
+    head = table.render_header(shared, None, [fast, peer])
     assert "peer gloo-a2a: GPU tensors exchanged through gloo (the host): no speedup is shown" in head
     assert "NOTE: ranks share GPUs" in head
     cpu, _ = report.merge_ranks([rank], env=ENV, iters=3, warmup=1)
     assert cpu["speedup"] == pytest.approx(130.0) and cpu["caveat"].startswith("CPU ranks on gloo")
-    assert "no speedup" not in report.render_header(ENV, None, [cpu])
+    assert "no speedup" not in table.render_header(ENV, None, [cpu])
     dedicated = {**shared, "gpu_count": 8, "transport": "nccl"}
     nccl, _ = report.merge_ranks([[result("nvlink", 10e-6), result("nccl-a2a", 50e-6)]], env=dedicated, iters=3,
                                  warmup=1)
@@ -169,12 +226,12 @@ def test_timed_column_marks_rows_without_an_oracle_check():
     rows = report.merge_ranks([[result("nvlink", 1e-5), result("gloo-a2a", 1e-5)]], env=ENV, iters=1, warmup=0)
     rows[0].update(timed_check="pass", timed_oracle="reference")
     rows[1].update(timed_check="pass", timed_oracle="round trip")
-    assert [report.timed_mark(r) for r in rows] == ["ref", "trip"]
+    assert [table.timed_mark(r) for r in rows] == ["ref", "trip"]
     for v, mark in (("not run: --no-check", "NONE"), ("not checked: slots differ", "NONE"),
                     ("rank 1: FAIL: timed dispatch", "FAIL")):
-        assert report.timed_mark({**rows[0], "timed_check": v}) == mark
-    table = report.render_table([{**rows[0], "timed_check": "not run"}])
-    assert " NONE " in table.splitlines()[2]
+        assert table.timed_mark({**rows[0], "timed_check": v}) == mark
+    text = table.render_table([{**rows[0], "timed_check": "not run"}])
+    assert " NONE " in text.splitlines()[2]
 
 
 def test_progress_off_a_terminal_writes_a_few_lines(capsys):

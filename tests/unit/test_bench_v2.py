@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from epcomm import cli
-from epcomm.bench import report, v2
+from epcomm.bench import report, table, v2
 from epcomm.bench.cases import BenchCase
 from epcomm.bench.runner import BenchPlan
 
@@ -70,10 +70,10 @@ def test_v2_rows_stay_apart_by_layout_sync_and_sms_and_pair_with_their_graph_row
     assert nosync["graph_us"] == pytest.approx(10.0) and nosync8["graph_us"] == pytest.approx(4.0)
     assert sync["graph_us"] is None and expanded["graph_us"] is None  # no graph row of their own
     assert tuple(rows[0]) == report.ROW_FIELDS
-    table = report.render_table(rows).splitlines()
-    assert table[0].split()[5:10] == ["op", "api", "layout", "sync", "theory-SMs"]
-    assert table[2].split()[5:11] == ["dispatch-bf16", "v2", "contiguous", "cpu", "6", "nvlink"]
-    assert table[5].split()[6:9] == ["v2", "expanded", "none"]
+    lines = table.render_table(rows).splitlines()
+    assert lines[0].split()[6:11] == ["op", "api", "layout", "sync", "theory-SMs"]
+    assert lines[2].split()[6:12] == ["dispatch-bf16", "v2", "contiguous", "cpu", "6", "nvlink"]
+    assert lines[5].split()[7:10] == ["v2", "expanded", "none"]
 
 
 def test_v1_rows_say_v1_and_their_table_has_no_v2_columns():
@@ -82,7 +82,7 @@ def test_v1_rows_say_v1_and_their_table_has_no_v2_columns():
         r.pop(k)
     (row,) = report.merge_ranks([[r]], env=ENV, iters=1, warmup=0)
     assert row["api"] == "v1" and row["layout"] is None and row["cpu_sync"] is None
-    assert "layout" not in report.render_table([row]).splitlines()[0]
+    assert "layout" not in table.render_table([row]).splitlines()[0]
 
 
 class _Handle:

@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from . import report
+from .table import op_label
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ def render_summary(summary: list[dict], runs: list[dict], trees: tuple[Tree, Tre
     body = []
     for s in summary:
         bad = [c for c in s["checks"] if c != "pass"] + [c for c in s["timed_checks"] if c != "pass"]
-        body.append([s["case"], str(s["tokens"]), report.op_label(s), s["backend"], s["timing"], s["tree"],
+        body.append([s["case"], str(s["tokens"]), op_label(s), s["backend"], s["timing"], s["tree"],
                      ",".join(c.split("+")[0][:10] + ("+dirty" if c.endswith("+dirty") else "")
                               for c in s["commits"]) or "-",
                      f"{s['rounds']}/{s['of']}",

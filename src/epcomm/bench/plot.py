@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .report import op_label
+from .table import op_label
 
 
 def _matplotlib():

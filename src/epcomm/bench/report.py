@@ -1,4 +1,5 @@
-"""Benchmark reports: the environment record, merging per-rank results into rows, JSONL, the table.
+"""Benchmark reports: the environment record, merging per-rank results into rows, JSONL (the table that
+``epcomm bench`` prints: bench/table.py).
 
 A row (one JSON object per line) holds::
 
@@ -351,127 +352,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-# ----------------------------------------------------------------------------- the table
-
-
-def op_label(row: dict) -> str:
-    """``dispatch-fp8``, ``combine-bf16``, ``dispatch-fp8:send`` (+ ``(cached)``)."""
-    s = f"{row['op']}-{row['dtype']}"
-    if row.get("phase", "total") != "total":
-        s += f":{row['phase']}"
-    if row.get("cached"):
-        s += "(cached)"
-    return s
-
-
-def _gbps(v) -> str:
-    """3 significant digits at most, never a misleading ``0.00``."""
-    if v is None:
-        return "-"
-    if v >= 100:
-        return f"{v:.0f}"
-    if v >= 10:
-        return f"{v:.1f}"
-    if v >= 1:
-        return f"{v:.2f}"
-    return f"{v:.3g}"
-
-
 def _max_us(values) -> float | None:
     """The largest of per-rank seconds, in µs; None where any is None."""
     vs = list(values)
     return None if not vs or any(v is None for v in vs) else max(vs) * 1e6
-
-
-def _us(v) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.1f}" if v < 1000 else f"{v:.0f}"
-
-
-def timed_mark(row: dict) -> str:
-    """The table's ``timed`` column: ``ref`` (the timed call matched the reference's result), ``trip``
-    (the peer's round trip held), ``FAIL``, or ``NONE`` (no check of the timed call: see timed_check)."""
-    v = row.get("timed_check") or "not run"
-    if timed_check_failed(v):
-        return "FAIL"
-    if v != "pass":
-        return "NONE"
-    return {"reference": "ref", "round trip": "trip"}.get(row.get("timed_oracle"), "?")
-
-
-def _check(v: str) -> str:
-    return v if len(v) <= 60 else v[:57] + "..."
-
-
-def render_table(rows: list[dict]) -> str:
-    """A fixed-width text table, one line per row, in run order."""
-    show_ce = any(r.get("link_fraction") is not None for r in rows)
-    show_v2 = any(r.get("api") == "v2" for r in rows)
-    v2_head = ["api", "layout", "sync", "theory-SMs"] if show_v2 else []
-    head = ["case", "T", "H", "K", "E", "op"] + v2_head + ["backend", "median us", "p10", "p90", "host us",
-            "DeepEP GB/s", "link GB/s"] + (["%CE"] if show_ce else []) + ["SMs", "timing", "eager/graph",
-                                                                          "peer us", "speedup", "timed", "check"]
-    body = []
-    for r in rows:
-        line = [r["case"], str(r["tokens"]), str(r["hidden"]), str(r["topk"]), str(r["experts"]), op_label(r)]
-        if show_v2:
-            v2 = r.get("api") == "v2"
-            line += [r.get("api") or "v1", r.get("layout") or "-",
-                     ("cpu" if r.get("cpu_sync") else "none") if v2 else "-",
-                     str(r.get("theoretical_num_sms")) if v2 else "-"]
-        line += [r["backend"], _us(r["median_us"]), _us(r["p10_us"]), _us(r["p90_us"]), _us(r.get("host_us")),
-                _gbps(r["logical_gbps"]), _gbps(r["link_gbps"])]
-        if show_ce:
-            lf = r.get("link_fraction")
-            line.append("-" if lf is None else f"{100 * lf:.0f}%")
-        eg = r.get("eager_over_graph")
-        line += [str(r["sms"]), r["timing"], "-" if eg is None else f"{eg:.2f}", _us(r.get("peer_us")),
-                 "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x", timed_mark(r), _check(r["check"])]
-        body.append(line)
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    left = {0, 5, 6 + len(v2_head), len(head) - 2, len(head) - 1} | set(range(6, 6 + len(v2_head)))
-
-    def fmt(cells):
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(b) for b in body]
-    return "\n".join(line.rstrip() for line in lines)
-
-
-def render_header(env: dict, ce_gbps: float | None, rows: list[dict] | None = None) -> str:
-    """Lines naming the device, versions and date above the table, what the columns count, and what
-    the times are not (CPU ranks, shared GPUs); ``rows`` name a gloo-staged peer, if any."""
-    staged = sorted({r["backend"] for r in rows or [] if r["backend"].endswith("-a2a")
-                     and staged_peer(r["backend"], env)})
-    dev = env["device"] + (f" x{env['gpu_count']}" if env.get("gpu_count") else "")
-    lines = [
-        (f"epcomm bench | {dev} | {env['world_size']} ranks on {env['transport']}"
-         + (f" ({env['launch']})" if str(env.get("launch", "")).startswith("torchrun") else "")
-         + f" | backends: {', '.join(env['backends'])}"),
-        f"torch {env['torch']} | triton {env['triton'] or 'absent'} | epcomm {env['epcomm']} "
-        f"(git {(env.get('git_sha') or 'unknown')[:12]}{'+dirty' if env.get('git_dirty') else ''}"
-        f"{' from EPCOMM_COMMIT' if env.get('commit_source') == 'EPCOMM_COMMIT' else ''}) | "
-        + (f"driver {env['driver']} | cuda {env['cuda']} | nccl {env['nccl']} | " if env.get("gpu_count") else "")
-        + env["date"],
-    ]
-    if env.get("epcomm_env"):
-        lines.append("set: " + " ".join(f"{k}={v}" for k, v in env["epcomm_env"].items()))
-    if ce_gbps is not None:
-        lines.append(f"copy-engine peer ceiling: {ce_gbps:.1f} GB/s per direction (256 MiB, both directions at once)")
-    lines.append("times: max over ranks of each rank's median; GB/s: min over ranks; DeepEP = logical bytes as "
-                 "DeepEP's tests count them (HT: rows received, own included; LL: per (token, expert) selection "
-                 "of the rank's tokens, FP8 messages + 16 B); link = bytes other "
-                 "ranks wrote into the rank, as the backend lays them out")
-    lines.append("timed: the timed call's output checked against ref (the reference's result on those inputs) "
-                 "or trip (the peer's round trip); NONE: not checked (see timed_check)")
-    if any(r.get("api") == "v2" for r in rows or []):
-        lines.append("v2: ElasticBuffer rows; sync cpu = do_cpu_sync=True, none = worst-case sizing (no host wait); "
-                     "SMs = the num_sms passed, theory-SMs = get_theoretical_num_sms; ref = the reference-backend "
-                     "ElasticBuffer's result on those inputs, bitwise (dispatch: valid rows; combine: all)")
-    if any(staged):
-        lines.append(f"peer {', '.join(staged)}: GPU tensors exchanged through gloo (the host): no speedup is shown")
-    note = caveat(env)
-    if note is not None:
-        lines.append(f"NOTE: {note}")
-    return "\n".join(lines)

@@ -15,10 +15,11 @@ correctness of the multi-rank paths, its timings mean nothing.
 
 Start-up: a spawned rank is a fresh interpreter that imports torch itself, about 2 s of CPU a rank and
 a launch. After ``fork_from_server()`` (the test suite calls it, ``tests/conftest.py``), a launch forks its
-ranks from one server process that imported torch once (multiprocessing's forkserver), as long as the
-launch's environment differs from the server's in nothing but variables the rank reads itself (epcomm's,
-pytest's, Triton's, TorchInductor's; not the start-up hook's ``EPCOMM_AS_DEEP_EP``); a launch with any other
-variable set since (which the interpreter's start-up or torch's import may read) spawns, as before.
+ranks from one server process that imported torch, epcomm and the modules the caller named once
+(multiprocessing's forkserver), as long as the launch's environment differs from the server's in nothing but
+variables the rank reads itself (epcomm's, pytest's, Triton's, TorchInductor's; not the start-up hook's
+``EPCOMM_AS_DEEP_EP``); a launch with any other variable set since (which the interpreter's start-up or torch's
+import may read) spawns, as before.
 
 Under ``torchrun`` (one process per rank, on one node or many) nothing is spawned: ``env_world()`` reads
 the world torchrun put in the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
@@ -185,7 +186,7 @@ def env_launch(world: EnvWorld, world_size: int, fn: Callable, *args, backend: s
 
 def _all_gather_results(group, rank: int, out, timeout_s: float) -> list:
     """Every rank's ``out``, by rank: pickled and exchanged as tensors (``dist.all_gather_object`` needs
-    NumPy, which epcomm does not)."""
+    NumPy, which the reference backend does not: an install with ``--no-deps`` may lack it)."""
     from ..backends import deadline
 
     blobs = deadline.all_gather_bytes(group, pickle.dumps(out), rank, "the launcher's result exchange", timeout_s)
@@ -208,10 +209,11 @@ def share_gpu(world_size: int) -> bool:
 
 # The environment the fork server started in (``fork_from_server``), or None: every launch spawns.
 _SERVER_ENV: dict[str, str] | None = None
-# The server ran the interpreter's start-up and imported torch, nothing else: the variables of packages it did
-# not import (epcomm, pytest, Triton, TorchInductor: tests and torch.compile set some) are read in the rank,
-# after it takes the launch's environment; but the switch that epcomm's start-up hook (epcomm_as_deep_ep.pth)
-# reads. Any other variable set or changed since makes the launch spawn.
+# The server ran the interpreter's start-up and imported torch, epcomm and the modules its caller named, nothing
+# else: the variables of epcomm and pytest (which they read when called, never at import) and of the packages
+# it did not import (Triton, TorchInductor: tests and torch.compile set some) are read in the rank, after it
+# takes the launch's environment; but the switch that epcomm's start-up hook (epcomm_as_deep_ep.pth) reads.
+# Any other variable set or changed since makes the launch spawn.
 _READ_IN_RANK = ("EPCOMM_", "PYTEST_", "TRITON_", "TORCHINDUCTOR_")
 _START_UP = "EPCOMM_AS_DEEP_EP"
 
@@ -220,18 +222,19 @@ def _read_in_rank(name: str) -> bool:
     return name.startswith(_READ_IN_RANK) and name != _START_UP
 
 
-def fork_from_server() -> bool:
+def fork_from_server(preload: tuple[str, ...] = ()) -> bool:
     """From now on, a launch whose environment is this one (see the module doc) forks its ranks from a server
-    process that has imported torch, instead of spawning interpreters that each import it; a rank still
-    starts with the launch's environment and ``sys.path``, and unpickles its target by module name. False
-    where the platform has no forkserver: launches spawn."""
+    process that has imported torch, epcomm's package and launcher, and the modules in ``preload`` (none may
+    read the environment at import: Triton reads ``TRITON_INTERPRET``, which a rank sets), instead of spawning
+    interpreters that each import them; a rank still starts with the launch's environment and ``sys.path``,
+    and unpickles its target by module name. False where the platform has no forkserver: launches spawn."""
     global _SERVER_ENV
     if "forkserver" not in mp.get_all_start_methods():
         return False
     from multiprocessing import forkserver
 
     os.environ.update(SAFE_ENV)  # as every launch sets them
-    mp.get_context("forkserver").set_forkserver_preload(["torch"])
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "epcomm", __name__, *preload])
     forkserver.ensure_running()
     _SERVER_ENV = dict(os.environ)
     return True
