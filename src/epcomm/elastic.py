@@ -105,8 +105,9 @@ class ElasticBuffer:
                            explicitly_destroy=True)
         self._backend = self._engine._backend
         if _env.timeout_s(None) is None:  # EPCOMM_TIMEOUT_S, where set, wins
-            self._backend.timeout_s = float(num_gpu_timeout_secs if self._engine.device.type == "cuda"
-                                            else num_cpu_timeout_secs)
+            on_gpu = self._engine.device.type == "cuda"
+            self._backend.timeout_s = _env.Seconds(num_gpu_timeout_secs if on_gpu else num_cpu_timeout_secs,
+                                                   "num_gpu_timeout_secs" if on_gpu else "num_cpu_timeout_secs")
         self._host_checks = self._engine._host_checks
         self.device = self._engine.device
         nodes = self._engine.node_map[0]
@@ -138,7 +139,7 @@ class ElasticBuffer:
         from .backends.nvlink_params import TUNE  # (recv_meta's outputs: native.Outputs where wanted)
 
         deadline.prepare_native(self.group, self.rank_idx, self.device, TUNE["native_alloc"],
-                                _env.timeout_s(float(self.num_cpu_timeout_secs)))
+                                self._host_timeout_s())
         from . import native
 
         # a call's kind from its tensors: _validate.signatures, or in one C++ call (TUNE["native_key"])
@@ -234,7 +235,12 @@ class ElasticBuffer:
     def _meet(self, phase: str) -> None:
         """Every rank of the group meets here, or ``PeerTimeoutError`` naming this rank and ``phase`` after
         the host deadline (``EPCOMM_TIMEOUT_S`` where set, else ``num_cpu_timeout_secs``)."""
-        deadline.barrier(self.group, self.rank_idx, phase, _env.timeout_s(float(self.num_cpu_timeout_secs)))
+        deadline.barrier(self.group, self.rank_idx, phase, self._host_timeout_s())
+
+    def _host_timeout_s(self) -> float:
+        """The deadline of the host's waits: ``EPCOMM_TIMEOUT_S`` where set, else ``num_cpu_timeout_secs`` (each
+        named by a wait that passes it)."""
+        return _env.timeout_s(_env.Seconds(self.num_cpu_timeout_secs, "num_cpu_timeout_secs"))
 
     def destroy(self) -> None:
         """Release the engine's buffers (for buffers made with ``explicitly_destroy=True``); collective."""
