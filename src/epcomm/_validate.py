@@ -55,6 +55,30 @@ def shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(t.shape)}")
 
 
+def rows_agree(named) -> None:
+    """The arguments ``named`` (``(name, value)`` pairs) that hold one row per token must agree on the row count;
+    else ``ValueError`` naming the one that disagrees with the others: the count most of them hold is right
+    (a tie: the first named is blamed). Values that are not 2-D tensors (``[T, ...]``, as every such argument is)
+    are left to their own checks.
+
+    Example: ``x`` of 63 rows and ``topk_idx``, ``is_token_in_rank`` of 64 (their layout) give "x has 63 rows but
+    topk_idx has 64"; ``x`` of 63 rows and ``topk_idx`` of 64 alone, the same."""
+    rows = [(n, v.shape[0]) for n, v in named if isinstance(v, torch.Tensor) and v.dim() == 2]
+    counts: dict[int, int] = {}
+    for _, r in rows:
+        counts[r] = counts.get(r, 0) + 1
+    if len(counts) < 2:
+        return
+    best = max(counts.values())
+    right = [r for r, c in counts.items() if c == best]
+    if len(right) == 1:
+        bad = next((n, r) for n, r in rows if r != right[0])
+    else:  # a tie
+        bad = rows[0]
+    good = next((n, r) for n, r in rows if r != bad[1])
+    raise ValueError(f"{bad[0]} has {bad[1]} rows but {good[0]} has {good[1]}")
+
+
 def num_experts(e, num_ranks: int) -> int:
     int_arg("num_experts", e, 1)
     if e % num_ranks != 0:
@@ -151,6 +175,7 @@ def ll_dispatch_args(r_: int, device, host_checks: bool, x, idx, num_max_dispatc
     e = num_experts(n_experts, r_)
     tensor("x", x, torch.bfloat16, 2, device)
     t, h = x.shape
+    rows_agree((("x", x), ("topk_idx", idx)))
     if t > m:
         raise ValueError(f"x has {t} tokens, more than num_max_dispatch_tokens_per_rank={m}")
     hidden(h, bool(use_fp8))

@@ -306,6 +306,10 @@ class Buffer(LowLatencyMethods):
                         num_worst_tokens: int, config):
         """A dispatch of a kind not seen before, checked; returns ``(run, x data, x scales)``, ``run`` the
         backend's plan for its kind (kept for the repeats of ``key``) or a call of ``Backend.dispatch``."""
+        # the arguments of one row a token against each other first: the one that disagrees is named
+        fp8 = isinstance(x, (tuple, list)) and len(x) == 2
+        V.rows_agree((("x[0]", x[0]) if fp8 else ("x", x), ("topk_idx", idx), ("is_token_in_rank", is_in),
+                      ("x[1]", x[1] if fp8 else None)))
         data, scales = V.dispatch_x(x, self.device)
         t, h = data.shape
         config = self._config(config, combine=False)

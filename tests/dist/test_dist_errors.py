@@ -135,7 +135,8 @@ def check_dispatch_args(ctx):
     raises(TypeError, "x\\[0\\] must have dtype torch.float8_e4m3fn, got torch.bfloat16", d, (x, s))
     raises(TypeError, "x\\[1\\] must have dtype torch.float32, got torch.float16", d, (q, s.half()))
     raises(ValueError, rf"x\[1\] must have shape \({t}, 2\), got \({t}, 3\)", d, (q, torch.ones(t, 3, device=ctx.device)))
-    raises(ValueError, rf"x\[1\] must have shape \({t}, 2\), got \({t - 1}, 2\)", d, (q, s[1:]))
+    raises(ValueError, rf"x\[1\] has {t - 1} rows but x\[0\] has {t}", d, (q, s[1:]))
+    raises(ValueError, rf"x\[0\] has {t - 1} rows but topk_idx has {t}", d, (q[1:], s[1:]))
     q200 = zeros(ctx, t, 200, dtype=torch.float8_e4m3fn)
     raises(ValueError, "FP8 needs the hidden size of x\\[0\\] to be a multiple of 128, got 200", d,
            (q200, torch.ones(t, 1, device=ctx.device)))
@@ -146,8 +147,10 @@ def check_dispatch_args(ctx):
            num_tokens_per_rank=zeros(ctx, r_ + 1, dtype=I32))
     raises(TypeError, "is_token_in_rank must have dtype torch.bool, got torch.int32", d,
            is_token_in_rank=good["is_token_in_rank"].int())
-    raises(ValueError, rf"is_token_in_rank must have shape \({t}, {r_}\), got \({t - 1}, {r_}\)", d,
+    raises(ValueError, rf"is_token_in_rank has {t - 1} rows but x has {t}", d,
            is_token_in_rank=good["is_token_in_rank"][1:])
+    raises(ValueError, rf"is_token_in_rank must have shape \({t}, {r_}\), got \({t}, {r_ + 1}\)", d,
+           is_token_in_rank=zeros(ctx, t, r_ + 1, dtype=torch.bool))
     raises(TypeError, "num_tokens_per_expert must have dtype torch.int32, got torch.int64", d,
            num_tokens_per_expert=good["num_tokens_per_expert"].long())
     raises(ValueError, rf"num_experts={e + 1} must be divisible by the number of ranks \({r_}\)", d,
@@ -157,8 +160,9 @@ def check_dispatch_args(ctx):
     raises(ValueError, "got None for is_token_in_rank", d, is_token_in_rank=None)
     # top-k
     idx, w = good["topk_idx"], good["topk_weights"]
-    raises(ValueError, rf"topk_idx must have {t} rows \(one per token\), got shape \({t - 1}, 4\)", d,
-           topk_idx=idx[1:], topk_weights=w[1:])
+    raises(ValueError, rf"topk_idx has {t - 1} rows but x has {t}", d, topk_idx=idx[1:], topk_weights=w[1:])
+    # x one row short of the layout and the ids it was made from: x is named (not the layout)
+    raises(ValueError, rf"x has {t - 1} rows but topk_idx has {t}", d, x[1:])
     raises(TypeError, "topk_idx must have dtype torch.int64, got torch.int32", d, topk_idx=idx.int())
     if HOST_CHECKS:
         bad = idx.clone()
@@ -254,8 +258,7 @@ def check_ll_dispatch_args(ctx):
     raises(ValueError, "hidden size of x must be a multiple of 8.*got 132", d, zeros(ctx, t, 132, dtype=BF16),
            use_fp8=False)
     raises(TypeError, "topk_idx must have dtype torch.int64, got torch.int32", d, ii=idx.int())
-    raises(ValueError, rf"topk_idx must have {t} rows \(one per token\), got shape \({t + 1}, 4\)", d,
-           ii=zeros(ctx, t + 1, 4, dtype=I64))
+    raises(ValueError, rf"x has {t} rows but topk_idx has {t + 1}", d, ii=zeros(ctx, t + 1, 4, dtype=I64))
     if HOST_CHECKS:
         bad = idx.clone()
         bad[0, 0] = -5
