@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .config import MAX_TOPK
-from .layout import DispatchHandle, LowLatencyHandle
+from .layout import DispatchHandle, LowLatencyHandle, dispatch_layout
 
 
 def is_capturing(device: torch.device) -> bool:
@@ -164,6 +164,33 @@ def dispatch_args(t: int, r_: int, device, host_checks: bool, num_tokens_per_ran
     int_arg("expert_alignment", expert_alignment, 1)
     int_arg("num_worst_tokens", num_worst_tokens, 0)
     return e
+
+
+def layout_mismatch(idx: torch.Tensor, is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                    r_: int) -> str | None:
+    """What in ``is_token_in_rank bool[T, R]`` and ``num_tokens_per_expert int32[E]`` is not the layout of ``idx
+    int64[T, K]`` (``get_dispatch_layout``'s; ids in range, checked before), for a ``ValueError``; None where they
+    are. A layout made from other ids would send rows where none of their experts is. A host synchronisation on
+    CUDA: for the reference backend, which checks it in its layout exchange (the GPU backends check
+    ``is_token_in_rank`` on the device: error 12).
+
+    Example (R = 2, E = 4): ``idx = [[0, 3], [1, -1]]`` has the layout ``is_token_in_rank = [[1, 1], [1, 0]]``,
+    ``num_tokens_per_expert = [1, 1, 0, 1]``; ``is_token_in_rank = [[1, 0], [1, 0]]`` gives "is_token_in_rank
+    does not match topk_idx: token 0 goes to ranks [0, 1] by topk_idx but to [0] by is_token_in_rank; ..."."""
+    e = num_tokens_per_expert.numel()
+    _, per_expert, in_rank = dispatch_layout(idx, e, r_)
+    fix = "; pass the layout get_dispatch_layout made from this topk_idx"
+    if not torch.equal(in_rank, is_token_in_rank):
+        tok = int((in_rank != is_token_in_rank).any(1).nonzero()[0, 0])
+        return (f"is_token_in_rank does not match topk_idx: token {tok} goes to ranks "
+                f"{in_rank[tok].nonzero().flatten().tolist()} by topk_idx but to "
+                f"{is_token_in_rank[tok].nonzero().flatten().tolist()} by is_token_in_rank" + fix)
+    given = num_tokens_per_expert.to(per_expert.dtype)
+    if not torch.equal(per_expert, given):
+        ex = int((per_expert != given).nonzero()[0, 0])
+        return (f"num_tokens_per_expert does not match topk_idx: expert {ex} has {int(per_expert[ex])} tokens by "
+                f"topk_idx but {int(given[ex])} by num_tokens_per_expert" + fix)
+    return None
 
 
 def ll_dispatch_args(r_: int, device, host_checks: bool, x, idx, num_max_dispatch_tokens_per_rank,

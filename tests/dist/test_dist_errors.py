@@ -189,12 +189,39 @@ def check_dispatch_args(ctx):
     if HOST_CHECKS:  # num_tokens_per_rank that contradicts is_token_in_rank (every rank passes a wrong one)
         raises(ValueError, "num_tokens_per_rank=.* does not match is_token_in_rank", d,
                num_tokens_per_rank=good["num_tokens_per_rank"] + 1)
+        check_layout_of_other_ids(ctx, buf, d, good)
     # the cached path
     _, _, _, _, h, _ = d()
     raises(TypeError, "handle must be the handle dispatch returned, got str", buf.dispatch, x, handle="h")
     raises(ValueError, rf"x has {t - 1} tokens but the handle was made for {t}", buf.dispatch, x[1:], handle=h)
     raises(TypeError, "x must have dtype torch.bfloat16, got torch.float32", buf.dispatch, x.float(), handle=h)
     good_dispatch(ctx, buf)
+
+
+def check_layout_of_other_ids(ctx, buf, d, good):
+    """A layout that is not the one of the ids dispatched raises on every rank (the reference backend finds it on
+    the host and says so in its layout exchange); was: the rows went by the layout, and some arrived on a rank
+    that holds none of their experts."""
+    r_, last = ctx.world_size, ctx.world_size - 1
+    idx, e = good["topk_idx"], good["num_tokens_per_expert"].numel()
+    lx = e // r_
+    # the ids of each token moved to rank 0's experts (the same number of entries, other ranks)
+    other = torch.where(idx >= 0, idx % lx, idx)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(other, e)
+    lay = {"num_tokens_per_rank": per_rank, "is_token_in_rank": in_rank, "num_tokens_per_expert": per_expert}
+    if r_ > 1:
+        raises(ValueError, r"is_token_in_rank does not match topk_idx: token \d+ goes to ranks \[.*\] by topk_idx "
+               r"but to \[.*\] by is_token_in_rank; pass the layout get_dispatch_layout made from this topk_idx",
+               d, **lay)
+        # on the last rank only: it says what, the others which rank
+        want = ("is_token_in_rank does not match topk_idx: token" if ctx.rank == last
+                else f"^is_token_in_rank does not match topk_idx on rank {last}$")
+        raises(ValueError, want, d, **(lay if ctx.rank == last else {}))
+    # the counts per expert alone (every rank's is_token_in_rank is right)
+    wrong = good["num_tokens_per_expert"].clone()
+    wrong[0] += 1
+    raises(ValueError, rf"num_tokens_per_expert does not match topk_idx: expert 0 has {int(wrong[0]) - 1} tokens by "
+           rf"topk_idx but {int(wrong[0])} by num_tokens_per_expert", d, num_tokens_per_expert=wrong)
 
 
 def check_num_worst_tokens_too_small(ctx):

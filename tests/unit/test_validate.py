@@ -33,3 +33,18 @@ def test_rows_name_the_argument_that_disagrees(named, message):
 
 def test_rows_that_agree_pass():
     V.rows_agree([("x", _t(3)), ("topk_idx", _t(3, 4)), ("x[1]", None), ("is_token_in_rank", [1, 2])])
+
+
+def test_a_layout_of_other_ids_is_named():
+    """R = 2, E = 4 (L = 2): the worked example of ``layout_mismatch``'s docstring."""
+    idx = torch.tensor([[0, 3], [1, -1]])
+    in_rank = torch.tensor([[True, True], [True, False]])
+    per_expert = torch.tensor([1, 1, 0, 1], dtype=torch.int32)
+    assert V.layout_mismatch(idx, in_rank, per_expert, 2) is None
+    assert V.layout_mismatch(idx, torch.tensor([[True, False], [True, False]]), per_expert, 2) == (
+        "is_token_in_rank does not match topk_idx: token 0 goes to ranks [0, 1] by topk_idx but to [0] by "
+        "is_token_in_rank; pass the layout get_dispatch_layout made from this topk_idx")
+    # the same ranks, other experts: the counts tell
+    assert V.layout_mismatch(idx, in_rank, torch.tensor([0, 2, 0, 1], dtype=torch.int32), 2) == (
+        "num_tokens_per_expert does not match topk_idx: expert 0 has 1 tokens by topk_idx but 0 by "
+        "num_tokens_per_expert; pass the layout get_dispatch_layout made from this topk_idx")
