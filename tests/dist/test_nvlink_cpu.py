@@ -195,7 +195,11 @@ def _absent(ctx, cpu_nvlink):
 
 def _device_side_errors(ctx, cpu_nvlink):
     """Errors the nvlink backend finds on the device: an expert id out of range (at the dispatch's
-    own synchronisation; with num_worst_tokens at the next call) and num_worst_tokens too small."""
+    own synchronisation; with num_worst_tokens at the next call), a layout that is not the one of the ids and
+    num_worst_tokens too small."""
+    import torch
+
+    from epcomm import layout
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
 
@@ -215,6 +219,20 @@ def _device_side_errors(ctx, cpu_nvlink):
         seen.append("eager: none")
     except ValueError as err:
         seen.append(f"eager: {err}")
+    G.check_ht_case(G.Buffer(ctx.group), fast, case, ctx.rank, False)  # still in step
+    # rank 0 passes the layout of other ids (its ids moved to its own experts): the exchange kernel's tile programs
+    # find the lowest token whose is_token_in_rank row is not the ids' ranks (error 12); the call completes on
+    # every rank, then raises on rank 0 (was: rows went by the layout, some to a rank with none of their experts)
+    other = torch.where(topk >= 0, topk % (e // ctx.world_size), topk) if ctx.rank == 0 else topk
+    lay = dict(zip(("num_tokens_per_rank", "_", "num_tokens_per_expert", "is_token_in_rank"),
+                   fast.get_dispatch_layout(other, e)[:4]))
+    del lay["_"]
+    diff = (layout.dispatch_layout(topk, e, ctx.world_size)[2] != lay["is_token_in_rank"]).nonzero().tolist()
+    try:
+        fast.dispatch(x, topk_idx=topk, topk_weights=w, **lay)
+        seen.append("layout: none")
+    except ValueError as err:
+        seen.append(f"layout: {err}")
     G.check_ht_case(G.Buffer(ctx.group), fast, case, ctx.rank, False)  # still in step
     worst = cpu_nvlink.nvlink_buffer(ctx.group, num_nvl_bytes=16 << 20)
     worst.dispatch(x, num_worst_tokens=sum(case.tokens), **kw)
@@ -240,9 +258,12 @@ def _device_side_errors(ctx, cpu_nvlink):
         seen.append(f"overflow: {err}")
     if ctx.rank == 0:
         assert seen[0] == "eager: topk_idx holds expert id 11, outside [-1, 4) for num_experts=4", seen
-        assert seen[1].startswith("worst: topk_idx holds expert id 11, outside [-1, 4)"), seen
+        assert diff, "rank 0's ids all had their experts on rank 0: the case checks nothing"
+        assert seen[1] == (f"layout: is_token_in_rank does not match topk_idx at token {diff[0][0]}, rank {diff[0][1]}: "
+                           "pass the layout get_dispatch_layout made from this topk_idx"), (seen, diff)
+        assert seen[2].startswith("worst: topk_idx holds expert id 11, outside [-1, 4)"), seen
     else:
-        assert seen[0] == "eager: none", seen
+        assert seen[:2] == ["eager: none", "layout: none"], seen
     assert seen[-1].startswith(f"overflow: epcomm rank {ctx.rank}: num_worst_tokens=1 but "), seen
 
 

@@ -158,7 +158,7 @@ class ReferenceBackend(Backend):
         counts = g[:, :, 0]
         rank_prefix = layout.rank_prefix_matrix(counts)
         recv_cp = layout.recv_channel_prefix_matrix(rank_prefix, g[:, me, 1:1 + c], me)
-        per_expert = layout.align_up(g[:, me, 1 + c:].sum(0), a.expert_alignment)
+        per_expert = layout.align_up(g[:, me, 1 + c:1 + c + lx].sum(0), a.expert_alignment)
         send_counts, recv_counts = counts[me].tolist(), counts[:, me].tolist()
         n = sum(recv_counts)
         # Every rank knows every rank's receive count here, so all raise together (no rank is left
