@@ -64,13 +64,14 @@ def rows_agree(named) -> None:
     Example: ``x`` of 63 rows and ``topk_idx``, ``is_token_in_rank`` of 64 (their layout) give "x has 63 rows but
     topk_idx has 64"; ``x`` of 63 rows and ``topk_idx`` of 64 alone, the same."""
     rows = [(n, v.shape[0]) for n, v in named if isinstance(v, torch.Tensor) and v.dim() == 2]
-    counts: dict[int, int] = {}
+    distinct: list = []  # (compared, not hashed: under torch.compile the counts may be symbolic)
     for _, r in rows:
-        counts[r] = counts.get(r, 0) + 1
-    if len(counts) < 2:
+        if not any(r == d for d in distinct):
+            distinct.append(r)
+    if len(distinct) < 2:
         return
-    best = max(counts.values())
-    right = [r for r, c in counts.items() if c == best]
+    counts = [sum(1 for _, r in rows if r == d) for d in distinct]
+    right = [d for d, c in zip(distinct, counts) if c == max(counts)]
     if len(right) == 1:
         bad = next((n, r) for n, r in rows if r != right[0])
     else:  # a tie
