@@ -67,7 +67,8 @@ def test_input_errors_are_returned_once_and_cleared():
     be.err, be.err_host = torch.tensor([10, 0, 17, 16, 7, 7], dtype=torch.int32), torch.tensor([10, 0, 17, 16])
     be._check_error = lambda word: raise_error_word(be, word)
     err = input_error(be, [10, 0, 17, 16])
-    assert isinstance(err, ValueError) and str(err) == "topk_idx holds expert id 17, outside [-1, 16) for num_experts=16"
+    assert isinstance(err, ValueError)
+    assert str(err) == "topk_idx holds expert id 17, outside [-1, 16) for num_experts=16"
     assert be.err.tolist() == [0, 0, 0, 0, 7, 7] and be.err_host.tolist() == [0, 0, 0, 0]  # the mirror address stays
     assert input_error(be, [0, 0, 0, 0]) is None
     be.err[0], be.err_host[0] = 12, 12

@@ -242,9 +242,9 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
     channel prefixes from there: ``rank_prefix_matrix``, ``recv_channel_prefix_matrix`` and the
     ``num_worst`` check by program 0 (``_handle_prefix``); ``send_head[:, j]`` for its ranks (the send list
     positions again, plus ``rpm[me-1][j]``). The expert-id check (``CHECK_TOPK``: ids in range, and the layout
-    ``is_token_in_rank`` that of the ids, ``_check_topk_tile``) is done by the programs
-    after those (tiles of ``TB`` rows, ``q, q + P - RP, ...`` for program ``RP + q``), which wait for nothing:
-    the launcher adds them (``notify_grid``); with none, by every program. (Checked by the rank programs alone, a rank's program walked
+    ``is_token_in_rank`` that of the ids, ``_check_topk_tile``) is done by the programs after those (tiles of
+    ``TB`` rows, ``q, q + P - RP, ...`` for program ``RP + q``), which wait for nothing: the launcher adds them
+    (``notify_grid``); with none, by every program. (Checked by the rank programs alone, a rank's program walked
     ``T / TB`` tiles one after another: at world 1 the kernel took ~45 us of a DSv3 dispatch on an H100.)
 
     With ``FUSED_LAYOUT`` (``ElasticBuffer``'s dispatch, ``TUNE["v2_fused_layout"]``) the kernel also makes its
