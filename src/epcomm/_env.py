@@ -50,7 +50,22 @@ def backend() -> str | None:
     return v or None
 
 
-def timeout_s(default: float) -> float:
+class Seconds(float):
+    """A deadline in seconds that knows what set it (``source``: ``"EPCOMM_TIMEOUT_S"``,
+    ``"num_cpu_timeout_secs"``, ...), so that a wait that passes it names it (``backends.errors``). A plain
+    float is a default deadline. Example: ``Seconds(12, "num_cpu_timeout_secs")`` is 12.0 wherever a float is
+    used."""
+
+    source: str
+
+    def __new__(cls, value: float, source: str = ""):  # (a default: pickle makes it from the value alone)
+        s = super().__new__(cls, value)
+        s.source = source
+        return s
+
+
+def timeout_s(default: float | None) -> float | None:
+    """``EPCOMM_TIMEOUT_S`` as a ``Seconds`` naming it where set, else ``default`` as given."""
     v = os.environ.get("EPCOMM_TIMEOUT_S")
     if not v:
         return default
@@ -60,7 +75,7 @@ def timeout_s(default: float) -> float:
         raise ValueError(f"EPCOMM_TIMEOUT_S must be a number of seconds, got {v!r}") from None
     if t <= 0:
         raise ValueError(f"EPCOMM_TIMEOUT_S must be positive, got {v!r}")
-    return t
+    return Seconds(t, "EPCOMM_TIMEOUT_S")
 
 
 def commit() -> tuple[str | None, bool | None]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .config import MAX_TOPK
-from .layout import DispatchHandle, LowLatencyHandle
+from .layout import DispatchHandle, LowLatencyHandle, dispatch_layout
 
 
 def is_capturing(device: torch.device) -> bool:
@@ -53,6 +53,31 @@ def tensor(name: str, t, dtype: torch.dtype | tuple[torch.dtype, ...], dim: int 
 def shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(t.shape) != tuple(expected):
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(t.shape)}")
+
+
+def rows_agree(named) -> None:
+    """The arguments ``named`` (``(name, value)`` pairs) that hold one row per token must agree on the row count;
+    else ``ValueError`` naming the one that disagrees with the others: the count most of them hold is right
+    (a tie: the first named is blamed). Values that are not 2-D tensors (``[T, ...]``, as every such argument is)
+    are left to their own checks.
+
+    Example: ``x`` of 63 rows and ``topk_idx``, ``is_token_in_rank`` of 64 (their layout) give "x has 63 rows but
+    topk_idx has 64"; ``x`` of 63 rows and ``topk_idx`` of 64 alone, the same."""
+    rows = [(n, v.shape[0]) for n, v in named if isinstance(v, torch.Tensor) and v.dim() == 2]
+    distinct: list = []  # (compared, not hashed: under torch.compile the counts may be symbolic)
+    for _, r in rows:
+        if not any(r == d for d in distinct):
+            distinct.append(r)
+    if len(distinct) < 2:
+        return
+    counts = [sum(1 for _, r in rows if r == d) for d in distinct]
+    right = [d for d, c in zip(distinct, counts) if c == max(counts)]
+    if len(right) == 1:
+        bad = next((n, r) for n, r in rows if r != right[0])
+    else:  # a tie
+        bad = rows[0]
+    good = next((n, r) for n, r in rows if r != bad[1])
+    raise ValueError(f"{bad[0]} has {bad[1]} rows but {good[0]} has {good[1]}")
 
 
 def num_experts(e, num_ranks: int) -> int:
@@ -142,6 +167,33 @@ def dispatch_args(t: int, r_: int, device, host_checks: bool, num_tokens_per_ran
     return e
 
 
+def layout_mismatch(idx: torch.Tensor, is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                    r_: int) -> str | None:
+    """What in ``is_token_in_rank bool[T, R]`` and ``num_tokens_per_expert int32[E]`` is not the layout of ``idx
+    int64[T, K]`` (``get_dispatch_layout``'s; ids in range, checked before), for a ``ValueError``; None where they
+    are. A layout made from other ids would send rows where none of their experts is. A host synchronisation on
+    CUDA: for the reference backend, which checks it in its layout exchange (the GPU backends check
+    ``is_token_in_rank`` on the device: error 12).
+
+    Example (R = 2, E = 4): ``idx = [[0, 3], [1, -1]]`` has the layout ``is_token_in_rank = [[1, 1], [1, 0]]``,
+    ``num_tokens_per_expert = [1, 1, 0, 1]``; ``is_token_in_rank = [[1, 0], [1, 0]]`` gives "is_token_in_rank
+    does not match topk_idx: token 0 goes to ranks [0, 1] by topk_idx but to [0] by is_token_in_rank; ..."."""
+    e = num_tokens_per_expert.numel()
+    _, per_expert, in_rank = dispatch_layout(idx, e, r_)
+    fix = "; pass the layout get_dispatch_layout made from this topk_idx"
+    if not torch.equal(in_rank, is_token_in_rank):
+        tok = int((in_rank != is_token_in_rank).any(1).nonzero()[0, 0])
+        return (f"is_token_in_rank does not match topk_idx: token {tok} goes to ranks "
+                f"{in_rank[tok].nonzero().flatten().tolist()} by topk_idx but to "
+                f"{is_token_in_rank[tok].nonzero().flatten().tolist()} by is_token_in_rank" + fix)
+    given = num_tokens_per_expert.to(per_expert.dtype)
+    if not torch.equal(per_expert, given):
+        ex = int((per_expert != given).nonzero()[0, 0])
+        return (f"num_tokens_per_expert does not match topk_idx: expert {ex} has {int(per_expert[ex])} tokens by "
+                f"topk_idx but {int(given[ex])} by num_tokens_per_expert" + fix)
+    return None
+
+
 def ll_dispatch_args(r_: int, device, host_checks: bool, x, idx, num_max_dispatch_tokens_per_rank,
                      n_experts, use_fp8, round_scale, use_ue8m0, cumulative_local_expert_recv_stats,
                      dispatch_wait_recv_cost_stats) -> tuple[int, int, int]:
@@ -151,6 +203,7 @@ def ll_dispatch_args(r_: int, device, host_checks: bool, x, idx, num_max_dispatc
     e = num_experts(n_experts, r_)
     tensor("x", x, torch.bfloat16, 2, device)
     t, h = x.shape
+    rows_agree((("x", x), ("topk_idx", idx)))
     if t > m:
         raise ValueError(f"x has {t} tokens, more than num_max_dispatch_tokens_per_rank={m}")
     hidden(h, bool(use_fp8))

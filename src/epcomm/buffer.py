@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from . import _validate as V
 from . import layout
+from ._agree import Agreement
 from .backends.base import DispatchArgs
 from .buffer_ll import LowLatencyMethods
 from .config import Config
@@ -102,6 +103,7 @@ class Buffer(LowLatencyMethods):
         self._checked: set = set()  # call signatures (shapes, dtypes, arguments) whose shape/dtype/flag checks passed
         self._ht_fast: dict = {}  # high-throughput call key -> the backend's plan for it (_keep)
         self._sigs, self._rsigs = _key_functions(self.device)  # (a call's tensors' kind; without their row counts)
+        self._agree = Agreement(group, self.rank)  # the arguments every rank passes alike, met once per kind
         self._nvl_ok: set = set()  # (config, hidden bytes) that fit num_nvl_bytes
         self._default_configs: dict = {}  # (combine, num_sms) -> the default Config
         self._destroyed = False
@@ -239,6 +241,12 @@ class Buffer(LowLatencyMethods):
                              f"(Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size}))")
         self._nvl_ok.add((config, hidden_bytes))
 
+    def _agreed(self, call: str, fields: tuple) -> None:
+        """The first call of a kind: ``fields`` (the arguments every rank must pass alike) compared across the
+        group, ``ValueError`` on every rank where they differ (``_agree``); not while a CUDA graph is captured."""
+        if not V.is_capturing(self.device):
+            self._agree.check(call, fields, self.timeout_s)
+
     def _keep(self, key, run) -> None:
         """Keep ``run`` (a backend's plan for high-throughput calls like this one) for the repeats of ``key``."""
         if len(self._ht_fast) >= 4096:  # bounded, whatever the callers vary
@@ -283,6 +291,10 @@ class Buffer(LowLatencyMethods):
                         num_worst_tokens: int, config):
         """A dispatch of a kind not seen before, checked; returns ``(run, x data, x scales)``, ``run`` the
         backend's plan for its kind (kept for the repeats of ``key``) or a call of ``Backend.dispatch``."""
+        # the arguments of one row a token against each other first: the one that disagrees is named
+        fp8 = isinstance(x, (tuple, list)) and len(x) == 2
+        V.rows_agree((("x[0]", x[0]) if fp8 else ("x", x), ("topk_idx", idx), ("is_token_in_rank", is_in),
+                      ("x[1]", x[1] if fp8 else None)))
         data, scales = V.dispatch_x(x, self.device)
         t, h = data.shape
         config = self._config(config, combine=False)
@@ -292,6 +304,10 @@ class Buffer(LowLatencyMethods):
                             w, expert_alignment, num_worst_tokens)
             if key is not None and len(self._checked) < 4096:
                 self._checked.add(key)
+        self._agreed("dispatch", (("x.dtype", data.dtype), ("x.shape[1]", h),
+                                  ("x[1].shape[1]", None if scales is None else scales.shape[1]),
+                                  ("topk_idx.shape[1]", None if idx is None else idx.shape[1]),
+                                  ("num_experts", ntpe.numel()), ("config.num_sms", config.num_sms)))
         args = DispatchArgs(data, scales, idx, w, ntpr, is_in, ntpe, expert_alignment, num_worst_tokens,
                             config.num_channels, config.num_sms, config.num_max_rdma_chunked_send_tokens)
         plan = self._backend.dispatch_run
@@ -331,6 +347,9 @@ class Buffer(LowLatencyMethods):
         self._check_nvl_bytes(config, h * data.element_size())
         if handle.is_token_in_rank.shape[0] != t:
             raise ValueError(f"x has {t} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
+        self._agreed("dispatch with a handle", (("x.dtype", data.dtype), ("x.shape[1]", h),
+                                                ("x[1].shape[1]", None if scales is None else scales.shape[1]),
+                                                ("config.num_sms", config.num_sms)))
         plan = self._backend.cached_dispatch_run
         run = None
         if key is not None and all(v is None or v.is_contiguous() for v in (
@@ -391,6 +410,8 @@ class Buffer(LowLatencyMethods):
             raise ValueError(f"topk_weights must have {n} rows, got shape {tuple(w.shape)}")
         config = self._config(config, combine=True)
         self._check_nvl_bytes(config, x.shape[1] * x.element_size())
+        self._agreed("combine", (("x.shape[1]", x.shape[1]), ("topk_weights given", w is not None),
+                                 ("config.num_sms", config.num_sms)))
         biases = tuple(b for b in biases if b is not None)  # DeepEP accepts (bias_0, None)
         plan = self._backend.combine_run
         run = None

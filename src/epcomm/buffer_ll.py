@@ -29,7 +29,7 @@ class LowLatencyMethods:
 
     They use what ``Buffer.__init__`` sets: ``group_size``, ``device``, ``low_latency_mode``,
     ``num_rdma_bytes``, ``enable_shrink``, ``_backend``, ``_streams``, ``_host_checks``, ``_mask``,
-    ``_ll_calls``, ``_ll_shape``, ``_ll_sizes``, ``_ll_fast``, and ``_check_alive``."""
+    ``_ll_calls``, ``_ll_shape``, ``_ll_sizes``, ``_ll_fast``, ``_check_alive`` and ``_agreed``."""
 
     def _ll_check(self, m: int, h: int, e: int) -> None:
         if not self.low_latency_mode:
@@ -116,6 +116,9 @@ class LowLatencyMethods:
             raise ValueError("low-latency shape (num_max_dispatch_tokens_per_rank, hidden, num_experts) changed "
                              f"from {self._ll_shape} to {(m, h, e)}; call clean_low_latency_buffer({m}, {h}, {e}) "
                              "on every rank first")
+        if not self.enable_shrink:  # (a masked rank may never arrive: the backend's exchange names M instead)
+            self._agreed("low_latency_dispatch", (("num_max_dispatch_tokens_per_rank", m), ("x.shape[1]", h),
+                                                  ("num_experts", e), ("use_fp8", bool(use_fp8))))
         args = LowLatencyDispatchArgs(x, topk_idx, m, e, bool(use_fp8), bool(round_scale), bool(use_ue8m0),
                                       cum, wst,
                                       self._ll_parity(), self._shrink_mask(), hook=bool(return_recv_hook))

@@ -23,6 +23,7 @@ from . import elastic_args as A
 from . import elastic_chains as chains
 from . import elastic_engine as engine
 from . import elastic_layout as EL
+from ._agree import Agreement
 from .backends import deadline
 from .backends.errors import gave_up
 from .elastic_handle import EPHandle
@@ -105,7 +106,9 @@ class ElasticBuffer:
         self._rt = Runtime(group, num_nvl_bytes=staging, num_qps_per_rank=num_allocated_qps or 24,
                            cuda_whatever_the_group=self._cuda_whatever_the_group, make_backend=self._make_backend)
         self._backend, self._streams = self._rt.backend, self._rt.streams  # (this buffer's names for its runtime's)
-        self._rt.set_timeout(num_gpu_timeout_secs if self._rt.device.type == "cuda" else num_cpu_timeout_secs)
+        on_gpu = self._rt.device.type == "cuda"
+        self._rt.set_timeout(num_gpu_timeout_secs if on_gpu else num_cpu_timeout_secs,
+                             "num_gpu_timeout_secs" if on_gpu else "num_cpu_timeout_secs")
         self._host_checks = self._rt.host_checks
         self.device = self._rt.device
         nodes = self._rt.node_map[0]
@@ -124,6 +127,7 @@ class ElasticBuffer:
         self._fast: dict = {}  # kind of fresh dispatch -> its run (dispatch)
         self._capturing = V.capturing_fn(self.device)  # (without torch.cuda's Python layer)
         self._fits: set = set()  # (M, H, K, FP8) whose layout fits num_bytes
+        self._agree = Agreement(group, self.rank_idx)  # the arguments every rank passes alike, met once per kind
         self.device_sms = device_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                         if self.device.type == "cuda" else 0)
         kernels = None  # the V2 steps as torch operations (the reference backend on CPU) ...
@@ -134,8 +138,7 @@ class ElasticBuffer:
         self._steps = engine.Steps(self._backend, kernels, self.rank_idx, self.num_ranks, device_sms)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        deadline.prepare_native(self.group, self.rank_idx, self.device, True,
-                                _env.timeout_s(float(self.num_cpu_timeout_secs)))
+        deadline.prepare_native(self.group, self.rank_idx, self.device, True, self._host_timeout_s())
         from . import native
 
         # a call's kind from its tensors: _validate.signatures, or in one C++ call (native.key_functions)
@@ -231,7 +234,18 @@ class ElasticBuffer:
     def _meet(self, phase: str) -> None:
         """Every rank of the group meets here, or ``PeerTimeoutError`` naming this rank and ``phase`` after
         the host deadline (``EPCOMM_TIMEOUT_S`` where set, else ``num_cpu_timeout_secs``)."""
-        deadline.barrier(self.group, self.rank_idx, phase, _env.timeout_s(float(self.num_cpu_timeout_secs)))
+        deadline.barrier(self.group, self.rank_idx, phase, self._host_timeout_s())
+
+    def _agreed(self, call: str, fields: tuple, capturing: bool) -> None:
+        """A call of a kind not seen before: ``fields`` (the arguments every rank passes alike) compared across the
+        group, ``ValueError`` on every rank where they differ (``_agree``); not while a CUDA graph is captured."""
+        if not capturing:
+            self._agree.check(call, fields, self._host_timeout_s)
+
+    def _host_timeout_s(self) -> float:
+        """The deadline of the host's waits: ``EPCOMM_TIMEOUT_S`` where set, else ``num_cpu_timeout_secs`` (each
+        named by a wait that passes it)."""
+        return _env.timeout_s(_env.Seconds(self.num_cpu_timeout_secs, "num_cpu_timeout_secs"))
 
     def destroy(self) -> None:
         """Release the engine's buffers (for buffers made with ``explicitly_destroy=True``); collective."""
@@ -309,16 +323,24 @@ class ElasticBuffer:
         data, sf, expand, zero_pad, async_, tma, prev, before = A.common(
             self, x, do_expand, do_zero_padding, async_with_compute_stream, allocate_on_comm_stream,
             use_tma_aligned_col_major_sf, prev, before, num_sms, num_qps)
+        sfs = (None, None) if sf is None else (sf.dtype, sf.shape[1])
         if handle is not None:
             A.cached(self, handle, data, sf, topk_idx, topk_weights, cum, num_experts, num_max_tokens_per_rank,
                      expert_alignment, do_cpu_sync, expand)
+            self._agreed("ElasticBuffer.dispatch with a handle", (
+                ("x.dtype", data.dtype), ("x.shape[1]", data.shape[1]), ("sf.dtype", sfs[0]), ("sf.shape[1]", sfs[1]),
+                ("topk_weights given", topk_weights is not None)), capturing)
             if go is None:
                 go = self._cached_go(engine.cached_plan(self._steps, expand, data, sf, topk_weights, zero_pad, tma), async_)
         else:
             e, m, a, sync, k = A.fresh(self, data, sf, topk_idx, topk_weights, cum, num_experts,
                                        num_max_tokens_per_rank, expert_alignment, do_cpu_sync)
+            sms = num_sms or ElasticBuffer._num_sms_override or self.get_theoretical_num_sms(e, k)
+            self._agreed("ElasticBuffer.dispatch", (
+                ("x.dtype", data.dtype), ("x.shape[1]", data.shape[1]), ("sf.dtype", sfs[0]), ("sf.shape[1]", sfs[1]),
+                ("topk_idx.shape[1]", k), ("topk_weights given", topk_weights is not None), ("num_experts", e),
+                ("num_max_tokens_per_rank", m), ("num_sms", sms)), capturing)
             if go is None:
-                sms = num_sms or ElasticBuffer._num_sms_override or self.get_theoretical_num_sms(e, k)
                 plan = engine.dispatch_plan(self._steps, data, sf, topk_idx, topk_weights, e, m, a, sms, expand, sync,
                                             zero_pad, tma, cum, A.flag("do_handle_copy", do_handle_copy), capturing)
                 go = self._fresh_go(plan, async_, (expand, e, a, m, sms))
@@ -401,6 +423,9 @@ class ElasticBuffer:
         self._check_alive()
         async_, prev, before = A.combine(self, x, handle, topk_weights, bias, async_with_compute_stream,
                                          allocate_on_comm_stream, prev, before, num_sms, num_qps)
+        self._agreed("ElasticBuffer.combine", (("x.shape[1]", x.shape[1]),
+                                               ("topk_weights given", topk_weights is not None),
+                                               ("num_sms", num_sms or handle.num_sms)), self._capturing())
         if go is None:
             go = self._combine_go(handle.do_expand, async_, num_sms)
         self._keep(key, go)

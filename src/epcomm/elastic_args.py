@@ -90,20 +90,23 @@ def biases(bias) -> tuple:
 
 def common(eb, x, do_expand, do_zero_padding, async_with_compute_stream, allocate_on_comm_stream, tma,
            previous_event, before_epilogue, num_sms, num_qps):
-    """The checks of every dispatch: ``x`` (``[T, H]`` or ``(x, sf)``), the flags, the events and the SM and QP
-    counts. Returns ``(x data, sf or None, do_expand, do_zero_padding, async, tma, previous event, event
+    """The checks of every dispatch: ``x`` (BF16 ``[T, H]``, or the FP8 pair ``(x, sf)``), the flags, the events
+    and the SM and QP counts. Returns ``(x data, sf or None, do_expand, do_zero_padding, async, tma, previous event, event
     before the epilogue)``."""
-    data, sf = (x if isinstance(x, (tuple, list)) else (x, None))
     if isinstance(x, (tuple, list)) and len(x) != 2:
         raise ValueError(f"x as a tuple must be (x, sf), got {len(x)} items")
-    V.tensor("x", data, data.dtype if isinstance(data, torch.Tensor) else torch.bfloat16, 2, eb.device)
+    data, sf = (x if isinstance(x, (tuple, list)) else (x, None))
+    # DeepEP V2's dtypes: x BF16, or the FP8 pair (x float8_e4m3fn, sf of 4-byte packs)
+    want = torch.bfloat16 if sf is None else torch.float8_e4m3fn
+    if isinstance(data, torch.Tensor) and data.dtype != want:
+        raise TypeError(f"x must have dtype torch.bfloat16, or be the FP8 pair (x, sf), got {data.dtype}"
+                        if sf is None else f"x of the pair (x, sf) must have dtype torch.float8_e4m3fn, got {data.dtype}")
+    V.tensor("x", data, want, 2, eb.device)
     if sf is not None:
         if not isinstance(sf, torch.Tensor) or sf.element_size() != 4:
             raise TypeError(f"sf must be a tensor of 4-byte scale packs (fp32 or int32), got "
                             f"{getattr(sf, 'dtype', type(sf).__name__)}")
-        V.tensor("sf", sf, sf.dtype, 2, eb.device)
-        if sf.shape[0] != data.shape[0]:
-            raise ValueError(f"sf must have the {data.shape[0]} rows of x, got shape {tuple(sf.shape)}")
+        V.tensor("sf", sf, sf.dtype, 2, eb.device)  # (its rows: against x's and topk_idx's, fresh / cached)
     expand = flag("do_expand", do_expand)
     zero_pad = flag("do_zero_padding", do_zero_padding)
     async_ = flag("async_with_compute_stream", async_with_compute_stream)
@@ -131,6 +134,7 @@ def fresh(eb, data, sf, topk_idx, topk_weights, cum, num_experts, m, expert_alig
     sync = True if do_cpu_sync is None else flag("do_cpu_sync", do_cpu_sync)
     if topk_idx is None:
         raise ValueError("topk_idx is required without a handle, got None")
+    V.rows_agree((("x", data), ("topk_idx", topk_idx), ("sf", sf)))
     V.topk_idx(topk_idx, t, e, eb.device, check_values=eb._host_checks)
     k = topk_idx.shape[1]
     if k < 1:
@@ -172,6 +176,7 @@ def cached(eb, hd, data, sf, topk_idx, topk_weights, cum, num_experts, m, a, do_
     t, k = hd.topk_idx.shape
     if data.shape[0] != t:
         raise ValueError(f"x has {data.shape[0]} tokens but the handle was made for {t}")
+    V.rows_agree((("sf", sf), ("x", data)))  # (x agrees with the handle: a tie blames sf)
     if topk_weights is not None:
         V.topk_weights(topk_weights, hd.topk_idx, eb.device)
     check_fits(eb, hd.num_max_tokens_per_rank, data.shape[1], k, sf is not None)

@@ -116,9 +116,7 @@ def _check_dispatch(buf: Buffer, x, topk_idx, topk_weights, num_experts, num_wor
     V.tensor("x", x, torch.bfloat16, 2, buf.device)
     V.hidden(x.shape[1], False)
     V.tensor("topk_idx", topk_idx, torch.int64, 2, buf.device)
-    if topk_idx.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_idx must have {x.shape[0]} rows (one per token of x), got shape "
-                         f"{tuple(topk_idx.shape)}")
+    V.rows_agree((("x", x), ("topk_idx", topk_idx)))
     if topk_idx.shape[1] > MAX_TOPK:
         raise ValueError(f"topk_idx has top-k {topk_idx.shape[1]}; at most {MAX_TOPK} is supported")
     V.topk_weights(topk_weights, topk_idx, buf.device)

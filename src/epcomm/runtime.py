@@ -77,10 +77,11 @@ class Runtime:
     def num_sms(self) -> int:
         return self._num_sms()
 
-    def set_timeout(self, seconds: float) -> None:
-        """A front end's own deadline (DeepEP V2's ``num_*_timeout_secs``), unless ``EPCOMM_TIMEOUT_S`` is set."""
+    def set_timeout(self, seconds: float, source: str) -> None:
+        """A front end's own deadline (DeepEP V2's ``num_*_timeout_secs``, named by ``source`` in the errors of the
+        waits that pass it), unless ``EPCOMM_TIMEOUT_S`` is set."""
         if _env.timeout_s(None) is None:
-            self.timeout_s = self.backend.timeout_s = float(seconds)
+            self.timeout_s = self.backend.timeout_s = _env.Seconds(seconds, source)
 
     def destroy(self) -> None:
         self.backend.destroy()

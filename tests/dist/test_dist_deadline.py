@@ -1,13 +1,16 @@
-"""Tier 2 (gloo on CPU, spawned processes, 3 ranks; or NCCL on 2 GPUs, see ``harness``): nothing
-hangs. When one rank never makes a call, the others raise ``epcomm.backends.base.PeerTimeoutError``
-naming the phase (and, for point-to-point waits, the missing rank) within a few seconds of
-``EPCOMM_TIMEOUT_S``.
+"""Tier 2 (gloo on CPU, spawned processes, 4 ranks; or NCCL on 2 GPUs, see ``harness``): nothing
+hangs. When one rank (rank 2 of 4: ranks on both sides of it wait) never makes a call, the others raise
+``epcomm.backends.base.PeerTimeoutError`` naming the phase and the missing rank (``.rank``, ``.ranks`` and
+the message; a collective learns it from the ranks' arrival announcements, ``deadline._RollCall``) within a
+few seconds of ``EPCOMM_TIMEOUT_S``.
 
 Each phase runs on a fresh process group, so a phase left half-done cannot disturb the next one;
 before the phase every rank (the silent one too) runs a checked all_to_all and all_gather on it, so
 the phase is never the group's first operation (NCCL connects lazily, and needs a group's first
-operation to involve every rank) and the deadline measures the wait only. The silent rank waits for
-marker files from the others before it moves on.
+operation to involve every rank) and the deadline measures the wait only. Every rank then makes the
+phase's calls together once (its kind's arguments agreed), and the silent rank stops: the others wait in the
+phase itself; in ``dispatch/arguments`` (no call together) they wait in the first call's exchange of its
+arguments. The silent rank waits for marker files from the others before it moves on.
 
 Under nccl a timed-out collective stays stuck on the GPU (nothing aborts it), so each phase runs in
 its own launch, as the last thing its processes do; on gloo one launch runs every phase. The phases
@@ -33,20 +36,16 @@ from epcomm.testing.launcher import parallel_launch
 
 TIMEOUT_S = 1.0
 # nccl runs one rank per GPU: 2 ranks (one waits, one is silent) fit the 2-GPU device machine.
-WORLD_SIZE = 3 if harness.TRANSPORT == "gloo" else 2
-SILENT = WORLD_SIZE - 1
+WORLD_SIZE = 4 if harness.TRANSPORT == "gloo" else 2
+SILENT = 2 if harness.TRANSPORT == "gloo" else 1
 M, HIDDEN = 16, 128
-CASE = Case(WORLD_SIZE, (7, 8, 9)[:WORLD_SIZE], hidden=HIDDEN, num_topk=2, num_experts=6, seed=3,
+CASE = Case(WORLD_SIZE, (7, 8, 9, 6)[:WORLD_SIZE], hidden=HIDDEN, num_topk=2, num_experts=8, seed=3,
             no_expert_token=False, drop_prob=0.0)
-# phase name -> whether the silent rank takes part in the dispatch the phase needs first
-PHASES = {
-    "dispatch/notify": False,
-    "combine/payload": True,
-    "cached_dispatch/payload": True,
-    "low_latency_dispatch/counts": False,
-    "low_latency_combine/payload": True,
-}
-P2P_PHASES = {"low_latency_dispatch/counts", "low_latency_combine/payload"}
+# the phases; before each, every rank (the silent one too) makes the set-up call it needs (a handle) and one call
+# of the phase's own kind, so the kind's arguments are agreed (``epcomm._agree``) and the call that waits is in the
+# phase itself; but for "dispatch/arguments": a kind's first call, whose exchange of arguments waits
+PHASES = ("dispatch/arguments", "dispatch/notify", "combine/payload", "cached_dispatch/payload",
+          "low_latency_dispatch/counts", "low_latency_combine/payload")
 LAUNCHES = [tuple(PHASES)] if harness.TRANSPORT == "gloo" else [(phase,) for phase in PHASES]
 
 
@@ -63,32 +62,35 @@ def _warm_up(group, device: torch.device) -> None:
 
 
 def _phase(ctx, buf: Buffer, phase: str, silent: bool):
-    """Run ``phase``; the silent rank only does the set-up dispatch (if the phase needs one)."""
+    """Run ``phase``: the set-up and the call of its kind together, then the silent rank stops and the others
+    call again."""
     me = ctx.rank
     idx, w = dev(ctx, make_topk(CASE, me))
     x = dev(ctx, make_x(CASE, me))
-    low_latency = phase.startswith("low_latency")
-    handle = None
-    if PHASES[phase] or not silent:
-        if low_latency and PHASES[phase]:
-            recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, CASE.num_experts, use_fp8=False)
-        elif not low_latency and PHASES[phase]:
-            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, CASE.num_experts)
-            recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                      num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
-    if silent:
-        return
-    if phase == "dispatch/notify":
-        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, CASE.num_experts)
-        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-    elif phase == "combine/payload":
-        buf.combine(recv_x, handle)
-    elif phase == "cached_dispatch/payload":
-        buf.dispatch(x, handle=handle)
-    elif phase == "low_latency_dispatch/counts":
-        buf.low_latency_dispatch(x, idx, M, CASE.num_experts, use_fp8=False)
-    elif phase == "low_latency_combine/payload":
-        buf.low_latency_combine(recv_x, idx, w, handle)
+    e = CASE.num_experts
+
+    def ll():
+        return buf.low_latency_dispatch(x, idx, M, e, use_fp8=False)
+
+    def d(**kw):
+        lay = dict(zip(("num_tokens_per_rank", "_", "num_tokens_per_expert", "is_token_in_rank"),
+                       buf.get_dispatch_layout(idx, e)[:4]))
+        del lay["_"]
+        return buf.dispatch(x, **lay, **kw)
+
+    if phase == "low_latency_combine/payload":
+        recv_x, _, handle, _, _ = ll()
+        call = lambda: buf.low_latency_combine(recv_x, idx, w, handle)
+    elif phase in ("combine/payload", "cached_dispatch/payload"):
+        recv_x, _, _, _, handle, _ = d(topk_idx=idx, topk_weights=w)
+        call = (lambda: buf.combine(recv_x, handle)) if phase == "combine/payload" else (
+            lambda: buf.dispatch(x, handle=handle))
+    else:
+        call = ll if phase == "low_latency_dispatch/counts" else d
+    if phase != "dispatch/arguments":
+        call()
+    if not silent:
+        call()
 
 
 def rank_main(ctx, marker_dir: str, phases: tuple[str, ...]):
@@ -115,7 +117,7 @@ def rank_main(ctx, marker_dir: str, phases: tuple[str, ...]):
             _phase(ctx, buf, phase, silent=False)
             results[phase] = ("returned", None, None, time.monotonic() - t0)
         except PeerTimeoutError as e:
-            results[phase] = (str(e), e.phase, e.rank, time.monotonic() - t0)
+            results[phase] = (str(e), e.phase, (e.rank, e.ranks), time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - reported to the parent
             results[phase] = (f"{type(e).__name__}: {e}", None, None, time.monotonic() - t0)
         open(os.path.join(marker_dir, f"{tag}.{me}"), "w").close()
@@ -124,7 +126,7 @@ def rank_main(ctx, marker_dir: str, phases: tuple[str, ...]):
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    """``outcomes[rank][phase] = (message, PeerTimeoutError.phase, .rank, seconds)``."""
+    """``outcomes[rank][phase] = (message, PeerTimeoutError.phase, (.rank, .ranks), seconds)``."""
     if harness.BACKEND != "reference":
         pytest.skip(f"the phases and deadlines checked here are the reference backend's; this run uses "
                     f"{harness.BACKEND}")
@@ -150,14 +152,16 @@ def test_missing_rank_raises_peer_timeout(outcomes, phase):
         message, got_phase, _, elapsed = outcomes[me][phase]
         assert got_phase == phase, f"rank {me}: expected PeerTimeoutError for {phase}, got: {message}"
         assert message.startswith(f"epcomm rank {me}: {phase} waited {TIMEOUT_S:g} s"), message
-        assert "EPCOMM_TIMEOUT_S" in message
+        assert f"(EPCOMM_TIMEOUT_S={TIMEOUT_S:g} sets the deadline)" in message, message
         assert elapsed < TIMEOUT_S + 4.0, f"rank {me}: gave up after {elapsed:.1f} s"
         assert elapsed >= 0.8 * TIMEOUT_S, f"rank {me}: raised after {elapsed:.2f} s, before the deadline"
 
 
-@pytest.mark.parametrize("phase", [p for p in PHASES if p in P2P_PHASES])
-def test_point_to_point_timeout_names_the_missing_rank(outcomes, phase):
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_timeout_names_the_missing_rank(outcomes, phase):
+    """Collectives too: the ranks that arrived announce it, so each knows which one did not."""
     for me in _waiting_ranks():
         message, got_phase, peer, _ = outcomes[me][phase]
         assert got_phase == phase, f"rank {me}: expected PeerTimeoutError for {phase}, got: {message}"
-        assert peer == SILENT and f"rank {SILENT}" in message, message
+        assert peer == (SILENT, (SILENT,)) and f"waited {TIMEOUT_S:g} s for rank {SILENT} and" in message, \
+            (peer, message)

@@ -135,7 +135,8 @@ def check_dispatch_args(ctx):
     raises(TypeError, "x\\[0\\] must have dtype torch.float8_e4m3fn, got torch.bfloat16", d, (x, s))
     raises(TypeError, "x\\[1\\] must have dtype torch.float32, got torch.float16", d, (q, s.half()))
     raises(ValueError, rf"x\[1\] must have shape \({t}, 2\), got \({t}, 3\)", d, (q, torch.ones(t, 3, device=ctx.device)))
-    raises(ValueError, rf"x\[1\] must have shape \({t}, 2\), got \({t - 1}, 2\)", d, (q, s[1:]))
+    raises(ValueError, rf"x\[1\] has {t - 1} rows but x\[0\] has {t}", d, (q, s[1:]))
+    raises(ValueError, rf"x\[0\] has {t - 1} rows but topk_idx has {t}", d, (q[1:], s[1:]))
     q200 = zeros(ctx, t, 200, dtype=torch.float8_e4m3fn)
     raises(ValueError, "FP8 needs the hidden size of x\\[0\\] to be a multiple of 128, got 200", d,
            (q200, torch.ones(t, 1, device=ctx.device)))
@@ -146,8 +147,10 @@ def check_dispatch_args(ctx):
            num_tokens_per_rank=zeros(ctx, r_ + 1, dtype=I32))
     raises(TypeError, "is_token_in_rank must have dtype torch.bool, got torch.int32", d,
            is_token_in_rank=good["is_token_in_rank"].int())
-    raises(ValueError, rf"is_token_in_rank must have shape \({t}, {r_}\), got \({t - 1}, {r_}\)", d,
+    raises(ValueError, rf"is_token_in_rank has {t - 1} rows but x has {t}", d,
            is_token_in_rank=good["is_token_in_rank"][1:])
+    raises(ValueError, rf"is_token_in_rank must have shape \({t}, {r_}\), got \({t}, {r_ + 1}\)", d,
+           is_token_in_rank=zeros(ctx, t, r_ + 1, dtype=torch.bool))
     raises(TypeError, "num_tokens_per_expert must have dtype torch.int32, got torch.int64", d,
            num_tokens_per_expert=good["num_tokens_per_expert"].long())
     raises(ValueError, rf"num_experts={e + 1} must be divisible by the number of ranks \({r_}\)", d,
@@ -157,8 +160,9 @@ def check_dispatch_args(ctx):
     raises(ValueError, "got None for is_token_in_rank", d, is_token_in_rank=None)
     # top-k
     idx, w = good["topk_idx"], good["topk_weights"]
-    raises(ValueError, rf"topk_idx must have {t} rows \(one per token\), got shape \({t - 1}, 4\)", d,
-           topk_idx=idx[1:], topk_weights=w[1:])
+    raises(ValueError, rf"topk_idx has {t - 1} rows but x has {t}", d, topk_idx=idx[1:], topk_weights=w[1:])
+    # x one row short of the layout and the ids it was made from: x is named (not the layout)
+    raises(ValueError, rf"x has {t - 1} rows but topk_idx has {t}", d, x[1:])
     raises(TypeError, "topk_idx must have dtype torch.int64, got torch.int32", d, topk_idx=idx.int())
     if HOST_CHECKS:
         bad = idx.clone()
@@ -185,12 +189,39 @@ def check_dispatch_args(ctx):
     if HOST_CHECKS:  # num_tokens_per_rank that contradicts is_token_in_rank (every rank passes a wrong one)
         raises(ValueError, "num_tokens_per_rank=.* does not match is_token_in_rank", d,
                num_tokens_per_rank=good["num_tokens_per_rank"] + 1)
+        check_layout_of_other_ids(ctx, buf, d, good)
     # the cached path
     _, _, _, _, h, _ = d()
     raises(TypeError, "handle must be the handle dispatch returned, got str", buf.dispatch, x, handle="h")
     raises(ValueError, rf"x has {t - 1} tokens but the handle was made for {t}", buf.dispatch, x[1:], handle=h)
     raises(TypeError, "x must have dtype torch.bfloat16, got torch.float32", buf.dispatch, x.float(), handle=h)
     good_dispatch(ctx, buf)
+
+
+def check_layout_of_other_ids(ctx, buf, d, good):
+    """A layout that is not the one of the ids dispatched raises on every rank (the reference backend finds it on
+    the host and says so in its layout exchange); was: the rows went by the layout, and some arrived on a rank
+    that holds none of their experts."""
+    r_, last = ctx.world_size, ctx.world_size - 1
+    idx, e = good["topk_idx"], good["num_tokens_per_expert"].numel()
+    lx = e // r_
+    # the ids of each token moved to rank 0's experts (the same number of entries, other ranks)
+    other = torch.where(idx >= 0, idx % lx, idx)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(other, e)
+    lay = {"num_tokens_per_rank": per_rank, "is_token_in_rank": in_rank, "num_tokens_per_expert": per_expert}
+    if r_ > 1:
+        raises(ValueError, r"is_token_in_rank does not match topk_idx: token \d+ goes to ranks \[.*\] by topk_idx "
+               r"but to \[.*\] by is_token_in_rank; pass the layout get_dispatch_layout made from this topk_idx",
+               d, **lay)
+        # on the last rank only: it says what, the others which rank
+        want = ("is_token_in_rank does not match topk_idx: token" if ctx.rank == last
+                else f"^is_token_in_rank does not match topk_idx on rank {last}$")
+        raises(ValueError, want, d, **(lay if ctx.rank == last else {}))
+    # the counts per expert alone (every rank's is_token_in_rank is right)
+    wrong = good["num_tokens_per_expert"].clone()
+    wrong[0] += 1
+    raises(ValueError, rf"num_tokens_per_expert does not match topk_idx: expert 0 has {int(wrong[0]) - 1} tokens by "
+           rf"topk_idx but {int(wrong[0])} by num_tokens_per_expert", d, num_tokens_per_expert=wrong)
 
 
 def check_num_worst_tokens_too_small(ctx):
@@ -254,8 +285,7 @@ def check_ll_dispatch_args(ctx):
     raises(ValueError, "hidden size of x must be a multiple of 8.*got 132", d, zeros(ctx, t, 132, dtype=BF16),
            use_fp8=False)
     raises(TypeError, "topk_idx must have dtype torch.int64, got torch.int32", d, ii=idx.int())
-    raises(ValueError, rf"topk_idx must have {t} rows \(one per token\), got shape \({t + 1}, 4\)", d,
-           ii=zeros(ctx, t + 1, 4, dtype=I64))
+    raises(ValueError, rf"x has {t} rows but topk_idx has {t + 1}", d, ii=zeros(ctx, t + 1, 4, dtype=I64))
     if HOST_CHECKS:
         bad = idx.clone()
         bad[0, 0] = -5
@@ -335,7 +365,7 @@ def check_m_differs_across_ranks(ctx):
                  low_latency_mode=True)
     other = M + 1 if me != ctx.world_size - 1 else M
     x, idx = dev(ctx, (make_x(case, me), make_topk(case, me)[0]))
-    raises(ValueError, rf"num_max_dispatch_tokens_per_rank={m} on rank {me} but {other} on rank \d.*: it must be "
+    raises(ValueError, rf"num_max_dispatch_tokens_per_rank={m} on rank {me} but {other} on ranks? [\d, ]+: it must be "
            "the same on every rank", buf.low_latency_dispatch, x, idx, m, e)
     good_ll(ctx, buf)
 

@@ -52,8 +52,20 @@ def check_errors(buf, case, rank):
     for i, (kw, exc, word) in enumerate(bad):
         with pytest.raises(exc, match=word):
             buf.dispatch(x, **kw)
-    with pytest.raises(ValueError, match="sf"):
-        buf.dispatch((x.to(torch.float8_e4m3fn), torch.zeros(x.shape[0] + 1, 2)), **ok)
+    t = x.shape[0]
+    with pytest.raises(ValueError, match=rf"sf has {t + 1} rows but x has {t}"):
+        buf.dispatch((x.to(torch.float8_e4m3fn), torch.zeros(t + 1, 2)), **ok)
+    with pytest.raises(ValueError, match=rf"x has {t - 1} rows but topk_idx has {t}"):  # x is named, not the ids
+        buf.dispatch(x[1:], **ok)
+    # DeepEP V2's dtypes: BF16, or FP8 with its scales
+    with pytest.raises(TypeError, match=r"x must have dtype torch.bfloat16, or be the FP8 pair \(x, sf\), got "
+                                        r"torch.float32"):
+        buf.dispatch(x.float(), **ok)
+    with pytest.raises(TypeError, match=r"x of the pair \(x, sf\) must have dtype torch.float8_e4m3fn, got "
+                                        r"torch.bfloat16"):
+        buf.dispatch((x, torch.ones(t, 2)), **ok)
+    with pytest.raises(TypeError, match="x must have dtype torch.bfloat16, or be the FP8 pair"):
+        buf.dispatch(x.float(), handle=hd)
     rx, _ridx, rw, hd, _ = buf.dispatch(x, **ok)  # still usable
     n = rx.shape[0]
     for kw, exc, word in [

@@ -245,9 +245,19 @@ def _check_native(ctx, tag):
     assert _run(ctx, tag, "nvlink", 0) == (1, 2)
 
 
+def _arguments_that_differ(ctx, tag):
+    """Ranks that disagree on the experts, the hidden size, M: a ValueError on every rank naming them at the first
+    call of the kind, before any kernel (``agree_checks``), on the nvlink backend and on two virtual nodes."""
+    import agree_checks
+
+    for backend, gpus_per_node in (("nvlink", 0), ("internode", 1)):
+        agree_checks.v2(ctx, _on_backend(ctx, tag, backend, gpus_per_node))
+
+
 # The checks of a world size run in one launch (a launch costs seconds of process start and imports), one test
 # each; each builds its own buffers (EPCOMM_GPUS_PER_NODE is read when one is built).
-CHECKS = {2: ["nvlink", "nvlink-native", "internode-direct", "host-budget", "plans"], 4: ["internode-hierarchical"]}
+CHECKS = {2: ["nvlink", "nvlink-native", "internode-direct", "host-budget", "plans", "arguments-that-differ"],
+          4: ["internode-hierarchical"]}
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
 
 
@@ -255,6 +265,8 @@ def _rank(ctx, tag):
     def one(name):
         if name == "plans":
             return lambda ctx: _check_plans(ctx, tag)
+        if name == "arguments-that-differ":
+            return lambda ctx: _arguments_that_differ(ctx, tag)
         if name == "nvlink-native":
             return lambda ctx: _with_native("all", lambda: _check_native(ctx, tag))
         if name == "host-budget":

@@ -156,6 +156,7 @@ def _ht(ctx, gpus_per_node, full=True):
         assert "num_tokens_per_rank on rank 1 says" in str(e) and "found on the device" in str(e), e
     else:
         raise AssertionError("a wrong num_tokens_per_rank was accepted with num_worst_tokens")
+    _layout_of_other_ids(ctx, cpu_internode, ref, case, four, xin, topk, w)
     # too few num_worst_tokens: error 9 on the rank that receives more, at its next call
     few = cpu_internode.internode_buffer(ctx.group, num_nvl_bytes=32 << 20)
     try:
@@ -167,6 +168,36 @@ def _ht(ctx, gpus_per_node, full=True):
         raise AssertionError("num_worst_tokens=2 was accepted")
     cpu_internode.check_delivery()
     return _check_sent(ctx, sent)
+
+
+def _layout_of_other_ids(ctx, cpu_internode, ref, case, four, xin, topk, w):
+    """Rank 1 passes the layout of other ids (its ids moved to its own experts): the handle kernel finds the lowest
+    token whose is_token_in_rank row is not the ids' ranks (error 12), read at the call's synchronisation; the call
+    completes on every rank (so the buffer stays in step), then raises on rank 1."""
+    import torch
+
+    from epcomm import layout
+    from epcomm.testing import gpu_cases as G
+
+    odd = cpu_internode.internode_buffer(ctx.group, num_nvl_bytes=32 << 20)
+    e = case.num_experts
+    lx = e // ctx.world_size
+    other = torch.where(topk >= 0, topk % lx + lx * ctx.rank, topk) if ctx.rank == 1 else topk
+    per_rank, _, per_expert, in_rank, _ = odd.get_dispatch_layout(other, e)
+    diff = (layout.dispatch_layout(topk, e, ctx.world_size)[2] != in_rank).nonzero().tolist()
+    try:
+        odd.dispatch(xin, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                     topk_idx=topk, topk_weights=w, config=four[0])
+        got = "none"
+    except ValueError as err:
+        got = str(err)
+    if ctx.rank == 1:
+        assert diff, "rank 1's ids all had their experts on rank 1: the case checks nothing"
+        assert got == (f"is_token_in_rank does not match topk_idx at token {diff[0][0]}, rank {diff[0][1]}: pass the "
+                       "layout get_dispatch_layout made from this topk_idx"), (got, diff)
+    else:
+        assert got == "none", got
+    G.check_ht_case(ref, odd, case, ctx.rank, False, configs=four)  # still in step
 
 
 def _check_sent(ctx, sent):

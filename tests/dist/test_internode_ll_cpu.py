@@ -8,7 +8,8 @@ interpreter, the NVSHMEM device calls simulated — on CPU processes in virtual 
 - Four ranks in two nodes of two: peers of the node by plain stores (allow_nvlink_for_low_latency_mode),
   the others through NVSHMEM, FP8 with the hook then BF16 zero-copy on one Buffer; one node of two with allow_nvlink_for_low_latency_mode=False: the node's
   peer through NVSHMEM too.
-- Errors: M differing across ranks is named; a rank that never arrives gives the deadline error (rank
+- Errors: arguments that differ across ranks are named at a kind's first call (``agree_checks``, the
+  high-throughput calls too), M differing across ranks by the device too; a rank that never arrives gives the deadline error (rank
   and phase), in two nodes of one and in two nodes of two; with shrink (two nodes of one) the absent
   rank is masked at the deadline and the call carries on.
 
@@ -208,6 +209,9 @@ def _m_differs_then_absent(ctx, differs, plain, x, topk, e: int, absent: int) ->
     from epcomm.backends.base import PeerTimeoutError
 
     seen = []
+    # the device's own check, which a call captured in a CUDA graph relies on: no exchange of the arguments on the
+    # host (the first call of a kind has it: "arguments-that-differ")
+    differs._agree.check = lambda *a: None
     try:
         differs.low_latency_dispatch(x, topk, 8 if ctx.rank == 0 else 16, e)
         seen.append("m differs: none")
@@ -216,6 +220,7 @@ def _m_differs_then_absent(ctx, differs, plain, x, topk, e: int, absent: int) ->
     torch.distributed.barrier(group=ctx.group)
     if ctx.rank == absent:
         return seen  # never calls again
+    plain._agree.check = lambda *a: None  # (the wait on the device, as for a repeat: rank ``absent`` has left)
     try:
         plain.low_latency_dispatch(x, topk, 8, e)
         seen.append("timeout: none")
@@ -275,6 +280,21 @@ def _check_faults_two_nodes_of_two(ctx, tag):
         assert "rank 3" in seen[1] and "low_latency_dispatch/receive" in seen[1], (ctx.rank, seen)
 
 
+def _arguments_that_differ(ctx, tag):
+    """Ranks that disagree on the hidden size, the experts, the dtype, top-k, M (two virtual nodes): a ValueError on
+    every rank naming them, at the first call of the kind, before any kernel (``agree_checks``); the
+    high-throughput calls too."""
+    import agree_checks
+
+    cpu_internode = _setup(ctx, tag, 1)
+
+    def make(**kw):
+        return cpu_internode.internode_buffer(ctx.group, **kw)
+
+    agree_checks.low_latency(ctx, make)
+    agree_checks.v1(ctx, make)
+
+
 # Every check of a world size runs in one launch (a launch costs seconds of process start and imports), in
 # this order, and is reported as its own test; the fault checks come last (the ranks leave them at
 # different times). A failed check stops its rank: later ones report "not run".
@@ -282,6 +302,7 @@ CHECKS = {
     2: [("two-virtual-nodes", _check_two_nodes, ()),
         ("one-node-nvshmem-only", _check_mixed_nodes,  # one node, its peer through NVSHMEM too
          (2, False, [{"use_fp8": False, "zero_copy": True}])),
+        ("arguments-that-differ", _arguments_that_differ, ()),
         ("faults", _check_faults, ())],
     # same-node peers by stores, the other node by NVSHMEM: FP8 with the hook, then BF16 zero-copy, on one
     # Buffer (its signal levels and parities across calls)

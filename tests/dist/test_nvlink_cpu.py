@@ -179,6 +179,9 @@ def _absent(ctx, cpu_nvlink):
     from epcomm.testing.inputs import Case
 
     fast = cpu_nvlink.nvlink_buffer(ctx.group, spins=3e3, num_nvl_bytes=16 << 20)
+    # the wait on the device (as for a repeat, or a call captured in a CUDA graph): no first exchange of the
+    # arguments on the host (which test_dist_deadline checks), and rank 1 goes on to the next check's collectives
+    fast._agree.check = lambda *a: None
     case = Case(num_ranks=ctx.world_size, tokens=(8,) * ctx.world_size, hidden=128, num_topk=2, num_experts=4)
     xin, x, topk, w = G.device_inputs(case, ctx.rank, fast.device)
     if ctx.rank == 1:
@@ -193,7 +196,11 @@ def _absent(ctx, cpu_nvlink):
 
 def _device_side_errors(ctx, cpu_nvlink):
     """Errors the nvlink backend finds on the device: an expert id out of range (at the dispatch's
-    own synchronisation; with num_worst_tokens at the next call) and num_worst_tokens too small."""
+    own synchronisation; with num_worst_tokens at the next call), a layout that is not the one of the ids and
+    num_worst_tokens too small."""
+    import torch
+
+    from epcomm import layout
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
 
@@ -213,6 +220,20 @@ def _device_side_errors(ctx, cpu_nvlink):
         seen.append("eager: none")
     except ValueError as err:
         seen.append(f"eager: {err}")
+    G.check_ht_case(G.Buffer(ctx.group), fast, case, ctx.rank, False)  # still in step
+    # rank 0 passes the layout of other ids (its ids moved to its own experts): the exchange kernel's tile programs
+    # find the lowest token whose is_token_in_rank row is not the ids' ranks (error 12); the call completes on
+    # every rank, then raises on rank 0 (was: rows went by the layout, some to a rank with none of their experts)
+    other = torch.where(topk >= 0, topk % (e // ctx.world_size), topk) if ctx.rank == 0 else topk
+    lay = dict(zip(("num_tokens_per_rank", "_", "num_tokens_per_expert", "is_token_in_rank"),
+                   fast.get_dispatch_layout(other, e)[:4]))
+    del lay["_"]
+    diff = (layout.dispatch_layout(topk, e, ctx.world_size)[2] != lay["is_token_in_rank"]).nonzero().tolist()
+    try:
+        fast.dispatch(x, topk_idx=topk, topk_weights=w, **lay)
+        seen.append("layout: none")
+    except ValueError as err:
+        seen.append(f"layout: {err}")
     G.check_ht_case(G.Buffer(ctx.group), fast, case, ctx.rank, False)  # still in step
     worst = cpu_nvlink.nvlink_buffer(ctx.group, num_nvl_bytes=16 << 20)
     worst.dispatch(x, num_worst_tokens=sum(case.tokens), **kw)
@@ -238,9 +259,13 @@ def _device_side_errors(ctx, cpu_nvlink):
         seen.append(f"overflow: {err}")
     if ctx.rank == 0:
         assert seen[0] == "eager: topk_idx holds expert id 11, outside [-1, 4) for num_experts=4", seen
-        assert seen[1].startswith("worst: topk_idx holds expert id 11, outside [-1, 4)"), seen
+        assert diff, "rank 0's ids all had their experts on rank 0: the case checks nothing"
+        assert seen[1] == ("layout: is_token_in_rank does not match topk_idx at token "
+                           f"{diff[0][0]}, rank {diff[0][1]}: pass the layout get_dispatch_layout made from this "
+                           "topk_idx"), (seen, diff)
+        assert seen[2].startswith("worst: topk_idx holds expert id 11, outside [-1, 4)"), seen
     else:
-        assert seen[0] == "eager: none", seen
+        assert seen[:2] == ["eager: none", "layout: none"], seen
     assert seen[-1].startswith(f"overflow: epcomm rank {ctx.rank}: num_worst_tokens=1 but "), seen
 
 
@@ -274,6 +299,9 @@ def _ll_faults(ctx, cpu_nvlink, what):
     x, topk, w = G.ll_inputs(case, ctx.rank, "cpu")
     if what == "m-differs":  # M differs across ranks: named, not a hang
         buf = cpu_nvlink.nvlink_buffer(ctx.group, spins=3e3, num_rdma_bytes=hint, low_latency_mode=True)
+        # the device's own check, which a call captured in a CUDA graph relies on: no exchange of the arguments on
+        # the host (the first call of a kind has it: "arguments-that-differ")
+        buf._agree.check = lambda *a: None
         m = 8 if ctx.rank == 0 else 16
         try:
             buf.low_latency_dispatch(x, topk, m, e)
@@ -300,6 +328,18 @@ def _ll_faults(ctx, cpu_nvlink, what):
                          x.double().abs() * (w.double().abs() * mine.double()).sum(1, keepdim=True),
                          2 * case.num_topk, "combine without the masked rank", extra_rel=2.0 ** -8)
     assert status.tolist() == [0, 1], status
+
+
+def _arguments_that_differ(ctx, cpu_nvlink):
+    """Ranks that disagree on the hidden size, the experts, the dtype, top-k, M: a ValueError on every rank naming
+    them, at the first call of the kind, before any kernel (``agree_checks``)."""
+    import agree_checks
+
+    def make(**kw):
+        return cpu_nvlink.nvlink_buffer(ctx.group, **kw)
+
+    agree_checks.v1(ctx, make)
+    agree_checks.low_latency(ctx, make)
 
 
 def _edges(ctx, cpu_nvlink):
@@ -345,6 +385,7 @@ TWO_RANKS = [
     ("edge-cases", _edges, {}, {}, {}),
     ("stress", _stress, {}, {}, {}),
     ("device-side-input-errors", _device_side_errors, {}, {}, {}),
+    ("arguments-that-differ", _arguments_that_differ, {}, {}, {}),
     ("a-rank-that-never-arrives-gives-the-deadline-error", _absent, {}, {}, {}),
     ("low-latency-m-differs", _ll_faults, {"what": "m-differs"}, {}, {}),
     ("low-latency-shrink", _ll_faults, {"what": "shrink"}, {}, {}),
@@ -356,6 +397,7 @@ THREE_RANKS = [
     ("high-throughput[copy-engine]", _ht, {}, CE, {}),
     ("high-throughput[sm-push]", _ht, {}, {"EPCOMM_HT_TRANSFER": "sm"}, {}),
     ("low-latency", _ll, {}, {}, {}),
+    ("arguments-that-differ", _arguments_that_differ, {}, {}, {}),
 ]
 CHECKS = {2: TWO_RANKS, 3: THREE_RANKS}
 TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files

@@ -12,9 +12,9 @@ Roles of rank 0 (the one that waits):
 - ``uncaught``: dispatches and lets the error end the script (exit code 1);
 - ``build``: builds its Buffer (the rank exchange), the error uncaught.
 Roles of rank 1 (the peer): ``idle`` builds its Buffer and sleeps; ``dies`` builds its Buffer and exits at
-once (``os._exit``); ``absent`` joins the process group only, and sleeps. On GPUs both ranks first make
-one dispatch and combine together (kernels compiled, connections made), so the bound measures the
-deadline and the exit only.
+once (``os._exit``); ``absent`` joins the process group only, and sleeps. Both ranks first make one dispatch
+and combine together (the kind's arguments exchanged; on GPUs kernels compiled, connections made), so the
+bound measures the deadline and the exit only.
 
 Rank 0 writes ``waiting at <time.time()>`` to stderr just before the call that waits.
 """
@@ -65,9 +65,11 @@ def main(rank: int, init_file: str, role: str, transport: str) -> None:
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, CASE.num_experts)
     args = {"num_tokens_per_rank": per_rank, "is_token_in_rank": in_rank, "num_tokens_per_expert": per_expert,
             "topk_idx": idx, "topk_weights": w}
-    if transport != "gloo":  # one call together first: kernels compiled, connections made, outside the bound
-        recv_x, _, _, _, handle, _ = buf.dispatch(x, **args)
-        buf.combine(recv_x, handle)
+    # one call together first (its kind's first call exchanges the arguments; on GPUs kernels compiled and
+    # connections made), outside the bound: the call that waits is a repeat, whose wait is the dispatch's own
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, **args)
+    buf.combine(recv_x, handle)
+    if device.type == "cuda":
         torch.cuda.synchronize()
     if role == "idle":
         time.sleep(300)

@@ -142,6 +142,9 @@ def _rank_bad_inputs(ctx):
     hint = Buffer.get_low_latency_rdma_size_hint(32, 256, ctx.world_size, e)
     with G.forced_backend("nvlink"):
         llb = Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
+    # the device's own check, which a call captured in a CUDA graph relies on: no exchange of the arguments on the
+    # host (a first call of a kind has it, and names M there: tests/dist/test_dist_agree.py)
+    llb._agree.check = lambda *a: None
     xl, tl_, wl = G.ll_inputs(case, ctx.rank, llb.device)
     try:
         llb.low_latency_dispatch(xl, tl_, m, e, use_fp8=False)

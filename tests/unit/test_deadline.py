@@ -61,3 +61,63 @@ def test_watch_logs_a_wait_that_outlasts_the_deadline(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "epcomm rank 2: the symmetric-memory rendezvous has waited 0.05 s for the other ranks and has no "
         "deadline of its own (it waits up to the process group's timeout); is every rank building this Buffer?"]
+
+
+def test_a_timeout_names_every_rank_that_never_arrived(monkeypatch):
+    monkeypatch.setattr(errors, "_GAVE_UP", set())
+    one = PeerTimeoutError(0, "dispatch/notify", None, 10.0, ranks=[2])
+    assert (one.rank, one.ranks) == (2, (2,))
+    assert str(one).startswith("epcomm rank 0: dispatch/notify waited 10 s for rank 2 and gave up; ")
+    two = PeerTimeoutError(1, "barrier", None, 10.0, ranks=(3, 0))
+    assert (two.rank, two.ranks) == (0, (0, 3)) and "waited 10 s for ranks 0 and 3 and gave up" in str(two)
+    none = PeerTimeoutError(1, "barrier", None, 10.0, ranks=())
+    assert (none.rank, none.ranks) == (None, ()) and "for a peer" in str(none)
+    lost = PeerLostError(1, "dispatch/notify", None, "Connection closed by peer", ranks=(2,))
+    assert (lost.rank, lost.ranks) == (2, (2,))
+    assert str(lost) == ("epcomm rank 1: dispatch/notify lost a peer (Connection closed by peer); rank 2 had not "
+                         "arrived; did a rank exit or fail?")
+
+
+def test_a_timeout_names_what_set_its_deadline(monkeypatch):
+    import pickle
+
+    from epcomm import _env
+
+    monkeypatch.setattr(errors, "_GAVE_UP", set())
+    set_by = _env.Seconds(12, "num_cpu_timeout_secs")
+    assert set_by == 12.0 and pickle.loads(pickle.dumps(set_by)).source == "num_cpu_timeout_secs"
+    assert str(PeerTimeoutError(0, "ElasticBuffer.barrier", 1, set_by)).endswith(
+        "(num_cpu_timeout_secs=12 sets the deadline)")
+    assert str(PeerTimeoutError(0, "barrier", 1, 30.0)).endswith("(the default deadline; EPCOMM_TIMEOUT_S sets it)")
+    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "7.5")
+    assert str(PeerTimeoutError(0, "barrier", 1, _env.timeout_s(30.0))).endswith(
+        "(EPCOMM_TIMEOUT_S=7.5 sets the deadline)")
+    monkeypatch.delenv("EPCOMM_TIMEOUT_S")
+    assert _env.timeout_s(set_by) is set_by
+
+
+def test_the_roll_call_reads_who_announced(monkeypatch):
+    """``deadline._RollCall`` on a store: each wait of a phase has its own keys; the missing are the ranks
+    that announced nothing for it."""
+
+    class Store:
+        def __init__(self):
+            self.keys = set()
+
+        def set(self, k, v):
+            self.keys.add(k)
+
+        def check(self, ks):
+            return all(k in self.keys for k in ks)
+
+    store, group = Store(), types.SimpleNamespace(group_name="g")
+    monkeypatch.setattr(deadline, "_WAITS", {})
+    monkeypatch.setattr(deadline.dist.distributed_c10d, "_get_process_group_store", lambda g: store, raising=False)
+    monkeypatch.setattr(deadline.dist, "get_rank", lambda g: 1)
+    monkeypatch.setattr(deadline.dist, "get_world_size", lambda g: 4)
+    first, second = deadline._RollCall(group, "dispatch/notify"), deadline._RollCall(group, "dispatch/notify")
+    store.set("epcomm/arrived/dispatch/notify/0/3", "1")  # rank 3 arrived at the first wait only
+    assert first.missing(0.0) == (0, 2) and second.missing(0.0) == (0, 2, 3)
+    assert "epcomm/arrived/dispatch/notify/0/1" in store.keys  # (reading announces this rank too)
+    monkeypatch.setattr(deadline.dist.distributed_c10d, "_get_process_group_store", lambda g: None, raising=False)
+    assert deadline._RollCall(group, "barrier").missing(0.0) is None  # no store: not known

@@ -1,6 +1,6 @@
 """Tier 1: ``backends.base.raise_error_word``, the one reading of the kernels' error word
 ``[code, peer, observed, target]`` that the nvlink and internode backends share, and
-``bad_expert_id``, the high-throughput dispatch's reading of it at its host synchronisation."""
+``input_error``, the high-throughput dispatch's reading of it at its host synchronisation."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from epcomm.backends.base import PeerTimeoutError, bad_expert_id, raise_error_word
+from epcomm.backends.base import PeerTimeoutError, input_error, raise_error_word
 
 
 def _be(rank=1, timeout_s=2.5):
@@ -28,6 +28,9 @@ def test_input_errors_name_their_values():
     with pytest.raises(ValueError, match="num_tokens_per_rank on rank 3 says 5 tokens for a rank to which its "
                                          "is_token_in_rank sends 4"):
         raise_error_word(_be(), [11, 3, 5, 4])
+    with pytest.raises(ValueError, match=r"^is_token_in_rank does not match topk_idx at token 6, rank 2: pass the "
+                                         r"layout get_dispatch_layout made from this topk_idx \(found on the device; "):
+        raise_error_word(_be(), [12, -1, 6, 2])
 
 
 def test_a_timeout_names_the_phase_the_peer_and_what_it_waited_for():
@@ -59,12 +62,18 @@ def test_a_low_latency_timeout_blames_differing_m_first():
         raise_error_word(_be(), [6, 2, 0, 1])
 
 
-def test_bad_expert_id_is_returned_once_and_cleared():
+def test_input_errors_are_returned_once_and_cleared():
     be = _be()
     be.err, be.err_host = torch.tensor([10, 0, 17, 16, 7, 7], dtype=torch.int32), torch.tensor([10, 0, 17, 16])
     be._check_error = lambda word: raise_error_word(be, word)
-    assert bad_expert_id(be, [10, 0, 17, 16]) == 17
+    err = input_error(be, [10, 0, 17, 16])
+    assert isinstance(err, ValueError)
+    assert str(err) == "topk_idx holds expert id 17, outside [-1, 16) for num_experts=16"
     assert be.err.tolist() == [0, 0, 0, 0, 7, 7] and be.err_host.tolist() == [0, 0, 0, 0]  # the mirror address stays
-    assert bad_expert_id(be, [0, 0, 0, 0]) is None
+    assert input_error(be, [0, 0, 0, 0]) is None
+    be.err[0], be.err_host[0] = 12, 12
+    assert str(input_error(be, [12, -1, 3, 1])) == ("is_token_in_rank does not match topk_idx at token 3, rank 1: "
+                                                   "pass the layout get_dispatch_layout made from this topk_idx")
+    assert be.err.tolist()[:4] == [0, 0, 0, 0] and be.err_host.tolist() == [0, 0, 0, 0]
     with pytest.raises(PeerTimeoutError):
-        bad_expert_id(be, [3, 1, 0, 1])
+        input_error(be, [3, 1, 0, 1])

@@ -29,7 +29,7 @@ LAYERS = {
     "epcomm.kernels": 1,
     "epcomm.backends": 2,
     # 3: the Buffer and the API over it
-    "epcomm.buffer": 3, "epcomm.buffer_ll": 3, "epcomm.ops": 3, "epcomm": 3, "epcomm._deep_ep": 3,
+    "epcomm.buffer": 3, "epcomm.buffer_ll": 3, "epcomm._agree": 3, "epcomm.ops": 3, "epcomm": 3, "epcomm._deep_ep": 3,
     "epcomm.elastic": 3, "epcomm.elastic_engine": 3, "epcomm.elastic_handle": 3, "epcomm.elastic_args": 3,
     "epcomm.elastic_chains": 3, "epcomm.runtime": 3,
     # 4: tools beside the stack

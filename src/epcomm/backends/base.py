@@ -92,18 +92,27 @@ def checked_run(run: Callable, err_view, check: Callable[[], None]) -> Callable:
     return checked
 
 
-def bad_expert_id(be, word: list) -> int | None:
-    """The error word ``word`` read at a high-throughput dispatch's host synchronisation: a bad expert id
-    (code 10; the layout ignored it, so every rank still completes the call and the Buffer stays in step)
-    is returned with the word cleared, for the call to raise once it is done; any other error raises now
-    (``be._check_error``)."""
-    if word[0] == 10:
+def input_error(be, word: list) -> ValueError | None:
+    """The error word ``word`` read at a high-throughput dispatch's host synchronisation: an input error the
+    kernels found while the exchange still ran to its end on every rank, so that the Buffer stays in step (a bad
+    expert id, code 10: the layout ignored it; an ``is_token_in_rank`` that is not the layout of the ids, code 12)
+    is returned as the ``ValueError`` for the call to raise once it is done, with the word cleared; any other
+    error raises now (``be._check_error``). None: no error."""
+    if word[0] in (10, 12):
         be.err[:4].zero_()
         be.err_host.zero_()
-        return word[2]
+        return ValueError(_input_message(word))
     if word[0]:
         be._check_error(word)
     return None
+
+
+def _input_message(word: list) -> str:
+    """The message of input error 10 or 12 of the error word ``word``."""
+    if word[0] == 10:
+        return f"topk_idx holds expert id {word[2]}, outside [-1, {word[3]}) for num_experts={word[3]}"
+    return (f"is_token_in_rank does not match topk_idx at token {word[2]}, rank {word[3]}: pass the layout "
+            "get_dispatch_layout made from this topk_idx")
 
 
 def raise_error_word(be, word: list, announced_ms: Callable[[], list] | None = None, waited: str = "flag") -> None:
@@ -112,7 +121,8 @@ def raise_error_word(be, word: list, announced_ms: Callable[[], list] | None = N
 
     Codes: 10 a bad expert id (``observed``; ``target`` is num_experts), 9 more tokens arrived than
     ``num_worst_tokens`` (``observed`` > ``target``), 11 a rank's ``num_tokens_per_rank`` disagrees with
-    its ``is_token_in_rank``, any other a wait that passed its deadline (``kernels.common.PHASES``).
+    its ``is_token_in_rank``, 12 ``is_token_in_rank`` is not the layout of ``topk_idx`` (at token ``observed``,
+    rank ``target``), any other a wait that passed its deadline (``kernels.common.PHASES``).
     A low-latency receive that timed out (6) first asks ``announced_ms()`` for every rank's
     ``num_max_dispatch_tokens_per_rank`` (0: a rank that has made no low-latency call): ranks that
     disagree are the cause, named as such. ``waited``: what the deadline was waiting on ("flag",
@@ -120,9 +130,8 @@ def raise_error_word(be, word: list, announced_ms: Callable[[], list] | None = N
     code = word[0]
     if not code:
         return
-    if code == 10:
-        raise ValueError(f"topk_idx holds expert id {word[2]}, outside [-1, {word[3]}) for num_experts={word[3]} "
-                         "(found on the device; this Buffer is now unusable)")
+    if code in (10, 12):
+        raise ValueError(f"{_input_message(word)} (found on the device; this Buffer is now unusable)")
     if code == 9:
         raise RuntimeError(f"epcomm rank {be.rank}: num_worst_tokens={word[3]} but {word[2]} tokens arrived; "
                            "raise num_worst_tokens (this Buffer is now unusable)")

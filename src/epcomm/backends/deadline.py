@@ -17,6 +17,13 @@ How a wait is bounded, by the process group's backend for the tensors' device:
 Either way the group is recorded as given up (``base.gave_up``): a Buffer's ``destroy()`` then skips its
 collective teardown, which would wait on the peer again.
 
+Who is missing (a collective's timeout names the ranks that never arrived, :class:`_RollCall`): a wait that
+is still open after its first ``grace`` (``_grace``: a quarter of the deadline, at most 1 s) announces this
+rank's arrival in the process group's store (one key a rank, the wait's phase and count in its name; calls
+that finish sooner write nothing). The operation itself ends ``grace`` before the deadline; then the rank
+reads, for up to ``grace``, which ranks announced: every rank that arrived before the operation gave up has
+by then. The ones that did not are named, and the whole wait still ends at the deadline.
+
 Not bounded here: torch's symmetric-memory rendezvous and NVSHMEM's start-up (they wait through the
 process group's store, up to the group's own timeout). epcomm runs a bounded barrier right before them,
 so every rank is known to have arrived, and :func:`watch` logs an error naming the rank and the phase if
@@ -97,21 +104,83 @@ def _timeout(timeout_s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout_s)
 
 
+def _grace(timeout_s: float) -> float:
+    """How long a collective's wait runs before this rank announces its arrival, and how long it reads the
+    others' announcements after the operation gave up (which it does that long before the deadline).
+    Example: 1 s of a 10 s deadline, 0.25 s of a 1 s one."""
+    return min(1.0, timeout_s / 4)
+
+
+def _op_timeout(timeout_s: float) -> datetime.timedelta:
+    """A gloo operation's own deadline: ``timeout_s`` less the roll call's ``_grace`` after it."""
+    return _timeout(timeout_s - _grace(timeout_s))
+
+
+_WAITS: dict = {}  # (group name, phase) -> how many collective waits of that phase this rank has begun
+
+
+class _RollCall:
+    """Which ranks of ``group`` arrived at this rank's current wait of ``phase`` (a collective's): each announces
+    itself in the group's store under a key of the phase and of its count of such waits (the same on every rank
+    in step), only when its wait is slow (:meth:`arrive`); :meth:`missing` reads who did not. Any failure of
+    the store (none, a test's fake group, a store that went away with its host) leaves the ranks unknown."""
+
+    __slots__ = ("announced", "group", "prefix")
+
+    def __init__(self, group, phase: str):
+        name = getattr(group, "group_name", "")
+        n = _WAITS.get((name, phase), 0)
+        _WAITS[(name, phase)] = n + 1
+        self.group, self.prefix, self.announced = group, f"epcomm/arrived/{phase}/{n}/", False
+
+    def _store(self):
+        get = getattr(dist.distributed_c10d, "_get_process_group_store", None)
+        return get(self.group) if get is not None else None
+
+    def arrive(self) -> None:
+        """Announce this rank's arrival (once)."""
+        if self.announced:
+            return
+        self.announced = True
+        try:
+            self._store().set(self.prefix + str(dist.get_rank(self.group)), "1")
+        except Exception as e:  # noqa: BLE001 - the roll call is a courtesy: the timeout is raised anyway
+            log.debug("epcomm: no arrival announced for %s (%s)", self.prefix, e)
+
+    def missing(self, within_s: float) -> tuple[int, ...] | None:
+        """The ranks that have not announced their arrival, polled for up to ``within_s`` seconds while some
+        are missing; None where the store cannot say."""
+        try:
+            self.arrive()
+            store, me, n = self._store(), dist.get_rank(self.group), dist.get_world_size(self.group)
+            end = time.monotonic() + within_s
+            while True:
+                gone = tuple(r for r in range(n) if r != me and not store.check([self.prefix + str(r)]))
+                if not gone or time.monotonic() >= end:
+                    return gone
+                time.sleep(min(0.02, within_s / 8))
+        except Exception as e:  # noqa: BLE001 - as in arrive
+            log.debug("epcomm: no roll call for %s (%s)", self.prefix, e)
+            return None
+
+
 def issue_all_gather(group, out: list[torch.Tensor], src: torch.Tensor, timeout_s: float):
-    """``dist.all_gather(out, src, group, async_op=True)``; on gloo the operation ends at ``timeout_s``."""
+    """``dist.all_gather(out, src, group, async_op=True)``; on gloo the operation ends itself before ``timeout_s``
+    (``_op_timeout``: :func:`wait` spends the rest on the roll call)."""
     if backend_for(group, src.device) == "gloo":
         opts = AllgatherOptions()
-        opts.timeout = _timeout(timeout_s)
+        opts.timeout = _op_timeout(timeout_s)
         return group.allgather([out], [src], opts)
     return dist.all_gather(out, src, group=group, async_op=True)
 
 
 def issue_all_to_all(group, recv: torch.Tensor, send: torch.Tensor, recv_counts: list[int],
                      send_counts: list[int], timeout_s: float):
-    """``dist.all_to_all_single`` with uneven splits, async; on gloo the operation ends at ``timeout_s``."""
+    """``dist.all_to_all_single`` with uneven splits, async; on gloo the operation ends itself before ``timeout_s``
+    (as :func:`issue_all_gather`'s)."""
     if backend_for(group, send.device) == "gloo":
         opts = AllToAllOptions()
-        opts.timeout = _timeout(timeout_s)
+        opts.timeout = _op_timeout(timeout_s)
         return group.alltoall_base(recv, send, list(recv_counts), list(send_counts), opts)
     return dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group, async_op=True)
 
@@ -134,33 +203,61 @@ def wait(work, group, device: torch.device, me: int, phase: str, timeout_s: floa
          peer: int | None = None) -> None:
     """Wait for ``work`` (an async operation on ``group`` with tensors on ``device``) until ``timeout_s``;
     past it raise ``PeerTimeoutError(me, phase, peer)``; a transport failure (a peer's connection
-    closed) raises ``PeerLostError``. Either records ``group`` as given up."""
+    closed) raises ``PeerLostError``. Either records ``group`` as given up. Without ``peer`` (a collective)
+    the error names the ranks that never arrived (:class:`_RollCall`); a gloo operation must then have been
+    issued by ``issue_*``, which end it before the deadline, leaving the roll call its time."""
     if work is None:
         return
     backend = backend_for(group, device)
     if backend not in ("gloo", "nccl"):  # another backend (a test's "fake" group): its own wait
         work.wait()
         return
+    roll = _RollCall(group, phase) if peer is None else None
+    grace = _grace(timeout_s)
     if backend == "nccl":
         # the work completes on the GPU: poll its end so the host never blocks past the deadline
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s - (grace if roll is not None else 0.0)
         while not work.is_completed():
-            if time.monotonic() > deadline:
-                err = PeerTimeoutError(me, phase, peer, timeout_s, group=group)
+            now = time.monotonic()
+            if roll is not None and now - start > grace:
+                roll.arrive()
+            if now > deadline:
+                err = PeerTimeoutError(me, phase, peer, timeout_s, group=group,
+                                       ranks=None if roll is None else roll.missing(grace))
                 abort(group)
                 raise err
             time.sleep(0)
         work.wait()
         return
+    start = time.monotonic()
     try:
-        work.wait(timeout=_timeout(timeout_s))
+        if roll is None:
+            work.wait(timeout=_timeout(timeout_s))
+        else:
+            try:  # (a wait that times out leaves the operation running: it ends at its own deadline)
+                work.wait(timeout=_timeout(grace))
+            except RuntimeError as e:
+                if not _timed_out(e):
+                    raise
+                roll.arrive()
+                work.wait(timeout=_timeout(timeout_s))
     except RuntimeError as e:
         _retire(work)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if "timed out" in first.lower() or "timeout" in first.lower():
-            raise PeerTimeoutError(me, phase, peer, timeout_s, first, group=group) from None
-        raise PeerLostError(me, phase, peer, first, group=group) from None
+        late = time.monotonic() - start >= timeout_s - 2 * grace
+        ranks = None if roll is None else roll.missing(grace)
+        # a peer that arrived and gave up at its own deadline closes its connections: where that ends this
+        # wait near its deadline and ranks never arrived, they are the cause
+        if _timed_out(e) or (late and ranks):
+            raise PeerTimeoutError(me, phase, peer, timeout_s, first, group=group, ranks=ranks) from None
+        raise PeerLostError(me, phase, peer, first, group=group, ranks=ranks) from None
     _retire(work)
+
+
+def _timed_out(e: BaseException) -> bool:
+    first = str(e).strip().splitlines()[0].lower() if str(e).strip() else ""
+    return "timed out" in first or "timeout" in first
 
 
 def all_gather_ints(group, values: list[int], me: int, phase: str, timeout_s: float) -> list[list[int]]:

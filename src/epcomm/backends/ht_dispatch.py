@@ -32,7 +32,7 @@ from ..kernels.ht_layout import chunking, fused_words, scratch_words
 from ..kernels.launch import Direct, Launcher, Ptr
 from ..layout import DispatchHandle
 from ..native import ROWS, Outputs
-from .base import DispatchArgs, DispatchResult, bad_expert_id
+from .base import DispatchArgs, DispatchResult, input_error
 from .nvlink_params import (
     C_MAX,
     DRECV,
@@ -436,7 +436,7 @@ class HTDispatch:
                 if bulk:  # (the copy engine's copies: never with the fused layout, an SM-push plan's)
                     self._bulk_dispatch(_words(x), scales, topk, w, lay, synchronised=not n_worst)
                 notify(notify_grid, *nargs)
-            host_col = bad_id = None
+            host_col = late = None
             if n_worst:  # no host synchronisation: expert ids are checked on the device (error word)
                 n_rows, lst = n_worst, []
             else:
@@ -446,7 +446,7 @@ class HTDispatch:
                 sync.record(self._current_stream())
                 sync.synchronize()
                 if err_view[0]:
-                    bad_id = bad_expert_id(self, err_view.tolist())
+                    late = input_error(self, err_view.tolist())
                 host_col, n_rows, lst = _host_counts(host_view, r_, lx, me, alignment)
             grid = self._gather_grid(push, n_rows)
             if sc is not None and keep_k is not None and n_rows > scratch_rows:
@@ -469,10 +469,10 @@ class HTDispatch:
                        *((out_k, out_w) if has_topk else ()), out_src, *((is_in,) if push else ()))
             if ce:
                 self._join_ce()
-            if bad_id is not None:
-                # A bad expert id: every rank still finished this exchange (ids out of range were ignored
-                # by the layout), so the Buffer stays in step; report the argument.
-                raise ValueError(f"topk_idx holds expert id {bad_id}, outside [-1, {e}) for num_experts={e}")
+            if late is not None:
+                # A bad expert id, or a layout not of the ids: every rank still finished this exchange (ids out of
+                # range were ignored by the layout), so the Buffer stays in step; report the argument.
+                raise late
             if host_col is not None:
                 # The combine's copy-engine path needs the block bounds on the host (rank_prefix_matrix[:, me]);
                 # keep them on the handle.

@@ -42,7 +42,7 @@ import torch
 from .. import layout
 from ..kernels.launch import Launcher, Ptr
 from ..layout import DispatchHandle
-from .base import DispatchArgs, DispatchResult, bad_expert_id
+from .base import DispatchArgs, DispatchResult, input_error
 from .internode_ht_sizes import (  # noqa: F401 (high_throughput_bytes: this module's public name too)
     _align,
     _combine_areas,
@@ -337,21 +337,21 @@ class InternodeHighThroughput:
         tb = 128
         topk = a.topk_idx.contiguous() if a.topk_idx is not None else None
         # the handle's tensors from the exchanged rows in one launch (the nvlink backend's kernel), which also
-        # checks the expert ids and, with num_worst_tokens, the rows arriving
+        # checks the expert ids, is_token_in_rank against them and, with num_worst_tokens, the rows arriving
         _go(self.k_handle, "handle", (max(1, min(64, sms, (t + tb - 1) // tb)),), g, s_, g[:, 2 * r_ + 1 + p_:], s_,
             c, rel, t, r_, me, rpm, recv_cp, send_head, self.p_err, worst, topk if topk is not None else send_head, k,
-            e, CHECK_WORST=bool(worst), R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, CHECK_TOPK=topk is not None,
+            e, is_in.view(torch.int8), lx, CHECK_WORST=bool(worst), R_POW2=_pow2(r_), C_POW2=_pow2(c), TB=tb, CHECK_TOPK=topk is not None,
             K_POW2=_pow2(k), num_warps=4)
         c1 = 2 * r_ + 1 + p_ + c + lx  # (the next exchange overwrites both)
         nco = self.n_stage[::n_, c1:c1 + c].clone()  # this rank's channel prefix for each node, as staged
         ncp = g[:, c1:c1 + c].clone()  # each source's channel prefix for this node
-        bad_id = None
+        late = None  # an input error found on the device: raised once the call is done
         lst: list = []
         if worst:
             rows = worst
         else:
             gh = g.to("cpu", copy=True)  # the call's one host synchronisation
-            bad_id = bad_expert_id(be, be.err_host.tolist())
+            late = input_error(be, be.err_host.tolist())
             counts = gh[:, :r_]
             said = gh[:, r_:2 * r_]
             bad = (counts != said).any(1).nonzero().flatten().tolist()
@@ -369,8 +369,8 @@ class InternodeHighThroughput:
         handle = DispatchHandle(rpm, cpm, recv_cp, None, a.is_token_in_rank, send_head)
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = self._move(
             a.x, a.x_scales, a.topk_idx, a.topk_weights, True, info, rows, handle, knobs, lx, save=True)
-        if bad_id is not None:
-            raise ValueError(f"topk_idx holds expert id {bad_id}, outside [-1, {e}) for num_experts={e}")
+        if late is not None:
+            raise late
         recv_src_idx._epcomm_ht = info
         handle = handle._replace(recv_src_idx=recv_src_idx)
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, lst, handle)

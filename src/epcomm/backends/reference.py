@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .. import _validate as V
 from .. import layout, quant
 from ..layout import DispatchHandle, LowLatencyHandle
 from . import deadline
@@ -143,19 +144,21 @@ class ReferenceBackend(Backend):
         c = a.num_channels
         is_in = a.is_token_in_rank
         counts_here = is_in.sum(0, dtype=torch.int64)
-        if not torch.equal(counts_here.cpu(), a.num_tokens_per_rank.to(torch.int64).cpu()):
-            raise ValueError(
-                f"num_tokens_per_rank={a.num_tokens_per_rank.tolist()} does not match is_token_in_rank, "
-                f"which sends {counts_here.tolist()} tokens per rank"
-            )
+        code, why = _layout_error(a, counts_here, r_)
         cpm = layout.channel_prefix_matrix(is_in, c)
         meta = torch.cat([counts_here.view(r_, 1), cpm.to(torch.int64),
-                          a.num_tokens_per_expert.to(torch.int64).view(r_, lx)], dim=1)
-        g = self._all_gather(meta, "dispatch/notify").cpu()  # [src, dst, 1 + C + L]
+                          a.num_tokens_per_expert.to(torch.int64).view(r_, lx),
+                          torch.full((r_, 1), code, dtype=torch.int64, device=is_in.device)], dim=1)
+        g = self._all_gather(meta, "dispatch/notify").cpu()  # [src, dst, 1 + C + L + 1]
+        # a layout that contradicts itself or its ids, on any rank: every rank raises (none is left waiting in
+        # the payload exchange for one that gave up)
+        bad = g[:, 0, -1].nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(why if me in bad else f"{_LAYOUT_ERRORS[int(g[bad[0], 0, -1])]} on rank {bad[0]}")
         counts = g[:, :, 0]
         rank_prefix = layout.rank_prefix_matrix(counts)
         recv_cp = layout.recv_channel_prefix_matrix(rank_prefix, g[:, me, 1:1 + c], me)
-        per_expert = layout.align_up(g[:, me, 1 + c:].sum(0), a.expert_alignment)
+        per_expert = layout.align_up(g[:, me, 1 + c:1 + c + lx].sum(0), a.expert_alignment)
         send_counts, recv_counts = counts[me].tolist(), counts[:, me].tolist()
         n = sum(recv_counts)
         # Every rank knows every rank's receive count here, so all raise together (no rank is left
@@ -347,6 +350,25 @@ class ReferenceBackend(Backend):
 
     def destroy(self) -> None:
         self.nvl_buffer = self.rdma_buffer = None
+
+
+_LAYOUT_ERRORS = {1: "num_tokens_per_rank does not match is_token_in_rank",
+                  2: "is_token_in_rank does not match topk_idx", 3: "num_tokens_per_expert does not match topk_idx"}
+
+
+def _layout_error(a: DispatchArgs, counts_here: torch.Tensor, r_: int) -> tuple[int, str]:
+    """``(code, message)`` of what in a dispatch's layout contradicts the rest (a key of ``_LAYOUT_ERRORS``), or
+    ``(0, "")``: ``num_tokens_per_rank`` against ``is_token_in_rank`` (its per-rank sums ``counts_here``), then the
+    layout against ``topk_idx`` where given (``_validate.layout_mismatch``)."""
+    if not torch.equal(counts_here.cpu(), a.num_tokens_per_rank.to(torch.int64).cpu()):
+        return 1, (f"num_tokens_per_rank={a.num_tokens_per_rank.tolist()} does not match is_token_in_rank, "
+                   f"which sends {counts_here.tolist()} tokens per rank")
+    if a.topk_idx is None:
+        return 0, ""
+    why = V.layout_mismatch(a.topk_idx, a.is_token_in_rank, a.num_tokens_per_expert, r_)
+    if why is None:
+        return 0, ""
+    return (2 if why.startswith("is_token_in_rank") else 3), why
 
 
 def check_worst(counts: torch.Tensor, num_worst_tokens: int) -> None:

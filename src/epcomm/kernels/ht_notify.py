@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .common import peer_ptr, record_error, signal, wait_ge
 from .ht_common import NOTIFY
-from .ht_layout import bad_id, layout_tiles
+from .ht_layout import _or, bad_id, layout_tiles
 
 
 @triton.jit
@@ -149,19 +149,44 @@ def _handle_prefix(pid, cnt_ptr, CS, chan_ptr, CHS, C, R, me, rpm_ptr, rcp_ptr, 
 
 
 @triton.jit
-def _check_topk_tile(tt, topk_ptr, T, K, E, err_ptr, K_POW2: tl.constexpr):
-    """Error 10 if an expert id of rows ``tt`` (int64) of ``topk[T, K]`` is outside ``[-1, E)``."""
+def _check_topk_tile(tt, topk_ptr, T, K, E, err_ptr, is_in_ptr, R, L, K_POW2: tl.constexpr):
+    """Rows ``tt`` (int64) of ``topk[T, K]``: error 10 if an expert id is outside ``[-1, E)``; else error 12
+    ``[12, -1, token, rank]`` if ``is_in int8[T, R]`` (the dispatch's ``is_token_in_rank``) is not the layout of
+    the ids (the ranks of a row's ids in ``[0, E)``, ``L`` experts a rank): a layout made from other ids (the
+    lowest such token, its lowest rank that differs). Compared as bits, ``RB`` ranks at a time: ``[rows, K]`` and
+    ``[rows, RB]`` values per block, no ``[rows, K, R]`` (what ``ht_layout.layout_tiles`` does for the rows it
+    writes).
+
+    Example (R = 2, E = 4, so L = 2): ids ``[0, 3]`` need the row ``[1, 1]``; ``[1, 0]`` records
+    ``[12, -1, t, 1]``."""
+    RB: tl.constexpr = 16
     kk = tl.arange(0, K_POW2)
     mk = (tt[:, None] < T) & (kk[None, :] < K)
     ids = tl.load(topk_ptr + tt[:, None] * K + kk[None, :], mask=mk, other=-1).to(tl.int64)
     found, v = bad_id(ids, mk, E)
     if found:
         record_error(err_ptr, 10, -1, v, E)
+    else:
+        rank = tl.where(mk & (ids >= 0) & (ids < E), ids // L, -1).to(tl.int32)
+        rr = tl.arange(0, RB)
+        for r0 in range(0, R, RB):
+            rel = rank - r0
+            inb = (rel >= 0) & (rel < RB)
+            want = tl.reduce(tl.where(inb, 1 << tl.where(inb, rel, 0), 0), 1, _or)  # [rows]: the ids' ranks
+            mr = (tt[:, None] < T) & (r0 + rr[None, :] < R)
+            got = tl.load(is_in_ptr + tt[:, None] * R + r0 + rr[None, :], mask=mr, other=0)
+            have = tl.sum(tl.where(got != 0, 1 << rr[None, :], 0), 1)  # [rows]: the layout's ranks
+            diff = want ^ have
+            if tl.max(diff, 0) != 0:  # (bits below 1 << 16: never negative)
+                tok = tl.min(tl.where(diff != 0, tt, T), 0)
+                d = tl.sum(tl.where(tt == tok, diff, 0), 0)
+                first = tl.min(tl.where(((d >> rr) & 1) != 0, rr, RB), 0)
+                record_error(err_ptr, 12, -1, tok.to(tl.int32), r0 + first)
 
 
 @triton.jit(do_not_specialize=['T', 'num_worst'])
 def _handle_kernel(counts_ptr, CS, chan_ptr, CHS, C, rel_ptr, T, R, me, rpm_ptr, rcp_ptr, send_head_ptr, err_ptr,
-                   num_worst, topk_ptr, K, E, CHECK_WORST: tl.constexpr, R_POW2: tl.constexpr,
+                   num_worst, topk_ptr, K, E, is_in_ptr, L, CHECK_WORST: tl.constexpr, R_POW2: tl.constexpr,
                    C_POW2: tl.constexpr, TB: tl.constexpr, CHECK_TOPK: tl.constexpr = False,
                    K_POW2: tl.constexpr = 1):
     """The dispatch handle's tensors from the notify outputs, in one launch (they were ~17 torch ops):
@@ -173,8 +198,9 @@ def _handle_kernel(counts_ptr, CS, chan_ptr, CHS, C, rel_ptr, T, R, me, rpm_ptr,
     - ``send_head[t][j] = rel[t][j] + rpm[me-1][j]`` where ``rel >= 0`` (else ``rel``), rows split over
       the programs;
     - with ``CHECK_WORST``: more rows arriving than ``num_worst`` records error 9 (program 0);
-    - with ``CHECK_TOPK``: an expert id in ``topk[T, K]`` outside ``[-1, E)`` records error 10 (the
-      calls without a host synchronisation find bad ids here; the others at their synchronisation).
+    - with ``CHECK_TOPK``: an expert id in ``topk[T, K]`` outside ``[-1, E)`` records error 10, an ``is_in
+      int8[T, R]`` (``is_token_in_rank``) that is not the layout of the ids (``L`` experts a rank) error 12
+      (``_check_topk_tile``; raised at the call's host synchronisation, else at the next call).
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -189,7 +215,7 @@ def _handle_kernel(counts_ptr, CS, chan_ptr, CHS, C, rel_ptr, T, R, me, rpm_ptr,
         tl.store(send_head_ptr + tt[:, None] * R + ri[None, :], tl.where(rel >= 0, rel + offs[None, :], rel),
                  mask=m)
         if CHECK_TOPK:
-            _check_topk_tile(tt, topk_ptr, T, K, E, err_ptr, K_POW2)
+            _check_topk_tile(tt, topk_ptr, T, K, E, err_ptr, is_in_ptr, R, L, K_POW2)
 
 
 @triton.jit(do_not_specialize=['T', 'per_chan', 'num_worst', 'RP'],
@@ -215,9 +241,10 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
     then each waits until every rank's part is in this rank's meta area and reads ``counts`` and the
     channel prefixes from there: ``rank_prefix_matrix``, ``recv_channel_prefix_matrix`` and the
     ``num_worst`` check by program 0 (``_handle_prefix``); ``send_head[:, j]`` for its ranks (the send list
-    positions again, plus ``rpm[me-1][j]``). The expert-id check (``CHECK_TOPK``) is done by the programs
-    after those (tiles of ``TB`` rows, ``q, q + P - RP, ...`` for program ``RP + q``), which wait for nothing:
-    the launcher adds them (``notify_grid``); with none, by every program. (Checked by the rank programs alone, a rank's program walked
+    positions again, plus ``rpm[me-1][j]``). The expert-id check (``CHECK_TOPK``: ids in range, and the layout
+    ``is_token_in_rank`` that of the ids, ``_check_topk_tile``) is done by the programs after those (tiles of
+    ``TB`` rows, ``q, q + P - RP, ...`` for program ``RP + q``), which wait for nothing: the launcher adds them
+    (``notify_grid``); with none, by every program. (Checked by the rank programs alone, a rank's program walked
     ``T / TB`` tiles one after another: at world 1 the kernel took ~45 us of a DSv3 dispatch on an H100.)
 
     With ``FUSED_LAYOUT`` (``ElasticBuffer``'s eager dispatch: ``HTDispatch.fuses_layout``) the kernel also makes its
@@ -262,7 +289,8 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
             Q = P
         if q >= 0:
             for t0 in range(q * TB, T, Q * TB):
-                _check_topk_tile((t0 + tl.arange(0, TB)).to(tl.int64), topk_ptr, T, K, E, err_ptr, K_POW2)
+                _check_topk_tile((t0 + tl.arange(0, TB)).to(tl.int64), topk_ptr, T, K, E, err_ptr, is_in_ptr, R, L,
+                                 K_POW2)
 
 
 @triton.jit

@@ -128,8 +128,9 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, ce_c
         rpm = torch.empty(R, R, dtype=torch.int32)
         rcp = torch.empty(R, C, dtype=torch.int32)
         sh = torch.empty(T[me], R, dtype=torch.int32)
+        in8 = s["in_rank"].view(torch.int8)
         ht._handle_kernel[(2,)](s["counts"], R, s["chan"], C, C, s["shr"], T[me], R, me, rpm, rcp, sh, s["err"], worst,
-                                s["topk"], K, E, CHECK_WORST=bool(worst), R_POW2=4, C_POW2=_p2(C), TB=2,
+                                s["topk"], K, E, in8, E // R, CHECK_WORST=bool(worst), R_POW2=4, C_POW2=_p2(C), TB=2,
                                 CHECK_TOPK=bool(worst), K_POW2=_p2(K))
         assert s["err"][0] == 0, s["err"]
         rpm_ref = s["counts"].cumsum(0).to(torch.int32)
@@ -140,16 +141,24 @@ def run(R=3, T=(7, 0, 5), H=64, K=3, E=6, C=2, fp8=False, worst=0, start=0, ce_c
         if worst and n:  # one row fewer allowed than arrived: error 9 with (observed, bound)
             err = torch.zeros(6, dtype=torch.int32)
             ht._handle_kernel[(1,)](s["counts"], R, s["chan"], C, C, s["shr"], T[me], R, me, rpm, rcp, sh, err, n - 1,
-                                    s["topk"], K, E, CHECK_WORST=True, R_POW2=4, C_POW2=_p2(C), TB=2)
+                                    s["topk"], K, E, in8, E // R, CHECK_WORST=True, R_POW2=4, C_POW2=_p2(C), TB=2)
             assert err[:4].tolist() == [9, -1, n, n - 1], err
         if worst and T[me]:  # an expert id out of range in the last tile: error 10 with the id and E
             for bad in (E + 3, -4):
                 err, topk = torch.zeros(6, dtype=torch.int32), s["topk"].clone()
                 topk[T[me] - 1, K - 1] = bad
                 ht._handle_kernel[(2,)](s["counts"], R, s["chan"], C, C, s["shr"], T[me], R, me, rpm, rcp, sh, err,
-                                        worst, topk, K, E, CHECK_WORST=True, R_POW2=4, C_POW2=_p2(C), TB=2,
+                                        worst, topk, K, E, in8, E // R, CHECK_WORST=True, R_POW2=4, C_POW2=_p2(C), TB=2,
                                         CHECK_TOPK=True, K_POW2=_p2(K))
                 assert err[:4].tolist() == [10, -1, bad, E], err
+        if worst and T[me]:  # is_token_in_rank not the layout of the ids: error 12 with the lowest (token, rank)
+            for tok, rank in ((T[me] - 1, R - 1), (0, 0)):
+                err, wrong = torch.zeros(6, dtype=torch.int32), s["in_rank"].clone()
+                wrong[tok, rank] = ~wrong[tok, rank]
+                ht._handle_kernel[(2,)](s["counts"], R, s["chan"], C, C, s["shr"], T[me], R, me, rpm, rcp, sh, err,
+                                        worst, s["topk"], K, E, wrong.view(torch.int8), E // R, CHECK_WORST=True,
+                                        R_POW2=4, C_POW2=_p2(C), TB=2, CHECK_TOPK=True, K_POW2=_p2(K))
+                assert err[:4].tolist() == [12, -1, tok, rank], (err, tok, rank)
         outs.append(dict(x=out_x.view(torch.bfloat16)[:rows], w=out_w, rpm=rpm, sh=sh))
     assert all(bool((s["counts"] == st[0]["counts"]).all()) for s in st)
     # combine: expert outputs = received rows * 2; each owner's block by the emulated copy engine; reduce
