@@ -291,23 +291,24 @@ class Buffer(LowLatencyMethods):
                         num_worst_tokens: int, config):
         """A dispatch of a kind not seen before, checked; returns ``(run, x data, x scales)``, ``run`` the
         backend's plan for its kind (kept for the repeats of ``key``) or a call of ``Backend.dispatch``."""
-        # the arguments of one row a token against each other first: the one that disagrees is named
-        fp8 = isinstance(x, (tuple, list)) and len(x) == 2
-        V.rows_agree((("x[0]", x[0]) if fp8 else ("x", x), ("topk_idx", idx), ("is_token_in_rank", is_in),
-                      ("x[1]", x[1] if fp8 else None)))
+        first = key not in self._checked  # (never None here without host checks; with them, checked every call)
+        if first:  # the arguments of one row a token against each other first: the one that disagrees is named
+            fp8 = isinstance(x, (tuple, list)) and len(x) == 2
+            V.rows_agree((("x[0]", x[0]) if fp8 else ("x", x), ("topk_idx", idx), ("is_token_in_rank", is_in),
+                          ("x[1]", x[1] if fp8 else None)))
         data, scales = V.dispatch_x(x, self.device)
         t, h = data.shape
         config = self._config(config, combine=False)
         self._check_nvl_bytes(config, h * data.element_size())
-        if key not in self._checked:  # (never None here without host checks; with them, checked every call)
+        if first:
             V.dispatch_args(t, self.group_size, self.device, self._host_checks, ntpr, ntpr_rdma, is_in, ntpe, idx,
                             w, expert_alignment, num_worst_tokens)
-            if key is not None and len(self._checked) < 4096:
+            self._agreed("dispatch", (("x.dtype", data.dtype), ("x.shape[1]", h),
+                                      ("x[1].shape[1]", None if scales is None else scales.shape[1]),
+                                      ("topk_idx.shape[1]", None if idx is None else idx.shape[1]),
+                                      ("num_experts", ntpe.numel()), ("config.num_sms", config.num_sms)))
+            if key is not None and len(self._checked) < 4096:  # (a kind: its checks and its agreement passed)
                 self._checked.add(key)
-        self._agreed("dispatch", (("x.dtype", data.dtype), ("x.shape[1]", h),
-                                  ("x[1].shape[1]", None if scales is None else scales.shape[1]),
-                                  ("topk_idx.shape[1]", None if idx is None else idx.shape[1]),
-                                  ("num_experts", ntpe.numel()), ("config.num_sms", config.num_sms)))
         args = DispatchArgs(data, scales, idx, w, ntpr, is_in, ntpe, expert_alignment, num_worst_tokens,
                             config.num_channels, config.num_sms, config.num_max_rdma_chunked_send_tokens)
         plan = self._backend.dispatch_run
@@ -347,9 +348,12 @@ class Buffer(LowLatencyMethods):
         self._check_nvl_bytes(config, h * data.element_size())
         if handle.is_token_in_rank.shape[0] != t:
             raise ValueError(f"x has {t} tokens but the handle was made for {handle.is_token_in_rank.shape[0]}")
-        self._agreed("dispatch with a handle", (("x.dtype", data.dtype), ("x.shape[1]", h),
-                                                ("x[1].shape[1]", None if scales is None else scales.shape[1]),
-                                                ("config.num_sms", config.num_sms)))
+        if key not in self._checked:
+            self._agreed("dispatch with a handle", (("x.dtype", data.dtype), ("x.shape[1]", h),
+                                                    ("x[1].shape[1]", None if scales is None else scales.shape[1]),
+                                                    ("config.num_sms", config.num_sms)))
+            if key is not None and len(self._checked) < 4096:
+                self._checked.add(key)
         plan = self._backend.cached_dispatch_run
         run = None
         if key is not None and all(v is None or v.is_contiguous() for v in (
@@ -396,22 +400,24 @@ class Buffer(LowLatencyMethods):
         """A combine of a kind not seen before, checked; returns ``(run, biases)`` (as ``_dispatch_first``)."""
         n = handle.recv_src_idx.numel()
         t = handle.is_token_in_rank.shape[0]
-        if key not in self._checked:
+        first = key not in self._checked
+        if first:
             V.tensor("x", x, torch.bfloat16, 2, self.device)
             V.hidden(x.shape[1], False)
             if w is not None:
                 V.tensor("topk_weights", w, torch.float32, 2, self.device)
             V.biases(biases, t, x.shape[1], self.device)
-            if key is not None and len(self._checked) < 4096:
-                self._checked.add(key)
         if x.shape[0] != n:
             raise ValueError(f"x must have the {n} rows dispatch returned, got shape {tuple(x.shape)}")
         if w is not None and w.shape[0] != n:
             raise ValueError(f"topk_weights must have {n} rows, got shape {tuple(w.shape)}")
         config = self._config(config, combine=True)
         self._check_nvl_bytes(config, x.shape[1] * x.element_size())
-        self._agreed("combine", (("x.shape[1]", x.shape[1]), ("topk_weights given", w is not None),
-                                 ("config.num_sms", config.num_sms)))
+        if first:
+            self._agreed("combine", (("x.shape[1]", x.shape[1]), ("topk_weights given", w is not None),
+                                     ("config.num_sms", config.num_sms)))
+            if key is not None and len(self._checked) < 4096:  # (a kind: its checks and its agreement passed)
+                self._checked.add(key)
         biases = tuple(b for b in biases if b is not None)  # DeepEP accepts (bias_0, None)
         plan = self._backend.combine_run
         run = None

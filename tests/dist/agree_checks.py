@@ -60,8 +60,9 @@ def v1(ctx, make) -> None:
     lay = dict(zip(("num_tokens_per_rank", "_", "num_tokens_per_expert", "is_token_in_rank"),
                    buf.get_dispatch_layout(idx, 2 * e)[:4]))
     del lay["_"]
-    with pytest.raises(ValueError, match=expect(ctx, "num_experts", e, 2 * e, "dispatch")):
-        d(**(lay if odd else {}))
+    for _ in range(2):  # (the same call again: still compared, its kind never agreed)
+        with pytest.raises(ValueError, match=expect(ctx, "num_experts", e, 2 * e, "dispatch")):
+            d(**(lay if odd else {}))
     # the hidden size, the dtype
     with pytest.raises(ValueError, match=expect(ctx, "x.shape[1]", H, H // 2, "dispatch")):
         d(x[:, :H // 2].contiguous() if odd else x)
@@ -74,8 +75,9 @@ def v1(ctx, make) -> None:
     assert_bitwise(recv_x, expected_dispatch(case, me)["recv_x"], "dispatch after the errors")
     with pytest.raises(ValueError, match=expect(ctx, "x.shape[1]", H, H // 2, "dispatch with a handle")):
         buf.dispatch(x[:, :H // 2].contiguous() if odd else x, handle=handle)
-    with pytest.raises(ValueError, match=expect(ctx, "x.shape[1]", H, H // 2, "combine")):
-        buf.combine(recv_x[:, :H // 2].contiguous() if odd else recv_x, handle)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=expect(ctx, "x.shape[1]", H, H // 2, "combine")):
+            buf.combine(recv_x[:, :H // 2].contiguous() if odd else recv_x, handle)
     with pytest.raises(ValueError, match=expect(ctx, "topk_weights given", True, False, "combine")):
         buf.combine(recv_x, handle, topk_weights=None if odd else recv_w)
     out, _, _ = buf.combine(recv_x, handle)  # in step
