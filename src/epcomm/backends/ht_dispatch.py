@@ -86,6 +86,12 @@ class _Launch:
     def __init__(self, go: Direct, views: tuple) -> None:
         self.go, self.views = go, views
 
+    @classmethod
+    def named(cls, prepared, args: dict, holes: dict) -> _Launch:
+        """The launch of ``prepared`` with ``args`` by the kernel's parameter names (``Direct.named``); ``holes``
+        maps each per-call parameter's name to its view (or None), in the order a call passes them."""
+        return cls(Direct.named(prepared, args, tuple(holes)), tuple(holes.values()))
+
     def step(self, grid: tuple, holes: tuple):
         """The launch as a ``native.Chain``'s step (``Direct.step``)."""
         return self.go.step(grid, holes)
@@ -125,37 +131,27 @@ class HTDispatch:
             HAS_TOPK=has_topk and not cached, NC=NC, RB=TUNE["gather_rb"], BLOCK=TUNE["gather_block"],
             R_POW2=_pow2(r_), K_POW2=_pow2(k), G_POW2=_pow2(g), HAS_TIMER=TIMER, STAGES=TUNE["gather_stages"],
             num_warps=TUNE["gather_warps"]))
-        tmpl = [None, stage_s, stage_k, stage_w, row, g, k, counts, r_, me, r_, 0 if cached else me * lx, lx,
-                self.p_nctr if cached else toks, self.p_src_lists, self.src_lists.stride(0), None,
-                stage_x, d_slot // 4, stage_s, d_slot // 4, stage_k, d_slot // 8, stage_w, d_slot // 4,
-                None, stage_s, g, 1, stage_k, stage_w, None,
-                self.p_table, self.flags_off, self.p_ctr[DRECV], self.p_tk[T_GATHER], self.p_err, self._timeout_ns,
-                self.p_err, t, lay["dx"], d_slot, lay["ds"], lay["dk"], lay["dw"], self.p_ctr[DSEND],
-                self.p_tk[T_DPUSH]]
-        holes, views = [0], [_words]
-        if has_s:
-            holes.append(1)
-            views.append(None)
-        if has_topk:
-            holes += [2, 3]
-            views += [None, None]
-        if cached:
-            holes.append(7)
-            views.append(None)
-        holes += [16, 25]
-        views += [None, _words]
-        if has_s:
-            holes.append(26)
-            views.append(None)
-        if has_topk and not cached:
-            holes += [29, 30]
-            views += [None, None]
-        holes.append(31)
-        views.append(None)
-        if push:
-            holes.append(38)
-            views.append(_bools)
-        return _Launch(Direct(p, tmpl, tuple(holes)), tuple(views))
+        args = dict(
+            x_ptr=None, xs_ptr=stage_s, topk_ptr=stage_k, w_ptr=stage_w, row_elems=row, G=g, K=k, counts_ptr=counts,
+            counts_stride=r_, me=me, R=r_, lo_expert=0 if cached else me * lx, L=lx,
+            tok_ptr=self.p_nctr if cached else toks, src_lists_ptr=self.p_src_lists,
+            src_lists_stride=self.src_lists.stride(0), n_rows=None,
+            stage_ptr=stage_x, stage_src_elems=d_slot // 4, stage_s_ptr=stage_s, stage_s_src=d_slot // 4,
+            stage_k_ptr=stage_k, stage_k_src=d_slot // 8, stage_w_ptr=stage_w, stage_w_src=d_slot // 4,
+            out_x=None, out_s=stage_s, out_s_stride_row=g, out_s_stride_col=1, out_k=stage_k, out_w=stage_w,
+            out_src=None, ptr_table=self.p_table, flags_off=self.flags_off, ctr_ptr=self.p_ctr[DRECV],
+            ticket_ptr=self.p_tk[T_GATHER], err_ptr=self.p_err, timeout_ns=self._timeout_ns,
+            is_in_ptr=self.p_err, T_send=t, push_off=lay["dx"], push_slot_bytes=d_slot, push_s_off=lay["ds"],
+            push_k_off=lay["dk"], push_w_off=lay["dw"], send_ctr_ptr=self.p_ctr[DSEND],
+            push_ticket_ptr=self.p_tk[T_DPUSH])
+        # the per-call ones (the bracketed ones of the docstring where the kind has them), each with its view
+        holes = dict(x_ptr=_words, **(dict(xs_ptr=None) if has_s else {}),
+                     **(dict(topk_ptr=None, w_ptr=None) if has_topk else {}),
+                     **(dict(counts_ptr=None) if cached else {}), n_rows=None, out_x=_words,
+                     **(dict(out_s=None) if has_s else {}),
+                     **(dict(out_k=None, out_w=None) if has_topk and not cached else {}), out_src=None,
+                     **(dict(is_in_ptr=_bools) if push else {}))
+        return _Launch.named(p, args, holes)
 
     def _gather_grid(self, push: bool, n_rows: int) -> int:
         """With the push every program must be resident at once (at most one per SM: a num_sms above the
@@ -252,17 +248,21 @@ class HTDispatch:
             part, lay_ptr = words, Ptr(self.tickets[T_LAYOUT:])
             at = (cp2 + 1) * (r_ + e + 2)
             own_rank, own_expert = words[at:at + r_], words[at + r_:]
-        notify = _Launch(Direct(self.k["_dispatch_notify_kernel"].prepared((lx, c, k, e), dict(
+        notify = _Launch.named(self.k["_dispatch_notify_kernel"].prepared((lx, c, k, e), dict(
             BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), C_POW2=_pow2(c), K_POW2=_pow2(k), TB=tb,
             CHECK_WORST=bool(worst), CHECK_TOPK=has_topk, HOST_COUNTS=not worst, HAS_TIMER=TIMER,
-            FUSED_LAYOUT=fused, EB=min(_pow2(e), 256), CP2=cp2, num_warps=TUNE["notify_warps"])), (
-            None, t, r_, me, own_rank, own_expert, lx, c, max((t + c - 1) // c, 1),
-            self.p_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
-            self.list_off, self.list_parity_bytes, self.list_src_bytes,
-            self.p_nctr, None, counts, per_expert, chan, toks, self.p_src_lists, self.src_lists.stride(0),
-            self.p_err, self._timeout_ns, None, None, None, worst, self.p_err, k, e, self.p_host_counts, rp,
-            part, lay_ptr), (0,) + (() if fused else (4, 5)) + (18, 27, 28, 29) + ((31,) if has_topk else ())),
-            (_bools,) + (() if fused else (None, None)) + (None,) * (5 if has_topk else 4))
+            FUSED_LAYOUT=fused, EB=min(_pow2(e), 256), CP2=cp2, num_warps=TUNE["notify_warps"])), dict(
+            is_in_ptr=None, T=t, R=r_, me=me, ntpr_ptr=own_rank, ntpe_ptr=own_expert, L=lx, C=c,
+            per_chan=max((t + c - 1) // c, 1), ptr_table=self.p_table, flags_off=self.flags_off,
+            meta_off=self.meta_off, meta_parity_bytes=self.meta_parity_bytes, meta_src_bytes=self.meta_src_bytes,
+            list_off=self.list_off, list_parity_bytes=self.list_parity_bytes, list_src_bytes=self.list_src_bytes,
+            nctr_ptr=self.p_nctr, cpm_ptr=None, counts_ptr=counts, per_expert_ptr=per_expert, chan_ptr=chan,
+            tok_ptr=toks, src_lists_ptr=self.p_src_lists, src_lists_stride=self.src_lists.stride(0),
+            err_ptr=self.p_err, timeout_ns=self._timeout_ns, rpm_ptr=None, rcp_ptr=None, send_head_ptr=None,
+            num_worst=worst, topk_ptr=self.p_err, K=k, E=e, host_addr_ptr=self.p_host_counts, RP=rp,
+            part_ptr=part, lay_ptr=lay_ptr), dict(
+            is_in_ptr=_bools, **({} if fused else dict(ntpr_ptr=None, ntpe_ptr=None)), cpm_ptr=None, rpm_ptr=None,
+            rcp_ptr=None, send_head_ptr=None, **(dict(topk_ptr=None) if has_topk else {})))
         bulk = not push and r_ > 1  # the transport's own transfer (the copy engine)
         gather = self._gather_plan(key, h, x_dtype, t, lay, g, k, lx, push, has_s, has_topk, counts, toks)
         n_worst = worst
@@ -527,8 +527,11 @@ class HTDispatch:
         part, tickets = scratch[:cp2 * (r_ + e)], scratch[cp2 * (r_ + e):words]
         own = scratch[at:at + r_], scratch[at + (r_ + 3) // 4 * 4:]
         p = self.k["_layout_kernel"].prepared((k, e), dict(consts, num_warps=4))
-        go = _Launch(Direct(p, (None, None, None, k, e, e // r_, r_, None, None, None, part, tickets, nr, ng),
-                            (0, 1, 2, 7, 8, 9)), (None, None, None, None, None, _bools))
+        go = _Launch.named(p, dict(topk_ptr=None, T=None, S=None, K=k, E=e, L=e // r_, R=r_, per_rank_ptr=None,
+                                   per_expert_ptr=None, in_rank_ptr=None, part_ptr=part, ticket_ptr=tickets, NR=nr,
+                                   NG=ng),
+                           dict(topk_ptr=None, T=None, S=None, per_rank_ptr=None, per_expert_ptr=None,
+                                in_rank_ptr=_bools))
 
         specs = [((r_,), torch.int32), ((e,), torch.int32), ((ROWS, r_), torch.bool)]
         outs = Outputs(dev, specs, True) if native.wanted(dev) else None
