@@ -11,6 +11,8 @@ Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .. import elastic_layout as EL
@@ -86,6 +88,46 @@ def _outputs_at(rows: tuple, expand: bool) -> tuple:
         at.append(None if r is None else i)
         i += r is not None
     return (*at, i, i + 1 if expand else None)
+
+
+class PlannedLaunch(NamedTuple):
+    """A launch :meth:`Kernels.launch` would make (``launch(name, key, consts, grid, *args)``), not made: what a
+    ``plan=True`` call returns first (``elastic_chains`` makes it a chain's step)."""
+
+    name: str
+    key: tuple
+    consts: dict
+    grid: tuple
+    args: tuple
+
+
+class PlannedCopy(NamedTuple):
+    """``Kernels.copy_epilogue(plan=True)``: its launch and outputs."""
+
+    launch: PlannedLaunch
+    out: torch.Tensor
+    out_sf: torch.Tensor | None
+    out_w: torch.Tensor | None
+
+
+class PlannedPack(NamedTuple):
+    """``Kernels.pack(plan=True)``: its launch, the rows and their destinations (None: mode 0 and 1)."""
+
+    launch: PlannedLaunch
+    rows: torch.Tensor
+    dst: torch.Tensor | None
+
+
+class PlannedReduce(NamedTuple):
+    """``Kernels.reduce(plan=True)``: its launch, the combined rows and weights (None without)."""
+
+    launch: PlannedLaunch
+    out: torch.Tensor
+    out_w: torch.Tensor | None
+
+
+def _planned(call: tuple) -> PlannedLaunch:
+    return PlannedLaunch(call[0], call[1], call[2], call[3], tuple(call[4:]))
 
 
 def _kernel(name: str):
@@ -278,8 +320,8 @@ class Kernels:
         byte offset of the part in a row, the bytes between rows), as ``elastic_layout.expand_rows``.
         ``slots`` (``int32[N, K]``, the handle's ``recv_src_metadata[:, 2:]``; unit column stride): the
         copy goes by contiguous row, each read once for all its lanes (``BY_ROW``); None: by expanded row,
-        each contiguous row read once per local lane. With ``plan`` nothing is launched: ``((name, key, consts, grid,
-        *args), out, out_sf, out_w)``, the launch :meth:`launch` would make (``elastic_chains.expanded_tail`` makes it
+        each contiguous row read once per local lane. With ``plan`` nothing is launched: a
+        :class:`PlannedCopy` (the launch :meth:`launch` would make, and the outputs) (``elastic_chains.expanded_tail`` makes it
         a chain's step; None where there are no rows)."""
         x_rows = source.shape[0]
         dev = source.device
@@ -312,7 +354,7 @@ class Kernels:
                 x_rows, sf_src.tensor, out_sf if out_sf is not None else out, sf_rs, sf_cs, w_src.tensor,
                 out_w if out_w is not None else out, slots if slots is not None else source, n)
             if plan:
-                return call, out, out_sf, out_w
+                return PlannedCopy(_planned(call), out, out_sf, out_w)
             self.launch(*call)
         elif plan:
             return None
@@ -345,8 +387,7 @@ class Kernels:
         (``elastic_layout.local_reduce``; ``w f32[X]`` at each lane's row), 2 lane ``lane``'s expanded row
         (``x`` contiguous). Padding rows (``meta[:, 0] == -1``) are left unwritten: their destination is
         ``-1``. ``rows`` and ``dst``: a previous call's, to be written again (made here when None). With ``plan``
-        nothing is launched: ``((name, key, consts, grid, *args), rows, dst)`` (None where there are no rows), as
-        :meth:`reduce`'s."""
+        nothing is launched: a :class:`PlannedPack` (None where there are no rows), as :meth:`reduce`'s."""
         n, k = meta.shape[0], meta.shape[1] - 2
         h = x.shape[1]
         width = combine_row_bytes(h, k if w is not None else 0)
@@ -366,7 +407,7 @@ class Kernels:
                 (n, (h + BLOCK - 1) // BLOCK, 1), x, meta, w if w is not None else x, rows,
                 dst if dst is not None else meta, lane)
             if plan:
-                return call, rows, dst
+                return PlannedPack(_planned(call), rows, dst)
             self.launch(*call)
         elif plan:
             return None
@@ -384,7 +425,7 @@ class Kernels:
         send_head int32[T, R] (contiguous, as the nvlink handle's), me, R)``, where this rank's own partials lie (the transport skipped them:
         ``return_row_parts(skip_self=True)``), read in place from row ``send_head[t, me]``; rows of unit
         column stride. Returns ``(out bf16[T, H], weights f32[T, K] or None)``; with ``plan`` nothing is
-        launched: ``((name, key, consts, grid, *args), out, weights)``, the launch :meth:`launch` would make
+        launched: a :class:`PlannedReduce`, the launch :meth:`launch` would make and the outputs
         (``elastic_chains.combine_chain`` makes it a chain's step)."""
         t, k = topk_idx.shape
         dev = got.device
@@ -414,7 +455,7 @@ class Kernels:
                 (t, (h + rblock - 1) // rblock, 1), got, topk_idx, b0, b1, acc if acc is not None else out, out,
                 out_w if out_w is not None else out, m, lanes[0], lanes[1], xs, ws, sh, me, r_)
             if plan:
-                return call, out, out_w
+                return PlannedReduce(_planned(call), out, out_w)
             self.launch(*call)
         return out, out_w
 
