@@ -131,8 +131,7 @@ def row_parts_kind(be, x: torch.Tensor, wts: torch.Tensor | None, slots: int, nu
     """The kind of :func:`return_row_parts` call this one is (:class:`TransportKind`: its launches, bound once,
     and the rows it moves), or None where the rows cannot move in place (the checks above). Its
     ``go.direct`` for a ``native.Chain`` of the call (``elastic_chains.combine_chain``)."""
-    kind = _row_parts(be, x, wts, slots, num_sms, skip_self)
-    return None if kind is None else TransportKind(*kind)
+    return _named(_row_parts(be, x, wts, slots, num_sms, skip_self))
 
 
 def _row_parts(be, x, wts, slots: int, num_sms: int, skip_self: bool):
@@ -153,7 +152,12 @@ def rows_kind(be, rows: torch.Tensor, slots: int, num_sms: int = 0) -> Transport
     """The kind of :func:`return_rows` call this one is (as :func:`row_parts_kind`'s), or None where its rows' width is
     not a multiple of 4."""
     n, w = rows.shape
-    return None if w % 4 else TransportKind(*_kind(be, rows, n, w, None, slots, num_sms, False))
+    return None if w % 4 else _named(_kind(be, rows, n, w, None, slots, num_sms, False))
+
+
+def _named(kind) -> TransportKind | None:
+    """A plain ``(go, n)`` of :func:`_kind` with its fields named (None stays None)."""
+    return None if kind is None else TransportKind(Transport(*kind[0]), kind[1])
 
 
 def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: int,
@@ -166,8 +170,8 @@ def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: i
 
 
 def _kind(be, rows, n: int, w: int, parts, slots: int, num_sms: int, skip_self: bool):
-    """``(go, n)`` (:class:`TransportKind`'s fields): the bound launches of a transport call of this kind
-    (:func:`_bind`: a :class:`Transport`) and the rows it moves."""
+    """``(go, n)`` (:class:`TransportKind`'s fields, a plain tuple each: :func:`_named` names them): the bound
+    launches of a transport call of this kind (:func:`_bind`) and the rows it moves."""
     st = getattr(be, "_v2", None)
     if st is None:
         st = be._v2 = {"epoch": torch.zeros(2, dtype=torch.int32, device=be.device),  # [calls, programs so far]
@@ -198,7 +202,7 @@ def _launch(kind, rows, wts, dst) -> torch.Tensor:
 
 def _bind(be, st: dict, slots: int, w: int, parts, num_sms: int, skip_self: bool, dtype, aligned: int,
           timeout: int):
-    """The :class:`Transport` of one kind of transport call (:func:`_kind`)."""
+    """The :class:`Transport` fields of one kind of transport call (:func:`_kind`), as a plain tuple."""
     area = st.get((slots, w))
     if area is None:
         area = st[(slots, w)] = _Area(be, slots, w)
@@ -211,5 +215,6 @@ def _bind(be, st: dict, slots: int, w: int, parts, num_sms: int, skip_self: bool
                                area.flags, epoch, be.rank, r_, be.err, timeout))
     arrive = kern.bound("_combine_arrive_kernel", (timeout,), dict(HAS_TIMER=TIMER, num_warps=1),
                         (area.flags, epoch, r_, grid[0], be.err, timeout))
-    return Transport((lambda rows, wts, dst, n: impl(grid[0], 1, 1, rows, wts, dst, n)), (lambda: arrive(1, 1, 1)),
-                     area, TransportDirect(impl, arrive, grid))
+    # (a plain tuple, which a call unpacks on the fast path; a kind's caller gets it as a Transport: _named)
+    return ((lambda rows, wts, dst, n: impl(grid[0], 1, 1, rows, wts, dst, n)), (lambda: arrive(1, 1, 1)), area,
+            TransportDirect(impl, arrive, grid))
