@@ -9,7 +9,8 @@ A dispatch of one kind (shapes, dtypes, flags, Config, the 16-byte alignment of 
 is planned once (``dispatch_run`` / ``cached_dispatch_run``): its launches bound (``kernels/launch.Direct``),
 every fixed argument resolved. A repeat then costs its output allocations, two launches (one for a
 cached dispatch) and, without ``num_worst_tokens``, the synchronisation: no view, no scratch tensor,
-no copy. ``Buffer`` keeps the plans' ``run`` per kind, as it keeps the low-latency calls'.
+no copy. ``Buffer`` keeps the plans' ``run`` per kind, as it keeps the low-latency calls'. A dispatch's
+plan is a ``ht_dispatch_plan.DispatchPlan``; the layout's and the cached dispatch's are made here.
 
 ``HTDispatch`` is a mixin of a backend that provides the symmetric-memory state (``ptr_table``,
 ``flags_off``, meta and list offsets, counters, tickets, the launchers ``k``, ``_ht_layout``,
