@@ -157,8 +157,8 @@ def expanded_tail(v2, res, _rm, out, pay, zero_pad: bool, tma_sf: bool, k: int, 
                                  pay.p, tma_sf, w, slots=slots, plan=True)
     if planned is None or slots.data_ptr() - state.meta.data_ptr() != 8:
         return None
-    (name, key, _, grid, *args), ex, esf, ew = planned
-    d = kern.launched(name, key)
+    call, ex, esf, ew = planned.launch, planned.out, planned.out_sf, planned.out_w
+    d = kern.launched(call.name, call.key)
     if getattr(d, "step", None) is None:
         return None
     made = [t for t in (ex, esf, ew) if t is not None]
@@ -169,11 +169,11 @@ def expanded_tail(v2, res, _rm, out, pay, zero_pad: bool, tma_sf: bool, k: int, 
         src = _sources([(res.recv_x, srcs["x"]), (res.recv_x_scales, srcs["s"]), (recv_w, srcs["w"]),
                         (state.source, meta_out("source")), (slots, meta_out("meta", 8)),
                         *((t, own(i)) for i, t in enumerate(made))])
-        holes = tuple(src(v) for v in args)
+        holes = tuple(src(v) for v in call.args)
         if None in holes:
             return None
         one = native.const(1)
-        step = d.step((native.const(grid[0]), one, one), holes)
+        step = d.step((native.const(call.grid[0]), one, one), holes)
         return None if step is None else (specs, [], step)
 
     return tail
@@ -204,8 +204,8 @@ def combine_chain(v2, x, state, topk_idx, num_experts, m, topk_weights, bias, nu
         planned = kern.pack(x, state.meta, topk_weights, 1, plan=True)
         if planned is None:
             return None
-        (p_name, p_key, _, p_grid, *p_args), rows, _ = planned
-        pack = kern.launched(p_name, p_key)
+        p_call, rows = planned.launch, planned.rows
+        pack = kern.launched(p_call.name, p_call.key)
         if getattr(pack, "step", None) is None:
             return None
         kind = kind_of(rows, m, num_sms)
@@ -216,13 +216,15 @@ def combine_chain(v2, x, state, topk_idx, num_experts, m, topk_weights, bias, nu
         own = (x, topk_weights, last, v2.rank, v2.num_ranks)
     if kind is None:
         return None
-    (_, _, area, (impl, arrive, grid)), n = kind
+    direct, area, n = kind.go.direct, kind.go.area, kind.n
+    impl, arrive, grid = direct.impl, direct.arrive, direct.grid
     first = len(specs)  # (the combined rows and weights after the pack's rows)
     specs += [((t, h), torch.bfloat16)] + ([((t, k), torch.float32)] if with_w else [])
     # (the reduction's launch on stand-ins of the outputs: their places among its arguments)
-    (name, key, _, r_grid, *args), *outs = kern.reduce(area.area, topk_idx, num_experts // v2.num_ranks, m, h, bias,
-                                                       (0, k), True, with_w, self_rows=own, plan=True)
-    steps = [getattr(d, "step", None) for d in (impl, arrive, kern.launched(name, key))]
+    red = kern.reduce(area.area, topk_idx, num_experts // v2.num_ranks, m, h, bias, (0, k), True, with_w,
+                      self_rows=own, plan=True)
+    r_call, outs = red.launch, (red.out, red.out_w)
+    steps = [getattr(d, "step", None) for d in (impl, arrive, kern.launched(r_call.name, r_call.key))]
     if None in steps or not t:
         return None
     # the chain's values: x, the weights (x where none), the destinations, topk_idx, the biases, send_head (contiguous)
@@ -234,9 +236,9 @@ def combine_chain(v2, x, state, topk_idx, num_experts, m, topk_weights, bias, nu
     one = c(1)
     built = []
     if pack is not None:
-        holes = [src(v) for v in p_args]
-        built.append(None if None in holes else pack.step(tuple(c(g) for g in p_grid), tuple(holes)))
-    r_src = [src(v) for v in args]
+        holes = [src(v) for v in p_call.args]
+        built.append(None if None in holes else pack.step(tuple(c(g) for g in p_call.grid), tuple(holes)))
+    r_src = [src(v) for v in r_call.args]
     if None in r_src:
         return None
     if expand:
@@ -244,7 +246,7 @@ def combine_chain(v2, x, state, topk_idx, num_experts, m, topk_weights, bias, nu
     else:
         rows_src = (a(0), a(1) if with_w else a(0), a(2), c(n)) if n else (c(area.flags), c(area.flags), a(2), c(0))
     built += [steps[0]((c(grid[0]), one, one), rows_src), steps[1]((one, one, one), ()),
-              steps[2](tuple(c(g) for g in r_grid), tuple(r_src))]
+              steps[2](tuple(c(g) for g in r_call.grid), tuple(r_src))]
     if None in built:
         return None
     chain = native.Chain(x.device, specs, c(0), built, 7, stream=impl.p.chain_stream())

@@ -11,12 +11,15 @@ Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks, ``
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .. import elastic_layout as EL
 from .. import native
 from ..kernels.launch import Direct, Launcher
 from ..native import ROWS, Outputs
+from .elastic_meta_chains import merged, meta_chain
 from .nvlink_params import _aligned, _contiguous, _pow2
 
 BN = 128    # rows (or tokens) a program of the metadata kernels
@@ -85,6 +88,46 @@ def _outputs_at(rows: tuple, expand: bool) -> tuple:
         at.append(None if r is None else i)
         i += r is not None
     return (*at, i, i + 1 if expand else None)
+
+
+class PlannedLaunch(NamedTuple):
+    """A launch :meth:`Kernels.launch` would make (``launch(name, key, consts, grid, *args)``), not made: what a
+    ``plan=True`` call returns first (``elastic_chains`` makes it a chain's step)."""
+
+    name: str
+    key: tuple
+    consts: dict
+    grid: tuple
+    args: tuple
+
+
+class PlannedCopy(NamedTuple):
+    """``Kernels.copy_epilogue(plan=True)``: its launch and outputs."""
+
+    launch: PlannedLaunch
+    out: torch.Tensor
+    out_sf: torch.Tensor | None
+    out_w: torch.Tensor | None
+
+
+class PlannedPack(NamedTuple):
+    """``Kernels.pack(plan=True)``: its launch, the rows and their destinations (None: mode 0 and 1)."""
+
+    launch: PlannedLaunch
+    rows: torch.Tensor
+    dst: torch.Tensor | None
+
+
+class PlannedReduce(NamedTuple):
+    """``Kernels.reduce(plan=True)``: its launch, the combined rows and weights (None without)."""
+
+    launch: PlannedLaunch
+    out: torch.Tensor
+    out_w: torch.Tensor | None
+
+
+def _planned(call: tuple) -> PlannedLaunch:
+    return PlannedLaunch(call[0], call[1], call[2], call[3], tuple(call[4:]))
 
 
 def _kernel(name: str):
@@ -248,108 +291,9 @@ class Kernels:
                                                                    ticket, ones[0], go_layout, le, x_rows))
         return go_rows, g_rows, go_layout, 2 * le + r_, r_, _parts(rows, k), ones, outs, at, chain
 
-    @staticmethod
-    def _meta_chain(go_rows, grid: int, specs, at: tuple, has_cum: bool, copy_topk: bool, part, ticket, ones,
-                    go_layout=None, le: int = 0, x_rows: int = 0):
-        """``recv_meta``'s outputs and launches as one ``native.Chain`` call: ``(chain, part, (specs, packed, steps,
-        finish, named))``, its values ``(rpm, recv_src_idx, recv_local, send_head, topk_idx, cum)``, its outputs where
-        ``at`` says (:func:`_outputs_at`; ``named``: the same by ``RecvMeta`` field), ``finish(outputs) -> RecvMeta``
-        (the parts: ``merged`` joins the steps to the dispatch's chain). A contiguous layout is one step (``ones``: its empty source); an expanded one
-        (``go_layout``, on ``le`` programs) two, its ``x_rows`` sources made by the chain. None where a launch
-        cannot be a chain's step (``Direct.step``)."""
-        a, o, c = native.addr, native.out, native.const
-        ci, pi, ri, mi, di, li, loi, ti, gi, si = at  # (a contiguous layout has every one but topk_copy's maybe)
-        expand = go_layout is not None
-        one = c(1)
-        steps = [getattr(go_rows, "step", None), getattr(go_layout, "step", None)]  # (the tests' recording go has none)
-        if steps[0] is None or (expand and steps[1] is None):
-            return None
-        steps = [steps[0]((c(grid), one, one), (a(0), a(1), a(2), o(li), o(li if expand else loi), o(mi), o(gi), o(ci),
-                                                 o(pi), o(ri), a(5) if has_cum else o(ci), a(4),
-                                                 o(ti) if copy_topk else a(4), a(3), o(di), c(part), c(ticket)))]
-        if expand:  # (counts, local, rpm, meta, source)
-            steps.append(go_layout.step((c(le), one, one), (o(ci), o(li), a(0), o(mi), o(si))))
-        if None in steps:
-            return None
-        packed = range(len(specs))
-        specs = [(tuple(x_rows if v == ROWS else v for v in shape), dt) for shape, dt in specs]  # (sizes of its own)
-
-        def finish(made) -> EL.RecvMeta:
-            return EL.RecvMeta(made[ri], made[gi], made[li], None if loi is None else made[loi], made[mi], made[ci],
-                               made[pi], made[si] if expand else ones, made[di], None if ti is None else made[ti])
-
-        named = dict(zip(("counts", "psum", "psum_rank", "meta", "dst", "local", "local_out", "topk", "gid", "source"),
-                         at))
-        return (native.Chain(part.device, specs, c(0), steps, 6, packed=packed, stream=go_rows.p.chain_stream()),
-                part, (specs, packed, steps, finish, named))
-
-    @staticmethod
-    def merged(ht_native, meta_chain, dry: bool = False, tail=None):
-        """A no-sync dispatch's two chains as one: the backend's dispatch (``ht_native``: the plan's ``run.native``
-        parts, ``backends/ht_dispatch.py``) and ``recv_meta``'s launches on its outputs (``meta_chain``:
-        :meth:`_meta_chain`'s). ``go(x, scales, topk_idx, w, cum) -> (DispatchResult, RecvMeta, tail's outputs)``,
-        one ``native.Chain`` call; None where either is missing or cannot be a chain. ``tail`` (an expanded
-        layout's scatter, ``elastic_chains.expanded_tail``): ``tail(sources, meta_out) -> (specs, packed, step)`` or
-        None, its launch after the others on their outputs (``sources``: the dispatch's, ``rpm``, ``send_head``,
-        ``src``, ``out_k``, ``x``, ``s``, ``w``; ``meta_out(name, offset=0)``: recv_meta's output ``name``, a field of
-        ``RecvMeta``; ``own(i)``: the tail's output ``i``), its outputs after theirs (``packed`` counts from its
-        first). ``dry``: a dry chain (tests)."""
-        if ht_native is None or meta_chain is None:
-            return None
-        chain_parts, start, result, n_worst, prepared = ht_native
-        got = chain_parts()
-        if got is None or got[3]["out_k"] is None:
-            return None
-        specs, packed, steps, srcs = got
-        m_specs, m_packed, m_steps, finish, m_at = meta_chain[2]
-        nh, nm = len(specs), len(m_specs)
-        # recv_meta's values (rpm, recv_src_idx, recv_local, send_head, topk_idx, cum) -> the dispatch's outputs,
-        # its topk_idx (value 2) and cum (value 8, after the dispatch's eight)
-        to = {0: srcs["rpm"], 1: srcs["src"], 2: srcs["out_k"], 3: srcs["send_head"], 4: native.addr(2),
-              5: native.addr(8)}
-
-        def remap(p):
-            kind, idx, value, size = p
-            if kind == 1:
-                assert value == 0, p  # (whole tensors: no offset to add)
-                return native.param(to[idx], size)
-            if kind == 2:
-                return (2, nh + idx, value, size)
-            assert kind == 0, p
-            return p
-
-        more = [(fn, [remap(g) for g in grid], block, smem, [remap(p) for p in params])
-                for fn, grid, block, smem, params in m_steps]
-        t_specs, t_packed = [], []
-        if tail is not None:
-            made = tail(srcs, lambda name, offset=0: native.out(nh + m_at[name], offset),
-                        lambda i: native.out(nh + nm + i))
-            if made is None:
-                return None
-            t_specs, t_packed, t_step = made
-            more.append(t_step)
-        nt = len(t_specs)
-        chain = native.Chain(meta_chain[1].device, specs + m_specs + t_specs, native.const(n_worst), [*steps, *more],
-                             9, packed=[*packed, *(nh + i for i in m_packed), *(nh + nm + i for i in t_packed)],
-                             dry=dry, stream=prepared.chain_stream())
-
-        run, stream, sdev = chain.run, chain.get_stream, chain.dev  # (no Chain.__call__ frame: the hottest call)
-        n_steps = len(steps) + len(more)
-
-        def raw(x, scales, topk, w, cum):
-            made = run(stream(sdev), x, scales, topk, w, None, None, None, start(), cum)
-            Launcher.launches += n_steps
-            return made
-
-        def parts(made):
-            return result(made[:nh], None), finish(made[nh:nh + nm]), made[nh + nm:] if nt else ()
-
-        def go(x, scales, topk, w, cum):
-            return parts(raw(x, scales, topk, w, cum))
-
-        # (raw: the chain's call, its outputs as made; parts: the results of those, as go gives them)
-        go.chain, go.raw, go.parts = chain, raw, parts
-        return go
+    # recv_meta's outputs and launches as a chain, and that chain joined to the dispatch's (elastic_meta_chains.py)
+    _meta_chain = staticmethod(meta_chain)
+    merged = staticmethod(merged)
 
     def bound(self, name: str, key: tuple, consts: dict, template: tuple):
         """``go(gx, gy, gz, *tensors)``: kernel ``name`` with ``template``'s fixed arguments and the
@@ -376,8 +320,8 @@ class Kernels:
         byte offset of the part in a row, the bytes between rows), as ``elastic_layout.expand_rows``.
         ``slots`` (``int32[N, K]``, the handle's ``recv_src_metadata[:, 2:]``; unit column stride): the
         copy goes by contiguous row, each read once for all its lanes (``BY_ROW``); None: by expanded row,
-        each contiguous row read once per local lane. With ``plan`` nothing is launched: ``((name, key, consts, grid,
-        *args), out, out_sf, out_w)``, the launch :meth:`launch` would make (``elastic_chains.expanded_tail`` makes it
+        each contiguous row read once per local lane. With ``plan`` nothing is launched: a
+        :class:`PlannedCopy` (the launch :meth:`launch` would make, and the outputs) (``elastic_chains.expanded_tail`` makes it
         a chain's step; None where there are no rows)."""
         x_rows = source.shape[0]
         dev = source.device
@@ -410,7 +354,7 @@ class Kernels:
                 x_rows, sf_src.tensor, out_sf if out_sf is not None else out, sf_rs, sf_cs, w_src.tensor,
                 out_w if out_w is not None else out, slots if slots is not None else source, n)
             if plan:
-                return call, out, out_sf, out_w
+                return PlannedCopy(_planned(call), out, out_sf, out_w)
             self.launch(*call)
         elif plan:
             return None
@@ -443,8 +387,7 @@ class Kernels:
         (``elastic_layout.local_reduce``; ``w f32[X]`` at each lane's row), 2 lane ``lane``'s expanded row
         (``x`` contiguous). Padding rows (``meta[:, 0] == -1``) are left unwritten: their destination is
         ``-1``. ``rows`` and ``dst``: a previous call's, to be written again (made here when None). With ``plan``
-        nothing is launched: ``((name, key, consts, grid, *args), rows, dst)`` (None where there are no rows), as
-        :meth:`reduce`'s."""
+        nothing is launched: a :class:`PlannedPack` (None where there are no rows), as :meth:`reduce`'s."""
         n, k = meta.shape[0], meta.shape[1] - 2
         h = x.shape[1]
         width = combine_row_bytes(h, k if w is not None else 0)
@@ -464,7 +407,7 @@ class Kernels:
                 (n, (h + BLOCK - 1) // BLOCK, 1), x, meta, w if w is not None else x, rows,
                 dst if dst is not None else meta, lane)
             if plan:
-                return call, rows, dst
+                return PlannedPack(_planned(call), rows, dst)
             self.launch(*call)
         elif plan:
             return None
@@ -482,7 +425,7 @@ class Kernels:
         send_head int32[T, R] (contiguous, as the nvlink handle's), me, R)``, where this rank's own partials lie (the transport skipped them:
         ``return_row_parts(skip_self=True)``), read in place from row ``send_head[t, me]``; rows of unit
         column stride. Returns ``(out bf16[T, H], weights f32[T, K] or None)``; with ``plan`` nothing is
-        launched: ``((name, key, consts, grid, *args), out, weights)``, the launch :meth:`launch` would make
+        launched: a :class:`PlannedReduce`, the launch :meth:`launch` would make and the outputs
         (``elastic_chains.combine_chain`` makes it a chain's step)."""
         t, k = topk_idx.shape
         dev = got.device
@@ -512,7 +455,7 @@ class Kernels:
                 (t, (h + rblock - 1) // rblock, 1), got, topk_idx, b0, b1, acc if acc is not None else out, out,
                 out_w if out_w is not None else out, m, lanes[0], lanes[1], xs, ws, sh, me, r_)
             if plan:
-                return call, out, out_w
+                return PlannedReduce(_planned(call), out, out_w)
             self.launch(*call)
         return out, out_w
 

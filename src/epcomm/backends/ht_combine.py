@@ -64,18 +64,21 @@ class HTCombine:
         consts = dict(HAS_W=has_w, NUM_BIAS=n_bias, NC=NC, TB=tb, BLOCK=TUNE["reduce_block"], R_POW2=_pow2(r_),
                       K_POW2=_pow2(k), HAS_TIMER=TIMER, STAGES=reduce_stages(_pow2(r_), tb, TUNE["reduce_block"]),
                       num_warps=TUNE["reduce_warps"])
-        # (x, H, T, R, me, send_head, rpm, w, K, x_rows, staging, bias0, bias1, out, out_w, the state)
-        tmpl = [None, h, t, r_, me, None, None, stage_w, k, None,
-                stage_x, lay["c_slot"] // 2, stage_w, lay["c_slot"] // 4, stage_x, stage_x, None, stage_w,
-                self.p_table, self.flags_off, self.p_ctr[CRECV], self.p_tk[T_REDUCE], self.p_err, self._timeout_ns]
+        args = dict(x_ptr=None, H=h, T=t, R=r_, me=me, send_head_ptr=None, rpm_ptr=None, w_ptr=stage_w, K=k,
+                    x_rows=None, stage_ptr=stage_x, stage_src_elems=lay["c_slot"] // 2, stage_w_ptr=stage_w,
+                    stage_w_src=lay["c_slot"] // 4, bias0_ptr=stage_x, bias1_ptr=stage_x, out_ptr=None,
+                    out_w_ptr=stage_w, ptr_table=self.p_table, flags_off=self.flags_off, ctr_ptr=self.p_ctr[CRECV],
+                    ticket_ptr=self.p_tk[T_REDUCE], err_ptr=self.p_err, timeout_ns=self._timeout_ns)
         if fused:
             name = "_combine_kernel"
             consts.update(PUSH_RB=TUNE["cpush_rb"], PUSH_BLOCK=TUNE["cpush_block"])
-            tmpl += [lay["cx"], lay["c_slot"], lay["cw"], lay["c_slot"], self.p_ctr[CSEND], self.p_tk[T_CPUSH]]
+            args.update(push_off=lay["cx"], push_src_bytes=lay["c_slot"], push_w_off=lay["cw"],
+                        push_w_src_bytes=lay["c_slot"], send_ctr_ptr=self.p_ctr[CSEND], push_ticket_ptr=self.p_tk[T_CPUSH])
         else:
             name = "_reduce_kernel"
-        holes = (0, 5, 6) + ((7,) if has_w else ()) + (9,) + (14, 15)[:n_bias] + (16,) + ((17,) if has_w else ())
-        go = Direct(self.k[name].prepared(key, consts), tmpl, holes)
+        holes = ("x_ptr", "send_head_ptr", "rpm_ptr") + (("w_ptr",) if has_w else ()) + ("x_rows",) \
+            + ("bias0_ptr", "bias1_ptr")[:n_bias] + ("out_ptr",) + (("out_w_ptr",) if has_w else ())
+        go = Direct.named(self.k[name].prepared(key, consts), args, holes)
         f32, bf16 = torch.float32, torch.bfloat16
         err_view = self._err_view
         specs = [((t, h), bf16)] + ([((t, k), f32)] if has_w else [])

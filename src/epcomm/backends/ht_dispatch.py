@@ -9,7 +9,8 @@ A dispatch of one kind (shapes, dtypes, flags, Config, the 16-byte alignment of 
 is planned once (``dispatch_run`` / ``cached_dispatch_run``): its launches bound (``kernels/launch.Direct``),
 every fixed argument resolved. A repeat then costs its output allocations, two launches (one for a
 cached dispatch) and, without ``num_worst_tokens``, the synchronisation: no view, no scratch tensor,
-no copy. ``Buffer`` keeps the plans' ``run`` per kind, as it keeps the low-latency calls'.
+no copy. ``Buffer`` keeps the plans' ``run`` per kind, as it keeps the low-latency calls'. A dispatch's
+plan is a ``ht_dispatch_plan.DispatchPlan``; the layout's and the cached dispatch's are made here.
 
 ``HTDispatch`` is a mixin of a backend that provides the symmetric-memory state (``ptr_table``,
 ``flags_off``, meta and list offsets, counters, tickets, the launchers ``k``, ``_ht_layout``,
@@ -28,16 +29,15 @@ import dataclasses
 import torch
 
 from .. import native
-from ..kernels.ht_layout import chunking, fused_words, scratch_words
-from ..kernels.launch import Direct, Launcher, Ptr
+from ..kernels.ht_layout import chunking, scratch_words
+from ..kernels.launch import Launcher
 from ..layout import DispatchHandle
 from ..native import ROWS, Outputs
-from .base import DispatchArgs, DispatchResult, input_error
+from .base import DispatchArgs, DispatchResult
+from .ht_dispatch_plan import DispatchPlan, Launch, bools, words
 from .nvlink_params import (
-    C_MAX,
     DRECV,
     DSEND,
-    L_MAX,
     NC,
     T_DPUSH,
     T_GATHER,
@@ -45,60 +45,18 @@ from .nvlink_params import (
     TUNE,
     _aligned,
     _contiguous,
-    _host_counts,
     _pow2,
     layout_launch,
     torch_to_tl,
 )
 
 _MAX_PLANS = 4096  # the token count is part of a kind: bounded, whatever the callers vary
-# programs of the exchange kernel that only check expert ids (a tile of 128 rows each, at most this many;
-# they wait for nothing): DSv3's 4096 tokens take 32, one tile each. With the fused layout
-# (fuses_layout) they also compute the layout, before the rank programs.
-NOTIFY_CHECK_PROGRAMS = 32
-# the fused layout's ticket and epoch flag: slots 4 and 5 of the backend's tickets (zeroed with the backend,
-# as nctr is; slots 0-3: nvlink_params.T_GATHER .. T_CPUSH)
-T_LAYOUT = 4
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """Rows as the int32 words the kernels copy (an 8-bit dtype through uint8)."""
-    return t.view(torch.uint8).view(torch.int32) if t.element_size() == 1 else t.view(torch.int32)
-
-
-def _bools(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int8)
-
+# the receive's launch, its views of the rows and of is_token_in_rank (one launch a plan, as the exchange's)
+_Launch, _words, _bools = Launch, words, bools
 
 # the tensors of DispatchArgs, in the order a dispatch plan's run takes them
 _DISPATCH_TENSORS = ("x", "x_scales", "topk_idx", "topk_weights", "num_tokens_per_rank", "is_token_in_rank",
                      "num_tokens_per_expert")
-
-
-class _Launch:
-    """``kernels/launch.Direct`` whose per-call tensors go in as the caller has them once it is bound (the
-    C launcher takes their addresses; the binding fixed the dtypes). Until then, and wherever it never
-    binds (``EPCOMM_VERIFY_LAUNCH``, the interpreter), each goes through its view in ``views`` (a function
-    per hole, or None), as the kernel's argument types need."""
-
-    __slots__ = ("go", "views")
-
-    def __init__(self, go: Direct, views: tuple) -> None:
-        self.go, self.views = go, views
-
-    def step(self, grid: tuple, holes: tuple):
-        """The launch as a ``native.Chain``'s step (``Direct.step``)."""
-        return self.go.step(grid, holes)
-
-    def __call__(self, grid: int, *tensors) -> None:
-        go = self.go
-        fast = go.fast
-        if fast is not None:
-            fast(grid, 1, 1, *tensors)
-            return
-        if go.launch is None:
-            tensors = tuple(t if v is None else v(t) for t, v in zip(tensors, self.views))
-        go(grid, 1, 1, *tensors)
 
 
 class HTDispatch:
@@ -125,37 +83,27 @@ class HTDispatch:
             HAS_TOPK=has_topk and not cached, NC=NC, RB=TUNE["gather_rb"], BLOCK=TUNE["gather_block"],
             R_POW2=_pow2(r_), K_POW2=_pow2(k), G_POW2=_pow2(g), HAS_TIMER=TIMER, STAGES=TUNE["gather_stages"],
             num_warps=TUNE["gather_warps"]))
-        tmpl = [None, stage_s, stage_k, stage_w, row, g, k, counts, r_, me, r_, 0 if cached else me * lx, lx,
-                self.p_nctr if cached else toks, self.p_src_lists, self.src_lists.stride(0), None,
-                stage_x, d_slot // 4, stage_s, d_slot // 4, stage_k, d_slot // 8, stage_w, d_slot // 4,
-                None, stage_s, g, 1, stage_k, stage_w, None,
-                self.p_table, self.flags_off, self.p_ctr[DRECV], self.p_tk[T_GATHER], self.p_err, self._timeout_ns,
-                self.p_err, t, lay["dx"], d_slot, lay["ds"], lay["dk"], lay["dw"], self.p_ctr[DSEND],
-                self.p_tk[T_DPUSH]]
-        holes, views = [0], [_words]
-        if has_s:
-            holes.append(1)
-            views.append(None)
-        if has_topk:
-            holes += [2, 3]
-            views += [None, None]
-        if cached:
-            holes.append(7)
-            views.append(None)
-        holes += [16, 25]
-        views += [None, _words]
-        if has_s:
-            holes.append(26)
-            views.append(None)
-        if has_topk and not cached:
-            holes += [29, 30]
-            views += [None, None]
-        holes.append(31)
-        views.append(None)
-        if push:
-            holes.append(38)
-            views.append(_bools)
-        return _Launch(Direct(p, tmpl, tuple(holes)), tuple(views))
+        args = dict(
+            x_ptr=None, xs_ptr=stage_s, topk_ptr=stage_k, w_ptr=stage_w, row_elems=row, G=g, K=k, counts_ptr=counts,
+            counts_stride=r_, me=me, R=r_, lo_expert=0 if cached else me * lx, L=lx,
+            tok_ptr=self.p_nctr if cached else toks, src_lists_ptr=self.p_src_lists,
+            src_lists_stride=self.src_lists.stride(0), n_rows=None,
+            stage_ptr=stage_x, stage_src_elems=d_slot // 4, stage_s_ptr=stage_s, stage_s_src=d_slot // 4,
+            stage_k_ptr=stage_k, stage_k_src=d_slot // 8, stage_w_ptr=stage_w, stage_w_src=d_slot // 4,
+            out_x=None, out_s=stage_s, out_s_stride_row=g, out_s_stride_col=1, out_k=stage_k, out_w=stage_w,
+            out_src=None, ptr_table=self.p_table, flags_off=self.flags_off, ctr_ptr=self.p_ctr[DRECV],
+            ticket_ptr=self.p_tk[T_GATHER], err_ptr=self.p_err, timeout_ns=self._timeout_ns,
+            is_in_ptr=self.p_err, T_send=t, push_off=lay["dx"], push_slot_bytes=d_slot, push_s_off=lay["ds"],
+            push_k_off=lay["dk"], push_w_off=lay["dw"], send_ctr_ptr=self.p_ctr[DSEND],
+            push_ticket_ptr=self.p_tk[T_DPUSH])
+        # the per-call ones (the bracketed ones of the docstring where the kind has them), each with its view
+        holes = dict(x_ptr=_words, **(dict(xs_ptr=None) if has_s else {}),
+                     **(dict(topk_ptr=None, w_ptr=None) if has_topk else {}),
+                     **(dict(counts_ptr=None) if cached else {}), n_rows=None, out_x=_words,
+                     **(dict(out_s=None) if has_s else {}),
+                     **(dict(out_k=None, out_w=None) if has_topk and not cached else {}), out_src=None,
+                     **(dict(is_in_ptr=_bools) if push else {}))
+        return _Launch.named(p, args, holes)
 
     def _gather_grid(self, push: bool, n_rows: int) -> int:
         """With the push every program must be resident at once (at most one per SM: a num_sms above the
@@ -222,269 +170,8 @@ class HTDispatch:
         return got
 
     def _make_dispatch(self, key, a: DispatchArgs, push: bool, ce: bool, scratch_rows: int = 0, fused: bool = False):
-        r_, me, dev = self.num_ranks, self.rank, self.device
-        i32 = torch.int32
-        t, h = a.x.shape
-        e = a.num_tokens_per_expert.numel()
-        lx = e // r_
-        c = a.num_channels
-        if lx > L_MAX or c > C_MAX:
-            raise ValueError(f"the nvlink backend supports up to {L_MAX} local experts and {C_MAX} channels, "
-                             f"got L={lx}, C={c}")
-        k = a.topk_idx.shape[1] if a.topk_idx is not None else 0
-        g = a.x_scales.shape[1] if a.x_scales is not None else 0
-        has_s, has_topk = a.x_scales is not None, a.topk_idx is not None
-        row_bytes = h * a.x.element_size()
-        lay = self._ht_layout(t, row_bytes, g, k, h)
-        worst, alignment, num_sms, x_dtype = a.num_worst_tokens, a.expert_alignment, a.num_sms, a.x.dtype
-        counts, per_expert, chan, toks = self._notify_views(lx, c)
-        tb, cp2 = 128, NOTIFY_CHECK_PROGRAMS
-        # the exchange's programs, one a rank (one under the interpreter, which runs programs one after
-        # another: see the kernel), then programs that only check expert ids, a tile of tb rows each; with
-        # the fused layout those come first (at least one: T = 0 still writes the zero counts)
-        rp = r_ if TIMER else 1
-        tiles = min((t + tb - 1) // tb, cp2 if TIMER else 1) if has_topk else 0
-        notify_grid = rp + (max(tiles, 1) if fused else tiles)
-        part, lay_ptr, own_rank, own_expert = self.p_err, self.p_err, None, None  # (unread without the fused layout)
-        if fused:
-            assert has_topk, "the fused layout reads topk_idx"
-            words = self._scratch("fused layout", (fused_words(cp2, r_, e),), i32)
-            part, lay_ptr = words, Ptr(self.tickets[T_LAYOUT:])
-            at = (cp2 + 1) * (r_ + e + 2)
-            own_rank, own_expert = words[at:at + r_], words[at + r_:]
-        notify = _Launch(Direct(self.k["_dispatch_notify_kernel"].prepared((lx, c, k, e), dict(
-            BLOCK=TUNE["notify_block"], R_POW2=_pow2(r_), C_POW2=_pow2(c), K_POW2=_pow2(k), TB=tb,
-            CHECK_WORST=bool(worst), CHECK_TOPK=has_topk, HOST_COUNTS=not worst, HAS_TIMER=TIMER,
-            FUSED_LAYOUT=fused, EB=min(_pow2(e), 256), CP2=cp2, num_warps=TUNE["notify_warps"])), (
-            None, t, r_, me, own_rank, own_expert, lx, c, max((t + c - 1) // c, 1),
-            self.p_table, self.flags_off, self.meta_off, self.meta_parity_bytes, self.meta_src_bytes,
-            self.list_off, self.list_parity_bytes, self.list_src_bytes,
-            self.p_nctr, None, counts, per_expert, chan, toks, self.p_src_lists, self.src_lists.stride(0),
-            self.p_err, self._timeout_ns, None, None, None, worst, self.p_err, k, e, self.p_host_counts, rp,
-            part, lay_ptr), (0,) + (() if fused else (4, 5)) + (18, 27, 28, 29) + ((31,) if has_topk else ())),
-            (_bools,) + (() if fused else (None, None)) + (None,) * (5 if has_topk else 4))
-        bulk = not push and r_ > 1  # the transport's own transfer (the copy engine)
-        gather = self._gather_plan(key, h, x_dtype, t, lay, g, k, lx, push, has_s, has_topk, counts, toks)
-        n_worst = worst
-        f32 = torch.float32
-        err_view, host_view, sync = self._err_view, self._notify_view, self._sync_event
-
-        keep_k = keep_cp = None
-        if scratch_rows:
-            keep_k = self._scratch("recv_topk_idx", (scratch_rows, k), torch.int64) if has_topk else None
-            keep_cp = self._scratch("channel_prefix_matrices", (2, r_, c), i32).unbind(0)
-        # the call's outputs, each a tensor of its own: by torch.empty each, or (native.wanted: on a GPU) in
-        # one C++ call a group (native.Outputs): the handle's before the exchange, the rows' after the count
-        heads = rows_out = None
-        head_specs = ([((r_, c), i32)] * 2 if keep_cp is None else []) + [((r_, r_), i32), ((t, r_), i32)] \
-            + ([((t, r_), torch.bool)] if fused else [])
-        row_specs = [((ROWS, h), x_dtype)] + ([((ROWS, g), f32)] if has_s else []) \
-            + ([((ROWS, k), torch.int64)] if has_topk and keep_k is None else []) \
-            + ([((ROWS, k), f32)] if has_topk else []) + [((ROWS,), i32)]
-        # (natively the handle's tensors, and the rows' ids, weights and sources, are views of one allocation)
-        head_pack = range(len(head_specs))
-        row_pack = range(1 + has_s, len(row_specs))
-        if native.wanted(dev):
-            heads = Outputs(dev, head_specs, True, head_pack)
-            rows_out = Outputs(dev, row_specs, True, row_pack)
-        # with num_worst_tokens and no transport of its own (the fused push, or one rank) a call is its outputs and
-        # two launches: after the first call bound them, one native.Chain call; a synchronised one two chains
-        # around the host's read of the counts
-        own = heads is not None and heads.native and not bulk and not ce
-        worst_ok = own and bool(n_worst) and (keep_k is None or n_worst <= scratch_rows)
-
-        def chain_parts(rows_base=None, n_rows=None, is_in_src=None):
-            """``(specs, packed, steps, sources)`` of the call as a chain: its values ``x, scales, topk, w, ntpr,
-            is_in, ntpe`` (run's arguments) and the gather's grid; ``sources`` of the handle's rank_prefix_matrix,
-            send_head, recv_src_idx and the received ids (``rpm``, ``send_head``, ``src``, ``out_k``: a
-            consumer's launch in one chain with this one, ``elastic_engine``) and of the received rows, scales and
-            weights (``x``, ``s``, ``w``; None where absent); None where a launch cannot be a
-            chain's step. With ``rows_base`` (a synchronised call's second chain: :func:`sync_chains`): only the
-            gather's step, its outputs from ``rows_base``, its rows ``n_rows`` and is_token_in_rank ``is_in_src``."""
-            nh = len(head_specs)
-            at_is_in = native.out(nh - 1) if fused else native.addr(5)
-            cp = [native.out(0), native.out(1)] if keep_cp is None else [native.const(v) for v in keep_cp]
-            rpm, sh = native.out(nh - 2 - fused), native.out(nh - 1 - fused)
-            n_holes = ([at_is_in] + ([] if fused else [native.addr(4), native.addr(6)]) + [cp[0], rpm, cp[1], sh]
-                       + ([native.addr(2)] if has_topk else []))
-            base = nh if rows_base is None else rows_base
-            orow = iter(range(base, base + len(row_specs)))
-            out_x = native.out(next(orow))
-            out_s = native.out(next(orow)) if has_s else None
-            out_k = (native.out(next(orow)) if keep_k is None else native.const(keep_k)) if has_topk \
-                else None
-            out_w = native.out(next(orow)) if has_topk else None
-            out_src = native.out(next(orow))
-            g_is_in = at_is_in if is_in_src is None else is_in_src
-            g_holes = ([native.addr(0)] + ([native.addr(1)] if has_s else [])
-                       + ([native.addr(2), native.addr(3)] if has_topk else [])
-                       + [native.const(n_worst) if n_rows is None else n_rows, out_x]
-                       + ([out_s] if has_s else []) + ([out_k, out_w] if has_topk else []) + [out_src]
-                       + ([g_is_in] if push else []))
-            one = native.const(1)
-            g_step = gather.step((native.num(7 if rows_base is None else 6), one, one), tuple(g_holes))
-            if rows_base is not None:
-                return None if g_step is None else (row_specs, list(row_pack), [g_step], None)
-            steps = [notify.step((native.const(notify_grid), one, one), tuple(n_holes)), g_step]
-            if any(st is None for st in steps):
-                return None
-            return (head_specs + row_specs, [*head_pack, *(nh + i for i in row_pack)], steps,
-                    dict(rpm=rpm, send_head=sh, src=out_src, out_k=out_k, x=out_x, s=out_s, w=out_w))
-
-        def make_chain():
-            got = chain_parts()
-            if got is None:
-                return None
-            specs, packed, steps, _ = got
-            return native.Chain(dev, specs, native.const(n_worst), steps, 8, packed=packed,
-                                stream=notify.go.p.chain_stream())
-
-        def sync_chains():
-            """A synchronised call's two chains: ``(heads, rows)``: ``heads(x, scales, topk, w, ntpr, is_in, ntpe)``
-            makes the handle's tensors and launches the exchange; after the host read the counts, ``rows(x, scales,
-            topk, w, n_rows, is_in, grid)`` makes the rows and launches the gather. None where a launch cannot be a
-            chain's step."""
-            got = chain_parts()
-            b = chain_parts(0, native.num(4), native.addr(5))
-            if got is None or b is None:
-                return None
-            stream = notify.go.p.chain_stream()
-            return (native.Chain(dev, head_specs, native.const(0), [got[2][0]], 7, packed=list(head_pack),
-                                 stream=stream),
-                    native.Chain(dev, row_specs, native.num(4), b[2], 7, packed=b[1], stream=stream))
-
-        chain = native.Later(worst_ok, make_chain)
-        sync_chain = native.Later(own and not n_worst, sync_chains)
-
-        def begin():
-            """What every call does first: the error word, the call's SMs."""
-            if err_view[0]:
-                self._check_error()
-            self._call_sms = num_sms  # the call's Config.num_sms bounds every grid of the call
-
-        def start(grid=[]):  # noqa: B006 - the grid of a plan whose Config fixes num_sms, kept at its first call
-            """:func:`begin`, then the gather's grid of a num_worst_tokens call."""
-            begin()
-            if grid:
-                return grid[0]
-            g = self._gather_grid(push, n_worst)
-            if num_sms:  # (else Buffer.num_sms, which a caller may change between calls: nvlink.num_sms)
-                grid.append(g)
-            return g
-
-        def heads_of(made, is_in):
-            """``(cpm, recv_cp, rpm, send_head, is_in)`` of the handle's tensors ``made`` (``heads``' specs)."""
-            if keep_cp is None:
-                cpm, recv_cp, rpm, send_head = made[:4]
-            else:
-                (cpm, recv_cp), (rpm, send_head) = keep_cp, made[:2]
-            return cpm, recv_cp, rpm, send_head, (made[len(head_specs) - 1] if fused else is_in)
-
-        def rows_of(made, n_rows):
-            """``(out_x, out_s, out_k, out_w, out_src)`` of the rows ``made`` (``rows_out``' specs), the ids the
-            plan's scratch where it holds ``n_rows``."""
-            out_x, out_src = made[0], made[-1]
-            out_s = made[1] if has_s else None
-            out_k = out_w = None
-            if has_topk:
-                out_w = made[-2]
-                out_k = made[-3] if keep_k is None else ids(n_rows)
-            return out_x, out_s, out_k, out_w, out_src
-
-        def ids(n_rows):
-            """The received ids: the plan's scratch (``keep_k``) where it holds ``n_rows``, else fresh (more rows:
-            peers with a larger M)."""
-            if n_rows <= scratch_rows:
-                return keep_k if n_rows == scratch_rows else keep_k[:n_rows]
-            return torch.empty(n_rows, k, dtype=torch.int64, device=dev)
-
-        def result(made, is_in):
-            """The DispatchResult of a num_worst_tokens chain's outputs (``made``: the heads', then the rows')."""
-            nh = len(head_specs)
-            cpm, recv_cp, rpm, send_head, is_in = heads_of(made[:nh], is_in)
-            out_x, out_s, out_k, out_w, out_src = rows_of(made[nh:], n_worst)
-            return DispatchResult(out_x, out_s, out_k, out_w, [],
-                                  DispatchHandle(rpm, cpm, recv_cp, out_src, is_in, send_head))
-
-        def run(x, scales, topk, w, ntpr, is_in, ntpe):
-            ch = chain.value
-            if ch is not None:
-                Launcher.launches += 2
-                return result(ch(x, scales, topk, w, ntpr, is_in, ntpe, start()), is_in)
-            begin()
-            sc = sync_chain.value
-            if heads is not None:
-                cpm, recv_cp, rpm, send_head, is_in = heads_of(
-                    heads() if sc is None else sc[0](x, scales, topk, w, ntpr, is_in, ntpe), is_in)
-            else:
-                if keep_cp is None:
-                    cpm = torch.empty(r_, c, dtype=i32, device=dev)
-                    recv_cp = torch.empty(r_, c, dtype=i32, device=dev)
-                else:
-                    cpm, recv_cp = keep_cp
-                rpm = torch.empty(r_, r_, dtype=i32, device=dev)
-                send_head = torch.empty(t, r_, dtype=i32, device=dev)
-                if fused:  # (the kernel writes it; the handle keeps it)
-                    is_in = torch.empty(t, r_, dtype=torch.bool, device=dev)
-            if fused:
-                nargs = (is_in, cpm, rpm, recv_cp, send_head, topk)
-            else:
-                nargs = (is_in, ntpr, ntpe, cpm, rpm, recv_cp, send_head, *((topk,) if has_topk else ()))
-            if sc is not None:  # (the chain launched the exchange)
-                Launcher.launches += 1
-            else:
-                if bulk:  # (the copy engine's copies: never with the fused layout, an SM-push plan's)
-                    self._bulk_dispatch(_words(x), scales, topk, w, lay, synchronised=not n_worst)
-                notify(notify_grid, *nargs)
-            host_col = late = None
-            if n_worst:  # no host synchronisation: expert ids are checked on the device (error word)
-                n_rows, lst = n_worst, []
-            else:
-                # The contract's one synchronisation: the exchange kernel wrote the counts into pinned host
-                # words, and a kernel that records an error (a bad expert id, checked there too) writes the
-                # error word's host mirror: after it, a few list operations (no torch op per value).
-                sync.record(self._current_stream())
-                sync.synchronize()
-                if err_view[0]:
-                    late = input_error(self, err_view.tolist())
-                host_col, n_rows, lst = _host_counts(host_view, r_, lx, me, alignment)
-            grid = self._gather_grid(push, n_rows)
-            if sc is not None and keep_k is not None and n_rows > scratch_rows:
-                sc = None  # (more rows than the scratch ids hold: fresh ones, through the launch of Python)
-            if rows_out is not None:
-                out_x, out_s, out_k, out_w, out_src = rows_of(
-                    rows_out(n_rows) if sc is None else sc[1](x, scales, topk, w, n_rows, is_in, grid), n_rows)
-            else:
-                out_x = torch.empty(n_rows, h, dtype=x_dtype, device=dev)
-                out_s = torch.empty(n_rows, g, dtype=f32, device=dev) if has_s else None
-                out_w = torch.empty(n_rows, k, dtype=f32, device=dev) if has_topk else None
-                out_src = torch.empty(n_rows, dtype=i32, device=dev)
-                out_k = None if not has_topk else ids(n_rows) if keep_k is not None else \
-                    torch.empty(n_rows, k, dtype=torch.int64, device=dev)
-            if sc is not None:  # (the chain launched the gather)
-                Launcher.launches += 1
-            else:
-                gather(grid, x, *((scales,) if has_s else ()),
-                       *((topk, w) if has_topk else ()), n_rows, out_x, *((out_s,) if has_s else ()),
-                       *((out_k, out_w) if has_topk else ()), out_src, *((is_in,) if push else ()))
-            if ce:
-                self._join_ce()
-            if late is not None:
-                # A bad expert id, or a layout not of the ids: every rank still finished this exchange (ids out of
-                # range were ignored by the layout), so the Buffer stays in step; report the argument.
-                raise late
-            if host_col is not None:
-                # The combine's copy-engine path needs the block bounds on the host (rank_prefix_matrix[:, me]);
-                # keep them on the handle.
-                rpm._epcomm_host_col = host_col
-            chain.ready()  # (the first call bound the launches: from the next, chain calls)
-            sync_chain.ready()
-            return DispatchResult(out_x, out_s, out_k, out_w, lst,
-                                  DispatchHandle(rpm, cpm, recv_cp, out_src, is_in, send_head))
-
-        if worst_ok:  # (a chain's parts, for a caller that joins a launch: elastic_engine)
-            run.native = (chain_parts, start, result, n_worst, notify.go.p)
-        return run
+        """The ``run`` of a new plan (:class:`ht_dispatch_plan.DispatchPlan`) for dispatches like ``a``."""
+        return DispatchPlan(self, key, a, push, ce, scratch_rows, fused).run
 
     def dispatch(self, a: DispatchArgs) -> DispatchResult:
         self._check_error()
@@ -527,8 +214,11 @@ class HTDispatch:
         part, tickets = scratch[:cp2 * (r_ + e)], scratch[cp2 * (r_ + e):words]
         own = scratch[at:at + r_], scratch[at + (r_ + 3) // 4 * 4:]
         p = self.k["_layout_kernel"].prepared((k, e), dict(consts, num_warps=4))
-        go = _Launch(Direct(p, (None, None, None, k, e, e // r_, r_, None, None, None, part, tickets, nr, ng),
-                            (0, 1, 2, 7, 8, 9)), (None, None, None, None, None, _bools))
+        go = _Launch.named(p, dict(topk_ptr=None, T=None, S=None, K=k, E=e, L=e // r_, R=r_, per_rank_ptr=None,
+                                   per_expert_ptr=None, in_rank_ptr=None, part_ptr=part, ticket_ptr=tickets, NR=nr,
+                                   NG=ng),
+                           dict(topk_ptr=None, T=None, S=None, per_rank_ptr=None, per_expert_ptr=None,
+                                in_rank_ptr=_bools))
 
         specs = [((r_,), torch.int32), ((e,), torch.int32), ((ROWS, r_), torch.bool)]
         outs = Outputs(dev, specs, True) if native.wanted(dev) else None

@@ -17,6 +17,8 @@ Letters: ``R`` ranks, ``S`` slots a rank, ``W`` bytes a row, ``P`` programs a ra
 
 from __future__ import annotations
 
+from typing import Any, Callable, NamedTuple
+
 import torch
 
 from .elastic_kernels import Kernels, combine_row_bytes
@@ -28,6 +30,33 @@ PROGRAMS = 16  # programs when num_sms is 0 (every rank passes the same num_sms 
 # flight a program: a DSv3 combine, 8192 rows of 14 KB, took ~5.8 ms at 24 SMs on an H100, V1's ~0.45 ms)
 RB = 8
 BLOCK = 1024
+
+
+class TransportDirect(NamedTuple):
+    """A transport kind's two bound launches as a ``native.Chain`` takes them (``kernels/launch.Direct``:
+    ``Direct.step``) and the transport's grid."""
+
+    impl: Any  # _combine_impl_kernel's Direct: holes rows, wts, dst, n
+    arrive: Any  # _combine_arrive_kernel's Direct: no hole
+    grid: tuple
+
+
+class Transport(NamedTuple):
+    """The bound launches of one kind of transport call (:func:`_bind`): ``impl(rows, wts, dst, n)``, then
+    ``arrive()``; ``area`` the ``_Area`` the rows land in; ``direct`` the same launches for a chain."""
+
+    impl: Callable
+    arrive: Callable
+    area: Any  # _Area
+    direct: TransportDirect
+
+
+class TransportKind(NamedTuple):
+    """A transport call's kind (:func:`row_parts_kind`, :func:`rows_kind`): its launches and the rows it moves
+    (0 where none moves: ``skip_self`` at one rank)."""
+
+    go: Transport
+    n: int
 WARPS = 8
 
 
@@ -93,16 +122,20 @@ def return_row_parts(be, x: torch.Tensor, wts: torch.Tensor | None, dst: torch.T
     result is then unspecified; the caller reads them from ``x`` and ``wts``, as the contiguous combine's
     reduction does: at world 1 nothing moves, with 2 ranks half as much)."""
     be._check_error()
-    kind = row_parts_kind(be, x, wts, slots, num_sms, skip_self)
+    kind = _row_parts(be, x, wts, slots, num_sms, skip_self)
     return None if kind is None else _launch(kind, x, wts, dst)
 
 
 def row_parts_kind(be, x: torch.Tensor, wts: torch.Tensor | None, slots: int, num_sms: int = 0,
-                   skip_self: bool = False):
-    """The kind of :func:`return_row_parts` call this one is (``(go, n)``: its launches, bound once, and the rows
-    it moves), or None where the rows cannot move in place (the checks above). ``go``: ``(impl(rows, wts, dst,
-    n), arrive(), area, (impl_direct, arrive_direct, grid))``, the last for a ``native.Chain`` of the call
-    (``elastic_engine``'s combine chain)."""
+                   skip_self: bool = False) -> TransportKind | None:
+    """The kind of :func:`return_row_parts` call this one is (:class:`TransportKind`: its launches, bound once,
+    and the rows it moves), or None where the rows cannot move in place (the checks above). Its
+    ``go.direct`` for a ``native.Chain`` of the call (``elastic_chains.combine_chain``)."""
+    return _named(_row_parts(be, x, wts, slots, num_sms, skip_self))
+
+
+def _row_parts(be, x, wts, slots: int, num_sms: int, skip_self: bool):
+    """:func:`row_parts_kind` as a plain ``(go, n)`` (a call's: no NamedTuple made per call)."""
     n, h = x.shape
     xs = x.stride()
     if h % 8 or xs[1] != 1 or xs[0] % 8 or x.data_ptr() % 16:
@@ -115,11 +148,16 @@ def row_parts_kind(be, x: torch.Tensor, wts: torch.Tensor | None, slots: int, nu
     return _kind(be, x, n, combine_row_bytes(h, k), (h // 2, xs[0] // 2, k, ws[0]), slots, num_sms, skip_self)
 
 
-def rows_kind(be, rows: torch.Tensor, slots: int, num_sms: int = 0):
+def rows_kind(be, rows: torch.Tensor, slots: int, num_sms: int = 0) -> TransportKind | None:
     """The kind of :func:`return_rows` call this one is (as :func:`row_parts_kind`'s), or None where its rows' width is
     not a multiple of 4."""
     n, w = rows.shape
-    return None if w % 4 else _kind(be, rows, n, w, None, slots, num_sms, False)
+    return None if w % 4 else _named(_kind(be, rows, n, w, None, slots, num_sms, False))
+
+
+def _named(kind) -> TransportKind | None:
+    """A plain ``(go, n)`` of :func:`_kind` with its fields named (None stays None)."""
+    return None if kind is None else TransportKind(Transport(*kind[0]), kind[1])
 
 
 def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: int,
@@ -132,7 +170,8 @@ def _transport(be, rows, wts, dst, n: int, w: int, parts, slots: int, num_sms: i
 
 
 def _kind(be, rows, n: int, w: int, parts, slots: int, num_sms: int, skip_self: bool):
-    """``(go, n)``: the bound launches of a transport call of this kind (:func:`_bind`) and the rows it moves."""
+    """``(go, n)`` (:class:`TransportKind`'s fields, a plain tuple each: :func:`_named` names them): the bound
+    launches of a transport call of this kind (:func:`_bind`) and the rows it moves."""
     st = getattr(be, "_v2", None)
     if st is None:
         st = be._v2 = {"epoch": torch.zeros(2, dtype=torch.int32, device=be.device),  # [calls, programs so far]
@@ -163,8 +202,7 @@ def _launch(kind, rows, wts, dst) -> torch.Tensor:
 
 def _bind(be, st: dict, slots: int, w: int, parts, num_sms: int, skip_self: bool, dtype, aligned: int,
           timeout: int):
-    """``(impl(rows, wts, dst, n), arrive(), _Area, (impl_direct, arrive_direct, grid))`` of one kind of transport
-    call (:func:`_kind`)."""
+    """The :class:`Transport` fields of one kind of transport call (:func:`_kind`), as a plain tuple."""
     area = st.get((slots, w))
     if area is None:
         area = st[(slots, w)] = _Area(be, slots, w)
@@ -177,5 +215,6 @@ def _bind(be, st: dict, slots: int, w: int, parts, num_sms: int, skip_self: bool
                                area.flags, epoch, be.rank, r_, be.err, timeout))
     arrive = kern.bound("_combine_arrive_kernel", (timeout,), dict(HAS_TIMER=TIMER, num_warps=1),
                         (area.flags, epoch, r_, grid[0], be.err, timeout))
+    # (a plain tuple, which a call unpacks on the fast path; a kind's caller gets it as a Transport: _named)
     return ((lambda rows, wts, dst, n: impl(grid[0], 1, 1, rows, wts, dst, n)), (lambda: arrive(1, 1, 1)), area,
-            (impl, arrive, grid))
+            TransportDirect(impl, arrive, grid))
