@@ -6,10 +6,11 @@ against both builds of torch 2.13.
   ``EPCOMM_TEST_MEGATRON_VERSION=0.19.2`` (the file fails if another version is installed), at 2 ranks:
   Megatron-Core 0.19.2's own ``fused_a2a`` and flex/DeepEP ``MoELayer`` on epcomm, with its current option
   names. Python 3.11 runs the same file on 0.16.1 (``tests/dist`` as usual).
-- ``test_extra_keeps_torch``: ``pip install --dry-run --report - -e "<repo>[test]"`` (no ``torch==``, as a
-  user with torch installed types it) in this interpreter's environment (CI: torch 2.13.0's CPU build) and in
-  the 3.12 one (its CUDA build, which pins ``triton==3.7.1``): pip must plan to install no torch. Where the
-  extra pinned a Triton other than the CUDA build's (the ``triton==3.6.0`` it had), pip planned torch 2.11.0.
+- ``test_extra_keeps_torch_cpu`` / ``_cuda``: ``pip install --dry-run --report - -e "<repo>[test]"`` (no
+  ``torch==``, as a user with torch installed types it) in this interpreter's environment (CI: torch 2.13.0's
+  CPU build) and in the 3.12 one (its CUDA build, which pins ``triton==3.7.1``): pip must plan to install no
+  torch. Where the extra pinned a Triton other than the CUDA build's (the ``triton==3.6.0`` it had), pip
+  planned torch 2.11.0.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def _start_build():
 
 
 def start_early(items) -> None:
-    """Start the 3.12 virtualenv's build as soon as the session's tests are collected (tests/conftest.py): a
-    cold one downloads for minutes, mostly waiting on the network, while tier 1 runs."""
-    if harness.TRANSPORT == "gloo":
+    """Start the 3.12 virtualenv's build as soon as the session's tests are collected (tests/conftest.py),
+    where a selected test needs it: a cold one downloads for minutes, mostly waiting on the network, while
+    tier 1 runs."""
+    if harness.TRANSPORT == "gloo" and any("py312" in getattr(item, "fixturenames", ()) for item in items):
         _start_build()
 
 
@@ -92,19 +94,24 @@ def _planned(python) -> list[str]:
     return [f"{i['metadata']['name']}=={i['metadata']['version']}" for i in report["install"]]
 
 
-@pytest.mark.parametrize("build", ["cpu (this interpreter)", "cuda (the 3.12 virtualenv)"])
-def test_extra_keeps_torch(build, request):
-    import importlib.metadata as md
-
-    if build.startswith("cpu"):
-        python, version = sys.executable, md.version("torch")
-    else:
-        python = request.getfixturevalue("py312")
-        version = _run([python, "-c", "import torch; print(torch.__version__)"]).stdout.strip()
+def _keeps_torch(python, build: str, version: str) -> None:
     assert version.startswith("2.13.0"), f"{build}: torch {version}, expected 2.13.0"
     planned = _planned(python)
     assert not [p for p in planned if p.lower().startswith("torch==")], \
         f"{build}: pip install -e '.[test]' would replace torch {version}: {planned}"
+
+
+def test_extra_keeps_torch_cpu():
+    """This interpreter's torch (CI: 2.13.0's CPU build) stays."""
+    import importlib.metadata as md
+
+    _keeps_torch(sys.executable, "this interpreter", md.version("torch"))
+
+
+def test_extra_keeps_torch_cuda(py312):
+    """The 3.12 virtualenv's torch 2.13.0 CUDA build, which pins triton 3.7.1, stays."""
+    version = _run([py312, "-c", "import torch; print(torch.__version__)"]).stdout.strip()
+    _keeps_torch(py312, "the 3.12 virtualenv (CUDA build)", version)
 
 
 def test_megatron_newest(py312):
