@@ -8,9 +8,10 @@ that interpreter and makes a virtualenv with README.md's command (b), ``pip inst
 from PyPI: for Python 3.12 that is the CUDA build (cu130, with its NVIDIA libraries and Triton 3.7.1;
 it runs on a CPU), so the same virtualenv shows that the test extra keeps a CUDA build's torch.
 
-Cost (measured on CI's machine kind): cold, about 2.5 min and 4.7 GB (torch's CUDA wheels, most of them
-from PyPI, some from the machine's local index); warm, the same command finds everything installed and
-only reinstalls the editable epcomm (seconds). The virtualenv lives in the test cache
+Cost (measured on CI's machine kind): cold, 4.7 GB (torch's CUDA wheels, most of them from PyPI, some from
+the machine's local index) in 2 min 36 s on a quiet machine, 4 to 12 min beside other loads (load average
+15 to 20; about 1.5 min of CPU: it waits on the network and the disk); warm, the same command finds
+everything installed and only reinstalls the editable epcomm (seconds). The virtualenv lives in the test cache
 (``$EPCOMM_TEST_CACHE``, default ``~/.cache/epcomm-tests``) and is marked
 when complete, so a build that stopped half way is made again. ``tests/dist/test_clients_py312.py`` starts
 the build when the session's tests are collected (``start_early``), so a cold build runs while tier 1 runs.
