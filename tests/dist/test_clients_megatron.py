@@ -1,7 +1,8 @@
 """Tier 2 (gloo on CPU, spawned processes): Megatron-Core's own DeepEP code path, unmodified, on
 epcomm through the switch ``EPCOMM_AS_DEEP_EP=1`` (docs/clients.md).
 
-Megatron-Core (pinned in the ``test`` extra) imports ``deep_ep`` at import time; the ranks are fresh
+Megatron-Core (pinned in the ``test`` extra: 0.16.1 on Python 3.11, the newest release, 0.19.2, on 3.12, which
+it requires; ``test_clients_py312.py`` runs this file there) imports ``deep_ep`` at import time; the ranks are fresh
 interpreters started with the switch in their environment, so the ``.pth`` hook installed with epcomm
 answers that import. Checks, on 2 and 4 ranks:
 
@@ -11,8 +12,9 @@ answers that import. Checks, on 2 and 4 ranks:
   ``EventOverlap(EventHandle())``): received rows bitwise, ``tokens_per_expert``, the combined sum, the
   gradients of ``x`` (combine of the received gradients) and of the routing probabilities (summed per
   slot over the receiving ranks), ``set_deepep_num_sms``.
-- ``flex_layer``: a ``MoELayer`` with ``moe_token_dispatcher_type="flex"``, ``moe_enable_deepep=True``
-  (Megatron's router, permutation, ``SequentialMLP`` experts, ``_DeepepManager``), forward and
+- ``flex_layer``: a ``MoELayer`` with ``moe_token_dispatcher_type="flex"``,
+  ``moe_flex_dispatcher_backend="deepep"`` and the release's SM option (``moe_deepep_num_sms`` in 0.16.1,
+  ``moe_flex_dispatcher_num_sms`` in 0.19.2: ``Buffer.num_sms`` follows it) (Megatron's router, permutation, ``SequentialMLP`` experts, ``_DeepepManager``), forward and
   backward against a float64 single-process computation of the same layer on every rank's tokens:
   output, gradients of the input, of the router weight (summed over ranks) and of every local
   expert's weights, each within a budget derived from bf16 rounding (``_budget``).
@@ -44,15 +46,31 @@ H, F, K = 64, 32, 2  # hidden, expert FFN hidden, top-k
 T_BASE = 7  # tokens on rank r: T_BASE + 2 r (odd, different per rank)
 U = 2.0**-8  # bf16 unit roundoff (eps / 2)
 MEGATRON = "megatron-core"
+# the releases this file is written for, each with its option for the flex dispatcher's SMs
+SM_OPTION = {"0.16.1": "moe_deepep_num_sms", "0.19.2": "moe_flex_dispatcher_num_sms"}
+NUM_SMS = 22  # not DeepEP's default (20): Buffer.num_sms shows the option reached it
+
+
+def megatron_version() -> str | None:
+    import importlib.metadata as md
+
+    try:
+        return md.version(MEGATRON)
+    except md.PackageNotFoundError:
+        return None
 
 
 def _megatron_missing() -> str | None:
-    try:
-        import importlib.metadata as md
+    import os
 
-        md.version(MEGATRON)
-    except Exception:  # noqa: BLE001 - any failure means "not installed"
+    v = megatron_version()
+    if v is None:
         return f"{MEGATRON} is not installed (pip install -e '.[test]')"
+    want = os.environ.get("EPCOMM_TEST_MEGATRON_VERSION")
+    if want and v != want:
+        return f"{MEGATRON} {v} is installed, EPCOMM_TEST_MEGATRON_VERSION asks for {want}"
+    if v not in SM_OPTION:
+        return f"{MEGATRON} {v}: this test is written for {sorted(SM_OPTION)}"
     return None
 
 
@@ -219,7 +237,8 @@ def _config(r_: int):
         moe_router_topk=K,
         expert_model_parallel_size=r_,
         moe_token_dispatcher_type="flex",
-        moe_enable_deepep=True,
+        moe_flex_dispatcher_backend="deepep",
+        **{SM_OPTION[megatron_version()]: NUM_SMS},
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
@@ -250,10 +269,13 @@ def build_layer(ctx):
             submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
         ),
     )
+    import epcomm
+
     layer = MoELayer(_config(r_), sub)
     check(
         isinstance(layer.token_dispatcher, MoEFlexTokenDispatcher), f"dispatcher {layer.token_dispatcher!r}"
     )
+    equal(epcomm.Buffer.num_sms, NUM_SMS, f"Buffer.num_sms after {SM_OPTION[megatron_version()]}={NUM_SMS}")
     w = weights(num_experts(r_))
     with torch.no_grad():
         layer.router.weight.copy_(w["router"])

@@ -3,11 +3,17 @@ result bitwise against the oracle of ``epcomm.testing.elastic_cases`` (expert ou
 source with the same float ops as at the expert rank). Also the constructor's argument errors and
 ``deep_ep.ElasticBuffer`` under ``EPCOMM_AS_DEEP_EP=1``.
 
-- SGLang ``deepep_v2``: decode (FP8 + fp32 scales, expanded, no CPU sync, per-expert segments read from
-  ``psum_num_recv_tokens_per_expert``) and prefill (contiguous, rows sliced at ``psum[-1].item()``).
-- vLLM ``deepep_v2``: ``num_max_tokens_per_rank`` in power-of-two buckets, contiguous, no sync, padding
-  masked on the device from ``psum_num_recv_tokens_per_scaleup_rank[-1]``, ids globalised, MXFP8-style
-  per-32 scales, weights applied before combine.
+- SGLang 0.5.23 ``deepep_v2`` (``token_dispatcher/deepep_v2.py``, followed call by call): ``num_sms=0`` and no
+  ``num_qps``; decode (FP8 + fp32 scales, expanded, no CPU sync, per-expert segments read from
+  ``psum_num_recv_tokens_per_expert``), prefill expanded with the CPU sync, prefill with UE8M0 scales
+  (contiguous, TMA-aligned column-major, rows sliced at ``psum[-1].item()``), and an idle rank's one dummy
+  token (zeros, experts ``0..K-1``, weights 0; its combine cut to no rows).
+- vLLM 0.33.0 ``deepep_v2`` (``prepare_finalize/deepep_v2.py``, ``all2all.py``): CUDA-graph mode
+  (``num_max_tokens_per_rank`` in power-of-two buckets, contiguous, no sync, padding masked on the device from
+  ``psum_num_recv_tokens_per_scaleup_rank[-1]``, ids globalised, block-FP8 fp32 scales) and ``enforce_eager``
+  (expanded with the sync, ``num_max_tokens_per_rank=None``, one global id a row from
+  ``num_recv_tokens_per_expert_list``, MXFP8 scales packed in int32); weights applied before the combine,
+  which runs as ``finalize_async`` (``async_with_compute_stream`` and ``allocate_on_comm_stream``) and ``finalize``.
 - Megatron-LM flex (PR #4632): forward with ``previous_event=capture()``/async/alloc, backward through a
   cached dispatch (``num_experts=handle.num_experts``, and the DeepEP #685 pitfall: none, ``num_sms=0``)
   and a combine carrying the top-k weight gradients back; ``set_num_sms``; an extra attribute.
@@ -40,76 +46,143 @@ def _local_sum(vals, keep):
     return acc.to(torch.bfloat16)
 
 
+def _expert_rows(rq, rsf, rw, psum, le, alignment):
+    """The expanded layout's expert outputs: expert ``e``'s real rows (its segment, from ``psum``) scaled by the
+    row's weight and ``e + 1``; rows that are not real stay NaN (they must not reach a result)."""
+    y = torch.full((rq.shape[0], rq.shape[1]), float("nan"), dtype=torch.bfloat16)
+    xf = rq.float() if rsf is None else rq.float() * rsf[:, :1]
+    start = 0
+    for e in range(le):
+        rows = slice(start, psum[e])
+        y[rows] = (xf[rows] * (rw[rows] * (e + 1)).unsqueeze(1)).to(torch.bfloat16)
+        start = (psum[e] + alignment - 1) // alignment * alignment
+    return y
+
+
 def sglang(ctx, case):
+    """SGLang 0.5.23, python/sglang/srt/layers/moe/token_dispatcher/deepep_v2.py (``DeepEPv2Buffer.get_buffer``,
+    ``_DeepEPv2Impl.dispatch`` / ``combine``) with its defaults: ``SGLANG_DEEPEP_V2_NUM_SMS=0`` and no
+    ``num_qps``; prefill expanded unless the scales are UE8M0 (``SGLANG_DEEPEP_V2_ENABLE_PREFILL_EXPAND``)."""
     from epcomm import ElasticBuffer
     from epcomm.testing import elastic_cases as C
 
-    _r, me, le = case.num_ranks, ctx.rank, case.num_experts // case.num_ranks
-    buf = ElasticBuffer(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=case.num_topk,
+    me, le, e_, k = ctx.rank, case.num_experts // case.num_ranks, case.num_experts, case.num_topk
+    buf = ElasticBuffer(ctx.group, num_max_tokens_per_rank=case.m, hidden=case.hidden, num_topk=k,
                         use_fp8_dispatch=True, allow_hybrid_mode=True, sl_idx=0, prefer_overlap_with_compute=False)
-    sms = buf.get_theoretical_num_sms(case.num_experts, case.num_topk)
-    qps = buf.get_theoretical_num_qps(sms)
-    assert buf.num_bytes > 0 and qps <= buf.num_allocated_qps
+
+    def dispatch(x, sf, idx, w, is_decode, ue8m0):  # _DeepEPv2Impl.dispatch, the part that calls DeepEP
+        use_expand = is_decode or not ue8m0  # prefill_expand defaults to "not ue8m0"
+        tma = ue8m0  # use_tma_aligned_col_major_sf: ue8m0 when expanded, scale_format.tma_aligned else
+        rx, ridx, rw, hd, ev = buf.dispatch((x, sf), topk_idx=idx, topk_weights=w, num_experts=e_,
+                                            num_max_tokens_per_rank=case.m, expert_alignment=128, num_sms=0,
+                                            use_tma_aligned_col_major_sf=tma, do_cpu_sync=not is_decode,
+                                            do_expand=use_expand)
+        if ev.event is not None:
+            ev.current_stream_wait()
+        (rq, rsf) = rx
+        if use_expand:
+            assert ridx is None and rw.shape == (rq.shape[0],), "expanded: weights per receive row"
+            return rq, rsf, None, rw, hd
+        n = int(hd.psum_num_recv_tokens_per_scaleup_rank[-1].item())
+        return rq[:n], rsf[:n], ridx[:n], rw[:n], hd
+
+    def combine(y, rw, hd):
+        out, _, ev = buf.combine(y, handle=hd, topk_weights=rw)
+        if ev.event is not None:
+            ev.current_stream_wait()
+        return out
+
+    # decode: expanded, no CPU sync (masked GEMM); prefill: expanded with the sync (FP32 scales)
     q, sf, idx, w = C.inputs(case, me, "fp32")
-    # decode: expanded, no CPU sync, alignment 128
-    rx, ridx, rw, hd, ev = buf.dispatch((q, sf), topk_idx=idx, topk_weights=w, num_experts=case.num_experts,
-                                        num_max_tokens_per_rank=case.m, expert_alignment=128, num_sms=sms,
-                                        num_qps=qps, do_cpu_sync=False, do_expand=True)
-    assert ridx is None and rw.dim() == 1 and ev.event is None
-    (rq, rsf), psum = rx, hd.psum_num_recv_tokens_per_expert.tolist()
-    y = torch.full((rq.shape[0], case.hidden), float("nan"), dtype=torch.bfloat16)
-    start = 0
-    for e in range(le):  # the masked slab: expert e's real rows
-        rows = slice(start, psum[e])
-        y[rows] = (rq[rows].float() * rsf[rows, :1] * (rw[rows] * (e + 1)).unsqueeze(1)).to(torch.bfloat16)
-        start = (psum[e] + 127) // 128 * 128
-    out = buf.combine(y, handle=hd, topk_weights=rw, num_sms=sms, num_qps=qps)[0]
     want = C.expected_reduce(_lane_values(q, sf[:, :1], idx, w, le), idx, le, True)
-    _eq("sglang decode", out, want)
-    # prefill: contiguous; the rows that are real are read back with .item()
-    x, _, idx, w = C.inputs(case, me)
-    rx, ridx, rw, hd, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=case.num_experts,
-                                       num_max_tokens_per_rank=case.m, num_sms=sms, num_qps=qps)
-    n = hd.psum_num_recv_tokens_per_scaleup_rank[-1].item()
-    vals = _lane_values(rx[:n], None, torch.where(ridx[:n] >= 0, ridx[:n], 0), rw[:n], le)
-    y = torch.zeros(rx.shape[0], case.hidden, dtype=torch.bfloat16)
-    y[:n] = _local_sum(vals, ridx[:n] >= 0)
-    out = buf.combine(y, handle=hd, topk_weights=rw)[0]
-    _eq("sglang prefill", out, C.expected_reduce(_lane_values(x, None, idx, w, le), idx, le, True))
+    for is_decode in (True, False):
+        rq, rsf, _, rw, hd = dispatch(q, sf, idx, w, is_decode, ue8m0=False)
+        if not is_decode:
+            assert sum(hd.num_recv_tokens_per_expert_list) >= 0 and hd.num_recv_tokens_per_expert_list
+        y = _expert_rows(rq, rsf, rw, hd.psum_num_recv_tokens_per_expert.tolist(), le, 128)
+        _eq(f"sglang {'decode' if is_decode else 'prefill (expanded)'}", combine(y, rw, hd), want)
+    # prefill with UE8M0 scales (DeepGEMM on Blackwell): contiguous, the real rows read with .item()
+    q, sf, idx, w = C.inputs(case, me, "ue8m0")
+    rq, rsf, ridx, rw, hd = dispatch(q, sf, idx, w, is_decode=False, ue8m0=True)
+    exp = C.expected_dispatch(case, me, "ue8m0", 128)
+    _eq("sglang prefill (UE8M0) scales moved untouched", rsf.contiguous(), exp["sf"])
+    vals = _lane_values(rq, None, torch.where(ridx >= 0, ridx, 0), rw, le)
+    out = combine(_local_sum(vals, ridx >= 0), rw, hd)
+    _eq("sglang prefill (contiguous, UE8M0)", out, C.expected_reduce(_lane_values(q, None, idx, w, le), idx, le, True))
+    # an idle rank in prefill: one dummy token (zeros, experts 0..K-1, weights 0), its combine cut to no rows
+    idle = type(case)(num_ranks=2, tokens=(0, 7), hidden=case.hidden, num_topk=k, num_experts=e_, seed=9)
+    q, sf, idx, w = C.inputs(idle, me, "fp32")
+    pad = q.shape[0] == 0
+    if pad:
+        q = torch.zeros(1, case.hidden, dtype=torch.float8_e4m3fn)
+        sf = torch.ones(1, case.hidden // 128)
+        idx, w = torch.arange(k).unsqueeze(0), torch.zeros(1, k)
+    rq, rsf, _, rw, hd = dispatch(q, sf, idx, w, is_decode=False, ue8m0=False)
+    out = combine(_expert_rows(rq, rsf, rw, hd.psum_num_recv_tokens_per_expert.tolist(), le, 128), rw, hd)
+    if pad:
+        out = out[:0]
+        assert out.shape == (0, case.hidden), out.shape
+    else:
+        _eq("sglang prefill beside an idle rank", out,
+            C.expected_reduce(_lane_values(q, sf[:, :1], idx, w, le), idx, le, True))
     return 1
 
 
 def vllm(ctx, case):
+    """vLLM 0.33.0, vllm/model_executor/layers/fused_moe/prepare_finalize/deepep_v2.py
+    (``DeepEPV2PrepareAndFinalize``) with the buffer of vllm/distributed/device_communicators/all2all.py
+    (``DeepEPV2All2AllManager``): CUDA-graph mode (contiguous, no sync, power-of-two buckets, block-FP8 FP32
+    scales) and ``enforce_eager`` (expanded with the sync, ``num_max_tokens_per_rank=None``, MXFP8 scales packed
+    four UE8M0 to an int32); the weights applied before the combine; ``finalize_async`` and ``finalize``."""
     from epcomm import ElasticBuffer
     from epcomm.testing import elastic_cases as C
 
-    me, le = ctx.rank, case.num_experts // case.num_ranks
+    me, le, e_ = ctx.rank, case.num_experts // case.num_ranks, case.num_experts
     buf = ElasticBuffer(ctx.group, num_max_tokens_per_rank=64, hidden=case.hidden, num_topk=case.num_topk,
                         use_fp8_dispatch=True, allow_hybrid_mode=False, prefer_overlap_with_compute=True,
                         allow_multiple_reduction=True, explicitly_destroy=True)
-    buf.get_theoretical_num_sms(num_experts=case.num_experts, num_topk=case.num_topk)
-    for step, tokens in enumerate(((3, 1), (9, 13), (2, 0))):
-        bucket = 1 << (max(max(tokens), 1) - 1).bit_length()  # every rank passes the same power of two
-        c = type(case)(num_ranks=2, tokens=tokens, hidden=case.hidden, num_topk=case.num_topk,
-                       num_experts=case.num_experts, seed=10 + step)
-        x, _, idx, w = C.inputs(c, me)
-        g = torch.Generator().manual_seed(step)
-        q = (x.float() * 4).to(torch.float8_e4m3fn)
-        sf = torch.rand(x.shape[0], case.hidden // 32, generator=g) + 0.5  # per-32 scales
-        rx, ridx, rw, hd, _ev = buf.dispatch(x=(q, sf), topk_idx=idx, topk_weights=w, num_experts=case.num_experts,
-                                            num_max_tokens_per_rank=bucket, do_expand=False, do_cpu_sync=False,
-                                            async_with_compute_stream=False)
-        rq, rsf = rx
-        assert rq.shape[0] == 2 * bucket and hd.num_recv_tokens_per_expert_list == []
-        valid = torch.arange(rq.shape[0]) < hd.psum_num_recv_tokens_per_scaleup_rank[-1]  # on the device
-        gidx = torch.where((ridx >= 0) & valid.unsqueeze(1), ridx + me * le, torch.full_like(ridx, -1))
-        loc = torch.where(gidx >= 0, gidx - me * le, 0)
-        vals = _lane_values(rq, rsf[:, :1], loc, rw, le)  # weights applied before combine (TopKWeightAndReduce)
-        y = _local_sum(vals, gidx >= 0)
-        out, ow, _ = buf.combine(x=y, handle=hd, topk_weights=None, async_with_compute_stream=False)
+    buf.get_theoretical_num_sms(num_experts=e_, num_topk=case.num_topk)
+
+    def finalize(y, hd, do_async):  # _finalize: combine_async = do_async (no DBO)
+        out, ow, ev = buf.combine(x=y, handle=hd, topk_weights=None, async_with_compute_stream=do_async,
+                                  allocate_on_comm_stream=do_async)
         assert ow is None
-        want = C.expected_reduce(_lane_values(q, sf[:, :1], idx, w, le), idx, le, True)
-        _eq(f"vllm step {step} (bucket {bucket})", out, want)
+        if do_async and ev.event is not None:
+            ev.current_stream_wait()
+        output = torch.empty_like(out)
+        output.copy_(out, non_blocking=True)
+        return output
+
+    for step, tokens in enumerate(((3, 1), (9, 13), (2, 0))):
+        c = type(case)(num_ranks=2, tokens=tokens, hidden=case.hidden, num_topk=case.num_topk, num_experts=e_,
+                       seed=10 + step)
+        use_cudagraph = step != 1
+        q, sf, idx, w = C.inputs(c, me, "fp32" if use_cudagraph else "ue8m0")
+        bucket = 1 << max(max(tokens) - 1, 0).bit_length() if use_cudagraph else None
+        rx, ridx, rw, hd, ev = buf.dispatch(x=(q, sf), topk_idx=idx, topk_weights=w, num_experts=e_,
+                                            num_max_tokens_per_rank=bucket, do_expand=not use_cudagraph,
+                                            do_cpu_sync=not use_cudagraph, async_with_compute_stream=False)
+        if ev.event is not None:
+            ev.current_stream_wait()
+        rq, rsf = rx
+        if use_cudagraph:
+            assert rq.shape[0] == 2 * bucket and hd.num_recv_tokens_per_expert_list == []
+            n = hd.psum_num_recv_tokens_per_scaleup_rank  # _globalize_recv_topk_idx, on the device
+            valid = torch.arange(rq.shape[0]) < n[-1]
+            gidx = torch.where((ridx >= 0) & valid.unsqueeze(1), ridx + me * le, torch.full_like(ridx, -1))
+            loc = torch.where(gidx >= 0, gidx - me * le, 0)
+            y = _local_sum(_lane_values(rq, rsf[:, :1], loc, rw, le), gidx >= 0)  # TopKWeightAndReduceContiguous
+            want = C.expected_reduce(_lane_values(q, sf[:, :1], idx, w, le), idx, le, True)
+        else:  # recv_topk_idx is None: one global expert id a row, from num_recv_tokens_per_expert_list
+            counts = hd.num_recv_tokens_per_expert_list
+            assert ridx is None and rsf.dtype == torch.int32 and rw.ndim == 1
+            gids = torch.repeat_interleave(torch.arange(le) + me * le, torch.tensor(counts),
+                                           output_size=sum(counts)).unsqueeze(1)
+            rw = rw.unsqueeze(1)
+            y = (rq[:sum(counts)].float() * rw * (gids - me * le + 1)).to(torch.bfloat16)
+            want = C.expected_reduce(_lane_values(q, None, idx, w, le), idx, le, True)
+        for do_async in (True, False):
+            _eq(f"vllm step {step} (cudagraph={use_cudagraph}, async={do_async})", finalize(y, hd, do_async), want)
     buf.destroy()
     return 1
 

@@ -1,6 +1,6 @@
 """Run the high-throughput kernels under TRITON_INTERPRET=1 on CPU with R simulated ranks in one
 process (peer buffers are plain CPU tensors), against the reference oracle. Run by
-``tests/unit/test_kernel_sims.py``; alone: ``pip install triton==3.6.0; PYTHONPATH=src python
+``tests/unit/test_kernel_sims.py``; alone: ``pip install "triton>=3.4,<3.8"; PYTHONPATH=src python
 tests/unit/sims/sim_ht.py``."""
 import epcomm.testing.interp  # noqa: F401  (sets TRITON_INTERPRET=1; must come before triton)
 import torch  # noqa: E402

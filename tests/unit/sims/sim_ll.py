@@ -1,7 +1,7 @@
 """Run the low-latency kernels under TRITON_INTERPRET=1 on CPU with R simulated ranks in one process
 (peer buffers are plain CPU tensors) against a direct oracle: dispatch placement bitwise (BF16 and
 FP8 with plain / power-of-two / UE8M0 scales), combine within the bf16 budget, and shrink (a masked
-rank is skipped). Run by ``tests/unit/test_kernel_sims.py``; alone: ``pip install triton==3.6.0;
+rank is skipped). Run by ``tests/unit/test_kernel_sims.py``; alone: ``pip install "triton>=3.4,<3.8";
 PYTHONPATH=src python tests/unit/sims/sim_ll.py``."""
 import epcomm.testing.interp  # noqa: F401  (sets TRITON_INTERPRET=1; must come before triton)
 import torch  # noqa: E402
