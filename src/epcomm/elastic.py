@@ -25,6 +25,7 @@ from . import elastic_engine as engine
 from . import elastic_layout as EL
 from .backends import deadline
 from .backends.errors import gave_up
+from .elastic_extras import ElasticExtras
 from .elastic_handle import EPHandle
 from .event import EventHandle, EventOverlap
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 topk_idx_t = torch.int64  # DeepEP's top-k index dtype (int64 unless DeepEP is built otherwise)
 
 
-class ElasticBuffer:
+class ElasticBuffer(ElasticExtras):
     """DeepEP V2's ``ElasticBuffer`` over epcomm's engine (see the module docstring and docs/v2.md)."""
 
     # the engine's class (``deep_ep.ElasticBuffer`` uses ``deep_ep.Buffer``'s device rule)
