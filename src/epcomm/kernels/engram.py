@@ -86,7 +86,7 @@ def _engram_fetch_impl_nvshmem_kernel(idx_ptr, ptr_table, me, recv_off, rows, n_
     nprog = tl.num_programs(0)
     for i in range(pid, rows, nprog):
         idx = tl.load(idx_ptr + i)
-        dst = recv_off + i.to(tl.int64) * ROW_BYTES
+        dst = recv_off + (i + tl.zeros((), tl.int64)) * ROW_BYTES
         if (idx < 0) | (idx >= total):
             record_error(err_ptr, BAD_INDEX, -1, idx, total)
             out = nvshmem._sym(ptr_table, me, dst)
