@@ -17,8 +17,9 @@ overtake a reader.
   raises this rank's signal for the slot at every peer and waits for theirs. The caller's stream waits for its
   event. The session end is the same handshake on the session signals.
 - internode: this rank's part is copied into its own place of the session buffer (copy engine), then
-  ``_agrs_exchange_nvshmem_kernel`` (one program a peer) puts it to every peer by NVSHMEM, fences, signals and
-  waits for each peer's signal. The session end: the same kernel with no data.
+  ``_agrs_put_nvshmem_kernel`` (one program a peer) puts it to every peer by NVSHMEM, fences and signals, and
+  ``_agrs_wait_nvshmem_kernel`` (one program) waits for every peer's signal. The session end: the same two kernels
+  with no data.
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ class InternodeAGRS(_DeviceAGRS):
         from ..kernels.launch import Launcher
         from ..kernels.nvshmem import nvshmem_kernel
 
-        self.k = Launcher(nvshmem_kernel(K._agrs_exchange_nvshmem_kernel, be.sim))
+        self.k_put = Launcher(nvshmem_kernel(K._agrs_put_nvshmem_kernel, be.sim))
+        self.k_wait = Launcher(nvshmem_kernel(K._agrs_wait_nvshmem_kernel, be.sim))
         self.none = torch.zeros(1, dtype=torch.int64, device=be.device)
 
     def sms_held(self):
@@ -246,5 +248,7 @@ class InternodeAGRS(_DeviceAGRS):
             s = torch.tensor(sizes, dtype=torch.int64, device=be.device)
         else:
             o = s = self.none
-        self.k(None, (be.num_ranks - 1, 1, 1), self.sym.ptr_table, be.rank, be.num_ranks, o, s, len(offs), sig_off,
-               target, self.err.err, phase, timeout_ns(be), HAS_TIMER=timer(), SIM=be.sim)
+        self.k_put(None, (be.num_ranks - 1, 1, 1), self.sym.ptr_table, be.rank, be.num_ranks, o, s, len(offs), sig_off,
+                   SIM=be.sim)
+        self.k_wait(None, (1, 1, 1), self.sym.ptr_table, be.rank, be.num_ranks, sig_off, target, self.err.err, phase,
+                    timeout_ns(be), HAS_TIMER=timer())

@@ -50,13 +50,13 @@ def _agrs_handshake_kernel(ptr_table, me, R, sig_off, target, err_ptr, phase, ti
         wait_ge(peer_ptr(ptr_table, me, sig_off + r * 8, tl.int32), target, err_ptr, phase, r, timeout_ns, HAS_TIMER)
 
 
-@triton.jit(do_not_specialize=["me", "R", "n", "sig_off", "target", "timeout_ns"])
-def _agrs_exchange_nvshmem_kernel(ptr_table, me, R, offs_ptr, sizes_ptr, n, sig_off, target, err_ptr, phase,
-                                  timeout_ns, HAS_TIMER: tl.constexpr, SIM: tl.constexpr):
+@triton.jit(do_not_specialize=["me", "R", "n", "sig_off"])
+def _agrs_put_nvshmem_kernel(ptr_table, me, R, offs_ptr, sizes_ptr, n, sig_off, SIM: tl.constexpr):
     """internode, one program a peer (``R - 1``): program ``p`` puts this rank's part of each of the ``n`` tensors
     (``sizes[k]`` bytes at ``offs[k] + sizes[k] * me`` of this rank's buffer, already written there) to the same
-    place of peer ``(me + 1 + p) % R``, fences, adds 1 to that peer's signal ``[me]`` at ``sig_off``, then waits for
-    that peer's signal here to reach ``target`` (``n = 0``: the session end's handshake)."""
+    place of peer ``(me + 1 + p) % R``, fences, then adds 1 to that peer's signal ``[me]`` at ``sig_off`` (``n = 0``:
+    the session end's signal). No program waits here: the wait is :func:`_agrs_wait_nvshmem_kernel`, launched after
+    (programs of one grid may run one after another, as under the interpreter)."""
     r = (me + 1 + tl.program_id(0)) % R
     for k in range(0, n):
         off = tl.load(offs_ptr + k)
@@ -65,5 +65,11 @@ def _agrs_exchange_nvshmem_kernel(ptr_table, me, R, offs_ptr, sizes_ptr, n, sig_
         nvshmem.put(ptr_table, me, r, at, nvshmem._sym(ptr_table, me, at), nb, SIM)
     nvshmem.fence(SIM)
     nvshmem.signal_add(ptr_table, me, r, sig_off + me * 8, 1, SIM)
-    nvshmem.wait_signal(ptr_table, me, sig_off + r * 8, target, err_ptr, phase, r, timeout_ns, HAS_TIMER)
 
+
+@triton.jit(do_not_specialize=["me", "R", "sig_off", "target", "timeout_ns"])
+def _agrs_wait_nvshmem_kernel(ptr_table, me, R, sig_off, target, err_ptr, phase, timeout_ns, HAS_TIMER: tl.constexpr):
+    """internode, one program: wait until every peer's signal ``[r]`` at ``sig_off`` here reaches ``target``."""
+    for i in range(1, R):
+        r = (me + i) % R
+        nvshmem.wait_signal(ptr_table, me, sig_off + r * 8, target, err_ptr, phase, r, timeout_ns, HAS_TIMER)
