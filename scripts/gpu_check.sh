@@ -39,6 +39,15 @@
 #                   3); BENCH_ARGS picks the cases (default --cases ll-dsv3 --tokens 1,128); AB_BASE_COMMIT names
 #                   the base tree's commit. Rows in $OUT/ab.jsonl, runs and logs in $OUT/ab-runs/, summary printed
 #                   and in $OUT/ab-summary.jsonl
+#   deepep-extras CHECKOUT [WORLD]  DeepEP V2's own scripts of the experimental calls against epcomm (python -m
+#                   epcomm.testing.deepep_v2; nothing of DeepEP is copied here), WORLD ranks (2 or 4, default 2) on one
+#                   GPU under a private MPS daemon (as shared-nvshmem), each to its end with its timing part:
+#                   tests/elastic/test_engram.py (BF16, then --use-fp8), test_pp.py, test_agrs.py, test_barrier.py.
+#                   CHECKOUT: a DeepEP tree (read only) with tests/elastic/ and deep_ep/utils/ (its test helpers), e.g.
+#                   .deepep/v2 carried beside the tree. DEEPEP_TESTS narrows it (default "engram engram-fp8 pp agrs
+#                   barrier", each capped at DEEPEP_TIMEOUT s, default 240); logs in $OUT/deepep-<test>-w<WORLD>.log. Memory: test_pp allocates 16 GiB of zeros a
+#                   rank in its timing part besides its 128 tensors of 56 MiB: at WORLD 4 run it on nvidia-h200
+#                   (~3 min at 2 ranks on an H100, all five)
 # EPCOMM_MPS_RUNNING=1: an MPS daemon is already up (CUDA_MPS_PIPE_DIRECTORY set): use it, neither start nor stop one.
 # Provenance: the GPU machine's copy of the tree has no .git, so every bench row would say git_sha
 # "unknown". The caller passes the commit of the tree it ships, expanded on ITS machine (the command
@@ -58,7 +67,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
 OUT="${OUT:-/tmp/epcomm-out}"; mkdir -p "$OUT"
 mode="${1:-}"
-case "$mode" in tests|bench|figures|profile|shared|shared-nvshmem|bench-nvshmem|soak|ab) ;;
+case "$mode" in tests|bench|figures|profile|shared|shared-nvshmem|bench-nvshmem|soak|ab|deepep-extras) ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
@@ -86,7 +95,14 @@ if [[ "$mode" == shared ]]; then
     | tail -30 || rc=1
 fi
 
-if [[ "$mode" == shared-nvshmem || "$mode" == bench-nvshmem || "$mode" == soak ]]; then
+if [[ "$mode" == deepep-extras ]]; then
+  checkout="${2:?usage: bash scripts/gpu_check.sh deepep-extras CHECKOUT [WORLD] (a DeepEP tree)}"
+  [[ -d "$checkout/tests/elastic" && -d "$checkout/deep_ep/utils" ]] || {
+    echo "$checkout must hold tests/elastic/ and deep_ep/utils/ of DeepEP"; exit 2; }
+  set -- "$1" "${3:-2}"
+fi
+
+if [[ "$mode" == shared-nvshmem || "$mode" == bench-nvshmem || "$mode" == soak || "$mode" == deepep-extras ]]; then
   world="${2:-2}"
   if [[ "$mode" == soak ]]; then
     [[ "$world" =~ ^[2-8]$ ]] || { echo "$mode takes WORLD 2 to 8, got $world"; exit 2; }
@@ -100,6 +116,27 @@ if [[ "$mode" == shared-nvshmem || "$mode" == bench-nvshmem || "$mode" == soak ]
     nvidia-cuda-mps-control -d || { echo "could not start an MPS daemon"; exit 1; }
     trap 'echo quit | nvidia-cuda-mps-control' EXIT
   fi
+fi
+
+if [[ "$mode" == deepep-extras ]]; then
+  unset EPCOMM_GPUS_PER_NODE  # one node: the nvlink backend
+  for t in ${DEEPEP_TESTS:-engram engram-fp8 pp agrs barrier}; do
+    case "$t" in
+      engram) script=test_engram.py args=() ;;
+      engram-fp8) script=test_engram.py args=(--use-fp8) ;;
+      pp) script=test_pp.py args=() ;;
+      agrs) script=test_agrs.py args=() ;;
+      barrier) script=test_barrier.py args=() ;;
+      *) echo "unknown DeepEP test $t"; rc=1; continue ;;
+    esac
+    log="$OUT/deepep-$t-w$world.log"
+    timeout ${DEEPEP_TIMEOUT:-240} python3 -m epcomm.testing.deepep_v2 "$checkout" "tests/elastic/$script" --num-processes "$world" \
+      "${args[@]}" > "$log" 2>&1
+    code=$?
+    echo "DeepEP $script ${args[*]} at $world ranks: rc $code"
+    grep -v "^\[testing\]" "$log" | tail -12
+    [[ $code == 0 ]] || rc=1
+  done
 fi
 
 if [[ "$mode" == bench-nvshmem ]]; then

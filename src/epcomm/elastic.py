@@ -26,6 +26,7 @@ from . import elastic_layout as EL
 from ._agree import Agreement
 from .backends import deadline
 from .backends.errors import gave_up
+from .elastic_extras import ElasticExtras
 from .elastic_handle import EPHandle
 from .event import EventHandle, EventOverlap
 from .runtime import Runtime
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 topk_idx_t = torch.int64  # DeepEP's top-k index dtype (int64 unless DeepEP is built otherwise)
 
 
-class ElasticBuffer:
+class ElasticBuffer(ElasticExtras):
     """DeepEP V2's ``ElasticBuffer`` over epcomm's engine (see the module docstring and docs/v2.md)."""
 
     # DeepEP's device rule (``deep_ep.ElasticBuffer`` sets it: the current CUDA device whatever the group's

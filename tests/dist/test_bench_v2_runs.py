@@ -16,6 +16,8 @@ from epcomm.bench import report, table
 from epcomm.bench.cases import CASE_SETS
 from epcomm.testing.launcher import parallel_launch
 
+EXTRAS = ("engram_fetch", "pp_send_recv", "all_gather")
+
 pytestmark = pytest.mark.skipif(
     harness.TRANSPORT == "nccl",
     reason="gloo-only: drives epcomm bench with --device cpu and gloo launches (run it without "
@@ -46,8 +48,14 @@ def test_v2_bench_rows_are_checked_as_timed_one_set_per_sm_count(world, api, tmp
     text = capsys.readouterr().out
     assert rc == 0, text
     every = [json.loads(line) for line in out.read_text().splitlines()]
-    rows = [r for r in every if r["api"] == "v2"]
+    extras = [r for r in every if r["op"] in EXTRAS]
+    rows = [r for r in every if r["api"] == "v2" and r["op"] not in EXTRAS]
     v1 = [r for r in every if r["api"] == "v1"]
+    # the experimental calls: once a case after its V2 rows (pipeline and all-gather need 2 ranks), checked as timed
+    assert [r["op"] for r in extras] == (list(EXTRAS) if world > 1 else ["engram_fetch"]) and every[-len(extras):] == extras
+    for r in extras:
+        assert r["api"] == "v2" and r["sms"] == 0 and r["logical_gbps"] > 0 and r["timing"] == "wall", r
+        assert r["check"] == "pass" and r["timed_check"] == "pass" and r["timed_oracle"] == "reference", r
     # "both": the V1 rows of the small cases first (the reference's 3 + 2 + 4, the peer's 3 + 2), V1 settings
     assert len(v1) == (14 if api == "both" else 0) and every[:len(v1)] == v1
     assert all(r["check"] == "pass" and r["layout"] is None and r["sms"] == "gloo" for r in v1)
@@ -121,3 +129,64 @@ def test_a_damaged_timed_dispatch_fails_its_rows_and_a_faithful_one_passes():
                 assert ") x: 1 of " in r["timed_check"] and table.timed_mark(r) == "FAIL"
             else:  # BF16 rows (what combine and the pair send back) are untouched
                 assert r["check"] == "pass" and r["timed_check"] == "pass" and table.timed_mark(r) == "ref", r
+
+
+class _DamagedExtras:
+    """An ElasticBuffer stand-in for the experimental calls' rows: flips one bit of what each call returns."""
+
+    def __init__(self, buf):
+        self.buf = buf
+        self.backend_name = "fake-extras"
+
+    def __getattr__(self, name):
+        return getattr(self.buf, name)
+
+    def engram_fetch(self, *a, **kw):
+        hook = self.buf.engram_fetch(*a, **kw)
+
+        def damaged():
+            data, sf = hook()
+            data.view(torch.uint8).view(-1)[0] ^= 1
+            return data, sf
+        return damaged
+
+    def pp_recv(self, t, *a, **kw):
+        self.buf.pp_recv(t, *a, **kw)
+        t.view(torch.uint8).view(-1)[-1] ^= 1
+
+    def all_gather(self, t):
+        out, wait = self.buf.all_gather(t)
+
+        def damaged():
+            wait()
+            out.view(torch.uint8).view(-1)[3] ^= 1
+        return out, damaged
+
+
+def _extras_worker(ctx):
+    os.environ["EPCOMM_TIMEOUT_S"] = "60"
+    from epcomm.bench import v2_extras
+    from epcomm.bench.runner import BenchPlan
+
+    (ht, _) = CASE_SETS["small"]
+    plan = BenchPlan(cases=(ht,), iters=2, warmup=0, sets=2, api="v2")
+    made = v2_extras._buffers
+
+    def damaged(*a):
+        fast, ref = made(*a)
+        return _DamagedExtras(fast), ref
+    v2_extras._buffers = damaged
+    return v2_extras.run_extras_case(ctx, plan, ht)
+
+
+def test_damaged_experimental_calls_fail_their_rows():
+    """Each experimental call's row is checked as timed: a bit flipped in what the timed call returns fails both
+    the case check and the timed check (the faithful rows: test_v2_bench_rows_are_checked_as_timed_...)."""
+    res = parallel_launch(2, _extras_worker, backend="gloo", timeout_s=120)
+    rows = report.merge_ranks(res, env={}, iters=2, warmup=0)
+    assert [r["op"] for r in rows] == list(EXTRAS)
+    for r in rows:
+        assert r["backend"] == "fake-extras" and table.timed_mark(r) == "FAIL", r
+        assert f"FAIL: timed {r['op']} (set" in r["timed_check"] and " differ" in r["timed_check"], r
+        for rank in (0, 1):
+            assert f"rank {rank}: FAIL: timed {r['op']}" in r["check"], r

@@ -82,3 +82,36 @@ def test_v2_runner(tmp_path, share):
         SCRIPT.format(imp="import deep_ep.utils.envs as envs\ninit_dist = envs.init_dist"))
     _check(_run([sys.executable, "-m", "epcomm.testing.deepep_v2", str(tmp_path), "tests/test_stand_in.py"], share),
            share)
+
+
+# What DeepEP V2's experimental scripts need of the runner (test_engram --use-fp8 gathers FP8 storage; test_pp
+# divides by get_rdma_gbs(), 0 without an RDMA NIC): both ranks gather FP8 bytes through gloo and see 450.
+EXTRAS = r'''
+import sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from deep_ep.utils.envs import init_dist, get_rdma_gbs
+
+def rank(local_rank, n):
+    r, world, group = init_dist(local_rank, n)
+    x = torch.full((2, 3), float(r + 1)).to(torch.float8_e4m3fn)
+    out = torch.empty(2 * world, 3, dtype=torch.float8_e4m3fn)
+    dist.all_gather_into_tensor(out, x, group)
+    sys.stdout.write(f"rank {r} gathered {out.float()[:, 0].tolist()} rdma {get_rdma_gbs()}\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(rank, args=(2,), nprocs=2)
+'''
+
+
+def test_v2_runner_extras(tmp_path):
+    utils = tmp_path / "deep_ep" / "utils"
+    utils.mkdir(parents=True)
+    (utils / "envs.py").write_text(ORIGINAL + "def get_rdma_gbs(nic_name='mlx5_0'):\n    return 0\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_extras_stand_in.py").write_text(EXTRAS)
+    p = _run([sys.executable, "-m", "epcomm.testing.deepep_v2", str(tmp_path), "tests/test_extras_stand_in.py"], True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = sorted(ln for ln in p.stdout.splitlines() if ln.startswith("rank"))
+    assert lines == [f"rank {r} gathered [1.0, 1.0, 2.0, 2.0] rdma 450.0" for r in range(2)], (p.stdout, p.stderr[-2000:])

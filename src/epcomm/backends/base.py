@@ -335,3 +335,27 @@ class Backend:
 
     def destroy(self) -> None:
         """Release communication buffers."""
+
+    # ------------------------------------------------------------------ DeepEP V2's experimental calls
+    # Engram, pipeline send/recv and the AGRS all-gather session (``ElasticBuffer``: ``elastic_extras.py``). Each
+    # returns the plan of one configuration (``engram.py``, ``pp.py``, ``agrs.py``); building it is collective
+    # (its symmetric memory). The default is the reference plan, over ``torch.distributed``; nvlink and internode
+    # override these three. ``comm``: the stream the plan may run on beside the caller's (None: the caller's).
+
+    def engram_plan(self, cfg, comm=None):
+        """The Engram plan for ``cfg`` (``engram.EngramConfig``)."""
+        from .engram import ReferenceEngram
+
+        return ReferenceEngram(self, cfg, comm)
+
+    def pp_plan(self, cfg):
+        """The pipeline send/recv plan for ``cfg`` (``pp.PPConfig``)."""
+        from .pp import ReferencePP
+
+        return ReferencePP(self, cfg)
+
+    def agrs_plan(self, cfg, comm=None):
+        """The AGRS session plan for ``cfg`` (``agrs.AGRSConfig``)."""
+        from .agrs import ReferenceAGRS
+
+        return ReferenceAGRS(self, cfg, comm)

@@ -297,6 +297,23 @@ class InternodeBackend(Backend):
     def clean_low_latency_buffer(self) -> None:
         self._ll_impl().clean()
 
+    # DeepEP V2's experimental calls: NVSHMEM symmetric memory of their own (engram.py, pp.py, agrs.py)
+
+    def engram_plan(self, cfg, comm=None):
+        from .engram import InternodeEngram
+
+        return InternodeEngram(self, cfg, comm)
+
+    def pp_plan(self, cfg):
+        from .pp import InternodePP
+
+        return InternodePP(self, cfg)
+
+    def agrs_plan(self, cfg, comm=None):
+        from .agrs import InternodeAGRS
+
+        return InternodeAGRS(self, cfg, comm)
+
     def destroy(self) -> None:
         if not gave_up(self.group):  # (after a deadline the ranks are out of step: no collective teardown)
             self.sync_and_barrier("destroy/barrier")

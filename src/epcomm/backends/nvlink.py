@@ -366,6 +366,23 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         """Rows go back through this class's transport (a subclass with its own ``return_rows`` moves them its way)."""
         return type(self).return_rows is NVLinkBackend.return_rows
 
+    # DeepEP V2's experimental calls: torch symmetric memory of their own (engram.py, pp.py, agrs.py)
+
+    def engram_plan(self, cfg, comm=None):
+        from .engram import NVLinkEngram
+
+        return NVLinkEngram(self, cfg, comm)
+
+    def pp_plan(self, cfg):
+        from .pp import NVLinkPP
+
+        return NVLinkPP(self, cfg)
+
+    def agrs_plan(self, cfg, comm=None):
+        from .agrs import NVLinkAGRS
+
+        return NVLinkAGRS(self, cfg, comm)
+
     def barrier(self, phase: str) -> None:
         """Synchronise the device, then a barrier bounded by the deadline (``PeerTimeoutError`` naming
         ``phase``)."""

@@ -93,9 +93,10 @@ def render_table(rows: list[dict]) -> str:
                 op_label(r)]
         if show_v2:
             v2 = r.get("api") == "v2"
+            sync, theory = r.get("cpu_sync"), r.get("theoretical_num_sms")  # (None: an experimental call's row)
             line += [r.get("api") or "v1", r.get("layout") or "-",
-                     ("cpu" if r.get("cpu_sync") else "none") if v2 else "-",
-                     str(r.get("theoretical_num_sms")) if v2 else "-"]
+                     ("cpu" if sync else "none") if v2 and sync is not None else "-",
+                     str(theory) if v2 and theory is not None else "-"]
         line += [r["backend"], _us(r["median_us"]), _us(r["p10_us"]), _us(r["p90_us"]), _us(r.get("host_us")),
                  _gbps(r["logical_gbps"]), _gbps(r["link_gbps"])]
         if show_ce:

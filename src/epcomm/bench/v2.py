@@ -24,7 +24,8 @@ CPU sync the valid rows are the same, so one oracle result serves both. The case
 same comparison on one eager call before timing.
 
 Rows carry ``api: "v2"``, ``layout``, ``cpu_sync``, ``sms`` (the ``num_sms`` passed) and
-``theoretical_num_sms``. Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``N`` valid
+``theoretical_num_sms``. After them, a case's rows of the experimental calls (``engram_fetch``, ``pp_send_recv``,
+``all_gather``: ``bench/v2_extras.py``), their ``sms`` the SMs each holds. Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts, ``N`` valid
 rows, ``X`` expanded rows.
 """
 
@@ -256,10 +257,13 @@ def bench_worker_v2(ctx, plan, progress) -> tuple[list[dict], list[str]]:
     cases = [c for c in plan.cases if c.mode == "ht"]
     if not cases:
         raise ValueError("--api v2 times the high-throughput cases' shapes; the plan has none")
+    from .v2_extras import OPS, run_extras_case
+
     fast, ref = make_elastic(ctx.group, cases, plan.backend)
     if progress is not None:
         sweep = plan.num_sms_sweep or (0,)
-        progress.set_total(progress.total + len(cases) * len(sweep) * len(v2_ops()))
+        extras = len(OPS) if ctx.world_size > 1 else 1
+        progress.set_total(progress.total + len(cases) * (len(sweep) * len(v2_ops()) + extras))
         progress.show(f"ElasticBuffer backend: {backend_name(fast)}; oracle: reference", always=True)
     try:
         results = []
@@ -268,4 +272,6 @@ def bench_worker_v2(ctx, plan, progress) -> tuple[list[dict], list[str]]:
     finally:
         fast.destroy()
         ref.destroy()
+    for case in cases:  # Engram, pipeline send/recv and the AGRS all-gather (bench/v2_extras.py)
+        results += run_extras_case(ctx, plan, case, progress)
     return results, [backend_name(fast)]

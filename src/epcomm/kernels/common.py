@@ -32,6 +32,11 @@ PHASES = {
     6: "low_latency_dispatch/receive",
     7: "low_latency_combine/receive",
     8: "barrier",
+    # DeepEP V2's experimental calls (backends/pp.py, agrs.py)
+    12: "pp_send/wait-for-free-slot",
+    13: "pp_recv/receive-data",
+    14: "all_gather/receive-data",
+    15: "destroy_agrs_session/wait-for-peers",
 }
 
 

@@ -118,6 +118,20 @@ def put(ptr_table, me, pe, dst_off, src, nbytes, SIM: tl.constexpr):
 
 
 @triton.jit
+def get(ptr_table, me, pe, dst_off, src_off, nbytes, SIM: tl.constexpr):
+    """Copy ``nbytes`` from ``src_off`` of ``pe``'s symmetric buffer to ``dst_off`` of this rank's; block-scoped
+    and non-blocking on a GPU (``nvshmemx_getmem_nbi_block``: the data is there after :func:`quiet`). NVSHMEM
+    takes the *local* symmetric address of the source. Simulated: a plain copy from the peer's mapping (what a
+    peer wrote before the barrier that preceded this kernel)."""
+    if SIM:
+        _copy(_sym(ptr_table, me, dst_off), _sym(ptr_table, pe, src_off), nbytes)
+    else:
+        _nv.getmem_nbi_block_extern_wrapper(_sym(ptr_table, me, dst_off).to(tl.int64),
+                                            _sym(ptr_table, me, src_off).to(tl.int64),
+                                            nbytes + tl.zeros((), tl.int64), pe + tl.zeros((), tl.int32))
+
+
+@triton.jit
 def put_signal(ptr_table, me, pe, dst_off, src, nbytes, sig_off, SIM: tl.constexpr):
     """:func:`put`, then add 1 to the uint64 signal at ``sig_off`` of ``pe``'s buffer; the data is
     visible at ``pe`` before the signal moves. ``nbytes`` may be 0 (a bare ordered signal)."""

@@ -17,6 +17,13 @@ reference then moves its FP8 tensors through gloo as bytes, a type gloo lacks). 
 ``--skip-perf-test``) looks kernels up by DeepEP's names, which epcomm's kernels carry on the nvlink
 backend; on the reference backend (torch operations only) and for the internode combine it needs
 ``--skip-perf-test`` (docs/v2.md, "Kernel names").
+
+The experimental calls' scripts run the same way (``tests/elastic/test_engram.py``, ``test_pp.py``,
+``test_agrs.py``, ``test_barrier.py``; ``scripts/gpu_check.sh deepep-extras`` runs all four). For them the
+``sitecustomize`` also moves FP8 tensors of ``all_gather_into_tensor`` through gloo as bytes (test_engram
+``--use-fp8`` gathers its FP8 storage for the reference), and where ``ibstat`` reports no RDMA NIC (one GPU under
+MPS) makes ``deep_ep.utils.envs.get_rdma_gbs`` give 450 (an NVLink figure, GB/s) instead of 0: test_pp sizes
+a sleep by dividing by it, and the tensors move over NVLink there anyway.
 """
 
 from __future__ import annotations
@@ -31,9 +38,23 @@ from . import shared_gpu
 _SITE = '''"""epcomm.testing.deepep_v2: DeepEP's test helpers beside epcomm's deep_ep (see that module)."""
 import os
 
+import _epcomm_as_deep_ep
+
+_epcomm_as_deep_ep.install()  # (where epcomm's start-up hook is not installed: a tree on PYTHONPATH)
 import deep_ep.utils as _utils
 
 _utils.__path__.append({utils!r})
+import deep_ep.utils.envs as _envs
+
+_rdma_gbs = getattr(_envs, "get_rdma_gbs", None)
+
+
+def _get_rdma_gbs(*args, **kw):  # no RDMA NIC (one GPU): an NVLink figure, not 0 (test_pp divides by it)
+    return _rdma_gbs(*args, **kw) or 450.0
+
+
+if _rdma_gbs is not None:
+    _envs.get_rdma_gbs = _get_rdma_gbs
 if os.environ.get("EPCOMM_TEST_SHARE_GPU") == "1":
     import torch
     import torch.distributed as dist
@@ -55,6 +76,14 @@ if os.environ.get("EPCOMM_TEST_SHARE_GPU") == "1":
         return _a2a(output, input, *args, **kw)
 
     dist.all_to_all_single = _all_to_all_single
+    _agit = dist.all_gather_into_tensor
+
+    def _all_gather_into_tensor(output, input, *args, **kw):  # test_engram --use-fp8 gathers FP8 storage
+        if output.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return _agit(output.view(torch.uint8), input.view(torch.uint8), *args, **kw)
+        return _agit(output, input, *args, **kw)
+
+    dist.all_gather_into_tensor = _all_gather_into_tensor
 '''
 
 
