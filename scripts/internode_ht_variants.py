@@ -35,8 +35,8 @@ _SRC = (sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv[:-1]
         else os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 sys.path.insert(0, os.path.abspath(_SRC))
 
-# (name, TUNE overrides): the paired combine (every program copies, then reduces: in nodes of one rank with an
-# even number of programs) unpipelined, as it is, with wider reduction steps, and over NVSHMEM puts. The
+# (name, TUNE overrides): the paired combine (every program copies, then reduces: in nodes of one rank, at
+# most 16 nodes and 64 channels) unpipelined, as it is, with wider reduction steps, and over NVSHMEM puts. The
 # dispatch's stored rows counted 32 or 64 at a time ride along (``d_p2p_rows``: only the dispatch reads it,
 # only the combine the others). (The split combine roles lost to the paired ones at fc7014e, one H100 under
 # MPS: ~630 us against ~380; docs/internode.md.)

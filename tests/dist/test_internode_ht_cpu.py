@@ -21,9 +21,8 @@ the interpreter, the NVSHMEM device calls simulated — on CPU processes in virt
   network: the relay forwards by stores, the final reads its node's partials only): every consumer
   reaches rows before they are sent and must wait for them; a consumer that read one tile before its counter said failed here (the
   forwarder, the receiver, the relay and the final each tried; elsewhere only as timing allows).
-- Nodes of one rank (two, four): the paired combine (an even number of programs) and the split roles (an odd
-  one) give the same bits, modes alternating on one handle, paired at 4, 2 and 6 programs, split at 3, 5 and 7
-  (``_pair_and_split``).
+- Nodes of one rank (two, four): the paired combine and the split roles (as more nodes than pair take them)
+  give the same bits, modes alternating on one handle, at 4, 2 and 6 programs (``_pair_and_split``).
 - A rank that never sends gives the deadline error naming the rank and the phase (two nodes of one; two
   nodes of two, where the waits are the relay's forward and its node peer's receive).
 - A dispatch's rows stored into a relay's slot counted 24 at a time (``TUNE["d_p2p_rows"]``; else as the puts'
@@ -290,18 +289,19 @@ def _slow_peer(ctx, gpus_per_node):
 
 
 def _pair_and_split(ctx, gpus_per_node):
-    """Nodes of one rank: the paired combine (an even number of programs, ``kernels/internode_ht_pair.py``:
-    every program copies half a channel's rows to the other nodes, then reduces half a channel of its own
-    tokens) gives the bits of the split roles (an odd number: relays and finals apart; both sum the nodes'
-    rows in node order), with top-k weights and two biases, each call on expert outputs of its own (a final
-    that read a row before its count said would take an earlier call's), modes alternating on one handle (the
-    counters of both stay in step), and against the reference within the budget. Paired combines of 4 programs
-    (two channels: a unit each), 2 (a program's second unit waits on the first's half) and 6 (two programs
-    idle), split ones of 3, 5 and 7; each call says which mode ran. A half cut one token later (the first
-    token of the second half reduced with the first) failed here."""
+    """Nodes of one rank: the paired combine (``kernels/internode_ht_pair.py``: every program copies half a
+    channel's rows to the other nodes, then reduces half a channel of its own tokens) gives the bits of the
+    split roles (relays and finals apart, as in more than ``internode_ht._PAIR_NODES`` nodes, made so here by
+    setting that to 1; both sum the nodes' rows in node order), with top-k weights and two biases, each call
+    on expert outputs of its own (a final that read a row before its count said would take an earlier call's),
+    modes alternating on one handle (the counters of both stay in step), and against the reference within the
+    budget. Combines of 4 programs (two channels: a unit each), 2 (a program's second unit waits on the
+    first's half) and 6 (two programs idle); each call says which mode ran. A half cut one token later (the
+    first token of the second half reduced with the first) failed here."""
     import torch
 
     from epcomm import Buffer, Config
+    from epcomm.backends import internode_ht
     from epcomm.testing import cpu_internode
     from epcomm.testing import gpu_cases as G
     from epcomm.testing.inputs import Case
@@ -318,16 +318,21 @@ def _pair_and_split(ctx, gpus_per_node):
     gb = torch.Generator()
     gb.manual_seed(ctx.rank + 5)
     bias = tuple(torch.randn(x.shape, generator=gb).to(torch.bfloat16) for _ in range(2))
-    for k, sms in enumerate((4, 2, 6)):
-        y = (res[0].float() * (1 + k) - k / 3).to(torch.bfloat16)
-        outs = []
-        for pair, n in ((1, sms), (0, sms + 1), (1, sms)):
-            cfg = Config(n, 6, 256, 2, 128)
-            outs.append(fast.combine(y, res[4], topk_weights=res[2], bias=bias, config=cfg))
-            assert fast._backend._ht.last_pair == pair, (pair, n)
-        for o, ow, _ in outs[1:]:
-            assert torch.equal(o.view(torch.int16), outs[0][0].view(torch.int16)), f"{sms} SMs, {ctx.rank}"
-            assert torch.equal(ow, outs[0][1]), f"combined weights, {sms} SMs, rank {ctx.rank}"
+    nodes = internode_ht._PAIR_NODES
+    try:
+        for k, sms in enumerate((4, 2, 6)):
+            y = (res[0].float() * (1 + k) - k / 3).to(torch.bfloat16)
+            outs = []
+            for pair in (1, 0, 1):
+                internode_ht._PAIR_NODES = nodes if pair else 1  # (1: no number of nodes pairs)
+                cfg = Config(sms, 6, 256, 2, 128)
+                outs.append(fast.combine(y, res[4], topk_weights=res[2], bias=bias, config=cfg))
+                assert fast._backend._ht.last_pair == pair, (pair, sms)
+            for o, ow, _ in outs[1:]:
+                assert torch.equal(o.view(torch.int16), outs[0][0].view(torch.int16)), (sms, ctx.rank)
+                assert torch.equal(ow, outs[0][1]), f"combined weights, {sms} SMs, rank {ctx.rank}"
+    finally:
+        internode_ht._PAIR_NODES = nodes
     G._combine_check(outs[0][0], ref.combine(y, rref[4], topk_weights=rref[2], bias=bias)[0], ref, y, rref[4],
                      f"paired combine, rank {ctx.rank}", bias)
     cpu_internode.check_delivery()

@@ -68,7 +68,7 @@ _BLOCK = 1024
 # staging and NVSHMEM puts to every other node, as over RDMA (what peers across RDMA always take: the switch
 # runs that path on one host, as tier 2 and tier 3 do). ``d_p2p_rows`` (0): a dispatch's rows stored into a
 # relay's slot are counted at least that many at a time (0: Config's RDMA chunk, as puts). In nodes of one
-# rank (at most ``_PAIR_NODES``, ``2 * channels <= C_MAX``, an even number of programs) every program of the
+# rank (at most ``_PAIR_NODES`` nodes, ``2 * channels <= C_MAX``; Config's even num_sms) every program of the
 # combine copies, then reduces, half a channel (``kernels/internode_ht_pair.py``), as nvlink's push, then
 # reduce; else relays and finals apart (``c_relay``, ``c_final``, a channel each). ``final_block`` columns a
 # step of the paired reduction, ``c_stages`` its loads in flight (Triton's software pipeline, as the nvlink
