@@ -29,7 +29,7 @@ def test_pp_hint():
     # DeepEP's test_pp: 4096 x 7168 BF16, 4 in flight: 56 MiB x 4 x 2 neighbours x (send, recv) = 896 MiB
     assert pp_buffer_size_hint(4096 * 7168 * 2, 4) == 896 * MIB
     assert pp_buffer_size_hint(33, 1) == 2 * MIB  # 33 -> 64 bytes a slot
-    assert ElasticBuffer.get_pp_buffer_size_hint(MIB + 1, 3) == align2(((MIB + 32) * 12))
+    assert ElasticBuffer.get_pp_buffer_size_hint(MIB + 1, 3) == align2((MIB + 32) * 12)
     with pytest.raises(TypeError, match="num_max_inflight_tensors"):
         pp_buffer_size_hint(64, 2.0)
 

@@ -32,7 +32,7 @@ finished when the hook ran).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

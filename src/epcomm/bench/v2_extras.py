@@ -42,7 +42,7 @@ def _buffers(group, backend: str, op: str, case: BenchCase, device: torch.device
     """``(timed, oracle)`` ElasticBuffers configured for ``op`` (the oracle on the reference backend). Collective."""
     from ..elastic import ElasticBuffer as EB
 
-    r_, t, h = group.size(), case.tokens, case.hidden
+    t, h = case.tokens, case.hidden
     out = []
     for name in (backend, "reference"):
         with (forced_backend(name) if name != "auto" else contextlib.nullcontext()):
@@ -151,7 +151,7 @@ def run_extras_case(ctx, plan, case: BenchCase, progress=None) -> list[dict]:
                 progress.show(f"{label} ({backend_name(fast)})")
             want = _once(oracle, sv) if plan.check else None
 
-            def verify(s, out, want=want):
+            def verify(s, out, want=want, name=name):
                 assert_bitwise(out, want, f"timed {name} (set {s})")
 
             top = TimedOp(name, "bf16", ("total",), lambda s, o=timed: ([lambda: o.prep(s)], [lambda: o.step(s)]),

@@ -21,8 +21,8 @@ for _name in ("putmem_signal_block", "quiet", "fence", "putmem_block_extern_wrap
     if not hasattr(_nvmod, _name):
         setattr(_nvmod, _name, _stand_in)
 
-from epcomm.backends.pp import BLOCK  # noqa: E402
-from epcomm.kernels import agrs, engram, pp  # noqa: E402
+from epcomm.backends.pp import BLOCK
+from epcomm.kernels import agrs, engram, pp
 
 PP = dict(x_ptr="*i32", ptr_table="*i64", ctr_ptr="*i32", ticket_ptr="*i32", err_ptr="*i32", timeout_ns="i64")
 ENG = dict(idx_ptr="*i32", ptr_table="*i64", out_ptr="*i32", err_ptr="*i32", sf_ptr="*i32", out_sf_ptr="*i32")
