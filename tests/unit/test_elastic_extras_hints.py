@@ -29,7 +29,7 @@ def test_pp_hint():
     # DeepEP's test_pp: 4096 x 7168 BF16, 4 in flight: 56 MiB x 4 x 2 neighbours x (send, recv) = 896 MiB
     assert pp_buffer_size_hint(4096 * 7168 * 2, 4) == 896 * MIB
     assert pp_buffer_size_hint(33, 1) == 2 * MIB  # 33 -> 64 bytes a slot
-    assert ElasticBuffer.get_pp_buffer_size_hint(MIB + 1, 3) == align2(((MIB + 32) * 12))
+    assert ElasticBuffer.get_pp_buffer_size_hint(MIB + 1, 3) == align2((MIB + 32) * 12)
     with pytest.raises(TypeError, match="num_max_inflight_tensors"):
         pp_buffer_size_hint(64, 2.0)
 
@@ -119,3 +119,50 @@ def test_pp_schedule_never_deadlocks(seed):
             at[r] += 1
             moved = True
         assert moved, f"deadlock at {at}"
+
+
+def test_extras_kernels_compile_for_sm90_and_move_vectors():
+    """Every kernel of the three calls compiles for sm_90 in the variants the plans launch (the interpreter lets
+    through what the compiler rejects: a plain global in a kernel, pointer casts), and the copies said to move
+    16-byte vectors do (``sims/compile_extras.py``)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    sims = os.path.join(root, "tests", "unit", "sims")
+    res = subprocess.run([sys.executable, os.path.join(sims, "compile_extras.py")], env=env, cwd=sims,
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    lines = res.stdout.splitlines()
+    plans = [int(line.split()[1]) for line in lines if line.startswith("plan ")]
+    assert len(plans) == 1 and plans[0] > 0 and sum(line.startswith("ok") for line in lines) == plans[0], res.stdout
+
+
+CALLS = ("engram_write", "engram_fetch", "pp_set_config", "pp_send", "pp_recv", "agrs_set_config",
+         "create_agrs_session", "destroy_agrs_session", "agrs_new_session", "agrs_get_inplace_tensor", "all_gather",
+         "get_engram_storage_size_hint", "get_pp_buffer_size_hint", "get_agrs_num_max_session_bytes",
+         "get_agrs_buffer_size_hint")
+
+
+def test_the_calls_under_the_deep_ep_switch():
+    """``deep_ep.ElasticBuffer`` (``EPCOMM_AS_DEEP_EP=1``) has every call DeepEP's four scripts use, and the static
+    hints answer there as DeepEP's do (test_engram and test_pp call them on the class)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import _epcomm_as_deep_ep; _epcomm_as_deep_ep.install(); import deep_ep, torch\n"
+            f"missing = [n for n in {CALLS!r} if not callable(getattr(deep_ep.ElasticBuffer, n, None))]\n"
+            "assert not missing, missing\n"
+            "print(deep_ep.ElasticBuffer.get_engram_storage_size_hint(524288, 128, 512 * 24, torch.float8_e4m3fn),"
+            " deep_ep.ElasticBuffer.get_pp_buffer_size_hint(4096 * 7168 * 2, 4))\n")
+    env = dict(os.environ, EPCOMM_AS_DEEP_EP="1", PYTHONPATH=os.path.join(root, "src"))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["(2097152,", "67108864)", str(896 * MIB)], res.stdout  # FP8 rows: 128 bytes

@@ -25,7 +25,7 @@ overtake a reader.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

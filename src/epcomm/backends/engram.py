@@ -32,7 +32,7 @@ finished when the hook ran).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -227,11 +227,12 @@ class NVLinkEngram(_DeviceEngram):
         cfg, pk = self.cfg, self.cfg.num_sf_packs
         has_sf = scales is not None
         steps = -(-rows // self.rb)
-        self.k((has_sf, idx.data_ptr() % 16 == 0), (min(progs, steps), 1, 1), idx, self.sym.ptr_table,
+        key = (has_sf, idx.data_ptr() % 16 == 0, has_sf and self.sf.data_ptr() % 16 == 0)
+        self.k(key, (min(progs, steps), 1, 1), idx, self.sym.ptr_table,
                data.view(torch.uint8).view(self.elem_dtype()), rows, cfg.num_entries, cfg.total, self.err.err,
                self.sf if has_sf else self._dummy, scales if has_sf else self._dummy, sf_ts, sf_hs,
                ROW_WORDS=self.words, W_POW2=self.w_pow2, RB=self.rb, ELEM=self.elem, PE=idx.shape[1], PK=pk,
-               PK_POW2=triton.next_power_of_2(max(pk, 1)), HAS_SF=has_sf)
+               PK_POW2=triton.next_power_of_2(max(pk, 1)), HAS_SF=has_sf, ALIGNED=cfg.row_bytes % 16 == 0)
 
     def elem_dtype(self) -> torch.dtype:
         return {4: torch.int32, 2: torch.int16, 1: torch.int8}[self.cfg.row_bytes // self.words]
@@ -261,7 +262,8 @@ class InternodeEngram(_DeviceEngram):
 
         cfg, pk = self.cfg, self.cfg.num_sf_packs
         has_sf = scales is not None
-        self.k((has_sf, idx.data_ptr() % 16 == 0), (progs, 1, 1), idx, self.sym.ptr_table, self.be.rank,
+        key = (has_sf, idx.data_ptr() % 16 == 0, has_sf and self.sf.data_ptr() % 16 == 0)
+        self.k(key, (progs, 1, 1), idx, self.sym.ptr_table, self.be.rank,
                self.recv_off, rows, cfg.num_entries, cfg.total, self.err.err,
                self.sf if has_sf else self._dummy, scales if has_sf else self._dummy, sf_ts, sf_hs,
                ROW_BYTES=cfg.row_bytes, PE=idx.shape[1], PK=pk, PK_POW2=triton.next_power_of_2(max(pk, 1)),

@@ -151,7 +151,7 @@ def run_extras_case(ctx, plan, case: BenchCase, progress=None) -> list[dict]:
                 progress.show(f"{label} ({backend_name(fast)})")
             want = _once(oracle, sv) if plan.check else None
 
-            def verify(s, out, want=want):
+            def verify(s, out, want=want, name=name):
                 assert_bitwise(out, want, f"timed {name} (set {s})")
 
             top = TimedOp(name, "bf16", ("total",), lambda s, o=timed: ([lambda: o.prep(s)], [lambda: o.step(s)]),

@@ -58,7 +58,7 @@ def _agrs_put_nvshmem_kernel(ptr_table, me, R, offs_ptr, sizes_ptr, n, sig_off, 
     the session end's signal). No program waits here: the wait is :func:`_agrs_wait_nvshmem_kernel`, launched after
     (programs of one grid may run one after another, as under the interpreter)."""
     r = (me + 1 + tl.program_id(0)) % R
-    for k in range(0, n):
+    for k in range(n):
         off = tl.load(offs_ptr + k)
         nb = tl.load(sizes_ptr + k)
         at = off + nb * me

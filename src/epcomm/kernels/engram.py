@@ -48,10 +48,12 @@ def _check(idx, rm, total, err_ptr):
 def _engram_fetch_impl_kernel(idx_ptr, ptr_table, out_ptr, rows, n_entries, total, err_ptr,
                               sf_ptr, out_sf_ptr, sf_ts, sf_hs,
                               ROW_WORDS: tl.constexpr, W_POW2: tl.constexpr, RB: tl.constexpr, ELEM: tl.constexpr,
-                              PE: tl.constexpr, PK: tl.constexpr, PK_POW2: tl.constexpr, HAS_SF: tl.constexpr):
+                              PE: tl.constexpr, PK: tl.constexpr, PK_POW2: tl.constexpr, HAS_SF: tl.constexpr,
+                              ALIGNED: tl.constexpr = False):
     """nvlink: ``RB`` output rows a step, each loaded from its owner's symmetric storage (offset 0 of its buffer,
     ``ptr_table[owner]``) and stored into ``out`` (``ROW_WORDS`` words of ``ELEM`` a row). Programs take steps
-    ``pid, pid + G, ...``: a program is what DeepEP calls a QP here."""
+    ``pid, pid + G, ...``: a program is what DeepEP calls a QP here. ``ALIGNED``: rows are multiples of 16 bytes
+    (every row then starts 16-byte aligned in the storage and in ``out``: 16-byte vectors)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     ww = tl.arange(0, W_POW2)
@@ -65,10 +67,17 @@ def _engram_fetch_impl_kernel(idx_ptr, ptr_table, out_ptr, rows, n_entries, tota
         base = tl.load(ptr_table + owner, mask=ok, other=0).to(tl.pointer_type(ELEM))
         src = base + (safe % n_entries).to(tl.int64) * ROW_WORDS
         dst = out_ptr + rr.to(tl.int64) * ROW_WORDS
+        if ALIGNED:
+            src = tl.multiple_of(src, 16)
+            dst = tl.multiple_of(dst, 16)
         for w0 in range(0, ROW_WORDS, W_POW2):
-            wm = (w0 + ww) < ROW_WORDS
-            v = tl.load(src[:, None] + (w0 + ww)[None, :], mask=ok[:, None] & wm[None, :], other=0)
-            tl.store(dst[:, None] + (w0 + ww)[None, :], v, mask=rm[:, None] & wm[None, :])
+            if ROW_WORDS % W_POW2 == 0:  # (whole steps: only the rows are masked, so the columns vectorise)
+                v = tl.load(src[:, None] + (w0 + ww)[None, :], mask=ok[:, None], other=0)
+                tl.store(dst[:, None] + (w0 + ww)[None, :], v, mask=rm[:, None])
+            else:
+                wm = (w0 + ww) < ROW_WORDS
+                v = tl.load(src[:, None] + (w0 + ww)[None, :], mask=ok[:, None] & wm[None, :], other=0)
+                tl.store(dst[:, None] + (w0 + ww)[None, :], v, mask=rm[:, None] & wm[None, :])
         if HAS_SF:
             _scales(sf_ptr, out_sf_ptr, rr, idx, ok, rm, sf_ts, sf_hs, PE, PK, PK_POW2)
 

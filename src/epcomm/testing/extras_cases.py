@@ -34,7 +34,7 @@ def raises(exc, match: str, fn, *a, **kw) -> str:
         if match not in str(e):
             raise AssertionError(f"{fn.__name__}: raised {type(e).__name__}({e}) without {match!r}") from e
         return str(e)
-    except Exception as e:  # noqa: BLE001 - a wrong kind of error is the failure reported
+    except Exception as e:  # a wrong kind of error is the failure reported
         raise AssertionError(f"{fn.__name__}: raised {type(e).__name__}({e}), expected {_names(exc)}") from e
     raise AssertionError(f"{fn.__name__}: raised nothing, expected {_names(exc)}({match!r}...)")
 
@@ -114,7 +114,7 @@ def check_engram_errors(make, rank: int, num_ranks: int, device) -> None:
     total = num_ranks * n
     for v in (total, -1):
         bad_idx = torch.tensor([[0, v]], dtype=torch.int32, device=device)
-        raises(ValueError, "outside [0,", lambda: buf.engram_fetch(bad_idx)())
+        raises(ValueError, "outside [0,", lambda i=bad_idx: buf.engram_fetch(i)())
     raises(TypeError, "indices must have dtype torch.int32", buf.engram_fetch, idx.long())
     raises(ValueError, "indices must be 2-D", buf.engram_fetch, idx.view(-1))
     raises(ValueError, "num_qps must be <=", buf.engram_fetch, idx, num_qps=buf.num_allocated_qps + 1)
@@ -264,7 +264,7 @@ def check_agrs(make, rank: int, num_ranks: int, device, seed: int = 0, num_ops: 
             used += 1
             if rng.random() < 0.3:
                 rng.shuffle(inflight)
-                ops_, kinds_, outs_, h_ = inflight.pop()
+                ops_, _, outs_, h_ = inflight.pop()
                 h_()
                 results.update({op: o.clone() for op, o in zip(ops_, outs_)})
         rng.shuffle(inflight)
