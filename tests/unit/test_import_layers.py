@@ -31,7 +31,7 @@ LAYERS = {
     # 3: the Buffer and the API over it
     "epcomm.buffer": 3, "epcomm.buffer_ll": 3, "epcomm.ops": 3, "epcomm": 3, "epcomm._deep_ep": 3,
     "epcomm.elastic": 3, "epcomm.elastic_engine": 3, "epcomm.elastic_handle": 3, "epcomm.elastic_args": 3,
-    "epcomm.elastic_chains": 3,
+    "epcomm.elastic_chains": 3, "epcomm.elastic_extras": 3,
     # 4: tools beside the stack
     "epcomm.testing": 4, "epcomm.bench": 4, "epcomm.cli": 4, "epcomm.doctor": 4, "epcomm.__main__": 4,
     "epcomm.model": 4,
