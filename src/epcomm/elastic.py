@@ -256,6 +256,7 @@ class ElasticBuffer(ElasticExtras):
             return
         if not gave_up(self.group):  # (after a deadline the ranks are out of step: no collective teardown)
             self.barrier(with_cpu_sync=True)
+        self._x_release()  # the experimental calls' plans (elastic_extras.py): NVSHMEM frees collectively
         self._rt.destroy()
         self._fast.clear()
         self._destroyed = True

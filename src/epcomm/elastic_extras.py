@@ -174,7 +174,8 @@ class ElasticExtras:
         deadline.barrier(self.group, self.rank_idx, phase, self._x_wait_s())
 
     def _x_release(self) -> None:
-        """Free the plans' memory (``destroy``; collective where they wait on peers)."""
+        """Free the plans' memory (``destroy``, every rank at once: NVSHMEM's free is collective). A pipeline
+        plan first waits for its sends in flight (the reference's; a deadline naming the peer)."""
         for name in ("_x_engram", "_x_pp", "_x_agrs"):
             plan = getattr(self, name)
             if plan is not None:

@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from . import deadline
-from .base import raise_error_word
+from .errors import PeerTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,15 @@ class ErrorWord:
         if code == PP_SIZE_MISMATCH:
             raise ValueError(f"pp_recv: rank {peer} sent a tensor of {observed} bytes, this receive takes {target} "
                              "(found on the device; nothing was copied and the slot is consumed)")
-        raise_error_word(self._be(), word)
+        be = self._be()
+        if code < 0 or peer < 0:
+            raise RuntimeError(f"epcomm rank {be.rank}: an error word of these calls reads {word}, which no epcomm "
+                               "kernel records; this plan is now unusable")
+        from ..kernels.common import PHASES
+
+        raise PeerTimeoutError(be.rank, PHASES.get(code, f"phase {code}"), peer, be.timeout_s,
+                               f"flag {observed} < expected {target}; this plan is now unusable (its configuring "
+                               "call makes a new one)", group=be.group)
 
     def clear(self) -> None:
         self.err[:4].zero_()
@@ -100,17 +108,14 @@ class Symmetric:
 
         nbytes = max(16, (nbytes + 127) // 128 * 128)
         me, r_ = be.rank, be.num_ranks
-        if nvshmem:
+        if nvshmem:  # (torch's symmetric memory already runs on NVSHMEM: the backend switched it when it started)
             self._check_heap(be, nbytes, what)
-            from .internode import nvshmem_symmetric
-
-            self.local, self.hdl = nvshmem_symmetric(nbytes, be.device, be.group, wait_s(be))
             _EXTRA_BYTES[be] = _EXTRA_BYTES.get(be, 0) + nbytes
-        else:
+        # torch's rendezvous has no deadline: every rank passes a bounded barrier first
+        deadline.barrier(be.group, me, f"{what}/before the symmetric-memory rendezvous", wait_s(be))
+        with deadline.watch(me, f"{what}: the symmetric-memory allocation and rendezvous", wait_s(be)):
             self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=be.device)
-            deadline.barrier(be.group, me, f"{what}/before the symmetric-memory rendezvous", wait_s(be))
-            with deadline.watch(me, f"{what}: the symmetric-memory rendezvous", wait_s(be)):
-                self.hdl = symm_mem.rendezvous(self.local, be.group.group_name)
+            self.hdl = symm_mem.rendezvous(self.local, be.group.group_name)
         self.local.zero_()
         ptrs = [int(p) for p in self.hdl.buffer_ptrs]
         self.ptr_table = torch.tensor(ptrs, dtype=torch.int64, device=be.device)

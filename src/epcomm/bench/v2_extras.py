@@ -128,10 +128,13 @@ def _once(op: _Op, s: int):
     return out.detach().cpu().clone()
 
 
+def backend_name(buf) -> str:
+    """The row's backend: a stand-in's ``backend_name`` (tests), else the buffer's backend (as ``bench/v2.py``)."""
+    return getattr(buf, "backend_name", None) or buf._backend.name
+
+
 def run_extras_case(ctx, plan, case: BenchCase, progress=None) -> list[dict]:
     """This rank's rows of the experimental calls for ``case`` (module docstring). Collective."""
-    from .v2 import backend_name
-
     rows = []
     sv = checked_set(plan.warmup, plan.iters, plan.sets)
     for name in OPS:

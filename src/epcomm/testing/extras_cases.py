@@ -215,6 +215,9 @@ def check_pp_errors(make, rank: int, num_ranks: int, device) -> None:
     buf.pp_recv(got, prv)
     _eq("pp_recv after bad calls", got, torch.arange(16, dtype=torch.int32) + 100 * prv)
     buf.destroy()
+    if buf._x_pp is not None:
+        raise AssertionError("destroy() kept the pipeline plan (and its symmetric memory)")
+    raises(RuntimeError, "destroyed", buf.pp_send, t, nxt)
 
 
 # ----------------------------------------------------------------------------------------------- AGRS
@@ -325,3 +328,6 @@ def check_agrs_errors(make, rank: int, num_ranks: int, device) -> None:
         h()
         _eq("all_gather in the next session", out, want * 2)
     buf.destroy()
+    if buf._x_agrs is not None:
+        raise AssertionError("destroy() kept the AGRS plan (and its symmetric memory)")
+    raises(RuntimeError, "destroyed", buf.create_agrs_session)
