@@ -331,3 +331,55 @@ def check_agrs_errors(make, rank: int, num_ranks: int, device) -> None:
     if buf._x_agrs is not None:
         raise AssertionError("destroy() kept the AGRS plan (and its symmetric memory)")
     raises(RuntimeError, "destroyed", buf.create_agrs_session)
+
+
+# ----------------------------------------------------------------------------------------------- deadlines
+
+
+def check_deadlines(make, rank: int, num_ranks: int, device, device_plans: bool, done_path: str) -> None:
+    """A receive whose peer never sends, and (``device_plans``: nvlink, internode) an all-gather a peer never
+    joins, give up at the deadline with ``PeerTimeoutError`` naming the phase and the peer: raised by the call on
+    the reference, by the plan's next call where a kernel waited (the kernel records it in the plan's error word).
+    Rank 0 waits; the others call nothing, and stay alive until rank 0 has created ``done_path`` (a peer that
+    exits is lost, not late). The group is out of step afterwards: run it last."""
+    import os
+    import time
+
+    os.environ["EPCOMM_TIMEOUT_S"] = "3"  # (read when a buffer is made; the CPU emulations count spins instead)
+    buf = make(num_bytes=pp_buffer_size_hint(64, 1), explicitly_destroy=True)
+    buf.pp_set_config(64, 1)
+    agrs = None
+    if device_plans:
+        agrs = make(num_bytes=2 << 20, explicitly_destroy=True)
+        agrs.agrs_set_config(1024, 2)
+        if device.type == "cpu":  # a CPU emulation: its kernels' waits count spins, 2e4 of them here
+            for b in (buf, agrs):
+                b._backend.timeout_s = 2e4 / 1e9
+    if rank != 0:
+        end = time.monotonic() + 600
+        while not os.path.exists(done_path) and time.monotonic() < end:
+            time.sleep(0.2)
+        return
+    try:
+        _time_out(buf, agrs, device)
+    finally:
+        open(done_path, "w").close()
+
+
+def _time_out(buf, agrs, device) -> None:
+    from ..backends.errors import PeerTimeoutError
+
+    t = torch.empty(16, dtype=torch.int32, device=device)
+
+    def recv_twice():
+        buf.pp_recv(t, 1)
+        buf.pp_recv(t, 1)
+    msg = raises(PeerTimeoutError, "pp_recv/receive-data", recv_twice)
+    if "for rank 1" not in msg:
+        raise AssertionError(f"the receive's timeout does not name the peer: {msg}")
+    if agrs is not None:
+        agrs.create_agrs_session()
+        agrs.all_gather(t)
+        msg = raises(PeerTimeoutError, "all_gather/receive-data", agrs.all_gather, t)
+        if "for rank 1" not in msg:
+            raise AssertionError(f"the all-gather's timeout does not name the peer: {msg}")
