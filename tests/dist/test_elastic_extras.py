@@ -39,12 +39,10 @@ def _maker(ctx, backend: str, tag: str):
     cpu_nvlink.install(tag, ctx.rank, ctx.world_size, ctx.group)
     from epcomm import ElasticBuffer as Elastic  # (after the install: the emulated symmetric memory)
 
-    engine = cpu_nvlink.nvlink_buffer if backend == "nvlink" else cpu_internode.internode_buffer
+    made = cpu_nvlink.nvlink_backend() if backend == "nvlink" else cpu_internode.internode_backend()
 
     class OnBackend(Elastic):
-        @staticmethod
-        def _engine_cls(group, **kw):
-            return engine(group, **kw)
+        _make_backend = staticmethod(made)
 
     def make(**kw):
         buf = OnBackend(ctx.group, **kw)
