@@ -37,6 +37,7 @@ class ErrorWord:
     def __init__(self, be):
         self._be = weakref.ref(be)
         self.host = torch.zeros(4, dtype=torch.int32, device="cpu").pin_memory()
+        self._view = self.host.numpy()  # (read without a torch call: every call checks it)
         words = torch.zeros(8, dtype=torch.int32, device=be.device)
         self.err = words[:6]
         self.err[4:].view(torch.int64).fill_(self.host.data_ptr())
@@ -44,7 +45,7 @@ class ErrorWord:
     def check(self) -> None:
         """Raise what a kernel recorded: ``ValueError`` for bad data, ``PeerTimeoutError`` for a wait that gave up
         (naming the phase and the peer); nothing if the word is clear."""
-        if not int(self.host[0]):
+        if not self._view[0]:
             return
         word = self.host.tolist()
         code, peer, observed, target = word
