@@ -92,7 +92,7 @@ def wait_s(be) -> float:
 
 # ---------------------------------------------------------------------------------------------- symmetric memory
 
-_EXTRA_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # internode backend -> bytes allocated here
+_NVSHMEM_BYTES = [0]  # NVSHMEM bytes the live plans of this process hold (their heap is the process's)
 
 
 class Symmetric:
@@ -109,14 +109,16 @@ class Symmetric:
 
         nbytes = max(16, (nbytes + 127) // 128 * 128)
         me, r_ = be.rank, be.num_ranks
+        self.nvshmem_bytes = 0
         if nvshmem:  # (torch's symmetric memory already runs on NVSHMEM: the backend switched it when it started)
             self._check_heap(be, nbytes, what)
-            _EXTRA_BYTES[be] = _EXTRA_BYTES.get(be, 0) + nbytes
+            self.nvshmem_bytes = nbytes
         # torch's rendezvous has no deadline: every rank passes a bounded barrier first
         deadline.barrier(be.group, me, f"{what}/before the symmetric-memory rendezvous", wait_s(be))
         with deadline.watch(me, f"{what}: the symmetric-memory allocation and rendezvous", wait_s(be)):
             self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=be.device)
             self.hdl = symm_mem.rendezvous(self.local, be.group.group_name)
+        _NVSHMEM_BYTES[0] += self.nvshmem_bytes
         self.local.zero_()
         ptrs = [int(p) for p in self.hdl.buffer_ptrs]
         self.ptr_table = torch.tensor(ptrs, dtype=torch.int64, device=be.device)
@@ -133,13 +135,15 @@ class Symmetric:
         if not settings or "NVSHMEM_SYMMETRIC_SIZE" not in settings:
             return
         heap = int(settings["NVSHMEM_SYMMETRIC_SIZE"][0])
-        used = be.symm.numel() + _EXTRA_BYTES.get(be, 0)
+        used = be.symm.numel() + _NVSHMEM_BYTES[0]  # (this buffer's and the plans'; other live buffers' are not seen)
         if used + nbytes > heap:
             raise RuntimeError(f"{what}: NVSHMEM's symmetric heap ({heap} bytes, NVSHMEM_SYMMETRIC_SIZE) holds "
                                f"{used} bytes already and cannot take {nbytes} more; set NVSHMEM_SYMMETRIC_SIZE to "
                                f"at least {used + nbytes + (256 << 20)} before the first buffer is made")
 
     def release(self) -> None:
+        _NVSHMEM_BYTES[0] -= self.nvshmem_bytes
+        self.nvshmem_bytes = 0
         self.peers = []
         self.local = self.hdl = None
 
