@@ -21,7 +21,9 @@
 #                   EPCOMM_VERIFY_LAUNCH=1 more than the 560 s cap: split it, PYTEST_ARGS="-k high_throughput"
 #                   then PYTEST_ARGS="-k 'not high_throughput'"). WORLD 4: tests/gpu/test_internode_2x2.py,
 #                   two nodes of two (EPCOMM_GPUS_PER_NODE=2: the forwarding path) and four nodes of one;
-#                   ~13 min: split it over calls or lanes (PYTEST_ARGS="-k 2-nodes-of-2", "-k 4-nodes-of-1", "-k low_latency")
+#                   ~13 min: split it over calls or lanes (PYTEST_ARGS="-k 2-nodes-of-2", "-k 4-nodes-of-1", "-k low_latency").
+#                   TIER3=<file> runs that tier-3 file instead under the same daemon (e.g. TIER3=tests/gpu/
+#                   test_elastic_extras.py: the experimental calls on nvlink, the reference and internode)
 #   bench-nvshmem [WORLD]  epcomm bench --backend internode, then --backend nvlink, WORLD ranks (2 or 4)
 #                   on one GPU under the same private MPS daemon (virtual nodes: of one GPU at 2, of two at 4):
 #                   ht-dsv3 and ll-dsv3-288, 24 SMs, 12 iterations; JSONL in $OUT/bench-mps-<backend>.jsonl
@@ -157,6 +159,7 @@ fi
 if [[ "$mode" == shared-nvshmem ]]; then
   tier3=tests/gpu/test_internode_nvshmem.py log=tier3-internode-mps.log
   [[ "$world" == 4 ]] && tier3=tests/gpu/test_internode_2x2.py log=tier3-internode-mps4.log
+  [[ -n "${TIER3:-}" ]] && tier3=$TIER3 log=tier3-$(basename "$TIER3" .py)-mps$world.log
   timeout 560 "${pytest[@]}" $tier3 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/$log" | tail -30 || rc=1
 fi
 

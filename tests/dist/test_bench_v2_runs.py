@@ -52,7 +52,8 @@ def test_v2_bench_rows_are_checked_as_timed_one_set_per_sm_count(world, api, tmp
     rows = [r for r in every if r["api"] == "v2" and r["op"] not in EXTRAS]
     v1 = [r for r in every if r["api"] == "v1"]
     # the experimental calls: once a case after its V2 rows (pipeline and all-gather need 2 ranks), checked as timed
-    assert [r["op"] for r in extras] == (list(EXTRAS) if world > 1 else ["engram_fetch"]) and every[-len(extras):] == extras
+    assert [r["op"] for r in extras] == (list(EXTRAS) if world > 1 else ["engram_fetch"])
+    assert every[-len(extras):] == extras
     for r in extras:
         assert r["api"] == "v2" and r["sms"] == 0 and r["logical_gbps"] > 0 and r["timing"] == "wall", r
         assert r["check"] == "pass" and r["timed_check"] == "pass" and r["timed_oracle"] == "reference", r

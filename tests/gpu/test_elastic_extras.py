@@ -79,8 +79,8 @@ def _large(make, rank, r_, dev):
     buf.agrs_set_config(sess, 1)
     for s in range(3):
         with buf.agrs_new_session():
-            x = buf.agrs_get_inplace_tensor(shape, torch.bfloat16) if s % 2 else torch.empty(shape, dtype=torch.bfloat16,
-                                                                                              device=dev)
+            x = (buf.agrs_get_inplace_tensor(shape, torch.bfloat16) if s % 2
+                 else torch.empty(shape, dtype=torch.bfloat16, device=dev))
             torch.matmul(busy, busy)
             x.fill_(rank + s)
             out, wait = buf.all_gather(x)

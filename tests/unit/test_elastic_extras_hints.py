@@ -166,3 +166,18 @@ def test_the_calls_under_the_deep_ep_switch():
                          check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == ["(2097152,", "67108864)", str(896 * MIB)], res.stdout  # FP8 rows: 128 bytes
+
+
+def test_nvshmem_heap_check_names_the_setting():
+    """An internode plan's allocation that NVSHMEM's fixed heap cannot hold raises before it allocates, naming
+    NVSHMEM_SYMMETRIC_SIZE and a size that would do; one that fits passes."""
+    import types
+
+    from epcomm.backends.extras import Symmetric
+
+    be = types.SimpleNamespace(nvshmem_settings={"NVSHMEM_SYMMETRIC_SIZE": (str(1 << 30), "epcomm")},
+                               symm=torch.empty(900 << 20, dtype=torch.uint8))
+    Symmetric._check_heap(be, 100 << 20, "pp_set_config")
+    with pytest.raises(RuntimeError, match=r"pp_set_config: NVSHMEM's symmetric heap .* NVSHMEM_SYMMETRIC_SIZE"):
+        Symmetric._check_heap(be, 200 << 20, "pp_set_config")
+    Symmetric._check_heap(types.SimpleNamespace(), 1 << 40, "x")  # (the CPU simulation: no heap)

@@ -37,6 +37,7 @@ class ErrorWord:
     def __init__(self, be):
         self._be = weakref.ref(be)
         self.host = torch.zeros(4, dtype=torch.int32, device="cpu").pin_memory()
+        self._view = self.host.numpy()  # (read without a torch call: every call checks it)
         words = torch.zeros(8, dtype=torch.int32, device=be.device)
         self.err = words[:6]
         self.err[4:].view(torch.int64).fill_(self.host.data_ptr())
@@ -44,7 +45,7 @@ class ErrorWord:
     def check(self) -> None:
         """Raise what a kernel recorded: ``ValueError`` for bad data, ``PeerTimeoutError`` for a wait that gave up
         (naming the phase and the peer); nothing if the word is clear."""
-        if not int(self.host[0]):
+        if not self._view[0]:
             return
         word = self.host.tolist()
         code, peer, observed, target = word
@@ -91,7 +92,7 @@ def wait_s(be) -> float:
 
 # ---------------------------------------------------------------------------------------------- symmetric memory
 
-_EXTRA_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # internode backend -> bytes allocated here
+_NVSHMEM_BYTES = [0]  # NVSHMEM bytes the live plans of this process hold (their heap is the process's)
 
 
 class Symmetric:
@@ -108,14 +109,16 @@ class Symmetric:
 
         nbytes = max(16, (nbytes + 127) // 128 * 128)
         me, r_ = be.rank, be.num_ranks
+        self.nvshmem_bytes = 0
         if nvshmem:  # (torch's symmetric memory already runs on NVSHMEM: the backend switched it when it started)
             self._check_heap(be, nbytes, what)
-            _EXTRA_BYTES[be] = _EXTRA_BYTES.get(be, 0) + nbytes
+            self.nvshmem_bytes = nbytes
         # torch's rendezvous has no deadline: every rank passes a bounded barrier first
         deadline.barrier(be.group, me, f"{what}/before the symmetric-memory rendezvous", wait_s(be))
         with deadline.watch(me, f"{what}: the symmetric-memory allocation and rendezvous", wait_s(be)):
             self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=be.device)
             self.hdl = symm_mem.rendezvous(self.local, be.group.group_name)
+        _NVSHMEM_BYTES[0] += self.nvshmem_bytes
         self.local.zero_()
         ptrs = [int(p) for p in self.hdl.buffer_ptrs]
         self.ptr_table = torch.tensor(ptrs, dtype=torch.int64, device=be.device)
@@ -132,13 +135,15 @@ class Symmetric:
         if not settings or "NVSHMEM_SYMMETRIC_SIZE" not in settings:
             return
         heap = int(settings["NVSHMEM_SYMMETRIC_SIZE"][0])
-        used = be.symm.numel() + _EXTRA_BYTES.get(be, 0)
+        used = be.symm.numel() + _NVSHMEM_BYTES[0]  # (this buffer's and the plans'; other live buffers' are not seen)
         if used + nbytes > heap:
             raise RuntimeError(f"{what}: NVSHMEM's symmetric heap ({heap} bytes, NVSHMEM_SYMMETRIC_SIZE) holds "
                                f"{used} bytes already and cannot take {nbytes} more; set NVSHMEM_SYMMETRIC_SIZE to "
                                f"at least {used + nbytes + (256 << 20)} before the first buffer is made")
 
     def release(self) -> None:
+        _NVSHMEM_BYTES[0] -= self.nvshmem_bytes
+        self.nvshmem_bytes = 0
         self.peers = []
         self.local = self.hdl = None
 

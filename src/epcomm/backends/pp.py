@@ -174,9 +174,9 @@ class _DevicePP(PPPlan):
         n, words, ty, grid = self._args(t, num_sms)
         lane = cfg.lane(dst, cfg.rank)
         aligned = t.data_ptr() % 16 == 0  # (the slots are: 128 + k * slot_bytes + 32 from a 128-aligned base)
-        self.k_send((ty, aligned), grid, words, words.numel(), n, *self._peer_args(dst, lane), self.ctr, self.t_send,
-                    self.err.err, timeout_ns(self.be), ELEM=ty, BLOCK=BLOCK, HAS_TIMER=timer(), ALIGNED=aligned,
-                    **self.extra)
+        self.k_send((ty, aligned, n >= 2**31), grid, words, words.numel(), n, *self._peer_args(dst, lane), self.ctr,
+                    self.t_send, self.err.err, timeout_ns(self.be), ELEM=ty, BLOCK=BLOCK, HAS_TIMER=timer(),
+                    ALIGNED=aligned, **self.extra)
 
     def recv(self, t, src, num_sms):
         self.err.check()
@@ -184,7 +184,7 @@ class _DevicePP(PPPlan):
         n, words, ty, grid = self._args(t, num_sms)
         lane = cfg.lane(cfg.rank, src)
         aligned = t.data_ptr() % 16 == 0
-        self.k_recv((ty, aligned), grid, words, words.numel(), n, self.sym.ptr_table, cfg.rank, src, lane,
+        self.k_recv((ty, aligned, n >= 2**31), grid, words, words.numel(), n, self.sym.ptr_table, cfg.rank, src, lane,
                     cfg.num_max_inflight_tensors, cfg.slot_bytes, self.ctr, self.t_recv, self.err.err,
                     timeout_ns(self.be), ELEM=ty, BLOCK=BLOCK, HAS_TIMER=timer(), ALIGNED=aligned, **self.extra)
 

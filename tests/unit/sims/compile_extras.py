@@ -3,7 +3,8 @@ with Triton's own compiler (no GPU), in the variants their plans launch (the int
 NVSHMEM Triton module on a CPU build lacks the device library; their bodies are what changes), and check in the PTX
 that the copies said to move 16-byte vectors do (``ld/st.global.v4.b32``): the pipeline's payload with
 ``ALIGNED`` (whole chunks unmasked) and Engram's rows of 16-byte multiples (BF16, ``H = 128`` and ``7168``).
-Run by ``tests/unit/test_elastic_extras_hints.py``; alone: ``PYTHONPATH=src python tests/unit/sims/compile_extras.py``."""
+Run by ``tests/unit/test_elastic_extras_hints.py``; alone:
+``PYTHONPATH=src python tests/unit/sims/compile_extras.py``."""
 import triton
 import triton.language as tl
 from sm90 import compile_one
