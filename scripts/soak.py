@@ -54,6 +54,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--sample-every", type=int, default=0, help="calls between memory samples (default calls/50)")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"a subset of {','.join(KINDS)}")
     ap.add_argument("--json", default=None, help="write every rank's report, memory series included, here")
+    ap.add_argument("--profile", default="", help="rank 0's run under cProfile: its 40 costliest functions to this file")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are stopped")
     return ap.parse_args(argv)
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
         opts = Options(calls=args.calls, seed=args.seed, device=device, hidden=args.hidden,
                        max_tokens=args.max_tokens, ll_max_tokens=args.ll_max_tokens, v2_max_tokens=args.v2_max_tokens,
                        warmup=args.warmup, sample_every=args.sample_every,
-                       kinds=tuple(k for k in args.kinds.split(",") if k), tag=f"soak-{uuid.uuid4().hex[:8]}")
+                       kinds=tuple(k for k in args.kinds.split(",") if k), profile=args.profile, tag=f"soak-{uuid.uuid4().hex[:8]}")
     except ValueError as e:
         print(f"soak: {e}", file=sys.stderr)
         return 2

@@ -58,6 +58,7 @@ class Options:
     sample_every: int = 0  # 0: calls // 50
     kinds: tuple = KINDS
     tag: str = "soak"  # the CPU rig's shared-memory names (the same on every rank)
+    profile: str = ""  # a file: rank 0's calls and checks under cProfile, the 40 costliest functions written there
 
     def __post_init__(self):
         for name in ("calls", "hidden", "max_tokens", "ll_max_tokens", "v2_max_tokens", "sample_every"):
@@ -268,6 +269,7 @@ def run_rank(ctx, opts: Options, hooks=None) -> dict:
     secs: collections.Counter = collections.Counter()
     order: list = []
     next_sample, warm_taken, it, t0 = every, False, 0, time.perf_counter()
+    prof = _profiler(opts, ctx.rank)
     while sum(counts.values()) < opts.calls:
         if not order:  # the kinds in a random order, round after round: every kind runs within len(kinds) checks
             order = rng.sample(list(opts.kinds), len(opts.kinds))
@@ -295,6 +297,8 @@ def run_rank(ctx, opts: Options, hooks=None) -> dict:
                                 f"rss {fmt(sm.rss)}, {sm.entries} cache entries")
             next_sample = (done // every + 1) * every
     done = sum(counts.values())
+    if prof is not None:
+        _write_profile(prof, opts.profile)
     if watch.samples[-1].calls != done:
         watch.take(done)
     report = watch.verdict(warm_calls, s.result_bytes(r))
@@ -302,6 +306,30 @@ def run_rank(ctx, opts: Options, hooks=None) -> dict:
                   checks=dict(checks), seconds_by_check={k: round(v, 2) for k, v in secs.items()}, iterations=it,
                   shapes=dataclasses.asdict(s), samples=watch.series())
     return report
+
+
+def _profiler(opts: Options, rank: int):
+    """Rank 0's profiler, running, where ``opts.profile`` names a file."""
+    if not opts.profile or rank != 0:
+        return None
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
+
+
+def _write_profile(prof, path: str) -> None:
+    import io
+    import pstats
+
+    prof.disable()
+    s = io.StringIO()
+    st = pstats.Stats(prof, stream=s)
+    st.sort_stats("tottime").print_stats(40)
+    st.sort_stats("cumulative").print_stats(40)
+    with open(path, "w") as f:
+        f.write(s.getvalue())
 
 
 def summary(report: dict) -> str:
