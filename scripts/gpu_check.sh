@@ -38,7 +38,8 @@
 #   ab BASE_DIR     epcomm bench --ab: the tree in BASE_DIR (a directory with src/epcomm, shipped with the working
 #                   tree: e.g. `mkdir -p ab-base && git archive <sha> src | tar -x -C ab-base` before the call,
 #                   untracked, not ignored) against this tree, alternated run by run for AB_ROUNDS rounds (default
-#                   3); BENCH_ARGS picks the cases (default --cases ll-dsv3 --tokens 1,128); AB_BASE_COMMIT names
+#                   3); BENCH_ARGS picks the cases (default --cases ll-dsv3 --tokens 1,128; "--api v2 --cases ht-dsv3"
+#                   for ElasticBuffer's rows, each layout and sync apart); AB_BASE_COMMIT names
 #                   the base tree's commit. Rows in $OUT/ab.jsonl, runs and logs in $OUT/ab-runs/, summary printed
 #                   and in $OUT/ab-summary.jsonl
 #   deepep-extras CHECKOUT [WORLD]  DeepEP V2's own scripts of the experimental calls against epcomm (python -m

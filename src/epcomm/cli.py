@@ -254,8 +254,6 @@ def cmd_bench(args) -> int:
     if args.ab:
         from .bench import ab
 
-        if args.api != "v1":
-            raise ValueError("--ab compares V1 rows only (not with --api v2)")
         from .testing.launcher import env_world
 
         if args.plot or args.profile or env_world() is not None:

@@ -61,6 +61,26 @@ def test_child_arguments_repeat_the_parsed_options():
     assert p.parse_args(["bench", *argv]).tokens == [1, 128]  # what a run parses back
 
 
+def test_v2_runs_get_the_api_and_its_rows_stay_apart_by_layout_and_sync(tmp_path):
+    """``--ab --api v2``: every run gets ``--api v2`` (V1 runs get no --api: trees before it lack the option),
+    and V2 rows of one op that differ only in layout, CPU sync or SM count are summarised apart."""
+    p, _ = _bench_parser()
+    argv = ab.child_argv(p.parse_args(["bench", "--ab", "a,b", "--api", "v2", "--device", "cpu"]))
+    assert argv[argv.index("--api") + 1] == "v2"
+    assert "--api" not in ab.child_argv(p.parse_args(["bench", "--ab", "a,b", "--device", "cpu"]))
+    runs = [{"ab_tree": t, "ab_round": r, "ab_run": i, "status": "ok", "rows": 4, "log": f"run{i}.log"}
+            for i, (r, t) in enumerate((r, t) for r in (1, 2, 3) for t in "AB")]
+    rows = [dict(_row(t, r, 10.0 + 5 * sync + 20 * (layout == "expanded") + sms), api="v2", layout=layout,
+                 cpu_sync=bool(sync), sms=sms)
+            for t in "AB" for r in (1, 2, 3) for layout in ("contiguous", "expanded") for sync in (0, 1)
+            for sms in (0, 1)]
+    summary = ab.summarize(rows, runs, ["A", "B"])
+    assert len(summary) == 16  # 2 layouts x 2 syncs x 2 SM counts x 2 trees, each its own line
+    assert all(s["rounds"] == 3 and s["min_us"] == s["max_us"] for s in summary)  # no two ops mixed
+    text = ab.render_summary(summary, runs, (ab.Tree("A", tmp_path), ab.Tree("B", tmp_path)))
+    assert "dispatch-bf16 expanded no-sync" in text and "dispatch-bf16 contiguous " in text
+
+
 def _row(tree, rnd, median, *, host=None, op="dispatch", check="pass"):
     return {"case": "small", "mode": "ht", "tokens": 64, "hidden": 256, "topk": 4, "experts": 16,
             "backend": "reference", "op": op, "dtype": "bf16", "phase": "total", "timing": "wall", "cached": False,

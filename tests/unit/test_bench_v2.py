@@ -30,7 +30,6 @@ def test_plan_checks_api_and_sweep():
     (["--num-sms", "4,8"], "--num-sms takes one value with --api v1"),
     (["--num-sms", "5"], "--num-sms must be even, got 5"),
     (["--api", "v2", "--cached"], "--cached is a V1 option"),
-    (["--api", "v2", "--ab", "a,b"], "--ab compares V1 rows only"),
     (["--api", "both", "--mode", "ll"], "--api both times V2 at the high-throughput cases' shapes"),
     (["--api", "both", "--num-sms", "3"], "--num-sms must be even, got 3"),  # one value: V1's too
 ])

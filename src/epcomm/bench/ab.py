@@ -43,8 +43,10 @@ FORWARD = {"cases": "--cases", "mode": "--mode", "tokens": "--tokens", "hidden":
            "seed": "--seed", "timeout": "--timeout"}
 FLAGS = {"cached": "--cached", "no_graph": "--no-graph", "no_check": "--no-check"}
 NOT_FORWARDED = {"ab", "ab_commits", "rounds", "out", "plot", "profile", "no_progress", "list",
-                 "api"}  # --ab is V1 only (the cli refuses --api v2), and older trees lack --api
-KEY = ("case", "mode", "tokens", "hidden", "topk", "experts", "backend", "op", "dtype", "phase", "timing", "cached")
+                 "api"}  # --api is passed only where it is not v1 (child_argv): trees before it lack the option
+# a row's identity: V1's fields, then V2's (api, layout, CPU sync, SM count; None on V1 rows)
+KEY = ("case", "mode", "tokens", "hidden", "topk", "experts", "backend", "op", "dtype", "phase", "timing", "cached",
+       "api", "layout", "cpu_sync", "sms")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +92,8 @@ def child_argv(args) -> list[str]:
             continue
         argv += [opt, ",".join(str(x) for x in v) if isinstance(v, list) else str(v)]
     argv += [opt for dest, opt in FLAGS.items() if getattr(args, dest, False)]
+    if getattr(args, "api", "v1") not in (None, "v1"):
+        argv += ["--api", args.api]
     if getattr(args, "log_level", None):
         argv = ["--log-level", args.log_level] + argv
     return argv
@@ -206,6 +210,14 @@ def summarize(rows: list[dict], runs: list[dict], labels: list[str]) -> list[dic
     return out
 
 
+def _label(s: dict) -> str:
+    """The op's label (``op_label``), a V2 row's layout and sync added: ``dispatch-bf16 expanded no-sync``."""
+    if s.get("api") != "v2" or not s.get("layout"):
+        return op_label(s)
+    return f"{op_label(s)} {s['layout']}" + ("" if s.get("cpu_sync", True) else " no-sync") + (
+        f" sms={s['sms']}" if s.get("sms") else "")
+
+
 def _us(v) -> str:
     return "-" if v is None else (f"{v:.1f}" if v < 1000 else f"{v:.0f}")
 
@@ -223,7 +235,7 @@ def render_summary(summary: list[dict], runs: list[dict], trees: tuple[Tree, Tre
     body = []
     for s in summary:
         bad = [c for c in s["checks"] if c != "pass"] + [c for c in s["timed_checks"] if c != "pass"]
-        body.append([s["case"], str(s["tokens"]), op_label(s), s["backend"], s["timing"], s["tree"],
+        body.append([s["case"], str(s["tokens"]), _label(s), s["backend"], s["timing"], s["tree"],
                      ",".join(c.split("+")[0][:10] + ("+dirty" if c.endswith("+dirty") else "")
                               for c in s["commits"]) or "-",
                      f"{s['rounds']}/{s['of']}",
