@@ -51,6 +51,13 @@
 #                   barrier", each capped at DEEPEP_TIMEOUT s, default 240); logs in $OUT/deepep-<test>-w<WORLD>.log. Memory: test_pp allocates 16 GiB of zeros a
 #                   rank in its timing part besides its 128 tensors of 56 MiB: at WORLD 4 run it on nvidia-h200
 #                   (~3 min at 2 ranks on an H100, all five)
+#   anchor DEEPEP [WORLD]  scripts/deepep_eager.py --share-gpu (DeepEP V1's eager high-throughput calls, fresh and
+#                   cached dispatch and combine, DSv3 shapes, 24 SMs) on epcomm (EPCOMM_AS_DEEP_EP=1) and on DeepEP V1
+#                   (DEEPEP: a directory with its built deep_ep package, put first on PYTHONPATH; e.g. the output of
+#                   benchmarks/anchors/deepep-v1-build/build.sh carried beside the tree), one after the other, for
+#                   ANCHOR_ROUNDS rounds (default 3), WORLD ranks (default 2) on one GPU under a private MPS daemon.
+#                   One JSON row a call and run in $OUT/anchor.jsonl (label epcomm-rN / deepep-rN), logs in
+#                   $OUT/anchor.log; ANCHOR_TIMEOUT caps each run (default 150 s)
 # EPCOMM_MPS_RUNNING=1: an MPS daemon is already up (CUDA_MPS_PIPE_DIRECTORY set): use it, neither start nor stop one.
 # Provenance: the GPU machine's copy of the tree has no .git, so every bench row would say git_sha
 # "unknown". The caller passes the commit of the tree it ships, expanded on ITS machine (the command
@@ -70,7 +77,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
 OUT="${OUT:-/tmp/epcomm-out}"; mkdir -p "$OUT"
 mode="${1:-}"
-case "$mode" in tests|bench|figures|profile|shared|shared-nvshmem|bench-nvshmem|soak|ab|deepep-extras) ;;
+case "$mode" in tests|bench|figures|profile|shared|shared-nvshmem|bench-nvshmem|soak|ab|deepep-extras|anchor) ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
@@ -98,6 +105,13 @@ if [[ "$mode" == shared ]]; then
     | tail -30 || rc=1
 fi
 
+if [[ "$mode" == anchor ]]; then
+  deepep="${2:?usage: bash scripts/gpu_check.sh anchor DEEPEP [WORLD] (a directory with the built deep_ep of DeepEP V1)}"
+  [[ -d "$deepep/deep_ep" ]] || { echo "$deepep must hold DeepEP's deep_ep package, built"; exit 2; }
+  deepep=$(cd "$deepep" && pwd)
+  set -- "$1" "${3:-2}"
+fi
+
 if [[ "$mode" == deepep-extras ]]; then
   checkout="${2:?usage: bash scripts/gpu_check.sh deepep-extras CHECKOUT [WORLD] (a DeepEP tree)}"
   [[ -d "$checkout/tests/elastic" && -d "$checkout/deep_ep/utils" ]] || {
@@ -105,7 +119,8 @@ if [[ "$mode" == deepep-extras ]]; then
   set -- "$1" "${3:-2}"
 fi
 
-if [[ "$mode" == shared-nvshmem || "$mode" == bench-nvshmem || "$mode" == soak || "$mode" == deepep-extras ]]; then
+if [[ "$mode" == shared-nvshmem || "$mode" == bench-nvshmem || "$mode" == soak || "$mode" == deepep-extras \
+      || "$mode" == anchor ]]; then
   world="${2:-2}"
   if [[ "$mode" == soak ]]; then
     [[ "$world" =~ ^[2-8]$ ]] || { echo "$mode takes WORLD 2 to 8, got $world"; exit 2; }
@@ -139,6 +154,16 @@ if [[ "$mode" == deepep-extras ]]; then
     echo "DeepEP $script ${args[*]} at $world ranks: rc $code"
     grep -v "^\[testing\]" "$log" | tail -12
     [[ $code == 0 ]] || rc=1
+  done
+fi
+
+if [[ "$mode" == anchor ]]; then
+  for r in $(seq 1 "${ANCHOR_ROUNDS:-3}"); do
+    EPCOMM_AS_DEEP_EP=1 timeout "${ANCHOR_TIMEOUT:-150}" python3 scripts/deepep_eager.py --share-gpu --ranks "$world" \
+      --label "epcomm-r$r" --json "$OUT/anchor.jsonl" 2>&1 | tee -a "$OUT/anchor.log" | grep " eager " || rc=1
+    PYTHONPATH="$deepep:${PYTHONPATH:-}" EPCOMM_AS_DEEP_EP=0 timeout "${ANCHOR_TIMEOUT:-150}" python3 \
+      scripts/deepep_eager.py --share-gpu --ranks "$world" --label "deepep-r$r" --json "$OUT/anchor.jsonl" 2>&1 \
+      | tee -a "$OUT/anchor.log" | grep " eager " || rc=1
   done
 fi
 
