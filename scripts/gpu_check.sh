@@ -49,7 +49,8 @@
 #                   CHECKOUT: a DeepEP tree (read only) with tests/elastic/ and deep_ep/utils/ (its test helpers), e.g.
 #                   .deepep/v2 carried beside the tree. DEEPEP_TESTS narrows it (default "engram engram-fp8 pp agrs
 #                   barrier", each capped at DEEPEP_TIMEOUT s, default 240); logs in $OUT/deepep-<test>-w<WORLD>.log. Memory: test_pp allocates 16 GiB of zeros a
-#                   rank in its timing part besides its 128 tensors of 56 MiB: at WORLD 4 run it on nvidia-h200
+#                   rank in its timing part besides its 128 tensors of 56 MiB: at WORLD 4 run it on nvidia-h200, or on
+#                   an H100 with DEEPEP_PP_ARGS="--num-sends 16" (its stress test's sends, 16 of them; the rest as given)
 #                   (~3 min at 2 ranks on an H100, all five)
 #   anchor DEEPEP [WORLD]  scripts/deepep_eager.py --share-gpu (DeepEP V1's eager high-throughput calls, fresh and
 #                   cached dispatch and combine, DSv3 shapes, 24 SMs) on epcomm (EPCOMM_AS_DEEP_EP=1) and on DeepEP V1
@@ -142,7 +143,7 @@ if [[ "$mode" == deepep-extras ]]; then
     case "$t" in
       engram) script=test_engram.py args=() ;;
       engram-fp8) script=test_engram.py args=(--use-fp8) ;;
-      pp) script=test_pp.py args=() ;;
+      pp) script=test_pp.py args=(${DEEPEP_PP_ARGS:-}) ;;
       agrs) script=test_agrs.py args=() ;;
       barrier) script=test_barrier.py args=() ;;
       *) echo "unknown DeepEP test $t"; rc=1; continue ;;
