@@ -18,7 +18,7 @@ overtake a reader.
   event. The session end is the same handshake on the session signals.
 - internode: this rank's part is copied into its own place of the session buffer (copy engine), then
   ``_agrs_put_nvshmem_kernel`` (one program a peer) puts it to every peer by NVSHMEM, fences and signals, and
-  ``_agrs_wait_nvshmem_kernel`` (one program) waits for every peer's signal. The session end: the same two kernels
+  ``_agrs_wait_signals_kernel`` (one program) waits for every peer's signal. The session end: the same two kernels
   with no data.
 """
 
@@ -220,7 +220,8 @@ class InternodeAGRS(_DeviceAGRS):
         from ..kernels.nvshmem import nvshmem_kernel
 
         self.k_put = Launcher(nvshmem_kernel(K._agrs_put_nvshmem_kernel, be.sim))
-        self.k_wait = Launcher(nvshmem_kernel(K._agrs_wait_nvshmem_kernel, be.sim))
+        # a plain kernel: it polls its own signal words, no NVSHMEM call (nvshmem_kernel refuses it)
+        self.k_wait = Launcher(K._agrs_wait_signals_kernel)
         self.none = torch.zeros(1, dtype=torch.int64, device=be.device)
 
     def sms_held(self):

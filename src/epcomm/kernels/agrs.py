@@ -55,7 +55,7 @@ def _agrs_put_nvshmem_kernel(ptr_table, me, R, offs_ptr, sizes_ptr, n, sig_off, 
     """internode, one program a peer (``R - 1``): program ``p`` puts this rank's part of each of the ``n`` tensors
     (``sizes[k]`` bytes at ``offs[k] + sizes[k] * me`` of this rank's buffer, already written there) to the same
     place of peer ``(me + 1 + p) % R``, fences, then adds 1 to that peer's signal ``[me]`` at ``sig_off`` (``n = 0``:
-    the session end's signal). No program waits here: the wait is :func:`_agrs_wait_nvshmem_kernel`, launched after
+    the session end's signal). No program waits here: the wait is :func:`_agrs_wait_signals_kernel`, launched after
     (programs of one grid may run one after another, as under the interpreter)."""
     r = (me + 1 + tl.program_id(0)) % R
     for k in range(n):
@@ -68,8 +68,10 @@ def _agrs_put_nvshmem_kernel(ptr_table, me, R, offs_ptr, sizes_ptr, n, sig_off, 
 
 
 @triton.jit(do_not_specialize=["me", "R", "sig_off", "target", "timeout_ns"])
-def _agrs_wait_nvshmem_kernel(ptr_table, me, R, sig_off, target, err_ptr, phase, timeout_ns, HAS_TIMER: tl.constexpr):
-    """internode, one program: wait until every peer's signal ``[r]`` at ``sig_off`` here reaches ``target``."""
+def _agrs_wait_signals_kernel(ptr_table, me, R, sig_off, target, err_ptr, phase, timeout_ns, HAS_TIMER: tl.constexpr):
+    """internode, one program: wait until every peer's signal ``[r]`` at ``sig_off`` here reaches ``target``. It reads
+    this rank's own memory only and calls no NVSHMEM function, so it is launched as a plain Triton kernel (torch's
+    NVSHMEM module initialisation fails on a module without NVSHMEM symbols)."""
     for i in range(1, R):
         r = (me + i) % R
         nvshmem.wait_signal(ptr_table, me, sig_off + r * 8, target, err_ptr, phase, r, timeout_ns, HAS_TIMER)

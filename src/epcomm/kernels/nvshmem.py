@@ -35,7 +35,10 @@ signal.
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
+import textwrap
 
 import triton
 import triton.language as tl
@@ -75,7 +78,17 @@ def available() -> bool:
 
 def nvshmem_kernel(fn, sim: bool):
     """``fn`` (a ``@triton.jit`` kernel) as it must be launched: through ``requires_nvshmem`` on a GPU
-    (links libnvshmem_device.bc and initialises the module for NVSHMEM), as it is in the simulation."""
+    (links libnvshmem_device.bc and initialises the module for NVSHMEM), as it is in the simulation.
+
+    Only a kernel that makes an NVSHMEM device call (:func:`makes_device_calls`) may be wrapped: torch initialises
+    every module it compiles for NVSHMEM, and a module without NVSHMEM's symbols fails there
+    (``nvshmemx_cumodule_init failed. Error code: 7``) at its first launch on a GPU. A kernel that only polls its own
+    memory (a signal word) is a plain Triton kernel. Checked here on every machine, the simulation's included."""
+    if not makes_device_calls(fn):
+        name = getattr(getattr(fn, "fn", fn), "__name__", fn)
+        raise ValueError(f"{name} makes no NVSHMEM device call (put, get, put_signal, signal_add, quiet, fence): "
+                         "launch it as a plain Triton kernel, not through nvshmem_kernel (torch's module "
+                         "initialisation for NVSHMEM fails on a module without NVSHMEM symbols)")
     if sim:
         return fn
     if not _HAVE:
@@ -201,3 +214,35 @@ def wait_signal(ptr_table, me, sig_off, target, err_ptr, phase, peer, timeout_ns
         getattr(_sim, "progress")()  # noqa: B009
     low = _sym(ptr_table, me, sig_off).to(tl.pointer_type(tl.int32))
     return wait_ge(low, target, err_ptr, phase, peer, timeout_ns, HAS_TIMER, mask_ptr, SHRINK)
+
+
+_DEVICE_CALLS = (put, get, put_signal, signal_add, quiet, fence)  # the helpers that call NVSHMEM on a GPU
+_CALLS_SEEN: dict = {}
+
+
+def makes_device_calls(fn) -> bool:
+    """Whether the ``@triton.jit`` function ``fn`` calls one of this module's NVSHMEM helpers (:func:`put`,
+    :func:`get`, :func:`put_signal`, :func:`signal_add`, :func:`quiet`, :func:`fence`), itself or through the jit
+    functions it calls (found in its source, by the names it calls, resolved in its module)."""
+    py = getattr(fn, "fn", fn)
+    if py not in _CALLS_SEEN:
+        _CALLS_SEEN[py] = False  # (a cycle ends here)
+        _CALLS_SEEN[py] = any(t in _DEVICE_CALLS or makes_device_calls(t) for t in _called_jit(py))
+    return _CALLS_SEEN[py]
+
+
+def _called_jit(py) -> list:
+    """The jit functions of epcomm's kernels that the function ``py`` calls by name (``f(...)``, ``mod.f(...)``)."""
+    out, g = [], py.__globals__
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(py)))):
+        if not isinstance(node, ast.Call):
+            continue
+        f, target = node.func, None
+        if isinstance(f, ast.Name):
+            target = g.get(f.id)
+        elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
+            target = getattr(g.get(f.value.id), f.attr, None)
+        inner = getattr(target, "fn", None)
+        if callable(inner) and getattr(inner, "__module__", "").startswith(__name__.rsplit(".", 1)[0]):
+            out.append(target)
+    return out

@@ -51,7 +51,7 @@ def main() -> None:
                            HAS_SF=sf, SIM=True)))
     cases += [(agrs._agrs_handshake_kernel, AG, dict(HAS_TIMER=True)),
               (agrs._agrs_put_nvshmem_kernel, AG, dict(SIM=True)),
-              (agrs._agrs_wait_nvshmem_kernel, AG, dict(HAS_TIMER=True))]
+              (agrs._agrs_wait_signals_kernel, AG, dict(HAS_TIMER=True))]
     vec = [(pp._pp_send_impl_kernel, dict(ELEM=tl.int32, BLOCK=BLOCK, HAS_TIMER=True, ALIGNED=True), PP),
            (pp._pp_recv_impl_kernel, dict(ELEM=tl.int32, BLOCK=BLOCK, HAS_TIMER=True, ALIGNED=True), PP)]
     for h in (128, 7168):
