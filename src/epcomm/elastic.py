@@ -105,7 +105,8 @@ class ElasticBuffer(ElasticExtras):
         # the backend (reference, nvlink, internode) that moves every byte, chosen as Buffer's is;
         # num_allocated_qps is its num_qps_per_rank (NVSHMEM's RC connections per peer on internode)
         self._rt = Runtime(group, num_nvl_bytes=staging, num_qps_per_rank=num_allocated_qps or 24,
-                           cuda_whatever_the_group=self._cuda_whatever_the_group, make_backend=self._make_backend)
+                           cuda_whatever_the_group=self._cuda_whatever_the_group, make_backend=self._make_backend,
+                           elastic_shape=(m, h, k or EL.MAX_TOPK) if m and h else None)
         self._backend, self._streams = self._rt.backend, self._rt.streams  # (this buffer's names for its runtime's)
         on_gpu = self._rt.device.type == "cuda"
         self._rt.set_timeout(num_gpu_timeout_secs if on_gpu else num_cpu_timeout_secs,

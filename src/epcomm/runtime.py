@@ -37,12 +37,16 @@ class Runtime:
     def __init__(self, group, *, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  cuda_whatever_the_group: bool = False, timeout_s: float | None = None,
-                 num_sms: Callable[[], int] = lambda: 20, make_backend: Callable | None = None):
+                 num_sms: Callable[[], int] = lambda: 20, make_backend: Callable | None = None,
+                 elastic_shape: tuple[int, int, int] | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
+        # an ElasticBuffer's (num_max_tokens_per_rank, hidden, num_topk), where given: a backend whose
+        # high-throughput region's layout the caller's size does not follow (internode) sizes it from these
+        self.elastic_shape = elastic_shape
         self.low_latency_mode = low_latency_mode
         self.num_qps_per_rank = num_qps_per_rank
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode

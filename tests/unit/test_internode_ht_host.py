@@ -64,3 +64,24 @@ def test_paired_combine_pipeline_depth_fits_shared_memory():
     finally:
         TUNE.clear()
         TUNE.update(old)
+
+
+def test_an_elastic_buffer_gets_a_region_for_a_full_call_at_its_shape():
+    """An ElasticBuffer sizes its staging by DeepEP's V2 rules (one area of each kind); the internode region holds
+    two parities of each. Measured on one H100 (2 ranks under MPS, two virtual nodes of one): an ElasticBuffer for
+    M = 4096, H = 7168, K = 8 gave 241172480 bytes and its first BF16 dispatch refused with 'needs 473440384'.
+    ``ht_region_bytes`` gives such a buffer at least that; a V1 Buffer's sizes stay the caller's."""
+    from types import SimpleNamespace
+
+    from epcomm.backends.internode import ht_region_bytes
+    from epcomm.elastic_layout import staging_bytes
+
+    given = staging_bytes(2, 4096, 7168, 8)
+    assert given == 241172480
+    v2 = SimpleNamespace(num_nvl_bytes=given, num_rdma_bytes=0, low_latency_mode=False, elastic_shape=(4096, 7168, 8))
+    assert ht_region_bytes(v2, 2, 1) >= 473440384
+    assert ht_region_bytes(v2, 2, 1) == high_throughput_bytes(4096, 7168, 8, 2, 1) == 452 << 20
+    v1 = SimpleNamespace(num_nvl_bytes=1 << 30, num_rdma_bytes=1 << 20, low_latency_mode=False)
+    assert ht_region_bytes(v1, 2, 1) == (1 << 30) + (1 << 20)
+    ll = SimpleNamespace(num_nvl_bytes=1 << 30, num_rdma_bytes=1 << 20, low_latency_mode=True, elastic_shape=None)
+    assert ht_region_bytes(ll, 2, 1) == 1 << 30

@@ -151,6 +151,22 @@ def notify_words(num_ranks: int, nodes: int) -> int:
     return (2 * num_ranks + 1 + nodes + 2 * C_MAX + L_MAX + 3) // 4 * 4
 
 
+def ht_region_bytes(buf, num_ranks: int, ranks_per_node: int) -> int:
+    """The high-throughput region's bytes for a runtime ``buf``: ``num_nvl_bytes``, plus ``num_rdma_bytes``
+    outside low-latency mode (a ``Buffer``'s, as DeepEP sizes them); for an ``ElasticBuffer``
+    (``buf.elastic_shape``: its ``(M, H, K)``) at least a full call at that shape
+    (``internode_ht_sizes.high_throughput_bytes``): its size follows DeepEP's V2 rules, one area of each kind, and
+    this region holds two parities of each. Example: M = 4096, H = 7168, K = 8 at 2 ranks in nodes of one: the
+    ElasticBuffer gives 230 MiB, a BF16 dispatch of 4096 tokens to every rank needs 451.5 MiB, this gives 452."""
+    ht = buf.num_nvl_bytes + (0 if buf.low_latency_mode else buf.num_rdma_bytes)
+    shape = getattr(buf, "elastic_shape", None)
+    if shape is not None and not buf.low_latency_mode:
+        from .internode_ht_sizes import high_throughput_bytes
+
+        ht = max(ht, high_throughput_bytes(*shape, num_ranks, ranks_per_node))
+    return ht
+
+
 class InternodeBackend(Backend):
     """Low-latency and hierarchical high-throughput over NVSHMEM (module docstring).
 
@@ -190,8 +206,7 @@ class InternodeBackend(Backend):
         self.notify_s = notify_words(r_, r_ // self.ranks_per_node)
         self.notify_bytes = _align(2 * r_ * 8) + 3 * _align(r_ * self.notify_s * 4)
         self.ht_off = self.notify_off + self.notify_bytes
-        ht = buf.num_nvl_bytes + (0 if buf.low_latency_mode else buf.num_rdma_bytes)
-        self.ht_bytes = _align(ht or DEFAULT_HT_BYTES)
+        self.ht_bytes = _align(ht_region_bytes(buf, r_, self.ranks_per_node) or DEFAULT_HT_BYTES)
         total = self.ht_off + self.ht_bytes
         if not self.sim:
             self.nvshmem_settings = prepare_nvshmem(buf.num_qps_per_rank, total)
