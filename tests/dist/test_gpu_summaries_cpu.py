@@ -39,8 +39,6 @@ def _summaries(ctx):
 
 def _abs_sums(ref, ctx, m, h, e):
     """``ll_combine_abs_sum`` against the reference's combine of ``|y|`` with ``|w|``; returns the cases checked."""
-    import torch
-
     from epcomm.testing import gpu_cases_ll as L
     from epcomm.testing.compare import assert_within_budget
     from epcomm.testing.inputs import Case

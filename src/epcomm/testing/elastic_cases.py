@@ -86,8 +86,9 @@ def expert_outputs(gid: torch.Tensor, lane: torch.Tensor, hidden: int) -> torch.
 
 def expected_dispatch(case: V2Case, rank: int, sf_kind: str, alignment: int):
     """What ``rank`` receives, in source rank then source token order: ``dict`` with ``gid`` (list),
-    ``x``, ``sf``, ``local`` (int64[N, K]), ``w`` (f32[N, K], local lanes), ``counts`` (real per local
-    expert), ``expanded`` (list over local experts of lists of ``(row, lane)``), ``starts`` (aligned)."""
+    ``x``, ``sf`` (None for BF16; ``[0, H/128]`` where no row arrives), ``local`` (int64[N, K]), ``w`` (f32[N, K],
+    local lanes), ``counts`` (real per local expert), ``expanded`` (list over local experts of lists of ``(row,
+    lane)``), ``starts`` (aligned)."""
     le = case.num_experts // case.num_ranks
     lo = rank * le
     gid, xs, sfs, loc, ws = [], [], [], [], []
@@ -100,8 +101,7 @@ def expected_dispatch(case: V2Case, rank: int, sf_kind: str, alignment: int):
         sfs.append(None if sf is None else sf[sel])
         loc.append(torch.where(here, idx - lo, torch.full_like(idx, -1))[sel])
         ws.append(torch.where(here, w, torch.zeros_like(w))[sel])
-    k, h = case.num_topk, case.hidden
-    local = torch.cat(loc) if gid else torch.zeros(0, k, dtype=torch.int64)
+    local = torch.cat(loc)
     # every local expert's (row, lane) pairs in row, then lane order
     expanded = [[(n, j) for n, j in (local == l).nonzero().tolist()] for l in range(le)]
     counts = [len(v) for v in expanded]
@@ -111,9 +111,7 @@ def expected_dispatch(case: V2Case, rank: int, sf_kind: str, alignment: int):
         at += (c + alignment - 1) // alignment * alignment
     return {
         "gid": gid, "local": local, "counts": counts, "starts": starts, "expanded": expanded,
-        "x": torch.cat(xs) if gid else torch.zeros(0, h, dtype=inputs(case, rank, sf_kind)[0].dtype),
-        "sf": None if sf_kind == "bf16" else (torch.cat(sfs) if gid else None),
-        "w": torch.cat(ws) if gid else torch.zeros(0, k),
+        "x": torch.cat(xs), "sf": None if sf_kind == "bf16" else torch.cat(sfs), "w": torch.cat(ws),
     }
 
 
