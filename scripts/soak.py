@@ -1,5 +1,8 @@
 """Soak: thousands of mixed epcomm calls, each checked against the reference, with memory and plan caches watched.
 
+(What each check compares with what: epcomm/testing/soak.py. ElasticBuffer's calls are checked against the V2 oracles,
+which the reference backend is held to.)
+
 Every iteration runs one check, its kind and arguments drawn from one seeded generator on every rank: V1
 high-throughput dispatch (BF16/FP8) + combine + cached dispatch, the same with num_worst_tokens, low-latency
 dispatch + combine (BF16/FP8, hook or not, zero-copy or out=), ElasticBuffer dispatch of both layouts (CPU sync or
@@ -8,7 +11,9 @@ maximum (sometimes 0). The run stops after --calls calls of the fast library (a 
 the warm-up (--warmup of the calls) the GPU memory in use and the resident memory must stay within a budget of
 the warm-up's peak, and every plan cache within its bound (epcomm/testing/soak_watch.py says how and why).
 
-One line per rank at the end; the exit status is non-zero on any failure, which the output names.
+One line per rank at the end, with the rate past the warm-up (calls a second once the kernels have compiled: what
+a longer run keeps); the JSON report has the seconds by check kind and the host's seconds in the fast calls by call
+kind, for the whole run and past the warm-up. The exit status is non-zero on any failure, which the output names.
 
     # one GPU, two ranks under MPS (scripts/gpu_check.sh soak starts a private MPS daemon and runs this)
     EPCOMM_TEST_SHARE_GPU=1 python scripts/soak.py --world 2 --calls 10000 --json soak.json

@@ -10,7 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epcomm.testing.compare import assert_bitwise, assert_within_budget, reduction_budget
+from epcomm.testing.compare import (
+    any_true,
+    assert_bitwise,
+    assert_bitwise_all,
+    assert_fp8_within_one_step,
+    assert_within_budget,
+    differs,
+    reduction_budget,
+)
 from epcomm.testing.inputs import Case, expected_dispatch, make_topk, make_x
 
 # ----------------------------------------------------------------------------- assert_bitwise
@@ -48,6 +56,36 @@ def test_assert_bitwise_shapes_dtypes_and_signed_zero():
     assert_bitwise(torch.empty(0, 3), torch.empty(0, 3), "empty")
     # non-contiguous inputs compare by value
     assert_bitwise(a.t(), a.t().contiguous(), "transposed")
+
+
+def test_assert_bitwise_all_reports_the_first_difference_in_order():
+    a = torch.arange(12, dtype=torch.float32).view(3, 4)
+    ok = (a, a.clone(), "same")
+    assert_bitwise_all([ok, (torch.empty(0), torch.empty(0), "empty"), ok])
+    one = (flip_lowest_bit(a, 5), a, "first")
+    shape = (a, a[:2], "second")
+    with pytest.raises(AssertionError, match=r"^first: 1 of 12 elements differ; rows \[1\] of 3; first at \(1, 1\)"):
+        assert_bitwise_all([ok, one, shape])  # a value difference before a shape difference: the value's message
+    with pytest.raises(AssertionError, match=r"^second: shape \(3, 4\) != expected \(2, 4\)"):
+        assert_bitwise_all([ok, shape, one])
+    assert differs(a, a[:2]) is True and differs(torch.empty(0), torch.empty(0)) is False
+    assert not any_true([False, differs(a, a.clone()), differs(a.int(), a.int())])
+    assert any_true([differs(a, a.clone()), differs(*one[:2])])
+
+
+def test_fp8_within_one_step_counts_codes():
+    codes = torch.tensor([0x00, 0x80, 0x10, 0x10, 0x90, 0x7E], dtype=torch.uint8)
+    near = torch.tensor([0x80, 0x00, 0x11, 0x0F, 0x91, 0x7D], dtype=torch.uint8)  # signed zeros; one step each way
+    assert_fp8_within_one_step(near.view(torch.float8_e4m3fn), codes.view(torch.float8_e4m3fn), "near")
+    far = near.clone()
+    far[3] = 0x0E
+    with pytest.raises(AssertionError, match=r"far: 1 of 6 FP8 values differ by more than one step; first at \(3,\): "
+                                             r"code 14 != 16"):
+        assert_fp8_within_one_step(far.view(torch.float8_e4m3fn), codes.view(torch.float8_e4m3fn), "far")
+    sign = near.clone()
+    sign[2] = 0x90  # the same magnitude, the other sign
+    with pytest.raises(AssertionError, match="more than one step"):
+        assert_fp8_within_one_step(sign.view(torch.float8_e4m3fn), codes.view(torch.float8_e4m3fn), "sign")
 
 
 # ----------------------------------------------------------------------------- assert_within_budget

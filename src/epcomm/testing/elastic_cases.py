@@ -1,14 +1,17 @@
 """Inputs and oracles for ``ElasticBuffer`` (DeepEP V2's API), used by the tier-2 and tier-3 tests.
 
 Every rank's inputs come from one seed, so any rank computes what it must receive and what its combine
-must return from the inputs alone, written out the plain way (loops over source ranks and tokens), not
-with the library's layout code. Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts,
+must return from the inputs alone, not with the library's layout code: a source rank's tokens selected by
+mask, a reduction lane by lane in DeepEP's order over all tokens at once (``expected_reduce`` is the same
+reduction written as loops over tokens; tests/unit/test_elastic_oracles.py holds the oracles to the loops
+they replaced). Letters: ``T`` tokens, ``H`` hidden, ``K`` top-k, ``E`` experts,
 ``R`` ranks, ``LE = E/R``, ``M`` max tokens a rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -61,32 +64,46 @@ def expert_output(gid: int, lane: int, hidden: int) -> torch.Tensor:
     small lanes before they cancel loses those bits: the order of the reduction shows in the result."""
     if lane < 2:
         return torch.full((hidden,), (1 - 2 * lane) * 2.0 ** 12 * (1 + (gid % 3) / 4), dtype=torch.bfloat16)
-    scale = 2.0 ** ((gid * 5 + lane * 11) % 8 - 4)
-    return (torch.sin(torch.arange(1, hidden + 1, dtype=torch.float32) * ((gid * 7 + lane * 3) % 101 + 1) / 97)
-            * scale).to(torch.bfloat16)
+    return (_waves(hidden)[(gid * 7 + lane * 3) % 101] * 2.0 ** ((gid * 5 + lane * 11) % 8 - 4)).to(torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=8)
+def _waves(hidden: int) -> torch.Tensor:
+    """``float32[101, H]``: row ``c`` is ``sin((1..H) * (c + 1) / 97)``, each row computed alone (the same values
+    whatever the batch: a row never depends on how a vectorised ``sin`` splits a longer tensor)."""
+    h = torch.arange(1, hidden + 1, dtype=torch.float32)
+    return torch.stack([torch.sin(h * (c + 1) / 97) for c in range(101)])
+
+
+def expert_outputs(gid: torch.Tensor, lane: torch.Tensor, hidden: int) -> torch.Tensor:
+    """:func:`expert_output` of every ``(gid[i], lane[i])`` (int64 tensors of one shape ``S``): ``bf16[*S, H]``."""
+    gid, lane = gid.long(), lane.long()
+    big = ((1 - 2 * lane) * 2.0 ** 12 * (1 + (gid % 3) / 4)).to(torch.float32)
+    scale = torch.pow(2.0, ((gid * 5 + lane * 11) % 8 - 4).double()).to(torch.float32)
+    small = _waves(hidden)[(gid * 7 + lane * 3) % 101] * scale.unsqueeze(-1)
+    return torch.where((lane < 2).unsqueeze(-1), big.unsqueeze(-1), small).to(torch.bfloat16)
 
 
 def expected_dispatch(case: V2Case, rank: int, sf_kind: str, alignment: int):
     """What ``rank`` receives, in source rank then source token order: ``dict`` with ``gid`` (list),
-    ``x``, ``sf``, ``local`` (int64[N, K]), ``w`` (f32[N, K], local lanes), ``counts`` (real per local
-    expert), ``expanded`` (list over local experts of lists of ``(row, lane)``), ``starts`` (aligned)."""
+    ``x``, ``sf`` (None for BF16; ``[0, H/128]`` where no row arrives), ``local`` (int64[N, K]), ``w`` (f32[N, K],
+    local lanes), ``counts`` (real per local expert), ``expanded`` (list over local experts of lists of ``(row,
+    lane)``), ``starts`` (aligned)."""
     le = case.num_experts // case.num_ranks
     lo = rank * le
     gid, xs, sfs, loc, ws = [], [], [], [], []
     for s in range(case.num_ranks):
         x, sf, idx, w = inputs(case, s, sf_kind)
-        for t in range(case.tokens[s]):
-            here = (idx[t] >= lo) & (idx[t] < lo + le)
-            if not bool(here.any()):
-                continue
-            gid.append(s * case.m + t)
-            xs.append(x[t])
-            sfs.append(None if sf is None else sf[t])
-            loc.append(torch.where(here, idx[t] - lo, torch.full_like(idx[t], -1)))
-            ws.append(torch.where(here, w[t], torch.zeros_like(w[t])))
-    k, h = case.num_topk, case.hidden
-    local = torch.stack(loc) if loc else torch.zeros(0, k, dtype=torch.int64)
-    expanded = [[(n, j) for n in range(local.shape[0]) for j in range(k) if int(local[n, j]) == l] for l in range(le)]
+        here = (idx >= lo) & (idx < lo + le)
+        sel = here.any(1).nonzero().flatten()  # the tokens with a lane here, in token order
+        gid += (s * case.m + sel).tolist()
+        xs.append(x[sel])
+        sfs.append(None if sf is None else sf[sel])
+        loc.append(torch.where(here, idx - lo, torch.full_like(idx, -1))[sel])
+        ws.append(torch.where(here, w, torch.zeros_like(w))[sel])
+    local = torch.cat(loc)
+    # every local expert's (row, lane) pairs in row, then lane order
+    expanded = [[(n, j) for n, j in (local == l).nonzero().tolist()] for l in range(le)]
     counts = [len(v) for v in expanded]
     starts, at = [], 0
     for c in counts:
@@ -94,10 +111,32 @@ def expected_dispatch(case: V2Case, rank: int, sf_kind: str, alignment: int):
         at += (c + alignment - 1) // alignment * alignment
     return {
         "gid": gid, "local": local, "counts": counts, "starts": starts, "expanded": expanded,
-        "x": torch.stack(xs) if xs else torch.zeros(0, h, dtype=inputs(case, rank, sf_kind)[0].dtype),
-        "sf": None if sf_kind == "bf16" else (torch.stack(sfs) if sfs else None),
-        "w": torch.stack(ws) if ws else torch.zeros(0, k),
+        "x": torch.cat(xs), "sf": None if sf_kind == "bf16" else torch.cat(sfs), "w": torch.cat(ws),
     }
+
+
+def _reduce(vals: torch.Tensor, idx: torch.Tensor, num_local_experts: int, multi: bool,
+            acc: torch.Tensor) -> torch.Tensor:
+    """DeepEP's reduction of per-lane values ``bf16[T, K, H]`` (lanes with ``idx < 0`` ignored) onto ``acc``
+    (float32 ``[T, H]``), lane by lane for every token at once: with ``multi`` a rank's lanes summed first (lane
+    order, from zero, one BF16 rounding) and added at its highest lane; lanes in order; one BF16 rounding.
+    Lanes skipped are left out of a sum (``where``), not added as zeros (``-0.0 + 0.0`` is ``+0.0``)."""
+    t, k, h = vals.shape
+    valid = idx >= 0
+    rank_of = torch.where(valid, idx // num_local_experts, torch.full_like(idx, -1))
+    for j in range(k):
+        if not multi:
+            acc = torch.where(valid[:, j:j + 1], acc + vals[:, j].float(), acc)
+            continue
+        same = valid & (rank_of == rank_of[:, j:j + 1])  # [T, K]: the lanes of lane j's rank
+        last = valid[:, j] & ~same[:, j + 1:].any(1)  # lane j is its rank's highest
+        if not bool(last.any()):
+            continue
+        part = torch.zeros(t, h)
+        for i in range(k):
+            part = torch.where(same[:, i:i + 1], part + vals[:, i].float(), part)
+        acc = torch.where(last.unsqueeze(1), acc + part.to(torch.bfloat16).float(), acc)
+    return acc.to(torch.bfloat16)
 
 
 def expected_combine(case: V2Case, rank: int, n_bias: int, multi: bool) -> torch.Tensor:
@@ -106,27 +145,14 @@ def expected_combine(case: V2Case, rank: int, n_bias: int, multi: bool) -> torch
     BF16 rounding) and added at that rank's highest lane; lanes in order; one BF16 rounding at the end."""
     _, _, idx, _ = inputs(case, rank)
     le = case.num_experts // case.num_ranks
+    t, k, h = case.tokens[rank], case.num_topk, case.hidden
+    if t == 0:
+        return torch.zeros(0, h, dtype=torch.bfloat16)
     b = bias(case, rank, n_bias)
-    out = []
-    for t in range(case.tokens[rank]):
-        acc = (b[0][t].float() + b[1][t].float()) if n_bias == 2 else (b[0][t].float() if n_bias else
-                                                                      torch.zeros(case.hidden))
-        gid = rank * case.m + t
-        lanes = [j for j in range(case.num_topk) if int(idx[t, j]) >= 0]
-        for j in lanes:
-            if not multi:
-                acc = acc + expert_output(gid, j, case.hidden).float()
-                continue
-            d = int(idx[t, j]) // le
-            same = [i for i in lanes if int(idx[t, i]) // le == d]
-            if j != max(same):
-                continue
-            part = torch.zeros(case.hidden)
-            for i in same:
-                part = part + expert_output(gid, i, case.hidden).float()
-            acc = acc + part.to(torch.bfloat16).float()
-        out.append(acc.to(torch.bfloat16))
-    return torch.stack(out) if out else torch.zeros(0, case.hidden, dtype=torch.bfloat16)
+    acc = (b[0].float() + b[1].float()) if n_bias == 2 else (b[0].float() if n_bias else torch.zeros(t, h))
+    gid = (rank * case.m + torch.arange(t)).unsqueeze(1).expand(t, k)
+    vals = expert_outputs(gid, torch.arange(k).expand(t, k), h)
+    return _reduce(vals, idx, le, multi, acc)
 
 
 def combine_input(hd, recv_topk_idx, num_rows: int, hidden: int, num_x_rows: int) -> torch.Tensor:
@@ -137,20 +163,19 @@ def combine_input(hd, recv_topk_idx, num_rows: int, hidden: int, num_x_rows: int
     n = int(hd.psum_num_recv_tokens_per_scaleup_rank[-1])
     k = meta.shape[1] - 2
     do_expand = recv_topk_idx is None
-    local = None if do_expand else recv_topk_idx.cpu()
     x = torch.full((num_x_rows if do_expand else num_rows, hidden), float("nan"), dtype=torch.bfloat16)
-    for r in range(n):
-        gid = int(meta[r, 0])
-        if do_expand:
-            for j in range(k):
-                if int(meta[r, 2 + j]) >= 0:
-                    x[int(meta[r, 2 + j])] = expert_output(gid, j, hidden)
-        else:
-            acc = torch.zeros(hidden)
-            for j in range(k):
-                if int(local[r, j]) >= 0:
-                    acc = acc + expert_output(gid, j, hidden).float()
-            x[r] = acc.to(torch.bfloat16)
+    gid = meta[:n, 0].long()
+    if do_expand:
+        slot = meta[:n, 2:2 + k].long()
+        rows, lanes = (slot >= 0).nonzero(as_tuple=True)  # row, then lane order (a slot written twice: the last)
+        x[slot[rows, lanes]] = expert_outputs(gid[rows], lanes, hidden)
+    elif n:
+        local = recv_topk_idx[:n].cpu()
+        vals = expert_outputs(gid.unsqueeze(1).expand(n, k), torch.arange(k).expand(n, k), hidden)
+        acc = torch.zeros(n, hidden)
+        for j in range(k):
+            acc = torch.where((local[:, j] >= 0).unsqueeze(1), acc + vals[:, j].float(), acc)
+        x[:n] = acc.to(torch.bfloat16)
     return x
 
 
@@ -182,11 +207,60 @@ def expected_reduce(values: torch.Tensor, topk_idx: torch.Tensor, num_local_expe
 
 
 def _eq(what, got, want):
-    got, want = got.cpu(), want.cpu()
+    """``got`` equals ``want`` (shape, and values by ``torch.equal``; FP8 by its bytes), compared on ``got``'s
+    device (``want`` moved there); a failure names ``what`` and the first values of both."""
     if got.dtype == torch.float8_e4m3fn:
         got, want = got.view(torch.uint8), want.view(torch.uint8)
-    assert got.shape == want.shape and torch.equal(got, want), f"{what}: got {got.shape} {got.flatten()[:8]}, " \
-                                                               f"want {want.shape} {want.flatten()[:8]}"
+    same = got.shape == want.shape and torch.equal(got, want.to(got.device))
+    if not same:
+        got, want = got.cpu(), want.cpu()
+        raise AssertionError(f"{what}: got {got.shape} {got.flatten()[:8]}, want {want.shape} {want.flatten()[:8]}")
+
+
+def _expanded_differs(hd, rx, rw, rsf, want) -> bool:
+    """Whether an expanded dispatch's slots, rows, weights (and scales) differ from ``want`` (the oracle's): every
+    (row, lane) of every local expert in one comparison on the device, one value read back. True where a slot
+    lies outside the received rows (the one-by-one comparison then says which)."""
+    pairs = [(row, j, want["starts"][l] + i) for l, rl in enumerate(want["expanded"]) for i, (row, j) in enumerate(rl)]
+    if not pairs:
+        return False
+    row, lane, slot = (torch.tensor(v, dtype=torch.int64) for v in zip(*pairs))
+    outs = (rx, rw) if rsf is None else (rx, rw, rsf)
+    if int(slot.max()) >= min(t.shape[0] for t in outs) or rx.shape[1:] != want["x"].shape[1:] or (
+            rsf is not None and rsf.shape[1:] != want["sf"].shape[1:]):
+        return True
+    dev = rx.device
+    wx, ww = want["x"][row], want["w"][row, lane]
+    d_row, d_lane, d_slot = row.to(dev), lane.to(dev), slot.to(dev)
+    bad = [hd.recv_src_metadata[d_row, 2 + d_lane].long() != d_slot]
+    if rx.dtype == torch.float8_e4m3fn:
+        bad.append(rx[d_slot].view(torch.uint8) != wx.view(torch.uint8).to(dev))
+    else:
+        bad.append(rx[d_slot] != wx.to(dev))
+    bad.append(rw[d_slot] != ww.to(dev))
+    if rsf is not None:
+        bad.append(rsf[d_slot] != want["sf"][row].to(dev))
+    return bool(torch.stack([b.any() for b in bad]).any())
+
+
+def _expanded_one_by_one(hd, rx, rw, rsf, want, le: int) -> None:
+    """The expanded dispatch's (row, lane) pairs compared one by one, expert by expert: the first difference
+    raises, naming its row and lane or its slot (run where :func:`_expanded_differs` found one)."""
+    for l in range(le):
+        for i, (row, j) in enumerate(want["expanded"][l]):
+            slot = want["starts"][l] + i
+            assert int(hd.recv_src_metadata[row, 2 + j]) == slot, f"slot of row {row} lane {j}"
+            _eq(f"expanded x[{slot}]", rx[slot], want["x"][row])
+            _eq(f"expanded w[{slot}]", rw[slot], want["w"][row, j])
+            if rsf is not None:
+                _eq(f"expanded sf[{slot}]", rsf[slot], want["sf"][row])
+    raise AssertionError("the expanded rows differ from the oracle's where no one-by-one comparison finds it")
+
+
+def _padding_rows(starts, counts, aligned) -> torch.Tensor:
+    """The rows of an expanded dispatch that only pad an expert to its alignment (int64)."""
+    pad = [torch.arange(s + c, s + a) for s, c, a in zip(starts, counts, aligned)]
+    return torch.cat(pad) if pad else torch.zeros(0, dtype=torch.int64)
 
 
 def check_dispatch(buf, case, rank, sf_kind, expand, alignment, sync):
@@ -225,14 +299,8 @@ def check_dispatch(buf, case, rank, sf_kind, expand, alignment, sync):
         assert ridx is None and rw.dim() == 1
         ends = [s + c for s, c in zip(want["starts"], want["counts"])]
         assert hd.psum_num_recv_tokens_per_expert.tolist() == ends
-        for l in range(le):
-            for i, (row, j) in enumerate(want["expanded"][l]):
-                slot = want["starts"][l] + i
-                assert int(hd.recv_src_metadata[row, 2 + j]) == slot, f"slot of row {row} lane {j}"
-                _eq(f"expanded x[{slot}]", rx[slot], want["x"][row])
-                _eq(f"expanded w[{slot}]", rw[slot], want["w"][row, j])
-                if sf is not None:
-                    _eq(f"expanded sf[{slot}]", rsf[slot], want["sf"][row])
+        if _expanded_differs(hd, rx, rw, rsf, want):
+            _expanded_one_by_one(hd, rx, rw, rsf, want, le)
         if sf is not None:
             assert rsf.stride() == (1, (rx.shape[0] + 3) // 4 * 4), f"sf strides {rsf.stride()}"
     # a replay on the handle lands in the same rows; with zero padding the gaps are zero
@@ -250,9 +318,12 @@ def check_dispatch(buf, case, rank, sf_kind, expand, alignment, sync):
         valid = valid[valid >= 0].long()
         _eq("cached expanded x", rx2[valid], rx[valid])
         _eq("cached expanded w", rw2[valid], rw[valid])
-        for l in range(le):
-            a, b = ends[l], want["starts"][l] + aligned[l]
-            assert not rx2[a:b].view(torch.uint8).any() and not rw2[a:b].any(), f"padding of expert {l} not zero"
+        pad = _padding_rows(want["starts"], want["counts"], aligned).to(rx2.device)
+        if bool(torch.stack([rx2[pad[pad < rx2.shape[0]]].view(torch.uint8).any(),
+                             rw2[pad[pad < rw2.shape[0]]].any()]).any()):
+            for l in range(le):
+                a, b = ends[l], want["starts"][l] + aligned[l]
+                assert not rx2[a:b].view(torch.uint8).any() and not rw2[a:b].any(), f"padding of expert {l} not zero"
     # deterministic: a second dispatch gives the same rows
     rx3 = buf.dispatch(xin, **kw)[0]
     if sf is not None:

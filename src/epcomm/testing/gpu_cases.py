@@ -15,7 +15,7 @@ import time
 import torch
 
 from .. import Buffer, quant
-from .compare import assert_bitwise, assert_within_budget
+from .compare import any_true, assert_bitwise, assert_bitwise_all, assert_within_budget, differs
 from .graphs import capture, progress
 from .inputs import Case, make_topk
 from .traffic import Stress, ht_remote_rows
@@ -96,6 +96,37 @@ def check_ht_no_topk(ref: Buffer, fast: Buffer, case: Case, rank: int, fp8: bool
     return _rows(rr[0]).shape[0]
 
 
+def _ht_dispatch_pairs(fr, rr, n: int, fp8: bool, tag: str) -> list:
+    """``(fast, reference, what)`` of a high-throughput dispatch's results that must be equal bit for bit: the
+    received rows (and scales), ids, weights, then the handle's tensors."""
+    pairs = [(_rows(fr[0])[:n], _rows(rr[0])[:n], f"recv_x {tag}")]
+    if fp8:
+        pairs.append((fr[0][1][:n], rr[0][1][:n], f"recv scales {tag}"))
+    pairs += [(fr[1][:n], rr[1][:n], f"recv_topk_idx {tag}"), (fr[2][:n], rr[2][:n], f"recv_topk_weights {tag}")]
+    pairs += [(getattr(fr[4], name), getattr(rr[4], name), f"handle.{name} {tag}")
+              for name in ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "send_head")]
+    pairs.append((fr[4].recv_src_idx[:n], rr[4].recv_src_idx[:n], f"handle.recv_src_idx {tag}"))
+    return pairs
+
+
+def _check_ht_dispatch(fr, rr, n: int, fp8: bool, worst: int, tag: str) -> None:
+    """A high-throughput dispatch's results (``fr``) against the reference's (``rr``; ``n`` rows received): every
+    tensor compared where it lives and read back once; where anything differs, compared again one by one, in
+    order, for the message (the first difference: its tensor and element)."""
+    pairs = _ht_dispatch_pairs(fr, rr, n, fp8, tag)
+    flags = [differs(a, b) for a, b, _ in pairs]
+    if worst:
+        flags.append(~(fr[1][n:] == -1).all())
+    if not any_true(flags) and fr[3] == rr[3]:
+        return
+    assert_bitwise_all(pairs[:4 if fp8 else 3])
+    if worst:
+        assert bool((fr[1][n:] == -1).all()), f"padding rows of recv_topk_idx must be -1 ({tag})"
+    assert fr[3] == rr[3], f"num_recv_tokens_per_expert_list {fr[3]} != {rr[3]} ({tag})"
+    assert_bitwise_all(pairs[4 if fp8 else 3:])
+    raise AssertionError(f"_check_ht_dispatch: a comparison failed that none of its checks repeats ({tag})")
+
+
 def check_ht_case(ref: Buffer, fast: Buffer, case: Case, rank: int, fp8: bool, worst: int = 0,
                   with_bias: bool = False, configs: tuple | None = None) -> dict:
     """``configs``: ``(dispatch, combine)`` Configs for ``fast``'s calls (else its defaults); the dispatch's
@@ -108,17 +139,7 @@ def check_ht_case(ref: Buffer, fast: Buffer, case: Case, rank: int, fp8: bool, w
     fr = _dispatch(fast, xin, topk, w, e, num_worst_tokens=worst, config=dcfg)
     n = int(rr[4].rank_prefix_matrix[-1, rank])
     tag = f"{case} fp8={fp8} worst={worst} rank={rank}" + (f" configs={configs}" if configs else "")
-    assert_bitwise(_rows(fr[0])[:n], _rows(rr[0])[:n], f"recv_x {tag}")
-    if fp8:
-        assert_bitwise(fr[0][1][:n], rr[0][1][:n], f"recv scales {tag}")
-    assert_bitwise(fr[1][:n], rr[1][:n], f"recv_topk_idx {tag}")
-    assert_bitwise(fr[2][:n], rr[2][:n], f"recv_topk_weights {tag}")
-    if worst:
-        assert bool((fr[1][n:] == -1).all()), f"padding rows of recv_topk_idx must be -1 ({tag})"
-    assert fr[3] == rr[3], f"num_recv_tokens_per_expert_list {fr[3]} != {rr[3]} ({tag})"
-    for name in ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "send_head"):
-        assert_bitwise(getattr(fr[4], name), getattr(rr[4], name), f"handle.{name} {tag}")
-    assert_bitwise(fr[4].recv_src_idx[:n], rr[4].recv_src_idx[:n], f"handle.recv_src_idx {tag}")
+    _check_ht_dispatch(fr, rr, n, fp8, worst, tag)
     # combine: expert outputs = received rows scaled by a per-row factor that depends on the row
     y = _rows(rr[0]) if not fp8 else quant.per_token_cast_back(rr[0][0], rr[0][1])
     scale = (1.0 + torch.arange(y.shape[0], device=dev, dtype=torch.float32) % 7 / 8).unsqueeze(1)

@@ -1,27 +1,40 @@
-"""A soak: thousands of mixed calls of the fast library, every one checked against the reference, while each rank's
-memory and plan caches are watched (``soak_watch``). ``scripts/soak.py`` is its command line.
+"""A soak: thousands of mixed calls of the fast library, every one checked, while each rank's memory and plan
+caches are watched (``soak_watch``). ``scripts/soak.py`` is its command line.
 
 Each iteration draws, from one seeded generator (the same on every rank, so all ranks make the same calls), a
-kind and its arguments, and runs one of the existing checks on fresh inputs:
+kind and its arguments, and runs one of the existing checks on fresh inputs. What each compares with what:
 
 - ``ht``: a V1 high-throughput layout, dispatch (BF16 or FP8, with or without biases in the combine), combine and
-  cached dispatch: ``gpu_cases.check_ht_case`` (the fast Buffer against the reference Buffer on the same inputs:
-  dispatch and handle bitwise, combine within its budget);
-- ``ht-worst``: the same with ``num_worst_tokens``;
+  cached dispatch: ``gpu_cases.check_ht_case``, the fast Buffer against the reference Buffer on the same inputs:
+  the received rows, scales, ids, weights and the handle's tensors bit for bit; the combine within its budget of the
+  reference's combine of the same expert outputs (the budget's sum of |terms| from the reference's combine of their
+  magnitudes), the combined weights likewise; the cached dispatch's rows bit for bit;
+- ``ht-worst``: the same with ``num_worst_tokens`` (padding ids -1);
 - ``ll``: a low-latency dispatch and combine, BF16 or FP8 (UE8M0 scales), with or without the receive hook,
-  zero-copy or ``out=``: ``gpu_cases.check_ll_case``;
+  zero-copy or ``out=``: ``gpu_cases.check_ll_case``, the fast Buffer against the reference Buffer on the same
+  inputs: the counts, layout ranges, cumulative statistics and every local expert's valid rows (source info, rows
+  (FP8 within one e4m3 step), scales) bit for bit; the combine within its budget of the reference's combine of the
+  same expert outputs, the budget's sum of |terms| computed from the inputs (``gpu_cases_ll.ll_combine_abs_sum``,
+  which tests/dist/test_gpu_summaries_cpu.py holds to the reference's combine of the magnitudes);
 - ``v2-dispatch``: an ``ElasticBuffer`` dispatch, contiguous or expanded, with or without the CPU sync, BF16 or
   FP8 (float32 or opaque UE8M0 scales), then its cached replay and a second dispatch: ``elastic_cases.check_dispatch``
-  against the V2 oracle;
+  against the V2 oracle (``elastic_cases.expected_dispatch``: what a rank receives, from every rank's seeded
+  inputs), bit for bit;
 - ``v2-combine``: an ``ElasticBuffer`` dispatch and combine of either layout with 0-2 biases:
-  ``elastic_cases.check_combine``.
+  ``elastic_cases.check_combine`` against ``elastic_cases.expected_combine`` (DeepEP's reduction order), bit for bit.
+  The V2 oracles are the ones tests/dist/test_elastic.py holds the reference backend's ``ElasticBuffer`` to.
+
+The comparisons run where the results live (on a GPU: no copy to the host unless one fails, for its message) and
+read back a flag or a few a call. Each rank's intra-op threads are the host's cores shared among its ranks.
 
 Token counts are drawn per rank from 1 to the maximum (``max_tokens`` for V1 high-throughput, the low-latency
 buffer's ``num_max_dispatch_tokens_per_rank``, the ``ElasticBuffer``'s ``num_max_tokens_per_rank``), and 0 one time
-in twenty. The fast objects' public calls are counted as they are made (a check makes two to four), and the loop
-stops once ``calls`` have been made. The fast backend is ``nvlink``: on GPUs as the library runs it, on the CPU
-the CPU rig's (``cpu_nvlink``: its kernels under the Triton interpreter, so a CPU run takes few calls and small
-shapes).
+in twenty. The fast objects' public calls are counted and timed as they are made (a check makes two to four), and
+the loop stops once ``calls`` have been made. The report gives the seconds by check kind and the host's seconds in
+the fast calls by call kind, for the whole run and past the warm-up (``after_warmup``: the kernels have compiled by
+then, as the memory verdict's ``new_kernels`` tells; its rate is the one a longer run keeps). The fast backend is ``nvlink``: on GPUs as the library runs it, on
+the CPU the CPU rig's (``cpu_nvlink``: its kernels under the Triton interpreter, so a CPU run takes few calls and
+small shapes).
 """
 
 from __future__ import annotations
@@ -31,6 +44,8 @@ import dataclasses
 import os
 import random
 import time
+
+import torch
 
 from . import elastic_cases as C
 from . import gpu_cases as G
@@ -154,15 +169,22 @@ def _build(ctx, s: Shapes, opts: Options) -> dict:
 _INSTALLED: list = []  # the CPU rig's tag, once it is installed in this process
 
 
-def _count_calls(objs: dict, counts: collections.Counter) -> None:
-    """Every public call of the fast objects adds one to ``counts[its kind]``."""
+def _count_calls(objs: dict, counts: collections.Counter, secs: collections.Counter) -> None:
+    """Every public call of the fast objects adds one to ``counts[its kind]`` and the seconds the host spent in it
+    to ``secs[its kind]`` (on a GPU the kernels run on after the call returns: this is the call's host path,
+    a plan or a compile where the call is the first of its kind, and any wait on the device inside it)."""
 
     def wrap(obj, name, kind_of):
         fn = getattr(obj, name)
 
         def counted(*a, **kw):
-            counts[kind_of(a, kw)] += 1
-            return fn(*a, **kw)
+            kind = kind_of(a, kw)
+            counts[kind] += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                secs[kind] += time.perf_counter() - t0
 
         setattr(obj, name, counted)
 
@@ -254,10 +276,12 @@ def run_rank(ctx, opts: Options, hooks=None) -> dict:
     memory and cache rules it broke); a failed check raises ``SoakFailure``. ``hooks(objs)``, where given, runs
     once the objects are built and their calls counted (the tests break them there)."""
     r = ctx.world_size
+    _share_cores(r)
     s = shapes(opts, r)
     objs = _build(ctx, s, opts)
     counts: collections.Counter = collections.Counter()
-    _count_calls(objs, counts)
+    call_secs: collections.Counter = collections.Counter()
+    _count_calls(objs, counts, call_secs)
     if hooks is not None:
         hooks(objs)
     every = opts.sample_every or max(opts.calls // 50, 1)
@@ -267,6 +291,7 @@ def run_rank(ctx, opts: Options, hooks=None) -> dict:
     rng = random.Random(opts.seed)
     checks: collections.Counter = collections.Counter()
     secs: collections.Counter = collections.Counter()
+    warm_secs: collections.Counter = collections.Counter()  # secs at the end of the warm-up
     order: list = []
     next_sample, warm_taken, it, t0 = every, False, 0, time.perf_counter()
     prof = _profiler(opts, ctx.rank)
@@ -288,6 +313,9 @@ def run_rank(ctx, opts: Options, hooks=None) -> dict:
         if not warm_taken and done >= warm_calls:
             watch.take(done)  # the end of the warm-up (the samples up to it set the peak)
             warm_calls, warm_taken = done, True
+            warm_secs = collections.Counter({k: v for k, v in secs.items()} | {
+                "calls " + k: v for k, v in call_secs.items()} | {"checks " + k: v for k, v in checks.items()})
+            warm_secs["wall"] = time.perf_counter() - t0
         if done >= next_sample:
             if watch.samples[-1].calls != done:
                 sm = watch.take(done)
@@ -304,8 +332,31 @@ def run_rank(ctx, opts: Options, hooks=None) -> dict:
     report = watch.verdict(warm_calls, s.result_bytes(r))
     report.update(rank=ctx.rank, calls=done, seconds=round(time.perf_counter() - t0, 1), by_kind=dict(counts),
                   checks=dict(checks), seconds_by_check={k: round(v, 2) for k, v in secs.items()}, iterations=it,
-                  shapes=dataclasses.asdict(s), samples=watch.series())
+                  seconds_in_calls={k: round(v, 2) for k, v in call_secs.items()},
+                  after_warmup=_after_warmup(warm_secs, t0, secs, call_secs, checks), shapes=dataclasses.asdict(s),
+                  samples=watch.series())
     return report
+
+
+def _after_warmup(warm: collections.Counter, t0: float, secs, call_secs, checks) -> dict:
+    """Past the warm-up (the kernels compiled by then): its seconds, and per check kind the checks run, their
+    seconds, and the seconds the host spent in the fast objects' calls, by call kind (``_count_calls``)."""
+    return {"seconds": round(time.perf_counter() - t0 - warm["wall"], 1),
+            "checks": {k: v - warm["checks " + k] for k, v in checks.items()},
+            "seconds_by_check": {k: round(v - warm[k], 2) for k, v in secs.items()},
+            "seconds_in_calls": {k: round(v - warm["calls " + k], 2) for k, v in call_secs.items()}}
+
+
+def _share_cores(ranks: int) -> None:
+    """The host's cores shared among the ranks on it (``LOCAL_WORLD_SIZE`` under torchrun, else ``ranks``): each
+    rank's intra-op threads a share. (Two ranks each running as many threads as there are cores make every host
+    op of the checks many times slower; ``epcomm bench`` does the same on the CPU.)"""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    torch.set_num_threads(max(1, cores // max(here, 1)))
 
 
 def _profiler(opts: Options, rank: int):
@@ -336,8 +387,11 @@ def summary(report: dict) -> str:
     """One line of a rank's report: calls by kind, checks passed, memory, cache sizes, the verdict."""
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(report["by_kind"].items()))
     checks = ", ".join(f"{k} {v}" for k, v in sorted(report["checks"].items()))
+    after, calls_after = report.get("after_warmup", {}), report["calls"] - report["warm_calls"]
+    rate = f"{calls_after / after['seconds']:.1f} calls/s" if after.get("seconds") else "-"
     parts = [(f"rank {report['rank']}: {report['calls']} calls in {report['seconds']:.0f} s ({kinds}); "
-              f"{sum(report['checks'].values())} checks passed ({checks})")]
+              f"{sum(report['checks'].values())} checks passed ({checks}); after the warm-up {calls_after} calls in "
+              f"{after.get('seconds', 0):.0f} s ({rate})")]
     for metric in ("gpu", "rss"):
         m = report.get(metric)
         if m:
