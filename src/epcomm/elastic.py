@@ -224,10 +224,13 @@ class ElasticBuffer(ElasticExtras):
         return self._streams.comm
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
-        """Every rank of the group meets here (a ``torch.distributed`` barrier; ``with_cpu_sync``: the device
-        is synchronised before and after)."""
+        """Every rank of the group meets here, after its device finished what it was given: the GPU work any rank
+        enqueued before the barrier is done before any rank's later work starts, as DeepEP's barrier kernel orders
+        it on the stream (here the host waits too, whatever ``use_comm_stream`` and ``sequential``). A host meeting
+        alone would let a peer's later kernels read memory this rank's earlier copies were still writing.
+        ``with_cpu_sync``: the device is also synchronised after."""
         self._check_alive()
-        if with_cpu_sync and self.device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._meet("ElasticBuffer.barrier")
         if with_cpu_sync and self.device.type == "cuda":
