@@ -194,6 +194,27 @@ def _dtype_eq(self, other):
     return _stock_dtype_eq(self, other)
 
 
+_INT_NAMES = frozenset(_core.dtype.SINT_TYPES + _core.dtype.UINT_TYPES)
+
+
+def _is_int(self):
+    return self.name in _INT_NAMES
+
+
+_semantic = _interp.TritonSemantic
+_stock_computation_type = _semantic.computation_type_impl
+_computation_types: dict = {}  # (both operands' types, which is a scalar, div or mod) -> the type they compute in
+
+
+def _computation_type(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod):
+    key = (type(a_ty), a_ty.name, a_is_scalar, type(b_ty), b_ty.name, b_is_scalar, div_or_mod)
+    got = _computation_types.get(key)
+    if got is None:  # (Triton's errors are raised each time: never kept)
+        got = _computation_types[key] = _stock_computation_type(self, a_ty, a_is_scalar, b_ty, b_is_scalar,
+                                                                div_or_mod)
+    return got
+
+
 if _source_is(_interp._get_np_dtype, ("74e2c0b884e3",)):
     _interp._get_np_dtype = _get_np_dtype
 if _source_is(_core.tensor.__init__, ("1f20709236e6",)) and _source_is(_core.tuple.__init__, ("7a3fe25df4c0",)):
@@ -208,3 +229,9 @@ if _source_is(_stock_unwrap, ("e9e3cb054942", "31368a0b466e")):
     _core._unwrap_if_constexpr = _unwrap_if_constexpr
 if _source_is(_stock_dtype_eq, ("466ed3f0158d",)):
     _core.dtype.__eq__ = _dtype_eq
+if _source_is(_core.dtype.is_int, ("4942002a9879",)) and all(
+        isinstance(getattr(_core.dtype, n, None), list) for n in ("SINT_TYPES", "UINT_TYPES")):
+    _core.dtype.is_int = _is_int
+if _source_is(_stock_computation_type, ("cd80b9e67a04",)) and _source_is(_semantic.integer_promote_impl,
+                                                                         ("a61559f10110",)):
+    _semantic.computation_type_impl = _computation_type
