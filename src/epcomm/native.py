@@ -12,9 +12,9 @@ dispatch (one or two outputs) 1.03x, so it keeps ``torch.empty``.
 :class:`Outputs` is one kind of call's output list, fixed once (shapes, dtypes, device); ``outs(rows)`` makes
 them, a dimension given as ``ROWS`` taking ``rows``. The extension (its source ``native.cpp``, beside this
 module) is built the first time a process asks for it (``torch.utils.cpp_extension.load``: a C++ compiler and
-ninja; ~25 s once a machine, then loaded from torch's extension cache, whose file lock lets ranks of one
-machine share one build); a buffer asks for it when it is made, before its first collective
-(``backends/deadline.prepare_native``). Where it cannot be built (no compiler) the same tensors come from
+ninja; ~25 s once a machine for a given source and torch, then imported from torch's extension cache, from a folder
+named by the source's content, :func:`cache_name`; the build's file lock lets ranks of one machine share one
+build); a buffer asks for it when it is made, before its first collective (``backends/deadline.prepare_native``). Where it cannot be built (no compiler) the same tensors come from
 ``torch.empty``, and a warning says why once; ``EPCOMM_NATIVE=0`` turns it off, ``EPCOMM_NATIVE=all`` also on
 CPU devices (for tests: :func:`wanted`). Every tensor is contiguous, as ``torch.empty`` makes it; each its own
 allocation, but for those a plan marks ``packed`` (its small outputs, never the received rows): views of one
@@ -30,8 +30,13 @@ read. Under ``EPCOMM_VERIFY_LAUNCH`` and the Triton interpreter no chain is made
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
+import platform
+import shutil
+import sys
 
 import torch
 
@@ -54,8 +59,54 @@ def wanted(device: torch.device, on: bool = True) -> bool:
     return bool(on) and how != "0" and (device.type == "cuda" or how == "all")
 
 
-_NAME = "epcomm_native_7"  # (a new source gets a new name: torch's cache keys builds by name and source)
+_NAME = "epcomm_native_7"
+_FLAGS = ["-O2"]
 _state: dict = {}
+
+
+def cache_name(source: bytes | None = None) -> str:
+    """The extension's name and folder in torch's extension cache: ``_NAME`` and a digest of what the build depends
+    on (``source``, default ``native.cpp``'s bytes; the compiler flags; torch's version and build; this Python's
+    version; the machine), never of where the source or torch lie. torch keys its cache by name alone and rebuilds
+    a build whose source path or torch include folder differs: two checkouts or virtualenvs of one machine (a CI
+    clone beside a working tree) rebuilt each other's, 30-60 s of compiling each time."""
+    if source is None:
+        with open(SOURCE, "rb") as f:
+            source = f.read()
+    h = hashlib.sha256(source)
+    for part in (*_FLAGS, torch.__version__, str(torch.version.git_version), sys.version, platform.machine()):
+        h.update(b"\0" + part.encode())
+    return f"{_NAME}_{h.hexdigest()[:16]}"
+
+
+def _import(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _load():
+    """The extension from the cache folder of :func:`cache_name`: imported where it was built, else built there
+    (torch's ``load``, from a copy of the source in that folder: one path for every checkout; its file lock lets
+    the ranks of one machine share one build)."""
+    from torch.utils import cpp_extension
+
+    name = cache_name()
+    where = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root(), name)
+    built = os.path.join(where, name + (".pyd" if sys.platform == "win32" else ".so"))
+    if os.path.exists(built):
+        try:
+            return _import(name, built)
+        except ImportError as e:  # (a build cut short: built again below)
+            log.info("epcomm: the native extension in %s did not load (%s); building it again", where, e)
+    os.makedirs(where, exist_ok=True)
+    source = os.path.join(where, os.path.basename(SOURCE))
+    if not os.path.exists(source):
+        part = f"{source}.{os.getpid()}"
+        shutil.copyfile(SOURCE, part)
+        os.replace(part, source)
+    return cpp_extension.load(name, sources=[source], extra_cflags=_FLAGS, build_directory=where, verbose=False)
 
 
 def module():
@@ -66,9 +117,7 @@ def module():
             _state["why"] = "EPCOMM_NATIVE=0"
         else:
             try:
-                from torch.utils.cpp_extension import load
-
-                _state["mod"] = load(_NAME, sources=[SOURCE], extra_cflags=["-O2"], verbose=False)
+                _state["mod"] = _load()
             except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: torch.empty instead
                 _state["why"] = f"{type(e).__name__}: {str(e)[:300]}"
                 log.warning("epcomm: the native output allocator could not be built (%s); outputs come from "

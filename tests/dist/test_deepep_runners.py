@@ -44,13 +44,22 @@ def init_seed(seed):
 '''
 
 
-def _run(cmd, share: bool):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(random.randint(20000, 40000)),
-               WORLD_SIZE="1", RANK="0", PYTHONPATH=str(ROOT / "src"))
+def _start(cmd, share: bool, port: int) -> subprocess.Popen:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0",
+               PYTHONPATH=str(ROOT / "src"))
     env.pop("EPCOMM_TEST_SHARE_GPU", None)
     if share:
         env["EPCOMM_TEST_SHARE_GPU"] = "1"
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(p: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def _check(p, share: bool):
@@ -62,26 +71,49 @@ def _check(p, share: bool):
     assert lines == [f"rank {r} world 2 sum 3 epcomm True True" for r in range(2)], p.stdout
 
 
-@pytest.mark.parametrize("share", [True, False])
-def test_v1_runner(tmp_path, share):
+def _v1(tmp_path: Path, share: bool) -> list:
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "utils.py").write_text(ORIGINAL)
     (tests / "test_stand_in.py").write_text(SCRIPT.format(imp="from utils import init_dist"))
-    _check(_run([sys.executable, str(ROOT / "scripts" / "deepep_suite.py"), str(tmp_path), "test_stand_in.py"],
-                share), share)
+    return [sys.executable, str(ROOT / "scripts" / "deepep_suite.py"), str(tmp_path), "test_stand_in.py"]
 
 
-@pytest.mark.parametrize("share", [True])  # without EPCOMM_TEST_SHARE_GPU: only test_v1_runner (CI time)
-def test_v2_runner(tmp_path, share):
+def _v2(tmp_path: Path) -> list:
     utils = tmp_path / "deep_ep" / "utils"
     utils.mkdir(parents=True)
     (utils / "envs.py").write_text(ORIGINAL)
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_stand_in.py").write_text(
         SCRIPT.format(imp="import deep_ep.utils.envs as envs\ninit_dist = envs.init_dist"))
-    _check(_run([sys.executable, "-m", "epcomm.testing.deepep_v2", str(tmp_path), "tests/test_stand_in.py"], share),
-           share)
+    return [sys.executable, "-m", "epcomm.testing.deepep_v2", str(tmp_path), "tests/test_stand_in.py"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The module's four runs (each a runner, its script and two ranks: processes that mostly import torch one
+    after another) started at once, so that they share the cores: ``{name: started process}``."""
+    port = random.randint(20000, 40000)
+    cmds = {"v1-shared": (_v1(tmp_path_factory.mktemp("v1s"), True), True),
+            "v1-own": (_v1(tmp_path_factory.mktemp("v1o"), False), False),
+            "v2-shared": (_v2(tmp_path_factory.mktemp("v2s")), True),
+            "v2-extras": (_v2_extras(tmp_path_factory.mktemp("v2x")), True)}
+    procs = {name: _start(cmd, share, port + i) for i, (name, (cmd, share)) in enumerate(cmds.items())}
+    yield procs
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_v1_runner(runs, share):
+    _check(_result(runs["v1-shared" if share else "v1-own"]), share)
+
+
+@pytest.mark.parametrize("share", [True])  # without EPCOMM_TEST_SHARE_GPU: only test_v1_runner (CI time)
+def test_v2_runner(runs, share):
+    _check(_result(runs["v2-shared"]), share)
 
 
 # What DeepEP V2's experimental scripts need of the runner (test_engram --use-fp8 gathers FP8 storage; test_pp
@@ -105,13 +137,17 @@ if __name__ == "__main__":
 '''
 
 
-def test_v2_runner_extras(tmp_path):
+def _v2_extras(tmp_path: Path) -> list:
     utils = tmp_path / "deep_ep" / "utils"
     utils.mkdir(parents=True)
     (utils / "envs.py").write_text(ORIGINAL + "def get_rdma_gbs(nic_name='mlx5_0'):\n    return 0\n")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_extras_stand_in.py").write_text(EXTRAS)
-    p = _run([sys.executable, "-m", "epcomm.testing.deepep_v2", str(tmp_path), "tests/test_extras_stand_in.py"], True)
+    return [sys.executable, "-m", "epcomm.testing.deepep_v2", str(tmp_path), "tests/test_extras_stand_in.py"]
+
+
+def test_v2_runner_extras(runs):
+    p = _result(runs["v2-extras"])
     assert p.returncode == 0, p.stderr[-3000:]
     lines = sorted(ln for ln in p.stdout.splitlines() if ln.startswith("rank"))
     assert lines == [f"rank {r} gathered [1.0, 1.0, 2.0, 2.0] rdma 450.0" for r in range(2)], (p.stdout, p.stderr[-2000:])

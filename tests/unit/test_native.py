@@ -3,6 +3,8 @@
 dimension taking the call's rows; ``EPCOMM_NATIVE`` turns it off, or on for CPU devices. Built on this machine's
 compiler (torch.utils.cpp_extension); the tier-2 checks run the backends' plans with it."""
 import itertools
+import os
+import shutil
 
 import pytest
 import torch
@@ -115,3 +117,57 @@ def test_native_row_signatures_tell_apart_what_python_does():
         same = V.rows_signature(a) == V.rows_signature(b)
         assert (mod.row_signatures(a) == mod.row_signatures(b)) is same, (na, nb)
     assert mod.row_signatures(cases["5x4"]) == mod.row_signatures(cases["6x4"]) != mod.row_signatures(cases["6x5"])
+
+
+def test_cache_is_named_by_content_not_by_path(monkeypatch):
+    """The extension's cache folder (``native.cache_name``) follows the source's bytes and torch's version, never
+    where they lie: two checkouts of one source share a build, a changed source or torch builds anew."""
+    with open(native.SOURCE, "rb") as f:
+        source = f.read()
+    name = native.cache_name()
+    assert name == native.cache_name(source) and name.startswith(native._NAME + "_")
+    assert native.cache_name(source + b"\n") != name
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    assert native.cache_name(source) != name
+    monkeypatch.undo()
+    monkeypatch.setattr(native, "SOURCE", "/elsewhere/epcomm/native.cpp")  # (never read: the bytes are given)
+    assert native.cache_name(source) == name
+
+
+def test_a_built_extension_is_imported_not_built_again(monkeypatch, tmp_path):
+    """Once built in the cache, a later process imports it from there without calling torch's ``load`` (which
+    rebuilt it whenever the source's path or the virtualenv differed); a build cut short (a file that does not
+    load) is built again, from a copy of the source in the cache folder (one path for every checkout)."""
+    from torch.utils import cpp_extension
+
+    if native.module() is None:
+        pytest.skip(f"the extension was not built here: {native._state.get('why')}")
+    # this session's build, copied as a finished build into another cache root
+    name = native.cache_name()
+    built = tmp_path / name / (name + ".so")
+    os.makedirs(built.parent)
+    shutil.copy(native.module().__file__, built)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    calls, imports = [], []
+
+    def load(*a, **k):
+        calls.append((a, k))
+        return "built"
+
+    def imported(n, path):  # (this process has the module already: Python would hand back that one)
+        imports.append((n, path))
+        with open(path, "rb") as f:
+            if f.read(4) != b"\x7fELF":
+                raise ImportError(f"{path}: invalid ELF header")
+        return native.module()
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(native, "_import", imported)
+    assert native._load() is native.module() and calls == [] and imports == [(name, str(built))]
+    built.write_bytes(b"not a library")
+    assert native._load() == "built" and len(calls) == 1
+    (a, kw) = calls[0]
+    assert a == (name,) and kw["build_directory"] == str(built.parent)
+    assert kw["sources"] == [str(built.parent / "native.cpp")]
+    with open(kw["sources"][0], "rb") as f, open(native.SOURCE, "rb") as g:
+        assert f.read() == g.read()
