@@ -234,6 +234,27 @@ def equal(actual, expected, what: str) -> None:
         raise AssertionError(f"{what}: {actual!r} != expected {expected!r}")
 
 
+BF16_U = 2.0**-8  # bf16 unit roundoff (eps / 2)
+
+
+def within_bf16_path(actual, ref, mag, roundings: int, what: str, floor: float = 1e-30) -> None:
+    """``|actual - ref| <= 2 * roundings * u * M + u * |ref| + floor`` element-wise, for a result that went through
+    ``roundings`` bf16 roundings on a path linear in them: each moves a value by at most ``u`` times its magnitude,
+    and every later step is linear in it with absolute weights, so it reaches the result as at most ``u * M``
+    (``mag``: the magnitude sum of the reference computation); the factor 2 covers the second-order terms and
+    float32 accumulation. Shapes must agree, and no NaN passes."""
+    a, ref64 = actual.detach().double(), ref.double()
+    check(a.shape == ref64.shape, f"{what}: shape {tuple(a.shape)} != {tuple(ref64.shape)}")
+    check(not bool(torch.isnan(a).any()), f"{what}: NaN")
+    budget = 2 * roundings * BF16_U * mag + BF16_U * ref64.abs() + floor
+    bad = (a - ref64).abs() > budget
+    if bool(bad.any()):
+        i = tuple(int(v) for v in bad.nonzero()[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements outside the bf16 budget; first "
+                             f"at {i}: got {a[i].item():.6g}, expected {ref64[i].item():.6g}, budget "
+                             f"{budget[i].item():.3g}")
+
+
 def raises(exc: type[BaseException], match: str, fn: Callable, *args, **kwargs) -> None:
     """``fn(*args, **kwargs)`` must raise ``exc`` with a message matching ``match``."""
     with pytest.raises(exc, match=match):

@@ -37,14 +37,13 @@ import warnings
 import harness
 import pytest
 import torch
-from harness import check, equal
+from harness import check, equal, within_bf16_path
 
 from epcomm.testing.compare import assert_within_budget
 
 WORLD_SIZES = (2, 4)
 H, F, K = 64, 32, 2  # hidden, expert FFN hidden, top-k
 T_BASE = 7  # tokens on rank r: T_BASE + 2 r (odd, different per rank)
-U = 2.0**-8  # bf16 unit roundoff (eps / 2)
 MEGATRON = "megatron-core"
 # the releases this file is written for, each with its option for the flex dispatcher's SMs
 SM_OPTION = {"0.16.1": "moe_deepep_num_sms", "0.19.2": "moe_flex_dispatcher_num_sms"}
@@ -357,22 +356,8 @@ def reference(r_: int) -> dict:
 
 
 def _budget(actual, ref, mag, roundings: int, what: str) -> None:
-    """``|actual - ref| <= 2 * roundings * u * M + u * |ref|``: each bf16 rounding on the path moves a
-    value by at most ``u`` times its magnitude, and every later step is linear in it with absolute
-    weights, so it reaches the result as at most ``u * M`` (``M`` the magnitude sum of ``reference``);
-    the factor 2 covers the second-order terms and float32 accumulation."""
-    a, ref64 = actual.detach().double().reshape(ref.shape), ref.double()
-    if bool(torch.isnan(a).any()):
-        raise AssertionError(f"{what}: NaN")
-    budget = 2 * roundings * U * mag + U * ref64.abs() + 1e-12
-    bad = (a - ref64).abs() > budget
-    if bool(bad.any()):
-        i = tuple(int(v) for v in bad.nonzero()[0])
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {bad.numel()} elements outside the bf16 budget; first "
-            f"at {i}: got {a[i].item():.6g}, expected {ref64[i].item():.6g}, budget "
-            f"{budget[i].item():.3g}"
-        )
+    """``harness.within_bf16_path`` on ``actual`` in ``ref``'s shape, with this test's floor of 1e-12."""
+    within_bf16_path(actual.detach().reshape(ref.shape), ref, mag, roundings, what, floor=1e-12)
 
 
 def check_flex_layer(ctx):
