@@ -60,6 +60,18 @@ def _copy_share(dst, src, n_words, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _take_slot(x_ptr, n_words, nbytes, ptr_table, me, src, at, err_ptr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
+               ALIGNED: tl.constexpr):
+    """A receive's share of the slot at ``at`` of this rank's buffer: its header's byte count checked against
+    ``nbytes`` (else error ``SIZE_MISMATCH`` naming ``src``), then this program's chunks of the payload into ``x``."""
+    size = tl.load(peer_ptr(ptr_table, me, at, tl.int64))
+    if size != nbytes:
+        record_error(err_ptr, SIZE_MISMATCH, src, size.to(tl.int32), nbytes)
+    else:
+        _copy_share(x_ptr, peer_ptr(ptr_table, me, at + HEADER, ELEM), n_words, BLOCK, ALIGNED)
+
+
+@triton.jit
 def _slot(lane, c, inflight, slot_bytes):
     return (lane * inflight + c % inflight).to(tl.int64) * slot_bytes + SLOTS_OFF
 
@@ -94,11 +106,7 @@ def _pp_recv_impl_kernel(x_ptr, n_words, nbytes, ptr_table, me, src, lane, infli
                  timeout_ns, HAS_TIMER)
     at = _slot(lane, c, inflight, slot_bytes)
     if ok:
-        size = tl.load(peer_ptr(ptr_table, me, at, tl.int64))
-        if size != nbytes:
-            record_error(err_ptr, SIZE_MISMATCH, src, size.to(tl.int32), nbytes)
-        else:
-            _copy_share(x_ptr, peer_ptr(ptr_table, me, at + HEADER, ELEM), n_words, BLOCK, ALIGNED)
+        _take_slot(x_ptr, n_words, nbytes, ptr_table, me, src, at, err_ptr, ELEM, BLOCK, ALIGNED)
     if ticket_last(ticket_ptr):
         if tl.atomic_add(err_ptr, 0, sem="relaxed", scope="sys") == 0:
             signal(peer_ptr(ptr_table, src, lane * 8 + CREDIT_OFF, tl.int32), 1)
@@ -139,11 +147,7 @@ def _pp_recv_impl_nvshmem_kernel(x_ptr, n_words, nbytes, ptr_table, me, src, lan
                              HAS_TIMER)
     at = _slot(lane, c, inflight, slot_bytes)
     if ok:
-        size = tl.load(peer_ptr(ptr_table, me, at, tl.int64))
-        if size != nbytes:
-            record_error(err_ptr, SIZE_MISMATCH, src, size.to(tl.int32), nbytes)
-        else:
-            _copy_share(x_ptr, peer_ptr(ptr_table, me, at + HEADER, ELEM), n_words, BLOCK, ALIGNED)
+        _take_slot(x_ptr, n_words, nbytes, ptr_table, me, src, at, err_ptr, ELEM, BLOCK, ALIGNED)
     if ticket_last(ticket_ptr):
         if tl.atomic_add(err_ptr, 0, sem="relaxed", scope="sys") == 0:
             nvshmem.signal_add(ptr_table, me, src, lane * 8 + CREDIT_OFF, 1, SIM)

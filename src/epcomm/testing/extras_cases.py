@@ -214,6 +214,16 @@ def check_pp_errors(make, rank: int, num_ranks: int, device) -> None:
     got = torch.empty_like(t)
     buf.pp_recv(got, prv)
     _eq("pp_recv after bad calls", got, torch.arange(16, dtype=torch.int32) + 100 * prv)
+    # a receive whose tensor is not the size sent: a ValueError naming the sender and both sizes, on the receiving
+    # rank (the reference at the call; nvlink and internode from the plan's next call, the kernel having recorded it)
+    buf.pp_send(t, nxt)
+    small = torch.empty(8, dtype=torch.int32, device=device)
+
+    def mismatched():
+        buf.pp_recv(small, prv)
+        buf.pp_recv(small, prv)
+
+    raises(ValueError, f"pp_recv: rank {prv} sent a tensor of 64 bytes, this receive takes 32", mismatched)
     buf.destroy()
     if buf._x_pp is not None:
         raise AssertionError("destroy() kept the pipeline plan (and its symmetric memory)")
