@@ -120,6 +120,14 @@ def make_rig(monkeypatch, compiled: bool = False):
     monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: None)
     monkeypatch.setattr(nv.deadline, "barrier", lambda *a, **k: None)  # the simulated ranks share a process
     cuda_stand_ins(monkeypatch.setattr, capturing=lambda: capturing["on"], sms=132)
+    polls = nv.NVLinkBackend._await_counts
+
+    def await_counts(self):  # the stand-in kernels set nothing: the exchange's done word is set here
+        assert self._done_view[0] == 0, "the host polls a done word it did not clear before the exchange"
+        self._done_view[0] = 1
+        polls(self)
+
+    monkeypatch.setattr(nv.NVLinkBackend, "_await_counts", await_counts)
     if compiled:  # the driver's current stream and device, which a launcher asks for once, at its first bind
         from triton.runtime import driver
 
@@ -432,6 +440,8 @@ def test_launches_and_host_synchronisations_per_call(rig, monkeypatch):
     monkeypatch.setattr(cpu_nvlink.Event, "synchronize", lambda self: syncs.append("event"))
     monkeypatch.setattr(cpu_nvlink.Stream, "synchronize", lambda self: syncs.append("stream"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append("device"))
+    polls = nv.NVLinkBackend._await_counts  # (the rig's: it sets the done word the host polls)
+    monkeypatch.setattr(nv.NVLinkBackend, "_await_counts", lambda self: (syncs.append("poll"), polls(self))[1])
     b = rig.b[0]
 
     def per_call(fn, *args):

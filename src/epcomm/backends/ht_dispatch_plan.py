@@ -27,8 +27,8 @@ from .nvlink_params import C_MAX, L_MAX, TIMER, TUNE, _host_counts, _pow2
 # (fuses_layout) they also compute the layout, before the rank programs.
 NOTIFY_CHECK_PROGRAMS = 32
 # the fused layout's ticket and epoch flag: slots 4 and 5 of the backend's tickets (zeroed with the backend,
-# as nctr is; slots 0-3: nvlink_params.T_GATHER .. T_CPUSH)
-T_LAYOUT = 4
+# as nctr is; slots 0-3: nvlink_params.T_GATHER .. T_CPUSH); slot 6 the ticket before the host's done word
+T_LAYOUT, T_HOST = 4, 6
 
 
 def words(t: torch.Tensor) -> torch.Tensor:
@@ -151,7 +151,7 @@ class DispatchPlan:
             tok_ptr=toks, src_lists_ptr=be.p_src_lists, src_lists_stride=be.src_lists.stride(0),
             err_ptr=be.p_err, timeout_ns=be._timeout_ns, rpm_ptr=None, rcp_ptr=None, send_head_ptr=None,
             num_worst=worst, topk_ptr=be.p_err, K=k, E=e, host_addr_ptr=be.p_host_counts, RP=rp,
-            part_ptr=part, lay_ptr=lay_ptr), dict(
+            part_ptr=part, lay_ptr=lay_ptr, done_ptr=Ptr(be.tickets[T_HOST:])), dict(
             is_in_ptr=bools, **({} if fused else dict(ntpr_ptr=None, ntpe_ptr=None)), cpm_ptr=None,
             rpm_ptr=None, rcp_ptr=None, send_head_ptr=None, **(dict(topk_ptr=None) if self.has_topk else {})))
 
@@ -323,7 +323,8 @@ class DispatchPlan:
         notify, notify_grid, gather = self.notify, self.notify_grid, self.gather
         heads, rows_out = self.heads, self.rows_out
         chain, sync_chain = self.chain, self.sync_chain
-        err_view, host_view, sync = be._err_view, be._notify_view, be._sync_event
+        err_view, host_view, done_view, await_counts = (be._err_view, be._notify_view, be._done_view,
+                                                         be._await_counts)
 
         def run(x, scales, topk, w, ntpr, is_in, ntpe):
             ch = chain.value
@@ -331,6 +332,8 @@ class DispatchPlan:
                 Launcher.launches += 2
                 return result(ch(x, scales, topk, w, ntpr, is_in, ntpe, start()), is_in)
             begin()
+            if not n_worst:
+                done_view[0] = 0  # (the exchange sets it once the counts are in: await_counts polls it)
             sc = sync_chain.value
             if heads is not None:
                 cpm, recv_cp, rpm, send_head, is_in = heads_of(
@@ -359,11 +362,11 @@ class DispatchPlan:
             if n_worst:  # no host synchronisation: expert ids are checked on the device (error word)
                 n_rows, lst = n_worst, []
             else:
-                # The contract's one synchronisation: the exchange kernel wrote the counts into pinned host
-                # words, and a kernel that records an error (a bad expert id, checked there too) writes the
-                # error word's host mirror: after it, a few list operations (no torch op per value).
-                sync.record(be._current_stream())
-                sync.synchronize()
+                # The contract's one synchronisation: the exchange kernel writes the counts into pinned host
+                # words, and a kernel that records an error (a bad expert id, checked there too) the error
+                # word's host mirror, then sets the done word: once it is set, a few list operations (no torch
+                # op per value), while the kernel still makes the handle's prefixes.
+                await_counts()
                 if err_view[0]:
                     late = input_error(be, err_view.tolist())
                 host_col, n_rows, lst = _host_counts(host_view, r_, lx, me, alignment)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import time
 import weakref
 import zlib
 
@@ -141,11 +142,15 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         self.notify_out, self.err = words[:n_notify], words[self.err_at:self.err_at + 6]
         self.err[4:].view(torch.int64).fill_(self.err_host.data_ptr())
         self.src_lists = torch.empty(r_, T_LIST_CAP, dtype=torch.int32, device=self.device)
-        # the counts the synchronising dispatch reads (counts[R][R], then per_expert[R][L]): the exchange
-        # kernel writes them here, pinned and device-mapped, through the address in host_counts_addr
-        self.notify_host = torch.zeros(r_ * r_ + r_ * L_MAX, dtype=torch.int32, device="cpu").pin_memory()
+        # the counts the synchronising dispatch reads (counts[R][R], then per_expert[R][L]) and the done word
+        # after them: the exchange kernel writes them here, pinned and device-mapped, through the addresses in
+        # host_counts_addr (of the counts, of the done word)
+        n_host = r_ * r_ + r_ * L_MAX
+        self.notify_host = torch.zeros(n_host + 1, dtype=torch.int32, device="cpu").pin_memory()
         self._notify_view = self.notify_host.numpy()
-        self.host_counts_addr = torch.tensor([self.notify_host.data_ptr()], dtype=torch.int64, device=self.device)
+        self._done_view = self._notify_view[n_host:]
+        at = self.notify_host.data_ptr()
+        self.host_counts_addr = torch.tensor([at, at + 4 * n_host], dtype=torch.int64, device=self.device)
         self._stream_cache: dict = {}  # raw CUDA stream -> its torch Stream (_current_stream)
         self._layouts: dict = {}  # (row bytes, G, K, H) -> _ht_layout's offsets
         self._plans: dict = {}  # kind of high-throughput call -> its run (ht_dispatch.py, ht_combine.py)
@@ -154,7 +159,6 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         self._pinned: list = []
         self._scratches: dict = {}  # ht_dispatch._scratch: a dispatch's outputs that ElasticBuffer reads once
         self.ce_stream = torch.cuda.Stream(self.device)
-        self._sync_event = torch.cuda.Event()  # the eager dispatch's one host synchronisation
         self._views: dict = {}  # see _view
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.transfer = _env.ht_transfer()  # "sm" (default) or "ce" (copy engine eagerly)
@@ -207,6 +211,28 @@ class NVLinkBackend(HTDispatch, HTCombine, NVLinkTransfer, Backend):
         if s is None:
             s = self._stream_cache[raw] = torch.cuda.current_stream(self.device)
         return s
+
+    def _await_counts(self) -> None:
+        """Return once the synchronised dispatch's exchange kernel set the host's done word (its counts, and an
+        error's host mirror, are then in pinned memory), polling it as DeepEP's host polls its received counts:
+        the host goes on while the kernel still makes the handle's prefixes, and no event is recorded.
+
+        The kernel's own waits on peers have their deadline (an expired one records its error, then the done
+        word is set as ever). Past ``wait_s`` of polling (the GPU still busy with earlier work, or a launch that
+        failed) the host synchronises the stream instead: it waits on as before polling came in, or raises the
+        launch's CUDA error."""
+        done = self._done_view
+        if done[0]:
+            return
+        clock = time.perf_counter
+        end = clock() + self.wait_s
+        while not done[0]:
+            if clock() > end:
+                self._current_stream().synchronize()
+                if not done[0]:
+                    raise RuntimeError(f"epcomm rank {self.rank}: the dispatch's exchange kernel ended without "
+                                       "setting its done word")
+                return
 
     @contextlib.contextmanager
     def _on(self, stream):

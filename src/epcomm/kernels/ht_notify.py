@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import peer_ptr, record_error, signal, wait_ge
+from .common import peer_ptr, record_error, signal, ticket_last_n, wait_ge
 from .ht_common import NOTIFY
 from .ht_layout import _or, bad_id, layout_tiles
 
@@ -227,7 +227,7 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
                             nctr_ptr, cpm_ptr, counts_ptr, per_expert_ptr, chan_ptr, tok_ptr, src_lists_ptr,
                             src_lists_stride, err_ptr, timeout_ns,
                             rpm_ptr, rcp_ptr, send_head_ptr, num_worst, topk_ptr, K, E, host_addr_ptr, RP,
-                            part_ptr, lay_ptr,
+                            part_ptr, lay_ptr, done_ptr,
                             BLOCK: tl.constexpr, R_POW2: tl.constexpr, C_POW2: tl.constexpr,
                             K_POW2: tl.constexpr, TB: tl.constexpr, CHECK_WORST: tl.constexpr,
                             CHECK_TOPK: tl.constexpr, HOST_COUNTS: tl.constexpr, HAS_TIMER: tl.constexpr,
@@ -238,7 +238,8 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
     The first ``RP`` programs take the ranks ``j = pid, pid + RP, ...`` (``RP = R`` on a GPU; one program
     under the interpreter, which runs programs one after another): first every send (``_notify_send``),
     then every receive (``_notify_recv``, with ``HOST_COUNTS`` the counts also into pinned host words),
-    then each waits until every rank's part is in this rank's meta area and reads ``counts`` and the
+    then each waits until every rank's part is in this rank's meta area (``_notify_exchange``) and reads
+    ``counts`` and the
     channel prefixes from there: ``rank_prefix_matrix``, ``recv_channel_prefix_matrix`` and the
     ``num_worst`` check by program 0 (``_handle_prefix``); ``send_head[:, j]`` for its ranks (the send list
     positions again, plus ``rpm[me-1][j]``). The expert-id check (``CHECK_TOPK``: ids in range, and the layout
@@ -256,6 +257,11 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
     ``nctr + 1`` on ``lay[1]`` before it reads them; rank program 0 records error 10 (the id the tile programs
     found) once its own waits for every peer's part are over (a recorded error ends every later wait at once).
 
+    With ``HOST_COUNTS`` (a synchronised dispatch: its host reads the counts) every program, once what it writes
+    for the host is written (a rank program: its exchange and waits; a tile program: its tiles), takes a ticket
+    on ``done_ptr``; the last sets the host's done word (:func:`_host_done`), which the host polls: it goes on
+    while the rank programs still make the handle's prefixes and ``send_head``.
+
     Example (R = 2, me = 1, T = 3, is_token_in_rank = [[1, 1], [0, 1], [1, 0]], rank 0 sends 2 tokens to
     rank 0 and 4 to rank 1): ``send_head = [[2, 4], [-1, 5], [3, -1]]``.
     """
@@ -267,20 +273,29 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
     if (rk >= 0) & (rk < RP):
         if FUSED_LAYOUT:
             wait_ge(lay_ptr + 1, tl.load(nctr_ptr + rk) + 1, err_ptr, 1, me, timeout_ns, HAS_TIMER)
-        _dispatch_notify_ranks(rk, RP, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan, ptr_table,
-                               flags_off, meta_off, meta_parity_bytes, meta_src_bytes, list_off, list_parity_bytes,
-                               list_src_bytes, nctr_ptr, cpm_ptr, counts_ptr, per_expert_ptr, chan_ptr, tok_ptr,
-                               src_lists_ptr, src_lists_stride, err_ptr, timeout_ns, rpm_ptr, rcp_ptr,
-                               send_head_ptr, num_worst, host_addr_ptr, BLOCK, R_POW2, C_POW2, CHECK_WORST,
-                               HOST_COUNTS, HAS_TIMER)
+        n0 = _notify_exchange(rk, RP, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan, ptr_table, flags_off,
+                              meta_off, meta_parity_bytes, meta_src_bytes, list_off, list_parity_bytes, list_src_bytes,
+                              nctr_ptr, cpm_ptr, counts_ptr, per_expert_ptr, chan_ptr, tok_ptr, src_lists_ptr,
+                              src_lists_stride, err_ptr, timeout_ns, host_addr_ptr, BLOCK, R_POW2, HOST_COUNTS,
+                              HAS_TIMER)
         if FUSED_LAYOUT and CHECK_TOPK:  # noqa: SIM102 (constexprs, then a value)
             if rk == 0:
                 bad = part_ptr + CP2 * (R + E + 2)  # (flag, id) from the last tile program
                 if tl.load(bad) != 0:
                     record_error(err_ptr, 10, -1, tl.load(bad + 1), E)
+        if HOST_COUNTS:  # (with check tiles and no program of their own, after this program's tiles: below)
+            if FUSED_LAYOUT or not CHECK_TOPK:
+                _host_done(done_ptr, P, host_addr_ptr)
+            elif P > RP:
+                _host_done(done_ptr, P, host_addr_ptr)
+        _notify_handle(rk, RP, n0, is_in_ptr, T, R, me, L, C, ptr_table, meta_off, meta_parity_bytes,
+                       meta_src_bytes, err_ptr, rpm_ptr, rcp_ptr, send_head_ptr, num_worst, BLOCK, R_POW2, C_POW2,
+                       CHECK_WORST)
     elif FUSED_LAYOUT:
         layout_tiles(pid, P - RP, topk_ptr, T, K, E, L, R, is_in_ptr, ntpr_ptr, ntpe_ptr, part_ptr, lay_ptr,
                      nctr_ptr, TB, K_POW2, R_POW2, EB, CP2, CHECK_TOPK)
+        if HOST_COUNTS:
+            _host_done(done_ptr, P, host_addr_ptr)
     if CHECK_TOPK and not FUSED_LAYOUT:  # by the programs after the rank programs where there are any, else all
         q = pid - RP
         Q = P - RP
@@ -291,17 +306,30 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
             for t0 in range(q * TB, T, Q * TB):
                 _check_topk_tile((t0 + tl.arange(0, TB)).to(tl.int64), topk_ptr, T, K, E, err_ptr, is_in_ptr, R, L,
                                  K_POW2)
+            if HOST_COUNTS:
+                _host_done(done_ptr, P, host_addr_ptr)
 
 
 @triton.jit
-def _dispatch_notify_ranks(pid, P, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan, ptr_table, flags_off,
-                           meta_off, meta_parity_bytes, meta_src_bytes, list_off, list_parity_bytes, list_src_bytes,
-                           nctr_ptr, cpm_ptr, counts_ptr, per_expert_ptr, chan_ptr, tok_ptr, src_lists_ptr,
-                           src_lists_stride, err_ptr, timeout_ns, rpm_ptr, rcp_ptr, send_head_ptr, num_worst,
-                           host_addr_ptr, BLOCK: tl.constexpr, R_POW2: tl.constexpr, C_POW2: tl.constexpr,
-                           CHECK_WORST: tl.constexpr, HOST_COUNTS: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """Rank program ``pid`` of ``P``'s share of ``_dispatch_notify_kernel``: the exchange with ranks
-    ``pid, pid + P, ...``, the wait for every rank's part, the handle's prefixes and ``send_head``."""
+def _host_done(done_ptr, P, host_addr_ptr):
+    """This program's part of what the host reads is written (the counts, an error's host mirror): the last of the
+    ``P`` programs to get here sets the host's done word (its address: ``host_addr_ptr[1]``) to 1. The host cleared
+    it before the launch and polls it, so a synchronised dispatch's host resumes once the counts and the checks are
+    in, not at the kernel's end (the handle's prefixes and ``send_head`` come after, in the rank programs)."""
+    if ticket_last_n(done_ptr, P):  # (acquire-release, system scope: every program's host writes come before)
+        host = tl.load(host_addr_ptr + 1).to(tl.pointer_type(tl.int32))
+        tl.store(host, 1)
+
+
+@triton.jit
+def _notify_exchange(pid, P, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan, ptr_table, flags_off, meta_off,
+                     meta_parity_bytes, meta_src_bytes, list_off, list_parity_bytes, list_src_bytes, nctr_ptr, cpm_ptr,
+                     counts_ptr, per_expert_ptr, chan_ptr, tok_ptr, src_lists_ptr, src_lists_stride, err_ptr,
+                     timeout_ns, host_addr_ptr, BLOCK: tl.constexpr, R_POW2: tl.constexpr, HOST_COUNTS: tl.constexpr,
+                     HAS_TIMER: tl.constexpr):
+    """Rank program ``pid`` of ``P``'s share of ``_dispatch_notify_kernel``'s exchange with ranks ``pid, pid + P,
+    ...`` (their sends, then their receives), then the wait for every rank's part. Returns the notify counter
+    at the call's start (``n0``)."""
     n0 = tl.load(nctr_ptr + pid)  # every rank's counter is the same at the start of a call
     for j in range(pid, R, P):
         n = tl.load(nctr_ptr + j)
@@ -317,6 +345,15 @@ def _dispatch_notify_ranks(pid, P, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C
     for i in range(0, R):
         wait_ge(peer_ptr(ptr_table, me, flags_off + (NOTIFY * R + i) * 4, tl.int32), n0 + 1, err_ptr, 1, i,
                 timeout_ns, HAS_TIMER)
+    return n0
+
+
+@triton.jit
+def _notify_handle(pid, P, n0, is_in_ptr, T, R, me, L, C, ptr_table, meta_off, meta_parity_bytes,
+                   meta_src_bytes, err_ptr, rpm_ptr, rcp_ptr, send_head_ptr, num_worst, BLOCK: tl.constexpr,
+                   R_POW2: tl.constexpr, C_POW2: tl.constexpr, CHECK_WORST: tl.constexpr):
+    """Rank program ``pid`` of ``P``, after :func:`_notify_exchange`: the handle's prefixes (program 0) and
+    ``send_head[:, j]`` for ranks ``j = pid, pid + P, ...``."""
     meta = peer_ptr(ptr_table, me, meta_off + (n0 & 1) * meta_parity_bytes, tl.int32)
     ms = meta_src_bytes // 4
     rpm = _handle_prefix(pid, meta, ms, meta + R + L, ms, C, R, me, rpm_ptr, rcp_ptr, err_ptr, num_worst,

@@ -70,8 +70,10 @@ class Rig:
         self.words = torch.full((fused_words(CP2, R, E),), 12345, dtype=torch.int32)  # fused scratch: junk
         self.layout_scratch = None  # the separate layout kernel's
         self.err = torch.zeros(6, dtype=torch.int32)
-        self.host = torch.zeros(R * R + R * self.L, dtype=torch.int32)
-        self.host_addr = torch.tensor([self.host.data_ptr()], dtype=torch.int64)
+        self.host = torch.zeros(R * R + R * self.L + 1, dtype=torch.int32)  # counts, per-expert, the done word
+        self.host_addr = torch.tensor([self.host.data_ptr(), self.host.data_ptr() + 4 * (R * R + R * self.L)],
+                                      dtype=torch.int64)
+        self.done = torch.zeros(1, dtype=torch.int32)  # the ticket before the done word
         self.src_lists = torch.zeros(R, 8192, dtype=torch.int32)
 
     def peers_send(self, topks):
@@ -108,11 +110,12 @@ class Rig:
                    cpm=torch.full((R, C), -7, dtype=torch.int32), rpm=torch.full((R, R), -7, dtype=torch.int32),
                    rcp=torch.full((R, C), -7, dtype=torch.int32), sh=torch.full((t, R), -7, dtype=torch.int32))
         self.host.fill_(-7)
+        self.host[-1] = 0  # (the host clears the done word before the launch)
         _dispatch_notify_kernel[(grid,)](
             in_rank.view(torch.int8), t, R, me, ntpr, ntpe, L, C, max((t + C - 1) // C, 1), self.table, 0,
             self.meta_off, R * META_SRC, META_SRC, self.list_off, R * LIST_SRC, LIST_SRC, self.nctr, out["cpm"],
             out["counts"], out["pe"], out["chan"], out["toks"], self.src_lists, self.src_lists.stride(0), self.err,
-            100, out["rpm"], out["rcp"], out["sh"], worst, topk, k, E, self.host_addr, 1, part, self.lay,
+            100, out["rpm"], out["rcp"], out["sh"], worst, topk, k, E, self.host_addr, 1, part, self.lay, self.done,
             BLOCK=BLOCK, R_POW2=_p2(R), C_POW2=_p2(C), K_POW2=_p2(k), TB=TB, CHECK_WORST=bool(worst),
             CHECK_TOPK=True, HOST_COUNTS=not worst, HAS_TIMER=False, FUSED_LAYOUT=fused, EB=min(_p2(E), 256),
             CP2=CP2)
@@ -149,6 +152,10 @@ def run(T, K, E, bad, start):
             lay = rigs[True].lay.tolist()
             assert lay == [0, _wrap32(n0 + 1)], f"ticket and epoch {lay} after {where}, counter start {n0}"
             assert got[True]["nctr"].eq(_wrap32(n0 + 1)).all(), (got[True]["nctr"], where)
+            for fused, rig in rigs.items():  # the done word set by the last program, once, its ticket reset
+                done = got[fused]["host"][-1].item()
+                assert done == (0 if worst else 1), f"done word {done} after {where} fused {fused}"
+                assert rig.done.item() == 0, f"done ticket {rig.done.item()} after {where} fused {fused}"
 
 
 def main() -> None:
