@@ -7,21 +7,24 @@ from epcomm.backends import nvlink_params as nv
 from epcomm.backends.nvlink_params import _host_counts
 
 
-def test_host_counts_match_the_tensor_formulas():
+def test_host_counts_from_the_kernels_words():
+    """The host's read of the exchange kernel's words (``[rank_prefix_matrix[:, me]][rows per local expert]``: the
+    kernel's sums are checked by sims/sim_ht_fused_layout.py): the prefix, the row count, the per-expert list
+    rounded up to the alignment, from a NumPy view as from a list."""
     g = torch.Generator().manual_seed(3)
     for r_, lx, alignment in ((1, 4, 1), (2, 3, 8), (4, 16, 128), (8, 32, 7)):
-        counts = torch.randint(0, 5000, (r_, r_), generator=g)
-        per_expert = torch.randint(0, 900, (r_, lx), generator=g)
-        vals = counts.flatten().tolist() + per_expert.flatten().tolist()
-        for me in range(r_):
-            prefix, n_rows, lst = _host_counts(vals, r_, lx, me, alignment)
-            assert prefix == counts[:, me].cumsum(0).tolist()
-            assert n_rows == int(counts[:, me].sum())
-            assert lst == layout.align_up(per_expert.sum(0), alignment).tolist()
+        col = torch.randint(0, 5000, (r_,), generator=g).cumsum(0)
+        per_expert = torch.randint(0, 900, (lx,), generator=g)
+        words = torch.cat([col, per_expert, torch.randint(0, 9, (5,), generator=g)]).to(torch.int32)
+        for vals in (words.tolist(), words.numpy()):
+            prefix, n_rows, lst = _host_counts(vals, r_, lx, alignment)
+            assert prefix == col.tolist() and n_rows == int(col[-1])
+            assert lst == layout.align_up(per_expert, alignment).tolist()
+            assert all(type(v) is int for v in prefix + lst)
 
 
 def test_host_counts_example():
-    assert _host_counts([3, 1, 2, 4, 1, 0, 2, 2], 2, 2, 1, 2) == ([1, 5], 5, [4, 2])
+    assert _host_counts([1, 5, 4, 1], 2, 2, 2) == ([1, 5], 5, [4, 2])
 
 
 def test_copy_engine_chunks(monkeypatch):

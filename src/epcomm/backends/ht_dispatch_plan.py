@@ -314,7 +314,7 @@ class DispatchPlan:
     def _runner(self, begin, start, result, heads_of, rows_of, ids):
         """The call, ``run`` (:class:`DispatchPlan`), a closure over this plan's values and
         :meth:`_helpers`'."""
-        be, r_, me, dev, i32, f32 = self.be, self.be.num_ranks, self.be.rank, self.be.device, torch.int32, torch.float32
+        be, r_, dev, i32, f32 = self.be, self.be.num_ranks, self.be.device, torch.int32, torch.float32
         t, h, lx, c, k, g, lay = self.t, self.h, self.lx, self.c, self.k, self.g, self.lay
         x_dtype, push, ce, bulk = self.x_dtype, self.push, self.ce, self.bulk
         fused, has_s, has_topk = self.fused, self.has_s, self.has_topk
@@ -369,7 +369,7 @@ class DispatchPlan:
                 await_counts()
                 if err_view[0]:
                     late = input_error(be, err_view.tolist())
-                host_col, n_rows, lst = _host_counts(host_view, r_, lx, me, alignment)
+                host_col, n_rows, lst = _host_counts(host_view, r_, lx, alignment)
             grid = be._gather_grid(push, n_rows)
             if sc is not None and keep_k is not None and n_rows > scratch_rows:
                 sc = None  # (more rows than the scratch ids hold: fresh ones, through the launch of Python)

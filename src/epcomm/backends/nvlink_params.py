@@ -7,7 +7,6 @@ Letters: ``T`` tokens, ``R`` ranks, ``L = E/R`` local experts, ``C`` channels.
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import torch
@@ -106,23 +105,17 @@ def _pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def _host_counts(vals, r_: int, lx: int, me: int, alignment: int):
-    """From the notify output read back at the synchronisation (``counts[R][R]`` then the per-expert
-    counts ``[R][L]`` of the rows coming here; a NumPy view of the pinned host copy, or any sequence):
-    the inclusive prefix of ``counts[:, me]`` (rows from ranks ``0..i``: ``rank_prefix_matrix[:, me]``),
-    the rows this rank receives, and the per-expert list rounded up to ``alignment``, as Python ints.
-    One conversion to Python ints, then list arithmetic (NumPy's per-call cost is higher at these sizes).
+def _host_counts(vals, r_: int, lx: int, alignment: int):
+    """From the words the exchange kernel wrote for the host (``[rank_prefix_matrix[:, me] (R)][rows per local
+    expert (L)]``, ``ht_notify._host_done``; a NumPy view of the pinned words, or any sequence): the inclusive
+    prefix of the rows from ranks ``0..i``, the rows this rank receives, and the per-expert list rounded up to
+    ``alignment``, as Python ints: one conversion, then at most one list operation.
 
-    Example: ``_host_counts([3, 1, 2, 4, 1, 0, 2, 2], 2, 2, 1, 2) == ([1, 5], 5, [4, 2])``.
+    Example: ``_host_counts([1, 5, 4, 1], 2, 2, 2) == ([1, 5], 5, [4, 2])``.
     """
-    base = r_ * r_
-    v = vals[:base + r_ * lx]
+    v = vals[:r_ + lx]
     v = v.tolist() if hasattr(v, "tolist") else list(v)  # one C call from a NumPy view; then Python ints
-    prefix = list(itertools.accumulate(v[me:base:r_]))
-    if r_ == 1:
-        pe = v[base:base + lx]
-    else:
-        pe = list(map(sum, zip(*(v[base + j * lx:base + (j + 1) * lx] for j in range(r_)))))
+    prefix, pe = v[:r_], v[r_:]
     if alignment != 1:
         pe = [(n + alignment - 1) // alignment * alignment for n in pe]
     return prefix, prefix[-1], pe

@@ -73,6 +73,17 @@ def now_ns(HAS_TIMER: tl.constexpr):
 
 
 @triton.jit
+def fence_sys():
+    """``fence.sc.sys``: what this thread wrote, or saw its block write before a barrier, is visible to the whole
+    system (peers, the host) before anything it writes after. Nothing under the interpreter, whose programs run
+    one after another."""
+    if INTERPRETED:
+        pass
+    else:
+        tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def peer_ptr(ptr_table, rank, offset_bytes, dtype: tl.constexpr):
     """Typed pointer ``offset_bytes`` into rank ``rank``'s symmetric buffer (``ptr_table: int64[R]``)."""
     base = tl.load(ptr_table + rank).to(tl.pointer_type(tl.uint8))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import peer_ptr, record_error, signal, ticket_last_n, wait_ge
+from .common import fence_sys, peer_ptr, record_error, signal, ticket_last_n, wait_ge
 from .ht_common import NOTIFY
 from .ht_layout import _or, bad_id, layout_tiles
 
@@ -63,13 +63,11 @@ def _notify_send(j, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan, ptr
 @triton.jit
 def _notify_recv(j, n, R, me, L, C, ptr_table, meta_off, list_off, flags_off, parity, meta_parity_bytes,
                  meta_src_bytes, list_parity_bytes, list_src_bytes, nctr_ptr, counts_ptr, per_expert_ptr,
-                 chan_ptr, tok_ptr, src_lists_ptr, src_lists_stride, err_ptr, timeout_ns, host_addr_ptr,
-                 BLOCK: tl.constexpr, R_POW2: tl.constexpr, HOST_COUNTS: tl.constexpr, HAS_TIMER: tl.constexpr):
+                 chan_ptr, tok_ptr, src_lists_ptr, src_lists_stride, err_ptr, timeout_ns,
+                 BLOCK: tl.constexpr, R_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
     """Wait for rank ``j``'s part (its ``n + 1``-th), then copy its counts (row ``j`` of ``counts[R][R]``),
     the per-expert counts of my experts (``per_expert[j]``), its channel prefix for me (``chan[j]``), its
-    token count and its send list into local arrays; advance ``nctr[j]``. With ``HOST_COUNTS`` the counts
-    and per-expert rows also go to the pinned host words whose address ``host_addr_ptr`` holds, laid out
-    as ``[counts R*R][per_expert R*L]`` (the host reads them at its synchronisation, with no copy)."""
+    token count and its send list into local arrays; advance ``nctr[j]``."""
     flag = peer_ptr(ptr_table, me, flags_off + (NOTIFY * R + j) * 4, tl.int32)
     wait_ge(flag, n + 1, err_ptr, 1, j, timeout_ns, HAS_TIMER)
     meta_in = peer_ptr(ptr_table, me, meta_off + parity * meta_parity_bytes + j * meta_src_bytes, tl.int32)
@@ -77,15 +75,10 @@ def _notify_recv(j, n, R, me, L, C, ptr_table, meta_off, list_off, flags_off, pa
     rr = tl.arange(0, R_POW2)
     row = tl.load(meta_in + rr, mask=rr < R, other=0)
     tl.store(counts_ptr + j * R + rr, row, mask=rr < R)
-    if HOST_COUNTS:
-        host = tl.load(host_addr_ptr).to(tl.pointer_type(tl.int32))
-        tl.store(host + j * R + rr, row, mask=rr < R)
     for l0 in range(0, L, BLOCK):
         ll = l0 + tl.arange(0, BLOCK)
         pe = tl.load(meta_in + R + ll, mask=ll < L, other=0)
         tl.store(per_expert_ptr + j * L + ll, pe, mask=ll < L)
-        if HOST_COUNTS:
-            tl.store(host + R * R + j * L + ll, pe, mask=ll < L)
     for c0 in range(0, C, BLOCK):
         cc = c0 + tl.arange(0, BLOCK)
         tl.store(chan_ptr + j * C + cc, tl.load(meta_in + R + L + cc, mask=cc < C, other=0), mask=cc < C)
@@ -119,8 +112,8 @@ def _notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan,
     if DO_RECV:
         _notify_recv(j, n, R, me, L, C, ptr_table, meta_off, list_off, flags_off, parity, meta_parity_bytes,
                      meta_src_bytes, list_parity_bytes, list_src_bytes, nctr_ptr, counts_ptr, per_expert_ptr,
-                     chan_ptr, tok_ptr, src_lists_ptr, src_lists_stride, err_ptr, timeout_ns, err_ptr, BLOCK,
-                     R_POW2, False, HAS_TIMER)
+                     chan_ptr, tok_ptr, src_lists_ptr, src_lists_stride, err_ptr, timeout_ns, BLOCK,
+                     R_POW2, HAS_TIMER)
 
 
 @triton.jit
@@ -237,7 +230,7 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
 
     The first ``RP`` programs take the ranks ``j = pid, pid + RP, ...`` (``RP = R`` on a GPU; one program
     under the interpreter, which runs programs one after another): first every send (``_notify_send``),
-    then every receive (``_notify_recv``, with ``HOST_COUNTS`` the counts also into pinned host words),
+    then every receive (``_notify_recv``),
     then each waits until every rank's part is in this rank's meta area (``_notify_exchange``) and reads
     ``counts`` and the
     channel prefixes from there: ``rank_prefix_matrix``, ``recv_channel_prefix_matrix`` and the
@@ -276,18 +269,17 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
         n0 = _notify_exchange(rk, RP, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan, ptr_table, flags_off,
                               meta_off, meta_parity_bytes, meta_src_bytes, list_off, list_parity_bytes, list_src_bytes,
                               nctr_ptr, cpm_ptr, counts_ptr, per_expert_ptr, chan_ptr, tok_ptr, src_lists_ptr,
-                              src_lists_stride, err_ptr, timeout_ns, host_addr_ptr, BLOCK, R_POW2, HOST_COUNTS,
-                              HAS_TIMER)
+                              src_lists_stride, err_ptr, timeout_ns, BLOCK, R_POW2, HAS_TIMER)
         if FUSED_LAYOUT and CHECK_TOPK:  # noqa: SIM102 (constexprs, then a value)
             if rk == 0:
                 bad = part_ptr + CP2 * (R + E + 2)  # (flag, id) from the last tile program
                 if tl.load(bad) != 0:
                     record_error(err_ptr, 10, -1, tl.load(bad + 1), E)
         if HOST_COUNTS:  # (with check tiles and no program of their own, after this program's tiles: below)
-            if FUSED_LAYOUT or not CHECK_TOPK:
-                _host_done(done_ptr, P, host_addr_ptr)
+            if FUSED_LAYOUT or not CHECK_TOPK:  # noqa: SIM114 (constexprs, then a value)
+                _host_done(done_ptr, P, host_addr_ptr, counts_ptr, per_expert_ptr, R, me, L, BLOCK, R_POW2)
             elif P > RP:
-                _host_done(done_ptr, P, host_addr_ptr)
+                _host_done(done_ptr, P, host_addr_ptr, counts_ptr, per_expert_ptr, R, me, L, BLOCK, R_POW2)
         _notify_handle(rk, RP, n0, is_in_ptr, T, R, me, L, C, ptr_table, meta_off, meta_parity_bytes,
                        meta_src_bytes, err_ptr, rpm_ptr, rcp_ptr, send_head_ptr, num_worst, BLOCK, R_POW2, C_POW2,
                        CHECK_WORST)
@@ -295,7 +287,7 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
         layout_tiles(pid, P - RP, topk_ptr, T, K, E, L, R, is_in_ptr, ntpr_ptr, ntpe_ptr, part_ptr, lay_ptr,
                      nctr_ptr, TB, K_POW2, R_POW2, EB, CP2, CHECK_TOPK)
         if HOST_COUNTS:
-            _host_done(done_ptr, P, host_addr_ptr)
+            _host_done(done_ptr, P, host_addr_ptr, counts_ptr, per_expert_ptr, R, me, L, BLOCK, R_POW2)
     if CHECK_TOPK and not FUSED_LAYOUT:  # by the programs after the rank programs where there are any, else all
         q = pid - RP
         Q = P - RP
@@ -307,26 +299,41 @@ def _dispatch_notify_kernel(is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_c
                 _check_topk_tile((t0 + tl.arange(0, TB)).to(tl.int64), topk_ptr, T, K, E, err_ptr, is_in_ptr, R, L,
                                  K_POW2)
             if HOST_COUNTS:
-                _host_done(done_ptr, P, host_addr_ptr)
+                _host_done(done_ptr, P, host_addr_ptr, counts_ptr, per_expert_ptr, R, me, L, BLOCK, R_POW2)
 
 
 @triton.jit
-def _host_done(done_ptr, P, host_addr_ptr):
-    """This program's part of what the host reads is written (the counts, an error's host mirror): the last of the
-    ``P`` programs to get here sets the host's done word (its address: ``host_addr_ptr[1]``) to 1. The host cleared
-    it before the launch and polls it, so a synchronised dispatch's host resumes once the counts and the checks are
-    in, not at the kernel's end (the handle's prefixes and ``send_head`` come after, in the rank programs)."""
-    if ticket_last_n(done_ptr, P):  # (acquire-release, system scope: every program's host writes come before)
-        host = tl.load(host_addr_ptr + 1).to(tl.pointer_type(tl.int32))
-        tl.store(host, 1)
+def _host_done(done_ptr, P, host_addr_ptr, counts_ptr, per_expert_ptr, R, me, L, BLOCK: tl.constexpr,
+               R_POW2: tl.constexpr):
+    """This program's part of what the host reads is written (the exchange's counts, an error's host mirror): the
+    last of the ``P`` programs to get here writes the host's words, the address ``host_addr_ptr[0]``:
+    ``[rank_prefix_matrix[:, me] (R)][received rows per local expert (L)]`` (from ``counts[R][R]`` and
+    ``per_expert[R][L]``, which every rank program wrote before its ticket), then sets the done word (address
+    ``host_addr_ptr[1]``) to 1. The host cleared it before the launch and polls it, so a synchronised dispatch's host
+    resumes once the counts and the checks are in, not at the kernel's end (the handle's prefixes and ``send_head``
+    come after, in the rank programs), and reads its sums as they are.
+
+    Example (R = 2, me = 1, counts = [[3, 1], [2, 4]], per_expert = [[1, 0], [3, 1]]): ``[1, 5, 4, 1]``."""
+    if ticket_last_n(done_ptr, P):  # (acquire-release, system scope: every program's writes come before)
+        host = tl.load(host_addr_ptr).to(tl.pointer_type(tl.int32))
+        rr = tl.arange(0, R_POW2)
+        col = tl.load(counts_ptr + rr * R + me, mask=rr < R, other=0)
+        tl.store(host + rr, tl.cumsum(col, 0), mask=rr < R)
+        for l0 in range(0, L, BLOCK):
+            ll = l0 + tl.arange(0, BLOCK)
+            m = (rr[:, None] < R) & (ll[None, :] < L)
+            pe = tl.load(per_expert_ptr + rr[:, None] * L + ll[None, :], mask=m, other=0)
+            tl.store(host + R + ll, tl.sum(pe, 0), mask=ll < L)
+        tl.debug_barrier()
+        fence_sys()  # (the words before the done word, for the host that polls it)
+        tl.store(tl.load(host_addr_ptr + 1).to(tl.pointer_type(tl.int32)), 1)
 
 
 @triton.jit
 def _notify_exchange(pid, P, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_chan, ptr_table, flags_off, meta_off,
                      meta_parity_bytes, meta_src_bytes, list_off, list_parity_bytes, list_src_bytes, nctr_ptr, cpm_ptr,
                      counts_ptr, per_expert_ptr, chan_ptr, tok_ptr, src_lists_ptr, src_lists_stride, err_ptr,
-                     timeout_ns, host_addr_ptr, BLOCK: tl.constexpr, R_POW2: tl.constexpr, HOST_COUNTS: tl.constexpr,
-                     HAS_TIMER: tl.constexpr):
+                     timeout_ns, BLOCK: tl.constexpr, R_POW2: tl.constexpr, HAS_TIMER: tl.constexpr):
     """Rank program ``pid`` of ``P``'s share of ``_dispatch_notify_kernel``'s exchange with ranks ``pid, pid + P,
     ...`` (their sends, then their receives), then the wait for every rank's part. Returns the notify counter
     at the call's start (``n0``)."""
@@ -340,8 +347,8 @@ def _notify_exchange(pid, P, is_in_ptr, T, R, me, ntpr_ptr, ntpe_ptr, L, C, per_
         n = tl.load(nctr_ptr + j)
         _notify_recv(j, n, R, me, L, C, ptr_table, meta_off, list_off, flags_off, n & 1, meta_parity_bytes,
                      meta_src_bytes, list_parity_bytes, list_src_bytes, nctr_ptr, counts_ptr, per_expert_ptr,
-                     chan_ptr, tok_ptr, src_lists_ptr, src_lists_stride, err_ptr, timeout_ns, host_addr_ptr,
-                     BLOCK, R_POW2, HOST_COUNTS, HAS_TIMER)
+                     chan_ptr, tok_ptr, src_lists_ptr, src_lists_stride, err_ptr, timeout_ns,
+                     BLOCK, R_POW2, HAS_TIMER)
     for i in range(0, R):
         wait_ge(peer_ptr(ptr_table, me, flags_off + (NOTIFY * R + i) * 4, tl.int32), n0 + 1, err_ptr, 1, i,
                 timeout_ns, HAS_TIMER)

@@ -156,6 +156,12 @@ def run(T, K, E, bad, start):
                 done = got[fused]["host"][-1].item()
                 assert done == (0 if worst else 1), f"done word {done} after {where} fused {fused}"
                 assert rig.done.item() == 0, f"done ticket {rig.done.item()} after {where} fused {fused}"
+                if not worst:  # the host's words: rank_prefix_matrix[:, me], then the rows per local expert
+                    lay = [layout.dispatch_layout(tk, E, R) for tk in topks]
+                    lx = E // R
+                    want = torch.cat([torch.stack([la[0][me] for la in lay]).cumsum(0),
+                                      sum(la[1][me * lx:(me + 1) * lx] for la in lay)]).to(torch.int32)
+                    assert_bitwise(got[fused]["host"][:R + lx], want, f"host words {where} fused {fused}")
 
 
 def main() -> None:
