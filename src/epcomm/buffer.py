@@ -208,8 +208,17 @@ class Buffer(LowLatencyMethods):
         one node, as in DeepEP. A backend with a layout kernel (``dispatch_layout``) computes the same
         values in one launch."""
         self._check_alive()
-        V.num_experts(num_experts, self.group_size)
-        V.topk_idx(topk_idx, None, num_experts, self.device, check_values=self._host_checks)
+        key = None
+        if not self._host_checks and type(num_experts) is int:
+            try:  # a repeat of a kind checked before skips the checks (they read nothing but the key's parts)
+                key = ("layout", self._sigs(topk_idx), num_experts)
+            except (AttributeError, TypeError):  # not a tensor: the checks say so
+                key = None
+        if key is None or key not in self._checked:
+            V.num_experts(num_experts, self.group_size)
+            V.topk_idx(topk_idx, None, num_experts, self.device, check_values=self._host_checks)
+            if key is not None and len(self._checked) < 4096:
+                self._checked.add(key)
         kernel, per_node_of = self._backend.dispatch_layout, self._rt.ranks_per_node
 
         def fn():

@@ -258,7 +258,9 @@ def _report(got: dict[str, Counts], title: str) -> None:
 # BF16 18/54/9/4/1/1, cached 6/31/1/2/0/0, num_worst_tokens 17/54/9/3/0/0, combine 7/35/2/2/0/0, dispatch
 # FP8 22/65/10/4/1/1 (the bf16 async ones 18/66/9/4/1/6 and 7/39/2/2/0/5).
 BUFFER_BOUND = {
-    "layout": (3, 10, 3, 1, 0, 0),  # the layout kernel and its three outputs
+    # the layout kernel and its three outputs; a repeat's kind by its signature (5 reads here, one C++ call on a
+    # GPU host, native.key_functions) in place of its checks
+    "layout": (3, 11, 3, 1, 0, 0),
     # the outputs (handle: 4, rows, ids, weights, sources) and two launches (the exchange with the handle;
     # the gather that pushes); the signature of the kind (5 reads a tensor), the launches' addresses
     "dispatch bf16": (8, 46, 8, 2, 1, 0),
@@ -325,3 +327,19 @@ def test_counting_sees_each_kind_of_work(monkeypatch):
     assert (c.meta, c.allocs, c.syncs, c.streams) == (1, 2, 1, 1), (c.row(), c.log)
     assert c.ops == 5 and c.launches == 2, (c.row(), c.log)  # view, empty, add_, sum, item; add_ and sum run
     assert collections.Counter(line.split()[0] for line in c.log)["view"] == 1
+
+
+def test_a_repeat_layout_still_refuses_bad_arguments(bufs):
+    """A repeat of ``get_dispatch_layout`` skips its checks only for the kind they passed for (the key holds what they
+    read): after good calls, other dtypes, shapes or expert counts are still refused, by name."""
+    buf, a = bufs[0], _args()
+    for _ in range(2):
+        buf.get_dispatch_layout(a.topk_idx, E)
+    with pytest.raises(TypeError, match="topk_idx must have dtype torch.int64"):
+        buf.get_dispatch_layout(a.topk_idx.to(torch.int32), E)
+    with pytest.raises(ValueError, match=f"num_experts={E + 1} must be divisible"):
+        buf.get_dispatch_layout(a.topk_idx, E + 1)
+    with pytest.raises(ValueError, match="topk_idx must be 2-D"):
+        buf.get_dispatch_layout(a.topk_idx[0], E)
+    with pytest.raises(TypeError, match="num_experts must be an int"):
+        buf.get_dispatch_layout(a.topk_idx, float(E))
