@@ -215,6 +215,19 @@ def _computation_type(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod):
     return got
 
 
+# Every int32 add, sub and mul in a kernel also ran Triton's overflow check (``binary_op_sanitize_overflow_impl``:
+# the operation again in int64, two comparisons and an and: up to a fifth of a kernel's CPU here), whose condition
+# goes to ``device_assert``, which without ``debug`` returns before reading it; the interpreter's options never have
+# ``debug`` (``InterpreterOptions``: Triton 3.6 and 3.7 alike). Skipped there; anywhere else Triton's runs.
+_stock_sanitize_overflow = _semantic.binary_op_sanitize_overflow_impl
+
+
+def _sanitize_overflow(self, lhs, rhs, binary_op):
+    if self.builder is _interp.interpreter_builder and not self.builder.options.debug:
+        return
+    _stock_sanitize_overflow(self, lhs, rhs, binary_op)
+
+
 if _source_is(_interp._get_np_dtype, ("74e2c0b884e3",)):
     _interp._get_np_dtype = _get_np_dtype
 if _source_is(_core.tensor.__init__, ("1f20709236e6",)) and _source_is(_core.tuple.__init__, ("7a3fe25df4c0",)):
@@ -235,3 +248,5 @@ if _source_is(_core.dtype.is_int, ("4942002a9879",)) and all(
 if _source_is(_stock_computation_type, ("cd80b9e67a04",)) and _source_is(_semantic.integer_promote_impl,
                                                                          ("a61559f10110",)):
     _semantic.computation_type_impl = _computation_type
+if _source_is(_stock_sanitize_overflow, ("15efd5227d86",)) and _source_is(_semantic.device_assert, ("2fc22f98a002",)):
+    _semantic.binary_op_sanitize_overflow_impl = _sanitize_overflow
