@@ -194,7 +194,8 @@ def _set_up(ctx):
 def test_interpreter_ranks_fork_from_a_server_of_their_own(monkeypatch):
     """A launch for the interpreter's server forks its ranks from it, set up (another parent than the session's
     server's ranks have, the interpreter and the kernels there before the target runs); TorchInductor's variables
-    are read at that server's imports: one set since makes its launches spawn, not the others."""
+    are read at that server's imports: one set since makes its launches spawn, not the others; but its cache
+    directory, which it reads when used and sets itself at its first use (a test that compiles does)."""
     import os
 
     import harness
@@ -210,6 +211,9 @@ def test_interpreter_ranks_fork_from_a_server_of_their_own(monkeypatch):
     parents = {got[0] for got in plain}, {got[0] for got in interpreted}
     assert len(parents[0]) == len(parents[1]) == 1 and parents[0] != parents[1], parents
     assert os.getpid() not in parents[0] | parents[1], parents
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/nonexistent/epcomm-test")
+    got = parallel_launch(2, _set_up, backend="gloo", timeout_s=120, server=harness.INTERPRETER)
+    assert {g[0] for g in got} == parents[1] and all(g[1:] == (True, True) for g in got), got
     monkeypatch.setenv("TORCHINDUCTOR_EPCOMM_TEST", "1")
     assert parallel_launch(2, _set_up, backend="gloo", timeout_s=120)[0][0] == parents[0].pop()
     for got in parallel_launch(2, _set_up, backend="gloo", timeout_s=120, server=harness.INTERPRETER):

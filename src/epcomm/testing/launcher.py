@@ -225,10 +225,13 @@ _START_UP = "EPCOMM_AS_DEEP_EP"
 # ``forkserver.connect_to_new_process`` while its ranks start.
 _NAMED: dict[str, tuple[Any, dict[str, str], tuple[str, ...]]] = {}
 _STARTING = threading.Lock()
+# read when used, never at import, and set by torch itself at its first use (TorchInductor's cache_dir())
+_READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR",)
 
 
 def _read_in_rank(name: str, read_at_import: tuple[str, ...] = ()) -> bool:
-    return name.startswith(_READ_IN_RANK) and name != _START_UP and not name.startswith(read_at_import)
+    return name.startswith(_READ_IN_RANK) and name != _START_UP and (
+        not name.startswith(read_at_import) or name in _READ_WHEN_USED)
 
 
 def fork_from_server(preload: tuple[str, ...] = (), name: str = "", read_at_import: tuple[str, ...] = ()) -> bool:
