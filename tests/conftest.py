@@ -13,8 +13,10 @@ pytest's default ``prepend`` import mode (``--import-mode=importlib`` breaks spa
 
 Without CUDA (CI), every launch whose environment is the session's forks its ranks from one server process
 that imported torch, pytest and epcomm once (``launcher.fork_from_server``): a rank then starts in a fraction of
-a second instead of importing them itself (about 2 s of CPU a rank, 130 ranks a run). With CUDA the ranks spawn, as
-a user's launches do.
+a second instead of importing them itself (about 2 s of CPU a rank, 130 ranks a run). The launches whose ranks run
+the kernels under the Triton interpreter fork from a second server, which has also set up the interpreter, loaded
+and rewritten every kernel and imported TorchDynamo (``epcomm.testing.interp_server``, ``harness.INTERPRETER``):
+0.3-0.4 s of CPU a rank, 1.5 s where it imports TorchDynamo, about 70 ranks a run. With CUDA the ranks spawn, as a user's launches do.
 
 Progress: whatever the verbosity (CI runs ``-q``, whose dots can stand still for a minute), a line as each test
 file ends names it with its tests' count and time and the session's clock, and a test that runs 30 s without any
@@ -41,6 +43,8 @@ if _DIST not in sys.path:
 
 
 def _fork_ranks_from_a_server() -> None:
+    import importlib.util
+
     import torch
 
     from epcomm.testing import launcher
@@ -48,7 +52,14 @@ def _fork_ranks_from_a_server() -> None:
     if not torch.cuda.is_available():
         # what most tier-2 modules import besides torch and epcomm (harness reads the environment at import:
         # not here), about 0.8 s of a rank's start on a loaded 2-core machine
-        launcher.fork_from_server(preload=("pytest", "epcomm.testing.inputs", "epcomm.testing.compare"))
+        preload = ("pytest", "epcomm.testing.inputs", "epcomm.testing.compare")
+        launcher.fork_from_server(preload=preload)
+        if importlib.util.find_spec("triton") is not None:
+            # the ranks that run the kernels under the Triton interpreter (harness.INTERPRETER): the interpreter,
+            # the kernels and TorchDynamo loaded (epcomm.testing.interp_server; TorchInductor's variables are read
+            # there, at import)
+            launcher.fork_from_server(preload=(*preload, "epcomm.testing.interp_server"), name="interpreter",
+                                      read_at_import=("TORCHINDUCTOR_",))
 
 
 _fork_ranks_from_a_server()

@@ -152,12 +152,18 @@ def launch_cached(fn: Callable, world_size: int):
     return _launch(fn, world_size)
 
 
+# The fork server of the ranks that run the kernels under the Triton interpreter (tests/conftest.py starts it without
+# CUDA; elsewhere, or where a launch's environment differs from its own, the ranks start as any launch's do)
+INTERPRETER = "interpreter"
+
+
 @functools.cache
 def launch_gloo_once(fn: Callable, world_size: int, *args, timeout_s: float = LAUNCH_TIMEOUT_S):
     """``fn(ctx, *args)`` on ``world_size`` CPU processes on gloo whatever this run's transport (checks on
-    simulated devices), once per pytest session: its result (or ``RankError``) for ``report``."""
+    simulated devices: the kernels under the Triton interpreter, ``INTERPRETER``), once per pytest session: its
+    result (or ``RankError``) for ``report``."""
     try:
-        return parallel_launch(world_size, fn, *args, timeout_s=timeout_s, backend="gloo")
+        return parallel_launch(world_size, fn, *args, timeout_s=timeout_s, backend="gloo", server=INTERPRETER)
     except RankError as e:
         return e
 

@@ -13,6 +13,7 @@ import os
 import sys
 import uuid
 
+import harness
 import pytest
 
 from epcomm.testing.launcher import parallel_launch
@@ -80,7 +81,8 @@ def _run(ctx, tag):
 
 
 def test_nvlink_contiguous_combine_with_weights_packs_nothing_and_is_bitwise_the_reference():
-    res = parallel_launch(2, _run, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
+    res = parallel_launch(2, _run, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300,
+                          server=harness.INTERPRETER)
     for rank, got in enumerate(res):
         for (k, sync, layout, with_w), (packs, transports, own_moved) in got.items():
             in_place = (k % 4 == 0 or not with_w) and layout != "unaligned"

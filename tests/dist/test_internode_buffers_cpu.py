@@ -8,6 +8,7 @@ import importlib.util
 import os
 import uuid
 
+import harness
 import pytest
 
 from epcomm.testing.launcher import parallel_launch
@@ -57,4 +58,5 @@ def _sizes(ctx, tag):
 
 def test_local_buffers_are_views_and_each_byte_is_reserved_once(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # (the spawned ranks inherit it)
-    assert parallel_launch(2, _sizes, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300) == [True, True]
+    assert parallel_launch(2, _sizes, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300,
+                           server=harness.INTERPRETER) == [True, True]

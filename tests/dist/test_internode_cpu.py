@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import uuid
 
+import harness
 import pytest
 
 from epcomm.testing.launcher import parallel_launch
@@ -59,7 +60,8 @@ def _pingpong(ctx, tag, nbytes):
 @functools.cache
 def _orders():
     """One launch for the tests below (each ordering is a few seconds; starting the ranks is more)."""
-    return parallel_launch(2, _pingpong, uuid.uuid4().hex[:12], 64 << 10, backend="gloo", timeout_s=300)
+    return parallel_launch(2, _pingpong, uuid.uuid4().hex[:12], 64 << 10, backend="gloo", timeout_s=300,
+                           server=harness.INTERPRETER)
 
 
 @needs_triton
@@ -119,7 +121,8 @@ def _selection(ctx, tag):
 
 @needs_triton
 def test_virtual_nodes_selection_and_loopback():
-    res = parallel_launch(2, _selection, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300)
+    res = parallel_launch(2, _selection, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300,
+                          server=harness.INTERPRETER)
     for nodes, how, forced, auto, bad, err in res:
         assert nodes == [0, 1] and "2 virtual node(s) of 1 rank(s)" in how
         assert forced == "EPCOMM_BACKEND=internode cannot run here: the group is not on CUDA (gloo/CPU tensors)"

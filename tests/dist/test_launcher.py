@@ -179,3 +179,43 @@ def test_ranks_fork_from_the_server_with_the_launchs_variables_and_spawn_for_sta
     monkeypatch.setenv("EPCOMM_AS_DEEP_EP", "1")
     for got in parallel_launch(2, _start_up, backend="gloo", timeout_s=60):
         assert got[0] == os.getpid() and got[1:] == (here, "17", "1", True, False), got
+
+
+def _set_up(ctx):
+    """This rank's parent process and whether it started with the interpreter and a kernel module loaded and a
+    kernel rewritten (the interpreter's server, ``epcomm.testing.interp_server``, does those)."""
+    import os
+    import sys
+
+    kernels = sys.modules.get("epcomm.kernels.ht_layout")
+    rewritten = kernels is not None and kernels._layout_kernel.fn in type(kernels._layout_kernel).rewritten_fn
+    return os.getppid(), "epcomm.testing.interp" in sys.modules, rewritten
+
+
+def test_interpreter_ranks_fork_from_a_server_of_their_own(monkeypatch):
+    """A launch for the interpreter's server forks its ranks from it, set up (another parent than the session's
+    server's ranks have, the interpreter and the kernels there before the target runs); TorchInductor's variables
+    are read at that server's imports: one set since makes its launches spawn, not the others; but its cache
+    directory, which it reads when used and sets itself at its first use (a test that compiles does)."""
+    import os
+
+    import harness
+
+    from epcomm.testing import launcher
+
+    if launcher._SERVER_ENV is None or harness.INTERPRETER not in launcher._NAMED:
+        pytest.skip("no fork server for the interpreter's ranks (tests/conftest.py: none with CUDA or without Triton)")
+    plain = parallel_launch(2, _set_up, backend="gloo", timeout_s=120)
+    interpreted = parallel_launch(2, _set_up, backend="gloo", timeout_s=120, server=harness.INTERPRETER)
+    assert all(got[1:] == (False, False) for got in plain), plain
+    assert all(got[1:] == (True, True) for got in interpreted), interpreted
+    parents = {got[0] for got in plain}, {got[0] for got in interpreted}
+    assert len(parents[0]) == len(parents[1]) == 1 and parents[0] != parents[1], parents
+    assert os.getpid() not in parents[0] | parents[1], parents
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/nonexistent/epcomm-test")
+    got = parallel_launch(2, _set_up, backend="gloo", timeout_s=120, server=harness.INTERPRETER)
+    assert {g[0] for g in got} == parents[1] and all(g[1:] == (True, True) for g in got), got
+    monkeypatch.setenv("TORCHINDUCTOR_EPCOMM_TEST", "1")
+    assert parallel_launch(2, _set_up, backend="gloo", timeout_s=120)[0][0] == parents[0].pop()
+    for got in parallel_launch(2, _set_up, backend="gloo", timeout_s=120, server=harness.INTERPRETER):
+        assert got == (os.getpid(), False, False), got

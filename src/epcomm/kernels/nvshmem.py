@@ -46,13 +46,6 @@ import triton.language as tl
 from . import nvshmem_sim as _sim
 from .common import wait_ge
 
-try:  # the bindings exist only where torch sees Triton and CUDA
-    from torch.distributed._symmetric_memory import _nvshmem_triton as _nv
-
-    _HAVE = hasattr(_nv, "putmem_signal_block")
-except ImportError:  # pragma: no cover - torch without symmetric memory
-    _nv, _HAVE = None, False
-
 SIGNAL_ADD = tl.constexpr(5)  # NVSHMEM_SIGNAL_ADD
 COPY_BLOCK = tl.constexpr(1024)  # bytes per step of the simulated copy
 
@@ -65,6 +58,22 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"  # pragma: no cover - Triton before knobs
 
 
+def _bindings():
+    """torch's NVSHMEM Triton bindings and whether they are usable (they exist only where torch sees Triton and
+    CUDA)."""
+    try:
+        from torch.distributed._symmetric_memory import _nvshmem_triton as nv
+    except ImportError:  # pragma: no cover - torch without symmetric memory
+        return None, False
+    return nv, hasattr(nv, "putmem_signal_block")
+
+
+# Compiled, the kernels name ``_nv`` in their GPU branches (Triton's dependency walk visits them): imported now.
+# Interpreted, those branches never run, and importing the bindings imports TorchDynamo (about 2 s of CPU in every
+# process that runs the kernels on CPU): they are imported when ``available()`` or ``nvshmem_kernel`` first asks.
+_nv, _HAVE = (None, None) if _interpreted() else _bindings()
+
+
 # The weak simulation (``nvshmem_sim``: Python, so only under the interpreter). Its calls are written
 # ``getattr(_sim, "name")(...)``: Triton's dependency walk, which visits dead branches too, accepts a
 # module and the getattr builtin but not a plain Python function (hence ``noqa: B009``).
@@ -73,6 +82,9 @@ WEAK = tl.constexpr(_interpreted())
 
 def available() -> bool:
     """Whether torch's NVSHMEM Triton bindings are importable here (a GPU build of torch with Triton)."""
+    global _nv, _HAVE
+    if _HAVE is None:
+        _nv, _HAVE = _bindings()
     return _HAVE
 
 
@@ -91,7 +103,7 @@ def nvshmem_kernel(fn, sim: bool):
                          "initialisation for NVSHMEM fails on a module without NVSHMEM symbols)")
     if sim:
         return fn
-    if not _HAVE:
+    if not available():
         raise ImportError("torch's NVSHMEM Triton bindings are unavailable (torch.distributed._symmetric_memory."
                           "_nvshmem_triton needs a CUDA build of torch with Triton and the nvidia-nvshmem wheel)")
     return _nv.requires_nvshmem(fn)

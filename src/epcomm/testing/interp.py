@@ -3,12 +3,15 @@ Triton loads), and a fix for Triton 3.6's interpreter under NumPy 2 (a kernel's 
 1-element arrays there, and ``int()`` of one raises), so the stock wheel runs the kernels unpatched; and
 replacements of a few of Triton's functions that give the same results in less time (below: the tests run every
 kernel under the interpreter, its Python per program the larger part of their CPU)."""
+import ast as _ast
 import builtins as _builtins
 import hashlib as _hashlib
 import inspect as _inspect
 import math as _math
 import os
 import textwrap as _textwrap
+
+import numpy as _np
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -215,6 +218,69 @@ def _computation_type(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod):
     return got
 
 
+# Every int32 add, sub and mul in a kernel also ran Triton's overflow check (``binary_op_sanitize_overflow_impl``:
+# the operation again in int64, two comparisons and an and: up to a fifth of a kernel's CPU here), whose condition
+# goes to ``device_assert``, which without ``debug`` returns before reading it; the interpreter's options never have
+# ``debug`` (``InterpreterOptions``: Triton 3.6 and 3.7 alike). Skipped there; anywhere else Triton's runs.
+_stock_sanitize_overflow = _semantic.binary_op_sanitize_overflow_impl
+
+
+def _sanitize_overflow(self, lhs, rhs, binary_op):
+    if self.builder is _interp.interpreter_builder and not self.builder.options.debug:
+        return
+    _stock_sanitize_overflow(self, lhs, rhs, binary_op)
+
+
+# A reduction whose combine function is not one of Triton's own (sum, min, max, argmin, argmax) runs element by
+# element in Python (``ReduceOps.generic_reduce``: two tl tensors and a call of the combine per element): most of
+# the layout kernel's time under the interpreter, for ``tl.reduce(bits, 1, _or)``. A combine that is the bitwise or
+# of its two arguments, on an integer tensor, is NumPy's ``bitwise_or.reduce`` over the same axis instead (or is
+# exact, associative and commutative: the same bits in any order), its result shaped as Triton's loop shapes it.
+_or_combines: dict = {}  # a combine's Python function -> whether it is ``return a | b`` of its two arguments
+
+
+def _is_or_combine(combine_fn) -> bool:
+    fn = getattr(combine_fn, "fn", None)
+    got = _or_combines.get(fn)
+    if got is None:
+        try:
+            tree = _ast.parse(_textwrap.dedent(_inspect.getsource(fn)))
+        except (OSError, TypeError, SyntaxError):
+            tree = None
+        got = _or_combines[fn] = tree is not None and _returns_or_of_args(tree.body[0])
+    return got
+
+
+def _returns_or_of_args(node) -> bool:
+    if not isinstance(node, _ast.FunctionDef):
+        return False
+    a = node.args
+    names = [x.arg for x in a.args]
+    if len(names) != 2 or a.posonlyargs or a.kwonlyargs or a.vararg or a.kwarg or a.defaults:
+        return False
+    body = [b for b in node.body if not (isinstance(b, _ast.Expr) and isinstance(b.value, _ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], _ast.Return):
+        return False
+    v = body[0].value
+    return (isinstance(v, _ast.BinOp) and isinstance(v.op, _ast.BitOr) and isinstance(v.left, _ast.Name)
+            and isinstance(v.right, _ast.Name) and sorted([v.left.id, v.right.id]) == sorted(names))
+
+
+_stock_reduce = _interp.ReduceOps.apply_impl
+
+
+def _reduce(self, input):
+    if len(input) == 1 and input[0].handle.data.dtype.kind in "iub" and _is_or_combine(self.combine_fn):
+        data, axis = input[0].handle.data, self.axis
+        if axis is None:  # (Triton's loop reduces the flattened tensor)
+            data, axis = data.reshape(-1), 0
+        out = _np.bitwise_or.reduce(data, axis=axis, keepdims=self.keep_dims)
+        if self.axis is None and not self.keep_dims:
+            out = out.item()
+        return [self.to_tensor(out, input[0].dtype)]
+    return _stock_reduce(self, input)
+
+
 if _source_is(_interp._get_np_dtype, ("74e2c0b884e3",)):
     _interp._get_np_dtype = _get_np_dtype
 if _source_is(_core.tensor.__init__, ("1f20709236e6",)) and _source_is(_core.tuple.__init__, ("7a3fe25df4c0",)):
@@ -235,3 +301,8 @@ if _source_is(_core.dtype.is_int, ("4942002a9879",)) and all(
 if _source_is(_stock_computation_type, ("cd80b9e67a04",)) and _source_is(_semantic.integer_promote_impl,
                                                                          ("a61559f10110",)):
     _semantic.computation_type_impl = _computation_type
+if _source_is(_stock_sanitize_overflow, ("15efd5227d86",)) and _source_is(_semantic.device_assert, ("2fc22f98a002",)):
+    _semantic.binary_op_sanitize_overflow_impl = _sanitize_overflow
+if _source_is(_stock_reduce, ("9cbe77b5a383",)) and _source_is(_interp.ReduceOps.generic_reduce, ("fe610506de59",)) \
+        and _source_is(_interp.ReduceScanOpInterface.to_tensor, ("621374e23c55",)):
+    _interp.ReduceOps.apply_impl = _reduce
