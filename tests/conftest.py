@@ -11,12 +11,14 @@ CI runs tiers 1-2: ``python -m pytest -q tests/unit tests/dist``. Spawned ranks 
 target by module name, so the test modules must be importable by name in a child process: keep
 pytest's default ``prepend`` import mode (``--import-mode=importlib`` breaks spawning).
 
-Without CUDA (CI), every launch whose environment is the session's forks its ranks from one server process
-that imported torch, pytest and epcomm once (``launcher.fork_from_server``): a rank then starts in a fraction of
-a second instead of importing them itself (about 2 s of CPU a rank, 130 ranks a run). The launches whose ranks run
-the kernels under the Triton interpreter fork from a second server, which has also set up the interpreter, loaded
-and rewritten every kernel and imported TorchDynamo (``epcomm.testing.interp_server``, ``harness.INTERPRETER``):
-0.3-0.4 s of CPU a rank, 1.5 s where it imports TorchDynamo, about 70 ranks a run. With CUDA the ranks spawn, as a user's launches do.
+Without CUDA (CI), every launch whose environment is the session's forks its ranks from one server process that
+imported torch, pytest and epcomm once (``launcher.fork_from_server``): a rank then starts in a fraction of a
+second instead of importing them itself (about 2 s of CPU a rank, 130 ranks a run). Megatron-Core's ranks (6 a run,
+5.5 s of CPU each to start) fork from a server started with the switch ``EPCOMM_AS_DEEP_EP=1`` that imported
+Megatron-Core (``MEGATRON`` below). The launches whose ranks run the kernels under the Triton interpreter fork from
+another server, which has also set up the interpreter, loaded and rewritten every kernel and imported TorchDynamo
+(``epcomm.testing.interp_server``, ``harness.INTERPRETER``): 0.3-0.4 s of CPU a rank, 1.5 s where it imports
+TorchDynamo, about 70 ranks a run. With CUDA the ranks spawn, as a user's launches do.
 
 Progress: whatever the verbosity (CI runs ``-q``, whose dots can stand still for a minute), a line as each test
 file ends names it with its tests' count and time and the session's clock, and a test that runs 30 s without any
@@ -42,6 +44,15 @@ if _DIST not in sys.path:
     sys.path.insert(0, _DIST)
 
 
+# the Megatron-Core modules that tests/dist/test_clients_megatron.py's ranks import
+MEGATRON = ("megatron.core.transformer.moe.fused_a2a", "megatron.core.parallel_state",
+            "megatron.core.transformer.transformer_config", "megatron.core.tensor_parallel.layers",
+            "megatron.core.transformer.mlp", "megatron.core.transformer.moe.experts",
+            "megatron.core.transformer.moe.moe_layer", "megatron.core.transformer.moe.router",
+            "megatron.core.transformer.moe.token_dispatcher", "megatron.core.transformer.spec_utils",
+            "megatron.core.transformer.moe.moe_utils")
+
+
 def _fork_ranks_from_a_server() -> None:
     import importlib.util
 
@@ -54,12 +65,17 @@ def _fork_ranks_from_a_server() -> None:
         # not here), about 0.8 s of a rank's start on a loaded 2-core machine
         preload = ("pytest", "epcomm.testing.inputs", "epcomm.testing.compare")
         launcher.fork_from_server(preload=preload)
+        # servers of their own, each started by its first launch (epcomm.testing.fork_servers; TorchInductor's
+        # variables are read at their imports). The ranks that run the kernels under the Triton interpreter
+        # (harness.INTERPRETER): the interpreter, the kernels and TorchDynamo loaded (epcomm.testing.interp_server).
         if importlib.util.find_spec("triton") is not None:
-            # the ranks that run the kernels under the Triton interpreter (harness.INTERPRETER): the interpreter,
-            # the kernels and TorchDynamo loaded (epcomm.testing.interp_server; TorchInductor's variables are read
-            # there, at import)
             launcher.fork_from_server(preload=(*preload, "epcomm.testing.interp_server"), name="interpreter",
                                       read_at_import=("TORCHINDUCTOR_",))
+        # Megatron-Core's ranks (harness.MEGATRON): the switch on from the server's start-up, the Megatron-Core
+        # modules they import imported (epcomm.testing.preload)
+        launcher.fork_from_server(preload=(*preload, "epcomm.testing.preload"), name="megatron",
+                                  read_at_import=("TORCHINDUCTOR_",),
+                                  environ={"EPCOMM_AS_DEEP_EP": "1", "EPCOMM_TEST_PRELOAD": ",".join(MEGATRON)})
 
 
 _fork_ranks_from_a_server()

@@ -138,23 +138,26 @@ def skip_unless_launchable(world_size: int) -> None:
 
 
 @functools.cache
-def _launch(fn, world_size: int):
+def _launch(fn, world_size: int, server: str):
     try:
-        return parallel_launch(world_size, fn, timeout_s=LAUNCH_TIMEOUT_S, backend=TRANSPORT)
+        return parallel_launch(world_size, fn, timeout_s=LAUNCH_TIMEOUT_S, backend=TRANSPORT, server=server)
     except RankError as e:
         return e
 
 
-def launch_cached(fn: Callable, world_size: int):
+def launch_cached(fn: Callable, world_size: int, server: str = ""):
     """``fn(ctx)`` on ``world_size`` ranks of this run's transport, once per (fn, world size) per
-    pytest session; skips the test where the transport cannot run ``world_size`` ranks."""
+    pytest session; skips the test where the transport cannot run ``world_size`` ranks. ``server``: the fork
+    server its ranks start from where they fork (``MEGATRON``; tests/conftest.py)."""
     skip_unless_launchable(world_size)
-    return _launch(fn, world_size)
+    return _launch(fn, world_size, server)
 
 
 # The fork server of the ranks that run the kernels under the Triton interpreter (tests/conftest.py starts it without
 # CUDA; elsewhere, or where a launch's environment differs from its own, the ranks start as any launch's do)
 INTERPRETER = "interpreter"
+# The fork server of Megatron-Core's ranks: started with the switch EPCOMM_AS_DEEP_EP=1, Megatron-Core imported
+MEGATRON = "megatron"
 
 
 @functools.cache

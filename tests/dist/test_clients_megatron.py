@@ -1,10 +1,11 @@
-"""Tier 2 (gloo on CPU, spawned processes): Megatron-Core's own DeepEP code path, unmodified, on
+"""Tier 2 (gloo on CPU, rank processes): Megatron-Core's own DeepEP code path, unmodified, on
 epcomm through the switch ``EPCOMM_AS_DEEP_EP=1`` (docs/clients.md).
 
 Megatron-Core (pinned in the ``test`` extra: 0.16.1 on Python 3.11, the newest release, 0.19.2, on 3.12, which
-it requires; ``test_clients_py312.py`` runs this file there) imports ``deep_ep`` at import time; the ranks are fresh
-interpreters started with the switch in their environment, so the ``.pth`` hook installed with epcomm
-answers that import. Checks, on 2 and 4 ranks:
+it requires; ``test_clients_py312.py`` runs this file there) imports ``deep_ep`` at import time; the ranks start
+from an interpreter started with the switch in its environment, so the ``.pth`` hook installed with epcomm
+answers that import: the fork server ``harness.MEGATRON`` (tests/conftest.py), which imported Megatron-Core so, or
+where there is none (CUDA), fresh interpreters. Checks, on 2 and 4 ranks:
 
 - ``switch``: ``fused_a2a.HAVE_DEEP_EP`` is True with epcomm's ``Buffer``; ``HAVE_HYBRIDEP`` False.
 - ``fused_a2a``: ``fused_dispatch`` / ``fused_combine`` forward and backward, synchronous and with
@@ -407,4 +408,4 @@ def test_megatron(world_size, name):
     missing = _megatron_missing()
     if missing:
         pytest.fail(missing)
-    harness.report(harness.launch_cached(_rank, world_size), name)
+    harness.report(harness.launch_cached(_rank, world_size, server=harness.MEGATRON), name)

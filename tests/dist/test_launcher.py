@@ -168,9 +168,9 @@ def test_ranks_fork_from_the_server_with_the_launchs_variables_and_spawn_for_sta
     spawns: a fresh interpreter, whose start-up hook sees it."""
     import os
 
-    from epcomm.testing import launcher
+    from epcomm.testing import fork_servers
 
-    if launcher._SERVER_ENV is None:
+    if not fork_servers.running():
         pytest.skip("this session spawns every rank (with CUDA, tests/conftest.py starts no fork server)")
     here = os.environ["PYTEST_CURRENT_TEST"]
     monkeypatch.setenv("EPCOMM_TIMEOUT_S", "17")
@@ -201,9 +201,9 @@ def test_interpreter_ranks_fork_from_a_server_of_their_own(monkeypatch):
 
     import harness
 
-    from epcomm.testing import launcher
+    from epcomm.testing import fork_servers
 
-    if launcher._SERVER_ENV is None or harness.INTERPRETER not in launcher._NAMED:
+    if not fork_servers.running(harness.INTERPRETER):
         pytest.skip("no fork server for the interpreter's ranks (tests/conftest.py: none with CUDA or without Triton)")
     plain = parallel_launch(2, _set_up, backend="gloo", timeout_s=120)
     interpreted = parallel_launch(2, _set_up, backend="gloo", timeout_s=120, server=harness.INTERPRETER)
@@ -219,3 +219,34 @@ def test_interpreter_ranks_fork_from_a_server_of_their_own(monkeypatch):
     assert parallel_launch(2, _set_up, backend="gloo", timeout_s=120)[0][0] == parents[0].pop()
     for got in parallel_launch(2, _set_up, backend="gloo", timeout_s=120, server=harness.INTERPRETER):
         assert got == (os.getpid(), False, False), got
+
+
+def _switch_and_megatron(ctx):
+    import os
+    import sys
+
+    import _epcomm_as_deep_ep as hook
+
+    return os.getppid(), hook.installed(), "megatron.core.transformer.moe.fused_a2a" in sys.modules
+
+
+def test_megatron_ranks_fork_from_a_server_started_with_the_switch(monkeypatch):
+    """Megatron-Core's server starts with EPCOMM_AS_DEEP_EP=1 whatever this process's environment (its first launch
+    here has none): a launch without the switch spawns (the server's start-up does not hold for it), one with it
+    forks from the server (epcomm's start-up hook installed there, as at a fresh interpreter's start-up,
+    Megatron-Core imported)."""
+    import importlib.util
+    import os
+
+    import harness
+
+    from epcomm.testing import fork_servers
+
+    if not fork_servers.running(harness.MEGATRON) or importlib.util.find_spec("megatron") is None:
+        pytest.skip("no fork server for Megatron-Core's ranks, or no Megatron-Core")
+    monkeypatch.delenv("EPCOMM_AS_DEEP_EP", raising=False)
+    got = parallel_launch(2, _switch_and_megatron, backend="gloo", timeout_s=120, server=harness.MEGATRON)
+    assert all(g == (os.getpid(), False, False) for g in got), got
+    monkeypatch.setenv("EPCOMM_AS_DEEP_EP", "1")
+    got = parallel_launch(2, _switch_and_megatron, backend="gloo", timeout_s=120, server=harness.MEGATRON)
+    assert all(g[0] != os.getpid() and g[1:] == (True, True) for g in got), got

@@ -15,13 +15,8 @@ correctness of the multi-rank paths, its timings mean nothing.
 
 Start-up: a spawned rank is a fresh interpreter that imports torch itself, about 2 s of CPU a rank and
 a launch. After ``fork_from_server()`` (the test suite calls it, ``tests/conftest.py``), a launch forks its
-ranks from one server process that imported torch, epcomm and the modules the caller named once
-(multiprocessing's forkserver), as long as the launch's environment differs from the server's in nothing but
-variables the rank reads itself (epcomm's, pytest's, Triton's, TorchInductor's; not the start-up hook's
-``EPCOMM_AS_DEEP_EP``); a launch with any other variable set since (which the interpreter's start-up or torch's
-import may read) spawns, as before. A server of its own, by name, can hold more set-up for the launches that ask
-for it (``fork_from_server(name=...)``, ``parallel_launch(server=...)``: the tests' ranks that run the kernels
-under the Triton interpreter start with it set up, ``epcomm.testing.interp_server``).
+ranks from a server process that imported torch and epcomm once, where its environment allows
+(``epcomm.testing.fork_servers``; ``parallel_launch(server=...)`` names a server of its own); else it spawns.
 
 Under ``torchrun`` (one process per rank, on one node or many) nothing is spawned: ``env_world()`` reads
 the world torchrun put in the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
@@ -44,7 +39,6 @@ import queue
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -53,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from .fork_servers import SAFE_ENV, fork_from_server, start_method, starting  # noqa: F401  (fork_from_server: API)
 
 
 class RankError(RuntimeError):
@@ -210,89 +204,6 @@ def share_gpu(world_size: int) -> bool:
             and torch.cuda.device_count() < world_size)
 
 
-# The environment the fork server started in (``fork_from_server``), or None: every launch spawns.
-_SERVER_ENV: dict[str, str] | None = None
-# The server ran the interpreter's start-up and imported torch, epcomm and the modules its caller named, nothing
-# else: the variables of epcomm and pytest (which they read when called, never at import) and of the packages
-# it did not import (Triton, TorchInductor: tests and torch.compile set some) are read in the rank, after it
-# takes the launch's environment; but the switch that epcomm's start-up hook (epcomm_as_deep_ep.pth) reads.
-# Any other variable set or changed since makes the launch spawn.
-_READ_IN_RANK = ("EPCOMM_", "PYTEST_", "TRITON_", "TORCHINDUCTOR_")
-_START_UP = "EPCOMM_AS_DEEP_EP"
-# Servers of their own by name (``fork_from_server(name=...)``, ``parallel_launch(server=...)``): the server, the
-# environment it started in, and the prefixes of variables its imports read (a change of one since makes the launch
-# spawn). Process starts hold the lock: one of these servers is reached by rebinding multiprocessing's
-# ``forkserver.connect_to_new_process`` while its ranks start.
-_NAMED: dict[str, tuple[Any, dict[str, str], tuple[str, ...]]] = {}
-_STARTING = threading.Lock()
-# read when used, never at import, and set by torch itself at its first use (TorchInductor's cache_dir())
-_READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR",)
-
-
-def _read_in_rank(name: str, read_at_import: tuple[str, ...] = ()) -> bool:
-    return name.startswith(_READ_IN_RANK) and name != _START_UP and (
-        not name.startswith(read_at_import) or name in _READ_WHEN_USED)
-
-
-def fork_from_server(preload: tuple[str, ...] = (), name: str = "", read_at_import: tuple[str, ...] = ()) -> bool:
-    """From now on, a launch whose environment is this one (see the module doc) forks its ranks from a server
-    process that has imported torch, epcomm's package and launcher, and the modules in ``preload`` (none may
-    read the environment at import: Triton reads ``TRITON_INTERPRET``, which a rank sets), instead of spawning
-    interpreters that each import them; a rank still starts with the launch's environment and ``sys.path``,
-    and unpickles its target by module name. False where the platform has no forkserver: launches spawn.
-
-    ``name``: a server of its own instead, for the launches that ask for it (``parallel_launch(server=name)``),
-    whose ``preload`` may set up its process (``epcomm.testing.interp_server``: the Triton interpreter, every kernel
-    loaded); ``read_at_import``: prefixes of the variables its imports read (``TORCHINDUCTOR_`` where TorchInductor
-    is among them): a launch with one changed since spawns."""
-    global _SERVER_ENV
-    if "forkserver" not in mp.get_all_start_methods():
-        return False
-    from multiprocessing import forkserver
-
-    os.environ.update(SAFE_ENV)  # as every launch sets them
-    modules = ["torch", "epcomm", __name__, *preload]
-    if name:
-        if not hasattr(forkserver, "ForkServer") or not hasattr(forkserver, "connect_to_new_process"):
-            return False  # (a multiprocessing whose forkserver is not the one written against: launches spawn)
-        server = forkserver.ForkServer()
-        server.set_forkserver_preload(modules)
-        server.ensure_running()
-        _NAMED[name] = (server, dict(os.environ), tuple(read_at_import))
-        return True
-    mp.get_context("forkserver").set_forkserver_preload(modules)
-    forkserver.ensure_running()
-    _SERVER_ENV = dict(os.environ)
-    return True
-
-
-def _start_method(environ, server: str = "") -> tuple[str, Any]:
-    """("forkserver", the named server or None for the default) where that server runs and ``environ`` differs from
-    the one it started in in variables that the rank reads itself at most, else ("spawn", None)."""
-    server_obj, then, at_import = _NAMED.get(server, (None, _SERVER_ENV, ())) if server else (None, _SERVER_ENV, ())
-    if then is None:
-        return "spawn", None
-    now, then = ({k: v for k, v in env.items() if not _read_in_rank(k, at_import)} for env in (environ, then))
-    return ("forkserver", server_obj) if now == then else ("spawn", None)
-
-
-@contextlib.contextmanager
-def _starting(server_obj):
-    """Process starts, through ``server_obj`` (a named server) where given."""
-    with _STARTING:
-        if server_obj is None:
-            yield
-            return
-        from multiprocessing import forkserver
-
-        default = forkserver.connect_to_new_process
-        forkserver.connect_to_new_process = server_obj.connect_to_new_process
-        try:
-            yield
-        finally:
-            forkserver.connect_to_new_process = default
-
-
 def _stack_file(init_file: str, rank: int) -> str:
     return f"{init_file}.stack-{rank}"
 
@@ -372,7 +283,7 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
                    and (torch.cuda.device_count() >= world_size or share_gpu(world_size)) else "gloo")
     os.environ.update(SAFE_ENV)
     environ = {**(os.environ if environ is None else environ), **SAFE_ENV}
-    method, server_obj = _start_method(environ, server)
+    method, server_obj = start_method(environ, server)
     # a forked rank takes ``environ`` first thing; a spawned one inherits this process's, which must then be it
     env = environ if method == "forkserver" else None
     if method == "spawn" and environ != dict(os.environ):
@@ -388,7 +299,7 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
                         daemon=False)
             for r in range(world_size)
         ]
-        with _starting(server_obj):
+        with starting(server_obj):
             for p in procs:
                 p.start()
         out: dict[int, Any] = {}
