@@ -27,7 +27,12 @@ such line gets one saying it still runs (``tests/progress_lines.py``).
 Work that leaves cores idle starts as soon as the tests are collected (``pytest_collection_finish`` below), and
 runs while tier 1 runs in this one process: tier 1's kernel scripts (``tests/unit/test_kernel_sims.py``,
 ``test_ht_kernels.py``: single-threaded processes, the longest about 30 s) at the lowest priority, and
-``tests/dist/test_launcher.py``'s launches that sleep out a deadline; their tests collect the results.
+``tests/dist/test_launcher.py``'s launches that sleep out a deadline; their tests collect the results. Once those
+scripts have ended, tier 2's longest launches (ranks that run the kernels under the Triton interpreter, and the
+reference backend's whole check lists) run one after another on a thread of this process (``tests/dist/background.py``),
+beside tier 2's other tests, which run first
+(``pytest_collection_modifyitems``): the queue keeps the cores busy that those tests leave idle, and its modules'
+tests, which come last, find their launches done.
 """
 
 from __future__ import annotations
@@ -88,6 +93,18 @@ def pytest_configure(config):
     config.pluginmanager.register(ProgressLines(), "epcomm-progress-lines")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Tier 2's modules whose launches run on the background queue (tests/dist/background.py: their ``stop_early`` is harness.stop_early)
+    come after tier 2's other modules, each keeping its place among its own kind: the queue runs beside those, and
+    its modules' tests then find their launches done."""
+    import harness
+
+    def in_background(item) -> bool:
+        return getattr(getattr(item, "module", None), "stop_early", None) is harness.stop_early
+
+    items[:] = [i for i in items if not in_background(i)] + [i for i in items if in_background(i)]
+
+
 def pytest_collection_finish(session):
     """A test module that defines ``start_early(items)`` gets its selected tests once all are collected (it
     starts what they will collect), and ``stop_early()`` at the end of the session."""
@@ -101,6 +118,24 @@ def pytest_collection_finish(session):
     for module, items in by_module.items():
         _EARLY.append(module)
         module.start_early(items)
+    _release_the_background_after([m.early_done for m in _EARLY if hasattr(m, "early_done")])
+
+
+def _release_the_background_after(waits) -> None:
+    """Tier 2's background queue (tests/dist/background.py: launches queued by its modules' ``start_early``) runs once every ``waits``
+    is true: tier 1's kernel scripts have ended (they take the cores tier 1 leaves idle at the lowest priority, which
+    the queue's processes would take from them)."""
+    import threading
+    import time
+
+    import background  # tests/dist/background.py
+
+    def release():
+        while not all(done() for done in waits):
+            time.sleep(0.5)
+        background.BACKGROUND.release()
+
+    threading.Thread(target=release, name="epcomm-background-release", daemon=True).start()
 
 
 def pytest_sessionfinish(session):

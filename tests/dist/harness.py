@@ -33,13 +33,13 @@ the CPU, and results are compared on the CPU (``equal`` and ``epcomm.testing.com
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import traceback
 from collections.abc import Callable
 
 import pytest
 import torch
+from background import BACKGROUND  # tests/dist/background.py
 
 from epcomm.backends import BACKENDS
 from epcomm.testing.inputs import Case, to_device
@@ -137,10 +137,10 @@ def skip_unless_launchable(world_size: int) -> None:
         pytest.skip(reason)
 
 
-@functools.cache
-def _launch(fn, world_size: int, server: str):
+def _launch(fn, world_size: int, server: str, environ: dict | None = None):
     try:
-        return parallel_launch(world_size, fn, timeout_s=LAUNCH_TIMEOUT_S, backend=TRANSPORT, server=server)
+        return parallel_launch(world_size, fn, timeout_s=LAUNCH_TIMEOUT_S, backend=TRANSPORT, server=server,
+                               environ=environ)
     except RankError as e:
         return e
 
@@ -148,9 +148,25 @@ def _launch(fn, world_size: int, server: str):
 def launch_cached(fn: Callable, world_size: int, server: str = ""):
     """``fn(ctx)`` on ``world_size`` ranks of this run's transport, once per (fn, world size) per
     pytest session; skips the test where the transport cannot run ``world_size`` ranks. ``server``: the fork
-    server its ranks start from where they fork (``MEGATRON``; tests/conftest.py)."""
+    server its ranks start from where they fork (``MEGATRON``; tests/conftest.py). Where ``queue_cached`` queued
+    it, from the background queue (``background.py``)."""
     skip_unless_launchable(world_size)
-    return _launch(fn, world_size, server)
+    return BACKGROUND.result(("cached", fn, world_size, server), _launch, fn, world_size, server)
+
+
+def queue_cached(launches, switch: bool = False) -> None:
+    """Queue ``launch_cached(fn, world_size, server)`` for each ``(fn, world_size, server)`` of ``launches`` on the
+    background queue (``background.py``), with this process's environment now (and ``EPCOMM_AS_DEEP_EP=1`` with ``switch``, which
+    ``deep_ep_switch`` sets for the module's own tests): a test module's ``start_early``. Only on gloo, and where the
+    ranks fork from a server (which takes that environment; spawned ranks would take this process's at their
+    start): elsewhere its tests launch as before."""
+    from epcomm.testing import fork_servers
+
+    environ = {**os.environ, **({"EPCOMM_AS_DEEP_EP": "1"} if switch else {})}
+    for fn, world_size, server in launches:
+        if (TRANSPORT == "gloo" and fork_servers.running(server)
+                and fork_servers.start_method(environ, server)[0] == "forkserver"):
+            BACKGROUND.queue(("cached", fn, world_size, server), _launch, fn, world_size, server, environ)
 
 
 # The fork server of the ranks that run the kernels under the Triton interpreter (tests/conftest.py starts it without
@@ -160,15 +176,34 @@ INTERPRETER = "interpreter"
 MEGATRON = "megatron"
 
 
-@functools.cache
+def _gloo(fn: Callable, world_size: int, *args, timeout_s: float, environ: dict | None = None):
+    try:
+        return parallel_launch(world_size, fn, *args, timeout_s=timeout_s, backend="gloo", server=INTERPRETER,
+                               environ=environ)
+    except RankError as e:
+        return e
+
+
 def launch_gloo_once(fn: Callable, world_size: int, *args, timeout_s: float = LAUNCH_TIMEOUT_S):
     """``fn(ctx, *args)`` on ``world_size`` CPU processes on gloo whatever this run's transport (checks on
     simulated devices: the kernels under the Triton interpreter, ``INTERPRETER``), once per pytest session: its
-    result (or ``RankError``) for ``report``."""
-    try:
-        return parallel_launch(world_size, fn, *args, timeout_s=timeout_s, backend="gloo", server=INTERPRETER)
-    except RankError as e:
-        return e
+    result (or ``RankError``) for ``report``; where ``queue_gloo_once`` queued it, from the background queue (``background.py``)."""
+    return BACKGROUND.result(("gloo", fn, world_size, args, timeout_s), _gloo, fn, world_size, *args, timeout_s=timeout_s)
+
+
+def queue_gloo_once(launches, timeout_s: float = LAUNCH_TIMEOUT_S) -> None:
+    """Queue ``launch_gloo_once(fn, world_size, *args, timeout_s=timeout_s)`` for each ``(fn, world_size, *args)``
+    of ``launches`` on the background queue (``background.py``), in that order, with this process's environment now: a test module's
+    ``start_early`` (tests/conftest.py) with the launches of its selected tests, in their order."""
+    environ = dict(os.environ)
+    for fn, world_size, *args in launches:
+        BACKGROUND.queue(("gloo", fn, world_size, tuple(args), timeout_s), _gloo, fn, world_size, *args,
+                   timeout_s=timeout_s, environ=environ)
+
+
+def stop_early() -> None:
+    """A test module's ``stop_early`` (tests/conftest.py) where it queued launches: the background queue stops."""
+    BACKGROUND.stop()
 
 
 def report(outcome, name: str) -> None:

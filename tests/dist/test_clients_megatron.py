@@ -400,6 +400,15 @@ deep_ep_switch = harness.deep_ep_switch  # the fixture, for this module's tests
 pytestmark = pytest.mark.usefixtures("deep_ep_switch")
 
 
+def start_early(items):  # (tests/conftest.py) this module's launches, in the background (tests/dist/background.py)
+    if harness.TRANSPORT == "gloo" and not _megatron_missing():
+        worlds = dict.fromkeys(it.callspec.params["world_size"] for it in items)
+        harness.queue_cached([(_rank, w, harness.MEGATRON) for w in worlds], switch=True)
+
+
+stop_early = harness.stop_early
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("name", [n for n, _ in CHECKS])
 def test_megatron(world_size, name):

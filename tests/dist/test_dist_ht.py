@@ -578,6 +578,13 @@ def rank_main(ctx):
     return harness.run_checks(ctx, CHECKS)
 
 
+def start_early(items):  # (tests/conftest.py) this module's launches, in the background (tests/dist/background.py)
+    harness.queue_cached(dict.fromkeys((rank_main, it.callspec.params["world_size"], "") for it in items))
+
+
+stop_early = harness.stop_early
+
+
 @pytest.mark.parametrize("world_size", harness.WORLD_SIZES)
 @pytest.mark.parametrize("check_name", [n for n, _ in CHECKS])
 def test_high_throughput(world_size, check_name):

@@ -281,7 +281,19 @@ def _rank(ctx, tag):
     return harness.run_checks(ctx, [(name, one(name)) for name in CHECKS[ctx.world_size]], env={})
 
 
+def _world(name: str) -> int:
+    return next(w for w, checks in CHECKS.items() if name in checks)
+
+
+def start_early(items):  # (tests/conftest.py) this module's launches, in the background (tests/dist/background.py)
+    harness.queue_gloo_once(dict.fromkeys((_rank, _world(it.callspec.params["name"]), TAG) for it in items),
+                            timeout_s=600)
+
+
+stop_early = harness.stop_early
+
+
 @pytest.mark.parametrize("name", [n for checks in CHECKS.values() for n in checks])
 def test_elastic_buffer_on_cpu_processes(name):
-    world = next(w for w, checks in CHECKS.items() if name in checks)
+    world = _world(name)
     harness.report(harness.launch_gloo_once(_rank, world, TAG, timeout_s=600), name)

@@ -16,8 +16,6 @@ import uuid
 import harness
 import pytest
 
-from epcomm.testing.launcher import parallel_launch
-
 sys.path.insert(0, os.path.dirname(__file__))
 from test_elastic_backends_cpu import _on_backend  # noqa: E402
 
@@ -80,9 +78,20 @@ def _run(ctx, tag):
     return got
 
 
+TAG = uuid.uuid4().hex[:12]  # this session's shared-memory files
+
+
+def start_early(items):  # (tests/conftest.py) this module's launch, in the background (tests/dist/background.py)
+    harness.queue_gloo_once([(_run, 2, TAG)], timeout_s=300)
+
+
+stop_early = harness.stop_early
+
+
 def test_nvlink_contiguous_combine_with_weights_packs_nothing_and_is_bitwise_the_reference():
-    res = parallel_launch(2, _run, uuid.uuid4().hex[:12], backend="gloo", timeout_s=300,
-                          server=harness.INTERPRETER)
+    res = harness.launch_gloo_once(_run, 2, TAG, timeout_s=300)
+    if isinstance(res, BaseException):
+        raise res
     for rank, got in enumerate(res):
         for (k, sync, layout, with_w), (packs, transports, own_moved) in got.items():
             in_place = (k % 4 == 0 or not with_w) and layout != "unaligned"

@@ -83,9 +83,23 @@ def _rank(ctx, backend: str, tag: str, names: tuple):
 CASES = [(b, w, c) for b, worlds in BACKENDS.items() for w in worlds for c in CHECKS if c != "deadlines" or w == 2]
 
 
+def _launch(backend: str, world: int) -> tuple:
+    names = CHECKS if world == 2 else CHECKS[:-1]  # (the deadlines at 2 ranks only: they leave the ranks out of step)
+    return _rank, world, backend, TAG, names
+
+
+def start_early(items):  # (tests/conftest.py) this module's launches, in the background (tests/dist/background.py)
+    params = [(it.callspec.params["backend"], it.callspec.params["world"]) for it in items]
+    harness.queue_gloo_once(dict.fromkeys(_launch(b, w) for b, w in params
+                                          if b == "reference" or importlib.util.find_spec("triton") is not None),
+                            timeout_s=900)
+
+
+stop_early = harness.stop_early
+
+
 @pytest.mark.parametrize(("backend", "world", "check"), CASES, ids=[f"{b}-{w}-{c}" for b, w, c in CASES])
 def test_elastic_extras(backend, world, check):
     if backend != "reference" and importlib.util.find_spec("triton") is None:
         pytest.skip("needs triton (the interpreter)")
-    names = CHECKS if world == 2 else CHECKS[:-1]  # (the deadlines at 2 ranks only: they leave the ranks out of step)
-    harness.report(harness.launch_gloo_once(_rank, world, backend, TAG, names, timeout_s=900), check)
+    harness.report(harness.launch_gloo_once(*_launch(backend, world), timeout_s=900), check)

@@ -422,6 +422,13 @@ def _rank(ctx, tag):
     return harness.run_checks(ctx, [(name, one(*rest)) for name, *rest in CHECKS[ctx.world_size]], env={})
 
 
+def start_early(items):  # (tests/conftest.py) this module's launches, in the background (tests/dist/background.py)
+    harness.queue_gloo_once(dict.fromkeys((_rank, it.callspec.params["world"], TAG) for it in items), timeout_s=600)
+
+
+stop_early = harness.stop_early
+
+
 @pytest.mark.parametrize("world,name", [(w, n) for w, checks in CHECKS.items() for n, *_ in checks])
 def test_internode_high_throughput_on_cpu_processes(world, name):
     harness.report(harness.launch_gloo_once(_rank, world, TAG, timeout_s=600), name)

@@ -279,6 +279,13 @@ def _rank(ctx, tag):
     return harness.run_checks(ctx, [(name, one[name]) for name in CHECKS], env={})
 
 
+def start_early(items):  # (tests/conftest.py) this module's launch, in the background (tests/dist/background.py)
+    harness.queue_gloo_once([(_rank, 2, TAG)], timeout_s=900)
+
+
+stop_early = harness.stop_early
+
+
 @pytest.mark.parametrize("name", CHECKS)
 def test_native_chains_on_cpu_processes(name):
     harness.report(harness.launch_gloo_once(_rank, 2, TAG, timeout_s=900), name)

@@ -344,6 +344,14 @@ def _ops_checks_3(ctx):
 _LAUNCHERS = {1: _ops_checks_1, 2: _ops_checks_2, 3: _ops_checks_3}
 
 
+def start_early(items):  # (tests/conftest.py) this module's launches, in the background (tests/dist/background.py)
+    worlds = dict.fromkeys(it.callspec.params["world_size"] for it in items)
+    harness.queue_cached([(_LAUNCHERS[w], w, "") for w in worlds])
+
+
+stop_early = harness.stop_early
+
+
 @pytest.mark.parametrize("world_size,check_name", [(r, n) for r, names in PLAN.items() for n in names])
 def test_ops(world_size: int, check_name: str) -> None:
     harness.report(harness.launch_cached(_LAUNCHERS[world_size], world_size), check_name)

@@ -16,8 +16,6 @@ import uuid
 import harness
 import pytest
 
-from epcomm.testing.launcher import parallel_launch
-
 sys.path.insert(0, os.path.dirname(__file__))
 from test_elastic_backends_cpu import _on_backend  # noqa: E402
 
@@ -76,10 +74,26 @@ def _hits(names, sub):
     return [n for n in names if sub in n]
 
 
+TAG = uuid.uuid4().hex[:10]  # this session's shared-memory files (and the backend's first letters)
+
+
+def _launch(backend: str, gpus_per_node: int) -> tuple:
+    return _names, 2, TAG + backend[:2], backend, gpus_per_node
+
+
+def start_early(items):  # (tests/conftest.py) this module's launches, in the background (tests/dist/background.py)
+    harness.queue_gloo_once(dict.fromkeys(_launch(it.callspec.params["backend"], it.callspec.params["gpus_per_node"])
+                                          for it in items), timeout_s=600)
+
+
+stop_early = harness.stop_early
+
+
 @pytest.mark.parametrize("backend,gpus_per_node", [("nvlink", 0), ("internode", 1)], ids=["nvlink", "internode"])
 def test_every_elastic_call_launches_one_kernel_of_each_deepep_name(backend, gpus_per_node):
-    res = parallel_launch(2, _names, uuid.uuid4().hex[:12], backend, gpus_per_node, backend="gloo", timeout_s=600,
-                          server=harness.INTERPRETER)
+    res = harness.launch_gloo_once(*_launch(backend, gpus_per_node), timeout_s=600)
+    if isinstance(res, BaseException):
+        raise res
     for rank, got in enumerate(res):
         assert len(got) == 28, sorted(got)
         for kind, names in got.items():

@@ -129,3 +129,51 @@ def test_to_device_values_and_containers():
     assert to_device(None, "meta") is None
     with pytest.raises(TypeError, match="to_device takes a tensor, a tuple or list of them, or None; got dict"):
         to_device({"x": t["contiguous"]}, "meta")
+
+
+# ----------------------------------------------------------------------------- the background queue (tests/dist/background.py)
+
+
+def test_the_background_queue_runs_its_jobs_in_order_once_released_and_each_test_gets_its_own():
+    import threading
+
+    from background import Queue
+
+    q, ran, gate = Queue(), [], threading.Event()
+
+    def job(name, wait=False):
+        if wait:
+            gate.wait(10)
+        ran.append(name)
+        if name == "bad":
+            raise ValueError("bad job")
+        return f"{name} done"
+
+    for name in ("a", "b", "bad", "c"):
+        q.queue(name, job, name, wait=name == "a")
+    q.queue("a", job, "a twice")  # (queued once)
+    assert ran == []  # nothing runs before the release
+    q.release()
+    gate.set()
+    assert q.result("c", job, "unused") == "c done"  # waits for its turn: the queue runs them in queue order
+    assert ran == ["a", "b", "bad", "c"]
+    assert q.result("a", job, "unused") == "a done"
+    with pytest.raises(ValueError, match="bad job"):
+        q.result("bad", job, "unused")
+    assert q.result("never queued", job, "here") == "here done" and ran[-1] == "here"  # runs in the caller
+    q.stop()
+
+
+def test_a_test_that_asks_releases_the_queue_and_the_session_end_drops_what_did_not_run():
+    from background import Queue
+
+    q = Queue()
+    q.queue("a", lambda: "a done")
+    q.queue("b", lambda: "b done")
+    assert q.result("a", lambda: "unused") == "a done"  # (not released: asking releases it)
+    q.result("b", lambda: "unused")
+    late = Queue()
+    late.queue("x", lambda: "x done")
+    late.stop()
+    with pytest.raises(RuntimeError, match="the session ended before this job ran"):
+        late.result("x", lambda: "unused")

@@ -11,7 +11,8 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("numpy")
 
-from test_kernel_sims import collect, start_early, started_scripts, stop_early  # noqa: E402, F401 (tests/conftest.py)
+from test_kernel_sims import (  # noqa: E402, F401 (tests/conftest.py)
+    collect, early_done, start_early, started_scripts, stop_early)
 
 SCRIPTS = ["compile_ht.py", "sim_ht_layout.py", "sim_ht_fused_layout.py"]
 

@@ -37,8 +37,10 @@ def start(script: str, nice: int = 0) -> subprocess.Popen:
     return p
 
 
-# Scripts started when the session's tests were collected (``start_early``, from tests/conftest.py), by name.
+# Scripts started when the session's tests were collected (``start_early``, from tests/conftest.py), by name;
+# every one of them, collected or not (``early_done``).
 _EARLY: dict[str, subprocess.Popen] = {}
+_STARTED: list[subprocess.Popen] = []
 
 
 def start_early(items) -> None:
@@ -49,6 +51,13 @@ def start_early(items) -> None:
         script = item.callspec.params["script"]
         if script not in _EARLY:
             _EARLY[script] = start(script, nice=19)
+            _STARTED.append(_EARLY[script])
+
+
+def early_done() -> bool:
+    """Whether every script ``start_early`` started has ended (tests/conftest.py then lets tier 2's background queue run:
+    tests/dist/background.py)."""
+    return all(p.poll() is not None for p in _STARTED)
 
 
 def stop_early() -> None:
