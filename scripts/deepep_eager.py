@@ -7,7 +7,7 @@ until the call returns. 24 SMs, DeepEP's default chunk sizes, DeepSeek-V3 shapes
 anchor script of ``benchmarks/anchors/deepep-v1-h200x2-2026-11-23/deepep_eager.py`` with its ranks spawned here and
 one option, ``--share-gpu``: every rank on GPU 0, a gloo process group (NCCL refuses two ranks on one GPU) and torch
 symmetric memory told to accept that (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``); run it under an MPS daemon, as
-``scripts/gpu_lanes.sh``'s ``mps:`` lanes do.
+``scripts/gpu_jobs.sh``'s ``mps:`` jobs do.
 
 Usage::
 

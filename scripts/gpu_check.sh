@@ -21,7 +21,7 @@
 #                   EPCOMM_VERIFY_LAUNCH=1 more than the 560 s cap: split it, PYTEST_ARGS="-k high_throughput"
 #                   then PYTEST_ARGS="-k 'not high_throughput'"). WORLD 4: tests/gpu/test_internode_2x2.py,
 #                   two nodes of two (EPCOMM_GPUS_PER_NODE=2: the forwarding path) and four nodes of one;
-#                   ~13 min: split it over calls or lanes (PYTEST_ARGS="-k 2-nodes-of-2", "-k 4-nodes-of-1", "-k low_latency").
+#                   ~13 min: split it over calls or jobs (scripts/gpu_jobs.sh) (PYTEST_ARGS="-k 2-nodes-of-2", "-k 4-nodes-of-1", "-k low_latency").
 #                   TIER3=<file> runs that tier-3 file instead under the same daemon (e.g. TIER3=tests/gpu/
 #                   test_elastic_extras.py: the experimental calls on nvlink, the reference and internode)
 #   bench-nvshmem [WORLD]  epcomm bench --backend internode, then --backend nvlink, WORLD ranks (2 or 4)
@@ -129,7 +129,7 @@ if [[ "$mode" == shared-nvshmem || "$mode" == bench-nvshmem || "$mode" == soak |
     [[ "$world" == 2 || "$world" == 4 ]] || { echo "$mode takes WORLD 2 or 4, got $world"; exit 2; }
   fi
   export EPCOMM_TEST_SHARE_GPU=1 EPCOMM_TEST_WORLD=$world CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / world))
-  if [[ "${EPCOMM_MPS_RUNNING:-}" != 1 ]]; then  # scripts/gpu_lanes.sh starts one daemon for every lane
+  if [[ "${EPCOMM_MPS_RUNNING:-}" != 1 ]]; then  # scripts/gpu_jobs.sh starts one daemon for every job
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/epcomm-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/epcomm-mps/log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d || { echo "could not start an MPS daemon"; exit 1; }
