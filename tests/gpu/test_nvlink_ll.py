@@ -124,7 +124,10 @@ def _rank_bad_inputs(ctx):
     else:
         ht.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe, topk_idx=bad,
                     topk_weights=w)
-    # the Buffer stays in step: a good call works on every rank, on this Buffer (the one that raised) too
+    # the Buffer stays in step: a good call works on every rank, on this Buffer (the one that raised) too. Rank 0
+    # raised at the dispatch's host sync while rank 1 still launches its receive: the ranks meet first, so the next
+    # Buffer's rank exchange (2 s deadline here) does not time out on that lag (it did under EPCOMM_VERIFY_LAUNCH)
+    torch.distributed.barrier()
     with G.forced_backend("reference"):
         ref = Buffer(ctx.group, num_nvl_bytes=64 << 20)
     G.check_ht_case(ref, ht, case, ctx.rank, False)
