@@ -226,6 +226,9 @@ class Buffer(LowLatencyMethods):
             per_node = None if per_node_of is None else layout.tokens_per_node(in_rank, per_node_of)
             return per_rank, per_node, per_expert, in_rank
 
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            self._streams.sync()  # (streams.run's synchronous case, without its frame: the common call)
+            return (*fn(), EventOverlap())
         (per_rank, per_node, per_expert, in_rank), ev = self._streams.run(fn, [topk_idx], previous_event,
                                                                            async_finish, allocate_on_comm_stream)
         return per_rank, per_node, per_expert, in_rank, ev
@@ -291,8 +294,12 @@ class Buffer(LowLatencyMethods):
         if run is None:
             run, data, scales = self._dispatch_first(key, x, ntpr, num_tokens_per_rdma_rank, is_in, ntpe, idx, w,
                                                      expert_alignment, num_worst_tokens, config)
-        res, ev = self._streams.run(lambda: run(data, scales, idx, w, ntpr, is_in, ntpe), [data, scales, idx, w],
-                                    previous_event, async_finish, allocate_on_comm_stream)
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            self._streams.sync()  # (streams.run's synchronous case, without its frame: the common call)
+            res, ev = run(data, scales, idx, w, ntpr, is_in, ntpe), EventOverlap()
+        else:
+            res, ev = self._streams.run(lambda: run(data, scales, idx, w, ntpr, is_in, ntpe),
+                                        [data, scales, idx, w], previous_event, async_finish, allocate_on_comm_stream)
         recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
         return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list, res.handle, ev
 
