@@ -1,7 +1,9 @@
 """Which kernels' code differs between two source trees, for the kernels one kind of call launches: each tree's
 calls run on the CPU rig (``bench/hostprobe``: the nvlink backend at world 1, kernels not run), every kernel they
 prepare is recorded with its constexprs and argument types, and each is compiled for sm_90 with Triton's own
-compiler (no GPU needed); the PTX, without its debug lines, register numbers and labels, is compared.
+compiler (no GPU needed); the PTX, without its debug lines, register numbers and labels, is compared. Each call kind
+is then made once more and the grids of its launches (as the rig's no-op launcher and its dry chains get them) are
+compared too.
 
 Why: an A/B row that moves by 0.1-0.5 us can come from a kernel's code, its launch, or the machine. If every
 kernel a call launches compiles to the same instructions in both trees, look at the launches and the machine.
@@ -73,6 +75,28 @@ def record(api: str, unfused: bool, out: str) -> None:
         return bind(self, k, grid, args, kw)
 
     Launcher.prepared, Launcher._bind = prepared_, bind_
+    # the rig's C-launcher slot, wrapped before any launch binds it (a bound launch keeps the function it found)
+    probe_rig = hp._rig() if hasattr(hp, "_rig") else hp  # (the rig's own module; older trees kept it in hostprobe)
+    current, launch = [None], probe_rig._NoLaunch.launch
+
+    def recording(*a):
+        if current[0] is not None:
+            current[0].append(list(a[:3]))
+        return launch(*a)
+
+    probe_rig._NoLaunch.launch = staticmethod(recording)
+    from epcomm import native
+
+    if hasattr(native, "Chain"):  # a chain (dry on the rig) launches its steps itself: their grids from last()
+        chain_call = native.Chain.__call__
+
+        def chain_recording(self, *vals):
+            out = chain_call(self, *vals)
+            if current[0] is not None:
+                current[0].extend([list(step[0]) if isinstance(step, (list, tuple)) else step for step in self.last()])
+            return out
+
+        native.Chain.__call__ = chain_recording
     if unfused:
         from epcomm.backends import ht_dispatch
 
@@ -87,17 +111,24 @@ def record(api: str, unfused: bool, out: str) -> None:
     else:
         buf = hp.v2_buffer(4096, 7168, 8, True)
         made = [hp.v2_calls(buf, 4096, 4096, 7168, 8, 256)]
-    for calls in made:
-        for prep, call in calls.values():
+    # each call kind once more, its launches' grids recorded as the (no-op) C launcher gets them, in order
+    grids: dict = {}
+    for i, calls in enumerate(made):
+        for kind, (prep, call) in calls.items():
             if prep is not None:
                 prep()
-            call()
+            current[0] = grids.setdefault(f"{kind} #{i}", [])
+            try:
+                call()
+            finally:
+                current[0] = None
 
     def plain(v):
         return v if isinstance(v, (bool, int, float)) else f"tl.{v}"
 
     with open(out, "w") as f:
-        json.dump([[n, {k: plain(v) for k, v in c.items()}, types.get(n, {})] for n, c in seen], f)
+        json.dump({"kernels": [[n, {k: plain(v) for k, v in c.items()}, types.get(n, {})] for n, c in seen],
+                   "grids": grids}, f)
 
 
 def _normalised(ptx: str) -> list[str]:
@@ -141,7 +172,7 @@ def compile_all(recorded: str, out: str) -> None:
                 kernels.setdefault(getattr(v.fn, "__name__", attr), v)
     result = {}
     with open(recorded) as f:
-        entries = json.load(f)
+        entries = json.load(f)["kernels"]
     for name, consts, types in entries:
         consts = {k: getattr(tl, v[3:]) if isinstance(v, str) and v.startswith("tl.") else v
                   for k, v in consts.items()}
@@ -203,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(a.tree) != 2 or any("=" not in t for t in a.tree):
         p.error("give two trees, --tree LABEL=PATH each")
     trees = [t.split("=", 1) for t in a.tree]
-    got = {}
+    got, grids = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for label, path in trees:
             rec, out = os.path.join(tmp, f"{label}-rec.json"), os.path.join(tmp, f"{label}-ptx.json")
@@ -211,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             _tree_run(path, ["--compile", rec, out])
             with open(out) as f:
                 got[label] = json.load(f)
+            with open(rec) as f:
+                grids[label] = json.load(f)["grids"]
     (la, ga), (lb, gb) = got.items()
     kernels = sorted({_base(v) for v in (*ga, *gb)})
     counts: dict = {}
@@ -227,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
                 near = max(va.values(), key=lambda nv: len(set(nv[0].split()) & set(name.split())), default=("", []))
                 print(f"--- {near[0]}\n+++ {name}")
                 print("\n".join(difflib.unified_diff(near[1], lines, la, lb, lineterm="", n=2)))
+    (_, gra), (_, grb) = grids.items()
+    moved = [k for k in sorted(set(gra) | set(grb)) if gra.get(k) != grb.get(k)]
+    for k in moved:
+        print(f"launches of {k!r}: {la} {gra.get(k)}  {lb} {grb.get(k)}")
+    print(f"{len(set(gra) | set(grb))} call kinds: " + (f"{len(moved)} launch other grids or other launches (above)"
+                                                        if moved else "the same launches, with the same grids"))
     print(f"{len(kernels)} kernels: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) +
           " (same: every variant compiles to the same PTX in both trees)")
     return 0
