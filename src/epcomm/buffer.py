@@ -226,8 +226,7 @@ class Buffer(LowLatencyMethods):
             per_node = None if per_node_of is None else layout.tokens_per_node(in_rank, per_node_of)
             return per_rank, per_node, per_expert, in_rank
 
-        if previous_event is None and not async_finish and not allocate_on_comm_stream:
-            self._streams.sync()  # (streams.run's synchronous case, without its frame: the common call)
+        if self._streams.now(previous_event, async_finish, allocate_on_comm_stream):
             return (*fn(), EventOverlap())
         (per_rank, per_node, per_expert, in_rank), ev = self._streams.run(fn, [topk_idx], previous_event,
                                                                            async_finish, allocate_on_comm_stream)
@@ -294,8 +293,7 @@ class Buffer(LowLatencyMethods):
         if run is None:
             run, data, scales = self._dispatch_first(key, x, ntpr, num_tokens_per_rdma_rank, is_in, ntpe, idx, w,
                                                      expert_alignment, num_worst_tokens, config)
-        if previous_event is None and not async_finish and not allocate_on_comm_stream:
-            self._streams.sync()  # (streams.run's synchronous case, without its frame: the common call)
+        if self._streams.now(previous_event, async_finish, allocate_on_comm_stream):
             res, ev = run(data, scales, idx, w, ntpr, is_in, ntpe), EventOverlap()
         else:
             res, ev = self._streams.run(lambda: run(data, scales, idx, w, ntpr, is_in, ntpe),
@@ -353,8 +351,11 @@ class Buffer(LowLatencyMethods):
         run = self._ht_fast.get(key)
         if run is None:
             run, data, scales, handle = self._cached_first(key, x, handle, config)
-        (rx, rs), ev = self._streams.run(lambda: run(data, scales, handle), [data, scales], previous_event,
-                                         async_finish, allocate_on_comm_stream)
+        if self._streams.now(previous_event, async_finish, allocate_on_comm_stream):
+            (rx, rs), ev = run(data, scales, handle), EventOverlap()
+        else:
+            (rx, rs), ev = self._streams.run(lambda: run(data, scales, handle), [data, scales], previous_event,
+                                             async_finish, allocate_on_comm_stream)
         return (rx if rs is None else (rx, rs)), None, None, None, None, ev
 
     def _cached_first(self, key, x, handle, config):
@@ -408,8 +409,11 @@ class Buffer(LowLatencyMethods):
             run, biases = self._combine_first(key, x, handle, w, biases, config)
         elif biases:
             biases = tuple(b for b in biases if b is not None)  # DeepEP accepts (bias_0, None)
-        (out, w), ev = self._streams.run(lambda: run(x, handle, w, biases), [x, w, *biases], previous_event,
-                                         async_finish, allocate_on_comm_stream)
+        if self._streams.now(previous_event, async_finish, allocate_on_comm_stream):
+            (out, w), ev = run(x, handle, w, biases), EventOverlap()
+        else:
+            (out, w), ev = self._streams.run(lambda: run(x, handle, w, biases), [x, w, *biases], previous_event,
+                                             async_finish, allocate_on_comm_stream)
         return out, w, ev
 
     def _combine_first(self, key, x, handle, w, biases, config):

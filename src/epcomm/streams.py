@@ -32,6 +32,15 @@ class CallStreams:
             self.comm_pending = False
         self.last_on_current = True
 
+    def now(self, previous_event: EventOverlap | None, async_finish: bool, allocate_on_comm_stream: bool) -> bool:
+        """Whether a call with these arguments is :meth:`run`'s common case, a synchronous call with no event to wait
+        for; then the current stream is made ready for it (:meth:`sync`) and the caller runs its work right here,
+        with an empty ``EventOverlap``, without building ``run``'s closure and input list."""
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            self.sync()
+            return True
+        return False
+
     def run(self, fn: Callable, inputs: list, previous_event: EventOverlap | None, async_finish: bool,
             allocate_on_comm_stream: bool):
         """``fn()`` on the current stream (synchronous: after ``previous_event``) or on the communication

@@ -346,17 +346,20 @@ def test_a_repeat_layout_still_refuses_bad_arguments(bufs):
 
 
 def test_a_synchronous_call_after_an_asynchronous_one_waits_for_the_comm_stream(bufs, monkeypatch):
-    """The layout and a fresh dispatch without ``previous_event`` / ``async_finish`` run on the current stream
-    without ``streams.run``'s frame: they still make it wait for work an asynchronous call left on the
-    communication stream (``CallStreams.sync``), once."""
+    """The layout, a fresh and a cached dispatch and a combine without ``previous_event`` / ``async_finish`` run on
+    the current stream without ``streams.run``'s frame (``CallStreams.now``): they still make it wait for work an
+    asynchronous call left on the communication stream (``CallStreams.sync``), once."""
     buf, a = bufs[0], _args()
     waits = []
     monkeypatch.setattr(cpu_nvlink.Stream, "wait_stream", lambda self, other: waits.append(other), raising=False)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(a.topk_idx, E)
     kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
               topk_idx=a.topk_idx, topk_weights=a.topk_weights)
-    buf.dispatch(a.x, **kw)  # (its plan made, so the next ones are repeats)
-    for call in (lambda: buf.get_dispatch_layout(a.topk_idx, E), lambda: buf.dispatch(a.x, **kw)):
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(a.x, **kw)  # (its plan made, so the next ones are repeats)
+    buf.dispatch(a.x, handle=handle)
+    buf.combine(recv_x, handle, recv_w)
+    for call in (lambda: buf.get_dispatch_layout(a.topk_idx, E), lambda: buf.dispatch(a.x, **kw),
+                 lambda: buf.dispatch(a.x, handle=handle), lambda: buf.combine(recv_x, handle, recv_w)):
         buf._streams.comm_pending, buf._streams.last_on_current = True, False  # as after an async_finish call
         waits.clear()
         call()
