@@ -147,6 +147,24 @@ def test_a_failure_beside_a_skip_still_fails():
 
 
 
+def _fails_and_leaves_its_peer_lost(ctx):
+    if ctx.rank == 1:
+        raise ValueError("rank 1 breaks first")
+    time.sleep(0.5)  # rank 0's next wait then finds rank 1 gone, as a gloo wait does
+    from epcomm.backends.errors import PeerLostError
+
+    raise PeerLostError(0, "the next wait", 1, "Connection closed by peer")
+
+
+def test_a_failure_reports_the_rank_that_failed_not_the_peer_that_lost_it():
+    with pytest.raises(RankError) as e:
+        parallel_launch(2, _fails_and_leaves_its_peer_lost, backend="gloo", timeout_s=60)
+    assert e.value.rank == 1, str(e.value)
+    msg = str(e.value)
+    assert msg.startswith("rank 1 failed") and "rank 1 breaks first" in msg, msg
+    assert "rank 0 also failed: epcomm.backends.errors.PeerLostError: epcomm rank 0: the next wait lost rank 1" in msg, msg
+
+
 def _start_up(ctx):
     """How this rank started: its parent process, the variables it sees, whether the interpreter's start-up
     hook for ``EPCOMM_AS_DEEP_EP`` answered ``import deep_ep``, and whether it started with a module that this

@@ -39,6 +39,13 @@ def raises(exc, match: str, fn, *a, **kw) -> str:
     raise AssertionError(f"{fn.__name__}: raised nothing, expected {_names(exc)}({match!r}...)")
 
 
+def _settle(device) -> None:
+    """Wait for the device: a plan's next call raises what a kernel recorded only once that kernel has run (the host
+    reads the error word without waiting for the device)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _names(exc) -> str:
     return " or ".join(e.__name__ for e in (exc if isinstance(exc, tuple) else (exc,)))
 
@@ -215,12 +222,15 @@ def check_pp_errors(make, rank: int, num_ranks: int, device) -> None:
     buf.pp_recv(got, prv)
     _eq("pp_recv after bad calls", got, torch.arange(16, dtype=torch.int32) + 100 * prv)
     # a receive whose tensor is not the size sent: a ValueError naming the sender and both sizes, on the receiving
-    # rank (the reference at the call; nvlink and internode from the plan's next call, the kernel having recorded it)
+    # rank (the reference at the call; nvlink and internode from the plan's next call once the kernel has recorded
+    # it: the host reads the error word without waiting for the device, so the test waits for the kernel first; two
+    # calls back to back raced it, and lost under EPCOMM_VERIFY_LAUNCH on one H100)
     buf.pp_send(t, nxt)
     small = torch.empty(8, dtype=torch.int32, device=device)
 
     def mismatched():
         buf.pp_recv(small, prv)
+        _settle(small.device)
         buf.pp_recv(small, prv)
 
     raises(ValueError, f"pp_recv: rank {prv} sent a tensor of 64 bytes, this receive takes 32", mismatched)
@@ -383,6 +393,7 @@ def _time_out(buf, agrs, device) -> None:
 
     def recv_twice():
         buf.pp_recv(t, 1)
+        _settle(device)
         buf.pp_recv(t, 1)
     msg = raises(PeerTimeoutError, "pp_recv/receive-data", recv_twice)
     if "for rank 1" not in msg:
@@ -390,6 +401,7 @@ def _time_out(buf, agrs, device) -> None:
     if agrs is not None:
         agrs.create_agrs_session()
         agrs.all_gather(t)
+        _settle(device)
         msg = raises(PeerTimeoutError, "all_gather/receive-data", agrs.all_gather, t)
         if "for rank 1" not in msg:
             raise AssertionError(f"the all-gather's timeout does not name the peer: {msg}")

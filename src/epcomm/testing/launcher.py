@@ -58,6 +58,19 @@ class RankError(RuntimeError):
         self.rank = rank
 
 
+def _last_line(text: str) -> str:
+    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def _cause(errors: dict) -> int:
+    """The rank whose failure to report: the lowest one that did not fail for having lost a peer (a rank that raises
+    and leaves makes its peers' next wait fail with ``PeerLostError``, often before its own report arrives), else the
+    lowest."""
+    own = [r for r in sorted(errors) if "PeerLostError" not in _last_line(errors[r])]
+    return own[0] if own else min(errors)
+
+
 @dataclasses.dataclass
 class RankContext:
     rank: int
@@ -338,8 +351,9 @@ def parallel_launch(world_size: int, fn: Callable, *args, backend: str | None = 
                 p.kill()
                 p.join()
         if errors:
-            first = min(errors)
-            raise RankError(first, errors[first] + stacks)
+            first = _cause(errors)
+            also = "".join(f"\nrank {r} also failed: {_last_line(errors[r])}" for r in sorted(errors) if r != first)
+            raise RankError(first, errors[first] + also + stacks)
         if skips:  # no rank failed: the test skips, as it would have in one process
             import pytest
 
