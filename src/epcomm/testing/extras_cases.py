@@ -119,9 +119,14 @@ def check_engram_errors(make, rank: int, num_ranks: int, device) -> None:
     raises(ValueError, "arguments differ", buf.engram_write, mine[:n - (rank % 2)].contiguous())
     buf.engram_write(mine)
     total = num_ranks * n
+    def fetch_then_hook(i):
+        hook = buf.engram_fetch(i)
+        _settle(device)  # the hook raises what the kernel recorded once it has run (else the next Engram call does)
+        return hook()
+
     for v in (total, -1):
         bad_idx = torch.tensor([[0, v]], dtype=torch.int32, device=device)
-        raises(ValueError, "outside [0,", lambda i=bad_idx: buf.engram_fetch(i)())
+        raises(ValueError, "outside [0,", fetch_then_hook, bad_idx)
     raises(TypeError, "indices must have dtype torch.int32", buf.engram_fetch, idx.long())
     raises(ValueError, "indices must be 2-D", buf.engram_fetch, idx.view(-1))
     raises(ValueError, "num_qps must be <=", buf.engram_fetch, idx, num_qps=buf.num_allocated_qps + 1)
