@@ -69,7 +69,8 @@
 #   echo "EPCOMM_COMMIT=$(git rev-parse HEAD) EPCOMM_COMMIT_DIRTY=$(git status --porcelain -- src/epcomm \
 #         | grep -q . && echo 1 || echo 0) bash scripts/gpu_check.sh bench"
 # Every row then records them (env.git_sha, env.git_dirty, env.commit_source = "EPCOMM_COMMIT").
-# Every mode prints the GPUs and versions first and exits non-zero if a step failed.
+# Every mode prints the GPUs and versions first, packs everything under $OUT into $OUT/0-out.tgz last (the device
+# tool returns at most 8 files), and exits non-zero if a step failed.
 # Extra arguments: PYTEST_ARGS (tests, shared: e.g. "-k graph"), BENCH_ARGS (bench, profile: e.g.
 # "--mode ll"), EPCOMM_TUNE / EPCOMM_HT_TRANSFER to measure a variant (recorded in every JSONL row).
 set -uo pipefail
@@ -227,4 +228,7 @@ if [[ "$mode" == figures ]]; then
     --plot "$dir/$tag-sweep-plots" 2>&1 | tail -12 || rc=1
   ls -l "$dir"
 fi
+# the device tool brings back at most 8 files (a folder's logs beyond them are left out): everything under $OUT
+# also comes back as this one archive, whose name sorts first
+(cd "$OUT" && tar -czf 0-out.tgz --exclude=./0-out.tgz .) || rc=1
 exit $rc
