@@ -147,22 +147,27 @@ def test_a_failure_beside_a_skip_still_fails():
 
 
 
-def _fails_and_leaves_its_peer_lost(ctx):
+def _fails_and_leaves_its_peer_waiting(ctx, lost):
     if ctx.rank == 1:
         raise ValueError("rank 1 breaks first")
-    time.sleep(0.5)  # rank 0's next wait then finds rank 1 gone, as a gloo wait does
-    from epcomm.backends.errors import PeerLostError
+    time.sleep(0.5)  # rank 0's next wait then finds rank 1 gone (gloo), or passes its deadline (NCCL)
+    from epcomm.backends.errors import PeerLostError, PeerTimeoutError
 
-    raise PeerLostError(0, "the next wait", 1, "Connection closed by peer")
+    if lost:
+        raise PeerLostError(0, "the next wait", 1, "Connection closed by peer")
+    raise PeerTimeoutError(0, "the next wait", 1, 10.0)
 
 
-def test_a_failure_reports_the_rank_that_failed_not_the_peer_that_lost_it():
+@pytest.mark.parametrize("lost", [True, False], ids=["lost", "timed-out"])
+def test_a_failure_reports_the_rank_that_failed_not_the_peer_that_waited_on_it(lost):
     with pytest.raises(RankError) as e:
-        parallel_launch(2, _fails_and_leaves_its_peer_lost, backend="gloo", timeout_s=60)
+        parallel_launch(2, _fails_and_leaves_its_peer_waiting, lost, backend="gloo", timeout_s=60)
     assert e.value.rank == 1, str(e.value)
     msg = str(e.value)
     assert msg.startswith("rank 1 failed") and "rank 1 breaks first" in msg, msg
-    assert "rank 0 also failed: epcomm.backends.errors.PeerLostError: epcomm rank 0: the next wait lost rank 1" in msg, msg
+    seen = "PeerLostError: epcomm rank 0: the next wait lost rank 1" if lost else \
+        "PeerTimeoutError: epcomm rank 0: the next wait waited 10 s for rank 1"
+    assert f"rank 0 also failed: epcomm.backends.errors.{seen}" in msg, msg
 
 
 def _start_up(ctx):

@@ -119,6 +119,7 @@ def check_engram_errors(make, rank: int, num_ranks: int, device) -> None:
     raises(ValueError, "arguments differ", buf.engram_write, mine[:n - (rank % 2)].contiguous())
     buf.engram_write(mine)
     total = num_ranks * n
+
     def fetch_then_hook(i):
         hook = buf.engram_fetch(i)
         _settle(device)  # the hook raises what the kernel recorded once it has run (else the next Engram call does)
@@ -228,14 +229,13 @@ def check_pp_errors(make, rank: int, num_ranks: int, device) -> None:
     _eq("pp_recv after bad calls", got, torch.arange(16, dtype=torch.int32) + 100 * prv)
     # a receive whose tensor is not the size sent: a ValueError naming the sender and both sizes, on the receiving
     # rank (the reference at the call; nvlink and internode from the plan's next call once the kernel has recorded
-    # it: the host reads the error word without waiting for the device, so the test waits for the kernel first; two
-    # calls back to back raced it, and lost under EPCOMM_VERIFY_LAUNCH on one H100)
+    # it: the test waits for the device in between)
     buf.pp_send(t, nxt)
     small = torch.empty(8, dtype=torch.int32, device=device)
 
     def mismatched():
         buf.pp_recv(small, prv)
-        _settle(small.device)
+        _settle(device)
         buf.pp_recv(small, prv)
 
     raises(ValueError, f"pp_recv: rank {prv} sent a tensor of 64 bytes, this receive takes 32", mismatched)

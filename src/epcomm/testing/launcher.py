@@ -63,11 +63,14 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
+# what a rank's wait raises when a peer failed and left (gloo: the connection closed; NCCL: the deadline passed)
+_WAITED_ON_PEER = ("PeerLostError", "PeerTimeoutError")
+
+
 def _cause(errors: dict) -> int:
-    """The rank whose failure to report: the lowest one that did not fail for having lost a peer (a rank that raises
-    and leaves makes its peers' next wait fail with ``PeerLostError``, often before its own report arrives), else the
-    lowest."""
-    own = [r for r in sorted(errors) if "PeerLostError" not in _last_line(errors[r])]
+    """The rank whose failure to report: the lowest one that did not fail waiting on a peer (a rank that raises and
+    leaves makes its peers' next wait fail, often before its own report arrives), else the lowest."""
+    own = [r for r in sorted(errors) if not any(n in _last_line(errors[r]) for n in _WAITED_ON_PEER)]
     return own[0] if own else min(errors)
 
 
